@@ -1,0 +1,65 @@
+# Finds the dependencies of twobp. Everything optional degrades to a smaller build, never to a failed one:
+# without MPI the library still runs several stages in one process (LocalTransport); without CUDA/NCCL the
+# GPU transport is left out.
+
+if(NOT Torch_DIR AND NOT CMAKE_PREFIX_PATH MATCHES "torch")
+  find_package(Python3 COMPONENTS Interpreter QUIET)
+  if(Python3_FOUND)
+    execute_process(COMMAND ${Python3_EXECUTABLE} -c "import torch.utils; print(torch.utils.cmake_prefix_path)"
+                    OUTPUT_VARIABLE _twobp_torch_prefix OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+    if(_twobp_torch_prefix)
+      list(APPEND CMAKE_PREFIX_PATH "${_twobp_torch_prefix}")
+    endif()
+  endif()
+endif()
+find_package(Torch REQUIRED)
+get_filename_component(TWOBP_TORCH_ROOT "${TORCH_INSTALL_PREFIX}" ABSOLUTE)
+
+# fmt: LibTorch ships fmt's headers; we use them header-only so that exactly one fmt version is in every
+# binary (a second, Debian-built libfmt would differ from the headers torch's include directory puts first).
+find_path(TWOBP_FMT_INCLUDE_DIR fmt/format.h HINTS "${TWOBP_TORCH_ROOT}/include" NO_DEFAULT_PATH)
+if(NOT TWOBP_FMT_INCLUDE_DIR)
+  find_path(TWOBP_FMT_INCLUDE_DIR fmt/format.h REQUIRED)
+endif()
+
+# CLI11 and nlohmann/json are header-only; Debian packages them (libcli11-dev, nlohmann-json3-dev).
+# TWOBP_THIRD_PARTY_INCLUDE_DIR lets machines without the packages (the GPU image) point at carried headers.
+set(TWOBP_THIRD_PARTY_INCLUDE_DIR "" CACHE PATH "Extra include directory holding CLI/ and nlohmann/ headers")
+find_path(TWOBP_CLI11_INCLUDE_DIR CLI/CLI.hpp HINTS ${TWOBP_THIRD_PARTY_INCLUDE_DIR})
+find_path(TWOBP_JSON_INCLUDE_DIR nlohmann/json.hpp HINTS ${TWOBP_THIRD_PARTY_INCLUDE_DIR})
+if(NOT TWOBP_JSON_INCLUDE_DIR)
+  message(FATAL_ERROR "nlohmann/json.hpp not found: apt-get install nlohmann-json3-dev, or set TWOBP_THIRD_PARTY_INCLUDE_DIR")
+endif()
+
+# MPI
+set(TWOBP_HAVE_MPI OFF)
+if(NOT TWOBP_WITH_MPI STREQUAL "OFF")
+  if(TWOBP_WITH_MPI STREQUAL "ON")
+    find_package(MPI REQUIRED COMPONENTS CXX)
+  else()
+    find_package(MPI QUIET COMPONENTS CXX)
+  endif()
+  if(MPI_CXX_FOUND)
+    set(TWOBP_HAVE_MPI ON)
+  endif()
+endif()
+
+# NCCL: only meaningful when LibTorch was built with CUDA (torch's config then found the CUDA toolkit).
+set(TWOBP_HAVE_NCCL OFF)
+if(NOT TWOBP_WITH_NCCL STREQUAL "OFF")
+  if(TARGET torch_cuda OR TARGET CUDA::cudart)
+    find_package(CUDAToolkit QUIET)
+    # Prefer the NCCL that LibTorch itself loads (the pip nvidia-nccl wheel): two NCCLs in one process clash.
+    find_path(TWOBP_NCCL_INCLUDE_DIR nccl.h
+              HINTS "${TWOBP_TORCH_ROOT}/../nvidia/nccl/include" ${CUDAToolkit_INCLUDE_DIRS})
+    find_library(TWOBP_NCCL_LIBRARY NAMES nccl libnccl.so.2
+                 HINTS "${TWOBP_TORCH_ROOT}/../nvidia/nccl/lib" ${CUDAToolkit_LIBRARY_DIR})
+  endif()
+  if(TWOBP_NCCL_INCLUDE_DIR AND TWOBP_NCCL_LIBRARY AND CUDAToolkit_FOUND)
+    set(TWOBP_HAVE_NCCL ON)
+  elseif(TWOBP_WITH_NCCL STREQUAL "ON")
+    message(FATAL_ERROR "TWOBP_WITH_NCCL=ON but LibTorch has no CUDA or NCCL was not found")
+  endif()
+endif()
+
+message(STATUS "twobp: torch ${Torch_VERSION}, MPI ${TWOBP_HAVE_MPI}, NCCL ${TWOBP_HAVE_NCCL}, fmt ${TWOBP_FMT_INCLUDE_DIR}")

@@ -1,0 +1,110 @@
+#pragma once
+// The fast path of the 2BP split: layers whose weight gradient is a GEMM (or a reduction) compute only the input
+// gradient in autograd's backward (stage 1, "I") and queue the (input, grad_output) pair here; stage 2 ("W")
+// drains the queue, optionally concatenating several micro-batches into one larger GEMM per layer.
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace twobp::autograd {
+
+/// What stage 2 needs to compute one layer's parameter gradients for one use of the layer.
+struct WeightGradItem {
+  at::Tensor input;        ///< layer-specific: the layer input (Linear), token ids (Embedding), x̂ (RMSNorm)
+  at::Tensor grad_output;  ///< gradient w.r.t. the layer output
+};
+
+/// Implemented by every fast-path layer. accumulate_weight_grad() adds the parameter gradients of all `items`
+/// to the parameters' .grad (creating it when undefined). Several items (micro-batches, or repeated uses of a
+/// layer) may be reduced in one call: implementations concatenate them so that one GEMM does the work.
+class WeightGradKernel {
+ public:
+  virtual ~WeightGradKernel() = default;
+  virtual void accumulate_weight_grad(c10::ArrayRef<WeightGradItem> items) const = 0;
+  virtual std::string kernel_name() const = 0;
+};
+
+/// When a fast-path layer's backward runs, does it compute its weight gradient now or defer it?
+enum class WeightGradPolicy {
+  kImmediate,  ///< ordinary backprop (action B, or plain loss.backward()): accumulate into .grad at once
+  kDeferred,   ///< 2BP stage 1 (action I): queue the work for backward_weight()
+};
+
+/// Per-stage queue of deferred weight-gradient work, keyed by micro-batch.
+///
+/// Contract: every WeightGradKernel pushed here must outlive the queued work (Stage owns both its module and its
+/// store and clears the store first). push() may be called from autograd's device threads while the owning
+/// thread blocks in backward, so the queue is locked; run() is called by the owning thread only.
+class WeightGradStore {
+ public:
+  WeightGradStore();
+  WeightGradStore(const WeightGradStore&) = delete;
+  WeightGradStore& operator=(const WeightGradStore&) = delete;
+
+  WeightGradPolicy policy() const { return policy_.load(); }
+  void set_policy(WeightGradPolicy policy) { policy_.store(policy); }
+
+  /// Called from a fast-path layer's backward. kImmediate: runs the kernel now; kDeferred: queues the item.
+  void on_backward(std::int64_t micro_batch, const WeightGradKernel* kernel, WeightGradItem item);
+
+  /// Stage 2 for `micro_batches`: groups queued items by layer (in first-queued order, so the result does not
+  /// depend on hash order) and runs each layer's kernel once over all of them when `batched`, else once per
+  /// micro-batch. The queued items are released afterwards.
+  void run(c10::ArrayRef<std::int64_t> micro_batches, bool batched);
+
+  /// Number of queued items for a micro-batch (0 when none).
+  std::size_t pending(std::int64_t micro_batch) const;
+  /// Total bytes held by queued tensors (memory accounting for the benchmark and tests).
+  std::int64_t pending_bytes() const;
+  /// Drops queued work without running it (used when a step is abandoned after an error).
+  void clear();
+
+  /// A zero-element leaf that requires grad. Fast-path layers take it as an extra autograd input so that their
+  /// output is part of the graph even when the layer input needs no gradient (token ids, first-stage images),
+  /// and so that stage 1 can ask autograd for "everything reaching the fast-path layers" without naming
+  /// parameters. Its gradient is always undefined.
+  const at::Tensor& anchor() const { return anchor_; }
+
+ private:
+  struct Entry {
+    const WeightGradKernel* kernel;
+    WeightGradItem item;
+  };
+  std::atomic<WeightGradPolicy> policy_{WeightGradPolicy::kImmediate};
+  mutable std::mutex mutex_;
+  std::map<std::int64_t, std::vector<Entry>> queue_;
+  at::Tensor anchor_;
+};
+
+/// While alive on the current thread, fast-path layers record into `store` under `micro_batch`; outside any
+/// scope they run as ordinary LibTorch ops (so the layers are drop-in replacements in non-pipelined code).
+class RecordingScope {
+ public:
+  RecordingScope(WeightGradStore& store, std::int64_t micro_batch);
+  ~RecordingScope();
+  RecordingScope(const RecordingScope&) = delete;
+  RecordingScope& operator=(const RecordingScope&) = delete;
+
+ private:
+  WeightGradStore* previous_store_;
+  std::int64_t previous_micro_batch_;
+};
+
+/// The store of the innermost RecordingScope on this thread, or nullptr.
+WeightGradStore* current_store();
+/// Its micro-batch (meaningless when current_store() is nullptr).
+std::int64_t current_micro_batch();
+
+/// Adds `grad` to `param.grad()`, creating it when undefined. Used by every weight-gradient kernel so that the
+/// accumulation semantics (sum over micro-batches and over tied uses) live in one place. `fresh` says `grad` is
+/// referenced nowhere else, so it may become .grad without a copy.
+void accumulate_grad(const at::Tensor& param, const at::Tensor& grad, bool fresh = true);
+
+}  // namespace twobp::autograd

@@ -1,0 +1,32 @@
+#pragma once
+// The 2BP fast-path operations as free functions. Inside a RecordingScope (i.e. inside Stage::forward) they
+// build a custom autograd node whose backward computes only the input gradient and hands the weight-gradient
+// work to the scope's WeightGradStore; outside a scope they are the ordinary ATen ops.
+//
+// Limitation (documented contract): inside a scope the parameters are not autograd inputs of the node, so
+// torch::autograd::grad(loss, weight) cannot see them and double backward is not supported. Weight gradients
+// arrive only through the store (backward_weight) or, under WeightGradPolicy::kImmediate, directly in .grad.
+
+#include <ATen/core/Tensor.h>
+
+#include "twobp/autograd/weight_grad_store.h"
+
+namespace twobp::nn::functional {
+
+/// y = x W^T + b. `bias` may be undefined. `kernel` computes dW = Σ g^T x and db = Σ g for the queued items.
+at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias,
+                  const autograd::WeightGradKernel& kernel);
+
+/// y = weight[ids]. Repeated ids accumulate in the weight gradient (index_add, never overwrite).
+at::Tensor embedding(const at::Tensor& ids, const at::Tensor& weight, const autograd::WeightGradKernel& kernel);
+
+/// y = x / sqrt(mean(x^2, -1) + eps) * weight, normalized in float32 for reduced-precision inputs.
+at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps,
+                    const autograd::WeightGradKernel& kernel);
+
+// Weight-gradient kernels shared by the module classes (and usable by custom layers with the same shapes).
+void linear_weight_grad(const at::Tensor& weight, const at::Tensor& bias, c10::ArrayRef<autograd::WeightGradItem> items);
+void embedding_weight_grad(const at::Tensor& weight, c10::ArrayRef<autograd::WeightGradItem> items);
+void rms_norm_weight_grad(const at::Tensor& weight, c10::ArrayRef<autograd::WeightGradItem> items);
+
+}  // namespace twobp::nn::functional

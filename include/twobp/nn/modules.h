@@ -1,0 +1,83 @@
+#pragma once
+// Drop-in fast-path modules: twobp::nn::Linear, Embedding and RMSNorm behave like their LibTorch counterparts
+// (same parameters, same initialisation scheme, same results) and additionally support the 2BP split.
+
+#include <torch/arg.h>
+#include <torch/nn/cloneable.h>
+#include <torch/nn/pimpl.h>
+
+#include "twobp/autograd/weight_grad_store.h"
+
+namespace twobp::nn {
+
+struct LinearOptions {
+  LinearOptions(int64_t in_features, int64_t out_features) : in_features_(in_features), out_features_(out_features) {}
+  TORCH_ARG(int64_t, in_features);
+  TORCH_ARG(int64_t, out_features);
+  TORCH_ARG(bool, bias) = true;
+};
+
+/// y = x W^T + b, with W of shape [out, in]; initialised like torch::nn::Linear (uniform ±1/sqrt(in)).
+class LinearImpl : public torch::nn::Cloneable<LinearImpl>, public autograd::WeightGradKernel {
+ public:
+  LinearImpl(int64_t in_features, int64_t out_features) : LinearImpl(LinearOptions(in_features, out_features)) {}
+  explicit LinearImpl(const LinearOptions& options);
+  void reset() override;
+  at::Tensor forward(const at::Tensor& input);
+  void accumulate_weight_grad(c10::ArrayRef<autograd::WeightGradItem> items) const override;
+  std::string kernel_name() const override { return "Linear"; }
+  /// Makes this layer use `shared` (e.g. the embedding table, for tied input/output embeddings) as its weight.
+  /// Both layers then accumulate into the same .grad, so the gradient is the sum over every use.
+  void tie_weight(const at::Tensor& shared);
+
+  LinearOptions options;
+  at::Tensor weight;
+  at::Tensor bias;  ///< undefined when options.bias() is false
+};
+TORCH_MODULE(Linear);
+
+struct EmbeddingOptions {
+  EmbeddingOptions(int64_t num_embeddings, int64_t embedding_dim)
+      : num_embeddings_(num_embeddings), embedding_dim_(embedding_dim) {}
+  TORCH_ARG(int64_t, num_embeddings);
+  TORCH_ARG(int64_t, embedding_dim);
+};
+
+/// Token embedding with a dense weight gradient (index_add over the looked-up rows); initialised N(0, 1).
+class EmbeddingImpl : public torch::nn::Cloneable<EmbeddingImpl>, public autograd::WeightGradKernel {
+ public:
+  EmbeddingImpl(int64_t num_embeddings, int64_t embedding_dim)
+      : EmbeddingImpl(EmbeddingOptions(num_embeddings, embedding_dim)) {}
+  explicit EmbeddingImpl(const EmbeddingOptions& options);
+  void reset() override;
+  at::Tensor forward(const at::Tensor& ids);
+  void accumulate_weight_grad(c10::ArrayRef<autograd::WeightGradItem> items) const override;
+  std::string kernel_name() const override { return "Embedding"; }
+
+  EmbeddingOptions options;
+  at::Tensor weight;
+};
+TORCH_MODULE(Embedding);
+
+struct RMSNormOptions {
+  explicit RMSNormOptions(int64_t dim) : dim_(dim) {}
+  TORCH_ARG(int64_t, dim);
+  TORCH_ARG(double, eps) = 1e-6;
+};
+
+/// Root-mean-square normalisation over the last dimension with a learned scale (LLaMa); scale initialised to 1.
+class RMSNormImpl : public torch::nn::Cloneable<RMSNormImpl>, public autograd::WeightGradKernel {
+ public:
+  explicit RMSNormImpl(int64_t dim) : RMSNormImpl(RMSNormOptions(dim)) {}
+  explicit RMSNormImpl(const RMSNormOptions& options);
+  void reset() override;
+  at::Tensor forward(const at::Tensor& input);
+  void accumulate_weight_grad(c10::ArrayRef<autograd::WeightGradItem> items) const override;
+  std::string kernel_name() const override { return "RMSNorm"; }
+
+  RMSNormOptions options;
+  at::Tensor weight;
+};
+TORCH_MODULE(RMSNorm);
+
+}  // namespace twobp::nn

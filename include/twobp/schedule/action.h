@@ -1,0 +1,50 @@
+#pragma once
+// The vocabulary of pipeline schedules. A schedule is data: per rank, an ordered list of Actions. Generators
+// produce it, validate()/simulate() reason about it, and the executor interprets it; nothing else decides order.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace twobp {
+
+/// What one action does. Compute actions run on the rank that owns `stage`; communication actions move the
+/// tensors of `stage` to or from the rank owning the neighbouring stage.
+enum class ActionType : std::uint8_t {
+  kForward,         ///< F: forward of `stage` for one micro-batch.
+  kBackwardInput,   ///< I: 2BP stage 1, gradient w.r.t. the stage input only (sent upstream at once).
+  kBackwardWeight,  ///< W: 2BP stage 2, weight gradients for one or several micro-batches (batched GEMMs).
+  kBackward,        ///< B: fused backward (ordinary backprop: I and W in one pass).
+  kSendForward,     ///< SEND_F: send the output of `stage` to the rank owning stage + 1.
+  kRecvForward,     ///< RECV_F: receive the input of `stage` from the rank owning stage - 1.
+  kSendBackward,    ///< SEND_B: send the input gradient of `stage` to the rank owning stage - 1.
+  kRecvBackward,    ///< RECV_B: receive the output gradient of `stage` from the rank owning stage + 1.
+};
+
+/// One step of one rank's program. `stage` is the global stage index in [0, num_stages); a rank owning several
+/// chunks (interleaved, V schedules) owns several stages. `micro_batches` holds exactly one entry, except for
+/// kBackwardWeight, which may batch several micro-batches into one W.
+struct Action {
+  ActionType type = ActionType::kForward;
+  int stage = 0;
+  std::vector<int> micro_batches;
+
+  friend bool operator==(const Action& a, const Action& b) {
+    return a.type == b.type && a.stage == b.stage && a.micro_batches == b.micro_batches;
+  }
+  friend bool operator!=(const Action& a, const Action& b) { return !(a == b); }
+};
+
+/// Short mnemonic used by the text form and the grid: "F", "I", "W", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B".
+const char* to_string(ActionType type);
+
+/// True for F, I, W and B.
+inline bool is_compute(ActionType t) {
+  return t == ActionType::kForward || t == ActionType::kBackwardInput || t == ActionType::kBackwardWeight ||
+         t == ActionType::kBackward;
+}
+
+/// Human-readable form of one action, e.g. "F stage 2 mb 3" or "W stage 1 mb 0,1,2"; used in error messages.
+std::string describe(const Action& action);
+
+}  // namespace twobp

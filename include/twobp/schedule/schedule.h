@@ -1,0 +1,120 @@
+#pragma once
+// Schedules as data: generators, text form, grid, validation and simulation.
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "twobp/schedule/action.h"
+
+namespace twobp {
+
+/// Whether a schedule's backward is fused (ordinary backprop, action B) or split by 2BP into I and W.
+enum class BackwardMode { kStandard, kSplit };
+
+/// Everything a generator needs. `chunks_per_rank` is v (stages per rank) for interleaved and V schedules; the
+/// pipeline then has ranks * chunks_per_rank stages.
+struct ScheduleOptions {
+  int ranks = 2;
+  int micro_batches = 4;
+  int chunks_per_rank = 1;
+  BackwardMode backward = BackwardMode::kSplit;
+};
+
+/// A complete pipeline program: for every rank, the ordered actions it executes in one training step.
+/// Invariants (checked by validate()): every stage is owned by exactly one rank, every F/I/W/B of a stage is in
+/// the owner's list, and every SEND has its RECV on the neighbouring rank.
+struct Schedule {
+  std::string name;
+  int num_ranks = 0;
+  int num_stages = 0;
+  int num_micro_batches = 0;
+  BackwardMode backward = BackwardMode::kSplit;
+  std::vector<int> stage_to_rank;            ///< size num_stages
+  std::vector<std::vector<Action>> actions;  ///< size num_ranks
+
+  /// Stages owned by `rank`, in increasing order.
+  std::vector<int> stages_of(int rank) const;
+};
+
+/// A source of schedules. Implement it to plug a custom schedule into every CLI and the Pipeline.
+class ScheduleGenerator {
+ public:
+  virtual ~ScheduleGenerator() = default;
+  virtual std::string name() const = 0;
+  /// Returns a schedule with compute actions and the communication actions between them.
+  /// Throws ScheduleError when the options cannot be honoured (e.g. too few micro-batches for the schedule).
+  virtual Schedule generate(const ScheduleOptions& options) const = 0;
+};
+
+/// Built-in names: "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v".
+std::vector<std::string> builtin_schedule_names();
+
+/// Generator for a built-in name; throws UsageError naming the known names otherwise.
+std::unique_ptr<ScheduleGenerator> make_schedule_generator(std::string_view name);
+
+/// Shorthand: make_schedule_generator(name)->generate(options), then validate().
+Schedule make_schedule(std::string_view name, const ScheduleOptions& options);
+
+/// Inserts SEND/RECV actions for every F output and every I/B input gradient that crosses ranks, keeping the
+/// compute order. Generators call it; user schedules written with compute actions only may call it too.
+Schedule add_communication(Schedule schedule);
+
+/// For a communication action of `schedule`: the rank at the other end of the link (the owner of stage + 1 for
+/// SEND_F and RECV_B, of stage - 1 for RECV_F and SEND_B). Throws ScheduleError for compute actions or when the
+/// neighbouring stage does not exist.
+int peer_rank(const Schedule& schedule, const Action& action);
+
+/// For a communication action: a tag, identical for a SEND and its matching RECV, that is unique per (stage
+/// boundary, micro-batch, direction): ((mb * num_stages + boundary) * 2 + dir), where boundary is the lower stage
+/// of the link and dir is 0 for activations (SEND_F/RECV_F) and 1 for gradients (SEND_B/RECV_B).
+std::int64_t message_tag(const Schedule& schedule, const Action& action);
+
+/// Text form: a header line, then one action per line. dump() and load() round-trip exactly.
+std::string dump_schedule(const Schedule& schedule);
+/// Parses the text form; throws ScheduleError naming the line number and what was expected.
+Schedule load_schedule(std::string_view text);
+
+/// ASCII picture: one row per rank, one column per time slot of a unit-cost simulation. `mark`, if given,
+/// is highlighted (used to point at the offending action of an invalid schedule).
+std::string render_grid(const Schedule& schedule, const Action* mark = nullptr, int mark_rank = -1);
+
+/// Checks ordering (F before I/B, I before W, stage dependencies across ranks), send/recv matching, that every
+/// (stage, micro-batch) is computed exactly once, and that a dry run cannot deadlock. Throws ScheduleError with
+/// the grid and the offending action marked.
+void validate(const Schedule& schedule);
+
+/// Per-action costs for the simulator, in any time unit (the result uses the same unit).
+struct CostModel {
+  std::vector<double> forward;          ///< per stage
+  std::vector<double> backward_input;   ///< per stage (I)
+  std::vector<double> backward_weight;  ///< per stage and micro-batch (W of k micro-batches costs k times this)
+  std::vector<double> backward;         ///< per stage (fused B); if empty, I + W
+  double communication = 0.0;           ///< latency of one send, sender to receiver
+
+  /// The same costs for every stage.
+  static CostModel uniform(int num_stages, double f, double i, double w, double comm = 0.0);
+};
+
+struct SimulatedEvent {
+  int rank = 0;
+  Action action;
+  double start = 0.0;
+  double end = 0.0;
+};
+
+struct SimulationResult {
+  double step_time = 0.0;
+  double bubble_fraction = 0.0;            ///< idle compute time over (ranks * step_time)
+  std::vector<int> peak_live_micro_batches;  ///< per rank: max micro-batches whose activations are alive
+  std::vector<SimulatedEvent> events;        ///< compute actions with their times
+};
+
+/// Event-driven simulation of `schedule` under `costs`: each rank runs its actions in order, an F/I/B waits for
+/// its input to arrive (communication latency after the producer finished).
+SimulationResult simulate(const Schedule& schedule, const CostModel& costs);
+
+}  // namespace twobp

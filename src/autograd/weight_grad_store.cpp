@@ -1,0 +1,105 @@
+#include "twobp/autograd/weight_grad_store.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include <algorithm>
+#include <unordered_map>
+
+namespace twobp::autograd {
+namespace {
+thread_local WeightGradStore* t_store = nullptr;
+thread_local std::int64_t t_micro_batch = 0;
+}  // namespace
+
+WeightGradStore::WeightGradStore() : anchor_(at::empty({0}).set_requires_grad(true)) {}
+
+void WeightGradStore::on_backward(std::int64_t micro_batch, const WeightGradKernel* kernel, WeightGradItem item) {
+  if (policy() == WeightGradPolicy::kImmediate) {
+    kernel->accumulate_weight_grad({item});
+    return;
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  queue_[micro_batch].push_back(Entry{kernel, std::move(item)});
+}
+
+void WeightGradStore::run(c10::ArrayRef<std::int64_t> micro_batches, bool batched) {
+  std::vector<Entry> entries;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (std::int64_t mb : micro_batches) {
+      auto it = queue_.find(mb);
+      if (it == queue_.end()) continue;
+      for (auto& e : it->second) entries.push_back(std::move(e));
+      queue_.erase(it);
+    }
+  }
+  c10::AutoGradMode no_grad(false);
+  auto run_grouped = [](std::vector<Entry>& group_entries) {
+    // Group by kernel in first-seen order: a layer used several times (tied weights, several micro-batches)
+    // becomes one kernel call, i.e. one concatenated GEMM.
+    std::vector<const WeightGradKernel*> order;
+    std::unordered_map<const WeightGradKernel*, std::vector<WeightGradItem>> groups;
+    for (auto& e : group_entries) {
+      auto [it, inserted] = groups.try_emplace(e.kernel);
+      if (inserted) order.push_back(e.kernel);
+      it->second.push_back(std::move(e.item));
+    }
+    for (const auto* kernel : order) kernel->accumulate_weight_grad(groups[kernel]);
+  };
+  if (batched) {
+    run_grouped(entries);
+  } else {
+    for (auto& e : entries) e.kernel->accumulate_weight_grad({e.item});
+  }
+}
+
+std::size_t WeightGradStore::pending(std::int64_t micro_batch) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = queue_.find(micro_batch);
+  return it == queue_.end() ? 0 : it->second.size();
+}
+
+std::int64_t WeightGradStore::pending_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::int64_t bytes = 0;
+  for (const auto& [mb, entries] : queue_) {
+    for (const auto& e : entries) {
+      bytes += e.item.input.defined() ? static_cast<std::int64_t>(e.item.input.nbytes()) : 0;
+      bytes += e.item.grad_output.defined() ? static_cast<std::int64_t>(e.item.grad_output.nbytes()) : 0;
+    }
+  }
+  return bytes;
+}
+
+void WeightGradStore::clear() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  queue_.clear();
+}
+
+RecordingScope::RecordingScope(WeightGradStore& store, std::int64_t micro_batch)
+    : previous_store_(t_store), previous_micro_batch_(t_micro_batch) {
+  t_store = &store;
+  t_micro_batch = micro_batch;
+}
+
+RecordingScope::~RecordingScope() {
+  t_store = previous_store_;
+  t_micro_batch = previous_micro_batch_;
+}
+
+WeightGradStore* current_store() { return t_store; }
+std::int64_t current_micro_batch() { return t_micro_batch; }
+
+void accumulate_grad(const at::Tensor& param, const at::Tensor& grad, bool fresh) {
+  c10::AutoGradMode no_grad(false);
+  at::Tensor& slot = const_cast<at::Tensor&>(param).mutable_grad();
+  if (!slot.defined()) {
+    slot = fresh ? grad.to(param.scalar_type()).contiguous() : grad.to(param.scalar_type(), /*non_blocking=*/false,
+                                                                         /*copy=*/true);
+  } else {
+    slot.add_(grad);
+  }
+}
+
+}  // namespace twobp::autograd

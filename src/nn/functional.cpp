@@ -1,0 +1,206 @@
+#include "twobp/nn/functional.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <cstdint>
+
+#include "util/check.h"
+
+namespace twobp::nn::functional {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using autograd::WeightGradKernel;
+using autograd::WeightGradStore;
+
+// The store, kernel and micro-batch travel through AutogradContext::saved_data as integers. Lifetime contract:
+// Stage owns the module (hence the kernel) and the store, and releases every graph before destroying either.
+template <typename T>
+std::int64_t to_handle(const T* p) {
+  return static_cast<std::int64_t>(reinterpret_cast<std::intptr_t>(p));
+}
+template <typename T>
+T* from_handle(const c10::IValue& v) {
+  return reinterpret_cast<T*>(static_cast<std::intptr_t>(v.toInt()));
+}
+
+void remember(AutogradContext* ctx, const WeightGradKernel& kernel, const at::Tensor& weight) {
+  ctx->saved_data["store"] = to_handle(autograd::current_store());
+  ctx->saved_data["mb"] = autograd::current_micro_batch();
+  ctx->saved_data["kernel"] = to_handle(&kernel);
+  // The weight is read again in backward (input gradient). If an optimizer step modified it in between, the
+  // input gradient would silently use the new weights: record the version to turn that into an error.
+  ctx->saved_data["weight_version"] = static_cast<std::int64_t>(weight._version());
+}
+
+void check_weight_unchanged(AutogradContext* ctx, const at::Tensor& weight, const char* layer) {
+  const auto saved = ctx->saved_data["weight_version"].toInt();
+  TWOBP_CHECK(static_cast<std::int64_t>(weight._version()) == saved, UsageError,
+              "{} weight was modified in place between forward and backward of micro-batch {} (version {} -> {}); "
+              "run the optimizer step only after every backward of the step",
+              layer, ctx->saved_data["mb"].toInt(), saved, weight._version());
+}
+
+void hand_over(AutogradContext* ctx, at::Tensor input, at::Tensor grad_output) {
+  auto* store = from_handle<WeightGradStore>(ctx->saved_data["store"]);
+  auto* kernel = from_handle<const WeightGradKernel>(ctx->saved_data["kernel"]);
+  store->on_backward(ctx->saved_data["mb"].toInt(), kernel, {std::move(input), std::move(grad_output)});
+}
+
+// Parameters travel as a non-tensor argument: they must not become autograd inputs of the node (their gradient
+// arrives through the store), and an undefined bias could not be an autograd input anyway.
+struct Params {
+  at::Tensor weight;
+  at::Tensor bias;
+};
+
+struct LinearFunction : torch::autograd::Function<LinearFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& anchor,
+                            const Params& params, const WeightGradKernel* kernel) {
+    const at::Tensor& weight = params.weight;
+    remember(ctx, *kernel, weight);
+    ctx->save_for_backward({input});
+    ctx->saved_data["weight"] = weight;
+    return at::linear(input, weight, params.bias);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const at::Tensor input = ctx->get_saved_variables()[0];
+    const at::Tensor weight = ctx->saved_data["weight"].toTensor();
+    check_weight_unchanged(ctx, weight, "Linear");
+    at::Tensor grad_input;
+    if (ctx->needs_input_grad(0)) grad_input = at::matmul(grads[0], weight);
+    hand_over(ctx, input, grads[0]);
+    return {grad_input, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+struct EmbeddingFunction : torch::autograd::Function<EmbeddingFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& ids, const at::Tensor& anchor,
+                            const Params& params, const WeightGradKernel* kernel) {
+    const at::Tensor& weight = params.weight;
+    remember(ctx, *kernel, weight);
+    ctx->saved_data["ids"] = ids;
+    return at::embedding(weight, ids);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    hand_over(ctx, ctx->saved_data["ids"].toTensor(), grads[0]);
+    return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// Normalises in at least float32: reduced-precision sums of squares lose the small components.
+at::ScalarType compute_type(const at::Tensor& t) {
+  return at::isReducedFloatingType(t.scalar_type()) ? at::kFloat : t.scalar_type();
+}
+
+struct RMSNormFunction : torch::autograd::Function<RMSNormFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& anchor,
+                            const Params& params, double eps, const WeightGradKernel* kernel) {
+    const at::Tensor& weight = params.weight;
+    remember(ctx, *kernel, weight);
+    const at::Tensor x = input.to(compute_type(input));
+    const at::Tensor rstd = at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps);
+    const at::Tensor normalized = (x * rstd).to(input.scalar_type());
+    ctx->save_for_backward({normalized, rstd});
+    ctx->saved_data["weight"] = weight;
+    return normalized * weight;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor& normalized = saved[0];
+    const at::Tensor& rstd = saved[1];
+    const at::Tensor weight = ctx->saved_data["weight"].toTensor();
+    check_weight_unchanged(ctx, weight, "RMSNorm");
+    at::Tensor grad_input;
+    if (ctx->needs_input_grad(0)) {
+      // d/dx [x * r] with r = (mean(x^2) + eps)^-1/2:  r * (g - x̂ * mean(g * x̂)), where g = grad_out * weight.
+      const auto type = compute_type(normalized);
+      const at::Tensor g = (grads[0] * weight).to(type);
+      const at::Tensor xh = normalized.to(type);
+      grad_input = (rstd * (g - xh * (g * xh).mean(-1, /*keepdim=*/true))).to(normalized.scalar_type());
+    }
+    hand_over(ctx, normalized, grads[0]);
+    return {grad_input, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// Flattens every item to [rows, cols] and concatenates them: the batched weight gradient of the 2BP paper.
+std::pair<at::Tensor, at::Tensor> concat_rows(c10::ArrayRef<autograd::WeightGradItem> items, int64_t in_cols,
+                                             int64_t out_cols) {
+  if (items.size() == 1) {
+    return {items[0].input.reshape({-1, in_cols}), items[0].grad_output.reshape({-1, out_cols})};
+  }
+  std::vector<at::Tensor> inputs, grads;
+  inputs.reserve(items.size());
+  grads.reserve(items.size());
+  for (const auto& item : items) {
+    inputs.push_back(item.input.reshape({-1, in_cols}));
+    grads.push_back(item.grad_output.reshape({-1, out_cols}));
+  }
+  return {at::cat(inputs), at::cat(grads)};
+}
+
+}  // namespace
+
+at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias,
+                  const autograd::WeightGradKernel& kernel) {
+  auto* store = autograd::current_store();
+  if (store == nullptr || !at::GradMode::is_enabled()) return at::linear(input, weight, bias);
+  return LinearFunction::apply(input, store->anchor(), Params{weight.detach(), bias.defined() ? bias.detach() : bias},
+                               &kernel);
+}
+
+at::Tensor embedding(const at::Tensor& ids, const at::Tensor& weight, const autograd::WeightGradKernel& kernel) {
+  auto* store = autograd::current_store();
+  if (store == nullptr || !at::GradMode::is_enabled()) return at::embedding(weight, ids);
+  return EmbeddingFunction::apply(ids, store->anchor(), Params{weight.detach(), {}}, &kernel);
+}
+
+at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps,
+                    const autograd::WeightGradKernel& kernel) {
+  auto* store = autograd::current_store();
+  if (store == nullptr || !at::GradMode::is_enabled()) {
+    const at::Tensor x = input.to(compute_type(input));
+    return (x * at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps)).to(input.scalar_type()) * weight;
+  }
+  return RMSNormFunction::apply(input, store->anchor(), Params{weight.detach(), {}}, eps, &kernel);
+}
+
+void linear_weight_grad(const at::Tensor& weight, const at::Tensor& bias,
+                        c10::ArrayRef<autograd::WeightGradItem> items) {
+  if (items.empty()) return;
+  auto [x, g] = concat_rows(items, weight.size(1), weight.size(0));
+  autograd::accumulate_grad(weight, at::mm(g.t(), x));
+  if (bias.defined()) autograd::accumulate_grad(bias, g.sum(0));
+}
+
+void embedding_weight_grad(const at::Tensor& weight, c10::ArrayRef<autograd::WeightGradItem> items) {
+  if (items.empty()) return;
+  std::vector<at::Tensor> ids, grads;
+  for (const auto& item : items) {
+    ids.push_back(item.input.reshape({-1}));
+    grads.push_back(item.grad_output.reshape({-1, weight.size(1)}));
+  }
+  const at::Tensor all_ids = items.size() == 1 ? ids[0] : at::cat(ids);
+  const at::Tensor all_grads = items.size() == 1 ? grads[0] : at::cat(grads);
+  at::Tensor& slot = const_cast<at::Tensor&>(weight).mutable_grad();
+  if (!slot.defined()) slot = at::zeros_like(weight);
+  // index_add_ sums rows with repeated ids; an index_put_ would keep only one of them.
+  slot.index_add_(0, all_ids, all_grads.to(slot.scalar_type()));
+}
+
+void rms_norm_weight_grad(const at::Tensor& weight, c10::ArrayRef<autograd::WeightGradItem> items) {
+  if (items.empty()) return;
+  const int64_t dim = weight.size(0);
+  auto [xh, g] = concat_rows(items, dim, dim);
+  // Reduce in float32 for reduced-precision activations, like the forward normalisation.
+  const auto type = compute_type(xh);
+  autograd::accumulate_grad(weight, (g.to(type) * xh.to(type)).sum(0));
+}
+
+}  // namespace twobp::nn::functional
