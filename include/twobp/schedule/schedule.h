@@ -51,6 +51,19 @@ class ScheduleGenerator {
 };
 
 /// Built-in names: "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v".
+///
+/// Placement and requirements (p = ranks, m = micro-batches, v = chunks_per_rank; all need p >= 1, m >= 1):
+/// - gpipe, 1f1b, zb-h1, zb-h2: one stage per rank (v must be 1), stage s on rank s; any m.
+/// - interleaved-1f1b: p * v stages, stage s on rank s % p; m must be a multiple of p (Megatron-LM's rule).
+/// - zb-v: always 2 stages per rank (v must be 2; 1, the default, is read as 2), stage s on rank s for s < p and
+///   on rank 2p-1-s otherwise; any m (below 2p - 1 the V is not full and the bubble is not removed).
+/// On every stage F's, and likewise I/B's, run in increasing micro-batch order.
+///
+/// Backward modes: kStandard uses B. kSplit (2BP) for gpipe/1f1b/interleaved puts I where B was; in the cool-down
+/// (after a rank's last F) a W of the oldest pending micro-batch fills each slot where the rank would idle under
+/// F = I = W = 1, and the W's still pending after the rank's last I become one batched W per stage (gpipe: all F,
+/// all I, one batched W). zb-h1/zb-h2/zb-v use the zero-bubble papers' I/W placement in split mode and the same
+/// order with W dropped and I turned into B in standard mode.
 std::vector<std::string> builtin_schedule_names();
 
 /// Generator for a built-in name; throws UsageError naming the known names otherwise.

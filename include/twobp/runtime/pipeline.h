@@ -1,0 +1,95 @@
+#pragma once
+// The per-rank runtime: a Pipeline owns this rank's chunks (as Stages), a Transport and a Schedule, and runs
+// one training step at a time by interpreting the rank's action list.
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <functional>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "twobp/schedule/schedule.h"
+#include "twobp/stage.h"
+#include "twobp/trace/trace.h"
+#include "twobp/transport/transport.h"
+
+namespace twobp {
+
+/// Shape and dtype of one micro-batch's activation at a stage boundary.
+struct TensorSpec {
+  std::vector<int64_t> shape;
+  at::ScalarType dtype = at::kFloat;
+};
+
+/// One chunk of the model owned by this rank: the global stage index it implements and its module.
+struct PipelineChunk {
+  int stage = 0;
+  std::shared_ptr<torch::nn::Module> module;
+  StageForward forward;
+};
+
+struct PipelineOptions {
+  /// Every blocking wait (receive, send completion, collectives) gives up after this long with an error naming
+  /// the peer, the action and the micro-batch.
+  Duration timeout = std::chrono::minutes(5);
+  /// Output of `stage` for one micro-batch (= input of stage + 1). Receive buffers are allocated from it and every
+  /// sent activation/gradient is checked against it, so a mismatch is reported on the first step, naming both
+  /// stages, instead of corrupting the receiver. Required when the pipeline has more than one rank.
+  std::function<TensorSpec(int stage)> activation_spec;
+  /// Loss of the last stage, (output, target) -> scalar, averaged over micro-batches: each micro-batch's loss
+  /// gradient is scaled by 1/num_micro_batches, so a step's gradients equal those of the mean loss over the
+  /// batch, matching a non-pipelined run of the same batch.
+  LossFunction loss;
+  /// W actions naming several micro-batches run them as one concatenated GEMM per layer.
+  bool batch_weight_grads = true;
+  /// Receives are posted this many RECV actions ahead of their use, so data arrives while the rank computes.
+  int prefetch_receives = 4;
+};
+
+/// What one step produced on this rank.
+struct StepResult {
+  std::vector<double> losses;  ///< per micro-batch, on the rank owning the last stage; empty elsewhere
+  Trace trace;                 ///< this rank's actions with their times
+};
+
+/// One per rank. Not thread-safe; several Pipelines (one per thread) may share a process.
+///
+/// step() contract: every rank calls step() once per training step with the same number of micro-batches.
+/// `inputs` (the whole batch, split along dim 0 into micro-batches) is required on the rank owning stage 0,
+/// `targets` on the rank owning the last stage; other ranks may pass undefined tensors. Parameter gradients are
+/// accumulated into .grad (call zero_grad() between steps). On any error the pipeline aborts the transport so
+/// every peer fails fast naming this rank, forgets the step's state and rethrows.
+class Pipeline {
+ public:
+  Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, std::shared_ptr<Transport> transport,
+           PipelineOptions options);
+  ~Pipeline();
+
+  StepResult step(const at::Tensor& inputs, const at::Tensor& targets);
+
+  const Schedule& schedule() const { return schedule_; }
+  Transport& transport() { return *transport_; }
+  int rank() const { return transport_->rank(); }
+  /// The stages (chunks) this rank owns, by global stage index.
+  Stage& stage(int index);
+  std::vector<int> stage_indices() const;
+  /// Parameters of this rank's chunks.
+  std::vector<at::Tensor> parameters() const;
+  void zero_grad();
+  /// L2 norm of the gradient over ALL ranks' parameters (one all-reduce); every rank must call it.
+  double global_grad_norm();
+  /// Scales gradients so that the global norm is at most max_norm; returns the norm before clipping.
+  double clip_grad_norm(double max_norm);
+
+ private:
+  struct Impl;
+  Schedule schedule_;
+  std::shared_ptr<Transport> transport_;
+  PipelineOptions options_;
+  std::map<int, std::unique_ptr<Stage>> stages_;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace twobp

@@ -1,0 +1,41 @@
+#pragma once
+// Timeline of what each rank did in a step: the raw material for bubble statistics and pictures.
+
+#include <string>
+#include <vector>
+
+#include "twobp/schedule/action.h"
+
+namespace twobp {
+
+/// One executed action. Times are microseconds since the start of the step on the recording rank (steady
+/// clock); ranks' clocks are aligned by the step start, which every rank enters together after the barrier-free
+/// first receive, so cross-rank offsets are approximate (documented in docs/BENCHMARKS.md).
+struct TraceEvent {
+  int rank = 0;
+  Action action;
+  double start_us = 0.0;
+  double end_us = 0.0;
+};
+
+struct Trace {
+  std::vector<TraceEvent> events;
+  double step_us = 0.0;  ///< wall time of the step on the recording rank
+
+  /// Time spent in compute actions (F, I, W, B).
+  double busy_us() const;
+  /// 1 - busy / step: the share of the step this rank spent waiting (bubble plus communication waits).
+  double idle_fraction() const;
+};
+
+/// Mean idle fraction over ranks: sum(step - busy) / (ranks * step), with step the slowest rank's step time.
+double bubble_fraction(const std::vector<Trace>& ranks);
+
+/// Chrome / Perfetto trace-event JSON ("X" events, one track per rank) for chrome://tracing or ui.perfetto.dev.
+std::string to_chrome_trace(const std::vector<Trace>& ranks);
+
+/// SVG picture in the style of the pipeline papers: one row per rank, time to the right, F/I/W/B coloured and
+/// labelled with the micro-batch, idle time left white.
+std::string to_svg(const std::vector<Trace>& ranks, const std::string& title);
+
+}  // namespace twobp

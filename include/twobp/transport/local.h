@@ -1,0 +1,84 @@
+#pragma once
+// LocalTransport: the ranks of a pipeline are threads of one process. It is the workhorse of the test suite
+// and of single-process runs: every rank gets its own Transport, all of them share one mailbox.
+
+#include <memory>
+#include <vector>
+
+#include "twobp/transport/transport.h"
+
+namespace twobp {
+
+struct LocalOptions {
+  /// false (default): isend copies the tensor into the mailbox and completes at once (an eager, buffered
+  /// send). true: a send completes only once the receiver has posted the matching irecv, as with NCCL and
+  /// large MPI messages. Use true to check that a schedule does not rely on buffered sends to make progress.
+  bool synchronous_sends = false;
+};
+
+namespace detail {
+struct LocalGroupState;
+}
+
+/// One rank of a LocalTransportGroup.
+///
+/// Threading: each LocalTransport is used by one thread (its rank's); different ranks run concurrently. All
+/// shared state is guarded by one mutex, the waits use condition variables with deadlines.
+///
+/// Semantics:
+///  - isend clones the tensor into the mailbox keyed by (src, dst, tag), so the sender may reuse its buffer as
+///    soon as isend returned (the Transport contract still says: after wait()). Messages with equal keys are
+///    delivered in the order they were sent.
+///  - irecv is matched against the mailbox when posted or when the message arrives; wait() copies the message
+///    into the buffer after checking shape and dtype (UsageError naming both ranks, the label, expected and
+///    actual shape/dtype). Destroying an unfinished receive Work withdraws the posted receive.
+///  - abort(reason) on any rank makes every pending and future wait, all_reduce_sum and barrier on all ranks
+///    throw TransportError naming the aborting rank and its reason.
+///  - all_reduce_sum sums in rank order (0, 1, ...), so results are bitwise reproducible. all_reduce_sum and
+///    barrier share one sequence: a rank calling barrier while another calls all_reduce_sum is a UsageError.
+///    A rank that times out in a collective breaks the group's collectives: later ones throw TransportError.
+class LocalTransport final : public Transport {
+ public:
+  LocalTransport(std::shared_ptr<detail::LocalGroupState> state, int rank);
+  ~LocalTransport() override;
+
+  int rank() const override { return rank_; }
+  int world_size() const override;
+  c10::Device device() const override { return c10::Device(c10::kCPU); }
+  std::string name() const override { return "local"; }
+
+  std::unique_ptr<Work> isend(const at::Tensor& tensor, const P2POptions& options) override;
+  std::unique_ptr<Work> irecv(at::Tensor& buffer, const P2POptions& options) override;
+  void all_reduce_sum(at::Tensor& tensor, Duration timeout) override;
+  void barrier(Duration timeout) override;
+  void abort(const std::string& reason) override;
+
+ private:
+  void collective(const char* kind, at::Tensor* tensor, Duration timeout);
+
+  std::shared_ptr<detail::LocalGroupState> state_;
+  int rank_;
+};
+
+/// Creates `world_size` LocalTransports that share one mailbox. The group may be destroyed before or after
+/// the transports it handed out (they keep the shared state alive).
+class LocalTransportGroup {
+ public:
+  explicit LocalTransportGroup(int world_size, LocalOptions options = {});
+
+  int world_size() const { return static_cast<int>(transports_.size()); }
+
+  /// The transport of `rank`, owned by the group; hand it to the thread that runs that rank.
+  LocalTransport& transport(int rank);
+
+  /// Transfers ownership of all transports to the caller (the group is empty afterwards).
+  std::vector<std::unique_ptr<Transport>> release();
+
+ private:
+  std::vector<std::unique_ptr<LocalTransport>> transports_;
+};
+
+/// Shorthand for LocalTransportGroup(world_size, options).release().
+std::vector<std::unique_ptr<Transport>> make_local_transports(int world_size, LocalOptions options = {});
+
+}  // namespace twobp

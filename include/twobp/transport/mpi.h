@@ -1,0 +1,104 @@
+#pragma once
+// MPI support: the process environment (MpiEnvironment) and MpiTransport, which moves CPU tensors between
+// processes. launched_by_mpi_launcher() is available in every build so that a program can choose between
+// LocalTransport and MPI (and say clearly when it was started by mpirun but built without MPI).
+//
+// <mpi.h> is deliberately not included here: the MPI handles live in the .cpp files.
+
+#include <memory>
+#include <string>
+
+#include "twobp/config.h"
+#include "twobp/transport/transport.h"
+
+namespace twobp {
+
+/// True when this process was started by an MPI launcher (mpirun/mpiexec of Open MPI or MPICH/Hydra, srun):
+/// looks at OMPI_COMM_WORLD_SIZE, PMI_SIZE, PMI_RANK, PMIX_RANK, MPI_LOCALNRANKS, and SLURM_NTASKS together with
+/// SLURM_PROCID and SLURM_STEP_ID (set by srun; SLURM_NTASKS alone is also set in a plain `salloc` shell).
+bool launched_by_mpi_launcher();
+
+#if TWOBP_HAVE_MPI
+
+/// RAII owner of MPI initialization. Construct one in main() before any MPI transport, destroy it after them.
+///
+/// Calls MPI_Init_thread requesting MPI_THREAD_MULTIPLE unless MPI is already initialized (then it adopts the
+/// existing state and never finalizes). With a lower thread level the transports still work when each is used
+/// from one thread at a time (MpiTransport serializes its MPI calls then); thread_multiple() tells which.
+/// Finalizes MPI in the destructor only if this object initialized it.
+class MpiEnvironment {
+ public:
+  MpiEnvironment();
+  MpiEnvironment(int* argc, char*** argv);
+  ~MpiEnvironment();
+  MpiEnvironment(const MpiEnvironment&) = delete;
+  MpiEnvironment& operator=(const MpiEnvironment&) = delete;
+
+  int rank() const { return rank_; }
+  int world_size() const { return world_size_; }
+  /// Rank among the processes on this node (MPI_COMM_TYPE_SHARED), for choosing the GPU.
+  int local_rank() const { return local_rank_; }
+  int local_size() const { return local_size_; }
+  /// Thread level MPI provided (MPI_THREAD_SINGLE..MPI_THREAD_MULTIPLE as an int).
+  int thread_level() const { return thread_level_; }
+  bool thread_multiple() const;
+  bool initialized_here() const { return initialized_here_; }
+
+ private:
+  void init(int* argc, char*** argv);
+
+  int rank_ = 0;
+  int world_size_ = 1;
+  int local_rank_ = 0;
+  int local_size_ = 1;
+  int thread_level_ = 0;
+  bool initialized_here_ = false;
+};
+
+/// Moves CPU tensors between MPI processes over a private duplicate of MPI_COMM_WORLD.
+///
+/// Wire format: each message is a fixed 96-byte header (sender, tag, dtype, ndim, dims[<=8], numel) sent
+/// with MPI tag 2*t and the payload with 2*t+1, where t is the logical tag folded into MPI_TAG_UB; the header
+/// carries the full 64-bit tag, so a collision of folded tags is detected (TransportError) instead of silently
+/// delivering the wrong tensor. Payloads are limited to INT_MAX bytes (2 GiB).
+///
+/// irecv posts both receives at once (the payload straight into the caller's buffer); wait() polls MPI_Test
+/// until done or the deadline, then checks the header against the buffer: UsageError naming both ranks, the
+/// label, expected and actual shape/dtype. On a timeout the pending requests are cancelled where MPI allows;
+/// what cannot be cancelled is parked (buffers kept alive) and reaped later, so nothing is freed under MPI.
+///
+/// all_reduce_sum uses MPI_Iallreduce, barrier MPI_Ibarrier, both polled with a timeout. A timed-out collective
+/// cannot be cancelled in MPI: later collectives on this transport throw TransportError.
+///
+/// abort(reason) prints the reason with the rank to stderr and calls MPI_Abort(MPI_COMM_WORLD, 1): THE WHOLE
+/// JOB DIES; it does not return.
+///
+/// Threading: one transport per process. With MPI_THREAD_MULTIPLE several threads may use it; otherwise its
+/// MPI calls are serialized by a mutex, which is enough under MPI_THREAD_SERIALIZED (under FUNNELED/SINGLE use
+/// it only from the thread that initialized MPI).
+class MpiTransport final : public Transport {
+ public:
+  /// Collective over MPI_COMM_WORLD (duplicates it). `env` must outlive the transport.
+  explicit MpiTransport(const MpiEnvironment& env);
+  ~MpiTransport() override;
+
+  int rank() const override;
+  int world_size() const override;
+  c10::Device device() const override { return c10::Device(c10::kCPU); }
+  std::string name() const override { return "mpi"; }
+
+  std::unique_ptr<Work> isend(const at::Tensor& tensor, const P2POptions& options) override;
+  std::unique_ptr<Work> irecv(at::Tensor& buffer, const P2POptions& options) override;
+  void all_reduce_sum(at::Tensor& tensor, Duration timeout) override;
+  void barrier(Duration timeout) override;
+  [[noreturn]] void abort(const std::string& reason) override;
+
+  struct Impl;
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
+
+#endif  // TWOBP_HAVE_MPI
+
+}  // namespace twobp

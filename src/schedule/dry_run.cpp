@@ -1,0 +1,205 @@
+#include "schedule/dry_run.h"
+
+#include <algorithm>
+
+#include "util/check.h"
+
+namespace twobp::detail {
+
+void check_structure(const Schedule& sc) {
+  TWOBP_CHECK(sc.num_ranks >= 1, ScheduleError, "schedule '{}': expected at least 1 rank, found {}", sc.name,
+              sc.num_ranks);
+  TWOBP_CHECK(sc.num_stages >= 1, ScheduleError, "schedule '{}': expected at least 1 stage, found {}", sc.name,
+              sc.num_stages);
+  TWOBP_CHECK(sc.num_micro_batches >= 1, ScheduleError, "schedule '{}': expected at least 1 micro-batch, found {}",
+              sc.name, sc.num_micro_batches);
+  TWOBP_CHECK(static_cast<int>(sc.stage_to_rank.size()) == sc.num_stages, ScheduleError,
+              "schedule '{}': expected a placement of {} stages, found {} entries", sc.name, sc.num_stages,
+              sc.stage_to_rank.size());
+  for (int s = 0; s < sc.num_stages; ++s) {
+    TWOBP_CHECK(sc.stage_to_rank[s] >= 0 && sc.stage_to_rank[s] < sc.num_ranks, ScheduleError,
+                "schedule '{}': stage {} is placed on rank {}, expected a rank in [0, {})", sc.name, s,
+                sc.stage_to_rank[s], sc.num_ranks);
+  }
+  TWOBP_CHECK(static_cast<int>(sc.actions.size()) == sc.num_ranks, ScheduleError,
+              "schedule '{}': expected action lists for {} ranks, found {}", sc.name, sc.num_ranks, sc.actions.size());
+  for (int r = 0; r < sc.num_ranks; ++r) {
+    for (const Action& a : sc.actions[r]) {
+      TWOBP_CHECK(a.stage >= 0 && a.stage < sc.num_stages, ScheduleError,
+                  "schedule '{}': rank {}: {}: stage out of range, expected [0, {})", sc.name, r, describe(a),
+                  sc.num_stages);
+      TWOBP_CHECK(!a.micro_batches.empty(), ScheduleError,
+                  "schedule '{}': rank {}: {}: expected at least one micro-batch", sc.name, r, describe(a));
+      TWOBP_CHECK(a.type == ActionType::kBackwardWeight || a.micro_batches.size() == 1, ScheduleError,
+                  "schedule '{}': rank {}: {}: only W may batch micro-batches, expected exactly one", sc.name, r,
+                  describe(a));
+      for (int mb : a.micro_batches) {
+        TWOBP_CHECK(mb >= 0 && mb < sc.num_micro_batches, ScheduleError,
+                    "schedule '{}': rank {}: {}: micro-batch {} out of range, expected [0, {})", sc.name, r,
+                    describe(a), mb, sc.num_micro_batches);
+      }
+      if (!is_compute(a.type)) {
+        const int peer = peer_stage(a);
+        TWOBP_CHECK(peer >= 0 && peer < sc.num_stages, ScheduleError,
+                    "schedule '{}': rank {}: {}: there is no stage {} to communicate with", sc.name, r, describe(a),
+                    peer);
+      }
+    }
+  }
+}
+
+namespace {
+
+constexpr double kNotRun = -1.0;
+
+struct Loc {
+  int rank = -1;
+  std::size_t index = 0;
+  bool exists() const { return rank >= 0; }
+};
+
+}  // namespace
+
+DryRun dry_run(const Schedule& sc, const CostModel& costs, bool force) {
+  const int S = sc.num_stages;
+  const int M = sc.num_micro_batches;
+  const int R = sc.num_ranks;
+  auto key = [M](int s, int mb) { return static_cast<std::size_t>(s) * M + mb; };
+  const std::size_t n = static_cast<std::size_t>(S) * M;
+
+  // Producers by (stage, mb); the first occurrence wins, duplicates are validate()'s business.
+  std::vector<Loc> f_loc(n), bwd_loc(n), send_f_loc(n), send_b_loc(n);
+  for (int r = 0; r < R; ++r) {
+    for (std::size_t i = 0; i < sc.actions[r].size(); ++i) {
+      const Action& a = sc.actions[r][i];
+      std::vector<Loc>* table = nullptr;
+      switch (a.type) {
+        case ActionType::kForward:
+          table = &f_loc;
+          break;
+        case ActionType::kBackwardInput:
+        case ActionType::kBackward:
+          table = &bwd_loc;
+          break;
+        case ActionType::kSendForward:
+          table = &send_f_loc;
+          break;
+        case ActionType::kSendBackward:
+          table = &send_b_loc;
+          break;
+        default:
+          break;
+      }
+      if (table != nullptr) {
+        Loc& l = (*table)[key(a.stage, a.micro_batches.front())];
+        if (!l.exists()) l = Loc{r, i};
+      }
+    }
+  }
+
+  std::vector<double> f_end(n, kNotRun), bwd_end(n, kNotRun), send_f_time(n, kNotRun), send_b_time(n, kNotRun);
+  std::vector<double> clock(R, 0.0);
+  DryRun result;
+  result.next.assign(R, 0);
+  result.event_index.resize(R);
+  for (int r = 0; r < R; ++r) result.event_index[r].assign(sc.actions[r].size(), -1);
+
+  // Earliest time the output of `loc` (finished at times[k]) is usable on rank r, or kNotRun while it has not run.
+  // A producer that is missing altogether counts as available at time 0.
+  auto available = [&](const std::vector<Loc>& locs, const std::vector<double>& times, std::size_t k, int r) {
+    if (!locs[k].exists()) return 0.0;
+    if (times[k] == kNotRun) return kNotRun;
+    return times[k] + (locs[k].rank == r ? 0.0 : costs.communication);
+  };
+
+  // Returns false when `a` cannot run yet; otherwise runs it on rank r and records its times.
+  auto try_run = [&](int r, const Action& a, bool forced) {
+    const int s = a.stage;
+    const int mb = a.micro_batches.front();
+    double ready = clock[r];
+    auto need = [&](double t) {
+      if (t == kNotRun) return forced;
+      ready = std::max(ready, t);
+      return true;
+    };
+    switch (a.type) {
+      case ActionType::kForward:
+        if (s > 0 && !need(available(f_loc, f_end, key(s - 1, mb), r))) return false;
+        break;
+      case ActionType::kBackwardInput:
+      case ActionType::kBackward:
+        if (!need(available(f_loc, f_end, key(s, mb), r))) return false;
+        if (s + 1 < S && !need(available(bwd_loc, bwd_end, key(s + 1, mb), r))) return false;
+        break;
+      case ActionType::kBackwardWeight:
+        for (int w_mb : a.micro_batches) {
+          if (!need(available(bwd_loc, bwd_end, key(s, w_mb), r))) return false;
+        }
+        break;
+      case ActionType::kRecvForward:
+        if (!need(available(send_f_loc, send_f_time, key(s - 1, mb), r))) return false;
+        break;
+      case ActionType::kRecvBackward:
+        if (!need(available(send_b_loc, send_b_time, key(s + 1, mb), r))) return false;
+        break;
+      case ActionType::kSendForward:
+      case ActionType::kSendBackward:
+        break;
+    }
+    const double end = ready + action_cost(a, costs);
+    clock[r] = end;
+    const std::size_t k = key(s, mb);
+    const Loc here{r, result.next[r]};
+    auto is_here = [&](const Loc& l) { return l.rank == here.rank && l.index == here.index; };
+    switch (a.type) {
+      case ActionType::kForward:
+        if (is_here(f_loc[k])) f_end[k] = end;
+        break;
+      case ActionType::kBackwardInput:
+      case ActionType::kBackward:
+        if (is_here(bwd_loc[k])) bwd_end[k] = end;
+        break;
+      case ActionType::kSendForward:
+        if (is_here(send_f_loc[k])) send_f_time[k] = end;
+        break;
+      case ActionType::kSendBackward:
+        if (is_here(send_b_loc[k])) send_b_time[k] = end;
+        break;
+      default:
+        break;
+    }
+    result.event_index[r][result.next[r]] = static_cast<long>(result.events.size());
+    result.events.push_back(SimulatedEvent{r, a, ready, end});
+    return true;
+  };
+
+  while (true) {
+    bool progress = true;
+    while (progress) {
+      progress = false;
+      for (int r = 0; r < R; ++r) {
+        const auto& list = sc.actions[r];
+        while (result.next[r] < list.size() && try_run(r, list[result.next[r]], false)) {
+          ++result.next[r];
+          progress = true;
+        }
+      }
+    }
+    if (!force) break;
+    int victim = -1;
+    for (int r = 0; r < R; ++r) {
+      if (result.next[r] < sc.actions[r].size() && (victim < 0 || clock[r] < clock[victim])) victim = r;
+    }
+    if (victim < 0) break;
+    result.forced.emplace_back(victim, result.next[victim]);
+    try_run(victim, sc.actions[victim][result.next[victim]], true);
+    ++result.next[victim];
+  }
+  for (int r = 0; r < R; ++r) {
+    if (result.next[r] < sc.actions[r].size()) result.complete = false;
+  }
+  if (!result.forced.empty()) result.complete = false;
+  return result;
+}
+
+}  // namespace twobp::detail

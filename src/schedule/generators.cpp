@@ -1,0 +1,436 @@
+// Built-in schedule generators: gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, zb-v.
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <deque>
+#include <functional>
+#include <map>
+#include <utility>
+
+#include "twobp/schedule/schedule.h"
+#include "util/check.h"
+
+namespace twobp {
+namespace {
+
+struct Task {
+  ActionType type;
+  int stage;
+  int mb;
+};
+
+using RankTasks = std::vector<std::vector<Task>>;
+
+Schedule empty_schedule(std::string name, int ranks, std::vector<int> placement, int micro_batches, BackwardMode mode) {
+  Schedule sc;
+  sc.name = std::move(name);
+  sc.num_ranks = ranks;
+  sc.num_stages = static_cast<int>(placement.size());
+  sc.num_micro_batches = micro_batches;
+  sc.backward = mode;
+  sc.stage_to_rank = std::move(placement);
+  sc.actions.assign(ranks, {});
+  return sc;
+}
+
+void check_basic(std::string_view name, const ScheduleOptions& o) {
+  TWOBP_CHECK(o.ranks >= 1, ScheduleError, "{}: expected at least 1 rank, got ranks={}", name, o.ranks);
+  TWOBP_CHECK(o.micro_batches >= 1, ScheduleError, "{}: expected at least 1 micro-batch, got micro_batches={}", name,
+              o.micro_batches);
+}
+
+void check_one_chunk(std::string_view name, const ScheduleOptions& o) {
+  TWOBP_CHECK(o.chunks_per_rank == 1, ScheduleError,
+              "{} places one stage per rank: expected chunks_per_rank=1, got {} (use interleaved-1f1b or zb-v for "
+              "several chunks per rank)",
+              name, o.chunks_per_rank);
+}
+
+Action to_action(const Task& t) { return Action{t.type, t.stage, {t.mb}}; }
+
+// Tracks, in whole time units, when each F and I finished; the generators below use it to decide where a W can
+// fill a gap. Costs are F = I = W = 1 and no communication latency, the setting the papers draw their schedules in.
+class UnitClock {
+ public:
+  UnitClock(int num_stages, int micro_batches)
+      : S_(num_stages),
+        M_(micro_batches),
+        f_end_(static_cast<std::size_t>(num_stages) * micro_batches, -1),
+        i_end_(f_end_.size(), -1) {}
+
+  bool f_ready(int s, int mb, long t) const { return s == 0 || done(f_end_, s - 1, mb, t); }
+  bool i_ready(int s, int mb, long t) const {
+    return done(f_end_, s, mb, t) && (s + 1 == S_ || done(i_end_, s + 1, mb, t));
+  }
+  bool ready(const Task& task, long t) const {
+    return task.type == ActionType::kForward ? f_ready(task.stage, task.mb, t) : i_ready(task.stage, task.mb, t);
+  }
+  void finish(const Task& task, long end) {
+    (task.type == ActionType::kForward ? f_end_ : i_end_)[key(task.stage, task.mb)] = end;
+  }
+
+ private:
+  std::size_t key(int s, int mb) const { return static_cast<std::size_t>(s) * M_ + mb; }
+  bool done(const std::vector<long>& ends, int s, int mb, long t) const {
+    const long e = ends[key(s, mb)];
+    return e >= 0 && e <= t;
+  }
+  int S_;
+  int M_;
+  std::vector<long> f_end_;
+  std::vector<long> i_end_;
+};
+
+// Guards the unit-time loops: a correct order finishes long before this many steps.
+long step_limit(const RankTasks& tasks) {
+  long total = 0;
+  for (const auto& list : tasks) total += static_cast<long>(list.size());
+  return 4 * total + 16;
+}
+
+// Appends the W's still pending as one batched W per stage (oldest stage first): 2BP's end-of-step W, whose
+// GEMMs over several micro-batches run at higher utilisation than one W per micro-batch.
+void append_batched_weights(std::vector<Action>& out, const std::deque<std::pair<int, int>>& pending) {
+  std::vector<int> order;
+  std::map<int, std::vector<int>> by_stage;
+  for (const auto& [stage, mb] : pending) {
+    if (!by_stage.count(stage)) order.push_back(stage);
+    by_stage[stage].push_back(mb);
+  }
+  for (int stage : order) out.push_back(Action{ActionType::kBackwardWeight, stage, by_stage[stage]});
+}
+
+// 2BP's W placement for gpipe/1f1b/interleaved: `main` holds each rank's F/I order. Once a rank has issued its
+// last F (cool-down), a W of the oldest pending micro-batch runs wherever the rank's next I is not ready yet under
+// unit costs, i.e. where the rank would otherwise idle; whatever is pending when the I's run out becomes one
+// batched W per stage at the end of the step.
+std::vector<std::vector<Action>> fill_weights_in_cooldown(const RankTasks& main, int num_stages, int micro_batches) {
+  const int R = static_cast<int>(main.size());
+  UnitClock clock(num_stages, micro_batches);
+  std::vector<std::size_t> pos(R, 0);
+  std::vector<long> busy_until(R, 0);
+  std::vector<int> forwards_left(R, 0);
+  std::vector<std::deque<std::pair<int, int>>> pending(R);
+  std::vector<std::vector<Action>> out(R);
+  for (int r = 0; r < R; ++r) {
+    for (const Task& t : main[r]) forwards_left[r] += t.type == ActionType::kForward ? 1 : 0;
+  }
+  const long limit = step_limit(main);
+  for (long t = 0;; ++t) {
+    bool all_done = true;
+    for (int r = 0; r < R; ++r) all_done = all_done && pos[r] == main[r].size();
+    if (all_done) break;
+    TWOBP_CHECK(t <= limit, ScheduleError, "internal error: the generated F/I order cannot complete");
+    for (int r = 0; r < R; ++r) {
+      if (busy_until[r] > t || pos[r] == main[r].size()) continue;
+      const Task& next = main[r][pos[r]];
+      if (clock.ready(next, t)) {
+        clock.finish(next, t + 1);
+        out[r].push_back(to_action(next));
+        if (next.type == ActionType::kForward) --forwards_left[r];
+        if (next.type == ActionType::kBackwardInput) pending[r].emplace_back(next.stage, next.mb);
+        ++pos[r];
+        busy_until[r] = t + 1;
+      } else if (forwards_left[r] == 0 && !pending[r].empty()) {
+        const auto [stage, mb] = pending[r].front();
+        pending[r].pop_front();
+        out[r].push_back(Action{ActionType::kBackwardWeight, stage, {mb}});
+        busy_until[r] = t + 1;
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) append_batched_weights(out[r], pending[r]);
+  return out;
+}
+
+// Turns a compute order into the schedule of the requested mode. `split_order` is the order with I's (and, for the
+// zero-bubble schedules, W's); the standard form drops each W and turns its I into B.
+Schedule finish(Schedule sc, std::vector<std::vector<Action>> split_order) {
+  if (sc.backward == BackwardMode::kStandard) {
+    for (auto& list : split_order) {
+      std::vector<Action> fused;
+      for (Action& a : list) {
+        if (a.type == ActionType::kBackwardWeight) continue;
+        if (a.type == ActionType::kBackwardInput) a.type = ActionType::kBackward;
+        fused.push_back(std::move(a));
+      }
+      list = std::move(fused);
+    }
+  }
+  sc.actions = std::move(split_order);
+  return add_communication(std::move(sc));
+}
+
+// Completes a 1F1B-style F/backward order: as is in standard mode, with 2BP's W placement in split mode.
+Schedule from_main_order(Schedule sc, const RankTasks& main) {
+  if (sc.backward == BackwardMode::kStandard) {
+    std::vector<std::vector<Action>> order(main.size());
+    for (std::size_t r = 0; r < main.size(); ++r) {
+      for (const Task& t : main[r]) order[r].push_back(to_action(t));
+    }
+    return finish(std::move(sc), std::move(order));
+  }
+  auto order = fill_weights_in_cooldown(main, sc.num_stages, sc.num_micro_batches);
+  return finish(std::move(sc), std::move(order));
+}
+
+std::vector<int> linear_placement(int ranks) {
+  std::vector<int> p(ranks);
+  for (int s = 0; s < ranks; ++s) p[s] = s;
+  return p;
+}
+
+// ---- gpipe -------------------------------------------------------------------------------------------------------
+
+Schedule gpipe(const ScheduleOptions& o) {
+  check_basic("gpipe", o);
+  check_one_chunk("gpipe", o);
+  const int p = o.ranks, m = o.micro_batches;
+  Schedule sc = empty_schedule("gpipe", p, linear_placement(p), m, o.backward);
+  std::vector<std::vector<Action>> order(p);
+  for (int r = 0; r < p; ++r) {
+    for (int mb = 0; mb < m; ++mb) order[r].push_back(Action{ActionType::kForward, r, {mb}});
+    // Increasing order on the backward too: the transport matches the messages of a link in order.
+    for (int mb = 0; mb < m; ++mb) order[r].push_back(Action{ActionType::kBackwardInput, r, {mb}});
+    std::vector<int> all(m);
+    for (int mb = 0; mb < m; ++mb) all[mb] = mb;
+    order[r].push_back(Action{ActionType::kBackwardWeight, r, all});
+  }
+  return finish(std::move(sc), std::move(order));
+}
+
+// ---- 1f1b --------------------------------------------------------------------------------------------------------
+
+// Megatron-LM's non-interleaved 1F1B order of F and backward: p-1-r warm-up forwards (fewer when m is small),
+// then one F and one backward in turn, then the remaining backwards.
+RankTasks one_f_one_b_order(int p, int m, ActionType bwd) {
+  RankTasks main(p);
+  for (int r = 0; r < p; ++r) {
+    const int warmup = std::min(p - 1 - r, m);
+    for (int mb = 0; mb < warmup; ++mb) main[r].push_back({ActionType::kForward, r, mb});
+    for (int k = 0; k < m - warmup; ++k) {
+      main[r].push_back({ActionType::kForward, r, warmup + k});
+      main[r].push_back({bwd, r, k});
+    }
+    for (int mb = m - warmup; mb < m; ++mb) main[r].push_back({bwd, r, mb});
+  }
+  return main;
+}
+
+Schedule one_f_one_b(const ScheduleOptions& o) {
+  check_basic("1f1b", o);
+  check_one_chunk("1f1b", o);
+  const int p = o.ranks, m = o.micro_batches;
+  Schedule sc = empty_schedule("1f1b", p, linear_placement(p), m, o.backward);
+  const ActionType bwd = o.backward == BackwardMode::kSplit ? ActionType::kBackwardInput : ActionType::kBackward;
+  return from_main_order(std::move(sc), one_f_one_b_order(p, m, bwd));
+}
+
+// ---- interleaved-1f1b (Megatron-LM's virtual pipeline) -----------------------------------------------------------
+
+Schedule interleaved(const ScheduleOptions& o) {
+  check_basic("interleaved-1f1b", o);
+  const int p = o.ranks, m = o.micro_batches, v = o.chunks_per_rank;
+  TWOBP_CHECK(v >= 1, ScheduleError, "interleaved-1f1b: expected chunks_per_rank >= 1, got {}", v);
+  TWOBP_CHECK(m % p == 0, ScheduleError,
+              "interleaved-1f1b needs the number of micro-batches to be a multiple of the number of ranks "
+              "(Megatron-LM's rule): got micro_batches={} and ranks={}",
+              m, p);
+  std::vector<int> placement(static_cast<std::size_t>(p) * v);
+  for (int s = 0; s < p * v; ++s) placement[s] = s % p;
+  Schedule sc = empty_schedule("interleaved-1f1b", p, std::move(placement), m, o.backward);
+  const ActionType bwd = o.backward == BackwardMode::kSplit ? ActionType::kBackwardInput : ActionType::kBackward;
+  const int total = m * v;
+  RankTasks main(p);
+  for (int r = 0; r < p; ++r) {
+    // Micro-step k covers p micro-batches of one chunk before moving to the next chunk (Megatron's grouping).
+    auto forward = [&](int k) {
+      const int chunk = (k / p) % v;
+      return Task{ActionType::kForward, chunk * p + r, (k / (p * v)) * p + k % p};
+    };
+    auto backward = [&](int k) {
+      const int chunk = v - 1 - (k / p) % v;
+      return Task{bwd, chunk * p + r, (k / (p * v)) * p + k % p};
+    };
+    const int warmup = std::min((p - r - 1) * 2 + (v - 1) * p, total);
+    for (int k = 0; k < warmup; ++k) main[r].push_back(forward(k));
+    for (int k = 0; k < total - warmup; ++k) {
+      main[r].push_back(forward(warmup + k));
+      main[r].push_back(backward(k));
+    }
+    for (int k = total - warmup; k < total; ++k) main[r].push_back(backward(k));
+  }
+  return from_main_order(std::move(sc), main);
+}
+
+// ---- zb-h1 / zb-h2 -----------------------------------------------------------------------------------------------
+
+// ZB-H1 (Qi et al., section 3.1): 1F1B's order of F and I, with the W's moved later: rank r runs W of micro-batch
+// j right after I of micro-batch j + r, and the last r + 1 W's close the step. Every rank then holds at most p
+// micro-batches, 1F1B's peak (rank 0's), and under F = I = W the step takes 3m + p - 1, i.e. a bubble of
+// (p-1)(F + I - W) per rank instead of 1F1B's (p-1)(F + I + W).
+Schedule zb_h1(const ScheduleOptions& o) {
+  check_basic("zb-h1", o);
+  check_one_chunk("zb-h1", o);
+  const int p = o.ranks, m = o.micro_batches;
+  Schedule sc = empty_schedule("zb-h1", p, linear_placement(p), m, o.backward);
+  const RankTasks main = one_f_one_b_order(p, m, ActionType::kBackwardInput);
+  std::vector<std::vector<Action>> order(p);
+  for (int r = 0; r < p; ++r) {
+    int next_w = 0;
+    for (const Task& t : main[r]) {
+      order[r].push_back(to_action(t));
+      if (t.type == ActionType::kBackwardInput && t.mb - r >= 0) {
+        order[r].push_back(Action{ActionType::kBackwardWeight, r, {next_w++}});
+      }
+    }
+    while (next_w < m) order[r].push_back(Action{ActionType::kBackwardWeight, r, {next_w++}});
+  }
+  return finish(std::move(sc), std::move(order));
+}
+
+// ZB-H2 (Qi et al., section 3.1) on one stage per rank, laid out as the paper's greedy does under F = I = W: each
+// rank runs an I as soon as its gradient is there, else an F if fewer than 2p - 1 micro-batches hold activations (F
+// issued, W not yet), else the oldest pending W. The longer warm-up fills the bubble before the first I, and the
+// I-first rule pulls the tail's I's forward and leaves its W's last (the paper's trapezoid-to-parallelogram
+// reordering); under F = I = W the step takes 3m + p - 1, the minimum for one step.
+Schedule zb_h2(const ScheduleOptions& o) {
+  const char* name = "zb-h2";
+  const int limit = 2 * o.ranks - 1;
+  check_basic(name, o);
+  check_one_chunk(name, o);
+  const int p = o.ranks, m = o.micro_batches;
+  Schedule sc = empty_schedule(name, p, linear_placement(p), m, o.backward);
+  UnitClock clock(p, m);
+  std::vector<int> next_f(p, 0), next_i(p, 0), in_flight(p, 0);
+  std::vector<long> busy_until(p, 0);
+  std::vector<std::deque<int>> pending(p);
+  std::vector<std::vector<Action>> order(p);
+  const long steps = 16L * p * m + 16;
+  for (long t = 0;; ++t) {
+    bool all_done = true;
+    for (int r = 0; r < p; ++r) all_done = all_done && next_i[r] == m && pending[r].empty();
+    if (all_done) break;
+    TWOBP_CHECK(t <= steps, ScheduleError, "internal error: {} cannot complete for p={} m={}", name, p, m);
+    for (int r = 0; r < p; ++r) {
+      if (busy_until[r] > t) continue;
+      const int s = r;
+      if (next_i[r] < m && clock.i_ready(s, next_i[r], t)) {
+        const Task task{ActionType::kBackwardInput, s, next_i[r]++};
+        clock.finish(task, t + 1);
+        order[r].push_back(to_action(task));
+        pending[r].push_back(task.mb);
+      } else if (next_f[r] < m && in_flight[r] < limit && clock.f_ready(s, next_f[r], t)) {
+        const Task task{ActionType::kForward, s, next_f[r]++};
+        clock.finish(task, t + 1);
+        order[r].push_back(to_action(task));
+        ++in_flight[r];
+      } else if (!pending[r].empty()) {
+        order[r].push_back(Action{ActionType::kBackwardWeight, s, {pending[r].front()}});
+        pending[r].pop_front();
+        --in_flight[r];
+      } else {
+        continue;
+      }
+      busy_until[r] = t + 1;
+    }
+  }
+  return finish(std::move(sc), std::move(order));
+}
+
+// ---- zb-v --------------------------------------------------------------------------------------------------------
+
+// ZB-V (Qi et al., section 6): two chunks per rank in a V, rank r holding stages r and 2p-1-r. The order is the
+// handcrafted one for F = I = W, written for n = max(2p - 1, m) micro-batches; for smaller m the actions of the
+// missing micro-batches are dropped, which only removes dependencies and so keeps the order deadlock-free.
+Schedule zb_v(const ScheduleOptions& o) {
+  check_basic("zb-v", o);
+  TWOBP_CHECK(o.chunks_per_rank == 1 || o.chunks_per_rank == 2, ScheduleError,
+              "zb-v always places 2 stages per rank: expected chunks_per_rank=2, got {}", o.chunks_per_rank);
+  const int p = o.ranks, m = o.micro_batches;
+  const int S = 2 * p;
+  std::vector<int> placement(S);
+  for (int s = 0; s < S; ++s) placement[s] = s < p ? s : 2 * p - 1 - s;
+  Schedule sc = empty_schedule("zb-v", p, std::move(placement), m, o.backward);
+  const int n = std::max(2 * p - 1, m);
+  std::vector<std::vector<Action>> order(p);
+  for (int r = 0; r < p; ++r) {
+    const int s0 = r, s1 = S - 1 - r;
+    int f0 = 0, f1 = 0, b0 = 0, b1 = 0;
+    auto& out = order[r];
+    auto add = [&](ActionType type, int stage, int mb) {
+      if (mb < m) out.push_back(Action{type, stage, {mb}});
+    };
+    for (int k = 0; k < 2 * (p - r) - 1; ++k) add(ActionType::kForward, s0, f0++);
+    for (int k = 0; k < r; ++k) {
+      add(ActionType::kForward, s1, f1++);
+      add(ActionType::kForward, s0, f0++);
+    }
+    for (int k = 0; k < p - r; ++k) {
+      add(ActionType::kForward, s1, f1++);
+      add(ActionType::kBackwardInput, s1, b1);
+      add(ActionType::kBackwardWeight, s1, b1++);
+    }
+    while (f1 < f0 || f0 < n) {
+      if (f0 < n) add(ActionType::kForward, s0, f0++);
+      add(ActionType::kBackwardInput, s0, b0);
+      add(ActionType::kBackwardWeight, s0, b0++);
+      add(ActionType::kForward, s1, f1++);
+      add(ActionType::kBackwardInput, s1, b1);
+      add(ActionType::kBackwardWeight, s1, b1++);
+    }
+    int w0 = b0, w1 = b1;
+    for (int k = 0; k < r; ++k) {
+      add(ActionType::kBackwardInput, s0, b0++);
+      add(ActionType::kBackwardInput, s1, b1++);
+    }
+    for (int k = 0; k < p - r; ++k) {
+      add(ActionType::kBackwardInput, s0, b0++);
+      add(ActionType::kBackwardWeight, s0, w0++);
+    }
+    while (w1 < b1) add(ActionType::kBackwardWeight, s1, w1++);
+    while (w0 < b0) add(ActionType::kBackwardWeight, s0, w0++);
+  }
+  return finish(std::move(sc), std::move(order));
+}
+
+// ---- registry ----------------------------------------------------------------------------------------------------
+
+class BuiltinGenerator : public ScheduleGenerator {
+ public:
+  BuiltinGenerator(std::string name, std::function<Schedule(const ScheduleOptions&)> fn)
+      : name_(std::move(name)), fn_(std::move(fn)) {}
+  std::string name() const override { return name_; }
+  Schedule generate(const ScheduleOptions& options) const override { return fn_(options); }
+
+ private:
+  std::string name_;
+  std::function<Schedule(const ScheduleOptions&)> fn_;
+};
+
+}  // namespace
+
+std::vector<std::string> builtin_schedule_names() {
+  return {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v"};
+}
+
+std::unique_ptr<ScheduleGenerator> make_schedule_generator(std::string_view name) {
+  if (name == "gpipe") return std::make_unique<BuiltinGenerator>("gpipe", gpipe);
+  if (name == "1f1b") return std::make_unique<BuiltinGenerator>("1f1b", one_f_one_b);
+  if (name == "interleaved-1f1b") return std::make_unique<BuiltinGenerator>("interleaved-1f1b", interleaved);
+  if (name == "zb-h1") return std::make_unique<BuiltinGenerator>("zb-h1", zb_h1);
+  if (name == "zb-h2") return std::make_unique<BuiltinGenerator>("zb-h2", zb_h2);
+  if (name == "zb-v") return std::make_unique<BuiltinGenerator>("zb-v", zb_v);
+  detail::raise<UsageError>("unknown schedule '{}'; known schedules: {}", name,
+                            fmt::join(builtin_schedule_names(), ", "));
+}
+
+Schedule make_schedule(std::string_view name, const ScheduleOptions& options) {
+  Schedule schedule = make_schedule_generator(name)->generate(options);
+  validate(schedule);
+  return schedule;
+}
+
+}  // namespace twobp

@@ -1,0 +1,122 @@
+// Schedule basics: placement queries, communication insertion, tags and the cost model.
+
+#include "twobp/schedule/schedule.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "schedule/dry_run.h"
+#include "util/check.h"
+
+namespace twobp {
+
+std::vector<int> Schedule::stages_of(int rank) const {
+  std::vector<int> stages;
+  for (int s = 0; s < static_cast<int>(stage_to_rank.size()); ++s) {
+    if (stage_to_rank[s] == rank) stages.push_back(s);
+  }
+  return stages;
+}
+
+Schedule add_communication(Schedule schedule) {
+  const int num_stages = schedule.num_stages;
+  TWOBP_CHECK(static_cast<int>(schedule.stage_to_rank.size()) == num_stages, ScheduleError,
+              "add_communication: schedule '{}' has {} stages but a placement of {} entries", schedule.name, num_stages,
+              schedule.stage_to_rank.size());
+  auto owner = [&](int stage) { return schedule.stage_to_rank[stage]; };
+  // Existing communication is dropped and rebuilt, so calling this twice (or on a loaded schedule that already
+  // has some) cannot duplicate messages.
+  for (int r = 0; r < static_cast<int>(schedule.actions.size()); ++r) {
+    std::vector<Action> out;
+    for (const Action& a : schedule.actions[r]) {
+      if (!is_compute(a.type)) continue;
+      TWOBP_CHECK(a.stage >= 0 && a.stage < num_stages && !a.micro_batches.empty(), ScheduleError,
+                  "add_communication: rank {}: {} has no valid stage or micro-batch", r, describe(a));
+      const int s = a.stage;
+      const int mb = a.micro_batches.front();
+      // Receives go immediately before their consumer; the executor posts them early on its own.
+      if (a.type == ActionType::kForward && s > 0 && owner(s - 1) != owner(s)) {
+        out.push_back(Action{ActionType::kRecvForward, s, {mb}});
+      }
+      const bool is_backward = a.type == ActionType::kBackwardInput || a.type == ActionType::kBackward;
+      if (is_backward && s + 1 < num_stages && owner(s + 1) != owner(s)) {
+        out.push_back(Action{ActionType::kRecvBackward, s, {mb}});
+      }
+      out.push_back(a);
+      // Sends go right after their producer so the data leaves as early as possible.
+      if (a.type == ActionType::kForward && s + 1 < num_stages && owner(s + 1) != owner(s)) {
+        out.push_back(Action{ActionType::kSendForward, s, {mb}});
+      }
+      if (is_backward && s > 0 && owner(s - 1) != owner(s)) {
+        out.push_back(Action{ActionType::kSendBackward, s, {mb}});
+      }
+    }
+    schedule.actions[r] = std::move(out);
+  }
+  return schedule;
+}
+
+int peer_rank(const Schedule& schedule, const Action& action) {
+  TWOBP_CHECK(!is_compute(action.type), ScheduleError, "peer_rank: {} is a compute action, not a SEND/RECV",
+              describe(action));
+  const int peer = detail::peer_stage(action);
+  TWOBP_CHECK(peer >= 0 && peer < schedule.num_stages && peer < static_cast<int>(schedule.stage_to_rank.size()),
+              ScheduleError, "peer_rank: {} has no neighbouring stage {} (schedule has {} stages)", describe(action),
+              peer, schedule.num_stages);
+  return schedule.stage_to_rank[peer];
+}
+
+std::int64_t message_tag(const Schedule& schedule, const Action& action) {
+  TWOBP_CHECK(!is_compute(action.type), ScheduleError, "message_tag: {} is a compute action, not a SEND/RECV",
+              describe(action));
+  TWOBP_CHECK(action.micro_batches.size() == 1, ScheduleError, "message_tag: {} must name exactly one micro-batch",
+              describe(action));
+  const int peer = detail::peer_stage(action);
+  const std::int64_t boundary = std::min(peer, action.stage);
+  const std::int64_t dir = (action.type == ActionType::kSendForward || action.type == ActionType::kRecvForward) ? 0 : 1;
+  const std::int64_t mb = action.micro_batches.front();
+  return ((mb * schedule.num_stages + boundary) * 2 + dir);
+}
+
+CostModel CostModel::uniform(int num_stages, double f, double i, double w, double comm) {
+  CostModel costs;
+  costs.forward.assign(num_stages, f);
+  costs.backward_input.assign(num_stages, i);
+  costs.backward_weight.assign(num_stages, w);
+  costs.communication = comm;
+  return costs;
+}
+
+namespace detail {
+
+double action_cost(const Action& action, const CostModel& costs) {
+  const auto s = static_cast<std::size_t>(action.stage);
+  switch (action.type) {
+    case ActionType::kForward:
+      return costs.forward.at(s);
+    case ActionType::kBackwardInput:
+      return costs.backward_input.at(s);
+    case ActionType::kBackwardWeight:
+      return costs.backward_weight.at(s) * static_cast<double>(action.micro_batches.size());
+    case ActionType::kBackward:
+      return costs.backward.empty() ? costs.backward_input.at(s) + costs.backward_weight.at(s) : costs.backward.at(s);
+    default:
+      return 0.0;
+  }
+}
+
+int peer_stage(const Action& action) {
+  switch (action.type) {
+    case ActionType::kSendForward:
+    case ActionType::kRecvBackward:
+      return action.stage + 1;
+    case ActionType::kRecvForward:
+    case ActionType::kSendBackward:
+      return action.stage - 1;
+    default:
+      return action.stage;
+  }
+}
+
+}  // namespace detail
+}  // namespace twobp

@@ -1,0 +1,306 @@
+// validate(): the checks every schedule must pass before an executor may run it.
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <string>
+#include <utility>
+
+#include "schedule/dry_run.h"
+#include "twobp/schedule/schedule.h"
+#include "util/check.h"
+
+namespace twobp {
+namespace {
+
+struct Where {
+  int rank = -1;
+  std::size_t index = 0;
+};
+
+class Validator {
+ public:
+  explicit Validator(const Schedule& sc)
+      : sc_(sc), S_(sc.num_stages), M_(sc.num_micro_batches), n_(static_cast<std::size_t>(S_) * M_) {}
+
+  void run() {
+    check_kinds_and_ranks();
+    check_counts();
+    check_matching();
+    check_local_order();
+    check_deadlock();
+  }
+
+ private:
+  std::size_t key(int s, int mb) const { return static_cast<std::size_t>(s) * M_ + mb; }
+  int owner(int s) const { return sc_.stage_to_rank[s]; }
+  const Action& at(Where w) const { return sc_.actions[w.rank][w.index]; }
+
+  [[noreturn]] void fail(Where w, const std::string& problem) const {
+    const Action& a = at(w);
+    detail::raise<ScheduleError>("invalid schedule '{}': rank {}, action #{} ({}): {}\n{}", sc_.name, w.rank, w.index,
+                                 describe(a), problem, render_grid(sc_, &a, w.rank));
+  }
+  [[noreturn]] void fail_missing(const std::string& problem) const {
+    detail::raise<ScheduleError>("invalid schedule '{}': {}\n{}", sc_.name, problem, render_grid(sc_));
+  }
+
+  template <typename F>
+  void for_each(F&& f) const {
+    for (int r = 0; r < sc_.num_ranks; ++r) {
+      for (std::size_t i = 0; i < sc_.actions[r].size(); ++i) f(Where{r, i}, sc_.actions[r][i]);
+    }
+  }
+
+  // Right backward mode, right rank, and communication only where a stage boundary crosses ranks.
+  void check_kinds_and_ranks() const {
+    const bool split = sc_.backward == BackwardMode::kSplit;
+    for_each([&](Where w, const Action& a) {
+      if (split && a.type == ActionType::kBackward) {
+        fail(w, "a split-backward schedule must use I and W, found a fused B");
+      }
+      if (!split && (a.type == ActionType::kBackwardInput || a.type == ActionType::kBackwardWeight)) {
+        fail(w, fmt::format("a standard-backward schedule must use B, found {}", to_string(a.type)));
+      }
+      if (owner(a.stage) != w.rank) {
+        fail(w, fmt::format("stage {} is owned by rank {}, so the action belongs on rank {}, not rank {}", a.stage,
+                            owner(a.stage), owner(a.stage), w.rank));
+      }
+      if (!is_compute(a.type)) {
+        const int peer = detail::peer_stage(a);
+        if (owner(peer) == w.rank) {
+          fail(w, fmt::format("stages {} and {} are both on rank {}: expected no communication (the tensors are "
+                              "handed over locally)",
+                              a.stage, peer, w.rank));
+        }
+      }
+    });
+  }
+
+  // Exactly one F per (stage, mb); exactly one B, or exactly one I and a W covering it exactly once; at most
+  // one of each communication action.
+  void check_counts() const {
+    enum Kind { kF, kBwd, kW, kSendF, kRecvF, kSendB, kRecvB, kKinds };
+    std::vector<std::vector<Where>> seen(kKinds, std::vector<Where>(n_));
+    auto kind_of = [](ActionType t) {
+      switch (t) {
+        case ActionType::kForward:
+          return kF;
+        case ActionType::kBackwardInput:
+        case ActionType::kBackward:
+          return kBwd;
+        case ActionType::kBackwardWeight:
+          return kW;
+        case ActionType::kSendForward:
+          return kSendF;
+        case ActionType::kRecvForward:
+          return kRecvF;
+        case ActionType::kSendBackward:
+          return kSendB;
+        case ActionType::kRecvBackward:
+          return kRecvB;
+      }
+      return kF;
+    };
+    for_each([&](Where w, const Action& a) {
+      const Kind k = kind_of(a.type);
+      for (int mb : a.micro_batches) {
+        Where& first = seen[k][key(a.stage, mb)];
+        if (first.rank >= 0) {
+          fail(w, fmt::format("duplicate: stage {} micro-batch {} already has {} (rank {}, action #{}); expected "
+                              "exactly one",
+                              a.stage, mb, describe(at(first)), first.rank, first.index));
+        }
+        first = w;
+      }
+    });
+    const bool split = sc_.backward == BackwardMode::kSplit;
+    for (int s = 0; s < S_; ++s) {
+      for (int mb = 0; mb < M_; ++mb) {
+        if (seen[kF][key(s, mb)].rank < 0) {
+          fail_missing(
+              fmt::format("missing F for stage {} micro-batch {}: expected exactly one, on rank {}", s, mb, owner(s)));
+        }
+        if (seen[kBwd][key(s, mb)].rank < 0) {
+          fail_missing(fmt::format("missing {} for stage {} micro-batch {}: expected exactly one, on rank {}",
+                                   split ? "I" : "B", s, mb, owner(s)));
+        }
+        if (split && seen[kW][key(s, mb)].rank < 0) {
+          fail_missing(
+              fmt::format("missing W for stage {} micro-batch {}: expected exactly one W covering it, on "
+                          "rank {}",
+                          s, mb, owner(s)));
+        }
+      }
+    }
+  }
+
+  // Every SEND has its RECV on the neighbour and vice versa.
+  void check_matching() const {
+    std::vector<bool> send_f(n_), recv_f(n_), send_b(n_), recv_b(n_);
+    for_each([&](Where, const Action& a) {
+      const std::size_t k = key(a.stage, a.micro_batches.front());
+      if (a.type == ActionType::kSendForward) send_f[k] = true;
+      if (a.type == ActionType::kRecvForward) recv_f[k] = true;
+      if (a.type == ActionType::kSendBackward) send_b[k] = true;
+      if (a.type == ActionType::kRecvBackward) recv_b[k] = true;
+    });
+    for_each([&](Where w, const Action& a) {
+      const int mb = a.micro_batches.front();
+      const int peer = detail::peer_stage(a);
+      const char* expected = nullptr;
+      bool found = true;
+      switch (a.type) {
+        case ActionType::kSendForward:
+          found = recv_f[key(peer, mb)];
+          expected = "RECV_F";
+          break;
+        case ActionType::kRecvForward:
+          found = send_f[key(peer, mb)];
+          expected = "SEND_F";
+          break;
+        case ActionType::kSendBackward:
+          found = recv_b[key(peer, mb)];
+          expected = "RECV_B";
+          break;
+        case ActionType::kRecvBackward:
+          found = send_b[key(peer, mb)];
+          expected = "SEND_B";
+          break;
+        default:
+          break;
+      }
+      if (!found) {
+        fail(w, fmt::format(
+                    "no matching {} stage {} micro-batch {} on rank {}: expected every SEND to have exactly one RECV "
+                    "and vice versa",
+                    expected, peer, mb, owner(peer)));
+      }
+    });
+  }
+
+  // Orderings each rank can check on its own: inputs before consumers, micro-batches in increasing order per
+  // stage and action kind (the transport matches messages of a link in order).
+  void check_local_order() const {
+    for (int r = 0; r < sc_.num_ranks; ++r) {
+      std::vector<bool> f_done(n_), bwd_done(n_), recv_f(n_), recv_b(n_);
+      std::vector<std::vector<int>> last_mb(8, std::vector<int>(S_, -1));
+      for (std::size_t i = 0; i < sc_.actions[r].size(); ++i) {
+        const Where w{r, i};
+        const Action& a = sc_.actions[r][i];
+        const int s = a.stage;
+        const int mb = a.micro_batches.front();
+        if (a.type != ActionType::kBackwardWeight) {
+          int& last = last_mb[static_cast<int>(a.type)][s];
+          if (mb <= last) {
+            fail(w, fmt::format("{} of stage {} runs micro-batch {} after micro-batch {}: expected increasing "
+                                "micro-batch order per stage (messages are matched in order)",
+                                to_string(a.type), s, mb, last));
+          }
+          last = mb;
+        }
+        switch (a.type) {
+          case ActionType::kForward:
+            if (s > 0 && owner(s - 1) == r && !f_done[key(s - 1, mb)]) {
+              fail(w,
+                   fmt::format("runs before F stage {} micro-batch {}: expected the previous stage's F first (both on "
+                               "rank {})",
+                               s - 1, mb, r));
+            }
+            if (s > 0 && owner(s - 1) != r && !recv_f[key(s, mb)]) {
+              fail(w,
+                   fmt::format("runs before its input is received: expected RECV_F stage {} micro-batch {} earlier on "
+                               "rank {}",
+                               s, mb, r));
+            }
+            f_done[key(s, mb)] = true;
+            break;
+          case ActionType::kBackwardInput:
+          case ActionType::kBackward:
+            if (!f_done[key(s, mb)]) {
+              fail(w,
+                   fmt::format("{} runs before F stage {} micro-batch {}: expected F first", to_string(a.type), s, mb));
+            }
+            if (s + 1 < S_ && owner(s + 1) == r && !bwd_done[key(s + 1, mb)]) {
+              fail(w, fmt::format(
+                          "runs before the backward of stage {} micro-batch {}: expected it first (both on rank {})",
+                          s + 1, mb, r));
+            }
+            if (s + 1 < S_ && owner(s + 1) != r && !recv_b[key(s, mb)]) {
+              fail(w,
+                   fmt::format("runs before its output gradient is received: expected RECV_B stage {} micro-batch {} "
+                               "earlier on rank {}",
+                               s, mb, r));
+            }
+            bwd_done[key(s, mb)] = true;
+            break;
+          case ActionType::kBackwardWeight:
+            for (int w_mb : a.micro_batches) {
+              if (!bwd_done[key(s, w_mb)]) {
+                fail(w, fmt::format("W runs before I stage {} micro-batch {}: expected I first", s, w_mb));
+              }
+            }
+            break;
+          case ActionType::kSendForward:
+            if (!f_done[key(s, mb)]) {
+              fail(w, fmt::format("SEND_F runs before F stage {} micro-batch {}: expected the F that produces it first",
+                                  s, mb));
+            }
+            break;
+          case ActionType::kSendBackward:
+            if (!bwd_done[key(s, mb)]) {
+              fail(w, fmt::format(
+                          "SEND_B runs before the I/B of stage {} micro-batch {}: expected the backward that produces "
+                          "it first",
+                          s, mb));
+            }
+            break;
+          case ActionType::kRecvForward:
+            recv_f[key(s, mb)] = true;
+            break;
+          case ActionType::kRecvBackward:
+            recv_b[key(s, mb)] = true;
+            break;
+        }
+      }
+    }
+  }
+
+  // Sends are buffered, a RECV completes once its SEND ran: if the dry run stops, the ranks wait on each other.
+  void check_deadlock() const {
+    const detail::DryRun run = detail::dry_run(sc_, CostModel::uniform(S_, 1.0, 1.0, 1.0, 0.0));
+    if (run.complete) return;
+    std::string waits;
+    Where first;
+    for (int r = 0; r < sc_.num_ranks; ++r) {
+      if (run.next[r] >= sc_.actions[r].size()) continue;
+      const Where w{r, run.next[r]};
+      if (first.rank < 0) first = w;
+      const Action& a = at(w);
+      std::string waiting_for;
+      if (!is_compute(a.type)) {
+        const int peer = detail::peer_stage(a);
+        const ActionType send =
+            a.type == ActionType::kRecvForward ? ActionType::kSendForward : ActionType::kSendBackward;
+        waiting_for = fmt::format(" for {} stage {} micro-batch {} from rank {}", to_string(send), peer,
+                                  a.micro_batches.front(), owner(peer));
+      }
+      waits += fmt::format("; rank {} waits at action #{} ({}){}", r, w.index, describe(a), waiting_for);
+    }
+    fail(first, fmt::format("deadlock: no rank can make progress{}", waits));
+  }
+
+  const Schedule& sc_;
+  const int S_;
+  const int M_;
+  const std::size_t n_;
+};
+
+}  // namespace
+
+void validate(const Schedule& schedule) {
+  detail::check_structure(schedule);
+  Validator(schedule).run();
+}
+
+}  // namespace twobp

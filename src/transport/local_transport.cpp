@@ -1,0 +1,403 @@
+// LocalTransport: ranks are threads of one process sharing a mailbox. See twobp/transport/local.h for the
+// semantics; this file keeps every piece of shared state under LocalGroupState::mutex.
+
+#include "twobp/transport/local.h"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <utility>
+
+#include "transport/common.h"
+#include "util/check.h"
+
+namespace twobp {
+namespace detail {
+
+namespace {
+
+/// Set by whichever side matches a message with a receive; read by the sender's Work.
+struct SendState {
+  bool matched = false;
+};
+
+/// A posted receive; `payload` is filled in (and `matched` set) when the message arrives.
+struct RecvState {
+  bool matched = false;
+  at::Tensor payload;
+};
+
+struct Message {
+  at::Tensor payload;
+  std::shared_ptr<SendState> send;
+};
+
+struct MailKey {
+  int src;
+  int dst;
+  std::int64_t tag;
+  bool operator<(const MailKey& o) const { return std::tie(src, dst, tag) < std::tie(o.src, o.dst, o.tag); }
+};
+
+/// At most one of the two queues is non-empty: a new message first satisfies a posted receive and a new
+/// receive first takes a queued message, both in FIFO order (the non-overtaking rule MPI has too).
+struct Mailbox {
+  std::deque<Message> messages;
+  std::deque<std::shared_ptr<RecvState>> receives;
+  bool empty() const { return messages.empty() && receives.empty(); }
+};
+
+}  // namespace
+
+struct LocalGroupState {
+  LocalGroupState(int world_size, LocalOptions opts) : world(world_size), options(opts), wakeup(world_size) {}
+
+  const int world;
+  const LocalOptions options;
+
+  std::mutex mutex;
+  /// wakeup[r] is waited on only by rank r's thread; whoever changes something rank r may wait for (a match
+  /// of its send or receive, a finished collective, an abort) notifies it.
+  std::vector<std::condition_variable> wakeup;
+
+  std::map<MailKey, Mailbox> mail;
+
+  bool aborted = false;
+  int abort_rank = -1;
+  std::string abort_reason;
+
+  // Collectives: one sequence shared by all_reduce_sum and barrier. `generation` counts completed ones.
+  std::int64_t generation = 0;
+  int arrived = 0;
+  std::string kind;  // of the collective being assembled
+  std::vector<at::Tensor> contributions;
+  std::vector<bool> has_arrived;
+  at::Tensor last_result;  // of generation-1; stays valid until every rank copied it (see collective())
+  std::string failure;     // non-empty once a collective failed: all later collectives throw it
+
+  void notify_all_ranks() {
+    for (auto& cv : wakeup) cv.notify_all();
+  }
+
+  /// Throws the error every wait raises after an abort. Caller holds `mutex`.
+  [[noreturn]] void raise_aborted(int me, const std::string& what) const {
+    raise<TransportError>("rank {}: {} failed: rank {} aborted: {}", me, what, abort_rank, abort_reason);
+  }
+};
+
+namespace {
+
+class LocalSendWork final : public Work {
+ public:
+  LocalSendWork(std::shared_ptr<LocalGroupState> state, int rank, P2POptions options,
+                std::shared_ptr<SendState> send)
+      : state_(std::move(state)), rank_(rank), options_(std::move(options)), send_(std::move(send)) {}
+
+  void wait(Duration timeout) override {
+    const auto deadline = deadline_after(timeout);
+    std::unique_lock<std::mutex> lock(state_->mutex);
+    // Eager sends are complete once deposited; synchronous ones wait until the receiver posted its irecv.
+    const bool done = state_->wakeup[rank_].wait_until(lock, deadline, [&] {
+      return state_->aborted || !state_->options.synchronous_sends || send_->matched;
+    });
+    if (state_->aborted) state_->raise_aborted(rank_, what());
+    if (!done) {
+      raise<TimeoutError>("rank {}: timed out after {} ms waiting for {} to rank {} (rank {} has not posted the "
+                          "matching receive)",
+                          rank_, timeout.count(), describe_op(options_), options_.peer, options_.peer);
+    }
+  }
+
+  bool is_completed() override {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    if (state_->aborted) state_->raise_aborted(rank_, what());
+    return !state_->options.synchronous_sends || send_->matched;
+  }
+
+ private:
+  std::string what() const { return fmt::format("{} to rank {}", describe_op(options_), options_.peer); }
+
+  std::shared_ptr<LocalGroupState> state_;
+  int rank_;
+  P2POptions options_;
+  std::shared_ptr<SendState> send_;
+};
+
+class LocalRecvWork final : public Work {
+ public:
+  LocalRecvWork(std::shared_ptr<LocalGroupState> state, int rank, P2POptions options, at::Tensor buffer,
+                std::shared_ptr<RecvState> recv)
+      : state_(std::move(state)),
+        rank_(rank),
+        options_(std::move(options)),
+        buffer_(std::move(buffer)),
+        recv_(std::move(recv)) {}
+
+  ~LocalRecvWork() override {
+    if (finished_) return;
+    // Withdraw a receive that was never matched, so that a later message with the same key is not swallowed
+    // by a receive nobody waits for.
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    if (recv_->matched) return;
+    auto it = state_->mail.find(MailKey{options_.peer, rank_, options_.tag});
+    if (it == state_->mail.end()) return;
+    auto& receives = it->second.receives;
+    for (auto r = receives.begin(); r != receives.end(); ++r) {
+      if (*r == recv_) {
+        receives.erase(r);
+        break;
+      }
+    }
+    if (it->second.empty()) state_->mail.erase(it);
+  }
+
+  void wait(Duration timeout) override {
+    if (finished_) return;
+    const auto deadline = deadline_after(timeout);
+    at::Tensor payload;
+    {
+      std::unique_lock<std::mutex> lock(state_->mutex);
+      const bool matched = state_->wakeup[rank_].wait_until(
+          lock, deadline, [&] { return state_->aborted || recv_->matched; });
+      if (state_->aborted) state_->raise_aborted(rank_, what());
+      if (!matched) {
+        raise<TimeoutError>("rank {}: timed out after {} ms waiting for {} from rank {}", rank_, timeout.count(),
+                            describe_op(options_), options_.peer);
+      }
+      payload = std::move(recv_->payload);
+    }
+    finish(payload);
+  }
+
+  bool is_completed() override {
+    if (finished_) return true;
+    at::Tensor payload;
+    {
+      std::lock_guard<std::mutex> lock(state_->mutex);
+      if (state_->aborted) state_->raise_aborted(rank_, what());
+      if (!recv_->matched) return false;
+      payload = std::move(recv_->payload);
+    }
+    finish(payload);
+    return true;
+  }
+
+ private:
+  std::string what() const { return fmt::format("{} from rank {}", describe_op(options_), options_.peer); }
+
+  /// Copies the matched message into the buffer, outside the lock: the payload is owned by this Work now.
+  void finish(const at::Tensor& payload) {
+    finished_ = true;
+    TWOBP_CHECK(payload.sizes() == buffer_.sizes() && payload.scalar_type() == buffer_.scalar_type(), UsageError,
+                "rank {}: {} from rank {}: expected {} but rank {} sent {}", rank_, describe_op(options_),
+                options_.peer, describe_tensor(buffer_), options_.peer, describe_tensor(payload));
+    buffer_.copy_(payload);
+  }
+
+  std::shared_ptr<LocalGroupState> state_;
+  int rank_;
+  P2POptions options_;
+  at::Tensor buffer_;  // shares storage with the caller's tensor
+  std::shared_ptr<RecvState> recv_;
+  bool finished_ = false;  // touched only by the owning thread
+};
+
+}  // namespace
+}  // namespace detail
+
+LocalTransport::LocalTransport(std::shared_ptr<detail::LocalGroupState> state, int rank)
+    : state_(std::move(state)), rank_(rank) {}
+
+LocalTransport::~LocalTransport() = default;
+
+int LocalTransport::world_size() const { return state_->world; }
+
+std::unique_ptr<Work> LocalTransport::isend(const at::Tensor& tensor, const P2POptions& options) {
+  detail::check_p2p_args("isend", rank_, state_->world, tensor, options);
+  // WHY clone: the mailbox owns an immutable snapshot, so the sender may reuse its buffer after wait() (in
+  // fact as soon as isend returned) and the receiver never races with the sender's next write.
+  at::Tensor payload = tensor.clone(at::MemoryFormat::Contiguous);
+  auto send = std::make_shared<detail::SendState>();
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    if (state_->aborted) {
+      state_->raise_aborted(rank_, fmt::format("{} to rank {}", detail::describe_op(options), options.peer));
+    }
+    auto& box = state_->mail[detail::MailKey{rank_, options.peer, options.tag}];
+    if (!box.receives.empty()) {
+      auto recv = std::move(box.receives.front());
+      box.receives.pop_front();
+      recv->payload = std::move(payload);
+      recv->matched = true;
+      send->matched = true;
+      state_->wakeup[options.peer].notify_all();
+    } else {
+      box.messages.push_back(detail::Message{std::move(payload), send});
+    }
+    if (box.empty()) state_->mail.erase(detail::MailKey{rank_, options.peer, options.tag});
+  }
+  return std::make_unique<detail::LocalSendWork>(state_, rank_, options, std::move(send));
+}
+
+std::unique_ptr<Work> LocalTransport::irecv(at::Tensor& buffer, const P2POptions& options) {
+  detail::check_p2p_args("irecv", rank_, state_->world, buffer, options);
+  auto recv = std::make_shared<detail::RecvState>();
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    if (state_->aborted) {
+      state_->raise_aborted(rank_, fmt::format("{} from rank {}", detail::describe_op(options), options.peer));
+    }
+    const detail::MailKey key{options.peer, rank_, options.tag};
+    auto& box = state_->mail[key];
+    if (!box.messages.empty()) {
+      auto message = std::move(box.messages.front());
+      box.messages.pop_front();
+      recv->payload = std::move(message.payload);
+      recv->matched = true;
+      message.send->matched = true;
+      // The sender may be blocked in a synchronous send's wait().
+      state_->wakeup[options.peer].notify_all();
+    } else {
+      box.receives.push_back(recv);
+    }
+    if (box.empty()) state_->mail.erase(key);
+  }
+  return std::make_unique<detail::LocalRecvWork>(state_, rank_, options, buffer, std::move(recv));
+}
+
+void LocalTransport::all_reduce_sum(at::Tensor& tensor, Duration timeout) {
+  TWOBP_CHECK(tensor.defined(), UsageError, "rank {}: all_reduce_sum of an undefined tensor", rank_);
+  collective("all_reduce_sum", &tensor, timeout);
+}
+
+void LocalTransport::barrier(Duration timeout) { collective("barrier", nullptr, timeout); }
+
+void LocalTransport::collective(const char* kind, at::Tensor* tensor, Duration timeout) {
+  const auto deadline = detail::deadline_after(timeout);
+  // Snapshot outside the lock: the other ranks sum our contribution while we may already modify `tensor`.
+  at::Tensor contribution = tensor ? tensor->clone(at::MemoryFormat::Contiguous) : at::Tensor();
+  auto& s = *state_;
+  std::unique_lock<std::mutex> lock(s.mutex);
+  const std::int64_t my_generation = s.generation;
+  const std::string what = fmt::format("{} #{}", kind, my_generation);
+  if (s.aborted) s.raise_aborted(rank_, what);
+  if (!s.failure.empty()) detail::raise<TransportError>("rank {}: {} failed: {}", rank_, what, s.failure);
+
+  // A contract violation leaves the collective unable to complete: record it so the other ranks fail at once
+  // instead of waiting for their timeout, then report it to this caller as its own UsageError.
+  auto fail_usage = [&](std::string message) {
+    s.failure = message;
+    s.notify_all_ranks();
+    throw UsageError(message);
+  };
+
+  if (s.arrived == 0) {
+    s.kind = kind;
+    s.contributions.assign(s.world, at::Tensor());
+    s.has_arrived.assign(s.world, false);
+  } else {
+    int first = 0;
+    while (!s.has_arrived[first]) ++first;
+    if (s.kind != kind) {
+      fail_usage(fmt::format("rank {} called {} while rank {} called {} (collective #{}): every rank must call "
+                             "the collectives in the same order",
+                             rank_, kind, first, s.kind, my_generation));
+    }
+    if (tensor) {
+      const auto& other = s.contributions[first];
+      if (other.sizes() != contribution.sizes() || other.scalar_type() != contribution.scalar_type()) {
+        fail_usage(fmt::format("rank {}: {}: tensor {} does not match rank {}'s {}", rank_, what,
+                               detail::describe_tensor(contribution), first, detail::describe_tensor(other)));
+      }
+    }
+  }
+  s.contributions[rank_] = std::move(contribution);
+  s.has_arrived[rank_] = true;
+  ++s.arrived;
+
+  if (s.arrived == s.world) {
+    // Last to arrive: sum in rank order (reproducible), publish, open the next generation.
+    at::Tensor result;
+    if (tensor) {
+      try {
+        result = s.contributions[0];
+        for (int r = 1; r < s.world; ++r) result.add_(s.contributions[r]);
+      } catch (const std::exception& e) {
+        s.failure = fmt::format("rank {}: {}: summing failed: {}", rank_, what, e.what());
+        s.notify_all_ranks();
+        throw TransportError(s.failure);
+      }
+    }
+    // WHY a single last_result suffices: generation+1 cannot complete before every rank arrived at it, i.e.
+    // before every rank returned from this one and copied the result.
+    s.last_result = result;
+    s.contributions.clear();
+    s.arrived = 0;
+    ++s.generation;
+    s.notify_all_ranks();
+  } else {
+    const bool done = s.wakeup[rank_].wait_until(lock, deadline, [&] {
+      return s.aborted || !s.failure.empty() || s.generation > my_generation;
+    });
+    if (s.aborted) s.raise_aborted(rank_, what);
+    if (s.generation <= my_generation) {
+      if (!s.failure.empty()) detail::raise<TransportError>("rank {}: {} failed: {}", rank_, what, s.failure);
+      if (!done) {
+        std::string missing;
+        for (int r = 0; r < s.world; ++r) {
+          if (!s.has_arrived[r]) missing += fmt::format("{}{}", missing.empty() ? "" : ", ", r);
+        }
+        // Our contribution is already in the sum and cannot be withdrawn: the collective is broken for all.
+        s.failure = fmt::format("rank {}: timed out after {} ms in {} waiting for rank(s) {}", rank_,
+                                timeout.count(), what, missing);
+        s.notify_all_ranks();
+        throw TimeoutError(s.failure);
+      }
+    }
+  }
+  at::Tensor result = s.last_result;
+  lock.unlock();
+  if (tensor) tensor->copy_(result);
+}
+
+void LocalTransport::abort(const std::string& reason) {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  if (state_->aborted) return;  // the first abort's reason is what everyone reports
+  state_->aborted = true;
+  state_->abort_rank = rank_;
+  state_->abort_reason = reason;
+  state_->notify_all_ranks();
+}
+
+LocalTransportGroup::LocalTransportGroup(int world_size, LocalOptions options) {
+  TWOBP_CHECK(world_size >= 1, UsageError, "LocalTransportGroup: world size must be >= 1, got {}", world_size);
+  auto state = std::make_shared<detail::LocalGroupState>(world_size, options);
+  transports_.reserve(world_size);
+  for (int r = 0; r < world_size; ++r) transports_.push_back(std::make_unique<LocalTransport>(state, r));
+}
+
+LocalTransport& LocalTransportGroup::transport(int rank) {
+  TWOBP_CHECK(rank >= 0 && rank < static_cast<int>(transports_.size()) && transports_[rank], UsageError,
+              "LocalTransportGroup: no transport for rank {} (world size {}, or release() was called)", rank,
+              transports_.size());
+  return *transports_[rank];
+}
+
+std::vector<std::unique_ptr<Transport>> LocalTransportGroup::release() {
+  std::vector<std::unique_ptr<Transport>> out;
+  out.reserve(transports_.size());
+  for (auto& t : transports_) out.push_back(std::move(t));
+  transports_.clear();
+  return out;
+}
+
+std::vector<std::unique_ptr<Transport>> make_local_transports(int world_size, LocalOptions options) {
+  return LocalTransportGroup(world_size, options).release();
+}
+
+}  // namespace twobp

@@ -1,0 +1,495 @@
+// MpiEnvironment and MpiTransport. Every MPI call is checked (TWOBP_MPI_CHECK); every wait polls MPI_Test with
+// a deadline, because MPI has no timed wait and a hung peer must turn into a TimeoutError, not a hung job.
+
+#include "twobp/transport/mpi.h"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+
+#include <array>
+#include <climits>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "transport/common.h"
+#include "transport/mpi_check.h"
+#include "util/check.h"
+
+namespace twobp {
+
+// ---------------------------------------------------------------------------------------------------------------
+// MpiEnvironment
+
+MpiEnvironment::MpiEnvironment() { init(nullptr, nullptr); }
+
+MpiEnvironment::MpiEnvironment(int* argc, char*** argv) { init(argc, argv); }
+
+void MpiEnvironment::init(int* argc, char*** argv) {
+  int finalized = 0;
+  TWOBP_MPI_CHECK(MPI_Finalized(&finalized));
+  TWOBP_CHECK(!finalized, UsageError, "MpiEnvironment: MPI was already finalized in this process");
+  int initialized = 0;
+  TWOBP_MPI_CHECK(MPI_Initialized(&initialized));
+  if (!initialized) {
+    // MULTIPLE lets several threads (e.g. a communication thread) use MPI; we accept less and serialize.
+    TWOBP_MPI_CHECK(MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &thread_level_));
+    initialized_here_ = true;
+  } else {
+    TWOBP_MPI_CHECK(MPI_Query_thread(&thread_level_));
+  }
+  TWOBP_MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank_));
+  TWOBP_MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &world_size_));
+  MPI_Comm node = MPI_COMM_NULL;
+  TWOBP_MPI_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node));
+  TWOBP_MPI_CHECK(MPI_Comm_rank(node, &local_rank_));
+  TWOBP_MPI_CHECK(MPI_Comm_size(node, &local_size_));
+  TWOBP_MPI_CHECK(MPI_Comm_free(&node));
+}
+
+MpiEnvironment::~MpiEnvironment() {
+  if (!initialized_here_) return;
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized) MPI_Finalize();
+}
+
+bool MpiEnvironment::thread_multiple() const { return thread_level_ >= MPI_THREAD_MULTIPLE; }
+
+// ---------------------------------------------------------------------------------------------------------------
+// MpiTransport
+
+namespace detail {
+namespace {
+
+constexpr std::int32_t kHeaderMagic = 0x74627031;  // "tbp1"
+constexpr int kMaxDims = 8;
+
+/// First message of every point-to-point transfer. Fixed size, so the receiver can post it before knowing
+/// anything; it carries the full 64-bit tag so that collisions of folded MPI tags are detected.
+struct WireHeader {
+  std::int32_t magic;
+  std::int32_t sender;
+  std::int32_t dtype;  // c10::ScalarType
+  std::int32_t ndim;
+  std::int64_t tag;
+  std::int64_t numel;
+  std::int64_t dims[kMaxDims];
+};
+static_assert(sizeof(WireHeader) == 96, "the wire header must have the same layout on every rank");
+
+/// The requests of one operation and everything MPI may still read or write: it must outlive the requests,
+/// which is why a timed-out operation is parked (see Impl::park) instead of destroyed.
+struct Pending {
+  std::array<MPI_Request, 2> requests{MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+  std::array<bool, 2> done{true, true};
+  std::array<int, 2> error{MPI_SUCCESS, MPI_SUCCESS};
+  std::array<MPI_Status, 2> status{};
+  WireHeader header{};
+  at::Tensor tensor;  // payload (send) or the caller's buffer (receive)
+};
+
+std::string shape_of(const WireHeader& h) {
+  const int ndim = std::max(0, std::min<int>(h.ndim, kMaxDims));
+  return describe_tensor(at::IntArrayRef(h.dims, static_cast<std::size_t>(ndim)),
+                         static_cast<c10::ScalarType>(h.dtype));
+}
+
+bool mpi_type_of(c10::ScalarType type, MPI_Datatype* out) {
+  switch (type) {
+    case c10::kFloat: *out = MPI_FLOAT; return true;
+    case c10::kDouble: *out = MPI_DOUBLE; return true;
+    case c10::kInt: *out = MPI_INT32_T; return true;
+    case c10::kLong: *out = MPI_INT64_T; return true;
+    case c10::kShort: *out = MPI_INT16_T; return true;
+    case c10::kChar: *out = MPI_INT8_T; return true;
+    case c10::kByte: *out = MPI_UINT8_T; return true;
+    default: return false;
+  }
+}
+
+}  // namespace
+}  // namespace detail
+
+struct MpiTransport::Impl {
+  MPI_Comm comm = MPI_COMM_NULL;
+  int rank = 0;
+  int world = 1;
+  bool multiple = false;
+  std::int64_t tag_modulus = 0;  // logical tags are folded into [0, tag_modulus)
+
+  std::mutex mpi_mutex;  // serializes MPI calls unless MPI_THREAD_MULTIPLE
+  std::mutex parked_mutex;
+  std::vector<std::shared_ptr<detail::Pending>> parked;
+  std::int64_t collectives = 0;
+  std::string collective_failure;  // guarded by parked_mutex
+
+  std::unique_lock<std::mutex> serialize() {
+    return multiple ? std::unique_lock<std::mutex>() : std::unique_lock<std::mutex>(mpi_mutex);
+  }
+
+  int fold(std::int64_t tag) const { return static_cast<int>(tag % tag_modulus); }
+
+  /// Tests every unfinished request once. Returns true when all are done (successfully or with an error).
+  /// A failed request is freed by MPI (MPI_ERRORS_RETURN); its code is kept for the caller's message.
+  bool test(detail::Pending& p) {
+    auto lock = serialize();
+    bool all = true;
+    for (int i = 0; i < 2; ++i) {
+      if (p.done[i]) continue;
+      int flag = 0;
+      const int rc = MPI_Test(&p.requests[i], &flag, &p.status[i]);
+      if (rc != MPI_SUCCESS) {
+        p.error[i] = rc;
+        p.done[i] = true;
+        p.requests[i] = MPI_REQUEST_NULL;
+      } else if (flag) {
+        p.done[i] = true;
+      } else {
+        all = false;
+      }
+    }
+    return all;
+  }
+
+  /// Cancels what can be cancelled and keeps the operation's buffers alive until MPI is done with them.
+  /// WHY: MPI_Request_free on an active request would leave MPI writing into (or reading from) freed memory,
+  /// and MPI_Wait has no timeout; parked operations are re-tested by reap() on later calls.
+  void park(std::shared_ptr<detail::Pending> p) {
+    {
+      auto lock = serialize();
+      for (int i = 0; i < 2; ++i) {
+        if (!p->done[i] && p->requests[i] != MPI_REQUEST_NULL) MPI_Cancel(&p->requests[i]);
+      }
+    }
+    test(*p);
+    if (p->done[0] && p->done[1]) return;
+    std::lock_guard<std::mutex> lock(parked_mutex);
+    parked.push_back(std::move(p));
+  }
+
+  void reap() {
+    std::vector<std::shared_ptr<detail::Pending>> todo;
+    {
+      std::lock_guard<std::mutex> lock(parked_mutex);
+      if (parked.empty()) return;
+      todo.swap(parked);
+    }
+    std::vector<std::shared_ptr<detail::Pending>> still;
+    for (auto& p : todo) {
+      if (!test(*p)) still.push_back(std::move(p));
+    }
+    std::lock_guard<std::mutex> lock(parked_mutex);
+    for (auto& p : still) parked.push_back(std::move(p));
+  }
+
+  /// Polls a single collective request until done or the deadline.
+  void wait_collective(std::shared_ptr<detail::Pending> p, const std::string& what, Duration timeout) {
+    const auto deadline = detail::deadline_after(timeout);
+    detail::Backoff backoff;
+    while (!test(*p)) {
+      if (Clock::now() >= deadline) {
+        // A collective cannot be cancelled: keep its buffer alive and refuse later collectives, whose
+        // matching would otherwise be off by one across ranks.
+        std::string message = fmt::format("rank {}: timed out after {} ms in {} (a rank did not call it, or is "
+                                          "stuck before it)",
+                                          rank, timeout.count(), what);
+        {
+          std::lock_guard<std::mutex> lock(parked_mutex);
+          collective_failure = message;
+          parked.push_back(std::move(p));
+        }
+        throw TimeoutError(message);
+      }
+      backoff.pause();
+    }
+    if (p->error[0] != MPI_SUCCESS) {
+      detail::raise<TransportError>("rank {}: {} failed: {}", rank, what, detail::mpi_error_string(p->error[0]));
+    }
+  }
+
+  std::string begin_collective(const char* kind) {
+    std::lock_guard<std::mutex> lock(parked_mutex);
+    std::string what = fmt::format("{} #{}", kind, collectives++);
+    if (!collective_failure.empty()) {
+      detail::raise<TransportError>("rank {}: {} refused: an earlier collective failed: {}", rank, what,
+                                    collective_failure);
+    }
+    return what;
+  }
+};
+
+namespace detail {
+namespace {
+
+class MpiWork final : public Work {
+ public:
+  MpiWork(std::shared_ptr<MpiTransport::Impl> impl, std::shared_ptr<Pending> pending, bool is_recv,
+          P2POptions options)
+      : impl_(std::move(impl)), p_(std::move(pending)), is_recv_(is_recv), options_(std::move(options)) {}
+
+  ~MpiWork() override {
+    // Only reached unfinished after a timeout was thrown or when the caller dropped the Work (a contract
+    // violation for sends): cancel and park rather than free buffers MPI may still use.
+    if (!finished_ && !parked_) {
+      try {
+        impl_->park(p_);
+      } catch (...) {
+      }
+    }
+  }
+
+  void wait(Duration timeout) override {
+    if (finished_) return;
+    const auto deadline = deadline_after(timeout);
+    Backoff backoff;
+    while (!impl_->test(*p_)) {
+      if (Clock::now() >= deadline) {
+        parked_ = true;
+        impl_->park(p_);
+        raise<TimeoutError>("rank {}: timed out after {} ms waiting for {} {} rank {}", impl_->rank,
+                            timeout.count(), describe_op(options_), is_recv_ ? "from" : "to", options_.peer);
+      }
+      backoff.pause();
+    }
+    finish();
+  }
+
+  bool is_completed() override {
+    if (finished_) return true;
+    if (!impl_->test(*p_)) return false;
+    finish();
+    return true;
+  }
+
+ private:
+  void finish() {
+    finished_ = true;
+    const int me = impl_->rank;
+    const int peer = options_.peer;
+    const std::string op = describe_op(options_);
+    const char* dir = is_recv_ ? "from" : "to";
+    if (p_->error[0] != MPI_SUCCESS) {
+      raise<TransportError>("rank {}: {} {} rank {}: header transfer failed: {}", me, op, dir, peer,
+                            mpi_error_string(p_->error[0]));
+    }
+    if (is_recv_) {
+      const WireHeader& h = p_->header;
+      int header_bytes = 0;
+      {
+        auto lock = impl_->serialize();
+        MPI_Get_count(&p_->status[0], MPI_BYTE, &header_bytes);
+      }
+      TWOBP_CHECK(header_bytes == static_cast<int>(sizeof(WireHeader)) && h.magic == kHeaderMagic &&
+                      h.sender == peer,
+                  TransportError, "rank {}: {} from rank {}: received a malformed header ({} bytes)", me, op, peer,
+                  header_bytes);
+      TWOBP_CHECK(h.tag == options_.tag, TransportError,
+                  "rank {}: {} from rank {}: received the message of tag {} instead of tag {}: both fold to MPI "
+                  "tag {} (MPI_TAG_UB allows {} distinct tags); keep the tags in flight between two ranks "
+                  "distinct modulo that",
+                  me, op, peer, h.tag, options_.tag, impl_->fold(options_.tag), impl_->tag_modulus);
+      const at::Tensor& buffer = p_->tensor;
+      const bool same_shape = h.ndim == buffer.dim() &&
+                              std::equal(buffer.sizes().begin(), buffer.sizes().end(), h.dims);
+      TWOBP_CHECK(same_shape && h.dtype == static_cast<std::int32_t>(buffer.scalar_type()), UsageError,
+                  "rank {}: {} from rank {}: expected {} but rank {} sent {}", me, op, peer,
+                  describe_tensor(buffer), peer, shape_of(h));
+    }
+    if (p_->error[1] != MPI_SUCCESS) {
+      raise<TransportError>("rank {}: {} {} rank {}: payload transfer failed: {}", me, op, dir, peer,
+                            mpi_error_string(p_->error[1]));
+    }
+    if (is_recv_) {
+      int bytes = 0;
+      {
+        auto lock = impl_->serialize();
+        MPI_Get_count(&p_->status[1], MPI_BYTE, &bytes);
+      }
+      TWOBP_CHECK(static_cast<std::int64_t>(bytes) == static_cast<std::int64_t>(p_->tensor.nbytes()),
+                  TransportError, "rank {}: {} from rank {}: received {} payload bytes, expected {}", me, op, peer,
+                  bytes, p_->tensor.nbytes());
+    }
+  }
+
+  std::shared_ptr<MpiTransport::Impl> impl_;
+  std::shared_ptr<Pending> p_;
+  bool is_recv_;
+  P2POptions options_;
+  bool finished_ = false;
+  bool parked_ = false;
+};
+
+void check_cpu_message(const char* what, int rank, const at::Tensor& t, const P2POptions& options) {
+  TWOBP_CHECK(t.is_cpu(), UsageError, "rank {}: {} {}: MpiTransport moves CPU tensors, got one on {}", rank, what,
+              describe_op(options), t.device().str());
+  TWOBP_CHECK(t.dim() <= kMaxDims, UsageError, "rank {}: {} {}: tensors of at most {} dimensions, got {}", rank,
+              what, describe_op(options), kMaxDims, describe_tensor(t));
+  TWOBP_CHECK(t.nbytes() <= static_cast<std::size_t>(INT_MAX), UsageError,
+              "rank {}: {} {}: {} is {} bytes; MpiTransport messages are limited to {} bytes", rank, what,
+              describe_op(options), describe_tensor(t), t.nbytes(), INT_MAX);
+}
+
+}  // namespace
+}  // namespace detail
+
+MpiTransport::MpiTransport(const MpiEnvironment& env) : impl_(std::make_shared<Impl>()) {
+  impl_->multiple = env.thread_multiple();
+  // A private communicator: our tags cannot collide with the application's own MPI traffic, and errors on it
+  // are returned to us (MPI_ERRORS_RETURN) instead of killing the job.
+  int rc = MPI_Comm_dup(MPI_COMM_WORLD, &impl_->comm);
+  if (rc != MPI_SUCCESS) detail::raise_mpi_error(rc, "MPI_Comm_dup(MPI_COMM_WORLD)", __FILE__, __LINE__);
+  TWOBP_MPI_CHECK(MPI_Comm_set_errhandler(impl_->comm, MPI_ERRORS_RETURN));
+  TWOBP_MPI_CHECK(MPI_Comm_rank(impl_->comm, &impl_->rank));
+  TWOBP_MPI_CHECK(MPI_Comm_size(impl_->comm, &impl_->world));
+  void* attr = nullptr;
+  int flag = 0;
+  TWOBP_MPI_CHECK(MPI_Comm_get_attr(impl_->comm, MPI_TAG_UB, &attr, &flag));
+  const std::int64_t tag_ub = flag ? *static_cast<int*>(attr) : 32767;  // 32767: the minimum MPI guarantees
+  impl_->tag_modulus = (tag_ub + 1) / 2;  // tags 2f and 2f+1 with f < modulus are both <= tag_ub
+}
+
+MpiTransport::~MpiTransport() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (finalized) return;  // the environment died first; nothing can be freed any more
+  // Give parked operations a moment (cancelled receives complete at once); whatever is still active keeps
+  // its buffers alive forever rather than have MPI touch freed memory.
+  const auto deadline = Clock::now() + Duration(200);
+  detail::Backoff backoff;
+  while (Clock::now() < deadline) {
+    impl_->reap();
+    std::lock_guard<std::mutex> lock(impl_->parked_mutex);
+    if (impl_->parked.empty()) break;
+    backoff.pause();
+  }
+  {
+    std::lock_guard<std::mutex> lock(impl_->parked_mutex);
+    if (!impl_->parked.empty()) {
+      new std::vector<std::shared_ptr<detail::Pending>>(std::move(impl_->parked));  // intentional leak
+    }
+  }
+  // MPI_Comm_free only marks the communicator; operations still pending on it complete normally.
+  MPI_Comm_free(&impl_->comm);
+}
+
+int MpiTransport::rank() const { return impl_->rank; }
+int MpiTransport::world_size() const { return impl_->world; }
+
+std::unique_ptr<Work> MpiTransport::isend(const at::Tensor& tensor, const P2POptions& options) {
+  detail::check_p2p_args("isend", impl_->rank, impl_->world, tensor, options);
+  detail::check_cpu_message("isend", impl_->rank, tensor, options);
+  impl_->reap();
+  auto p = std::make_shared<detail::Pending>();
+  p->tensor = tensor;  // keeps the storage alive while MPI reads it
+  auto& h = p->header;
+  h.magic = detail::kHeaderMagic;
+  h.sender = impl_->rank;
+  h.dtype = static_cast<std::int32_t>(tensor.scalar_type());
+  h.ndim = static_cast<std::int32_t>(tensor.dim());
+  h.tag = options.tag;
+  h.numel = tensor.numel();
+  for (int d = 0; d < tensor.dim(); ++d) h.dims[d] = tensor.size(d);
+  const int tag = impl_->fold(options.tag);
+  {
+    auto lock = impl_->serialize();
+    int rc = MPI_Isend(&p->header, sizeof(detail::WireHeader), MPI_BYTE, options.peer, 2 * tag, impl_->comm,
+                       &p->requests[0]);
+    if (rc == MPI_SUCCESS) {
+      p->done[0] = false;
+      rc = MPI_Isend(tensor.data_ptr(), static_cast<int>(tensor.nbytes()), MPI_BYTE, options.peer, 2 * tag + 1,
+                     impl_->comm, &p->requests[1]);
+      if (rc == MPI_SUCCESS) p->done[1] = false;
+    }
+    if (rc != MPI_SUCCESS) {
+      lock = {};
+      impl_->park(p);
+      detail::raise<TransportError>("rank {}: isend {} to rank {}: MPI_Isend failed at {}:{}: {}", impl_->rank,
+                                    detail::describe_op(options), options.peer, __FILE__, __LINE__,
+                                    detail::mpi_error_string(rc));
+    }
+  }
+  return std::make_unique<detail::MpiWork>(impl_, std::move(p), false, options);
+}
+
+std::unique_ptr<Work> MpiTransport::irecv(at::Tensor& buffer, const P2POptions& options) {
+  detail::check_p2p_args("irecv", impl_->rank, impl_->world, buffer, options);
+  detail::check_cpu_message("irecv", impl_->rank, buffer, options);
+  impl_->reap();
+  auto p = std::make_shared<detail::Pending>();
+  p->tensor = buffer;
+  const int tag = impl_->fold(options.tag);
+  {
+    auto lock = impl_->serialize();
+    // Both receives are posted now, the payload straight into the caller's buffer: a larger message fails
+    // with MPI_ERR_TRUNCATE, which finish() explains with the header's shape.
+    int rc = MPI_Irecv(&p->header, sizeof(detail::WireHeader), MPI_BYTE, options.peer, 2 * tag, impl_->comm,
+                       &p->requests[0]);
+    if (rc == MPI_SUCCESS) {
+      p->done[0] = false;
+      rc = MPI_Irecv(buffer.data_ptr(), static_cast<int>(buffer.nbytes()), MPI_BYTE, options.peer, 2 * tag + 1,
+                     impl_->comm, &p->requests[1]);
+      if (rc == MPI_SUCCESS) p->done[1] = false;
+    }
+    if (rc != MPI_SUCCESS) {
+      lock = {};
+      impl_->park(p);
+      detail::raise<TransportError>("rank {}: irecv {} from rank {}: MPI_Irecv failed at {}:{}: {}", impl_->rank,
+                                    detail::describe_op(options), options.peer, __FILE__, __LINE__,
+                                    detail::mpi_error_string(rc));
+    }
+  }
+  return std::make_unique<detail::MpiWork>(impl_, std::move(p), true, options);
+}
+
+void MpiTransport::all_reduce_sum(at::Tensor& tensor, Duration timeout) {
+  const std::string what = impl_->begin_collective("all_reduce_sum");
+  TWOBP_CHECK(tensor.defined() && tensor.is_cpu(), UsageError,
+              "rank {}: {}: MpiTransport reduces defined CPU tensors", impl_->rank, what);
+  MPI_Datatype type = MPI_DATATYPE_NULL;
+  at::Tensor work = tensor;
+  if (!detail::mpi_type_of(tensor.scalar_type(), &type)) {
+    // MPI has no half/bfloat16 sum: reduce in float32 (more accurate anyway) and round once at the end.
+    TWOBP_CHECK(tensor.scalar_type() == c10::kHalf || tensor.scalar_type() == c10::kBFloat16, UsageError,
+                "rank {}: {}: dtype {} cannot be summed over MPI", impl_->rank, what,
+                c10::toString(tensor.scalar_type()));
+    work = tensor.to(c10::kFloat);
+    type = MPI_FLOAT;
+  }
+  if (!work.is_contiguous()) work = work.contiguous();
+  TWOBP_CHECK(work.numel() <= INT_MAX, UsageError, "rank {}: {}: at most {} elements", impl_->rank, what, INT_MAX);
+  auto p = std::make_shared<detail::Pending>();
+  p->tensor = work;
+  {
+    auto lock = impl_->serialize();
+    TWOBP_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, work.data_ptr(), static_cast<int>(work.numel()), type, MPI_SUM,
+                                   impl_->comm, &p->requests[0]));
+    p->done[0] = false;
+  }
+  impl_->wait_collective(std::move(p), what, timeout);
+  if (!work.is_same(tensor)) tensor.copy_(work);
+}
+
+void MpiTransport::barrier(Duration timeout) {
+  const std::string what = impl_->begin_collective("barrier");
+  auto p = std::make_shared<detail::Pending>();
+  {
+    auto lock = impl_->serialize();
+    TWOBP_MPI_CHECK(MPI_Ibarrier(impl_->comm, &p->requests[0]));
+    p->done[0] = false;
+  }
+  impl_->wait_collective(std::move(p), what, timeout);
+}
+
+void MpiTransport::abort(const std::string& reason) {
+  // MPI has no way to fail only the peers' pending operations: the whole job is torn down.
+  std::fprintf(stderr, "twobp: rank %d aborts the MPI job: %s\n", impl_->rank, reason.c_str());
+  std::fflush(stderr);
+  MPI_Abort(MPI_COMM_WORLD, 1);
+  detail::raise<TransportError>("rank {}: MPI_Abort returned (reason was: {})", impl_->rank, reason);
+}
+
+}  // namespace twobp

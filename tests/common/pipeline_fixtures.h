@@ -1,0 +1,47 @@
+#pragma once
+// Shared by the Local and MPI pipeline tests: the chunks of a small pipeline and its single-process reference.
+
+#include <torch/torch.h>
+
+#include "common/test_models.h"
+
+namespace twobp::testing {
+
+constexpr int64_t kDim = 4;
+constexpr int64_t kMicroBatchSize = 2;
+
+inline torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& target) { return (out - target).pow(2).mean(); }
+
+// Chunk s alternates between the fast path (twobp::nn::Linear) and the general path (torch::nn::Linear), so
+// every pipeline exercises both halves of the split and their hand-over.
+inline std::shared_ptr<torch::nn::Module> make_chunk(int s) {
+  torch::manual_seed(100 + s);
+  if (s % 2 == 0) return FastMlp(kDim).ptr();
+  return TorchMlp(kDim).ptr();
+}
+
+inline torch::Tensor run_chunk(torch::nn::Module& m, int s, const torch::Tensor& x) {
+  if (s % 2 == 0) return static_cast<FastMlpImpl&>(m).forward(x);
+  return static_cast<TorchMlpImpl&>(m).forward(x);
+}
+
+struct Reference {
+  std::vector<std::shared_ptr<torch::nn::Module>> chunks;
+  std::vector<double> losses;
+};
+
+inline Reference run_reference(int stages, int m, const torch::Tensor& inputs, const torch::Tensor& targets) {
+  Reference ref;
+  for (int s = 0; s < stages; ++s) ref.chunks.push_back(make_chunk(s));
+  auto xs = inputs.split(kMicroBatchSize), ys = targets.split(kMicroBatchSize);
+  for (int mb = 0; mb < m; ++mb) {
+    torch::Tensor h = xs[mb];
+    for (int s = 0; s < stages; ++s) h = run_chunk(*ref.chunks[s], s, h);
+    auto loss = mse(h, ys[mb]);
+    (loss / m).backward();
+    ref.losses.push_back(loss.item<double>());
+  }
+  return ref;
+}
+
+}  // namespace twobp::testing

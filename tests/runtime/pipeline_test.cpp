@@ -1,0 +1,234 @@
+// The pipeline runtime against a single-process reference: every schedule, with and without 2BP, several
+// (ranks, micro-batches) shapes, ranks as threads on the Local transport, float64.
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <exception>
+#include <thread>
+
+#include "common/pipeline_fixtures.h"
+#include "twobp/error.h"
+#include "twobp/runtime/pipeline.h"
+#include "twobp/transport/local.h"
+
+namespace twobp::testing {
+namespace {
+
+struct RankRun {
+  std::vector<std::shared_ptr<torch::nn::Module>> chunks;  // by stage, null when not on this rank
+  StepResult result;
+  std::exception_ptr error;
+};
+
+// Builds every rank's chunks on the calling thread (the global RNG is not thread-safe), then runs one step per
+// rank on its own thread.
+std::vector<RankRun> run_pipeline(const Schedule& schedule, const torch::Tensor& inputs, const torch::Tensor& targets,
+                                  PipelineOptions options, int steps = 1,
+                                  std::function<void(int rank, Pipeline&)> before_step = nullptr) {
+  auto transports = make_local_transports(schedule.num_ranks);
+  std::vector<RankRun> runs(schedule.num_ranks);
+  std::vector<std::unique_ptr<Pipeline>> pipelines;
+  for (int r = 0; r < schedule.num_ranks; ++r) {
+    std::vector<PipelineChunk> chunks;
+    runs[r].chunks.resize(schedule.num_stages);
+    for (int s : schedule.stages_of(r)) {
+      auto module = make_chunk(s);
+      runs[r].chunks[s] = module;
+      auto* raw = module.get();
+      chunks.push_back({s, module, [raw, s](const at::Tensor& x) { return run_chunk(*raw, s, x); }});
+    }
+    pipelines.push_back(std::make_unique<Pipeline>(schedule, std::move(chunks),
+                                                   std::shared_ptr<Transport>(std::move(transports[r])), options));
+  }
+  std::vector<std::thread> threads;
+  for (int r = 0; r < schedule.num_ranks; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        for (int i = 0; i < steps; ++i) {
+          if (before_step) before_step(r, *pipelines[r]);
+          runs[r].result = pipelines[r]->step(inputs, targets);
+        }
+      } catch (...) {
+        runs[r].error = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return runs;
+}
+
+PipelineOptions default_options() {
+  PipelineOptions o;
+  o.timeout = std::chrono::seconds(60);
+  o.loss = mse;
+  o.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim}, at::kDouble}; };
+  return o;
+}
+
+struct ParityCase {
+  std::string schedule;
+  BackwardMode mode;
+  int p, m;
+};
+
+class PipelineParity : public ::testing::TestWithParam<ParityCase> {
+ protected:
+  void SetUp() override { torch::set_default_dtype(caffe2::TypeMeta::Make<double>()); }
+  void TearDown() override { torch::set_default_dtype(caffe2::TypeMeta::Make<float>()); }
+};
+
+TEST_P(PipelineParity, LossesAndGradientsMatchSingleProcess) {
+  const ParityCase c = GetParam();
+  ScheduleOptions so;
+  so.ranks = c.p;
+  so.micro_batches = c.m;
+  so.chunks_per_rank = (c.schedule == "interleaved-1f1b" || c.schedule == "zb-v") ? 2 : 1;
+  so.backward = c.mode;
+  Schedule schedule;
+  try {
+    schedule = make_schedule(c.schedule, so);
+  } catch (const ScheduleError& e) {
+    GTEST_SKIP() << "schedule rejects this shape: " << e.what();
+  }
+  torch::manual_seed(1);
+  auto inputs = torch::randn({c.m * kMicroBatchSize, kDim});
+  auto targets = torch::randn({c.m * kMicroBatchSize, kDim});
+  Reference ref = run_reference(schedule.num_stages, c.m, inputs, targets);
+  auto runs = run_pipeline(schedule, inputs, targets, default_options());
+  for (int r = 0; r < c.p; ++r) {
+    if (runs[r].error) std::rethrow_exception(runs[r].error);
+  }
+  const int last_rank = schedule.stage_to_rank.back();
+  ASSERT_EQ(runs[last_rank].result.losses.size(), static_cast<std::size_t>(c.m));
+  for (int mb = 0; mb < c.m; ++mb) {
+    EXPECT_NEAR(runs[last_rank].result.losses[mb], ref.losses[mb], 1e-12) << "loss of micro-batch " << mb;
+  }
+  for (int s = 0; s < schedule.num_stages; ++s) {
+    const int r = schedule.stage_to_rank[s];
+    auto got = runs[r].chunks[s]->named_parameters();
+    for (const auto& item : ref.chunks[s]->named_parameters()) {
+      const auto& g = got[item.key()].grad();
+      ASSERT_TRUE(g.defined()) << "stage " << s << " " << item.key() << " has no gradient";
+      EXPECT_LE((g - item.value().grad()).abs().max().item<double>(), 1e-12)
+          << "stage " << s << " parameter " << item.key();
+    }
+  }
+}
+
+std::vector<ParityCase> all_cases() {
+  std::vector<ParityCase> cases;
+  for (const auto& name : builtin_schedule_names()) {
+    for (BackwardMode mode : {BackwardMode::kStandard, BackwardMode::kSplit}) {
+      for (auto [p, m] : std::vector<std::pair<int, int>>{{2, 2}, {2, 4}, {4, 4}, {4, 8}}) {
+        cases.push_back({name, mode, p, m});
+      }
+    }
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(AllSchedules, PipelineParity, ::testing::ValuesIn(all_cases()), [](const auto& info) {
+  std::string n = info.param.schedule + (info.param.mode == BackwardMode::kSplit ? "_2bp" : "_standard") + "_p" +
+                  std::to_string(info.param.p) + "_m" + std::to_string(info.param.m);
+  for (auto& ch : n) {
+    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+  }
+  return n;
+});
+
+std::string message_of(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& ex) {
+    return ex.what();
+  }
+  return "";
+}
+
+template <typename E>
+bool is_a(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const E&) {
+    return true;
+  } catch (...) {
+    return false;
+  }
+}
+
+class PipelineFailures : public ::testing::Test {
+ protected:
+  void SetUp() override { torch::set_default_dtype(caffe2::TypeMeta::Make<double>()); }
+  void TearDown() override { torch::set_default_dtype(caffe2::TypeMeta::Make<float>()); }
+  Schedule schedule_ = make_schedule("1f1b", ScheduleOptions{2, 2, 1, BackwardMode::kSplit});
+  torch::Tensor inputs_ = torch::randn({2 * kMicroBatchSize, kDim}, torch::kDouble);
+  torch::Tensor targets_ = torch::randn({2 * kMicroBatchSize, kDim}, torch::kDouble);
+};
+
+TEST_F(PipelineFailures, ActivationOfUnexpectedShapeNamesBothStages) {
+  auto options = default_options();
+  options.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim + 1}, at::kDouble}; };
+  const auto t0 = std::chrono::steady_clock::now();
+  auto runs = run_pipeline(schedule_, inputs_, targets_, options);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(30));
+  ASSERT_TRUE(runs[0].error);
+  ASSERT_TRUE(is_a<UsageError>(runs[0].error)) << message_of(runs[0].error);
+  const std::string what = message_of(runs[0].error);
+  for (const char* word : {"stage 0 (rank 0)", "stage 1 (rank 1)", "micro-batch 0", "[2, 4]", "[2, 5]"}) {
+    EXPECT_NE(what.find(word), std::string::npos) << word << " not in: " << what;
+  }
+  ASSERT_TRUE(runs[1].error) << "the peer must fail too, not hang";
+  EXPECT_TRUE(is_a<TransportError>(runs[1].error)) << message_of(runs[1].error);
+  EXPECT_NE(message_of(runs[1].error).find("rank 0"), std::string::npos) << message_of(runs[1].error);
+}
+
+TEST_F(PipelineFailures, RankThatThrowsMakesPeersFailNamingIt) {
+  auto options = default_options();
+  // Rank 1 fails before its step; rank 0 is then waiting for gradients that will never come.
+  auto runs = run_pipeline(schedule_, inputs_, targets_, options, 1, [](int rank, Pipeline& p) {
+    if (rank == 1) {
+      p.transport().abort("rank 1 failed: injected failure");
+      throw std::runtime_error("injected failure");
+    }
+  });
+  ASSERT_TRUE(runs[0].error);
+  EXPECT_TRUE(is_a<TransportError>(runs[0].error)) << message_of(runs[0].error);
+  EXPECT_NE(message_of(runs[0].error).find("injected failure"), std::string::npos) << message_of(runs[0].error);
+}
+
+TEST_F(PipelineFailures, PeerThatNeverSendsTimesOut) {
+  auto options = default_options();
+  options.timeout = std::chrono::milliseconds(300);
+  std::atomic<bool> release{false};
+  // Rank 1 does not take part in the step at all (it sleeps past rank 0's timeout).
+  auto runs = run_pipeline(schedule_, inputs_, targets_, options, 1, [&](int rank, Pipeline&) {
+    if (rank == 1) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+      throw std::runtime_error("rank 1 skipped the step");
+    }
+  });
+  ASSERT_TRUE(runs[0].error);
+  const std::string what = message_of(runs[0].error);
+  EXPECT_TRUE(is_a<TimeoutError>(runs[0].error)) << what;
+  EXPECT_NE(what.find("rank 1"), std::string::npos) << what;
+  EXPECT_NE(what.find("micro-batch"), std::string::npos) << what;
+}
+
+TEST_F(PipelineFailures, BatchThatDoesNotSplitIntoMicroBatches) {
+  auto runs = run_pipeline(schedule_, torch::randn({3, kDim}, torch::kDouble), targets_, default_options());
+  ASSERT_TRUE(runs[0].error);
+  EXPECT_NE(message_of(runs[0].error).find("cannot be split into 2 micro-batches"), std::string::npos)
+      << message_of(runs[0].error);
+}
+
+TEST(PipelineSetup, ChunkOnTheWrongRankIsRejected) {
+  auto schedule = make_schedule("1f1b", ScheduleOptions{2, 2, 1, BackwardMode::kSplit});
+  auto transports = make_local_transports(2);
+  auto module = FastMlp(kDim);
+  std::vector<PipelineChunk> chunks{{1, module.ptr(), [raw = module.ptr()](const at::Tensor& x) { return raw->forward(x); }}};
+  EXPECT_THROW(Pipeline(schedule, std::move(chunks), std::move(transports[0]), default_options()), UsageError);
+}
+
+}  // namespace
+}  // namespace twobp::testing

@@ -1,0 +1,89 @@
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "twobp/error.h"
+#include "twobp/schedule/schedule.h"
+
+namespace twobp {
+namespace {
+
+TEST(Text, DumpFormat) {
+  const Schedule sc = make_schedule("1f1b", ScheduleOptions{2, 2, 1, BackwardMode::kSplit});
+  const std::string text = dump_schedule(sc);
+  EXPECT_EQ(text.substr(0, text.find('\n')),
+            "twobp-schedule v1 name=1f1b ranks=2 stages=2 microbatches=2 backward=split placement=0,1");
+  EXPECT_NE(text.find("\nrank 0: F 0 0\nrank 0: SEND_F 0 0\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("\nrank 1: W 1 0,1\n"), std::string::npos) << text;
+}
+
+TEST(Text, LoadIgnoresCommentsAndBlankLines) {
+  const std::string text =
+      "# a hand-written schedule\n"
+      "\n"
+      "twobp-schedule v1 name=mine ranks=1 stages=1 microbatches=2 backward=split placement=0  # header\n"
+      "rank 0: F 0 0\n"
+      "   rank 0: F 0 1\n"
+      "rank 0: I 0 0\n"
+      "\n"
+      "rank 0: I 0 1   # trailing comment\n"
+      "rank 0: W 0 0,1\n";
+  const Schedule sc = load_schedule(text);
+  EXPECT_EQ(sc.name, "mine");
+  EXPECT_EQ(sc.backward, BackwardMode::kSplit);
+  ASSERT_EQ(sc.actions.size(), 1u);
+  ASSERT_EQ(sc.actions[0].size(), 5u);
+  EXPECT_EQ(sc.actions[0][4], (Action{ActionType::kBackwardWeight, 0, {0, 1}}));
+  EXPECT_NO_THROW(validate(sc));
+  EXPECT_EQ(load_schedule(dump_schedule(sc)).actions, sc.actions);
+}
+
+void expect_load_error(const std::string& text, std::vector<std::string> words) {
+  try {
+    load_schedule(text);
+    ADD_FAILURE() << "expected ScheduleError for:\n" << text;
+  } catch (const ScheduleError& e) {
+    const std::string what = e.what();
+    for (const auto& w : words) EXPECT_NE(what.find(w), std::string::npos) << "'" << w << "' not in: " << what;
+  }
+}
+
+TEST(Text, LoadErrorsNameLineAndExpectation) {
+  const std::string header =
+      "twobp-schedule v1 name=x ranks=2 stages=2 microbatches=2 backward=standard "
+      "placement=0,1\n";
+  expect_load_error(header + "rank 0: F 0 0\nrank 0: X 0 1\n",
+                    {"line 3", "'rank 0: X 0 1'", "unknown action 'X'", "SEND_F"});
+  expect_load_error(header + "rank 2: F 0 0\n", {"line 2", "rank 2 out of range"});
+  expect_load_error(header + "rank 0: F 0 7\n", {"line 2", "micro-batch 7 out of range"});
+  expect_load_error(header + "rank 0: F 3 0\n", {"stage 3 out of range"});
+  expect_load_error(header + "rank 0: F 0 0,1\n", {"only W may list several"});
+  expect_load_error(header + "rank 0 F 0 0\n", {"line 2", "expected an action line"});
+  expect_load_error(header + "rank 0: F zero 0\n", {"stage to be a non-negative integer", "'zero'"});
+  expect_load_error("rank 0: F 0 0\n", {"line 1", "expected the header"});
+  expect_load_error("twobp-schedule v2 name=x\n", {"unsupported version 'v2'"});
+  expect_load_error("twobp-schedule v1 name=x ranks=2 stages=2 microbatches=2 backward=split\n",
+                    {"lacks 'placement='"});
+  expect_load_error("twobp-schedule v1 name=x ranks=2 stages=2 microbatches=2 backward=fused placement=0,1\n",
+                    {"backward=standard or backward=split"});
+  expect_load_error("twobp-schedule v1 name=x ranks=2 stages=2 microbatches=2 backward=split placement=0\n",
+                    {"placement has 1 entries"});
+  expect_load_error("twobp-schedule v1 name=x ranks=2 stages=2 microbatches=2 backward=split placement=0,1 x=1\n",
+                    {"unknown header key 'x'"});
+  expect_load_error("# only a comment\n", {"no header"});
+}
+
+TEST(Text, DumpRejectsUnwritableName) {
+  Schedule sc = make_schedule("gpipe", ScheduleOptions{1, 1, 1, BackwardMode::kSplit});
+  sc.name = "my schedule";
+  EXPECT_THROW(dump_schedule(sc), ScheduleError);
+}
+
+TEST(Text, DescribeAndToString) {
+  EXPECT_STREQ(to_string(ActionType::kRecvBackward), "RECV_B");
+  EXPECT_EQ(describe(Action{ActionType::kBackwardWeight, 1, {0, 1, 2}}), "W stage 1 micro-batches 0,1,2");
+  EXPECT_EQ(describe(Action{ActionType::kForward, 2, {3}}), "F stage 2 micro-batch 3");
+}
+
+}  // namespace
+}  // namespace twobp

@@ -1,0 +1,172 @@
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <string>
+
+#include "schedule/schedule_test_util.h"
+#include "twobp/error.h"
+#include "twobp/schedule/schedule.h"
+
+namespace twobp {
+namespace {
+
+using test::act;
+using test::two_stage;
+constexpr auto F = ActionType::kForward;
+constexpr auto I = ActionType::kBackwardInput;
+constexpr auto W = ActionType::kBackwardWeight;
+constexpr auto B = ActionType::kBackward;
+constexpr auto SF = ActionType::kSendForward;
+constexpr auto RF = ActionType::kRecvForward;
+constexpr auto SB = ActionType::kSendBackward;
+constexpr auto RB = ActionType::kRecvBackward;
+
+// The smallest valid two-rank program: one micro-batch, fused backward.
+Schedule base() {
+  return two_stage({{act(F, 0, {0}), act(SF, 0, {0}), act(RB, 0, {0}), act(B, 0, {0})},
+                    {act(RF, 1, {0}), act(F, 1, {0}), act(B, 1, {0}), act(SB, 1, {0})}});
+}
+
+Schedule one_rank(std::vector<Action> actions, int m = 1, BackwardMode mode = BackwardMode::kSplit) {
+  Schedule sc;
+  sc.name = "single";
+  sc.num_ranks = 1;
+  sc.num_stages = 1;
+  sc.num_micro_batches = m;
+  sc.backward = mode;
+  sc.stage_to_rank = {0};
+  sc.actions = {std::move(actions)};
+  return sc;
+}
+
+// Expects validate() to throw ScheduleError whose message contains every word in `words`.
+void expect_rejected(const Schedule& sc, std::vector<std::string> words) {
+  try {
+    validate(sc);
+    ADD_FAILURE() << "expected ScheduleError for:\n" << dump_schedule(sc);
+  } catch (const ScheduleError& e) {
+    const std::string what = e.what();
+    for (const std::string& w : words) EXPECT_NE(what.find(w), std::string::npos) << "'" << w << "' not in:\n" << what;
+  }
+}
+
+void erase(std::vector<Action>& list, const Action& a) {
+  auto it = std::find(list.begin(), list.end(), a);
+  ASSERT_NE(it, list.end());
+  list.erase(it);
+}
+
+TEST(Validate, AcceptsBase) { EXPECT_NO_THROW(validate(base())); }
+
+TEST(Validate, MissingForward) {
+  Schedule sc = make_schedule("1f1b", ScheduleOptions{2, 2, 1, BackwardMode::kStandard});
+  erase(sc.actions[1], act(F, 1, {1}));
+  expect_rejected(sc, {"missing F", "stage 1", "micro-batch 1", "rank 1", "rank 0 |"});
+}
+
+TEST(Validate, MissingWeight) {
+  Schedule sc = make_schedule("gpipe", ScheduleOptions{1, 2, 1, BackwardMode::kSplit});
+  sc.actions[0].back() = act(W, 0, {0});
+  expect_rejected(sc, {"missing W", "micro-batch 1"});
+}
+
+TEST(Validate, InputGradBeforeForward) {
+  expect_rejected(one_rank({act(I, 0, {0}), act(F, 0, {0}), act(W, 0, {0})}),
+                  {"rank 0", "I stage 0 micro-batch 0", "before F stage 0 micro-batch 0", "[I0]"});
+}
+
+TEST(Validate, WeightBeforeInput) {
+  expect_rejected(one_rank({act(F, 0, {0}), act(W, 0, {0}), act(I, 0, {0})}),
+                  {"rank 0", "W stage 0 micro-batch 0", "W runs before I stage 0 micro-batch 0", "[W0]"});
+}
+
+TEST(Validate, SendWithoutRecv) {
+  Schedule sc = base();
+  erase(sc.actions[1], act(RF, 1, {0}));
+  expect_rejected(sc, {"rank 0", "SEND_F stage 0 micro-batch 0", "no matching RECV_F stage 1 micro-batch 0 on rank 1"});
+}
+
+TEST(Validate, RecvWithoutSend) {
+  Schedule sc = base();
+  erase(sc.actions[0], act(SF, 0, {0}));
+  expect_rejected(sc, {"rank 1", "RECV_F stage 1 micro-batch 0", "no matching SEND_F stage 0 micro-batch 0 on rank 0"});
+}
+
+TEST(Validate, WrongRank) {
+  Schedule sc = base();
+  sc.actions[0].push_back(act(B, 1, {0}));
+  erase(sc.actions[1], act(B, 1, {0}));
+  expect_rejected(sc, {"rank 0", "B stage 1 micro-batch 0", "owned by rank 1"});
+}
+
+TEST(Validate, DuplicatedMicroBatch) {
+  Schedule sc = base();
+  sc.actions[0].insert(sc.actions[0].begin() + 1, act(F, 0, {0}));
+  expect_rejected(sc, {"duplicate", "F stage 0 micro-batch 0", "rank 0"});
+  Schedule w =
+      one_rank({act(F, 0, {0}), act(F, 0, {1}), act(I, 0, {0}), act(I, 0, {1}), act(W, 0, {0, 1}), act(W, 0, {1})}, 2);
+  expect_rejected(w, {"duplicate", "W stage 0 micro-batch 1"});
+}
+
+TEST(Validate, Deadlock) {
+  // Each rank receives before it sends what the other waits for.
+  Schedule sc = two_stage({{act(RB, 0, {0}), act(F, 0, {0}), act(SF, 0, {0}), act(B, 0, {0})},
+                           {act(RF, 1, {0}), act(F, 1, {0}), act(B, 1, {0}), act(SB, 1, {0})}});
+  expect_rejected(
+      sc, {"deadlock", "rank 0 waits at action #0 (RECV_B stage 0 micro-batch 0) for SEND_B stage 1 micro-batch 0",
+           "rank 1 waits at action #0 (RECV_F stage 1 micro-batch 0)", "never runs"});
+}
+
+TEST(Validate, ComputeBeforeItsReceive) {
+  Schedule sc = base();
+  std::swap(sc.actions[1][0], sc.actions[1][1]);
+  expect_rejected(sc, {"rank 1", "F stage 1 micro-batch 0", "expected RECV_F stage 1 micro-batch 0 earlier"});
+}
+
+TEST(Validate, WrongBackwardKind) {
+  Schedule sc = base();
+  sc.backward = BackwardMode::kSplit;
+  expect_rejected(sc, {"must use I and W", "B stage 0 micro-batch 0"});
+  expect_rejected(one_rank({act(F, 0, {0}), act(I, 0, {0}), act(W, 0, {0})}, 1, BackwardMode::kStandard),
+                  {"must use B", "found I"});
+}
+
+TEST(Validate, DecreasingMicroBatchOrder) {
+  expect_rejected(
+      one_rank({act(F, 0, {1}), act(F, 0, {0}), act(B, 0, {0}), act(B, 0, {1})}, 2, BackwardMode::kStandard),
+      {"micro-batch 0 after micro-batch 1", "increasing"});
+}
+
+TEST(Validate, LocalHandOverNeedsNoMessages) {
+  Schedule sc = make_schedule("zb-v", ScheduleOptions{1, 1, 2, BackwardMode::kStandard});
+  sc.actions[0].insert(sc.actions[0].begin() + 1, act(SF, 0, {0}));
+  expect_rejected(sc, {"both on rank 0", "expected no communication"});
+}
+
+TEST(Validate, Structure) {
+  Schedule sc = base();
+  sc.actions[0][0].stage = 5;
+  expect_rejected(sc, {"stage out of range"});
+  sc = base();
+  sc.actions[0][0].micro_batches = {3};
+  expect_rejected(sc, {"micro-batch 3 out of range"});
+  sc = base();
+  sc.stage_to_rank = {0, 2};
+  expect_rejected(sc, {"placed on rank 2"});
+  sc = base();
+  sc.actions.pop_back();
+  expect_rejected(sc, {"action lists for 2 ranks"});
+  sc = base();
+  sc.actions[0][0].micro_batches = {0, 1};
+  sc.num_micro_batches = 2;
+  expect_rejected(sc, {"only W may batch"});
+}
+
+TEST(Validate, SimulateReportsDeadlockToo) {
+  Schedule sc = two_stage({{act(RB, 0, {0}), act(F, 0, {0}), act(SF, 0, {0}), act(B, 0, {0})},
+                           {act(RF, 1, {0}), act(F, 1, {0}), act(B, 1, {0}), act(SB, 1, {0})}});
+  EXPECT_THROW(simulate(sc, CostModel::uniform(2, 1, 1, 1)), ScheduleError);
+}
+
+}  // namespace
+}  // namespace twobp
