@@ -44,7 +44,8 @@ inline bool is_compute(ActionType t) {
          t == ActionType::kBackward;
 }
 
-/// Human-readable form of one action, e.g. "F stage 2 mb 3" or "W stage 1 mb 0,1,2"; used in error messages.
+/// Human-readable form of one action, e.g. "F stage 2 micro-batch 3" or "W stage 1 micro-batches 0,1,2"; used in
+/// error messages.
 std::string describe(const Action& action);
 
 }  // namespace twobp
