@@ -21,6 +21,16 @@ std::string describe_spec(const std::vector<int64_t>& shape, at::ScalarType dtyp
   return fmt::format("[{}] {}", fmt::join(shape, ", "), c10::toString(dtype));
 }
 
+// Clips in place to max_norm given the global norm; a no-op when already within it or when the norm is not finite.
+void clip_to(const std::vector<at::Tensor>& params, double norm, double max_norm) {
+  if (!(norm > max_norm) || !std::isfinite(norm)) return;
+  const double scale = max_norm / (norm + 1e-6);
+  c10::AutoGradMode no_grad(false);
+  for (const auto& p : params) {
+    if (p.grad().defined()) const_cast<at::Tensor&>(p).mutable_grad().mul_(scale);
+  }
+}
+
 double elapsed_us(Clock::time_point since) {
   return std::chrono::duration<double, std::micro>(Clock::now() - since).count();
 }
@@ -136,25 +146,50 @@ void Pipeline::zero_grad() {
   for (auto& p : parameters()) p.mutable_grad().reset();
 }
 
-double Pipeline::global_grad_norm() {
-  double local = 0.0;
-  for (const auto& p : parameters()) {
-    if (p.grad().defined()) local += p.grad().to(at::kDouble).pow(2).sum().item<double>();
+GradientCheck Pipeline::check_gradients() {
+  // [sum of squares, then one non-finite flag per stage]: one all-reduce gives every rank the same verdict.
+  std::vector<double> local(schedule_.num_stages + 1, 0.0);
+  for (const auto& [index, stage_ptr] : stages_) {
+    bool bad = false;
+    for (const auto& p : stage_ptr->parameters()) {
+      if (!p.grad().defined()) continue;
+      const double sq = p.grad().to(at::kDouble).pow(2).sum().item<double>();
+      if (!std::isfinite(sq)) bad = true;
+      local[0] += sq;
+    }
+    if (index == schedule_.num_stages - 1) {
+      for (double l : last_losses_) bad = bad || !std::isfinite(l);
+    }
+    local[index + 1] = bad ? 1.0 : 0.0;
   }
-  at::Tensor total = at::full({1}, local, at::TensorOptions().dtype(at::kDouble).device(transport_->device()));
+  at::Tensor total = at::tensor(local, at::TensorOptions().dtype(at::kDouble)).to(transport_->device());
   transport_->all_reduce_sum(total, options_.timeout);
-  return std::sqrt(total.item<double>());
+  total = total.cpu();
+  GradientCheck check;
+  check.norm = std::sqrt(total[0].item<double>());
+  for (int s = 0; s < schedule_.num_stages; ++s) {
+    if (total[s + 1].item<double>() != 0.0) check.non_finite_stages.push_back(s);
+  }
+  return check;
+}
+
+bool Pipeline::ready_for_optimizer(int step, NonFinitePolicy policy, double max_norm) {
+  const GradientCheck check = check_gradients();
+  if (!check.finite()) {
+    TWOBP_CHECK(policy != NonFinitePolicy::kStop, NumericalError,
+                "rank {}: step {}: non-finite loss or gradient in stage(s) {}; no optimizer step was taken", rank(),
+                step, fmt::join(check.non_finite_stages, ", "));
+    zero_grad();
+    ++skipped_steps_;
+    return false;
+  }
+  if (max_norm > 0.0) clip_to(parameters(), check.norm, max_norm);
+  return true;
 }
 
 double Pipeline::clip_grad_norm(double max_norm) {
   const double norm = global_grad_norm();
-  if (norm > max_norm && std::isfinite(norm)) {
-    const double scale = max_norm / (norm + 1e-6);
-    c10::AutoGradMode no_grad(false);
-    for (auto& p : parameters()) {
-      if (p.grad().defined()) p.mutable_grad().mul_(scale);
-    }
-  }
+  clip_to(parameters(), norm, max_norm);
   return norm;
 }
 
@@ -324,6 +359,7 @@ StepResult Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
     throw;
   }
   result.trace.step_us = elapsed_us(start);
+  last_losses_ = result.losses;
   return result;
 }
 

@@ -232,3 +232,114 @@ TEST(PipelineSetup, ChunkOnTheWrongRankIsRejected) {
 
 }  // namespace
 }  // namespace twobp::testing
+
+namespace twobp::testing {
+namespace {
+
+class PipelineNumerics : public ::testing::Test {
+ protected:
+  void SetUp() override { torch::set_default_dtype(caffe2::TypeMeta::Make<double>()); }
+  void TearDown() override { torch::set_default_dtype(caffe2::TypeMeta::Make<float>()); }
+};
+
+TEST_F(PipelineNumerics, SameSeedSameScheduleGivesBitwiseIdenticalLosses) {
+  auto schedule = make_schedule("zb-h1", ScheduleOptions{4, 8, 1, BackwardMode::kSplit});
+  torch::manual_seed(3);
+  auto inputs = torch::randn({8 * kMicroBatchSize, kDim}), targets = torch::randn({8 * kMicroBatchSize, kDim});
+  auto a = run_pipeline(schedule, inputs, targets, default_options());
+  auto b = run_pipeline(schedule, inputs, targets, default_options());
+  const int last = schedule.stage_to_rank.back();
+  ASSERT_FALSE(a[last].error || b[last].error);
+  ASSERT_EQ(a[last].result.losses.size(), 8u);
+  for (std::size_t i = 0; i < 8; ++i) EXPECT_EQ(a[last].result.losses[i], b[last].result.losses[i]);  // bitwise
+  for (int s = 0; s < schedule.num_stages; ++s) {
+    const int r = schedule.stage_to_rank[s];
+    auto pa = a[r].chunks[s]->parameters(), pb = b[r].chunks[s]->parameters();
+    for (std::size_t k = 0; k < pa.size(); ++k) EXPECT_TRUE(torch::equal(pa[k].grad(), pb[k].grad()));
+  }
+}
+
+// Poisons a parameter of stage 1 with NaN (the NaN then reaches stage 0 through the backward): every rank must
+// reach the same verdict, and no optimizer may step.
+TEST(PipelineGate, NonFiniteGradientsStopOrSkipOnEveryRank) {
+  torch::set_default_dtype(caffe2::TypeMeta::Make<double>());
+  for (NonFinitePolicy policy : {NonFinitePolicy::kSkipStep, NonFinitePolicy::kStop}) {
+    auto schedule = make_schedule("1f1b", ScheduleOptions{2, 2, 1, BackwardMode::kSplit});
+    auto transports = make_local_transports(2);
+    std::vector<std::unique_ptr<Pipeline>> pipelines;
+    for (int r = 0; r < 2; ++r) {
+      auto module = make_chunk(r);
+      auto* raw = module.get();
+      std::vector<PipelineChunk> chunks{{r, module, [raw, r](const at::Tensor& x) { return run_chunk(*raw, r, x); }}};
+      pipelines.push_back(std::make_unique<Pipeline>(schedule, std::move(chunks),
+                                                     std::shared_ptr<Transport>(std::move(transports[r])),
+                                                     default_options()));
+    }
+    {
+      torch::NoGradGuard g;
+      pipelines[1]->parameters()[0].fill_(std::numeric_limits<double>::quiet_NaN());
+    }
+    auto inputs = torch::randn({4, kDim}), targets = torch::randn({4, kDim});
+    std::vector<int> ready(2, -1);
+    std::vector<std::string> errors(2);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        try {
+          pipelines[r]->step(inputs, targets);
+          ready[r] = pipelines[r]->ready_for_optimizer(/*step=*/7, policy, /*max_norm=*/1.0) ? 1 : 0;
+        } catch (const NumericalError& e) {
+          errors[r] = e.what();
+        } catch (const std::exception& e) {
+          errors[r] = std::string("unexpected: ") + e.what();
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < 2; ++r) {
+      if (policy == NonFinitePolicy::kSkipStep) {
+        EXPECT_EQ(ready[r], 0) << "rank " << r << " " << errors[r];
+        EXPECT_EQ(pipelines[r]->skipped_steps(), 1);
+        for (const auto& p : pipelines[r]->parameters()) EXPECT_FALSE(p.grad().defined());
+      } else {
+        EXPECT_NE(errors[r].find("step 7"), std::string::npos) << "rank " << r << ": " << errors[r];
+        EXPECT_NE(errors[r].find("stage(s) 0, 1"), std::string::npos) << "rank " << r << ": " << errors[r];
+      }
+    }
+  }
+  torch::set_default_dtype(caffe2::TypeMeta::Make<float>());
+}
+
+TEST(PipelineGate, FiniteGradientsAreClippedToTheGlobalNorm) {
+  torch::set_default_dtype(caffe2::TypeMeta::Make<double>());
+  auto schedule = make_schedule("gpipe", ScheduleOptions{2, 2, 1, BackwardMode::kSplit});
+  auto transports = make_local_transports(2);
+  std::vector<std::unique_ptr<Pipeline>> pipelines;
+  for (int r = 0; r < 2; ++r) {
+    auto module = make_chunk(r);
+    auto* raw = module.get();
+    std::vector<PipelineChunk> chunks{{r, module, [raw, r](const at::Tensor& x) { return run_chunk(*raw, r, x); }}};
+    pipelines.push_back(std::make_unique<Pipeline>(schedule, std::move(chunks),
+                                                   std::shared_ptr<Transport>(std::move(transports[r])),
+                                                   default_options()));
+  }
+  auto inputs = torch::randn({4, kDim}) * 100, targets = torch::randn({4, kDim});
+  std::vector<double> before(2), after(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      pipelines[r]->step(inputs, targets);
+      before[r] = pipelines[r]->global_grad_norm();
+      EXPECT_TRUE(pipelines[r]->ready_for_optimizer(0, NonFinitePolicy::kStop, 0.5));
+      after[r] = pipelines[r]->global_grad_norm();
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(before[0], before[1]);
+  EXPECT_GT(before[0], 0.5);
+  EXPECT_NEAR(after[0], 0.5, 1e-5);
+  torch::set_default_dtype(caffe2::TypeMeta::Make<float>());
+}
+
+}  // namespace
+}  // namespace twobp::testing

@@ -48,6 +48,19 @@ struct PipelineOptions {
   int prefetch_receives = 4;
 };
 
+/// What to do when a step produced a NaN or Inf loss or gradient.
+enum class NonFinitePolicy {
+  kStop,      ///< throw NumericalError naming the step and the stages
+  kSkipStep,  ///< zero the gradients and skip the optimizer step (counted in skipped_steps())
+};
+
+/// Result of Pipeline::check_gradients(), identical on every rank.
+struct GradientCheck {
+  double norm = 0.0;                   ///< global L2 norm over all ranks' gradients (non-finite if any is)
+  std::vector<int> non_finite_stages;  ///< stages whose gradients or losses hold a NaN or Inf
+  bool finite() const { return non_finite_stages.empty(); }
+};
+
 /// What one step produced on this rank.
 struct StepResult {
   std::vector<double> losses;  ///< per micro-batch, on the rank owning the last stage; empty elsewhere
@@ -78,10 +91,19 @@ class Pipeline {
   /// Parameters of this rank's chunks.
   std::vector<at::Tensor> parameters() const;
   void zero_grad();
-  /// L2 norm of the gradient over ALL ranks' parameters (one all-reduce); every rank must call it.
-  double global_grad_norm();
+  /// Global gradient norm and the stages with non-finite gradients or losses (one all-reduce of
+  /// num_stages + 1 numbers); every rank must call it, after step().
+  GradientCheck check_gradients();
+  /// L2 norm of the gradient over ALL ranks' parameters; collective like check_gradients().
+  double global_grad_norm() { return check_gradients().norm; }
   /// Scales gradients so that the global norm is at most max_norm; returns the norm before clipping.
   double clip_grad_norm(double max_norm);
+  /// The gate in front of the optimizer (collective). Returns true when the optimizer may step: every gradient
+  /// and loss is finite (gradients are then clipped to `max_norm` when it is > 0). Otherwise kStop throws
+  /// NumericalError naming `step` and the stages, and kSkipStep zeroes the gradients, counts the skip and returns
+  /// false, on every rank alike, so no optimizer ever steps on NaN or Inf.
+  bool ready_for_optimizer(int step, NonFinitePolicy policy, double max_norm = 0.0);
+  int skipped_steps() const { return skipped_steps_; }
 
  private:
   struct Impl;
@@ -90,6 +112,8 @@ class Pipeline {
   PipelineOptions options_;
   std::map<int, std::unique_ptr<Stage>> stages_;
   std::unique_ptr<Impl> impl_;
+  std::vector<double> last_losses_;
+  int skipped_steps_ = 0;
 };
 
 }  // namespace twobp
