@@ -1,0 +1,503 @@
+// llama_pipeline: trains a LLaMa-like model with pipeline parallelism and (optionally) 2-stage backpropagation.
+//
+//   llama_pipeline --model tiny --stages 2 --schedule 1f1b --steps 50          # 2 ranks as threads, LocalTransport
+//   mpirun -n 4 llama_pipeline --model small --schedule zb-h1 --device cuda    # one rank per process, MpiTransport
+//   llama_pipeline --model 7b --stages 4 --dry-run --json plan.json            # sizes and memory, nothing allocated
+//
+// Ranks: under an MPI launcher (detected by twobp::launched_by_mpi_launcher) every process is one rank and
+// --stages is ignored; otherwise --stages P ranks run as threads of this process over a LocalTransport group.
+// The pipeline has P * --chunks-per-rank stages; the model is split into that many chunks balanced by compute
+// (or by --partition "3,3,2,0"), and each rank builds only its own chunks.
+//
+// Devices and precision: --device cuda puts rank r's chunks on GPU (local rank mod device count). Activations cross
+// ranks through the transport's device (CPU for Local/MPI: each chunk's forward moves its input to the GPU and its
+// output back, differentiably). --dtype bf16 stores weights, gradients, activations and AdamW state in bfloat16
+// ("bf16 weights", not autocast); the loss is computed in float32. Meant for GPUs; it runs, slowly, on CPUs.
+//
+// Steps: --steps N is the length of the run and the horizon of the learning-rate schedule (linear warm-up for
+// --warmup-steps, then cosine decay to 10% of --lr at step N). --stop-after K ends the run after step K (and
+// checkpoints it when --checkpoint-dir is given); a later --resume continues to N with identical losses, because the
+// batch of step s depends only on (--seed, s) and the checkpoint holds the weights and the AdamW state.
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <iostream>
+#include <mutex>
+#include <thread>
+
+#include "twobp/checkpoint.h"
+#include "twobp/data.h"
+#include "twobp/error.h"
+#include "twobp/models/llama.h"
+#include "twobp/runtime/pipeline.h"
+#include "twobp/schedule/schedule.h"
+#include "twobp/trace/trace.h"
+#include "twobp/transport/local.h"
+#include "twobp/transport/mpi.h"
+#include "util/check.h"
+
+namespace llm = twobp::models;
+namespace ck = twobp::checkpoint;
+
+namespace {
+
+struct Args {
+  std::string model = "tiny";
+  std::string schedule = "1f1b";
+  bool two_bp = true;
+  int microbatches = 4;
+  int micro_batch_size = 2;
+  int seq_len = 0;  // 0: the model's default
+  int steps = 20;
+  int stop_after = 0;  // 0: run to --steps
+  int warmup_steps = -1;  // -1: steps / 10
+  double lr = 3e-3;
+  double weight_decay = 0.1;
+  double clip = 1.0;
+  std::string device = "cpu";
+  std::string dtype = "fp32";
+  std::string data;
+  std::string checkpoint_dir;
+  int checkpoint_every = 0;
+  bool resume = false;
+  std::string trace;
+  double timeout_s = 300;
+  int stages = 2;
+  int chunks_per_rank = 1;
+  std::string partition;
+  bool dry_run = false;
+  std::string json;
+  uint64_t seed = 1234;
+};
+
+/// Everything every rank agrees on before the first step.
+struct Plan {
+  Args args;
+  llm::LlamaConfig config;
+  int world_size = 1;
+  int64_t seq_len = 0;
+  twobp::Schedule schedule;
+  llm::Partition partition;
+  at::ScalarType dtype = at::kFloat;
+  ck::CheckpointConfig checkpoint_config;
+};
+
+Plan make_plan(const Args& args, int world_size) {
+  Plan plan;
+  plan.args = args;
+  plan.world_size = world_size;
+  plan.config = llm::config_by_name(args.model);
+  plan.seq_len = args.seq_len > 0 ? args.seq_len : plan.config.max_seq_len;
+  twobp::ScheduleOptions so;
+  so.ranks = world_size;
+  so.micro_batches = args.microbatches;
+  so.chunks_per_rank = args.chunks_per_rank;
+  so.backward = args.two_bp ? twobp::BackwardMode::kSplit : twobp::BackwardMode::kStandard;
+  plan.schedule = twobp::make_schedule(args.schedule, so);
+  plan.partition = llm::make_partition(plan.config, plan.schedule.num_stages, plan.seq_len, args.partition);
+  plan.dtype = args.dtype == "bf16" ? at::kBFloat16 : at::kFloat;
+  plan.checkpoint_config = {{"model", args.model},
+                            {"stages", std::to_string(plan.schedule.num_stages)},
+                            {"world_size", std::to_string(world_size)},
+                            {"schedule", args.schedule},
+                            {"partition", plan.partition.layout()},
+                            {"dtype", args.dtype},
+                            {"seed", std::to_string(args.seed)}};
+  return plan;
+}
+
+double learning_rate(const Args& a, int step) {
+  const int warmup = a.warmup_steps >= 0 ? a.warmup_steps : a.steps / 10;
+  if (step < warmup) return a.lr * (step + 1) / static_cast<double>(warmup);
+  const double progress = std::min(1.0, (step - warmup) / static_cast<double>(std::max(1, a.steps - warmup)));
+  const double min_ratio = 0.1;
+  return a.lr * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + std::cos(M_PI * progress)));
+}
+
+std::string human_bytes(double b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (b >= 1024.0 && u < 4) {
+    b /= 1024.0;
+    ++u;
+  }
+  return fmt::format("{:.2f} {}", b, units[u]);
+}
+
+void write_json(const std::string& path, const nlohmann::json& j) {
+  std::ofstream out(path);
+  out << j.dump(2) << "\n";
+  if (!out.good()) throw twobp::IOError(fmt::format("cannot write JSON output {}", path));
+}
+
+nlohmann::json config_json(const Plan& p) {
+  const Args& a = p.args;
+  return {{"model", a.model},
+          {"schedule", a.schedule},
+          {"2bp", a.two_bp},
+          {"world_size", p.world_size},
+          {"num_stages", p.schedule.num_stages},
+          {"chunks_per_rank", a.chunks_per_rank},
+          {"partition", p.partition.layout()},
+          {"microbatches", a.microbatches},
+          {"micro_batch_size", a.micro_batch_size},
+          {"seq_len", p.seq_len},
+          {"lr", a.lr},
+          {"dtype", a.dtype},
+          {"device", a.device},
+          {"seed", a.seed},
+          {"parameters", llm::parameter_count(p.config)}};
+}
+
+// ---- Dry run: sizes and memory from formulas; nothing is allocated ----
+
+int dry_run(const Plan& p) {
+  const auto& cfg = p.config;
+  const int64_t bytes = p.dtype == at::kBFloat16 ? 2 : 4;
+  const int S = p.schedule.num_stages;
+  // Simulated schedule with the partition's compute estimates (I and W each ~ one forward; B = I + W).
+  twobp::CostModel costs;
+  for (int s = 0; s < S; ++s) {
+    const double c = std::max(0.05, p.partition.cost[s]);
+    costs.forward.push_back(c);
+    costs.backward_input.push_back(c);
+    costs.backward_weight.push_back(c);
+    costs.backward.push_back(2 * c);
+  }
+  const auto sim = twobp::simulate(p.schedule, costs);
+
+  nlohmann::json j = config_json(p);
+  j["parameters"] = llm::parameter_count(cfg);
+  j["simulated_bubble_fraction"] = sim.bubble_fraction;
+  j["activation_formula"] =
+      "per block and token (9*dim + 2*kv_dim + 4*ffn) elements; embedding dim; head 2*dim elements + (bytes+4)*vocab "
+      "bytes; memory_bytes = weights + grads + 2*weights (AdamW) + peak_live_micro_batches * max chunk activations";
+  fmt::print("model {}: {} parameters ({:.3f} B), {} stages over {} ranks, schedule {} ({}), partition {} "
+             "(imbalance {:.3f})\n",
+             cfg.name, llm::parameter_count(cfg), llm::parameter_count(cfg) / 1e9, S, p.world_size, p.args.schedule,
+             p.args.two_bp ? "2BP" : "fused backward", p.partition.layout(), p.partition.imbalance());
+  j["stages"] = nlohmann::json::array();
+  for (int s = 0; s < S; ++s) {
+    const auto& spec = p.partition.chunks[s];
+    const int64_t n = llm::chunk_parameter_count(cfg, spec);
+    const int64_t act = llm::chunk_activation_bytes(cfg, spec, p.args.micro_batch_size, p.seq_len, bytes);
+    j["stages"].push_back({{"stage", s},
+                           {"rank", p.schedule.stage_to_rank[s]},
+                           {"first_layer", spec.first_layer},
+                           {"end_layer", spec.end_layer},
+                           {"embedding", spec.has_embedding},
+                           {"head", spec.has_head},
+                           {"parameters", n},
+                           {"cost", p.partition.cost[s]},
+                           {"activation_bytes_per_micro_batch", act},
+                           {"memory_bytes", n * bytes * 4 + act}});
+  }
+  j["ranks"] = nlohmann::json::array();
+  for (int r = 0; r < p.world_size; ++r) {
+    int64_t params = 0, act_max = 0;
+    for (int s : p.schedule.stages_of(r)) {
+      params += llm::chunk_parameter_count(cfg, p.partition.chunks[s]);
+      act_max = std::max(act_max, llm::chunk_activation_bytes(cfg, p.partition.chunks[s], p.args.micro_batch_size,
+                                                             p.seq_len, bytes));
+    }
+    const int peak = sim.peak_live_micro_batches[r];
+    const int64_t weights = params * bytes, grads = params * bytes, adam = 2 * params * bytes;
+    const int64_t activations = peak * act_max;
+    const int64_t total = weights + grads + adam + activations;
+    j["ranks"].push_back({{"rank", r},
+                          {"parameters", params},
+                          {"weights_bytes", weights},
+                          {"grads_bytes", grads},
+                          {"adamw_bytes", adam},
+                          {"peak_live_micro_batches", peak},
+                          {"activation_bytes", activations},
+                          {"memory_bytes", total}});
+    fmt::print("  rank {}: stages {}, {} parameters, weights {}, grads {}, AdamW {}, activations {} x {} = {}, "
+               "total {}\n",
+               r, fmt::join(p.schedule.stages_of(r), ","), params, human_bytes(weights), human_bytes(grads),
+               human_bytes(adam), peak, human_bytes(act_max), human_bytes(activations), human_bytes(total));
+  }
+  if (!p.args.json.empty()) write_json(p.args.json, j);
+  return 0;
+}
+
+// ---- Training ----
+
+struct StepRecord {
+  int step;
+  double loss;
+  double tokens_per_s;
+  double grad_norm;
+  double lr;
+};
+
+/// What rank 0 reports and the threads share.
+struct Shared {
+  std::mutex mutex;
+  std::vector<StepRecord> records;
+  std::vector<twobp::Trace> traces;  // last step, per rank (threads mode)
+  int64_t resumed_from = 0;
+};
+
+void train_rank(const Plan& p, twobp::Transport& transport, c10::Device device, const std::vector<uint16_t>& tokens,
+                Shared& shared) {
+  const Args& a = p.args;
+  const int rank = transport.rank();
+  const auto timeout = twobp::Duration(static_cast<int64_t>(a.timeout_s * 1000));
+  const int last = p.schedule.num_stages - 1;
+
+  // Build only this rank's chunks.
+  std::vector<twobp::PipelineChunk> chunks;
+  ck::NamedTensors named;
+  std::vector<at::Tensor> params;
+  const c10::Device wire = transport.device();
+  for (int s : p.schedule.stages_of(rank)) {
+    llm::LlamaChunk chunk(p.config, p.partition.chunks[s], a.seed);
+    chunk->to(device, p.dtype);
+    for (auto& t : ck::module_tensors(*chunk)) named.push_back(t);
+    for (auto& t : chunk->parameters()) params.push_back(t);
+    const bool is_last = s == last;
+    std::shared_ptr<llm::LlamaChunkImpl> impl = chunk.ptr();
+    chunks.push_back({s, impl, [impl, device, wire, is_last](const at::Tensor& x) {
+                        // Compute on `device`; activations travel on the transport's device (no-op when equal).
+                        at::Tensor y = impl->forward(x.to(device));
+                        return is_last ? y : y.to(wire);
+                      }});
+  }
+  twobp::PipelineOptions po;
+  po.timeout = timeout;
+  const int64_t mbs = a.micro_batch_size, seq = p.seq_len, dim = p.config.dim;
+  const auto dtype = p.dtype;
+  po.activation_spec = [=](int) { return twobp::TensorSpec{{mbs, seq, dim}, dtype}; };
+  po.loss = [](const at::Tensor& logits, const at::Tensor& targets) {
+    return llm::cross_entropy_loss(logits, targets.to(logits.device()));
+  };
+  twobp::Pipeline pipeline(p.schedule, std::move(chunks), std::shared_ptr<twobp::Transport>(&transport, [](auto*) {}),
+                           po);
+
+  torch::optim::AdamW optimizer(params, torch::optim::AdamWOptions(a.lr).betas({0.9, 0.95}).weight_decay(
+                                            a.weight_decay));
+  int start = 0;
+  if (a.resume) {
+    auto loaded = ck::load_checkpoint(a.checkpoint_dir, p.checkpoint_config, rank, p.world_size);
+    ck::restore(loaded.tensors, named, &optimizer);
+    start = static_cast<int>(loaded.step);
+    if (rank == 0) shared.resumed_from = start;
+  }
+  twobp::data::BatchSampler sampler(tokens, seq, a.microbatches * mbs, a.seed);
+  const int end = a.stop_after > 0 ? std::min(a.stop_after, a.steps) : a.steps;
+  const bool owns_first = p.schedule.stage_to_rank[0] == rank;
+  const bool owns_last = p.schedule.stage_to_rank[last] == rank;
+  const double tokens_per_step = static_cast<double>(a.microbatches * mbs * seq);
+  const auto t0 = std::chrono::steady_clock::now();
+
+  for (int step = start; step < end; ++step) {
+    const auto ts = std::chrono::steady_clock::now();
+    const double lr = learning_rate(a, step);
+    for (auto& group : optimizer.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+    pipeline.zero_grad();
+    const auto batch = sampler.batch(step);
+    auto result = pipeline.step(owns_first ? batch.inputs : at::Tensor(), owns_last ? batch.targets : at::Tensor());
+    const double norm = pipeline.clip_grad_norm(a.clip);
+    optimizer.step();
+    // The mean loss lives on the last stage's rank; one all-reduce brings it to everyone (rank 0 reports it).
+    double local = 0.0;
+    for (double l : result.losses) local += l / static_cast<double>(result.losses.size());
+    at::Tensor loss = at::full({1}, owns_last ? local : 0.0, at::kDouble);
+    transport.all_reduce_sum(loss, timeout);
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - ts).count();
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (rank == 0) {
+      const double remaining = elapsed / (step - start + 1) * (end - step - 1);
+      fmt::print("step {:>5}/{} | loss {:.4f} | grad norm {:.3f} | lr {:.2e} | {:.0f} tok/s | elapsed {:.1f}s | "
+                 "remaining {:.1f}s\n",
+                 step + 1, a.steps, loss.item<double>(), norm, lr, tokens_per_step / secs, elapsed, remaining);
+      std::fflush(stdout);
+      std::lock_guard<std::mutex> lock(shared.mutex);
+      shared.records.push_back({step, loss.item<double>(), tokens_per_step / secs, norm, lr});
+    }
+    if (!a.trace.empty() && step + 1 == end) {
+      std::lock_guard<std::mutex> lock(shared.mutex);
+      shared.traces[rank] = result.trace;
+    }
+    const bool periodic = a.checkpoint_every > 0 && (step + 1) % a.checkpoint_every == 0;
+    if (!a.checkpoint_dir.empty() && (periodic || step + 1 == end)) {
+      ck::NamedTensors state = named;
+      auto opt = ck::adamw_state_tensors(optimizer, named);
+      state.insert(state.end(), opt.begin(), opt.end());
+      ck::save_checkpoint(a.checkpoint_dir, step + 1, p.checkpoint_config, state, transport, timeout);
+      if (rank == 0) fmt::print("checkpoint of step {} written to {}\n", step + 1, a.checkpoint_dir);
+    }
+  }
+}
+
+void validate_args(const Args& a) {
+  TWOBP_CHECK(a.microbatches >= 1 && a.micro_batch_size >= 1 && a.steps >= 1 && a.stages >= 1 &&
+                  a.chunks_per_rank >= 1,
+              twobp::UsageError, "--microbatches, --micro-batch-size, --steps, --stages and --chunks-per-rank must be "
+              "positive");
+  TWOBP_CHECK(!a.resume || !a.checkpoint_dir.empty(), twobp::UsageError, "--resume needs --checkpoint-dir");
+  TWOBP_CHECK(a.timeout_s > 0, twobp::UsageError, "--timeout must be positive");
+}
+
+int run(Args args, int& argc, char**& argv) {
+  validate_args(args);
+  const bool mpi = twobp::launched_by_mpi_launcher();
+#if TWOBP_HAVE_MPI
+  std::unique_ptr<twobp::MpiEnvironment> env;
+  if (mpi) env = std::make_unique<twobp::MpiEnvironment>(&argc, &argv);
+  const int world = mpi ? env->world_size() : args.stages;
+  const int my_rank = mpi ? env->rank() : 0;
+#else
+  TWOBP_CHECK(!mpi, twobp::UsageError,
+              "started by an MPI launcher, but this build of twobp has no MPI support: run without mpirun and use "
+              "--stages P for P ranks as threads");
+  const int world = args.stages;
+  const int my_rank = 0;
+#endif
+  const Plan plan = make_plan(args, world);  // model, schedule and partition errors surface here
+  if (args.dry_run) return my_rank == 0 ? dry_run(plan) : 0;
+
+  // Everything that can be checked before a step is checked here, on every rank.
+  std::vector<uint16_t> tokens =
+      args.data.empty()
+          ? twobp::data::ByteTokenizer::encode(twobp::data::builtin_corpus())
+          : twobp::data::read_token_file(args.data, static_cast<uint32_t>(std::min<int64_t>(plan.config.vocab_size,
+                                                                                            65536)));
+  TWOBP_CHECK(static_cast<int64_t>(tokens.size()) > plan.seq_len, twobp::UsageError,
+              "{} has {} tokens, fewer than one sequence of --seq-len {} + 1",
+              args.data.empty() ? "the built-in corpus" : args.data, tokens.size(), plan.seq_len);
+  if (args.resume) {
+    const auto manifest = ck::read_manifest(args.checkpoint_dir);
+    ck::check_config(args.checkpoint_dir, manifest, plan.checkpoint_config, world);
+  }
+  bool cuda = args.device == "cuda";
+  TWOBP_CHECK(!cuda || torch::cuda::is_available(), twobp::UsageError,
+              "--device cuda, but no CUDA device is available");
+  const int gpus = cuda ? static_cast<int>(torch::cuda::device_count()) : 0;
+  if (my_rank == 0) {
+    fmt::print("llama_pipeline: model {} ({} parameters), {} ranks ({}), {} stages, schedule {} with {}, partition "
+               "{}, {} micro-batches of {} x {} tokens, device {}, dtype {}\n",
+               plan.config.name, llm::parameter_count(plan.config), world, mpi ? "MPI" : "threads",
+               plan.schedule.num_stages, args.schedule, args.two_bp ? "2BP" : "fused backward",
+               plan.partition.layout(), args.microbatches, args.micro_batch_size, plan.seq_len, args.device,
+               args.dtype);
+  }
+
+  Shared shared;
+  shared.traces.resize(world);
+  torch::set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / std::max(1, mpi ? 1 : world)));
+  if (mpi) {
+#if TWOBP_HAVE_MPI
+    twobp::MpiTransport transport(*env);
+    const c10::Device device = cuda ? c10::Device(c10::kCUDA, env->local_rank() % gpus) : c10::Device(c10::kCPU);
+    try {
+      train_rank(plan, transport, device, tokens, shared);
+    } catch (const std::exception& e) {
+      transport.abort(fmt::format("rank {}: {}", my_rank, e.what()));  // the whole job ends
+    }
+#endif
+  } else {
+    auto transports = twobp::make_local_transports(world);
+    std::vector<std::thread> threads;
+    std::vector<std::exception_ptr> errors(world);
+    for (int r = 0; r < world; ++r) {
+      threads.emplace_back([&, r] {
+        const c10::Device device = cuda ? c10::Device(c10::kCUDA, r % gpus) : c10::Device(c10::kCPU);
+        try {
+          train_rank(plan, *transports[r], device, tokens, shared);
+        } catch (const std::exception& e) {
+          errors[r] = std::current_exception();
+          transports[r]->abort(e.what());  // peers fail fast instead of waiting for their timeout
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    // Report the root cause: the first rank whose error is not a consequence of another rank's abort.
+    std::exception_ptr first;
+    for (auto& e : errors) {
+      if (!e) continue;
+      try {
+        std::rethrow_exception(e);
+      } catch (const twobp::TransportError&) {
+        if (!first) first = e;
+      } catch (...) {
+        first = e;
+        break;
+      }
+    }
+    if (first) std::rethrow_exception(first);
+  }
+
+  if (my_rank != 0) return 0;
+  if (!args.trace.empty()) {
+    std::ofstream(args.trace) << twobp::to_chrome_trace(mpi ? std::vector<twobp::Trace>{shared.traces[0]}
+                                                           : shared.traces);
+    fmt::print("trace of the last step written to {}\n", args.trace);
+  }
+  if (!args.json.empty()) {
+    nlohmann::json j = config_json(plan);
+    j["resumed_from"] = shared.resumed_from;
+    j["steps"] = nlohmann::json::array();
+    for (const auto& r : shared.records) {
+      j["steps"].push_back({{"step", r.step}, {"loss", r.loss}, {"tokens_per_s", r.tokens_per_s},
+                            {"grad_norm", r.grad_norm}, {"lr", r.lr}});
+    }
+    write_json(args.json, j);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a;
+  CLI::App app{"Pipeline-parallel training of a LLaMa-like model with 2-stage backpropagation"};
+  // A repeated option takes its last value, so scripts can append overrides to a common command line.
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  app.add_option("--model", a.model, "Model configuration")->check(CLI::IsMember(llm::config_names()));
+  app.add_option("--schedule", a.schedule, "Pipeline schedule")
+      ->check(CLI::IsMember(twobp::builtin_schedule_names()));
+  app.add_flag("--2bp,!--no-2bp", a.two_bp, "Split the backward into I and W (2BP); --no-2bp: fused backward");
+  app.add_option("--microbatches", a.microbatches, "Micro-batches per step");
+  app.add_option("--micro-batch-size", a.micro_batch_size, "Sequences per micro-batch");
+  app.add_option("--seq-len", a.seq_len, "Tokens per sequence (default: the model's)");
+  app.add_option("--steps", a.steps, "Training steps (also the learning-rate schedule's horizon)");
+  app.add_option("--stop-after", a.stop_after, "Stop after this step (to be resumed later)");
+  app.add_option("--warmup-steps", a.warmup_steps, "Linear warm-up steps (default: steps / 10)");
+  app.add_option("--lr", a.lr, "Peak learning rate (AdamW, cosine decay to 10%)");
+  app.add_option("--weight-decay", a.weight_decay, "AdamW weight decay");
+  app.add_option("--clip", a.clip, "Clip the global gradient norm to this value");
+  app.add_option("--device", a.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  app.add_option("--dtype", a.dtype, "fp32 or bf16 (bf16 weights)")->check(CLI::IsMember({"fp32", "bf16"}));
+  app.add_option("--data", a.data, "Token file (see twobp/data.h); default: the built-in corpus, byte-level");
+  app.add_option("--checkpoint-dir", a.checkpoint_dir, "Write a checkpoint here at the end (and every N steps)");
+  app.add_option("--checkpoint-every", a.checkpoint_every, "Checkpoint every N steps");
+  app.add_flag("--resume", a.resume, "Resume from --checkpoint-dir");
+  app.add_option("--trace", a.trace, "Chrome trace of the last step");
+  app.add_option("--timeout", a.timeout_s, "Seconds any wait may block before failing");
+  app.add_option("--stages", a.stages, "Ranks as threads when not under an MPI launcher");
+  app.add_option("--chunks-per-rank", a.chunks_per_rank, "Model chunks per rank (interleaved and V schedules)");
+  app.add_option("--partition", a.partition, "Blocks per chunk, e.g. 3,3,2,0 (default: balanced by compute)");
+  app.add_flag("--dry-run", a.dry_run, "Print sizes and memory estimates without allocating the model");
+  app.add_option("--json", a.json, "Write the per-step losses (or the dry-run plan) as JSON");
+  app.add_option("--seed", a.seed, "Seed of the weights and the data order");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    return run(a, argc, argv);
+  } catch (const twobp::Error& e) {
+    fmt::print(stderr, "llama_pipeline: error: {}\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "llama_pipeline: error: {}\n", e.what());
+    return 1;
+  }
+}

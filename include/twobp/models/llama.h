@@ -1,0 +1,191 @@
+#pragma once
+// A LLaMa-like decoder-only language model, built from twobp's fast-path layers and cut into pipeline chunks.
+//
+// Architecture (per block, pre-norm):   h = x + Wo · SDPA_causal(rope(Wq·n), rope(Wk·n), Wv·n),  n = RMSNorm(x)
+//                                       y = h + W2 · (silu(W1·m) ⊙ W3·m),                          m = RMSNorm(h)
+// with grouped-query attention (n_kv_heads divides n_heads; K/V heads are repeated), rotary position embeddings
+// (rotate-half convention) and no biases. The model is token embedding → n_layers blocks → RMSNorm → LM head.
+//
+// Pipelining: the model is never built whole. A Partition says, for each of the p·v chunks, which contiguous range
+// of blocks it holds and whether it holds the embedding (chunk 0) or the final norm + head (last chunk); each rank
+// constructs only the LlamaChunks of the stages it owns. Initialisation is keyed by (seed, parameter name) so the
+// weights are identical whatever the partition, thread or process that builds them.
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "twobp/nn/modules.h"
+
+namespace twobp::models {
+
+struct LlamaConfig {
+  std::string name;
+  int64_t dim = 0;
+  int64_t n_layers = 0;
+  int64_t n_heads = 0;
+  int64_t n_kv_heads = 0;
+  int64_t ffn_dim = 0;     ///< hidden size of the SwiGLU MLP
+  int64_t vocab_size = 0;
+  int64_t max_seq_len = 0;  ///< default training sequence length
+  double norm_eps = 1e-5;
+  double rope_theta = 10000.0;
+  /// Tied input/output embeddings need the embedding and the head on the same chunk, which a pipeline of more
+  /// than one chunk never has; the named configs are untied (as LLaMa), a tied config is only valid as one chunk.
+  bool tie_embeddings = false;
+
+  int64_t head_dim() const { return dim / n_heads; }
+  int64_t kv_dim() const { return n_kv_heads * head_dim(); }
+  /// Throws UsageError naming the inconsistent field (dim % heads, heads % kv_heads, odd head_dim, ...).
+  void validate() const;
+};
+
+/// Named configurations:
+///   tiny  dim 64,   4 layers,  4 heads,  2 kv heads, ffn 172,   vocab 256 (bytes), seq 64    (~0.2 M params)
+///   small dim 256,  8 layers,  8 heads,  4 kv heads, ffn 688,   vocab 256 (bytes), seq 256   (~5.9 M params)
+///   1b    dim 2048, 22 layers, 32 heads, 4 kv heads, ffn 5632,  vocab 32000,       seq 2048  (TinyLlama, 1.1 B)
+///   7b    dim 4096, 32 layers, 32 heads, 32 kv heads, ffn 11008, vocab 32000,      seq 2048  (LLaMa-7B, 6.74 B)
+std::vector<std::string> config_names();
+/// Throws UsageError listing the known names when `name` is not one of them.
+LlamaConfig config_by_name(std::string_view name);
+
+// ---- Analytic sizes (no allocation) ----
+
+/// Parameters of one decoder block: 2 norms, Wq, Wk, Wv, Wo and the three MLP matrices.
+int64_t block_parameter_count(const LlamaConfig& config);
+int64_t embedding_parameter_count(const LlamaConfig& config);
+/// Final RMSNorm + LM head (0 for the head matrix when embeddings are tied).
+int64_t head_parameter_count(const LlamaConfig& config);
+/// Total: embedding + n_layers blocks + final norm + head.
+int64_t parameter_count(const LlamaConfig& config);
+
+/// Forward FLOPs of one block for one sequence of `seq_len` tokens:
+///   2 · seq · (block matrix parameters)            the GEMMs (Wq, Wk, Wv, Wo, W1, W2, W3)
+/// + 2 · seq² · dim                                  QKᵀ and A·V with the causal mask halving 4 · seq² · dim
+/// (norms, rotary and SwiGLU element-wise ops are O(seq · dim) and ignored). Backward ≈ 2× forward for every part,
+/// so ratios between parts hold for F, B and I + W alike.
+double block_forward_flops(const LlamaConfig& config, int64_t seq_len);
+/// Forward FLOPs of the LM head for one sequence: 2 · seq · dim · vocab (one GEMM; the softmax is O(seq · vocab)).
+double head_forward_flops(const LlamaConfig& config, int64_t seq_len);
+
+// ---- Partitioning ----
+
+/// One pipeline chunk: blocks [first_layer, end_layer), plus the embedding and/or final norm + head.
+struct ChunkSpec {
+  int first_layer = 0;
+  int end_layer = 0;  ///< exclusive
+  bool has_embedding = false;
+  bool has_head = false;
+
+  int num_layers() const { return end_layer - first_layer; }
+  friend bool operator==(const ChunkSpec& a, const ChunkSpec& b) {
+    return a.first_layer == b.first_layer && a.end_layer == b.end_layer && a.has_embedding == b.has_embedding &&
+           a.has_head == b.has_head;
+  }
+};
+
+/// The model cut into chunks (global stage order). Invariants: chunk 0 has the embedding, the last chunk has the
+/// head, the block ranges are contiguous and cover [0, n_layers), every chunk but the first and the last holds at
+/// least one block (the first may hold only the embedding, the last only the head, when asked explicitly).
+struct Partition {
+  std::vector<ChunkSpec> chunks;
+  /// Estimated compute per chunk in units of one block's compute: blocks count 1 each, the head
+  /// head_forward_flops / block_forward_flops, the embedding 0 (a gather).
+  std::vector<double> cost;
+
+  int num_chunks() const { return static_cast<int>(chunks.size()); }
+  /// max(cost) / mean(cost): 1.0 is perfect balance.
+  double imbalance() const;
+  /// The layout string that reproduces this partition with make_partition ("8,8,8,8").
+  std::string layout() const;
+};
+
+/// Cost of the head relative to one block at `seq_len` (see head_forward_flops / block_forward_flops).
+double head_cost_in_blocks(const LlamaConfig& config, int64_t seq_len);
+
+/// Cuts the model into `num_chunks` chunks.
+///
+/// `layout` empty: balanced by compute. Contiguous split minimising the most expensive chunk (exact dynamic
+/// program; ties broken toward fewer blocks on later chunks), with the embedding on chunk 0 and the head's cost
+/// added to the last chunk. The last chunk may be left with the head only when that balances best; every other
+/// chunk gets at least one block.
+///
+/// `layout` given: comma-separated block counts, one per chunk, summing to n_layers, e.g. "3,3,2,0" for 8 layers
+/// over 4 chunks: chunk 0 = embedding + blocks 0-2, chunk 1 = blocks 3-5, chunk 2 = blocks 6-7, chunk 3 = final
+/// norm + head only. Only the first chunk (embedding only) and the last (head only) may be 0.
+///
+/// Throws UsageError (before anything is allocated) when the model cannot be split: more chunks than
+/// n_layers + 1, a malformed layout, a wrong count or sum, an empty middle chunk, or tied embeddings over more
+/// than one chunk.
+Partition make_partition(const LlamaConfig& config, int num_chunks, int64_t seq_len, std::string_view layout = {});
+
+// ---- Modules ----
+
+/// One decoder block. Input and output [batch, seq, dim].
+class LlamaBlockImpl : public torch::nn::Module {
+ public:
+  explicit LlamaBlockImpl(const LlamaConfig& config);
+  at::Tensor forward(const at::Tensor& x);
+
+  LlamaConfig config;
+  twobp::nn::RMSNorm attn_norm{nullptr}, mlp_norm{nullptr};
+  twobp::nn::Linear wq{nullptr}, wk{nullptr}, wv{nullptr}, wo{nullptr}, w1{nullptr}, w2{nullptr}, w3{nullptr};
+};
+TORCH_MODULE(LlamaBlock);
+
+/// A contiguous piece of the model.
+///   first chunk:  ids [batch, seq] (int64)  -> hidden [batch, seq, dim]
+///   middle chunk: hidden                    -> hidden
+///   last chunk:   hidden (or ids if it is also the first) -> logits [batch, seq, vocab]
+/// Parameter names are global ("layers.5.wq.weight", "embed.weight", "norm.weight", "head.weight"), so a
+/// checkpoint shard or a comparison against a one-chunk model can match parameters by name.
+///
+/// Initialisation: every parameter is drawn from a CPU generator seeded by hash(seed, global name): Linear and
+/// Embedding weights N(0, 0.02²), the residual output projections (wo, w2) N(0, (0.02/√(2·n_layers))²) (GPT-2
+/// scaling), norm scales 1. Hence equal weights for equal (config, seed) under any partition.
+class LlamaChunkImpl : public torch::nn::Module {
+ public:
+  LlamaChunkImpl(const LlamaConfig& config, const ChunkSpec& spec, uint64_t seed = 0);
+  at::Tensor forward(const at::Tensor& input);
+
+  const LlamaConfig& config() const { return config_; }
+  const ChunkSpec& spec() const { return spec_; }
+
+  twobp::nn::Embedding embed{nullptr};        ///< first chunk only
+  std::vector<LlamaBlock> blocks;             ///< registered as "layers.<global index>"
+  twobp::nn::RMSNorm norm{nullptr};           ///< last chunk only
+  twobp::nn::Linear head{nullptr};            ///< last chunk only
+
+ private:
+  LlamaConfig config_;
+  ChunkSpec spec_;
+};
+TORCH_MODULE(LlamaChunk);
+
+/// Mean cross entropy over all tokens: logits [batch, seq, vocab] (any float dtype; computed in float32), targets
+/// [batch, seq] int64. Usable as PipelineOptions::loss.
+at::Tensor cross_entropy_loss(const at::Tensor& logits, const at::Tensor& targets);
+
+// ---- Memory estimates (for dry runs; nothing is allocated) ----
+
+/// Bytes of activations one micro-batch keeps alive on a chunk between its forward and its (last) backward, for a
+/// micro-batch of `batch` sequences of `seq_len` tokens at `bytes_per_element`. Per block, counting the tensors
+/// autograd (or the 2BP weight-gradient store) saves:
+///   attention: RMSNorm input and normalised output (2·d), q, k, v after rotary (d + 2·kv), k, v repeated to all
+///              heads (2·d), SDPA output (d), its [batch, seq, dim] copy fed to Wo (d)        = 7·d + 2·kv
+///   MLP:       residual + RMSNorm input and normalised output (2·d), W1 and W3 outputs (2·f), silu(W1) (f),
+///              the product fed to W2 (f)                                                   = 2·d + 4·f
+///   total per token ≈ 9·d + 2·kv + 4·f elements (flash-style SDPA: no seq² attention matrix is kept).
+/// Embedding chunk: its output, d per token. Head chunk: final norm (2·d) plus logits and their float32
+/// log-softmax for the loss, (bytes + 4)·vocab per token.
+int64_t chunk_activation_bytes(const LlamaConfig& config, const ChunkSpec& spec, int64_t batch, int64_t seq_len,
+                               int64_t bytes_per_element);
+/// Parameters of one chunk (embedding, blocks, final norm and head as present).
+int64_t chunk_parameter_count(const LlamaConfig& config, const ChunkSpec& spec);
+
+}  // namespace twobp::models

@@ -1,0 +1,409 @@
+#include "twobp/checkpoint.h"
+
+#include <ATen/ATen.h>
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <torch/nn/module.h>
+#include <torch/optim/adamw.h>
+#include <unistd.h>
+
+#include <array>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <unordered_map>
+
+#include <fmt/ranges.h>
+
+#include "util/check.h"
+
+namespace twobp::checkpoint {
+
+namespace {
+
+// File-system helpers on POSIX calls. std::filesystem is avoided on purpose: libtorch.so exports its own copies of
+// std::filesystem functions (e.g. remove_all), which can bind in place of libstdc++'s and crash.
+std::string join(const std::string& dir, const std::string& name) {
+  return dir.empty() || dir.back() == '/' ? dir + name : dir + "/" + name;
+}
+
+bool exists(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0;
+}
+
+std::string parent_of(const std::string& path) {
+  const auto slash = path.find_last_of('/');
+  return slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
+}
+
+// mkdir -p
+void make_directories(const std::string& dir) {
+  std::string partial;
+  std::size_t pos = 0;
+  while (pos != std::string::npos) {
+    pos = dir.find('/', pos + 1);
+    partial = dir.substr(0, pos);
+    if (partial.empty() || exists(partial)) continue;
+    TWOBP_CHECK(::mkdir(partial.c_str(), 0755) == 0 || errno == EEXIST, IOError,
+                "checkpoint: cannot create directory {}: {}", partial, std::strerror(errno));
+  }
+}
+
+std::vector<std::string> list_directory(const std::string& dir) {
+  std::vector<std::string> names;
+  if (DIR* d = ::opendir(dir.c_str())) {
+    while (const dirent* e = ::readdir(d)) names.emplace_back(e->d_name);
+    ::closedir(d);
+  }
+  return names;
+}
+
+constexpr char kMagic[8] = {'T', 'W', 'O', 'B', 'P', 'C', 'K', 'P'};
+constexpr uint32_t kShardVersion = 1;
+constexpr int kManifestVersion = 1;
+constexpr const char* kManifestName = "manifest.json";
+
+std::array<uint32_t, 256> make_crc_table() {
+  std::array<uint32_t, 256> table{};
+  for (uint32_t i = 0; i < 256; ++i) {
+    uint32_t c = i;
+    for (int k = 0; k < 8; ++k) c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+    table[i] = c;
+  }
+  return table;
+}
+
+std::string shard_name(int64_t step, int rank) { return fmt::format("shard-step{}-rank{}.bin", step, rank); }
+
+template <typename T>
+void put_le(std::string& out, T value) {
+  using U = std::make_unsigned_t<T>;
+  const U u = static_cast<U>(value);
+  for (std::size_t i = 0; i < sizeof(T); ++i) out.push_back(static_cast<char>((u >> (8 * i)) & 0xff));
+}
+
+// Writes `bytes` to `path` durably: temp file, fsync, rename, fsync of the directory.
+void write_file_atomically(const std::string& path, const std::string& bytes) {
+  const std::string tmp = path + ".tmp";
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  TWOBP_CHECK(fd >= 0, IOError, "checkpoint: cannot create {}: {}", tmp, std::strerror(errno));
+  std::size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int err = errno;
+      ::close(fd);
+      throw IOError(fmt::format("checkpoint: writing {} failed at offset {}: {}", tmp, done,
+                                std::strerror(err)));
+    }
+    done += static_cast<std::size_t>(n);
+  }
+  if (::fsync(fd) != 0) {
+    const int err = errno;
+    ::close(fd);
+    throw IOError(fmt::format("checkpoint: fsync of {} failed: {}", tmp, std::strerror(err)));
+  }
+  TWOBP_CHECK(::close(fd) == 0, IOError, "checkpoint: closing {} failed: {}", tmp, std::strerror(errno));
+  TWOBP_CHECK(::rename(tmp.c_str(), path.c_str()) == 0, IOError, "checkpoint: renaming {} to {} failed: {}", tmp,
+              path, std::strerror(errno));
+  // Make the rename itself durable.
+  const int dfd = ::open(parent_of(path).c_str(), O_RDONLY | O_DIRECTORY);
+  if (dfd >= 0) {
+    ::fsync(dfd);
+    ::close(dfd);
+  }
+}
+
+std::string read_file(const std::string& path, const char* what) {
+  std::ifstream in(path, std::ios::binary);
+  TWOBP_CHECK(in.is_open(), IOError, "checkpoint: cannot open {} {}", what, path);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  TWOBP_CHECK(!in.bad(), IOError, "checkpoint: reading {} {} failed", what, path);
+  return bytes;
+}
+
+// Bounds-checked little-endian reader over a shard's bytes.
+struct Reader {
+  const std::string& bytes;
+  const std::string& file;
+  std::size_t pos = 0;
+
+  const char* take(std::size_t n, const char* what) {
+    TWOBP_CHECK(n <= bytes.size() - pos, IOError, "checkpoint shard {}: truncated {} at offset {} (needs {} bytes, {} left)",
+                file, what, pos, n, bytes.size() - pos);
+    const char* p = bytes.data() + pos;
+    pos += n;
+    return p;
+  }
+  template <typename T>
+  T get(const char* what) {
+    const auto* p = reinterpret_cast<const unsigned char*>(take(sizeof(T), what));
+    std::make_unsigned_t<T> u = 0;
+    for (std::size_t i = 0; i < sizeof(T); ++i) u |= static_cast<std::make_unsigned_t<T>>(p[i]) << (8 * i);
+    return static_cast<T>(u);
+  }
+};
+
+}  // namespace
+
+uint32_t crc32(const void* data, std::size_t size, uint32_t crc) {
+  static const std::array<uint32_t, 256> table = make_crc_table();
+  const auto* p = static_cast<const unsigned char*>(data);
+  crc = ~crc;
+  for (std::size_t i = 0; i < size; ++i) crc = table[(crc ^ p[i]) & 0xff] ^ (crc >> 8);
+  return ~crc;
+}
+
+ShardInfo write_shard(const std::string& dir, int64_t step, int rank, const NamedTensors& tensors) {
+  make_directories(dir);
+  std::string bytes(kMagic, sizeof(kMagic));
+  put_le<uint32_t>(bytes, kShardVersion);
+  put_le<uint32_t>(bytes, static_cast<uint32_t>(tensors.size()));
+  std::set<std::string> seen;
+  for (const auto& [name, tensor] : tensors) {
+    TWOBP_CHECK(seen.insert(name).second, UsageError, "checkpoint: tensor name '{}' appears twice in rank {}'s shard",
+                name, rank);
+    TWOBP_CHECK(tensor.defined(), UsageError, "checkpoint: tensor '{}' of rank {} is undefined", name, rank);
+    const at::Tensor cpu = tensor.detach().to(at::kCPU).contiguous();
+    put_le<uint32_t>(bytes, static_cast<uint32_t>(name.size()));
+    bytes += name;
+    bytes.push_back(static_cast<char>(static_cast<uint8_t>(cpu.scalar_type())));
+    put_le<uint32_t>(bytes, static_cast<uint32_t>(cpu.dim()));
+    for (int64_t d : cpu.sizes()) put_le<int64_t>(bytes, d);
+    const uint64_t nbytes = cpu.numel() * cpu.element_size();
+    put_le<uint64_t>(bytes, nbytes);
+    bytes.append(static_cast<const char*>(cpu.data_ptr()), nbytes);
+  }
+  ShardInfo info;
+  info.rank = rank;
+  info.file = shard_name(step, rank);
+  info.bytes = bytes.size();
+  info.crc32 = crc32(bytes.data(), bytes.size());
+  write_file_atomically(join(dir, info.file), bytes);
+  return info;
+}
+
+void write_manifest(const std::string& dir, const Manifest& manifest) {
+  nlohmann::json j;
+  j["format"] = "twobp-checkpoint";
+  j["version"] = kManifestVersion;
+  j["step"] = manifest.step;
+  j["world_size"] = manifest.world_size;
+  j["config"] = manifest.config;
+  j["shards"] = nlohmann::json::array();
+  for (const auto& s : manifest.shards) {
+    j["shards"].push_back({{"rank", s.rank}, {"file", s.file}, {"bytes", s.bytes}, {"crc32", s.crc32}});
+  }
+  write_file_atomically(join(dir, kManifestName), j.dump(2) + "\n");
+
+  // Garbage-collect shards of other steps and leftover temp files (best effort: failures are harmless).
+  std::set<std::string> keep;
+  for (const auto& s : manifest.shards) keep.insert(s.file);
+  for (const std::string& name : list_directory(dir)) {
+    if (name.rfind("shard-step", 0) == 0 && !keep.count(name)) ::unlink(join(dir, name).c_str());
+  }
+}
+
+Manifest read_manifest(const std::string& dir) {
+  const std::string path = join(dir, kManifestName);
+  TWOBP_CHECK(exists(path), IOError, "checkpoint: no manifest {} (no complete checkpoint in {})", path,
+              dir);
+  const std::string text = read_file(path, "manifest");
+  Manifest m;
+  try {
+    const nlohmann::json j = nlohmann::json::parse(text);
+    TWOBP_CHECK(j.value("format", "") == "twobp-checkpoint", IOError, "checkpoint: {} is not a twobp manifest",
+                path);
+    TWOBP_CHECK(j.at("version").get<int>() == kManifestVersion, IOError,
+                "checkpoint: {} has version {}, this build reads version {}", path,
+                j.at("version").get<int>(), kManifestVersion);
+    m.step = j.at("step").get<int64_t>();
+    m.world_size = j.at("world_size").get<int>();
+    m.config = j.at("config").get<CheckpointConfig>();
+    for (const auto& s : j.at("shards")) {
+      ShardInfo info;
+      info.rank = s.at("rank").get<int>();
+      info.file = s.at("file").get<std::string>();
+      info.bytes = s.at("bytes").get<uint64_t>();
+      info.crc32 = s.at("crc32").get<uint32_t>();
+      m.shards.push_back(info);
+    }
+  } catch (const nlohmann::json::exception& e) {
+    throw IOError(fmt::format("checkpoint: malformed manifest {}: {}", path, e.what()));
+  }
+  TWOBP_CHECK(static_cast<int>(m.shards.size()) == m.world_size, IOError,
+              "checkpoint: manifest {} lists {} shards for a world size of {}", path, m.shards.size(),
+              m.world_size);
+  return m;
+}
+
+void check_config(const std::string& dir, const Manifest& manifest, const CheckpointConfig& expected, int world_size) {
+  for (const auto& [key, value] : expected) {
+    auto it = manifest.config.find(key);
+    TWOBP_CHECK(it != manifest.config.end(), UsageError,
+                "checkpoint {} was written without '{}' in its configuration; this run has {}={}", dir, key, key,
+                value);
+    TWOBP_CHECK(it->second == value, UsageError,
+                "checkpoint {} was written for {}={}, but this run has {}={}: it belongs to another configuration",
+                dir, key, it->second, key, value);
+  }
+  TWOBP_CHECK(manifest.world_size == world_size, UsageError,
+              "checkpoint {} was written by {} ranks, but this run has {}", dir, manifest.world_size, world_size);
+}
+
+NamedTensors read_shard(const std::string& dir, const Manifest& manifest, int rank) {
+  TWOBP_CHECK(rank >= 0 && rank < static_cast<int>(manifest.shards.size()), UsageError,
+              "checkpoint {}: no shard for rank {} (world size {})", dir, rank, manifest.shards.size());
+  const ShardInfo& info = manifest.shards[rank];
+  TWOBP_CHECK(info.rank == rank, IOError, "checkpoint {}: manifest entry {} is for rank {}", dir, rank, info.rank);
+  const std::string path = join(dir, info.file);
+  const std::string& file = path;
+  const std::string bytes = read_file(path, "shard");
+  TWOBP_CHECK(bytes.size() == info.bytes, IOError,
+              "checkpoint shard {}: {} bytes on disk, the manifest says {} (truncated or replaced)", file,
+              bytes.size(), info.bytes);
+  const uint32_t crc = crc32(bytes.data(), bytes.size());
+  TWOBP_CHECK(crc == info.crc32, IOError, "checkpoint shard {}: CRC-32 mismatch: file {:08x}, manifest {:08x} (corrupt)",
+              file, crc, info.crc32);
+
+  Reader r{bytes, file};
+  TWOBP_CHECK(std::memcmp(r.take(sizeof(kMagic), "magic"), kMagic, sizeof(kMagic)) == 0, IOError,
+              "checkpoint shard {}: bad magic at offset 0", file);
+  const uint32_t version = r.get<uint32_t>("version");
+  TWOBP_CHECK(version == kShardVersion, IOError, "checkpoint shard {}: version {} at offset 8, expected {}", file,
+              version, kShardVersion);
+  const uint32_t count = r.get<uint32_t>("tensor count");
+  NamedTensors tensors;
+  for (uint32_t i = 0; i < count; ++i) {
+    const uint32_t name_len = r.get<uint32_t>("name length");
+    std::string name(r.take(name_len, "name"), name_len);
+    const std::size_t dtype_offset = r.pos;
+    const auto dtype = static_cast<at::ScalarType>(r.get<uint8_t>("dtype"));
+    TWOBP_CHECK(static_cast<int>(dtype) < static_cast<int>(at::ScalarType::NumOptions), IOError,
+                "checkpoint shard {}: tensor '{}' has an invalid dtype at offset {}", file, name, dtype_offset);
+    const uint32_t ndim = r.get<uint32_t>("ndim");
+    std::vector<int64_t> sizes(ndim);
+    for (auto& d : sizes) d = r.get<int64_t>("dims");
+    const uint64_t nbytes = r.get<uint64_t>("byte count");
+    at::Tensor t = at::empty(sizes, at::TensorOptions().dtype(dtype));
+    TWOBP_CHECK(nbytes == static_cast<uint64_t>(t.numel() * t.element_size()), IOError,
+                "checkpoint shard {}: tensor '{}' declares {} bytes at offset {}, its shape needs {}", file, name,
+                nbytes, r.pos - 8, t.numel() * t.element_size());
+    std::memcpy(t.data_ptr(), r.take(nbytes, "tensor data"), nbytes);
+    tensors.emplace_back(std::move(name), std::move(t));
+  }
+  TWOBP_CHECK(r.pos == bytes.size(), IOError, "checkpoint shard {}: {} trailing bytes at offset {}", file,
+              bytes.size() - r.pos, r.pos);
+  return tensors;
+}
+
+void save_checkpoint(const std::string& dir, int64_t step, const CheckpointConfig& config,
+                     const NamedTensors& tensors, Transport& transport, Duration timeout) {
+  const int rank = transport.rank(), world = transport.world_size();
+  const ShardInfo mine = write_shard(dir, step, rank, tensors);
+  // Gather (bytes, crc) of every shard on every rank: each rank fills its own slots, the sum fills all. Doubles
+  // represent both exactly (crc < 2^32, sizes < 2^53).
+  at::Tensor info = at::zeros({world, 2}, at::kDouble);
+  info[rank][0] = static_cast<double>(mine.bytes);
+  info[rank][1] = static_cast<double>(mine.crc32);
+  transport.all_reduce_sum(info, timeout);
+  if (rank == 0) {
+    Manifest m;
+    m.step = step;
+    m.world_size = world;
+    m.config = config;
+    auto acc = info.accessor<double, 2>();
+    for (int r = 0; r < world; ++r) {
+      m.shards.push_back({r, shard_name(step, r), static_cast<uint64_t>(acc[r][0]), static_cast<uint32_t>(acc[r][1])});
+    }
+    write_manifest(dir, m);
+  }
+  transport.barrier(timeout);
+}
+
+bool checkpoint_exists(const std::string& dir) { return exists(join(dir, kManifestName)); }
+
+LoadedCheckpoint load_checkpoint(const std::string& dir, const CheckpointConfig& expected, int rank, int world_size) {
+  const Manifest m = read_manifest(dir);
+  check_config(dir, m, expected, world_size);
+  return {m.step, read_shard(dir, m, rank)};
+}
+
+NamedTensors module_tensors(const torch::nn::Module& module, const std::string& prefix) {
+  NamedTensors out;
+  std::set<const void*> seen;
+  for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+    if (seen.insert(item.value().unsafeGetTensorImpl()).second) out.emplace_back(prefix + item.key(), item.value());
+  }
+  for (const auto& item : module.named_buffers(/*recurse=*/true)) {
+    if (seen.insert(item.value().unsafeGetTensorImpl()).second) out.emplace_back(prefix + item.key(), item.value());
+  }
+  return out;
+}
+
+NamedTensors adamw_state_tensors(const torch::optim::AdamW& optimizer, const NamedTensors& params) {
+  NamedTensors out;
+  const auto& state = optimizer.state();
+  for (const auto& [name, p] : params) {
+    auto it = state.find(p.unsafeGetTensorImpl());
+    if (it == state.end()) continue;
+    const auto& s = static_cast<const torch::optim::AdamWParamState&>(*it->second);
+    out.emplace_back("optim." + name + ".step", at::scalar_tensor(s.step(), at::kLong));
+    out.emplace_back("optim." + name + ".exp_avg", s.exp_avg());
+    out.emplace_back("optim." + name + ".exp_avg_sq", s.exp_avg_sq());
+    if (s.max_exp_avg_sq().defined()) out.emplace_back("optim." + name + ".max_exp_avg_sq", s.max_exp_avg_sq());
+  }
+  return out;
+}
+
+void restore(const NamedTensors& loaded, const NamedTensors& params, torch::optim::AdamW* optimizer) {
+  std::unordered_map<std::string, const at::Tensor*> by_name;
+  for (const auto& [name, t] : loaded) by_name.emplace(name, &t);
+  std::set<std::string> used;
+  auto find = [&](const std::string& name) -> const at::Tensor* {
+    auto it = by_name.find(name);
+    if (it == by_name.end()) return nullptr;
+    used.insert(name);
+    return it->second;
+  };
+  auto like = [](const at::Tensor& src, const at::Tensor& ref) { return src.to(ref.device(), ref.scalar_type()); };
+
+  at::NoGradGuard no_grad;
+  for (const auto& [name, p] : params) {
+    const at::Tensor* src = find(name);
+    TWOBP_CHECK(src != nullptr, UsageError,
+                "checkpoint: parameter '{}' is not in the checkpoint (another model or partition?)", name);
+    TWOBP_CHECK(src->sizes() == p.sizes(), UsageError,
+                "checkpoint: parameter '{}' has shape [{}] in the checkpoint but [{}] in the model", name,
+                fmt::join(src->sizes(), ", "), fmt::join(p.sizes(), ", "));
+    TWOBP_CHECK(src->scalar_type() == p.scalar_type(), UsageError,
+                "checkpoint: parameter '{}' is {} in the checkpoint but {} in the model", name,
+                c10::toString(src->scalar_type()), c10::toString(p.scalar_type()));
+    p.copy_(*src);
+    if (optimizer == nullptr) continue;
+    const at::Tensor* step = find("optim." + name + ".step");
+    if (step == nullptr) continue;
+    const at::Tensor* m1 = find("optim." + name + ".exp_avg");
+    const at::Tensor* m2 = find("optim." + name + ".exp_avg_sq");
+    TWOBP_CHECK(m1 && m2, UsageError, "checkpoint: optimizer state of '{}' is incomplete", name);
+    auto s = std::make_unique<torch::optim::AdamWParamState>();
+    s->step(step->item<int64_t>());
+    s->exp_avg(like(*m1, p));
+    s->exp_avg_sq(like(*m2, p));
+    if (const at::Tensor* m3 = find("optim." + name + ".max_exp_avg_sq")) s->max_exp_avg_sq(like(*m3, p));
+    optimizer->state()[p.unsafeGetTensorImpl()] = std::move(s);
+  }
+  for (const auto& [name, t] : loaded) {
+    if (optimizer == nullptr && name.rfind("optim.", 0) == 0) continue;  // optimizer state not wanted
+    TWOBP_CHECK(used.count(name), UsageError,
+                "checkpoint: tensor '{}' in the checkpoint matches no parameter of this rank (another partition?)",
+                name);
+  }
+}
+
+}  // namespace twobp::checkpoint

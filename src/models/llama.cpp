@@ -1,0 +1,378 @@
+#include "twobp/models/llama.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <c10/core/GradMode.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+#include <fmt/ranges.h>
+
+#include "util/check.h"
+
+namespace twobp::models {
+
+namespace {
+
+LlamaConfig make_config(std::string name, int64_t dim, int64_t layers, int64_t heads, int64_t kv_heads, int64_t ffn,
+                        int64_t vocab, int64_t seq) {
+  LlamaConfig c;
+  c.name = std::move(name);
+  c.dim = dim;
+  c.n_layers = layers;
+  c.n_heads = heads;
+  c.n_kv_heads = kv_heads;
+  c.ffn_dim = ffn;
+  c.vocab_size = vocab;
+  c.max_seq_len = seq;
+  return c;
+}
+
+const std::vector<LlamaConfig>& named_configs() {
+  static const std::vector<LlamaConfig> configs = {
+      make_config("tiny", 64, 4, 4, 2, 172, 256, 64),
+      make_config("small", 256, 8, 8, 4, 688, 256, 256),
+      make_config("1b", 2048, 22, 32, 4, 5632, 32000, 2048),
+      make_config("7b", 4096, 32, 32, 32, 11008, 32000, 2048),
+  };
+  return configs;
+}
+
+// splitmix64 finaliser: mixes the seed with a name hash into a well-spread generator seed.
+uint64_t mix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+uint64_t fnv1a(std::string_view s) {
+  uint64_t h = 0xcbf29ce484222325ULL;
+  for (unsigned char ch : s) {
+    h ^= ch;
+    h *= 0x100000001b3ULL;
+  }
+  return h;
+}
+
+bool ends_with(const std::string& s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// Rotate-half rotary embedding on [batch, heads, seq, head_dim]; angles in float32, applied in x's dtype.
+at::Tensor apply_rotary(const at::Tensor& x, double theta) {
+  const int64_t seq = x.size(2), half = x.size(3) / 2;
+  auto fopts = x.options().dtype(at::kFloat);
+  auto inv_freq = at::pow(theta, -at::arange(0, half, fopts) / static_cast<double>(half));
+  auto angles = at::outer(at::arange(seq, fopts), inv_freq);  // [seq, half]
+  auto cos = at::cos(angles).to(x.scalar_type()), sin = at::sin(angles).to(x.scalar_type());
+  auto x1 = x.narrow(-1, 0, half), x2 = x.narrow(-1, half, half);
+  return at::cat({x1 * cos - x2 * sin, x1 * sin + x2 * cos}, -1);
+}
+
+twobp::nn::Linear linear(int64_t in, int64_t out) {
+  return twobp::nn::Linear(twobp::nn::LinearOptions(in, out).bias(false));
+}
+
+}  // namespace
+
+void LlamaConfig::validate() const {
+  TWOBP_CHECK(dim > 0 && n_layers > 0 && n_heads > 0 && n_kv_heads > 0 && ffn_dim > 0 && vocab_size > 0 &&
+                  max_seq_len > 0,
+              UsageError, "model '{}': every size must be positive (dim {}, layers {}, heads {}, kv heads {}, ffn {}, "
+              "vocab {}, seq {})", name, dim, n_layers, n_heads, n_kv_heads, ffn_dim, vocab_size, max_seq_len);
+  TWOBP_CHECK(dim % n_heads == 0, UsageError, "model '{}': dim {} is not divisible by n_heads {}", name, dim,
+              n_heads);
+  TWOBP_CHECK(n_heads % n_kv_heads == 0, UsageError, "model '{}': n_heads {} is not divisible by n_kv_heads {}",
+              name, n_heads, n_kv_heads);
+  TWOBP_CHECK(head_dim() % 2 == 0, UsageError, "model '{}': head_dim {} must be even for rotary embeddings", name,
+              head_dim());
+}
+
+std::vector<std::string> config_names() {
+  std::vector<std::string> names;
+  for (const auto& c : named_configs()) names.push_back(c.name);
+  return names;
+}
+
+LlamaConfig config_by_name(std::string_view name) {
+  for (const auto& c : named_configs()) {
+    if (c.name == name) return c;
+  }
+  throw UsageError(fmt::format("unknown model '{}': known models are {}", name, fmt::join(config_names(), ", ")));
+}
+
+int64_t block_parameter_count(const LlamaConfig& c) {
+  const int64_t attention = c.dim * c.dim * 2 + c.dim * c.kv_dim() * 2;  // Wq, Wo; Wk, Wv
+  const int64_t mlp = 3 * c.dim * c.ffn_dim;
+  return attention + mlp + 2 * c.dim;  // + two RMSNorm scales
+}
+
+int64_t embedding_parameter_count(const LlamaConfig& c) { return c.vocab_size * c.dim; }
+
+int64_t head_parameter_count(const LlamaConfig& c) {
+  return c.dim + (c.tie_embeddings ? 0 : c.vocab_size * c.dim);
+}
+
+int64_t parameter_count(const LlamaConfig& c) {
+  return embedding_parameter_count(c) + c.n_layers * block_parameter_count(c) + head_parameter_count(c);
+}
+
+double block_forward_flops(const LlamaConfig& c, int64_t seq_len) {
+  const double s = static_cast<double>(seq_len);
+  const double gemm_params = static_cast<double>(block_parameter_count(c) - 2 * c.dim);
+  return 2.0 * s * gemm_params + 2.0 * s * s * static_cast<double>(c.dim);
+}
+
+double head_forward_flops(const LlamaConfig& c, int64_t seq_len) {
+  return 2.0 * static_cast<double>(seq_len) * static_cast<double>(c.dim) * static_cast<double>(c.vocab_size);
+}
+
+double head_cost_in_blocks(const LlamaConfig& c, int64_t seq_len) {
+  return head_forward_flops(c, seq_len) / block_forward_flops(c, seq_len);
+}
+
+// ---- Partition ----
+
+double Partition::imbalance() const {
+  if (cost.empty()) return 1.0;
+  const double mean = std::accumulate(cost.begin(), cost.end(), 0.0) / static_cast<double>(cost.size());
+  return mean > 0.0 ? *std::max_element(cost.begin(), cost.end()) / mean : 1.0;
+}
+
+std::string Partition::layout() const {
+  std::vector<int> counts;
+  for (const auto& c : chunks) counts.push_back(c.num_layers());
+  return fmt::format("{}", fmt::join(counts, ","));
+}
+
+namespace {
+
+Partition from_counts(const LlamaConfig& config, const std::vector<int>& counts, double head_cost) {
+  Partition p;
+  int layer = 0;
+  for (std::size_t i = 0; i < counts.size(); ++i) {
+    ChunkSpec spec;
+    spec.first_layer = layer;
+    spec.end_layer = layer + counts[i];
+    spec.has_embedding = i == 0;
+    spec.has_head = i + 1 == counts.size();
+    layer = spec.end_layer;
+    p.chunks.push_back(spec);
+    p.cost.push_back(counts[i] + (spec.has_head ? head_cost : 0.0));
+  }
+  return p;
+}
+
+std::vector<int> parse_layout(const LlamaConfig& config, int num_chunks, std::string_view layout) {
+  std::vector<int> counts;
+  std::size_t pos = 0;
+  while (pos <= layout.size()) {
+    const std::size_t comma = std::min(layout.find(',', pos), layout.size());
+    std::string_view item = layout.substr(pos, comma - pos);
+    while (!item.empty() && item.front() == ' ') item.remove_prefix(1);
+    while (!item.empty() && item.back() == ' ') item.remove_suffix(1);
+    int value = -1;
+    auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), value);
+    TWOBP_CHECK(!item.empty() && ec == std::errc() && end == item.data() + item.size() && value >= 0, UsageError,
+                "partition layout '{}': item {} ('{}') is not a non-negative block count", layout, counts.size(),
+                item);
+    counts.push_back(value);
+    pos = comma + 1;
+  }
+  TWOBP_CHECK(static_cast<int>(counts.size()) == num_chunks, UsageError,
+              "partition layout '{}' has {} entries but the pipeline has {} chunks (stages x chunks per rank)", layout,
+              counts.size(), num_chunks);
+  const int64_t sum = std::accumulate(counts.begin(), counts.end(), int64_t{0});
+  TWOBP_CHECK(sum == config.n_layers, UsageError, "partition layout '{}' places {} blocks but model '{}' has {}",
+              layout, sum, config.name, config.n_layers);
+  for (int i = 1; i + 1 < num_chunks; ++i) {
+    TWOBP_CHECK(counts[i] > 0, UsageError,
+                "partition layout '{}': chunk {} is empty (only the first chunk may hold just the embedding and the "
+                "last just the head)", layout, i);
+  }
+  return counts;
+}
+
+// Exact min-max contiguous split: chunks 0..C-2 get >= 1 block, the last >= 0 and carries the head's cost.
+std::vector<int> balance(int layers, int chunks, double head_cost) {
+  const double inf = std::numeric_limits<double>::infinity();
+  // best[c][j]: minimal max cost of chunks 0..c-1 (none of them the last) covering blocks [0, j).
+  std::vector<std::vector<double>> best(chunks, std::vector<double>(layers + 1, inf));
+  best[0][0] = 0.0;
+  for (int c = 1; c < chunks; ++c) {
+    for (int j = c; j <= layers; ++j) {
+      for (int i = c - 1; i < j; ++i) {
+        if (best[c - 1][i] == inf) continue;
+        best[c][j] = std::min(best[c][j], std::max(best[c - 1][i], static_cast<double>(j - i)));
+      }
+    }
+  }
+  // Last chunk: blocks [i, layers) plus the head. Prefer the largest i (fewest blocks late) among the optima.
+  double optimum = inf;
+  int split = -1;
+  for (int i = chunks - 1; i <= layers; ++i) {
+    const double v = std::max(best[chunks - 1][i], (layers - i) + head_cost);
+    if (v <= optimum + 1e-12) {
+      optimum = std::min(optimum, v);
+      split = i;
+    }
+  }
+  std::vector<int> counts(chunks, 0);
+  counts[chunks - 1] = layers - split;
+  int j = split;
+  for (int c = chunks - 1; c >= 1; --c) {
+    // Find a split i for chunks 0..c-1 within the optimum, taking as few blocks for chunk c-1 as possible... but
+    // the chain must stay feasible: best[c-1][i] <= optimum and (j - i) <= optimum.
+    int chosen = -1;
+    for (int i = j - 1; i >= c - 1; --i) {
+      if (best[c - 1][i] <= optimum + 1e-12 && (j - i) <= optimum + 1e-12) {
+        chosen = i;
+        break;
+      }
+    }
+    counts[c - 1] = j - chosen;
+    j = chosen;
+  }
+  return counts;
+}
+
+}  // namespace
+
+Partition make_partition(const LlamaConfig& config, int num_chunks, int64_t seq_len, std::string_view layout) {
+  config.validate();
+  TWOBP_CHECK(num_chunks >= 1, UsageError, "model '{}': the number of chunks must be positive, got {}", config.name,
+              num_chunks);
+  TWOBP_CHECK(!(config.tie_embeddings && num_chunks > 1), UsageError,
+              "model '{}' ties its input and output embeddings, which needs the embedding and the head on one chunk; "
+              "it cannot be split into {} chunks", config.name, num_chunks);
+  TWOBP_CHECK(num_chunks <= config.n_layers + 1, UsageError,
+              "model '{}' cannot be split into {} chunks: it has {} blocks, and every chunk except the last (which may "
+              "hold only the head) needs at least one block, so at most {} chunks are possible",
+              config.name, num_chunks, config.n_layers, config.n_layers + 1);
+  const double head_cost = head_cost_in_blocks(config, seq_len > 0 ? seq_len : config.max_seq_len);
+  const int layers = static_cast<int>(config.n_layers);
+  std::vector<int> counts =
+      layout.empty() ? balance(layers, num_chunks, head_cost) : parse_layout(config, num_chunks, layout);
+  return from_counts(config, counts, head_cost);
+}
+
+// ---- Modules ----
+
+LlamaBlockImpl::LlamaBlockImpl(const LlamaConfig& c) : config(c) {
+  attn_norm = register_module("attn_norm", twobp::nn::RMSNorm(twobp::nn::RMSNormOptions(c.dim).eps(c.norm_eps)));
+  wq = register_module("wq", linear(c.dim, c.dim));
+  wk = register_module("wk", linear(c.dim, c.kv_dim()));
+  wv = register_module("wv", linear(c.dim, c.kv_dim()));
+  wo = register_module("wo", linear(c.dim, c.dim));
+  mlp_norm = register_module("mlp_norm", twobp::nn::RMSNorm(twobp::nn::RMSNormOptions(c.dim).eps(c.norm_eps)));
+  w1 = register_module("w1", linear(c.dim, c.ffn_dim));
+  w3 = register_module("w3", linear(c.dim, c.ffn_dim));
+  w2 = register_module("w2", linear(c.ffn_dim, c.dim));
+}
+
+at::Tensor LlamaBlockImpl::forward(const at::Tensor& x) {
+  const int64_t b = x.size(0), s = x.size(1), hd = config.head_dim();
+  auto h = attn_norm(x);
+  auto q = wq(h).view({b, s, config.n_heads, hd}).transpose(1, 2);
+  auto k = wk(h).view({b, s, config.n_kv_heads, hd}).transpose(1, 2);
+  auto v = wv(h).view({b, s, config.n_kv_heads, hd}).transpose(1, 2);
+  q = apply_rotary(q, config.rope_theta);
+  k = apply_rotary(k, config.rope_theta);
+  if (const int64_t rep = config.n_heads / config.n_kv_heads; rep > 1) {
+    k = k.repeat_interleave(rep, 1);
+    v = v.repeat_interleave(rep, 1);
+  }
+  auto a = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
+  auto y = x + wo(a.transpose(1, 2).reshape({b, s, config.dim}));
+  auto m = mlp_norm(y);
+  return y + w2(at::silu(w1(m)) * w3(m));
+}
+
+LlamaChunkImpl::LlamaChunkImpl(const LlamaConfig& config, const ChunkSpec& spec, uint64_t seed)
+    : config_(config), spec_(spec) {
+  config.validate();
+  TWOBP_CHECK(spec.first_layer >= 0 && spec.first_layer <= spec.end_layer && spec.end_layer <= config.n_layers,
+              UsageError, "model '{}': chunk blocks [{}, {}) are outside [0, {})", config.name, spec.first_layer,
+              spec.end_layer, config.n_layers);
+  TWOBP_CHECK(spec.num_layers() > 0 || spec.has_embedding || spec.has_head, UsageError,
+              "model '{}': a chunk with no blocks, embedding or head would be empty", config.name);
+  if (spec.has_embedding) embed = register_module("embed", twobp::nn::Embedding(config.vocab_size, config.dim));
+  if (spec.num_layers() > 0) {
+    auto layers = register_module("layers", std::make_shared<torch::nn::Module>());
+    for (int i = spec.first_layer; i < spec.end_layer; ++i) {
+      blocks.push_back(layers->register_module(std::to_string(i), LlamaBlock(config)));
+    }
+  }
+  if (spec.has_head) {
+    norm = register_module("norm", twobp::nn::RMSNorm(twobp::nn::RMSNormOptions(config.dim).eps(config.norm_eps)));
+    head = register_module("head", linear(config.dim, config.vocab_size));
+    if (config.tie_embeddings) {
+      TWOBP_CHECK(spec.has_embedding, UsageError,
+                  "model '{}' ties its embeddings: the head chunk must also hold the embedding", config.name);
+      head->tie_weight(embed->weight);
+    }
+  }
+
+  // Deterministic, partition-independent initialisation (see the header).
+  const double std_default = 0.02;
+  const double std_residual = 0.02 / std::sqrt(2.0 * static_cast<double>(config.n_layers));
+  c10::AutoGradMode no_grad(false);
+  for (const auto& item : named_parameters(/*recurse=*/true)) {
+    const std::string& name = item.key();
+    at::Tensor p = item.value();
+    if (config.tie_embeddings && name == "head.weight") continue;  // the embedding's table
+    if (ends_with(name, "norm.weight")) {
+      p.fill_(1.0);
+      continue;
+    }
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(mix64(seed ^ fnv1a(name)));
+    const double std = (ends_with(name, ".wo.weight") || ends_with(name, ".w2.weight")) ? std_residual : std_default;
+    p.normal_(0.0, std, gen);
+  }
+}
+
+at::Tensor LlamaChunkImpl::forward(const at::Tensor& input) {
+  at::Tensor h = input;
+  if (spec_.has_embedding) {
+    TWOBP_CHECK(input.dim() == 2 && input.scalar_type() == at::kLong, UsageError,
+                "model '{}': the first chunk takes token ids [batch, seq] int64, got [{}] {}", config_.name,
+                fmt::join(input.sizes(), ", "), c10::toString(input.scalar_type()));
+    h = embed(input);
+  } else {
+    TWOBP_CHECK(input.dim() == 3 && input.size(2) == config_.dim, UsageError,
+                "model '{}': chunk of blocks [{}, {}) takes hidden states [batch, seq, {}], got [{}]", config_.name,
+                spec_.first_layer, spec_.end_layer, config_.dim, fmt::join(input.sizes(), ", "));
+  }
+  for (auto& block : blocks) h = block(h);
+  if (spec_.has_head) h = head(norm(h));
+  return h;
+}
+
+at::Tensor cross_entropy_loss(const at::Tensor& logits, const at::Tensor& targets) {
+  const int64_t vocab = logits.size(-1);
+  return at::cross_entropy_loss(logits.reshape({-1, vocab}).to(at::kFloat), targets.reshape({-1}));
+}
+
+int64_t chunk_parameter_count(const LlamaConfig& c, const ChunkSpec& spec) {
+  int64_t n = spec.num_layers() * block_parameter_count(c);
+  if (spec.has_embedding) n += embedding_parameter_count(c);
+  if (spec.has_head) n += head_parameter_count(c);
+  return n;
+}
+
+int64_t chunk_activation_bytes(const LlamaConfig& c, const ChunkSpec& spec, int64_t batch, int64_t seq_len,
+                               int64_t bytes_per_element) {
+  const int64_t tokens = batch * seq_len;
+  int64_t elements = spec.num_layers() * tokens * (9 * c.dim + 2 * c.kv_dim() + 4 * c.ffn_dim);
+  if (spec.has_embedding) elements += tokens * c.dim;
+  int64_t bytes = elements * bytes_per_element;
+  if (spec.has_head) bytes += tokens * (2 * c.dim * bytes_per_element + (bytes_per_element + 4) * c.vocab_size);
+  return bytes;
+}
+
+}  // namespace twobp::models

@@ -1,0 +1,161 @@
+// Tokenizer, built-in corpus, token-file reader validation and the batch sampler.
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <ftw.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+
+#include "twobp/data.h"
+#include "twobp/error.h"
+
+namespace td = twobp::data;
+
+namespace {
+
+
+// POSIX file helpers: std::filesystem is avoided because libtorch.so exports its own (crashing) copies of some
+// std::filesystem functions, e.g. remove_all.
+std::string make_temp_dir(const std::string& tag) {
+  std::string templ = "/tmp/twobp_" + tag + "_XXXXXX";
+  if (::mkdtemp(templ.data()) == nullptr) throw std::runtime_error("mkdtemp failed for " + templ);
+  return templ;
+}
+
+void remove_tree(const std::string& dir) {
+  ::nftw(dir.c_str(), [](const char* path, const struct stat*, int, struct FTW*) { return ::remove(path); }, 16,
+         FTW_DEPTH | FTW_PHYS);
+}
+
+bool file_exists(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0;
+}
+
+int64_t file_size(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0 ? static_cast<int64_t>(st.st_size) : -1;
+}
+
+void write_bytes(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+// Expects IOError whose message names the file and contains `needle`.
+template <typename F>
+void expect_io_error(F&& f, const std::string& file, const std::string& needle) {
+  try {
+    f();
+    FAIL() << "expected IOError for " << file;
+  } catch (const twobp::IOError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find(file), std::string::npos) << what;
+    EXPECT_NE(what.find(needle), std::string::npos) << what;
+  }
+}
+
+}  // namespace
+
+TEST(ByteTokenizer, RoundTrip) {
+  const std::string text = "Hello, pipeline! \xc3\xa9t\xc3\xa9 \x01\xff";
+  const auto tokens = td::ByteTokenizer::encode(text);
+  ASSERT_EQ(tokens.size(), text.size());
+  for (auto t : tokens) EXPECT_LT(t, 256);
+  EXPECT_EQ(td::ByteTokenizer::decode(tokens), text);
+  EXPECT_THROW(td::ByteTokenizer::decode({65, 256}), twobp::UsageError);
+}
+
+TEST(Corpus, IsSmallAsciiProse) {
+  const auto corpus = td::builtin_corpus();
+  EXPECT_GT(corpus.size(), 4000u);
+  EXPECT_LT(corpus.size(), 64u * 1024u);
+  for (char c : corpus) EXPECT_TRUE(c == '\n' || (c >= 32 && c < 127)) << static_cast<int>(c);
+  EXPECT_EQ(td::ByteTokenizer::decode(td::ByteTokenizer::encode(corpus)), corpus);
+}
+
+TEST(TokenFile, RoundTripWithHeaderAndRaw) {
+  const std::string dir = make_temp_dir("data_test");
+  const auto path = dir + "/corpus.tok";
+  const auto tokens = td::ByteTokenizer::encode(td::builtin_corpus());
+  td::write_token_file(path, tokens, 256);
+  EXPECT_EQ(file_size(path), 24 + 2 * tokens.size());
+  EXPECT_EQ(td::read_token_file(path, 256), tokens);
+  // Raw stream: no header, little-endian uint16.
+  const auto raw = dir + "/raw.bin";
+  write_bytes(raw, std::string("\x41\x00\x42\x00\x00\x01", 6));
+  EXPECT_EQ(td::read_token_file(raw, 300), (std::vector<uint16_t>{0x41, 0x42, 0x100}));
+  remove_tree(dir);
+}
+
+TEST(TokenFile, MalformedFilesNameFileAndOffset) {
+  const std::string dir = make_temp_dir("data_test");
+  const auto good = dir + "/good.tok";
+  td::write_token_file(good, {1, 2, 3, 4}, 256);
+  const std::string bytes = slurp(good);
+
+  const auto truncated = dir + "/truncated.tok";
+  write_bytes(truncated, bytes.substr(0, bytes.size() - 3));
+  expect_io_error([&] { td::read_token_file(truncated, 256); }, truncated, "truncated at offset 29");
+
+  const auto short_header = dir + "/short_header.tok";
+  write_bytes(short_header, bytes.substr(0, 12));
+  expect_io_error([&] { td::read_token_file(short_header, 256); }, short_header, "offset 12");
+
+  const auto trailing = dir + "/trailing.tok";
+  write_bytes(trailing, bytes + "xy");
+  expect_io_error([&] { td::read_token_file(trailing, 256); }, trailing, "trailing data from offset 32");
+
+  const auto odd = dir + "/odd.bin";
+  write_bytes(odd, "abc");
+  expect_io_error([&] { td::read_token_file(odd, 256); }, odd, "offset 2");
+
+  auto bad_token = bytes;
+  bad_token[24 + 2 * 2 + 1] = 0x01;  // token 2 becomes 0x0103 = 259
+  const auto big = dir + "/big.tok";
+  write_bytes(big, bad_token);
+  expect_io_error([&] { td::read_token_file(big, 256); }, big, "at offset 28");
+
+  auto bad_version = bytes;
+  bad_version[8] = 9;
+  const auto version = dir + "/version.tok";
+  write_bytes(version, bad_version);
+  expect_io_error([&] { td::read_token_file(version, 256); }, version, "version 9");
+
+  // A header declaring a larger vocabulary than the model's.
+  expect_io_error([&] { td::read_token_file(good, 128); }, good, "vocab_size 256");
+
+  const auto missing = dir + "/missing.tok";
+  expect_io_error([&] { td::read_token_file(missing, 256); }, missing, "cannot open");
+  remove_tree(dir);
+}
+
+TEST(BatchSampler, DeterministicShiftedWindows) {
+  auto tokens = td::ByteTokenizer::encode(td::builtin_corpus());
+  td::BatchSampler a(tokens, 16, 4, 123), b(tokens, 16, 4, 123), c(tokens, 16, 4, 124);
+  auto b0 = a.batch(0);
+  EXPECT_EQ(b0.inputs.sizes(), (std::vector<int64_t>{4, 16}));
+  EXPECT_EQ(b0.targets.sizes(), (std::vector<int64_t>{4, 16}));
+  EXPECT_EQ(b0.inputs.scalar_type(), torch::kLong);
+  EXPECT_TRUE(torch::equal(b0.inputs.narrow(1, 1, 15), b0.targets.narrow(1, 0, 15)));
+  EXPECT_TRUE(torch::equal(b0.inputs, b.batch(0).inputs));
+  EXPECT_TRUE(torch::equal(a.batch(5).targets, b.batch(5).targets));
+  EXPECT_FALSE(torch::equal(b0.inputs, a.batch(1).inputs));
+  EXPECT_FALSE(torch::equal(b0.inputs, c.batch(0).inputs));
+  // The window is a real slice of the stream.
+  const auto row = b0.inputs[0];
+  const std::string text(td::builtin_corpus());
+  std::string window;
+  for (int64_t i = 0; i < 16; ++i) window.push_back(static_cast<char>(row[i].item<int64_t>()));
+  EXPECT_NE(text.find(window), std::string::npos);
+  EXPECT_THROW(td::BatchSampler(std::vector<uint16_t>(10, 1), 10, 1, 0), twobp::UsageError);
+}

@@ -1,0 +1,156 @@
+// End-to-end tests of the llama_pipeline example: the loss falls, 2BP and fused backward (and every schedule) give
+// the same losses, a stopped-and-resumed run reproduces an uninterrupted one, and misuse fails before any step.
+// The binary's path comes from CMake (LLAMA_PIPELINE_BIN).
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <sys/stat.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+
+namespace {
+
+struct RunResult {
+  int exit_code = -1;
+  std::string output;  // stdout + stderr
+};
+
+// Plain POSIX calls: std::filesystem is avoided because libtorch.so exports its own (crashing) copies of some of its
+// functions. The directory is left in /tmp for inspection when a test fails.
+std::string work_dir() {
+  static const std::string dir = [] {
+    std::string templ = "/tmp/twobp_llama_pipeline_test_XXXXXX";
+    if (::mkdtemp(templ.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+    return templ;
+  }();
+  return dir;
+}
+
+bool file_exists(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0;
+}
+
+RunResult run(const std::string& args) {
+  const std::string cmd = std::string(LLAMA_PIPELINE_BIN) + " " + args + " 2>&1";
+  RunResult r;
+  FILE* pipe = ::popen(cmd.c_str(), "r");
+  if (pipe == nullptr) return r;
+  char buffer[4096];
+  while (std::fgets(buffer, sizeof(buffer), pipe) != nullptr) r.output += buffer;
+  const int status = ::pclose(pipe);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+// The small, fast configuration every run shares.
+const std::string kBase = "--model tiny --stages 2 --microbatches 4 --micro-batch-size 2 --seq-len 32 --lr 1e-2 "
+                          "--timeout 60 --seed 7 ";
+
+std::vector<double> losses_of(const std::string& json_path) {
+  std::ifstream in(json_path);
+  const auto j = nlohmann::json::parse(in);
+  std::vector<double> losses;
+  for (const auto& s : j.at("steps")) losses.push_back(s.at("loss").get<double>());
+  return losses;
+}
+
+std::vector<double> train(const std::string& name, const std::string& extra) {
+  const auto json = work_dir() + "/" + name + ".json";
+  const auto r = run(kBase + extra + " --json " + json);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  if (r.exit_code != 0) return {};
+  return losses_of(json);
+}
+
+void expect_close(const std::vector<double>& a, const std::vector<double>& b, double tol, const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (std::size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], tol * std::max(1.0, std::abs(a[i]))) << what << i;
+}
+
+}  // namespace
+
+TEST(LlamaPipeline, LossFallsAnd2bpMatchesFusedBackward) {
+  const auto split = train("split", "--schedule 1f1b --2bp --steps 3");
+  const auto fused = train("fused", "--schedule 1f1b --no-2bp --steps 3");
+  ASSERT_EQ(split.size(), 3u);
+  EXPECT_NEAR(split[0], std::log(256.0), 0.5);
+  EXPECT_LT(split[2], split[0]);
+  expect_close(split, fused, 1e-4, "2bp vs no-2bp step ");
+}
+
+TEST(LlamaPipeline, SchedulesAgree) {
+  const auto reference = train("ref", "--schedule 1f1b --steps 2");
+  expect_close(reference, train("gpipe", "--schedule gpipe --steps 2"), 1e-4, "gpipe step ");
+  expect_close(reference, train("zbh1", "--schedule zb-h1 --steps 2"), 1e-4, "zb-h1 step ");
+  // Two chunks per rank: 4 stages; the partition differs but the model (and so the loss) does not.
+  expect_close(reference, train("interleaved", "--schedule interleaved-1f1b --chunks-per-rank 2 --steps 2"), 1e-4,
+               "interleaved-1f1b step ");
+  expect_close(reference, train("zbv", "--schedule zb-v --chunks-per-rank 2 --steps 2"), 1e-4, "zb-v step ");
+}
+
+TEST(LlamaPipeline, ResumeReproducesUninterruptedRun) {
+  const auto ckpt = work_dir() + "/ckpt";
+  const auto full = train("full", "--schedule 1f1b --steps 4");
+  const auto first = train("first", "--schedule 1f1b --steps 4 --stop-after 2 --checkpoint-dir " + ckpt);
+  ASSERT_TRUE(file_exists(ckpt + "/manifest.json"));
+  const auto second = train("second", "--schedule 1f1b --steps 4 --resume --checkpoint-dir " + ckpt);
+  ASSERT_EQ(full.size(), 4u);
+  ASSERT_EQ(first.size(), 2u);
+  ASSERT_EQ(second.size(), 2u);
+  expect_close({full[0], full[1]}, first, 1e-6, "before the checkpoint, step ");
+  expect_close({full[2], full[3]}, second, 1e-5, "after resuming, step ");
+
+  // A checkpoint of another configuration is refused before any step.
+  const auto r = run(kBase + "--schedule gpipe --steps 4 --resume --checkpoint-dir " + ckpt);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("schedule=1f1b"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("loss"), std::string::npos) << r.output;
+}
+
+TEST(LlamaPipeline, MisuseFailsBeforeAnyStep) {
+  auto r = run(kBase + "--stages 8 --steps 1");  // 8 chunks for 4 blocks
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("cannot be split"), std::string::npos) << r.output;
+
+  r = run(kBase + "--steps 1 --data " + work_dir() + "/missing.tok");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("missing.tok"), std::string::npos) << r.output;
+
+  const auto bad = work_dir() + "/bad.tok";
+  std::ofstream(bad) << "TWOBPTOK\x01";
+  r = run(kBase + "--steps 1 --data " + bad);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("bad.tok"), std::string::npos) << r.output;
+
+  r = run(kBase + "--steps 1 --resume --checkpoint-dir " + work_dir() + "/nothing");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_EQ(r.output.find("step "), std::string::npos) << r.output;
+}
+
+TEST(LlamaPipeline, DryRunOf7bAllocatesNothing) {
+  const auto json = work_dir() + "/dry.json";
+  const auto r = run("--model 7b --stages 4 --schedule zb-h1 --microbatches 8 --micro-batch-size 1 --dry-run --json " +
+                     json);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::ifstream in(json);
+  const auto j = nlohmann::json::parse(in);
+  EXPECT_NEAR(j.at("parameters").get<double>() / 6.74e9, 1.0, 0.005);
+  ASSERT_EQ(j.at("stages").size(), 4u);
+  int64_t sum = 0;
+  for (const auto& s : j.at("stages")) {
+    sum += s.at("parameters").get<int64_t>();
+    EXPECT_GT(s.at("memory_bytes").get<int64_t>(), 0);
+  }
+  EXPECT_EQ(sum, j.at("parameters").get<int64_t>());
+  // 6.74 B fp32 parameters need 16 bytes each for weights, grads and AdamW: ~27 GB per rank plus activations.
+  for (const auto& rank : j.at("ranks")) {
+    EXPECT_GT(rank.at("memory_bytes").get<double>(), 20e9);
+    EXPECT_GT(rank.at("peak_live_micro_batches").get<int>(), 0);
+  }
+}

@@ -1,0 +1,206 @@
+// LLaMa model: analytic sizes, partitioning, and chunk-by-chunk parity (plain autograd and the 2BP Stage split).
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <map>
+
+#include "twobp/error.h"
+#include "twobp/models/llama.h"
+#include "twobp/stage.h"
+
+namespace llm = twobp::models;
+
+namespace {
+
+std::map<std::string, torch::Tensor> params_by_name(const std::vector<llm::LlamaChunk>& chunks) {
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& c : chunks) {
+    for (const auto& item : c->named_parameters()) out.emplace(item.key(), item.value());
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST(LlamaConfig, SevenBillionParameters) {
+  const auto c = llm::config_by_name("7b");
+  EXPECT_EQ(c.dim, 4096);
+  EXPECT_EQ(c.n_layers, 32);
+  const double n = static_cast<double>(llm::parameter_count(c));
+  EXPECT_NEAR(n / 6.74e9, 1.0, 0.005) << n;
+}
+
+TEST(LlamaConfig, UnknownNameListsKnownOnes) {
+  try {
+    llm::config_by_name("13b");
+    FAIL() << "expected UsageError";
+  } catch (const twobp::UsageError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("13b"), std::string::npos) << what;
+    for (const auto& name : llm::config_names()) EXPECT_NE(what.find(name), std::string::npos) << what;
+  }
+}
+
+TEST(LlamaConfig, AnalyticCountMatchesBuiltModel) {
+  for (const char* name : {"tiny", "small"}) {
+    const auto c = llm::config_by_name(name);
+    llm::LlamaChunk whole(c, llm::make_partition(c, 1, c.max_seq_len).chunks[0]);
+    int64_t n = 0;
+    for (const auto& p : whole->parameters()) n += p.numel();
+    EXPECT_EQ(n, llm::parameter_count(c)) << name;
+    const auto part = llm::make_partition(c, 3, c.max_seq_len);
+    int64_t sum = 0;
+    for (const auto& spec : part.chunks) sum += llm::chunk_parameter_count(c, spec);
+    EXPECT_EQ(sum, llm::parameter_count(c)) << name;
+  }
+}
+
+TEST(Partition, SevenBOverFourStagesIsBalanced) {
+  const auto c = llm::config_by_name("7b");
+  const auto p = llm::make_partition(c, 4, c.max_seq_len);
+  ASSERT_EQ(p.num_chunks(), 4);
+  EXPECT_LE(p.imbalance(), 1.10) << p.layout();
+  EXPECT_TRUE(p.chunks.front().has_embedding);
+  EXPECT_TRUE(p.chunks.back().has_head);
+  int next = 0;
+  for (const auto& ch : p.chunks) {
+    EXPECT_EQ(ch.first_layer, next);
+    next = ch.end_layer;
+  }
+  EXPECT_EQ(next, 32);
+  // The head costs 2·dim·vocab per token against ~2·202M + attention per block: about 0.6 of a block.
+  const double head = llm::head_cost_in_blocks(c, 2048);
+  EXPECT_GT(head, 0.5);
+  EXPECT_LT(head, 0.7);
+}
+
+TEST(Partition, BalancedAcrossManyChunkCounts) {
+  const auto c = llm::config_by_name("7b");
+  for (int chunks : {2, 3, 4, 8, 16}) {
+    const auto p = llm::make_partition(c, chunks, c.max_seq_len);
+    EXPECT_EQ(p.num_chunks(), chunks);
+    // Blocks are indivisible: the biggest chunk may exceed the mean by less than one block, not more.
+    const double mean = p.imbalance() > 0 ? *std::max_element(p.cost.begin(), p.cost.end()) / p.imbalance() : 0;
+    EXPECT_LT(*std::max_element(p.cost.begin(), p.cost.end()), mean + 1.0) << chunks << ": " << p.layout();
+  }
+  // More chunks than blocks: the last chunk holds only the head.
+  const auto tiny = llm::config_by_name("tiny");
+  const auto p = llm::make_partition(tiny, 5, tiny.max_seq_len);
+  EXPECT_EQ(p.layout(), "1,1,1,1,0");
+}
+
+TEST(Partition, ExplicitLayout) {
+  auto c = llm::config_by_name("small");  // 8 layers
+  const auto p = llm::make_partition(c, 4, c.max_seq_len, "3,3,2,0");
+  EXPECT_EQ(p.layout(), "3,3,2,0");
+  EXPECT_EQ(p.chunks[3].num_layers(), 0);
+  EXPECT_TRUE(p.chunks[3].has_head);
+  EXPECT_EQ(p.chunks[2].first_layer, 6);
+  EXPECT_EQ(p.chunks[2].end_layer, 8);
+}
+
+TEST(Partition, ImpossibleSplitsAreUsageErrors) {
+  const auto tiny = llm::config_by_name("tiny");  // 4 layers: at most 5 chunks
+  EXPECT_THROW(llm::make_partition(tiny, 6, 64), twobp::UsageError);
+  EXPECT_THROW(llm::make_partition(tiny, 0, 64), twobp::UsageError);
+  EXPECT_THROW(llm::make_partition(tiny, 2, 64, "3,3"), twobp::UsageError);      // wrong sum
+  EXPECT_THROW(llm::make_partition(tiny, 3, 64, "2,2"), twobp::UsageError);      // wrong count
+  EXPECT_THROW(llm::make_partition(tiny, 3, 64, "2,0,2"), twobp::UsageError);    // empty middle chunk
+  EXPECT_THROW(llm::make_partition(tiny, 2, 64, "2,x"), twobp::UsageError);      // malformed
+  auto tied = tiny;
+  tied.tie_embeddings = true;
+  EXPECT_THROW(llm::make_partition(tied, 2, 64), twobp::UsageError);
+  try {
+    llm::make_partition(tiny, 6, 64);
+  } catch (const twobp::UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("6 chunks"), std::string::npos) << e.what();
+  }
+}
+
+TEST(LlamaChunk, InitialisationIsPartitionIndependent) {
+  const auto c = llm::config_by_name("tiny");
+  std::vector<llm::LlamaChunk> whole{llm::LlamaChunk(c, llm::make_partition(c, 1, 64).chunks[0], 7)};
+  std::vector<llm::LlamaChunk> parts;
+  for (const auto& spec : llm::make_partition(c, 3, 64).chunks) parts.emplace_back(c, spec, 7);
+  auto a = params_by_name(whole), b = params_by_name(parts);
+  ASSERT_EQ(a.size(), b.size());
+  for (const auto& [name, t] : a) {
+    ASSERT_TRUE(b.count(name)) << name;
+    EXPECT_TRUE(torch::equal(t, b[name])) << name;
+  }
+  std::vector<llm::LlamaChunk> other{llm::LlamaChunk(c, llm::make_partition(c, 1, 64).chunks[0], 8)};
+  EXPECT_FALSE(torch::equal(a["layers.0.wq.weight"], params_by_name(other)["layers.0.wq.weight"]));
+}
+
+class ChunkParity : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    torch::manual_seed(0);
+    config = llm::config_by_name("tiny");
+    ids = torch::randint(0, config.vocab_size, {3, 32}, torch::kLong);
+    targets = torch::randint(0, config.vocab_size, {3, 32}, torch::kLong);
+    reference.push_back(llm::LlamaChunk(config, llm::make_partition(config, 1, 32).chunks[0], 1));
+    ref_logits = reference[0]->forward(ids);
+    ref_loss = llm::cross_entropy_loss(ref_logits, targets);
+    ref_loss.backward();
+    for (const auto& spec : llm::make_partition(config, 2, 32).chunks) chunks.emplace_back(config, spec, 1);
+    ASSERT_FALSE(chunks[0]->spec().has_head);
+    ASSERT_TRUE(chunks[1]->spec().has_head);
+  }
+
+  void expect_same_gradients() {
+    auto ref = params_by_name(reference), got = params_by_name(chunks);
+    ASSERT_EQ(ref.size(), got.size());
+    for (const auto& [name, p] : ref) {
+      ASSERT_TRUE(p.grad().defined()) << name;
+      ASSERT_TRUE(got[name].grad().defined()) << name;
+      EXPECT_TRUE(torch::allclose(got[name].grad(), p.grad(), 1e-4, 1e-6))
+          << name << " max diff " << (got[name].grad() - p.grad()).abs().max().item<float>();
+    }
+  }
+
+  llm::LlamaConfig config;
+  torch::Tensor ids, targets, ref_logits, ref_loss;
+  std::vector<llm::LlamaChunk> reference, chunks;
+};
+
+TEST_F(ChunkParity, TwoChunksPlainAutograd) {
+  auto hidden = chunks[0]->forward(ids);
+  EXPECT_EQ(hidden.sizes(), (std::vector<int64_t>{3, 32, config.dim}));
+  auto logits = chunks[1]->forward(hidden);
+  EXPECT_TRUE(torch::allclose(logits, ref_logits, 1e-5, 1e-6));
+  auto loss = llm::cross_entropy_loss(logits, targets);
+  EXPECT_NEAR(loss.item<double>(), ref_loss.item<double>(), 1e-6);
+  EXPECT_NEAR(loss.item<double>(), std::log(256.0), 0.5);  // near-uniform predictions at initialisation
+  loss.backward();
+  expect_same_gradients();
+}
+
+TEST_F(ChunkParity, TwoChunksAsStagesWithSplitBackward) {
+  twobp::StageOptions o0;
+  o0.stage_index = 0;
+  o0.num_stages = 2;
+  twobp::StageOptions o1 = o0;
+  o1.stage_index = 1;
+  o1.loss = llm::cross_entropy_loss;
+  auto c0 = chunks[0].ptr(), c1 = chunks[1].ptr();
+  twobp::Stage s0(c0, [c0](const at::Tensor& x) { return c0->forward(x); }, o0);
+  twobp::Stage s1(c1, [c1](const at::Tensor& x) { return c1->forward(x); }, o1);
+  // Two micro-batches with the same data, each with loss_scale 1: gradients are twice the reference.
+  for (int mb = 0; mb < 2; ++mb) {
+    auto hidden = s0.forward(mb, ids);
+    auto loss = s1.forward(mb, hidden, targets);
+    EXPECT_NEAR(loss.item<double>(), ref_loss.item<double>(), 1e-6);
+  }
+  for (int mb = 0; mb < 2; ++mb) {
+    auto g = s1.backward_input(mb);
+    s0.backward_input(mb, g);
+  }
+  s1.backward_weight({0, 1});
+  s0.backward_weight({1, 0});
+  for (auto& c : chunks) {
+    for (auto& p : c->parameters()) p.mutable_grad() = p.grad() / 2;
+  }
+  expect_same_gradients();
+}
