@@ -7,4 +7,4 @@ source scripts/setup.sh
 twobp_setup
 twobp_build
 exec "${TWOBP_BUILD_DIR:-build}/examples/llama_pipeline" --model tiny --stages 2 --schedule 1f1b --2bp \
-  --steps 40 "$@"
+  --steps 150 "$@"

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Builds the test suite with sanitizers and runs it with ctest. Installs what is missing first (scripts/setup.sh).
+#
+#   scripts/sanitize.sh [asan|tsan] [extra ctest arguments, e.g. -L unit or -R schedule]
+#
+#   asan  build-asan/, -fsanitize=address,undefined, the whole suite (unit, parity, mpi, bench; gpu tests skip
+#         themselves without a GPU).
+#   tsan  build-tsan/, -fsanitize=thread, only what runs several ranks as threads of one process: the Local
+#         transport tests and the pipeline tests on the Local transport (MPI ranks are separate processes, which
+#         TSan cannot relate, and Open MPI is not instrumented).
+#
+# LibTorch, Open MPI and libgomp are not instrumented; the runtime options and the suppression files written
+# below (into <build dir>/sanitizer-supp/) say what is tolerated from them and why. Environment: TWOBP_JOBS (build jobs, default
+# cores), TWOBP_CMAKE_ARGS (extra configure arguments).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/setup.sh
+
+mode="${1:-asan}"
+[[ $# -gt 0 ]] && shift
+case "$mode" in
+  asan) build_dir=build-asan; sanitize="address,undefined" ;;
+  tsan) build_dir=build-tsan; sanitize="thread" ;;
+  *) echo "usage: scripts/sanitize.sh [asan|tsan] [ctest arguments...]" >&2; exit 2 ;;
+esac
+supp_dir="$PWD/$build_dir/sanitizer-supp"
+
+twobp_setup
+
+jobs="${TWOBP_JOBS:-$(nproc)}"
+launcher=()
+command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+[[ -d /usr/local/cuda/bin ]] && export PATH="/usr/local/cuda/bin:$PATH"
+# -O1 -g1: line numbers in reports, asserts on, still fast enough (the heavy math runs in the optimised LibTorch).
+cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1" \
+      "-DTWOBP_SANITIZE=$sanitize" "${launcher[@]}" ${TWOBP_CMAKE_ARGS:-}
+
+write_suppressions() {
+  mkdir -p "$supp_dir"
+  # Keep every entry narrow (a library or a function, never a whole category) and say why it is harmless.
+  cat >"$supp_dir/ubsan.supp" <<'SUPP'
+SUPP
+  cat >"$supp_dir/lsan.supp" <<'SUPP'
+SUPP
+  cat >"$supp_dir/tsan.supp" <<'SUPP'
+SUPP
+}
+write_suppressions
+
+# Open MPI forwards the environment to the ranks it starts on this host, so these reach MPI tests too.
+export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:suppressions=$supp_dir/ubsan.supp"
+ctest_args=(--output-on-failure --test-dir "$build_dir")
+if [[ "$mode" == asan ]]; then
+  cmake --build "$build_dir" -j "$jobs"
+  # detect_leaks: on, with lsan.supp naming the uninstrumented libraries whose one-time allocations stay
+  #   reachable only through pointers LSan cannot see (thread-locals of OpenMP / Open MPI, torch registries).
+  # protect_shadow_gap=0: the CUDA driver (GPU machines, LibTorch's CUDA build) maps memory in ASan's shadow
+  #   gap and fails to initialise otherwise; harmless on CPU-only machines.
+  # detect_odr_violation=0: LibTorch and our binaries both carry fmt's header-only globals.
+  export ASAN_OPTIONS="detect_leaks=1:protect_shadow_gap=0:detect_odr_violation=0:abort_on_error=0:\
+strict_init_order=1:check_initialization_order=1:detect_stack_use_after_return=0"
+  export LSAN_OPTIONS="suppressions=$supp_dir/lsan.supp:print_suppressions=0"
+  # install_consumer builds a program against the installed (instrumented) static libtwobp: it must be
+  # instrumented too, or its link fails on __asan_* symbols. CMake reads CXXFLAGS/LDFLAGS at its first configure.
+  export CXXFLAGS="-fsanitize=$sanitize -fno-omit-frame-pointer" LDFLAGS="-fsanitize=$sanitize"
+else
+  targets=(transport_local_test pipeline_test)
+  cmake --build "$build_dir" -j "$jobs" --target "${targets[@]}"
+  # second_deadlock_stack: both stacks of a lock-order inversion. OMP_NUM_THREADS=1: LibTorch's intra-op pool
+  # is libgomp, whose barriers TSan cannot see (every parallel_for would be reported); the ranks are our threads.
+  export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:history_size=4:suppressions=$supp_dir/tsan.supp"
+  export OMP_NUM_THREADS=1
+  ctest_args+=(-R "^($(IFS='|'; echo "${targets[*]}"))\$")
+fi
+
+start=$SECONDS
+ctest "${ctest_args[@]}" "$@"
+echo "sanitize.sh $mode: ctest took $((SECONDS - start)) s"
