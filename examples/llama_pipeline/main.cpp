@@ -42,7 +42,14 @@
 #include "twobp/trace/trace.h"
 #include "twobp/transport/local.h"
 #include "twobp/transport/mpi.h"
-#include "util/check.h"
+#include "twobp/transport/nccl.h"
+#include "twobp/config.h"
+
+// The example sticks to the public API; this is its one-line check helper.
+#define TWOBP_CHECK(cond, type, ...)                        \
+  do {                                                      \
+    if (!(cond)) throw type(fmt::format(__VA_ARGS__));      \
+  } while (false)
 
 namespace llm = twobp::models;
 namespace ck = twobp::checkpoint;
@@ -397,7 +404,13 @@ int run(Args args, int& argc, char**& argv) {
   torch::set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / std::max(1, mpi ? 1 : world)));
   if (mpi) {
 #if TWOBP_HAVE_MPI
-    twobp::MpiTransport transport(*env);
+    // GPUs talk over NCCL (one rank per GPU, chosen by the node-local rank); CPUs over MPI.
+    std::unique_ptr<twobp::Transport> owned;
+#if TWOBP_HAVE_NCCL
+    if (cuda) owned = std::make_unique<twobp::NcclTransport>(*env);
+#endif
+    if (!owned) owned = std::make_unique<twobp::MpiTransport>(*env);
+    twobp::Transport& transport = *owned;
     const c10::Device device = cuda ? c10::Device(c10::kCUDA, env->local_rank() % gpus) : c10::Device(c10::kCPU);
     try {
       train_rank(plan, transport, device, tokens, shared);
