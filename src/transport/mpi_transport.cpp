@@ -7,6 +7,10 @@
 #include <fmt/format.h>
 
 #include <array>
+#include <chrono>
+#include <condition_variable>
+#include <memory>
+#include <thread>
 #include <climits>
 #include <cstdint>
 #include <cstdio>
@@ -90,6 +94,61 @@ struct Pending {
   std::array<MPI_Status, 2> status{};
   WireHeader header{};
   at::Tensor tensor;  // payload (send) or the caller's buffer (receive)
+  std::shared_ptr<void> progress_token;  // keeps the progress thread polling while this operation exists
+};
+
+/// Drives MPI's progress engine while point-to-point operations are outstanding.
+///
+/// WHY: a large message goes by rendezvous, and MPI moves its data only while the *sender* is inside an MPI
+/// call. The executor posts an isend and then computes for a long time (the next F or I), so without this
+/// thread the receiver would wait for the sender's whole computation. The thread calls MPI_Iprobe (any MPI call
+/// runs the progress engine) every ~50 us while an operation is alive and sleeps on a condition variable
+/// otherwise. It never touches a request (MPI request handles must not be tested from two threads), so it needs
+/// MPI_THREAD_MULTIPLE and is not started without it.
+class ProgressThread {
+ public:
+  explicit ProgressThread(MPI_Comm comm) : comm_(comm), thread_([this] { run(); }) {}
+  ~ProgressThread() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  /// Polling continues while any returned token is alive.
+  std::shared_ptr<void> acquire() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      ++active_;
+    }
+    cv_.notify_all();
+    return std::shared_ptr<void>(nullptr, [this](void*) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      --active_;
+    });
+  }
+
+ private:
+  void run() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (true) {
+      cv_.wait(lock, [this] { return stop_ || active_ > 0; });
+      if (stop_) return;
+      lock.unlock();
+      int flag = 0;
+      MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, comm_, &flag, MPI_STATUS_IGNORE);
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+      lock.lock();
+    }
+  }
+
+  MPI_Comm comm_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  int active_ = 0;
+  bool stop_ = false;
+  std::thread thread_;  // last: started after the state above exists
 };
 
 std::string shape_of(const WireHeader& h) {
@@ -126,6 +185,9 @@ struct MpiTransport::Impl {
   std::vector<std::shared_ptr<detail::Pending>> parked;
   std::int64_t collectives = 0;
   std::string collective_failure;  // guarded by parked_mutex
+  std::unique_ptr<detail::ProgressThread> progress;  // only with MPI_THREAD_MULTIPLE
+
+  std::shared_ptr<void> progress_token() { return progress ? progress->acquire() : nullptr; }
 
   std::unique_lock<std::mutex> serialize() {
     return multiple ? std::unique_lock<std::mutex>() : std::unique_lock<std::mutex>(mpi_mutex);
@@ -350,6 +412,7 @@ MpiTransport::MpiTransport(const MpiEnvironment& env) : impl_(std::make_shared<I
   TWOBP_MPI_CHECK(MPI_Comm_get_attr(impl_->comm, MPI_TAG_UB, &attr, &flag));
   const std::int64_t tag_ub = flag ? *static_cast<int*>(attr) : 32767;  // 32767: the minimum MPI guarantees
   impl_->tag_modulus = (tag_ub + 1) / 2;  // tags 2f and 2f+1 with f < modulus are both <= tag_ub
+  if (impl_->multiple) impl_->progress = std::make_unique<detail::ProgressThread>(impl_->comm);
 }
 
 MpiTransport::~MpiTransport() {
@@ -372,6 +435,7 @@ MpiTransport::~MpiTransport() {
       new std::vector<std::shared_ptr<detail::Pending>>(std::move(impl_->parked));  // intentional leak
     }
   }
+  impl_->progress.reset();  // joins the thread before its communicator goes away
   // MPI_Comm_free only marks the communicator; operations still pending on it complete normally.
   MPI_Comm_free(&impl_->comm);
 }
@@ -385,6 +449,7 @@ std::unique_ptr<Work> MpiTransport::isend(const at::Tensor& tensor, const P2POpt
   impl_->reap();
   auto p = std::make_shared<detail::Pending>();
   p->tensor = tensor;  // keeps the storage alive while MPI reads it
+  p->progress_token = impl_->progress_token();
   auto& h = p->header;
   h.magic = detail::kHeaderMagic;
   h.sender = impl_->rank;
@@ -421,6 +486,7 @@ std::unique_ptr<Work> MpiTransport::irecv(at::Tensor& buffer, const P2POptions& 
   impl_->reap();
   auto p = std::make_shared<detail::Pending>();
   p->tensor = buffer;
+  p->progress_token = impl_->progress_token();
   const int tag = impl_->fold(options.tag);
   {
     auto lock = impl_->serialize();

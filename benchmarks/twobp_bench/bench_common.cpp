@@ -1,0 +1,159 @@
+#include "bench_common.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iomanip>
+#include <sstream>
+#include <stdexcept>
+
+#include <time.h>
+
+namespace twobp::bench {
+
+namespace {
+double quantile(const std::vector<double>& sorted, double q) {
+  if (sorted.empty()) return std::nan("");
+  const double pos = q * static_cast<double>(sorted.size() - 1);
+  const auto lo = static_cast<std::size_t>(std::floor(pos));
+  const auto hi = std::min(lo + 1, sorted.size() - 1);
+  return sorted[lo] + (pos - static_cast<double>(lo)) * (sorted[hi] - sorted[lo]);
+}
+}  // namespace
+
+Clock parse_clock(const std::string& name) {
+  if (name == "wall") return Clock::kWall;
+  if (name == "cpu") return Clock::kProcessCpu;
+  throw std::invalid_argument("unknown clock '" + name + "' (wall or cpu)");
+}
+
+const char* clock_name(Clock clock) { return clock == Clock::kWall ? "wall" : "cpu"; }
+
+double now_ms(Clock clock) {
+  timespec ts{};
+  clock_gettime(clock == Clock::kWall ? CLOCK_MONOTONIC : CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) * 1e3 + static_cast<double>(ts.tv_nsec) * 1e-6;
+}
+
+Summary summarize(std::vector<double> samples) {
+  std::sort(samples.begin(), samples.end());
+  Summary s;
+  s.count = samples.size();
+  s.min = quantile(samples, 0.0);
+  s.p25 = quantile(samples, 0.25);
+  s.median = quantile(samples, 0.5);
+  s.p75 = quantile(samples, 0.75);
+  s.max = quantile(samples, 1.0);
+  return s;
+}
+
+Json to_json(const Summary& s) {
+  return Json{{"min", s.min}, {"p25", s.p25}, {"median", s.median}, {"p75", s.p75}, {"max", s.max},
+              {"n", s.count}};
+}
+
+void Series::add(const std::string& name, double value) {
+  auto it = std::find_if(series_.begin(), series_.end(), [&](const auto& s) { return s.first == name; });
+  if (it == series_.end()) {
+    series_.emplace_back(name, std::vector<double>{});
+    it = series_.end() - 1;
+  }
+  it->second.push_back(value);
+}
+
+const std::vector<double>& Series::get(const std::string& name) const {
+  for (const auto& s : series_) {
+    if (s.first == name) return s.second;
+  }
+  throw std::out_of_range("no samples named " + name);
+}
+
+bool Series::has(const std::string& name) const {
+  return std::any_of(series_.begin(), series_.end(), [&](const auto& s) { return s.first == name; });
+}
+
+Json Series::spread() const {
+  Json out = Json::object();
+  for (const auto& [name, samples] : series_) out[name] = to_json(summarize(samples));
+  return out;
+}
+
+double load_average() {
+  std::ifstream in("/proc/loadavg");
+  double load = -1;
+  if (!(in >> load)) return -1;
+  return load;
+}
+
+void write_json(const std::string& path, const Json& json) {
+  std::ofstream out(path);
+  if (!out) throw std::runtime_error("cannot open " + path + " for writing");
+  out << json.dump(2) << "\n";
+  if (!out) throw std::runtime_error("failed writing " + path);
+}
+
+Json read_json(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw std::runtime_error("cannot open " + path);
+  return Json::parse(in);  // throws on malformed input
+}
+
+std::vector<std::string> check_numbers(const Json& json, const std::vector<std::string>& paths, bool positive) {
+  std::vector<std::string> problems;
+  for (const auto& path : paths) {
+    const Json* node = &json;
+    std::stringstream parts(path);
+    std::string key;
+    bool found = true;
+    while (std::getline(parts, key, '/')) {
+      if (!node->is_object() || !node->contains(key)) {
+        found = false;
+        break;
+      }
+      node = &(*node)[key];
+    }
+    if (!found) {
+      problems.push_back(path + ": missing");
+    } else if (!node->is_number()) {
+      problems.push_back(path + ": not a number (" + node->dump() + ")");
+    } else if (!std::isfinite(node->get<double>()) || (positive && node->get<double>() <= 0)) {
+      problems.push_back(path + ": bad value " + node->dump());
+    }
+  }
+  return problems;
+}
+
+void print_table(std::ostream& os, const std::vector<std::vector<std::string>>& rows) {
+  std::vector<std::size_t> width;
+  for (const auto& row : rows) {
+    if (width.size() < row.size()) width.resize(row.size(), 0);
+    for (std::size_t i = 0; i < row.size(); ++i) width[i] = std::max(width[i], row[i].size());
+  }
+  for (std::size_t r = 0; r < rows.size(); ++r) {
+    for (std::size_t i = 0; i < rows[r].size(); ++i) {
+      // First column left-aligned (names), the rest right-aligned (numbers).
+      if (i == 0) {
+        os << std::left << std::setw(static_cast<int>(width[i])) << rows[r][i];
+      } else {
+        os << "  " << std::right << std::setw(static_cast<int>(width[i])) << rows[r][i];
+      }
+    }
+    os << "\n";
+    if (r == 0) {
+      std::size_t total = 0;
+      for (auto w : width) total += w + 2;
+      os << std::string(total > 2 ? total - 2 : 0, '-') << "\n";
+    }
+  }
+  os << std::flush;
+}
+
+std::string fmt_num(double value, int digits) {
+  if (!std::isfinite(value)) return "-";
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.*f", digits, value);
+  return buf;
+}
+
+}  // namespace twobp::bench

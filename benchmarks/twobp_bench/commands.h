@@ -1,0 +1,18 @@
+#pragma once
+// The subcommands of twobp_bench. Each one registers itself on the app with its options and a callback; a
+// failing run reports through CLI::RuntimeError(exit_code), which main() turns into the process exit status.
+
+namespace CLI {
+class App;
+}
+
+namespace twobp::bench {
+
+/// `split`: times forward, stage 1 (I), stage 2 (W) and the fused backward (B) of one stage (split.cpp).
+void add_split_command(CLI::App& app);
+
+/// `pipeline`: whole training steps of a pipeline, 2BP against standard, measured bubble and simulator
+/// prediction from the costs measured in the same run (pipeline.cpp).
+void add_pipeline_command(CLI::App& app);
+
+}  // namespace twobp::bench

@@ -1,0 +1,27 @@
+// twobp_bench: benchmarks of the twobp library, one subcommand each (see commands.h).
+//
+//   twobp_bench split --json split.json        cost of the 2BP split on one stage (split.cpp)
+//   twobp_bench pipeline --json pipeline.json  throughput of pipelines, 2BP vs standard (pipeline.cpp)
+
+#include <CLI/CLI.hpp>
+
+#include <exception>
+#include <iostream>
+
+#include "commands.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"twobp benchmarks"};
+  app.require_subcommand(1);
+  twobp::bench::add_split_command(app);
+  twobp::bench::add_pipeline_command(app);
+  try {
+    app.parse(argc, argv);  // runs the chosen subcommand's callback
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);  // also CLI::RuntimeError(code) thrown by a subcommand that failed
+  } catch (const std::exception& e) {
+    std::cerr << "twobp_bench: " << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}

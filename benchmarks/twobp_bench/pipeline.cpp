@@ -1,0 +1,442 @@
+// `twobp_bench pipeline`: training-step throughput of whole pipelines, 2BP against standard backprop, with the
+// measured bubble and the simulator's prediction from costs measured in the same run.
+//
+//   mpirun -np 2 build/benchmarks/twobp_bench pipeline --schedule 1f1b --microbatches 2 --json FILE
+//   build/benchmarks/twobp_bench pipeline --ranks 2 --schedule all ...     (ranks as threads, Local transport)
+//
+// Metrics (docs/BENCHMARKS.md repeats them):
+//   step_ms_median      median over --steps measured steps of the wall time between two barriers around step()
+//   tokens_per_s        m · micro_batch_size · seq / (step_ms_median / 1000)
+//   speedup             tokens_per_s(2bp) / tokens_per_s(standard) for the same schedule, p, m, v
+//   bubble_fraction     1 − Σ_ranks busy / (p · step), busy = time in F/I/W/B actions, per step, median over steps
+//   cost of F, I, B     per stage: median duration of that action over the measured steps
+//   cost of W           per stage and micro-batch: median of duration / micro-batches in the W
+//   communication       one-way time of one activation between rank 0 and rank 1: half the median round trip
+//   sim_step_ms         simulate(schedule, those costs).step_time: each rank runs its actions in order, data
+//                       arrives `communication` after its producer finished
+//   sim_error           step_ms_median / sim_step_ms − 1
+//   peak_live_mbs       max over ranks of micro-batches whose activations are alive at once (simulated)
+//   peak_rss_bytes      max over ranks of the process's peak resident set (getrusage; Local: the whole process)
+
+#include <ATen/ATen.h>
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <thread>
+
+#include "bench_common.h"
+#include "commands.h"
+#include "twobp/config.h"
+#include "twobp/models/llama.h"
+#include "twobp/runtime/pipeline.h"
+#include "twobp/schedule/schedule.h"
+#include "twobp/trace/trace.h"
+#include "twobp/transport/local.h"
+#include "twobp/transport/mpi.h"
+
+namespace twobp::bench {
+namespace {
+
+struct PipelineArgs {
+  std::string schedule = "1f1b";
+  std::string mode = "both";
+  int ranks = 2;
+  int microbatches = 2;
+  int chunks_per_rank = 0;  // 0: 2 for interleaved-1f1b and zb-v, else 1
+  int64_t dim = 256, layers = 4, heads = 4, kv_heads = 4, ffn = 688, vocab = 256, seq = 128;
+  int micro_batch_size = 4;
+  int steps = 10;
+  int warmup = 3;
+  int threads = 1;
+  double timeout_s = 300;
+  std::string json, csv, trace_dir;
+};
+
+struct RunResult {
+  std::string schedule;
+  BackwardMode mode;
+  int p = 0, m = 0, v = 0;
+  Summary step_ms;
+  double tokens_per_s = 0, bubble = 0, sim_step_ms = 0, sim_bubble = 0, comm_ms = 0;
+  int peak_live = 0;
+  double peak_rss = 0;
+  std::vector<double> f_ms, i_ms, w_ms, b_ms;  // per stage
+};
+
+// mkdir -p. POSIX rather than std::filesystem: libtorch exports its own copies of std::filesystem symbols, which
+// interpose on the standard library's in our binaries (seen crashing in remove_all).
+void make_directories(const std::string& path) {
+  for (std::size_t pos = 1; pos <= path.size(); ++pos) {
+    if (pos == path.size() || path[pos] == '/') ::mkdir(path.substr(0, pos).c_str(), 0755);
+  }
+}
+
+double peak_rss_bytes() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<double>(usage.ru_maxrss) * 1024.0;
+}
+
+// Sums `values` over ranks (every rank gets the sum); the tool for sharing per-rank measurements.
+std::vector<double> sum_over_ranks(Transport& t, const std::vector<double>& values, Duration timeout) {
+  at::Tensor x = at::tensor(values, at::kDouble);
+  t.all_reduce_sum(x, timeout);
+  return std::vector<double>(x.data_ptr<double>(), x.data_ptr<double>() + x.numel());
+}
+
+// Half the median round trip of one activation between ranks 0 and 1.
+double measure_comm_ms(Transport& t, const std::vector<int64_t>& shape, Duration timeout) {
+  if (t.world_size() < 2) return 0.0;
+  std::vector<double> trips;
+  at::Tensor buf = at::randn(shape);
+  for (int i = 0; i < 25; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    if (t.rank() == 0) {
+      t.isend(buf, {1, 1'000'000 + 2 * i, "ping"})->wait(timeout);
+      t.irecv(buf, {1, 1'000'001 + 2 * i, "pong"})->wait(timeout);
+    } else if (t.rank() == 1) {
+      t.irecv(buf, {0, 1'000'000 + 2 * i, "ping"})->wait(timeout);
+      t.isend(buf, {0, 1'000'001 + 2 * i, "pong"})->wait(timeout);
+    }
+    trips.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::vector<double> mine{t.rank() == 0 ? summarize(trips).median / 2.0 : 0.0};
+  t.barrier(timeout);
+  return sum_over_ranks(t, mine, timeout)[0];
+}
+
+// Gathers every rank's events of one step to all ranks (as doubles; a transport has only all-reduce).
+std::vector<Trace> gather_traces(Transport& t, const Trace& mine, Duration timeout) {
+  const int p = t.world_size();
+  std::vector<double> counts(p, 0.0);
+  counts[t.rank()] = static_cast<double>(mine.events.size());
+  counts = sum_over_ranks(t, counts, timeout);
+  const auto max_n = static_cast<std::size_t>(*std::max_element(counts.begin(), counts.end()));
+  constexpr int kFields = 6;  // type, stage, first mb, #mbs, start, end
+  std::vector<double> all(static_cast<std::size_t>(p) * max_n * kFields + p, 0.0);
+  for (std::size_t k = 0; k < mine.events.size(); ++k) {
+    const auto& e = mine.events[k];
+    double* row = &all[(static_cast<std::size_t>(t.rank()) * max_n + k) * kFields];
+    row[0] = static_cast<double>(e.action.type);
+    row[1] = e.action.stage;
+    row[2] = e.action.micro_batches.empty() ? 0 : e.action.micro_batches[0];
+    row[3] = static_cast<double>(e.action.micro_batches.size());
+    row[4] = e.start_us;
+    row[5] = e.end_us;
+  }
+  all[all.size() - p + t.rank()] = mine.step_us;
+  all = sum_over_ranks(t, all, timeout);
+  std::vector<Trace> out(p);
+  for (int r = 0; r < p; ++r) {
+    out[r].step_us = all[all.size() - p + r];
+    for (std::size_t k = 0; k < static_cast<std::size_t>(counts[r]); ++k) {
+      const double* row = &all[(static_cast<std::size_t>(r) * max_n + k) * kFields];
+      TraceEvent e;
+      e.rank = r;
+      e.action.type = static_cast<ActionType>(static_cast<int>(row[0]));
+      e.action.stage = static_cast<int>(row[1]);
+      for (int j = 0; j < static_cast<int>(row[3]); ++j) e.action.micro_batches.push_back(static_cast<int>(row[2]) + j);
+      e.start_us = row[4];
+      e.end_us = row[5];
+      out[r].events.push_back(std::move(e));
+    }
+  }
+  return out;
+}
+
+int chunks_for(const PipelineArgs& a, const std::string& schedule) {
+  if (a.chunks_per_rank > 0) return a.chunks_per_rank;
+  return (schedule == "interleaved-1f1b" || schedule == "zb-v") ? 2 : 1;
+}
+
+// Runs one configuration on this rank; every rank calls it with the same arguments, in the same order.
+RunResult run_config(Transport& transport, const PipelineArgs& a, const std::string& name, BackwardMode mode) {
+  const Duration timeout{static_cast<int64_t>(a.timeout_s * 1000)};
+  const int p = transport.world_size(), me = transport.rank();
+  ScheduleOptions so{p, a.microbatches, chunks_for(a, name), mode};
+  Schedule schedule = make_schedule(name, so);
+
+  models::LlamaConfig config;
+  config.name = "bench";
+  config.dim = a.dim;
+  config.n_layers = a.layers;
+  config.n_heads = a.heads;
+  config.n_kv_heads = a.kv_heads;
+  config.ffn_dim = a.ffn;
+  config.vocab_size = a.vocab;
+  config.max_seq_len = a.seq;
+  config.validate();
+  const auto partition = models::make_partition(config, schedule.num_stages, a.seq);
+  std::vector<PipelineChunk> chunks;
+  for (int s : schedule.stages_of(me)) {
+    models::LlamaChunk chunk(config, partition.chunks[s], /*seed=*/1);
+    chunks.push_back({s, chunk.ptr(), [chunk](const at::Tensor& x) mutable { return chunk->forward(x); }});
+  }
+  PipelineOptions options;
+  options.timeout = timeout;
+  options.loss = models::cross_entropy_loss;
+  const std::vector<int64_t> act_shape{a.micro_batch_size, a.seq, a.dim};
+  options.activation_spec = [act_shape](int) { return TensorSpec{act_shape, at::kFloat}; };
+  Pipeline pipeline(std::move(schedule), std::move(chunks), std::shared_ptr<Transport>(&transport, [](Transport*) {}),
+                    options);
+  const Schedule& sched = pipeline.schedule();
+
+  at::Generator gen = at::detail::createCPUGenerator(7);
+  const int64_t batch = static_cast<int64_t>(a.microbatches) * a.micro_batch_size;
+  at::Tensor tokens = at::randint(a.vocab, {batch, a.seq + 1}, gen, at::kLong);
+  at::Tensor inputs = tokens.narrow(1, 0, a.seq).contiguous(), targets = tokens.narrow(1, 1, a.seq).contiguous();
+
+  RunResult r;
+  r.schedule = name;
+  r.mode = mode;
+  r.p = p;
+  r.m = a.microbatches;
+  r.v = so.chunks_per_rank;
+  r.comm_ms = measure_comm_ms(transport, act_shape, timeout);
+
+  const int S = sched.num_stages;
+  std::vector<std::vector<double>> f(S), i(S), w(S), b(S);
+  std::vector<double> steps_ms, busy_ms;
+  Trace last;
+  for (int step = 0; step < a.warmup + a.steps; ++step) {
+    pipeline.zero_grad();
+    transport.barrier(timeout);
+    const auto t0 = std::chrono::steady_clock::now();
+    StepResult result = pipeline.step(inputs, targets);
+    transport.barrier(timeout);
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    if (step < a.warmup) continue;
+    steps_ms.push_back(ms);
+    busy_ms.push_back(result.trace.busy_us() / 1000.0);
+    for (const auto& e : result.trace.events) {
+      const double d = (e.end_us - e.start_us) / 1000.0;
+      switch (e.action.type) {
+        case ActionType::kForward: f[e.action.stage].push_back(d); break;
+        case ActionType::kBackwardInput: i[e.action.stage].push_back(d); break;
+        case ActionType::kBackward: b[e.action.stage].push_back(d); break;
+        case ActionType::kBackwardWeight:
+          w[e.action.stage].push_back(d / static_cast<double>(e.action.micro_batches.size()));
+          break;
+        default: break;
+      }
+    }
+    last = std::move(result.trace);
+  }
+  // Share per-stage medians (the owner fills its stages), per-step busy times and step times.
+  std::vector<double> local(4 * S + 2 * a.steps + 1, 0.0);
+  auto med = [](const std::vector<double>& v) { return v.empty() ? 0.0 : summarize(v).median; };
+  for (int s : sched.stages_of(me)) {
+    local[4 * s] = med(f[s]);
+    local[4 * s + 1] = med(i[s]);
+    local[4 * s + 2] = med(w[s]);
+    local[4 * s + 3] = med(b[s]);
+  }
+  for (int k = 0; k < a.steps; ++k) {
+    local[4 * S + k] = busy_ms[k];
+    local[4 * S + a.steps + k] = me == 0 ? steps_ms[k] : 0.0;
+  }
+  local.back() = peak_rss_bytes();
+  std::vector<double> total = sum_over_ranks(transport, local, timeout);
+  std::vector<double> step_times(total.begin() + 4 * S + a.steps, total.begin() + 4 * S + 2 * a.steps);
+  std::vector<double> bubbles;
+  for (int k = 0; k < a.steps; ++k) bubbles.push_back(1.0 - total[4 * S + k] / (p * step_times[k]));
+  r.step_ms = summarize(step_times);
+  r.bubble = summarize(bubbles).median;
+  r.tokens_per_s = static_cast<double>(batch * a.seq) / (r.step_ms.median / 1000.0);
+  r.peak_rss = total.back() / (transport.name() == "local" ? p : 1);
+
+  CostModel costs;
+  for (int s = 0; s < S; ++s) {
+    r.f_ms.push_back(total[4 * s]);
+    r.i_ms.push_back(total[4 * s + 1]);
+    r.w_ms.push_back(total[4 * s + 2]);
+    r.b_ms.push_back(total[4 * s + 3]);
+  }
+  costs.forward = r.f_ms;
+  costs.communication = r.comm_ms;
+  if (mode == BackwardMode::kSplit) {
+    costs.backward_input = r.i_ms;
+    costs.backward_weight = r.w_ms;
+  } else {
+    costs.backward = r.b_ms;
+    costs.backward_input.assign(S, 0.0);
+    costs.backward_weight.assign(S, 0.0);
+  }
+  const SimulationResult sim = simulate(sched, costs);
+  r.sim_step_ms = sim.step_time;
+  r.sim_bubble = sim.bubble_fraction;
+  r.peak_live = *std::max_element(sim.peak_live_micro_batches.begin(), sim.peak_live_micro_batches.end());
+
+  std::vector<Trace> traces = gather_traces(transport, last, timeout);
+  if (me == 0 && !a.trace_dir.empty()) {
+    make_directories(a.trace_dir);
+    const std::string base = fmt::format("{}/{}_{}_p{}_m{}", a.trace_dir, name,
+                                         mode == BackwardMode::kSplit ? "2bp" : "standard", p, a.microbatches);
+    std::ofstream(base + ".trace.json") << to_chrome_trace(traces);
+    std::ofstream(base + ".svg") << to_svg(traces, fmt::format("{} {} — p={} m={} v={}, last measured step", name,
+                                                               mode == BackwardMode::kSplit ? "2BP" : "standard", p,
+                                                               a.microbatches, r.v));
+  }
+  return r;
+}
+
+const char* mode_name(BackwardMode m) { return m == BackwardMode::kSplit ? "2bp" : "standard"; }
+
+void report(const PipelineArgs& a, const std::vector<RunResult>& results, const std::string& transport_name) {
+  Json out;
+  out["config"] = {{"dim", a.dim},           {"layers", a.layers},     {"heads", a.heads},
+                   {"kv_heads", a.kv_heads}, {"ffn", a.ffn},           {"vocab", a.vocab},
+                   {"seq", a.seq},           {"micro_batch_size", a.micro_batch_size},
+                   {"steps", a.steps},       {"warmup", a.warmup},     {"threads", a.threads},
+                   {"transport", transport_name}, {"load_average", load_average()}};
+  out["results"] = Json::array();
+  std::vector<std::vector<std::string>> rows{{"schedule", "mode", "p", "m", "v", "step ms", "p25-p75", "tokens/s",
+                                              "speedup", "sim speedup", "bubble", "sim ms", "sim err", "peak mbs"}};
+  std::ofstream csv;
+  if (!a.csv.empty()) {
+    csv.open(a.csv);
+    csv << "schedule,mode,p,m,v,tokens_per_s,step_ms_median,bubble_fraction,sim_step_ms,sim_error,"
+           "peak_live_microbatches,speedup_vs_standard,sim_speedup_vs_standard,peak_rss_bytes\n";
+  }
+  for (const auto& r : results) {
+    double speedup = 0, sim_speedup = 0;
+    for (const auto& o : results) {
+      if (o.schedule == r.schedule && o.p == r.p && o.m == r.m && o.v == r.v && o.mode == BackwardMode::kStandard) {
+        speedup = r.tokens_per_s / o.tokens_per_s;
+        sim_speedup = o.sim_step_ms / r.sim_step_ms;
+      }
+    }
+    const double sim_error = r.step_ms.median / r.sim_step_ms - 1.0;
+    Json j{{"schedule", r.schedule},
+           {"mode", mode_name(r.mode)},
+           {"p", r.p},
+           {"m", r.m},
+           {"v", r.v},
+           {"tokens_per_s", r.tokens_per_s},
+           {"step_ms_median", r.step_ms.median},
+           {"step_ms", to_json(r.step_ms)},
+           {"bubble_fraction", r.bubble},
+           {"sim_step_ms", r.sim_step_ms},
+           {"sim_bubble_fraction", r.sim_bubble},
+           {"sim_error", sim_error},
+           {"peak_live_microbatches", r.peak_live},
+           {"peak_rss_bytes", r.peak_rss},
+           {"communication_ms", r.comm_ms},
+           {"costs_ms", {{"F", r.f_ms}, {"I", r.i_ms}, {"W", r.w_ms}, {"B", r.b_ms}}}};
+    if (speedup > 0) {
+      j["speedup_vs_standard"] = speedup;
+      j["sim_speedup_vs_standard"] = sim_speedup;
+    }
+    out["results"].push_back(j);
+    rows.push_back({r.schedule, mode_name(r.mode), std::to_string(r.p), std::to_string(r.m), std::to_string(r.v),
+                    fmt_num(r.step_ms.median, 1), fmt_num(r.step_ms.p25, 1) + "-" + fmt_num(r.step_ms.p75, 1),
+                    fmt_num(r.tokens_per_s, 0), speedup > 0 ? fmt_num(speedup, 3) : "",
+                    speedup > 0 ? fmt_num(sim_speedup, 3) : "", fmt_num(r.bubble, 3), fmt_num(r.sim_step_ms, 1),
+                    fmt_num(100 * sim_error, 1) + "%", std::to_string(r.peak_live)});
+    if (csv) {
+      csv << fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n", r.schedule, mode_name(r.mode), r.p, r.m, r.v,
+                         r.tokens_per_s, r.step_ms.median, r.bubble, r.sim_step_ms, sim_error, r.peak_live,
+                         speedup > 0 ? fmt::format("{}", speedup) : "", speedup > 0 ? fmt::format("{}", sim_speedup) : "",
+                         r.peak_rss);
+    }
+  }
+  print_table(std::cout, rows);
+  if (!a.json.empty()) {
+    write_json(a.json, out);
+    std::cout << "wrote " << a.json << "\n";
+  }
+}
+
+void run_pipeline_bench(const PipelineArgs& a) {
+  at::set_num_threads(a.threads);
+  std::vector<std::string> names = a.schedule == "all" ? builtin_schedule_names() : std::vector<std::string>{a.schedule};
+  std::vector<BackwardMode> modes;
+  if (a.mode != "2bp") modes.push_back(BackwardMode::kStandard);
+  if (a.mode != "standard") modes.push_back(BackwardMode::kSplit);
+
+  auto run_all = [&](Transport& t) {
+    std::vector<RunResult> results;
+    for (const auto& name : names) {
+      for (BackwardMode mode : modes) {
+        if (t.rank() == 0) std::cerr << fmt::format("[pipeline] {} {} p={} m={} ...\n", name, mode_name(mode),
+                                                    t.world_size(), a.microbatches);
+        results.push_back(run_config(t, a, name, mode));
+      }
+    }
+    return results;
+  };
+
+  if (launched_by_mpi_launcher()) {
+#if TWOBP_HAVE_MPI
+    MpiEnvironment env;
+    MpiTransport transport(env);
+    auto results = run_all(transport);
+    if (env.rank() == 0) report(a, results, "mpi");
+    return;
+#else
+    throw std::runtime_error("launched under an MPI launcher, but twobp was built without MPI");
+#endif
+  }
+  auto transports = make_local_transports(a.ranks);
+  std::vector<std::vector<RunResult>> per_rank(a.ranks);
+  std::vector<std::exception_ptr> errors(a.ranks);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < a.ranks; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        per_rank[r] = run_all(*transports[r]);
+      } catch (...) {
+        errors[r] = std::current_exception();
+        transports[r]->abort("benchmark rank failed");
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+  report(a, per_rank[0], "local");
+}
+
+}  // namespace
+
+void add_pipeline_command(CLI::App& app) {
+  auto a = std::make_shared<PipelineArgs>();
+  CLI::App* sub = app.add_subcommand("pipeline", "Throughput of pipelines, 2BP against standard backprop");
+  std::vector<std::string> schedules = builtin_schedule_names();
+  schedules.push_back("all");
+  sub->add_option("--schedule", a->schedule, "Built-in schedule, or all")->check(CLI::IsMember(schedules))
+      ->capture_default_str();
+  sub->add_option("--mode", a->mode, "standard, 2bp or both")->check(CLI::IsMember({"standard", "2bp", "both"}))
+      ->capture_default_str();
+  sub->add_option("--ranks", a->ranks, "Ranks as threads (ignored under mpirun: one rank per process)")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  sub->add_option("--microbatches", a->microbatches, "Micro-batches per step")->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  sub->add_option("--chunks-per-rank", a->chunks_per_rank, "v (default: 2 for interleaved-1f1b and zb-v, else 1)");
+  sub->add_option("--dim", a->dim, "Model width")->capture_default_str();
+  sub->add_option("--layers", a->layers, "Decoder blocks (over all stages)")->capture_default_str();
+  sub->add_option("--heads", a->heads, "Attention heads")->capture_default_str();
+  sub->add_option("--kv-heads", a->kv_heads, "Key/value heads")->capture_default_str();
+  sub->add_option("--ffn", a->ffn, "SwiGLU hidden width")->capture_default_str();
+  sub->add_option("--vocab", a->vocab, "Vocabulary")->capture_default_str();
+  sub->add_option("--seq", a->seq, "Tokens per sequence")->capture_default_str();
+  sub->add_option("--micro-batch-size", a->micro_batch_size, "Sequences per micro-batch")->capture_default_str();
+  sub->add_option("--steps", a->steps, "Measured steps")->capture_default_str()->check(CLI::PositiveNumber);
+  sub->add_option("--warmup", a->warmup, "Unmeasured steps first")->capture_default_str();
+  sub->add_option("--threads", a->threads, "at::set_num_threads (per process)")->capture_default_str();
+  sub->add_option("--timeout", a->timeout_s, "Seconds any wait may block")->capture_default_str();
+  sub->add_option("--json", a->json, "Write {\"config\", \"results\": [...]} here");
+  sub->add_option("--csv", a->csv, "Write one CSV row per configuration here");
+  sub->add_option("--trace-dir", a->trace_dir, "Write a Chrome trace and an SVG of the last step per configuration");
+  sub->callback([a] { run_pipeline_bench(*a); });
+}
+
+}  // namespace twobp::bench

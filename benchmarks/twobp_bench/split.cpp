@@ -1,0 +1,368 @@
+// `twobp_bench split`: what the 2BP split of the backward costs on one pipeline stage, against the fused backward.
+//
+// Setup: one middle stage (stage_index 1 of 3: its input needs a gradient, no loss), fed a fixed input x and a
+// fixed output gradient dY. Paths, all in the same run:
+//   fast          LLaMa-style stack of twobp::nn::Linear / RMSNorm layers (weight work via WeightGradStore)
+//   general       the same stack with torch::nn::Linear and an op-composed RMSNorm (autograd-graph split)
+//   general_conv  residual conv-BN-ReLU-conv stack (general path), unless --no-conv
+//
+// Every repetition runs, per path, these variants back to back (the order rotates with the repetition so that
+// drift and cache state affect all variants alike); parameter gradients are set to none before each variant,
+// untimed, so that B and W both create .grad the way the first micro-batch of a step does:
+//   split:  t_F = time(Stage::forward)   t_I = time(Stage::backward_input(dY))   t_W = time(Stage::backward_weight({mb}))
+//   fused:  t_F = time(Stage::forward)   t_B = time(Stage::backward(dY))
+// Each phase has its own timer, so t_I is exactly t(F + I) - t(F) of the same repetition.
+// With med(.) the median over --repeats repetitions (after --warmup untimed ones):
+//   forward_ms   = med(t_F)                    over the forward of both variants
+//   stage1_ms    = t(I) = med(t_I)             stage 1: input gradient only
+//   stage2_ms    = t(W) = med(t_W)             stage 2: weight gradients of one micro-batch
+//   fused_ms     = t(B) = med(t_B)             ordinary backprop (input and weight gradients)
+//   stage1_ratio = t(I) / t(B)                 ~0.5 when GEMMs dominate: how early stage 1 can hand dX upstream
+//   split_ratio  = (t(I) + t(W)) / t(B)        1.0 = the split costs nothing extra
+//   split_overhead_ms = t(I) + t(W) - t(B)
+// Times are wall-clock; --clock cpu takes process CPU time instead (steadier on a shared machine, meaningful
+// only with --threads 1).
+// "spread" gives min/p25/median/p75/max of every timed series and of the per-repetition ratios
+// t_I/t_B and (t_I + t_W)/t_B.
+//
+// --batched-w (the paper's batched backward-p2), with m = --micro-batches, two more variants per repetition:
+//   F and I of micro-batches 0..m-1 untimed, then
+//   batched:   batched_w_ms  = med(time(Stage::backward_weight({0, ..., m-1})))   one concatenated GEMM per layer
+//   separate:  separate_w_ms = med(time(Stage::backward_weight({0}); ...; Stage::backward_weight({m-1})))
+//   batched_w_speedup = separate_w_ms / batched_w_ms           > 1: batching W pays off
+// (The general path has no batched W: its speedup only shows the per-call overhead.)
+
+#include <ATen/Parallel.h>
+#include <torch/torch.h>
+#include <torch/version.h>
+
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
+#include <functional>
+#include <iostream>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "bench_common.h"
+#include "bench_models.h"
+#include "commands.h"
+#include "twobp/stage.h"
+
+namespace twobp::bench {
+namespace {
+
+struct SplitConfig {
+  LlamaConfig model{/*dim=*/512, /*ffn=*/0};
+  int64_t seq = 128;
+  int64_t batch = 4;
+  int repeats = 15;
+  int warmup = 3;
+  int threads = 2;
+  bool batched_w = false;
+  int micro_batches = 4;
+  bool conv = true;
+  int64_t conv_channels = 64;
+  int64_t conv_size = 32;
+  int64_t conv_layers = 2;
+  std::string json;
+  bool check = false;
+  std::string clock = "wall";
+};
+
+/// One path under test: a stage on a module, with its fixed input and output gradient.
+class PathBench {
+ public:
+  PathBench(std::string name, std::shared_ptr<torch::nn::Module> module, StageForward forward, at::Tensor input,
+            Clock clock)
+      : name_(std::move(name)), module_(std::move(module)), input_(std::move(input)), clock_(clock) {
+    StageOptions options;
+    options.stage_index = 1;
+    options.num_stages = 3;
+    stage_ = std::make_unique<Stage>(module_, std::move(forward), options);
+    // The output gradient has the output's shape; one untimed forward tells it.
+    at::Tensor out = stage_->forward(0, input_);
+    stage_->reset();
+    grad_output_ = at::randn_like(out);
+  }
+
+  const std::string& name() const { return name_; }
+  const Series& samples() const { return samples_; }
+  int64_t parameter_count() const {
+    int64_t n = 0;
+    for (const auto& p : module_->parameters()) n += p.numel();
+    return n;
+  }
+
+  void split(bool record) {
+    module_->zero_grad(/*set_to_none=*/true);
+    const double f = time_ms([&] { stage_->forward(0, input_); }, clock_);
+    const double i = time_ms([&] { stage_->backward_input(0, grad_output_); }, clock_);
+    const double w = time_ms([&] { stage_->backward_weight({0}); }, clock_);
+    if (!record) return;
+    samples_.add("forward_ms", f);
+    samples_.add("stage1_ms", i);
+    samples_.add("stage2_ms", w);
+    pending_i_ = i;
+    pending_w_ = w;
+    pair_ratios();
+  }
+
+  void fused(bool record) {
+    module_->zero_grad(/*set_to_none=*/true);
+    const double f = time_ms([&] { stage_->forward(0, input_); }, clock_);
+    const double b = time_ms([&] { stage_->backward(0, grad_output_); }, clock_);
+    if (!record) return;
+    samples_.add("forward_ms", f);
+    samples_.add("fused_ms", b);
+    pending_b_ = b;
+    pair_ratios();
+  }
+
+  /// W of m micro-batches in one call (batched) or in m calls (separate); F and I untimed.
+  void weight_batch(int m, bool batched, bool record) {
+    module_->zero_grad(/*set_to_none=*/true);
+    std::vector<int> mbs(m);
+    std::iota(mbs.begin(), mbs.end(), 0);
+    for (int mb : mbs) stage_->forward(mb, input_);
+    for (int mb : mbs) stage_->backward_input(mb, grad_output_);
+    const double w = time_ms(
+        [&] {
+          if (batched) {
+            stage_->backward_weight(mbs);
+          } else {
+            for (int mb : mbs) stage_->backward_weight({mb});
+          }
+        },
+        clock_);
+    if (record) samples_.add(batched ? "batched_w_ms" : "separate_w_ms", w);
+  }
+
+  Json result() const {
+    Json r;
+    const double f = samples_.median("forward_ms"), i = samples_.median("stage1_ms"),
+                 w = samples_.median("stage2_ms"), b = samples_.median("fused_ms");
+    r["stage1_ratio"] = i / b;
+    r["split_ratio"] = (i + w) / b;
+    r["forward_ms"] = f;
+    r["stage1_ms"] = i;
+    r["stage2_ms"] = w;
+    r["fused_ms"] = b;
+    r["split_overhead_ms"] = i + w - b;
+    if (samples_.has("batched_w_ms")) {
+      const double batched = samples_.median("batched_w_ms"), separate = samples_.median("separate_w_ms");
+      r["batched_w_speedup"] = separate / batched;
+      r["batched_w_ms"] = batched;
+      r["separate_w_ms"] = separate;
+    }
+    r["parameters"] = parameter_count();
+    r["spread"] = samples_.spread();
+    return r;
+  }
+
+ private:
+  // Per-repetition ratios once both the split and the fused variant of a repetition are in.
+  void pair_ratios() {
+    if (pending_b_ < 0 || pending_i_ < 0) return;
+    samples_.add("stage1_ratio", pending_i_ / pending_b_);
+    samples_.add("split_ratio", (pending_i_ + pending_w_) / pending_b_);
+    pending_i_ = pending_w_ = pending_b_ = -1;
+  }
+
+  std::string name_;
+  std::shared_ptr<torch::nn::Module> module_;
+  std::unique_ptr<Stage> stage_;
+  at::Tensor input_, grad_output_;
+  Clock clock_;
+  Series samples_;
+  double pending_i_ = -1, pending_w_ = -1, pending_b_ = -1;
+};
+
+template <typename L>
+std::unique_ptr<PathBench> make_llama(const std::string& name, const SplitConfig& c, const at::Tensor& input) {
+  torch::manual_seed(0);  // same initial weights on both paths
+  auto module = std::make_shared<LlamaStack<L>>(c.model);
+  auto* raw = module.get();
+  return std::make_unique<PathBench>(name, module, [raw](const at::Tensor& x) { return raw->forward(x); }, input,
+                                     parse_clock(c.clock));
+}
+
+std::unique_ptr<PathBench> make_conv(const SplitConfig& c) {
+  torch::manual_seed(0);
+  ConvStack module(c.conv_channels, c.conv_layers);
+  auto* raw = module.get();
+  auto input = torch::randn({c.batch, c.conv_channels, c.conv_size, c.conv_size});
+  return std::make_unique<PathBench>("general_conv", module.ptr(),
+                                     [raw](const at::Tensor& x) { return raw->forward(x); }, input,
+                                     parse_clock(c.clock));
+}
+
+Json config_json(const SplitConfig& c) {
+  return Json{{"dim", c.model.dim},
+              {"ffn", c.model.ffn},
+              {"heads", c.model.heads},
+              {"kv_heads", c.model.kv_heads},
+              {"layers", c.model.layers},
+              {"seq", c.seq},
+              {"batch", c.batch},
+              {"repeats", c.repeats},
+              {"warmup", c.warmup},
+              {"threads", c.threads},
+              {"clock", c.clock},
+              {"dtype", "float32"},
+              {"batched_w", c.batched_w},
+              {"micro_batches", c.micro_batches},
+              {"conv", c.conv},
+              {"conv_channels", c.conv_channels},
+              {"conv_size", c.conv_size},
+              {"conv_layers", c.conv_layers},
+              {"torch_version", TORCH_VERSION}};
+}
+
+std::vector<std::string> required_keys(const Json& json) {
+  std::vector<std::string> keys;
+  for (const char* path : {"fast", "general", "general_conv"}) {
+    if (std::string(path) == "general_conv" && !json.contains(path)) continue;
+    for (const char* key : {"stage1_ratio", "split_ratio", "forward_ms", "stage1_ms", "stage2_ms", "fused_ms"}) {
+      keys.push_back(std::string(path) + "/" + key);
+    }
+    if (json.value("config", Json::object()).value("batched_w", false)) {
+      keys.push_back(std::string(path) + "/batched_w_speedup");
+    }
+  }
+  for (const char* key : {"dim", "layers", "seq", "batch", "repeats", "threads"}) {
+    keys.push_back(std::string("config/") + key);
+  }
+  return keys;
+}
+
+void run_split(const SplitConfig& c) {
+  at::set_num_threads(c.threads);
+  torch::set_default_dtype(caffe2::TypeMeta::Make<float>());
+  if (c.model.dim % c.model.heads != 0 || c.model.heads % c.model.kv_heads != 0 || (c.model.dim / c.model.heads) % 2) {
+    throw CLI::ValidationError("split", "--dim must be a multiple of --heads (even head dim), --heads of --kv-heads");
+  }
+  const double load_start = load_average();
+  const unsigned cores = std::thread::hardware_concurrency();
+  if (cores > 0 && load_start > cores) {
+    std::cerr << "split: warning: load average " << fmt_num(load_start) << " on " << cores
+              << " cores; other processes take cores from the timed threads, see the spread (or use --threads 1 "
+                 "--clock cpu)\n";
+  }
+
+  LlamaConfig model = c.model;
+  model.max_seq = c.seq;
+  if (model.ffn <= 0) model.ffn = (8 * model.dim / 3 + 31) / 32 * 32;  // LLaMa's rule: 512 -> 1376
+  SplitConfig cfg = c;
+  cfg.model = model;
+  torch::manual_seed(1);
+  const at::Tensor input = torch::randn({c.batch, c.seq, c.model.dim});
+  std::vector<std::unique_ptr<PathBench>> paths;
+  paths.push_back(make_llama<FastLayers>("fast", cfg, input));
+  paths.push_back(make_llama<GeneralLayers>("general", cfg, input));
+  if (c.conv) paths.push_back(make_conv(cfg));
+
+  using Variant = std::function<void(PathBench&, bool)>;
+  std::vector<Variant> variants = {[](PathBench& p, bool rec) { p.split(rec); },
+                                   [](PathBench& p, bool rec) { p.fused(rec); }};
+  if (c.batched_w) {
+    const int m = c.micro_batches;
+    variants.push_back([m](PathBench& p, bool rec) { p.weight_batch(m, /*batched=*/true, rec); });
+    variants.push_back([m](PathBench& p, bool rec) { p.weight_batch(m, /*batched=*/false, rec); });
+  }
+
+  std::cerr << "split: " << c.warmup << " warmup + " << c.repeats << " repetitions, " << c.threads << " threads\n";
+  for (int r = 0; r < c.warmup + c.repeats; ++r) {
+    const bool record = r >= c.warmup;
+    for (auto& path : paths) {
+      for (std::size_t v = 0; v < variants.size(); ++v) variants[(v + r) % variants.size()](*path, record);
+    }
+  }
+
+  Json out;
+  for (const auto& path : paths) out[path->name()] = path->result();
+  Json config = config_json(cfg);
+  config["load_average_start"] = load_start;
+  config["load_average_end"] = load_average();
+  out["config"] = config;
+
+  std::vector<std::vector<std::string>> rows = {{"path", "F ms", "I ms", "W ms", "B ms", "I/B", "I/B p25-p75",
+                                                 "(I+W)/B", "(I+W)/B p25-p75"}};
+  if (c.batched_w) rows[0].push_back("batched W x" + std::to_string(c.micro_batches));
+  for (const auto& path : paths) {
+    const Json& r = out[path->name()];
+    const Json& s = r["spread"];
+    std::vector<std::string> row = {
+        path->name(),
+        fmt_num(r["forward_ms"].get<double>()),
+        fmt_num(r["stage1_ms"].get<double>()),
+        fmt_num(r["stage2_ms"].get<double>()),
+        fmt_num(r["fused_ms"].get<double>()),
+        fmt_num(r["stage1_ratio"].get<double>(), 3),
+        fmt_num(s["stage1_ratio"]["p25"].get<double>(), 3) + "-" + fmt_num(s["stage1_ratio"]["p75"].get<double>(), 3),
+        fmt_num(r["split_ratio"].get<double>(), 3),
+        fmt_num(s["split_ratio"]["p25"].get<double>(), 3) + "-" + fmt_num(s["split_ratio"]["p75"].get<double>(), 3)};
+    if (c.batched_w) row.push_back(fmt_num(r["batched_w_speedup"].get<double>(), 3) + "x");
+    rows.push_back(row);
+  }
+  std::cout << "dim " << cfg.model.dim << ", ffn " << cfg.model.ffn << ", layers " << cfg.model.layers << ", seq " << c.seq
+            << ", batch " << c.batch << ", " << c.threads << " threads, " << c.clock << " clock, median of " << c.repeats
+            << " (load " << fmt_num(load_start) << " -> " << fmt_num(load_average()) << ")\n";
+  print_table(std::cout, rows);
+
+  if (c.json.empty()) return;
+  write_json(c.json, out);
+  std::cout << "wrote " << c.json << "\n";
+  if (c.check) {
+    // Re-read the file as a consumer would and check every headline number.
+    const Json back = read_json(c.json);
+    const auto problems = check_numbers(back, required_keys(back), /*positive=*/true);
+    for (const auto& p : problems) std::cerr << "check failed: " << c.json << ": " << p << "\n";
+    if (!problems.empty()) throw CLI::RuntimeError(2);
+    std::cout << "check: " << required_keys(back).size() << " keys present and positive\n";
+  }
+}
+
+}  // namespace
+
+void add_split_command(CLI::App& app) {
+  auto cfg = std::make_shared<SplitConfig>();
+  CLI::App* sub = app.add_subcommand("split", "Cost of the 2BP split (I, W) against the fused backward (B)");
+  sub->add_option("--dim", cfg->model.dim, "Model width")->capture_default_str()->check(CLI::PositiveNumber);
+  sub->add_option("--ffn", cfg->model.ffn, "SwiGLU hidden width (default: 8/3 dim rounded up to a multiple of 32)")
+      ->check(CLI::PositiveNumber);
+  sub->add_option("--heads", cfg->model.heads, "Attention heads")->capture_default_str()->check(CLI::PositiveNumber);
+  sub->add_option("--kv-heads", cfg->model.kv_heads, "Key/value heads (grouped-query attention)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  sub->add_option("--layers", cfg->model.layers, "Blocks in the stage")->capture_default_str()->check(CLI::PositiveNumber);
+  sub->add_option("--seq", cfg->seq, "Sequence length")->capture_default_str()->check(CLI::PositiveNumber);
+  sub->add_option("--batch", cfg->batch, "Micro-batch size")->capture_default_str()->check(CLI::PositiveNumber);
+  sub->add_option("--repeats", cfg->repeats, "Timed repetitions (medians over these)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  sub->add_option("--warmup", cfg->warmup, "Untimed repetitions first")->capture_default_str()->check(CLI::NonNegativeNumber);
+  sub->add_option("--threads", cfg->threads, "at::set_num_threads")->capture_default_str()->check(CLI::PositiveNumber);
+  sub->add_flag("--batched-w", cfg->batched_w, "Also time W of --micro-batches at once vs one by one");
+  sub->add_option("--micro-batches", cfg->micro_batches, "Micro-batches for --batched-w")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 64));
+  sub->add_flag("--conv,!--no-conv", cfg->conv, "Include the general-path conv net (general_conv)")
+      ->capture_default_str();
+  sub->add_option("--conv-channels", cfg->conv_channels, "Conv net channels")->capture_default_str();
+  sub->add_option("--conv-size", cfg->conv_size, "Conv net image height and width")->capture_default_str();
+  sub->add_option("--conv-layers", cfg->conv_layers, "Conv net residual blocks")->capture_default_str();
+  sub->add_option("--clock", cfg->clock,
+                  "wall, or cpu: process CPU time, steadier on a busy machine but only meaningful with --threads 1")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"wall", "cpu"}));
+  sub->add_option("--json", cfg->json, "Write the results to this JSON file");
+  sub->add_flag("--check", cfg->check, "Re-read the --json file and fail unless every headline number is there")
+      ->needs(sub->get_option("--json"));
+  sub->callback([cfg] { run_split(*cfg); });
+}
+
+}  // namespace twobp::bench
