@@ -225,15 +225,15 @@ StepResult Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
     return o;
   };
   auto boundary_spec = [&](int boundary_stage) { return options_.activation_spec(boundary_stage); };
-  auto check_spec = [&](const at::Tensor& t, int boundary_stage, const Action& a, const char* what) {
-    if (!options_.activation_spec) return;
+  // Checks a tensor about to cross a stage boundary against the boundary's declared spec, naming the producing
+  // and the receiving stage: the receiver's buffer was allocated from the spec, so a mismatch caught here is a
+  // mismatch that would otherwise corrupt or hang the receiver.
+  auto check_spec = [&](const at::Tensor& t, int boundary_stage, const Action& a, int receiver, const char* what) {
     const TensorSpec spec = boundary_spec(boundary_stage);
-    const bool ok = t.sizes().vec() == spec.shape && t.scalar_type() == spec.dtype;
-    TWOBP_CHECK(ok, UsageError,
-                "{}: stage {} (rank {}) produced {} {} for micro-batch {}, but stage {} (rank {}) expects {}", where(a),
-                a.stage, me, what, describe_spec(t.sizes().vec(), t.scalar_type()), a.micro_batches[0],
-                what[0] == 'a' ? boundary_stage + 1 : boundary_stage,
-                owner(what[0] == 'a' ? boundary_stage + 1 : boundary_stage), describe_spec(spec.shape, spec.dtype));
+    TWOBP_CHECK(t.sizes().vec() == spec.shape && t.scalar_type() == spec.dtype, UsageError,
+                "{}: stage {} (rank {}) produced {} {} for micro-batch {}, but stage {} (rank {}) expects {}",
+                where(a), a.stage, me, what, describe_spec(t.sizes().vec(), t.scalar_type()), a.micro_batches[0],
+                receiver, owner(receiver), describe_spec(spec.shape, spec.dtype));
   };
   auto post_recv = [&](std::size_t index) {
     const Action& a = actions[index];
@@ -290,7 +290,7 @@ StepResult Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
           if (a.stage == last) {
             result.losses[mb] = out.item<double>();
           } else {
-            if (owner(a.stage + 1) != me) check_spec(out, a.stage, a, "activations");
+            if (owner(a.stage + 1) != me) check_spec(out, a.stage, a, a.stage + 1, "activations");
             st.outputs[{a.stage, mb}] = out;
           }
           break;
@@ -307,7 +307,7 @@ StepResult Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
           at::Tensor grad_input = a.type == ActionType::kBackward ? s.backward(mb, grad_output)
                                                                    : s.backward_input(mb, grad_output);
           if (a.stage > 0) {
-            if (owner(a.stage - 1) != me) check_spec(grad_input, a.stage - 1, a, "gradients");
+            if (owner(a.stage - 1) != me) check_spec(grad_input, a.stage - 1, a, a.stage - 1, "gradients");
             st.input_grads[{a.stage, mb}] = grad_input;
           }
           break;
