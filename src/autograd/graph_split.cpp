@@ -203,7 +203,15 @@ void run_weight_backward(SplitPlan& plan) {
       plan.roots, plan.root_grads, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/false,
       plan.param_edges);
   for (std::size_t i = 0; i < grads.size(); ++i) {
-    if (grads[i].defined()) autograd::accumulate_grad(plan.params[i], grads[i], /*fresh=*/false);
+    const at::Tensor& g = grads[i];
+    if (!g.defined()) continue;
+    // The engine's result may alias a tensor someone else holds (a captured root gradient passed through an
+    // identity node); only a gradient nothing else references may become .grad without a copy. Same test as
+    // autograd's own AccumulateGrad, extended to the transposed views matrix products return.
+    const bool fresh = g.use_count() == 1 &&
+                       (g.is_view() ? g._base().use_count() == 1 && g.storage().use_count() == 2
+                                    : g.storage().use_count() == 1);
+    autograd::accumulate_grad(plan.params[i], g, fresh);
   }
   plan = SplitPlan{};
 }

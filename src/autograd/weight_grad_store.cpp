@@ -95,8 +95,9 @@ void accumulate_grad(const at::Tensor& param, const at::Tensor& grad, bool fresh
   c10::AutoGradMode no_grad(false);
   at::Tensor& slot = const_cast<at::Tensor&>(param).mutable_grad();
   if (!slot.defined()) {
-    slot = fresh ? grad.to(param.scalar_type()).contiguous() : grad.to(param.scalar_type(), /*non_blocking=*/false,
-                                                                         /*copy=*/true);
+    // A fresh result becomes .grad as it is, whatever its strides (a matrix product's transposed view): copying
+    // it into a contiguous tensor costs as much as a small GEMM. Later accumulations add into it in place.
+    slot = fresh ? grad.to(param.scalar_type()) : grad.to(param.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
   } else {
     slot.add_(grad);
   }

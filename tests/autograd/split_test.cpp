@@ -340,3 +340,36 @@ TEST(FastPathLayers, WeightModifiedBetweenForwardAndBackwardIsAnError) {
 
 }  // namespace
 }  // namespace twobp::testing
+
+namespace twobp::testing {
+namespace {
+
+TEST(WeightGradBatching, ConcatenatedAndSeparateGemmsGiveTheSameGradients) {
+  torch::manual_seed(11);
+  auto weight = torch::randn({5, 3}, torch::kDouble).requires_grad_(true);
+  auto bias = torch::randn({5}, torch::kDouble).requires_grad_(true);
+  std::vector<autograd::WeightGradItem> items;
+  for (int k = 0; k < 3; ++k) {
+    items.push_back({torch::randn({2, 4, 3}, torch::kDouble), torch::randn({2, 4, 5}, torch::kDouble)});
+  }
+  std::vector<torch::Tensor> grads;
+  for (auto batching : {nn::functional::Batching::kConcatenate, nn::functional::Batching::kSeparate}) {
+    weight.mutable_grad().reset();
+    bias.mutable_grad().reset();
+    nn::functional::linear_weight_grad(weight, bias, items, batching);
+    grads.push_back(weight.grad().clone());
+    grads.push_back(bias.grad().clone());
+  }
+  torch::Tensor expected_w = torch::zeros({5, 3}, torch::kDouble), expected_b = torch::zeros({5}, torch::kDouble);
+  for (const auto& item : items) {
+    expected_w += item.grad_output.reshape({-1, 5}).t().mm(item.input.reshape({-1, 3}));
+    expected_b += item.grad_output.reshape({-1, 5}).sum(0);
+  }
+  EXPECT_TRUE(torch::allclose(grads[0], expected_w)) << "concatenated";
+  EXPECT_TRUE(torch::allclose(grads[2], expected_w)) << "separate";
+  EXPECT_TRUE(torch::allclose(grads[1], expected_b));
+  EXPECT_TRUE(torch::allclose(grads[3], expected_b));
+}
+
+}  // namespace
+}  // namespace twobp::testing

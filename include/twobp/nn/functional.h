@@ -24,8 +24,16 @@ at::Tensor embedding(const at::Tensor& ids, const at::Tensor& weight, const auto
 at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps,
                     const autograd::WeightGradKernel& kernel);
 
+/// How a weight-gradient kernel reduces several queued items (micro-batches).
+enum class Batching {
+  kAuto,         ///< concatenate on CUDA when each item is small (< 4096 rows), else one GEMM per item
+  kConcatenate,  ///< always one GEMM over the concatenated items (the 2BP paper's batched backward-p2)
+  kSeparate,     ///< one GEMM per item, accumulated into .grad without copies
+};
+
 // Weight-gradient kernels shared by the module classes (and usable by custom layers with the same shapes).
-void linear_weight_grad(const at::Tensor& weight, const at::Tensor& bias, c10::ArrayRef<autograd::WeightGradItem> items);
+void linear_weight_grad(const at::Tensor& weight, const at::Tensor& bias, c10::ArrayRef<autograd::WeightGradItem> items,
+                        Batching batching = Batching::kAuto);
 void embedding_weight_grad(const at::Tensor& weight, c10::ArrayRef<autograd::WeightGradItem> items);
 void rms_norm_weight_grad(const at::Tensor& weight, c10::ArrayRef<autograd::WeightGradItem> items);
 

@@ -1,0 +1,538 @@
+#!/usr/bin/env python3
+"""Peer benchmark: PyTorch's own ``torch.distributed.pipelining`` against twobp on the same LLaMa-like model.
+
+One command runs both sides, one schedule after the other (never at the same time):
+
+    python3 benchmarks/peer/torch_pipelining.py [--schedules gpipe,1f1b,...] [--json OUT]
+
+Torch side: 2 ranks (``torch.multiprocessing``, spawn), gloo backend, CPU, float32, ``torch.set_num_threads(1)`` per
+rank. A fresh pair of processes (and process group) per schedule, so a schedule that fails or hangs cannot take the
+others down: its error is printed in its row and the run goes on.
+
+twobp side: ``mpirun -np 2 ... build/benchmarks/twobp_bench pipeline --schedule NAME --mode both ... --threads 1``
+(standard backprop and 2BP in one launch) with the same dimensions, micro-batch count and size, sequence length,
+warm-up and measured steps.
+
+Schedule mapping (torch class -> twobp schedule, stages per rank v, placement):
+
+    gpipe             ScheduleGPipe                  -> gpipe             v=1
+    1f1b              Schedule1F1B                   -> 1f1b              v=1
+    interleaved-1f1b  ScheduleInterleaved1F1B        -> interleaved-1f1b  v=2, loop placement (stage s on rank s % p)
+    interleaved-zb    ScheduleInterleavedZeroBubble  -> interleaved-1f1b  v=2, loop placement. twobp has no
+                      interleaved zero-bubble schedule; its interleaved-1f1b in --mode 2bp is the same placement with
+                      the backward split into I and W, W's filling the cool-down bubbles (its zb-h1 is the single-
+                      chunk ZB-H1, shown for reference in the row "zb-h1 (ref)", which has no torch counterpart).
+    zb-v              ScheduleZBVZeroBubble          -> zb-v              v=2, V placement (rank r: stages r, 2p-1-r)
+
+Notes on what is and is not identical:
+  * The model is a PyTorch transcription of twobp's models::LlamaChunk (include/twobp/models/llama.h,
+    src/models/llama.cpp): token embedding on the first stage, pre-norm blocks (RMSNorm, rotary rotate-half with
+    angles recomputed every call as twobp does, grouped-query causal SDPA, SwiGLU without biases), final RMSNorm + LM
+    head on the last stage, mean cross entropy over the tokens of a micro-batch.
+  * Blocks are split over the p*v stages with the same balanced-by-compute dynamic program as twobp's
+    make_partition (ported below); the layout is printed.
+  * Weights are drawn N(0, 0.02^2) (residual projections scaled by 1/sqrt(2 L), norms 1) like twobp, but not from
+    twobp's per-name generators, so the values differ; the shapes and FLOPs are the same.
+  * Timing as twobp_bench's pipeline command: zero_grad (grads set to None) outside the timed region, then
+    barrier, t0, schedule.step(...), barrier, t1 on every rank; step time = median over the measured steps of rank
+    0's t1 - t0; tokens/s = m * micro_batch_size * seq / step time. No optimizer step on either side.
+  * torch's schedules scale the gradients by 1/m (scale_grads=True, their default); twobp accumulates the per-micro-
+    batch means. This costs one in-place scale per parameter per step, negligible here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+# name -> (torch class name, stages per rank, placement style, twobp schedule for the comparison)
+SCHEDULES = {
+    "gpipe": ("ScheduleGPipe", 1, "loop", "gpipe"),
+    "1f1b": ("Schedule1F1B", 1, "loop", "1f1b"),
+    "interleaved-1f1b": ("ScheduleInterleaved1F1B", 2, "loop", "interleaved-1f1b"),
+    "interleaved-zb": ("ScheduleInterleavedZeroBubble", 2, "loop", "interleaved-1f1b"),
+    "zb-v": ("ScheduleZBVZeroBubble", 2, "v", "zb-v"),
+}
+DEFAULT_SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zb-v"]
+REFERENCE_ONLY = {"zb-h1"}  # twobp-only reference rows (no torch counterpart)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Partition: port of twobp::models::make_partition (balanced by compute)
+# ---------------------------------------------------------------------------------------------------------------
+
+def block_forward_flops(a) -> float:
+    kv_dim = a.kv_heads * (a.dim // a.heads)
+    gemm_params = a.dim * a.dim * 2 + a.dim * kv_dim * 2 + 3 * a.dim * a.ffn
+    return 2.0 * a.seq * gemm_params + 2.0 * a.seq * a.seq * a.dim
+
+
+def head_cost_in_blocks(a) -> float:
+    return (2.0 * a.seq * a.dim * a.vocab) / block_forward_flops(a)
+
+
+def balance(layers: int, chunks: int, head_cost: float) -> list[int]:
+    """Exact min-max contiguous split; chunks 0..C-2 get >= 1 block, the last >= 0 and carries the head's cost."""
+    if chunks > layers + 1:
+        raise ValueError(f"cannot split {layers} blocks into {chunks} chunks")
+    inf = math.inf
+    best = [[inf] * (layers + 1) for _ in range(chunks)]
+    best[0][0] = 0.0
+    for c in range(1, chunks):
+        for j in range(c, layers + 1):
+            for i in range(c - 1, j):
+                if best[c - 1][i] == inf:
+                    continue
+                best[c][j] = min(best[c][j], max(best[c - 1][i], float(j - i)))
+    optimum, split = inf, -1
+    for i in range(chunks - 1, layers + 1):
+        v = max(best[chunks - 1][i], (layers - i) + head_cost)
+        if v <= optimum + 1e-12:
+            optimum = min(optimum, v)
+            split = i
+    counts = [0] * chunks
+    counts[chunks - 1] = layers - split
+    j = split
+    for c in range(chunks - 1, 0, -1):
+        chosen = -1
+        for i in range(j - 1, c - 2, -1):
+            if best[c - 1][i] <= optimum + 1e-12 and (j - i) <= optimum + 1e-12:
+                chosen = i
+                break
+        counts[c - 1] = j - chosen
+        j = chosen
+    return counts
+
+
+def stage_to_rank(num_stages: int, ranks: int, style: str) -> list[int]:
+    if style == "v":
+        return [s if s < ranks else 2 * ranks - 1 - s for s in range(num_stages)]
+    return [s % ranks for s in range(num_stages)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model: PyTorch transcription of twobp's LlamaChunk
+# ---------------------------------------------------------------------------------------------------------------
+
+def build_model_classes():
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class RMSNorm(nn.Module):
+        def __init__(self, dim, eps=1e-5):
+            super().__init__()
+            self.eps = eps
+            self.weight = nn.Parameter(torch.ones(dim))
+
+        def forward(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+    def apply_rotary(x, theta):
+        seq, half = x.size(2), x.size(3) // 2
+        inv_freq = torch.pow(theta, -torch.arange(0, half, dtype=torch.float32) / half)
+        angles = torch.outer(torch.arange(seq, dtype=torch.float32), inv_freq)
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
+
+    class Block(nn.Module):
+        def __init__(self, a):
+            super().__init__()
+            self.dim, self.heads, self.kv_heads = a.dim, a.heads, a.kv_heads
+            self.hd = a.dim // a.heads
+            kv_dim = a.kv_heads * self.hd
+            self.attn_norm = RMSNorm(a.dim)
+            self.wq = nn.Linear(a.dim, a.dim, bias=False)
+            self.wk = nn.Linear(a.dim, kv_dim, bias=False)
+            self.wv = nn.Linear(a.dim, kv_dim, bias=False)
+            self.wo = nn.Linear(a.dim, a.dim, bias=False)
+            self.mlp_norm = RMSNorm(a.dim)
+            self.w1 = nn.Linear(a.dim, a.ffn, bias=False)
+            self.w3 = nn.Linear(a.dim, a.ffn, bias=False)
+            self.w2 = nn.Linear(a.ffn, a.dim, bias=False)
+
+        def forward(self, x):
+            b, s, hd = x.size(0), x.size(1), self.hd
+            h = self.attn_norm(x)
+            q = self.wq(h).view(b, s, self.heads, hd).transpose(1, 2)
+            k = self.wk(h).view(b, s, self.kv_heads, hd).transpose(1, 2)
+            v = self.wv(h).view(b, s, self.kv_heads, hd).transpose(1, 2)
+            q = apply_rotary(q, 10000.0)
+            k = apply_rotary(k, 10000.0)
+            rep = self.heads // self.kv_heads
+            if rep > 1:
+                k = k.repeat_interleave(rep, 1)
+                v = v.repeat_interleave(rep, 1)
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = x + self.wo(att.transpose(1, 2).reshape(b, s, self.dim))
+            m = self.mlp_norm(y)
+            return y + self.w2(F.silu(self.w1(m)) * self.w3(m))
+
+    class Chunk(nn.Module):
+        def __init__(self, a, first_layer, end_layer, has_embedding, has_head, seed):
+            super().__init__()
+            self.embed = nn.Embedding(a.vocab, a.dim) if has_embedding else None
+            self.layers = nn.ModuleDict({str(i): Block(a) for i in range(first_layer, end_layer)})
+            self.norm = RMSNorm(a.dim) if has_head else None
+            self.head = nn.Linear(a.dim, a.vocab, bias=False) if has_head else None
+            gen = torch.Generator().manual_seed(seed * 1000 + first_layer)
+            std_res = 0.02 / math.sqrt(2.0 * a.layers)
+            with torch.no_grad():
+                for name, p in self.named_parameters():
+                    if name.endswith("norm.weight"):
+                        p.fill_(1.0)
+                    else:
+                        std = std_res if (name.endswith(".wo.weight") or name.endswith(".w2.weight")) else 0.02
+                        p.normal_(0.0, std, generator=gen)
+
+        def forward(self, x):
+            h = self.embed(x) if self.embed is not None else x
+            for blk in self.layers.values():
+                h = blk(h)
+            if self.head is not None:
+                h = self.head(self.norm(h))
+            return h
+
+    def loss_fn(logits, targets):
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+    return Chunk, loss_fn
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Torch side: one rank
+# ---------------------------------------------------------------------------------------------------------------
+
+def torch_rank(rank, world, port, a, name, counts, result_path):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(a.threads)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    out = {"rank": rank}
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=a.timeout))
+        import torch.distributed.pipelining as pp
+
+        if a.patch_self_p2p:
+            # torch 2.11's PipelineStage._get_init_p2p_neighbors_ops posts a dummy send/recv to the ranks of the
+            # neighbouring stages, also when that neighbour is on this very rank (ZB-V with 2 ranks: stages 1 and 2
+            # both on rank 1). Gloo cannot send to its own rank ("Pair is not connected" / connection reset), so
+            # stock ScheduleZBVZeroBubble fails on CPU. This drops only those self-addressed warm-up ops; the
+            # schedule's own SEND/RECV actions already skip same-rank neighbours (_add_send_recv), so the step
+            # itself is unchanged. --no-patch-self-p2p shows the stock failure.
+            from torch.distributed.pipelining import stage as pp_stage
+
+            original = pp_stage._PipelineStageBase._get_init_p2p_neighbors_ops
+
+            def _init_ops_without_self(self):
+                return [op for op in original(self) if op.group_peer != self.group_rank]
+
+            pp_stage._PipelineStageBase._get_init_p2p_neighbors_ops = _init_ops_without_self
+
+        cls_name, v, style, _ = SCHEDULES[name]
+        num_stages = world * v
+        placement = stage_to_rank(num_stages, world, style)
+        Chunk, loss_fn = build_model_classes()
+        starts = [sum(counts[:s]) for s in range(num_stages)]
+        stages = []
+        for s in range(num_stages):
+            if placement[s] != rank:
+                continue
+            mod = Chunk(a, starts[s], starts[s] + counts[s], s == 0, s == num_stages - 1, seed=1)
+            # Static shapes (micro-batch sized, meta tensors) instead of runtime shape inference: like twobp's
+            # activation_spec, and it avoids torch's object-list shape exchange (which needs numpy).
+            mb, hidden = a.micro_batch_size, (a.micro_batch_size, a.seq, a.dim)
+            in_meta = (torch.empty((mb, a.seq), dtype=torch.long, device="meta") if s == 0
+                       else torch.empty(hidden, device="meta"))
+            out_meta = torch.empty((mb, a.seq, a.vocab) if s == num_stages - 1 else hidden, device="meta")
+            stages.append(pp.PipelineStage(mod, s, num_stages, torch.device("cpu"), input_args=in_meta,
+                                           output_args=out_meta))
+        cls = getattr(pp, cls_name)
+        if v == 1:
+            schedule = cls(stages[0], n_microbatches=a.microbatches, loss_fn=loss_fn)
+        else:
+            schedule = cls(stages, n_microbatches=a.microbatches, loss_fn=loss_fn)
+
+        gen = torch.Generator().manual_seed(7)
+        batch = a.microbatches * a.micro_batch_size
+        tokens = torch.randint(a.vocab, (batch, a.seq + 1), generator=gen, dtype=torch.long)
+        inputs, targets = tokens[:, : a.seq].contiguous(), tokens[:, 1:].contiguous()
+        my_stages = [s for s in range(num_stages) if placement[s] == rank]
+        has_first, has_last = 0 in my_stages, (num_stages - 1) in my_stages
+
+        times, cpu, losses_seen = [], [], []
+        for step in range(a.warmup + a.steps):
+            for st in stages:
+                st.submod.zero_grad(set_to_none=True)
+            losses = [] if has_last else None
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            if has_first:
+                schedule.step(inputs, target=targets if has_last else None, losses=losses, return_outputs=False)
+            else:
+                schedule.step(target=targets if has_last else None, losses=losses, return_outputs=False)
+            dist.barrier()
+            ms = (time.perf_counter() - t0) * 1000.0
+            cpu_ms = (time.process_time() - c0) * 1000.0
+            if step >= a.warmup:
+                times.append(ms)
+                cpu.append(cpu_ms)
+                if losses:
+                    losses_seen.append(float(torch.stack([l.detach() for l in losses]).mean()))
+        out.update(ok=True, step_ms=times, cpu_ms=cpu, stages=my_stages, mean_loss=losses_seen[-1] if losses_seen else None)
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 - report anything, the parent decides
+        out.update(ok=False, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+    with open(result_path, "w") as f:
+        json.dump(out, f)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_torch(a, name, counts):
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = [os.path.join(tmp, f"rank{r}.json") for r in range(2)]
+        procs = [ctx.Process(target=torch_rank, args=(r, 2, port, a, name, counts, paths[r])) for r in range(2)]
+        for p in procs:
+            p.start()
+        deadline = time.time() + a.timeout + 60
+        for p in procs:
+            p.join(max(1.0, deadline - time.time()))
+        timed_out = False
+        for p in procs:
+            if p.is_alive():
+                timed_out = True
+                p.kill()  # only the processes this function started
+                p.join()
+        results = []
+        for r, path in enumerate(paths):
+            if os.path.exists(path):
+                with open(path) as f:
+                    results.append(json.load(f))
+            else:
+                results.append({"rank": r, "ok": False,
+                                "error": "timed out" if timed_out else f"exited with code {procs[r].exitcode}"})
+    errors = [f"rank {r['rank']}: {r['error']}" for r in results if not r.get("ok")]
+    if errors:
+        tb = next((r.get("traceback") for r in results if not r.get("ok") and r.get("traceback")), None)
+        return {"ok": False, "error": "; ".join(errors), "traceback": tb}
+    times = results[0]["step_ms"]
+    med = statistics.median(times)
+    tokens = a.microbatches * a.micro_batch_size * a.seq
+    loss = next((r["mean_loss"] for r in results if r.get("mean_loss") is not None), None)
+    return {"ok": True, "step_ms_median": med, "step_ms": times, "tokens_per_s": tokens / (med / 1000.0),
+            "last_loss": loss, "stages_per_rank": [r["stages"] for r in results],
+            # CPU time of each rank's process (all its threads) per measured step, median: how much of the step
+            # the rank computed (or spun) rather than waited.
+            "cpu_ms_median_per_rank": [statistics.median(r["cpu_ms"]) for r in results]}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# twobp side
+# ---------------------------------------------------------------------------------------------------------------
+
+def run_twobp(a, schedule):
+    binary = os.path.join(REPO, a.twobp_bench)
+    if not os.path.exists(binary):
+        return {"ok": False, "error": f"{binary} missing (cmake --build build --target twobp_bench)"}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "twobp.json")
+        cmd = ["mpirun", "-np", "2", "--allow-run-as-root", "--oversubscribe", "--mca", "btl", "self,vader",
+               "--mca", "btl_vader_single_copy_mechanism", "none", binary, "pipeline", "--schedule", schedule,
+               "--mode", a.twobp_mode, "--microbatches", str(a.microbatches), "--dim", str(a.dim),
+               "--layers", str(a.layers), "--heads", str(a.heads), "--kv-heads", str(a.kv_heads),
+               "--ffn", str(a.ffn), "--vocab", str(a.vocab), "--seq", str(a.seq),
+               "--micro-batch-size", str(a.micro_batch_size), "--steps", str(a.steps), "--warmup", str(a.warmup),
+               "--threads", str(a.threads), "--json", out]
+        print("  $ " + " ".join(shlex.quote(c) for c in cmd), file=sys.stderr, flush=True)
+        try:
+            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=a.timeout + 120)
+        except subprocess.TimeoutExpired:
+            return {"ok": False, "error": "timed out", "command": cmd}
+        if proc.returncode != 0 or not os.path.exists(out):
+            tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-5:]
+            return {"ok": False, "error": f"exit {proc.returncode}: " + " | ".join(tail), "command": cmd}
+        with open(out) as f:
+            data = json.load(f)
+    res = {"ok": True, "command": cmd, "modes": {}}
+    for r in data["results"]:
+        row = {k: r.get(k) for k in ("tokens_per_s", "step_ms_median", "bubble_fraction", "sim_step_ms", "p", "m",
+                                     "v")}
+        if row["tokens_per_s"] is None and row["step_ms_median"]:  # same definition as twobp_bench's
+            row["tokens_per_s"] = a.microbatches * a.micro_batch_size * a.seq / (row["step_ms_median"] / 1000.0)
+        res["modes"][r["mode"]] = row
+    return res
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Driver
+# ---------------------------------------------------------------------------------------------------------------
+
+def fmt(x, digits=0):
+    return "-" if x is None else f"{x:,.{digits}f}"
+
+
+def print_table(rows):
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    for k, r in enumerate(rows):
+        print("  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        if k == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--schedules", default=",".join(DEFAULT_SCHEDULES),
+                    help=f"comma-separated subset of {', '.join(list(SCHEDULES) + sorted(REFERENCE_ONLY))} "
+                         "(zb-h1: twobp-only reference row)")
+    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--ffn", type=int, default=688)
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--micro-batch-size", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads / --threads per rank")
+    ap.add_argument("--timeout", type=float, default=300, help="seconds per torch schedule / twobp launch")
+    ap.add_argument("--twobp-bench", default="build/benchmarks/twobp_bench", help="relative to the repo root")
+    ap.add_argument("--twobp-mode", default="both", choices=["both", "2bp", "standard"],
+                    help="twobp modes to run (both: standard and 2bp)")
+    ap.add_argument("--no-twobp", action="store_true", help="torch side only")
+    ap.add_argument("--no-torch", action="store_true", help="twobp side only")
+    ap.add_argument("--no-patch-self-p2p", dest="patch_self_p2p", action="store_false",
+                    help="run torch's pipelining unpatched (ScheduleZBVZeroBubble then fails on gloo: its stage "
+                         "warm-up sends to its own rank)")
+    ap.add_argument("--json", help="write every number here")
+    a = ap.parse_args()
+
+    names = [s.strip() for s in a.schedules.split(",") if s.strip()]
+    for n in names:
+        if n not in SCHEDULES and n not in REFERENCE_ONLY:
+            ap.error(f"unknown schedule '{n}'")
+    if a.dim % a.heads or a.heads % a.kv_heads or (a.dim // a.heads) % 2:
+        ap.error("dim % heads, heads % kv-heads must be 0 and head_dim even")
+
+    import torch  # noqa: F401 - version for the report
+
+    load = os.getloadavg()
+    print(f"torch {torch.__version__}, 2 ranks, gloo, CPU, float32, threads/rank {a.threads}; load average "
+          f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs")
+    print(f"model: dim {a.dim}, layers {a.layers}, heads {a.heads}, kv-heads {a.kv_heads}, ffn {a.ffn}, vocab "
+          f"{a.vocab}, seq {a.seq}; m {a.microbatches} x micro-batch {a.micro_batch_size}; warmup {a.warmup}, "
+          f"steps {a.steps}")
+    head_cost = head_cost_in_blocks(a)
+    layouts = {}
+    for v in (1, 2):
+        counts = balance(a.layers, 2 * v, head_cost)
+        layouts[v] = counts
+        print(f"partition over {2 * v} stages (balanced by compute, as twobp make_partition): "
+              f"{','.join(map(str, counts))} blocks")
+    print("mapping: interleaved-zb = torch ScheduleInterleavedZeroBubble (v=2, loop placement) vs twobp "
+          "interleaved-1f1b (v=2, loop placement; in 2bp mode I/W split, W fills the bubbles); "
+          "zb-v = ScheduleZBVZeroBubble vs twobp zb-v (V placement); zb-h1 (ref) = twobp-only single-chunk ZB-H1")
+    sys.stdout.flush()
+
+    results = {"config": {k: getattr(a, k) for k in ("microbatches", "dim", "layers", "heads", "kv_heads", "ffn",
+                                                     "vocab", "seq", "micro_batch_size", "steps", "warmup",
+                                                     "threads")},
+               "torch_version": torch.__version__, "load_average_start": list(load),
+               "partitions": {f"{2 * v}_stages": c for v, c in layouts.items()}, "rows": []}
+    twobp_cache = {}
+    rows = [["schedule", "torch class", "twobp schedule", "torch tok/s", "twobp std tok/s", "twobp 2bp tok/s",
+             "2bp/torch", "torch ms", "torch cpu ms r0/r1", "twobp std ms", "twobp 2bp ms"]]
+    errors = []
+    for n in names:
+        if n in REFERENCE_ONLY:
+            cls, v, twobp_name = "(none)", 1, n
+        else:
+            cls, v, _, twobp_name = SCHEDULES[n]
+        print(f"[{n}] ...", file=sys.stderr, flush=True)
+        t_res = None
+        if n in SCHEDULES and not a.no_torch:
+            t_res = run_torch(a, n, layouts[v])
+            if not t_res["ok"]:
+                errors.append((n, "torch", t_res["error"], t_res.get("traceback")))
+        b_res = None
+        if not a.no_twobp:
+            if twobp_name not in twobp_cache:
+                twobp_cache[twobp_name] = run_twobp(a, twobp_name)
+            b_res = twobp_cache[twobp_name]
+            if not b_res["ok"] and (n, "twobp") not in [(e[0], e[1]) for e in errors]:
+                errors.append((n, "twobp", b_res["error"], None))
+        t_tok = t_res["tokens_per_s"] if t_res and t_res["ok"] else None
+        modes = b_res["modes"] if b_res and b_res["ok"] else {}
+        std_tok = modes.get("standard", {}).get("tokens_per_s")
+        bp_tok = modes.get("2bp", {}).get("tokens_per_s")
+        ratio = bp_tok / t_tok if (bp_tok and t_tok) else None
+        label = n + (" (ref)" if n in REFERENCE_ONLY else "") + ("*" if n == "zb-v" and a.patch_self_p2p else "")
+        t_cell = fmt(t_tok) if t_tok else ("n/a" if n in REFERENCE_ONLY or a.no_torch else "FAILED")
+        rows.append([label, cls, f"{twobp_name} v={v}", t_cell, fmt(std_tok), fmt(bp_tok),
+                     "-" if ratio is None else f"{ratio:.2f}x",
+                     fmt(t_res["step_ms_median"], 1) if t_tok else "-",
+                     "/".join(fmt(c) for c in t_res["cpu_ms_median_per_rank"]) if t_tok else "-",
+                     fmt(modes.get("standard", {}).get("step_ms_median"), 1),
+                     fmt(modes.get("2bp", {}).get("step_ms_median"), 1)])
+        results["rows"].append({"schedule": n, "torch_class": cls, "twobp_schedule": twobp_name,
+                                "stages_per_rank": v, "torch": t_res, "twobp": b_res,
+                                "ratio_twobp_2bp_over_torch": ratio})
+        print(f"[{n}] torch {fmt(t_tok)} tok/s, twobp std {fmt(std_tok)}, 2bp {fmt(bp_tok)}", file=sys.stderr,
+              flush=True)
+
+    load_end = os.getloadavg()
+    results["load_average_end"] = list(load_end)
+    print()
+    print_table(rows)
+    print(f"load average at the end: {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f}")
+    print("tok/s = m * micro-batch size * seq / median step time (rank 0, barrier to barrier, no optimizer step); "
+          "2bp/torch = twobp 2bp tok/s / torch tok/s.")
+    print("torch cpu ms r0/r1 = median CPU time of each torch rank's process per step: compute the rank did; the "
+          "rest of 'torch ms' it waited (pipeline bubbles, communication, or the OS scheduler on a busy machine).")
+    print("interleaved-zb: twobp has no interleaved zero-bubble schedule; compared with twobp interleaved-1f1b "
+          "(same v=2 loop placement; its 2bp mode splits I/W and runs W's in the cool-down bubbles).")
+    if "zb-v" in names and a.patch_self_p2p:
+        print("zb-v*: stock torch 2.11 ScheduleZBVZeroBubble fails on gloo (its stage warm-up posts a send/recv to "
+              "its own rank, stages 1 and 2 both on rank 1); run with those self-addressed warm-up ops dropped "
+              "(--no-patch-self-p2p to see the stock failure). The schedule's step is unchanged.")
+    for n, side, err, tb in errors:
+        print(f"ERROR [{n}] {side}: {err}")
+        if tb:
+            print("  " + tb.strip().splitlines()[-3].strip() if len(tb.strip().splitlines()) >= 3 else tb)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=2)
+        print(f"wrote {a.json}")
+
+
+if __name__ == "__main__":
+    main()
