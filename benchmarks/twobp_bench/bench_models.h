@@ -65,7 +65,8 @@ struct Rotary {
   /// x: [batch, heads, seq, head_dim]
   torch::Tensor apply(const torch::Tensor& x) const {
     const int64_t seq = x.size(2), half = x.size(3) / 2;
-    auto c = cos.narrow(0, 0, seq), s = sin.narrow(0, 0, seq);
+    // The tables are not module buffers (they are shared by all blocks): follow x's device and dtype here.
+    auto c = cos.narrow(0, 0, seq).to(x.options()), s = sin.narrow(0, 0, seq).to(x.options());
     auto x1 = x.narrow(-1, 0, half), x2 = x.narrow(-1, half, half);
     return torch::cat({x1 * c - x2 * s, x1 * s + x2 * c}, -1);
   }

@@ -71,7 +71,15 @@ struct SplitConfig {
   std::string json;
   bool check = false;
   std::string clock = "wall";
+  std::string device = "cpu";  // cpu | cuda
+  std::string dtype = "fp32";  // fp32 | bf16
 };
+
+at::TensorOptions tensor_options(const SplitConfig& c) {
+  return at::TensorOptions()
+      .dtype(c.dtype == "bf16" ? at::kBFloat16 : at::kFloat)
+      .device(c.device == "cuda" ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU));
+}
 
 /// One path under test: a stage on a module, with its fixed input and output gradient.
 class PathBench {
@@ -79,6 +87,8 @@ class PathBench {
   PathBench(std::string name, std::shared_ptr<torch::nn::Module> module, StageForward forward, at::Tensor input,
             Clock clock)
       : name_(std::move(name)), module_(std::move(module)), input_(std::move(input)), clock_(clock) {
+    module_->to(input_.device(), input_.is_floating_point() ? input_.scalar_type() : at::kFloat);
+    cuda_ = input_.is_cuda();
     StageOptions options;
     options.stage_index = 1;
     options.num_stages = 3;
@@ -97,11 +107,22 @@ class PathBench {
     return n;
   }
 
+  // GPU work is asynchronous: each timed phase ends with a device synchronisation, so a phase's time is its own.
+  template <typename Fn>
+  double timed(Fn&& fn) {
+    return time_ms(
+        [&] {
+          fn();
+          if (cuda_) torch::cuda::synchronize();
+        },
+        clock_);
+  }
+
   void split(bool record) {
     module_->zero_grad(/*set_to_none=*/true);
-    const double f = time_ms([&] { stage_->forward(0, input_); }, clock_);
-    const double i = time_ms([&] { stage_->backward_input(0, grad_output_); }, clock_);
-    const double w = time_ms([&] { stage_->backward_weight({0}); }, clock_);
+    const double f = timed([&] { stage_->forward(0, input_); });
+    const double i = timed([&] { stage_->backward_input(0, grad_output_); });
+    const double w = timed([&] { stage_->backward_weight({0}); });
     if (!record) return;
     samples_.add("forward_ms", f);
     samples_.add("stage1_ms", i);
@@ -113,8 +134,8 @@ class PathBench {
 
   void fused(bool record) {
     module_->zero_grad(/*set_to_none=*/true);
-    const double f = time_ms([&] { stage_->forward(0, input_); }, clock_);
-    const double b = time_ms([&] { stage_->backward(0, grad_output_); }, clock_);
+    const double f = timed([&] { stage_->forward(0, input_); });
+    const double b = timed([&] { stage_->backward(0, grad_output_); });
     if (!record) return;
     samples_.add("forward_ms", f);
     samples_.add("fused_ms", b);
@@ -129,15 +150,13 @@ class PathBench {
     std::iota(mbs.begin(), mbs.end(), 0);
     for (int mb : mbs) stage_->forward(mb, input_);
     for (int mb : mbs) stage_->backward_input(mb, grad_output_);
-    const double w = time_ms(
-        [&] {
-          if (batched) {
-            stage_->backward_weight(mbs);
-          } else {
-            for (int mb : mbs) stage_->backward_weight({mb});
-          }
-        },
-        clock_);
+    const double w = timed([&] {
+      if (batched) {
+        stage_->backward_weight(mbs);
+      } else {
+        for (int mb : mbs) stage_->backward_weight({mb});
+      }
+    });
     if (record) samples_.add(batched ? "batched_w_ms" : "separate_w_ms", w);
   }
 
@@ -159,6 +178,16 @@ class PathBench {
       r["separate_w_ms"] = separate;
     }
     r["parameters"] = parameter_count();
+    // Matrix-product FLOPs only (attention scores and element-wise work left out): forward 2·P per token for a
+    // stack of P weights applied to every token, I and W 2·P each. Meaningful for the LLaMa stacks, whose
+    // parameters are all GEMM weights but the norms.
+    if (tokens_ > 0) {
+      const double gemm = 2.0 * static_cast<double>(parameter_count()) * static_cast<double>(tokens_);
+      r["forward_tflops"] = gemm / (f * 1e9);
+      r["stage1_tflops"] = gemm / (i * 1e9);
+      r["stage2_tflops"] = gemm / (w * 1e9);
+      r["fused_tflops"] = 2.0 * gemm / (b * 1e9);
+    }
     r["spread"] = samples_.spread();
     return r;
   }
@@ -177,7 +206,13 @@ class PathBench {
   std::unique_ptr<Stage> stage_;
   at::Tensor input_, grad_output_;
   Clock clock_;
+  bool cuda_ = false;
   Series samples_;
+
+ public:
+  int64_t tokens_ = 0;  ///< tokens per micro-batch, for the TFLOP/s of the LLaMa stacks (0: not reported)
+
+ private:
   double pending_i_ = -1, pending_w_ = -1, pending_b_ = -1;
 };
 
@@ -186,15 +221,17 @@ std::unique_ptr<PathBench> make_llama(const std::string& name, const SplitConfig
   torch::manual_seed(0);  // same initial weights on both paths
   auto module = std::make_shared<LlamaStack<L>>(c.model);
   auto* raw = module.get();
-  return std::make_unique<PathBench>(name, module, [raw](const at::Tensor& x) { return raw->forward(x); }, input,
-                                     parse_clock(c.clock));
+  auto bench = std::make_unique<PathBench>(name, module, [raw](const at::Tensor& x) { return raw->forward(x); },
+                                           input, parse_clock(c.clock));
+  bench->tokens_ = c.batch * c.seq;
+  return bench;
 }
 
 std::unique_ptr<PathBench> make_conv(const SplitConfig& c) {
   torch::manual_seed(0);
   ConvStack module(c.conv_channels, c.conv_layers);
   auto* raw = module.get();
-  auto input = torch::randn({c.batch, c.conv_channels, c.conv_size, c.conv_size});
+  auto input = torch::randn({c.batch, c.conv_channels, c.conv_size, c.conv_size}).to(tensor_options(c));
   return std::make_unique<PathBench>("general_conv", module.ptr(),
                                      [raw](const at::Tensor& x) { return raw->forward(x); }, input,
                                      parse_clock(c.clock));
@@ -212,7 +249,8 @@ Json config_json(const SplitConfig& c) {
               {"warmup", c.warmup},
               {"threads", c.threads},
               {"clock", c.clock},
-              {"dtype", "float32"},
+              {"dtype", c.dtype == "bf16" ? "bfloat16" : "float32"},
+              {"device", c.device},
               {"batched_w", c.batched_w},
               {"micro_batches", c.micro_batches},
               {"conv", c.conv},
@@ -259,7 +297,7 @@ void run_split(const SplitConfig& c) {
   SplitConfig cfg = c;
   cfg.model = model;
   torch::manual_seed(1);
-  const at::Tensor input = torch::randn({c.batch, c.seq, c.model.dim});
+  const at::Tensor input = torch::randn({c.batch, c.seq, c.model.dim}).to(tensor_options(c));
   std::vector<std::unique_ptr<PathBench>> paths;
   paths.push_back(make_llama<FastLayers>("fast", cfg, input));
   paths.push_back(make_llama<GeneralLayers>("general", cfg, input));
@@ -360,6 +398,10 @@ void add_split_command(CLI::App& app) {
       ->capture_default_str()
       ->check(CLI::IsMember({"wall", "cpu"}));
   sub->add_option("--json", cfg->json, "Write the results to this JSON file");
+  sub->add_option("--device", cfg->device, "cpu or cuda (GPU 0)")->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
+  sub->add_option("--dtype", cfg->dtype, "fp32 or bf16 (weights and activations)")
+      ->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
   sub->add_flag("--check", cfg->check, "Re-read the --json file and fail unless every headline number is there")
       ->needs(sub->get_option("--json"));
   sub->callback([cfg] { run_split(*cfg); });
