@@ -28,6 +28,10 @@ constexpr std::uint8_t kReachesParam = 4;   // in P
 struct GraphInfo {
   std::unordered_map<Node*, std::uint8_t> flags;
   std::vector<Node*> nodes;  // post-order
+  // Strong references for as long as the analysis is used: cutting a frontier edge can drop the last reference
+  // to an input-side node (e.g. the view in front of a biased Linear on 3-D input) while raw pointers to it are
+  // still about to be visited.
+  std::vector<std::shared_ptr<Node>> alive;
 };
 
 // Post-order walk from the root computing, for every node, whether it reaches an A-target and a parameter.
@@ -57,6 +61,7 @@ GraphInfo analyse(Node* root, Node* input_target, Node* anchor_target,
     }
     info.flags[node] = f;
     info.nodes.push_back(node);
+    info.alive.push_back(node->shared_from_this());
     stack.pop_back();
   }
   return info;
@@ -161,6 +166,13 @@ InputBackwardResult run_input_backward(const InputBackwardRequest& request) {
         plan->root_grads.push_back(it->second[i]);
       }
     }
+    if (keep_graph) {
+      std::unordered_map<Node*, bool> is_frontier;
+      for (Node* n : frontier) is_frontier[n] = true;
+      for (Node* n : info.nodes) {
+        if ((flag(n) & kReachesInput) && !is_frontier.count(n)) n->release_variables();
+      }
+    }
     // Cut every frontier edge that does not lead to weight-side nodes: stage 2 must not redo input gradients.
     for (Node* n : frontier) {
       for (std::size_t i = 0; i < n->num_outputs(); ++i) {
@@ -168,13 +180,6 @@ InputBackwardResult run_input_backward(const InputBackwardRequest& request) {
         // Assign through next_edges() rather than set_next_edge(): removing an edge keeps the node's
         // topological number valid (it only has to exceed its children's), while set_next_edge would assert.
         if (e.is_valid() && !weight_side(info, e.function.get())) n->next_edges()[i] = Edge();
-      }
-    }
-    if (keep_graph) {
-      std::unordered_map<Node*, bool> is_frontier;
-      for (Node* n : frontier) is_frontier[n] = true;
-      for (Node* n : info.nodes) {
-        if ((flag(n) & kReachesInput) && !is_frontier.count(n)) n->release_variables();
       }
     }
   } else if (flag(root.function.get()) & kReachesParam) {

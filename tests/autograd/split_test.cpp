@@ -159,6 +159,14 @@ TEST_P(SplitParity, GeneralPathMlp) {
            GetParam());
 }
 
+TEST_P(SplitParity, GeneralPathBiasedLinearOn3dInput) {
+  // Regression: the view in front of a biased Linear on [batch, seq, dim] input is referenced only by the frontier
+  // node's input edge, which stage 1 cuts; the split must not touch it after that.
+  run_case({maker<TorchMlp>(6), forwarder<TorchMlpImpl>(), randn_input({2, 3, 6}, 12), randn_input({2, 3, 6}, 13),
+            mse},
+           GetParam());
+}
+
 TEST_P(SplitParity, LlamaBlock) {
   run_case({maker<TinyBlock>(16, 4, 2, 24), forwarder<TinyBlockImpl>(), randn_input({2, 5, 16}, 3),
             randn_input({2, 5, 16}, 4), mse},
