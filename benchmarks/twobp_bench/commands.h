@@ -15,4 +15,8 @@ void add_split_command(CLI::App& app);
 /// prediction from the costs measured in the same run (pipeline.cpp).
 void add_pipeline_command(CLI::App& app);
 
+/// `simulate`: predicted step time, bubble and peak memory of every built-in schedule, 2BP against standard, for
+/// p ranks and m micro-batches from given or measured stage costs; no model runs (simulate.cpp).
+void add_simulate_command(CLI::App& app);
+
 }  // namespace twobp::bench

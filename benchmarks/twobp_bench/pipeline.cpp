@@ -6,8 +6,9 @@
 //
 // Metrics (docs/BENCHMARKS.md repeats them):
 //   step_ms_median      median over --steps measured steps of the wall time between two barriers around step()
-//   tokens_per_s        m · micro_batch_size · seq / (step_ms_median / 1000)
-//   speedup             tokens_per_s(2bp) / tokens_per_s(standard) for the same schedule, p, m, v
+//   samples_per_s       m · micro_batch_size / (step_ms_median / 1000)          (samples: sequences or images)
+//   tokens_per_s        samples_per_s · seq   (llama, bert; resnet has no tokens and reports samples_per_s only)
+//   speedup             samples_per_s(2bp) / samples_per_s(standard) for the same schedule, p, m, v
 //   bubble_fraction     1 − Σ_ranks busy / (p · step), busy = time in F/I/W/B actions, per step, median over steps
 //   cost of F, I, B     per stage: median duration of that action over the measured steps
 //   cost of W           per stage and micro-batch: median of duration / micro-batches in the W
@@ -17,8 +18,14 @@
 //   sim_error           step_ms_median / sim_step_ms − 1
 //   peak_live_mbs       max over ranks of micro-batches whose activations are alive at once (simulated)
 //   peak_rss_bytes      max over ranks of the process's peak resident set (getrusage; Local: the whole process)
+//
+// Models (--model, pipeline_models.h): llama (fast path, balanced by compute), bert and resnet (general
+// autograd-graph split, blocks partitioned evenly over the stages). --chart writes an SVG bar chart of the
+// throughput, standard vs 2BP per schedule; --trace-dir a Chrome trace and an SVG timeline of the last measured
+// step of every configuration.
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <sys/resource.h>
@@ -32,9 +39,10 @@
 #include <thread>
 
 #include "bench_common.h"
+#include "chart.h"
 #include "commands.h"
+#include "pipeline_models.h"
 #include "twobp/config.h"
-#include "twobp/models/llama.h"
 #include "twobp/runtime/pipeline.h"
 #include "twobp/schedule/schedule.h"
 #include "twobp/trace/trace.h"
@@ -50,13 +58,12 @@ struct PipelineArgs {
   int ranks = 2;
   int microbatches = 2;
   int chunks_per_rank = 0;  // 0: 2 for interleaved-1f1b and zb-v, else 1
-  int64_t dim = 256, layers = 4, heads = 4, kv_heads = 4, ffn = 688, vocab = 256, seq = 128;
-  int micro_batch_size = 4;
+  PipelineModelArgs model;  // --model and its dimensions
   int steps = 10;
   int warmup = 3;
   int threads = 1;
   double timeout_s = 300;
-  std::string json, csv, trace_dir;
+  std::string json, csv, trace_dir, chart;
 };
 
 struct RunResult {
@@ -64,10 +71,11 @@ struct RunResult {
   BackwardMode mode;
   int p = 0, m = 0, v = 0;
   Summary step_ms;
-  double tokens_per_s = 0, bubble = 0, sim_step_ms = 0, sim_bubble = 0, comm_ms = 0;
+  double samples_per_s = 0, tokens_per_s = 0, bubble = 0, sim_step_ms = 0, sim_bubble = 0, comm_ms = 0;
   int peak_live = 0;
   double peak_rss = 0;
   std::vector<double> f_ms, i_ms, w_ms, b_ms;  // per stage
+  std::vector<std::string> trace_files;        // written by rank 0 under --trace-dir
 };
 
 // mkdir -p. POSIX rather than std::filesystem: libtorch exports its own copies of std::filesystem symbols, which
@@ -163,35 +171,19 @@ RunResult run_config(Transport& transport, const PipelineArgs& a, const std::str
   ScheduleOptions so{p, a.microbatches, chunks_for(a, name), mode};
   Schedule schedule = make_schedule(name, so);
 
-  models::LlamaConfig config;
-  config.name = "bench";
-  config.dim = a.dim;
-  config.n_layers = a.layers;
-  config.n_heads = a.heads;
-  config.n_kv_heads = a.kv_heads;
-  config.ffn_dim = a.ffn;
-  config.vocab_size = a.vocab;
-  config.max_seq_len = a.seq;
-  config.validate();
-  const auto partition = models::make_partition(config, schedule.num_stages, a.seq);
-  std::vector<PipelineChunk> chunks;
-  for (int s : schedule.stages_of(me)) {
-    models::LlamaChunk chunk(config, partition.chunks[s], /*seed=*/1);
-    chunks.push_back({s, chunk.ptr(), [chunk](const at::Tensor& x) mutable { return chunk->forward(x); }});
-  }
+  std::vector<PipelineChunk> chunks = make_model_chunks(a.model, schedule, me);
   PipelineOptions options;
   options.timeout = timeout;
-  options.loss = models::cross_entropy_loss;
-  const std::vector<int64_t> act_shape{a.micro_batch_size, a.seq, a.dim};
-  options.activation_spec = [act_shape](int) { return TensorSpec{act_shape, at::kFloat}; };
+  options.loss = model_loss(a.model);
+  const PipelineModelArgs model = a.model;
+  options.activation_spec = [model](int stage) { return model_activation_spec(model, stage); };
+  const std::vector<int64_t> act_shape = model_activation_spec(a.model, 0).shape;
   Pipeline pipeline(std::move(schedule), std::move(chunks), std::shared_ptr<Transport>(&transport, [](Transport*) {}),
                     options);
   const Schedule& sched = pipeline.schedule();
 
-  at::Generator gen = at::detail::createCPUGenerator(7);
-  const int64_t batch = static_cast<int64_t>(a.microbatches) * a.micro_batch_size;
-  at::Tensor tokens = at::randint(a.vocab, {batch, a.seq + 1}, gen, at::kLong);
-  at::Tensor inputs = tokens.narrow(1, 0, a.seq).contiguous(), targets = tokens.narrow(1, 1, a.seq).contiguous();
+  const int64_t batch = static_cast<int64_t>(a.microbatches) * a.model.micro_batch_size;
+  const auto [inputs, targets] = make_model_batch(a.model, batch, /*seed=*/7);
 
   RunResult r;
   r.schedule = name;
@@ -249,7 +241,8 @@ RunResult run_config(Transport& transport, const PipelineArgs& a, const std::str
   for (int k = 0; k < a.steps; ++k) bubbles.push_back(1.0 - total[4 * S + k] / (p * step_times[k]));
   r.step_ms = summarize(step_times);
   r.bubble = summarize(bubbles).median;
-  r.tokens_per_s = static_cast<double>(batch * a.seq) / (r.step_ms.median / 1000.0);
+  r.samples_per_s = static_cast<double>(batch) / (r.step_ms.median / 1000.0);
+  r.tokens_per_s = r.samples_per_s * static_cast<double>(tokens_per_sample(a.model));
   r.peak_rss = total.back() / (transport.name() == "local" ? p : 1);
 
   CostModel costs;
@@ -280,6 +273,7 @@ RunResult run_config(Transport& transport, const PipelineArgs& a, const std::str
     const std::string base = fmt::format("{}/{}_{}_p{}_m{}", a.trace_dir, name,
                                          mode == BackwardMode::kSplit ? "2bp" : "standard", p, a.microbatches);
     std::ofstream(base + ".trace.json") << to_chrome_trace(traces);
+    r.trace_files = {base + ".trace.json", base + ".svg"};
     std::ofstream(base + ".svg") << to_svg(traces, fmt::format("{} {} — p={} m={} v={}, last measured step", name,
                                                                mode == BackwardMode::kSplit ? "2BP" : "standard", p,
                                                                a.microbatches, r.v));
@@ -289,68 +283,110 @@ RunResult run_config(Transport& transport, const PipelineArgs& a, const std::str
 
 const char* mode_name(BackwardMode m) { return m == BackwardMode::kSplit ? "2bp" : "standard"; }
 
+// "2BP ×1.234" labels and tokens/s (or samples/s) bars per schedule.
+void write_chart(const PipelineArgs& a, const std::vector<RunResult>& results, bool tokens) {
+  std::vector<BarGroup> groups;
+  int p = 0;
+  for (const auto& r : results) {
+    p = r.p;
+    const std::string name = fmt::format("{} (v={})", r.schedule, r.v);
+    auto it = std::find_if(groups.begin(), groups.end(), [&](const BarGroup& g) { return g.name == name; });
+    if (it == groups.end()) {
+      groups.push_back({name, {0.0, 0.0}, ""});
+      it = groups.end() - 1;
+    }
+    it->values[r.mode == BackwardMode::kSplit ? 1 : 0] = tokens ? r.tokens_per_s : r.samples_per_s;
+  }
+  for (auto& g : groups) {
+    if (g.values[0] > 0 && g.values[1] > 0) g.label = fmt::format("2BP \u00d7{:.3f}", g.values[1] / g.values[0]);
+  }
+  const std::string title = fmt::format("twobp pipeline throughput: {} model, p={}, m={}, micro-batch {}", a.model.model,
+                                        p, a.microbatches, a.model.micro_batch_size);
+  std::ofstream(a.chart) << bar_chart_svg(title, tokens ? "tokens/s" : "samples/s", {"standard", "2BP"}, groups);
+}
+
 void report(const PipelineArgs& a, const std::vector<RunResult>& results, const std::string& transport_name) {
+  const bool tokens = tokens_per_sample(a.model) > 0;  // resnet: samples/s
+  const auto& m = a.model;
   Json out;
-  out["config"] = {{"dim", a.dim},           {"layers", a.layers},     {"heads", a.heads},
-                   {"kv_heads", a.kv_heads}, {"ffn", a.ffn},           {"vocab", a.vocab},
-                   {"seq", a.seq},           {"micro_batch_size", a.micro_batch_size},
-                   {"steps", a.steps},       {"warmup", a.warmup},     {"threads", a.threads},
+  out["config"] = {{"model", m.model},       {"dim", m.dim},         {"layers", m.layers},
+                   {"heads", m.heads},       {"kv_heads", m.kv_heads}, {"ffn", m.ffn},
+                   {"vocab", m.vocab},       {"seq", m.seq},         {"micro_batch_size", m.micro_batch_size},
+                   {"steps", a.steps},       {"warmup", a.warmup},   {"threads", a.threads},
                    {"transport", transport_name}, {"load_average", load_average()}};
+  if (m.model == "resnet") {
+    out["config"]["channels"] = m.channels;
+    out["config"]["image_size"] = m.image_size;
+    out["config"]["in_channels"] = m.in_channels;
+    out["config"]["classes"] = m.classes;
+  }
   out["results"] = Json::array();
-  std::vector<std::vector<std::string>> rows{{"schedule", "mode", "p", "m", "v", "step ms", "p25-p75", "tokens/s",
-                                              "speedup", "sim speedup", "bubble", "sim ms", "sim err", "peak mbs"}};
+  std::vector<std::vector<std::string>> rows{{"schedule", "mode", "p", "m", "v", "step ms", "p25-p75",
+                                              tokens ? "tokens/s" : "samples/s", "speedup", "sim speedup", "bubble",
+                                              "sim ms", "sim err", "peak mbs"}};
   std::ofstream csv;
   if (!a.csv.empty()) {
     csv.open(a.csv);
     csv << "schedule,mode,p,m,v,tokens_per_s,step_ms_median,bubble_fraction,sim_step_ms,sim_error,"
-           "peak_live_microbatches,speedup_vs_standard,sim_speedup_vs_standard,peak_rss_bytes\n";
+           "peak_live_microbatches,speedup_vs_standard,sim_speedup_vs_standard,peak_rss_bytes,samples_per_s\n";
   }
   for (const auto& r : results) {
     double speedup = 0, sim_speedup = 0;
     for (const auto& o : results) {
       if (o.schedule == r.schedule && o.p == r.p && o.m == r.m && o.v == r.v && o.mode == BackwardMode::kStandard) {
-        speedup = r.tokens_per_s / o.tokens_per_s;
+        speedup = r.samples_per_s / o.samples_per_s;
         sim_speedup = o.sim_step_ms / r.sim_step_ms;
       }
     }
     const double sim_error = r.step_ms.median / r.sim_step_ms - 1.0;
-    Json j{{"schedule", r.schedule},
-           {"mode", mode_name(r.mode)},
-           {"p", r.p},
-           {"m", r.m},
-           {"v", r.v},
-           {"tokens_per_s", r.tokens_per_s},
-           {"step_ms_median", r.step_ms.median},
-           {"step_ms", to_json(r.step_ms)},
-           {"bubble_fraction", r.bubble},
-           {"sim_step_ms", r.sim_step_ms},
-           {"sim_bubble_fraction", r.sim_bubble},
-           {"sim_error", sim_error},
-           {"peak_live_microbatches", r.peak_live},
-           {"peak_rss_bytes", r.peak_rss},
-           {"communication_ms", r.comm_ms},
-           {"costs_ms", {{"F", r.f_ms}, {"I", r.i_ms}, {"W", r.w_ms}, {"B", r.b_ms}}}};
+    Json j{{"schedule", r.schedule}, {"mode", mode_name(r.mode)}, {"p", r.p}, {"m", r.m}, {"v", r.v}};
+    if (tokens) j["tokens_per_s"] = r.tokens_per_s;
+    j["samples_per_s"] = r.samples_per_s;
+    j["step_ms_median"] = r.step_ms.median;
+    j["step_ms"] = to_json(r.step_ms);
+    j["bubble_fraction"] = r.bubble;
+    j["sim_step_ms"] = r.sim_step_ms;
+    j["sim_bubble_fraction"] = r.sim_bubble;
+    j["sim_error"] = sim_error;
+    j["peak_live_microbatches"] = r.peak_live;
+    j["peak_rss_bytes"] = r.peak_rss;
+    j["communication_ms"] = r.comm_ms;
+    j["costs_ms"] = {{"F", r.f_ms}, {"I", r.i_ms}, {"W", r.w_ms}, {"B", r.b_ms}};
     if (speedup > 0) {
       j["speedup_vs_standard"] = speedup;
       j["sim_speedup_vs_standard"] = sim_speedup;
     }
+    if (!r.trace_files.empty()) j["trace_files"] = r.trace_files;
     out["results"].push_back(j);
     rows.push_back({r.schedule, mode_name(r.mode), std::to_string(r.p), std::to_string(r.m), std::to_string(r.v),
                     fmt_num(r.step_ms.median, 1), fmt_num(r.step_ms.p25, 1) + "-" + fmt_num(r.step_ms.p75, 1),
-                    fmt_num(r.tokens_per_s, 0), speedup > 0 ? fmt_num(speedup, 3) : "",
-                    speedup > 0 ? fmt_num(sim_speedup, 3) : "", fmt_num(r.bubble, 3), fmt_num(r.sim_step_ms, 1),
-                    fmt_num(100 * sim_error, 1) + "%", std::to_string(r.peak_live)});
+                    fmt_num(tokens ? r.tokens_per_s : r.samples_per_s, tokens ? 0 : 1),
+                    speedup > 0 ? fmt_num(speedup, 3) : "", speedup > 0 ? fmt_num(sim_speedup, 3) : "",
+                    fmt_num(r.bubble, 3), fmt_num(r.sim_step_ms, 1), fmt_num(100 * sim_error, 1) + "%",
+                    std::to_string(r.peak_live)});
     if (csv) {
-      csv << fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n", r.schedule, mode_name(r.mode), r.p, r.m, r.v,
-                         r.tokens_per_s, r.step_ms.median, r.bubble, r.sim_step_ms, sim_error, r.peak_live,
-                         speedup > 0 ? fmt::format("{}", speedup) : "", speedup > 0 ? fmt::format("{}", sim_speedup) : "",
-                         r.peak_rss);
+      csv << fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n", r.schedule, mode_name(r.mode), r.p, r.m,
+                         r.v, tokens ? fmt::format("{}", r.tokens_per_s) : "", r.step_ms.median, r.bubble,
+                         r.sim_step_ms, sim_error, r.peak_live, speedup > 0 ? fmt::format("{}", speedup) : "",
+                         speedup > 0 ? fmt::format("{}", sim_speedup) : "", r.peak_rss, r.samples_per_s);
     }
   }
   print_table(std::cout, rows);
   if (!a.json.empty()) {
     write_json(a.json, out);
     std::cout << "wrote " << a.json << "\n";
+  }
+  if (!a.csv.empty()) std::cout << "wrote " << a.csv << "\n";
+  if (!a.chart.empty()) {
+    write_chart(a, results, tokens);
+    std::cout << "wrote " << a.chart << " (throughput chart)\n";
+  }
+  if (!a.trace_dir.empty()) {
+    std::size_t n = 0;
+    for (const auto& r : results) n += r.trace_files.size();
+    std::cout << fmt::format("wrote {} trace files to {}/: <schedule>_<mode>_p<p>_m<m>.trace.json (Chrome / Perfetto) "
+                             "and .svg (timeline) of the last measured step per configuration\n",
+                             n, a.trace_dir);
   }
 }
 
@@ -421,14 +457,23 @@ void add_pipeline_command(CLI::App& app) {
   sub->add_option("--microbatches", a->microbatches, "Micro-batches per step")->capture_default_str()
       ->check(CLI::PositiveNumber);
   sub->add_option("--chunks-per-rank", a->chunks_per_rank, "v (default: 2 for interleaved-1f1b and zb-v, else 1)");
-  sub->add_option("--dim", a->dim, "Model width")->capture_default_str();
-  sub->add_option("--layers", a->layers, "Decoder blocks (over all stages)")->capture_default_str();
-  sub->add_option("--heads", a->heads, "Attention heads")->capture_default_str();
-  sub->add_option("--kv-heads", a->kv_heads, "Key/value heads")->capture_default_str();
-  sub->add_option("--ffn", a->ffn, "SwiGLU hidden width")->capture_default_str();
-  sub->add_option("--vocab", a->vocab, "Vocabulary")->capture_default_str();
-  sub->add_option("--seq", a->seq, "Tokens per sequence")->capture_default_str();
-  sub->add_option("--micro-batch-size", a->micro_batch_size, "Sequences per micro-batch")->capture_default_str();
+  sub->add_option("--model", a->model.model, "llama (fast path), bert or resnet (general autograd-graph split)")
+      ->check(CLI::IsMember(pipeline_model_names()))->capture_default_str();
+  sub->add_option("--dim", a->model.dim, "Model width (llama, bert)")->capture_default_str();
+  sub->add_option("--layers", a->model.layers, "Blocks over all stages (decoder, encoder or residual blocks)")
+      ->capture_default_str();
+  sub->add_option("--heads", a->model.heads, "Attention heads (llama, bert)")->capture_default_str();
+  sub->add_option("--kv-heads", a->model.kv_heads, "Key/value heads (llama)")->capture_default_str();
+  sub->add_option("--ffn", a->model.ffn, "MLP hidden width (llama: SwiGLU, bert: GELU)")->capture_default_str();
+  sub->add_option("--vocab", a->model.vocab, "Vocabulary (llama, bert)")->capture_default_str();
+  sub->add_option("--seq", a->model.seq, "Tokens per sequence (llama, bert)")->capture_default_str();
+  sub->add_option("--channels", a->model.channels, "Conv channels of every residual block (resnet)")
+      ->capture_default_str();
+  sub->add_option("--image-size", a->model.image_size, "Input height = width (resnet)")->capture_default_str();
+  sub->add_option("--in-channels", a->model.in_channels, "Input image channels (resnet)")->capture_default_str();
+  sub->add_option("--classes", a->model.classes, "Classes of the head (resnet)")->capture_default_str();
+  sub->add_option("--micro-batch-size", a->model.micro_batch_size, "Samples (sequences or images) per micro-batch")
+      ->capture_default_str()->check(CLI::PositiveNumber);
   sub->add_option("--steps", a->steps, "Measured steps")->capture_default_str()->check(CLI::PositiveNumber);
   sub->add_option("--warmup", a->warmup, "Unmeasured steps first")->capture_default_str();
   sub->add_option("--threads", a->threads, "at::set_num_threads (per process)")->capture_default_str();
@@ -436,6 +481,7 @@ void add_pipeline_command(CLI::App& app) {
   sub->add_option("--json", a->json, "Write {\"config\", \"results\": [...]} here");
   sub->add_option("--csv", a->csv, "Write one CSV row per configuration here");
   sub->add_option("--trace-dir", a->trace_dir, "Write a Chrome trace and an SVG of the last step per configuration");
+  sub->add_option("--chart", a->chart, "Write an SVG bar chart of the throughput, standard vs 2BP per schedule");
   sub->callback([a] { run_pipeline_bench(*a); });
 }
 

@@ -1,0 +1,389 @@
+// `twobp_bench simulate`: scale planning without running a model. For every built-in schedule and both backward
+// modes it generates the schedule for p ranks, m micro-batches and v chunks per rank, and runs twobp::simulate()
+// on per-stage costs given on the command line or taken from a `pipeline` result.
+//
+//   twobp_bench simulate --ranks 64 --microbatches 256 --f 1 --i 1 --w 1 --comm 0.1 --json sim.json
+//   twobp_bench simulate --from-json pipeline.json --result 0 --ranks 16 --microbatches 64
+//
+// Costs (milliseconds, or any unit: the results use the same one):
+//   --f/--i/--w/--b are per RANK, i.e. per stage of a v = 1 pipeline (B defaults to I + W; W is per micro-batch).
+//   A schedule with v chunks per rank runs the same model on the same ranks cut into v times more stages, so each
+//   chunk costs (per-rank cost) / v. --comm is per message and is not scaled.
+//   --from-json FILE takes costs_ms and communication_ms of result K (--result, default 0) of a `pipeline` JSON.
+//   A pipeline result holds only its own mode's backward (standard: B; 2bp: I and W), so the result with the same
+//   schedule, p, m, v and the other mode, when the file has it, supplies the missing one (B = I + W otherwise;
+//   without any 2bp result there are no I/W costs and the command fails). Measured per-stage costs are mapped
+//   onto the simulated shape as follows (the chosen rule is printed and stored as "cost_rule"):
+//     same p and the same stage placement as measured   each stage keeps its measured cost ("per-stage")
+//     same p, other v                                   chunk on rank r = Σ measured stages of rank r / v
+//                                                       ("per-rank / v")
+//     other p                                           every chunk = mean over measured ranks of the rank's
+//                                                       total / v ("mean-rank / v": a model that grows with p,
+//                                                       every rank holding as much work as a measured one)
+//
+// Metrics (docs/BENCHMARKS.md repeats them), per schedule and mode, from simulate(schedule, costs):
+//   sim_step_ms              the simulated step time: each rank runs its actions in order; an F/I/B waits until
+//                            its input arrived, `comm` after the producing action finished
+//   sim_bubble_fraction      idle compute time / (p · sim_step_ms)
+//   peak_live_microbatches   max over ranks of micro-batches whose activations are alive at once
+//   speedup_vs_standard      sim_step_ms(standard) / sim_step_ms(2bp), same schedule, p, m, v (2bp rows only)
+//   generate_ms, simulate_ms wall time this tool spent generating+validating and simulating the schedule
+// Shapes a schedule rejects (e.g. interleaved-1f1b needs m to be a multiple of p) are listed with the reason.
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <iostream>
+#include <memory>
+#include <numeric>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "bench_common.h"
+#include "commands.h"
+#include "twobp/schedule/schedule.h"
+
+namespace twobp::bench {
+namespace {
+
+struct SimulateArgs {
+  double f = 1, i = 1, w = 1, b = -1, comm = 0;  // b < 0: I + W
+  std::string from_json;
+  int result = 0;
+  int ranks = 4;
+  int microbatches = 8;
+  int chunks_per_rank = 0;  // 0: 2 for interleaved-1f1b and zb-v, else 1 (as `pipeline`)
+  std::string schedule = "all";
+  std::string mode = "both";
+  std::string json;
+};
+
+/// Where the costs come from: per-rank constants (command line) or a measured pipeline result.
+struct CostSource {
+  bool measured = false;
+  std::string description;
+  double comm = 0;
+  // Command line: per-rank costs.
+  double f = 0, i = 0, w = 0, b = 0;
+  // Measured: per measured stage, and the measured placement.
+  std::string schedule;
+  int p = 0, m = 0, v = 0;
+  std::vector<double> F, I, W, B;
+  std::vector<int> stage_to_rank;
+};
+
+std::vector<double> numbers(const Json& j, const char* key) {
+  std::vector<double> out;
+  if (!j.contains(key)) return out;
+  for (const auto& x : j.at(key)) out.push_back(x.get<double>());
+  return out;
+}
+
+bool any_positive(const std::vector<double>& v) {
+  return std::any_of(v.begin(), v.end(), [](double x) { return x > 0; });
+}
+
+CostSource load_costs(const SimulateArgs& a) {
+  CostSource c;
+  if (a.from_json.empty()) {
+    c.f = a.f;
+    c.i = a.i;
+    c.w = a.w;
+    c.b = a.b >= 0 ? a.b : a.i + a.w;
+    c.comm = a.comm;
+    c.description = fmt::format("command line, per rank: F={} I={} W={} B={}{} comm={}", c.f, c.i, c.w, c.b,
+                                a.b >= 0 ? "" : " (I+W)", c.comm);
+    return c;
+  }
+  const Json doc = read_json(a.from_json);
+  if (!doc.contains("results") || !doc["results"].is_array() || doc["results"].empty()) {
+    throw std::runtime_error(a.from_json + ": no \"results\" array (not a `twobp_bench pipeline` JSON?)");
+  }
+  const Json& results = doc["results"];
+  if (a.result < 0 || a.result >= static_cast<int>(results.size())) {
+    throw std::runtime_error(fmt::format("{}: --result {} out of range (the file has {} results)", a.from_json,
+                                         a.result, results.size()));
+  }
+  const Json& r = results[a.result];
+  for (const char* key : {"schedule", "mode", "p", "m", "v", "costs_ms", "communication_ms"}) {
+    if (!r.contains(key)) throw std::runtime_error(fmt::format("{}: result {} has no \"{}\"", a.from_json, a.result, key));
+  }
+  c.measured = true;
+  c.schedule = r["schedule"].get<std::string>();
+  c.p = r["p"].get<int>();
+  c.m = r["m"].get<int>();
+  c.v = r["v"].get<int>();
+  c.comm = r["communication_ms"].get<double>();
+  const Json& costs = r["costs_ms"];
+  c.F = numbers(costs, "F");
+  c.I = numbers(costs, "I");
+  c.W = numbers(costs, "W");
+  c.B = numbers(costs, "B");
+  std::string partner_note;
+  const Json* partner = nullptr;
+  for (const auto& o : results) {
+    if (o.value("schedule", "") == c.schedule && o.value("p", 0) == c.p && o.value("m", 0) == c.m &&
+        o.value("v", 0) == c.v && o.value("mode", "") != r["mode"].get<std::string>() && o.contains("costs_ms")) {
+      partner = &o;
+    }
+  }
+  if (!any_positive(c.I) && partner) {
+    c.I = numbers((*partner)["costs_ms"], "I");
+    c.W = numbers((*partner)["costs_ms"], "W");
+    partner_note += " I,W from its 2bp partner;";
+  }
+  if (!any_positive(c.I)) {
+    throw std::runtime_error(fmt::format("{}: result {} ({} {}) has no I/W costs and no 2bp partner result; run "
+                                         "`pipeline --mode both` (or 2bp)", a.from_json, a.result, c.schedule,
+                                         r["mode"].get<std::string>()));
+  }
+  if (!any_positive(c.B) && partner && any_positive(numbers((*partner)["costs_ms"], "B"))) {
+    c.B = numbers((*partner)["costs_ms"], "B");
+    partner_note += " B from its standard partner;";
+  }
+  const std::size_t S = c.F.size();
+  if (S == 0 || c.I.size() != S || c.W.size() != S) {
+    throw std::runtime_error(fmt::format("{}: result {}: costs_ms F/I/W sizes differ or are empty", a.from_json, a.result));
+  }
+  if (!any_positive(c.B)) {
+    c.B.resize(S);
+    for (std::size_t s = 0; s < S; ++s) c.B[s] = c.I[s] + c.W[s];
+    partner_note += " B = I + W (no standard result);";
+  } else if (c.B.size() != S) {
+    throw std::runtime_error(fmt::format("{}: result {}: costs_ms B has {} stages, F {}", a.from_json, a.result,
+                                         c.B.size(), S));
+  }
+  // The measured placement: regenerate the measured schedule (cheap) for its stage -> rank map.
+  ScheduleOptions so{c.p, c.m, c.v, BackwardMode::kSplit};
+  c.stage_to_rank = make_schedule(c.schedule, so).stage_to_rank;
+  if (c.stage_to_rank.size() != S) {
+    throw std::runtime_error(fmt::format("{}: result {}: {} stage costs, but {} p={} v={} has {} stages", a.from_json,
+                                         a.result, S, c.schedule, c.p, c.v, c.stage_to_rank.size()));
+  }
+  c.description = fmt::format("{} result {} ({} {} p={} m={} v={}),{} comm={}", a.from_json, a.result, c.schedule,
+                              r["mode"].get<std::string>(), c.p, c.m, c.v, partner_note, c.comm);
+  return c;
+}
+
+/// Per-stage costs for `target` from `src`; `rule` says which mapping was used.
+CostModel costs_for(const Schedule& target, const CostSource& src, std::string& rule) {
+  const int S = target.num_stages, P = target.num_ranks;
+  const double v = static_cast<double>(S) / P;
+  CostModel c;
+  c.communication = src.comm;
+  c.forward.resize(S);
+  c.backward_input.resize(S);
+  c.backward_weight.resize(S);
+  c.backward.resize(S);
+  auto fill = [&](int s, double f, double i, double w, double b) {
+    c.forward[s] = f;
+    c.backward_input[s] = i;
+    c.backward_weight[s] = w;
+    c.backward[s] = b;
+  };
+  if (!src.measured) {
+    rule = "per-rank / v";
+    for (int s = 0; s < S; ++s) fill(s, src.f / v, src.i / v, src.w / v, src.b / v);
+    return c;
+  }
+  if (P == src.p && target.stage_to_rank == src.stage_to_rank) {
+    rule = "per-stage";
+    for (int s = 0; s < S; ++s) fill(s, src.F[s], src.I[s], src.W[s], src.B[s]);
+    return c;
+  }
+  // Per measured rank totals.
+  std::vector<double> f(src.p), i(src.p), w(src.p), b(src.p);
+  for (std::size_t s = 0; s < src.F.size(); ++s) {
+    const int r = src.stage_to_rank[s];
+    f[r] += src.F[s];
+    i[r] += src.I[s];
+    w[r] += src.W[s];
+    b[r] += src.B[s];
+  }
+  if (P == src.p) {
+    rule = "per-rank / v";
+    for (int s = 0; s < S; ++s) {
+      const int r = target.stage_to_rank[s];
+      fill(s, f[r] / v, i[r] / v, w[r] / v, b[r] / v);
+    }
+    return c;
+  }
+  rule = "mean-rank / v";
+  auto mean = [&](const std::vector<double>& x) { return std::accumulate(x.begin(), x.end(), 0.0) / x.size(); };
+  for (int s = 0; s < S; ++s) fill(s, mean(f) / v, mean(i) / v, mean(w) / v, mean(b) / v);
+  return c;
+}
+
+struct SimRow {
+  std::string schedule;
+  BackwardMode mode;
+  int p = 0, m = 0, v = 0, stages = 0;
+  double step = 0, bubble = 0, generate_ms = 0, simulate_ms = 0;
+  int peak_live = 0;
+  std::string rule;
+};
+
+struct Rejected {
+  std::string schedule;
+  int v = 0;
+  std::string reason;
+};
+
+const char* mode_name(BackwardMode m) { return m == BackwardMode::kSplit ? "2bp" : "standard"; }
+
+int chunks_for(const SimulateArgs& a, const std::string& schedule) {
+  if (a.chunks_per_rank > 0) return a.chunks_per_rank;
+  return (schedule == "interleaved-1f1b" || schedule == "zb-v") ? 2 : 1;
+}
+
+double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void run_simulate(const SimulateArgs& a) {
+  const CostSource src = load_costs(a);
+  std::vector<std::string> names =
+      a.schedule == "all" ? builtin_schedule_names() : std::vector<std::string>{a.schedule};
+  std::vector<BackwardMode> modes;
+  if (a.mode != "2bp") modes.push_back(BackwardMode::kStandard);
+  if (a.mode != "standard") modes.push_back(BackwardMode::kSplit);
+
+  const auto t_all = std::chrono::steady_clock::now();
+  std::vector<SimRow> rows;
+  std::vector<Rejected> rejected;
+  for (const auto& name : names) {
+    const int v = chunks_for(a, name);
+    for (BackwardMode mode : modes) {
+      SimRow row;
+      row.schedule = name;
+      row.mode = mode;
+      row.p = a.ranks;
+      row.m = a.microbatches;
+      auto t0 = std::chrono::steady_clock::now();
+      Schedule sched;
+      try {
+        sched = make_schedule(name, ScheduleOptions{a.ranks, a.microbatches, v, mode});
+      } catch (const std::exception& e) {
+        std::string reason = e.what();
+        reason = reason.substr(0, reason.find('\n'));  // validation errors append a grid
+        const bool seen = !rejected.empty() && rejected.back().schedule == name && rejected.back().reason == reason;
+        if (!seen) rejected.push_back({name, v, reason});
+        continue;
+      }
+      row.generate_ms = ms_since(t0);
+      row.v = sched.num_stages / sched.num_ranks;
+      row.stages = sched.num_stages;
+      const CostModel costs = costs_for(sched, src, row.rule);
+      t0 = std::chrono::steady_clock::now();
+      const SimulationResult sim = simulate(sched, costs);
+      row.simulate_ms = ms_since(t0);
+      row.step = sim.step_time;
+      row.bubble = sim.bubble_fraction;
+      row.peak_live = *std::max_element(sim.peak_live_micro_batches.begin(), sim.peak_live_micro_batches.end());
+      rows.push_back(row);
+    }
+  }
+  const double total_ms = ms_since(t_all);
+
+  auto standard_of = [&](const SimRow& r) -> const SimRow* {
+    for (const auto& o : rows) {
+      if (o.schedule == r.schedule && o.v == r.v && o.mode == BackwardMode::kStandard) return &o;
+    }
+    return nullptr;
+  };
+
+  Json out;
+  out["config"] = {{"ranks", a.ranks},     {"microbatches", a.microbatches}, {"chunks_per_rank", a.chunks_per_rank},
+                   {"costs", src.description}, {"communication_ms", src.comm}};
+  if (!src.measured) {
+    out["config"]["costs_ms_per_rank"] = {{"F", src.f}, {"I", src.i}, {"W", src.w}, {"B", src.b}};
+  }
+  out["results"] = Json::array();
+  std::vector<std::vector<std::string>> table{{"schedule", "v", "stages", "std ms", "2bp ms", "speedup", "std bubble",
+                                               "2bp bubble", "std peak mbs", "2bp peak mbs", "cost rule", "tool ms"}};
+  for (const auto& r : rows) {
+    Json j{{"schedule", r.schedule},
+           {"mode", mode_name(r.mode)},
+           {"p", r.p},
+           {"m", r.m},
+           {"v", r.v},
+           {"stages", r.stages},
+           {"sim_step_ms", r.step},
+           {"sim_bubble_fraction", r.bubble},
+           {"peak_live_microbatches", r.peak_live},
+           {"cost_rule", r.rule},
+           {"generate_ms", r.generate_ms},
+           {"simulate_ms", r.simulate_ms}};
+    const SimRow* std_row = standard_of(r);
+    if (r.mode == BackwardMode::kSplit && std_row) j["speedup_vs_standard"] = std_row->step / r.step;
+    out["results"].push_back(j);
+  }
+  // Table: one line per schedule, both modes side by side.
+  for (const auto& name : names) {
+    const SimRow *s = nullptr, *t = nullptr;
+    for (const auto& r : rows) {
+      if (r.schedule != name) continue;
+      (r.mode == BackwardMode::kStandard ? s : t) = &r;
+    }
+    if (!s && !t) continue;
+    const SimRow& any = s ? *s : *t;
+    auto num = [](const SimRow* r, double SimRow::*field, int digits) { return r ? fmt_num(r->*field, digits) : ""; };
+    auto peak = [](const SimRow* r) { return r ? std::to_string(r->peak_live) : ""; };
+    table.push_back({name, std::to_string(any.v), std::to_string(any.stages), num(s, &SimRow::step, 2),
+                     num(t, &SimRow::step, 2), s && t ? fmt_num(s->step / t->step, 3) : "",
+                     num(s, &SimRow::bubble, 3), num(t, &SimRow::bubble, 3), peak(s), peak(t), any.rule,
+                     fmt_num((s ? s->generate_ms + s->simulate_ms : 0) + (t ? t->generate_ms + t->simulate_ms : 0), 0)});
+  }
+  out["rejected"] = Json::array();
+  for (const auto& r : rejected) out["rejected"].push_back({{"schedule", r.schedule}, {"v", r.v}, {"reason", r.reason}});
+  out["tool_ms"] = total_ms;
+
+  std::cout << fmt::format("simulate: p={} m={}; costs: {}\n", a.ranks, a.microbatches, src.description);
+  print_table(std::cout, table);
+  for (const auto& r : rejected) std::cout << fmt::format("rejected: {} (v={}): {}\n", r.schedule, r.v, r.reason);
+  std::cout << fmt::format("generated, validated and simulated {} configurations in {:.0f} ms\n", rows.size(),
+                           total_ms);
+  if (!a.json.empty()) {
+    write_json(a.json, out);
+    std::cout << "wrote " << a.json << "\n";
+  }
+}
+
+}  // namespace
+
+void add_simulate_command(CLI::App& app) {
+  auto a = std::make_shared<SimulateArgs>();
+  CLI::App* sub = app.add_subcommand(
+      "simulate", "Predicted step time, bubble and memory of every schedule, 2BP vs standard, from stage costs");
+  auto* f = sub->add_option("--f", a->f, "Forward cost per rank (per stage at v=1), ms")->capture_default_str();
+  auto* i = sub->add_option("--i", a->i, "Input-gradient (2BP stage 1) cost per rank, ms")->capture_default_str();
+  auto* w = sub->add_option("--w", a->w, "Weight-gradient (2BP stage 2) cost per rank and micro-batch, ms")
+                ->capture_default_str();
+  auto* b = sub->add_option("--b", a->b, "Fused backward cost per rank, ms (default: I + W)");
+  auto* comm = sub->add_option("--comm", a->comm, "One-way latency of one activation or gradient, ms")
+                   ->capture_default_str();
+  auto* from = sub->add_option("--from-json", a->from_json, "Take costs from a `twobp_bench pipeline` JSON")
+                   ->check(CLI::ExistingFile);
+  for (auto* opt : {f, i, w, b, comm}) from->excludes(opt);
+  sub->add_option("--result", a->result, "Which result of --from-json (index into \"results\")")
+      ->capture_default_str()->needs(from);
+  sub->add_option("--ranks", a->ranks, "p: ranks")->capture_default_str()->check(CLI::Range(1, 64));
+  sub->add_option("--microbatches", a->microbatches, "m: micro-batches per step")->capture_default_str()
+      ->check(CLI::Range(1, 256));
+  sub->add_option("--chunks-per-rank", a->chunks_per_rank,
+                  "v for every schedule (default: 2 for interleaved-1f1b and zb-v, else 1); chunk cost = cost / v")
+      ->check(CLI::Range(0, 16));
+  std::vector<std::string> schedules = builtin_schedule_names();
+  schedules.push_back("all");
+  sub->add_option("--schedule", a->schedule, "Built-in schedule, or all")->check(CLI::IsMember(schedules))
+      ->capture_default_str();
+  sub->add_option("--mode", a->mode, "standard, 2bp or both")->check(CLI::IsMember({"standard", "2bp", "both"}))
+      ->capture_default_str();
+  sub->add_option("--json", a->json, "Write {\"config\", \"results\": [...], \"rejected\": [...]} here");
+  sub->callback([a] { run_simulate(*a); });
+}
+
+}  // namespace twobp::bench
