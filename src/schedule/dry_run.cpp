@@ -60,7 +60,24 @@ struct Loc {
 
 }  // namespace
 
+void check_plausible_size(const Schedule& sc) {
+  // Tables here and in validate() are sized stages x micro-batches. A complete schedule has at least one action
+  // per (stage, micro-batch), so a header claiming more than the actions can cover is rejected before anything
+  // that large is allocated (a 100-byte text could otherwise ask for gigabytes).
+  std::size_t actions = 0;
+  for (const auto& list : sc.actions) actions += list.size();
+  const std::size_t needed = static_cast<std::size_t>(std::max(sc.num_stages, 0)) *
+                             static_cast<std::size_t>(std::max(sc.num_micro_batches, 0));
+  TWOBP_CHECK(needed <= actions && sc.num_ranks <= std::max(sc.num_stages, 1) &&
+                  sc.actions.size() == static_cast<std::size_t>(std::max(sc.num_ranks, 0)),
+              ScheduleError,
+              "schedule '{}' declares {} ranks, {} stages and {} micro-batches but holds {} actions in {} rank lists: "
+              "expected at least stages x micro-batches = {} actions, one list per rank and at most one rank per stage",
+              sc.name, sc.num_ranks, sc.num_stages, sc.num_micro_batches, actions, sc.actions.size(), needed);
+}
+
 DryRun dry_run(const Schedule& sc, const CostModel& costs, bool force) {
+  check_plausible_size(sc);
   const int S = sc.num_stages;
   const int M = sc.num_micro_batches;
   const int R = sc.num_ranks;

@@ -34,6 +34,10 @@ struct DryRun {
 /// Precondition: stage, rank and micro-batch indices are in range (check_structure() passed).
 DryRun dry_run(const Schedule& schedule, const CostModel& costs, bool force = false);
 
+/// Throws ScheduleError when the declared sizes cannot be backed by the actions (see dry_run.cpp), before any
+/// stages x micro-batches table is allocated.
+void check_plausible_size(const Schedule& schedule);
+
 /// Throws ScheduleError (without a grid) when indices, sizes or the stage placement are inconsistent, i.e. when
 /// the schedule cannot even be drawn.
 void check_structure(const Schedule& schedule);

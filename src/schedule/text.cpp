@@ -138,11 +138,21 @@ class Parser {
       }
     }
     schedule_.name = std::string(fields["name"]);
+    for (char c : schedule_.name) {
+      // dump_schedule() must be able to write the name back: no whitespace, control characters or '#'.
+      if (static_cast<unsigned char>(c) < 0x21 || c == 0x7f || c == '#') {
+        fail("expected a schedule name without whitespace, control characters or '#'");
+      }
+    }
     schedule_.num_ranks = number(fields["ranks"], "ranks");
     schedule_.num_stages = number(fields["stages"], "stages");
     schedule_.num_micro_batches = number(fields["microbatches"], "microbatches");
     if (schedule_.num_ranks < 1 || schedule_.num_stages < 1 || schedule_.num_micro_batches < 1) {
       fail("expected ranks, stages and microbatches to be at least 1");
+    }
+    if (schedule_.num_ranks > schedule_.num_stages) {
+      fail("expected at most one rank per stage, found {} ranks for {} stages", schedule_.num_ranks,
+           schedule_.num_stages);
     }
     const std::string_view mode = fields["backward"];
     if (mode == "standard") {

@@ -24,6 +24,7 @@ class Validator {
       : sc_(sc), S_(sc.num_stages), M_(sc.num_micro_batches), n_(static_cast<std::size_t>(S_) * M_) {}
 
   void run() {
+    detail::check_plausible_size(sc_);
     check_kinds_and_ranks();
     check_counts();
     check_matching();

@@ -35,6 +35,8 @@ struct Rank {
   }
   // One optimizer step on a deterministic pseudo-gradient.
   void train_step(int step) {
+    // Without the guard each .grad would carry a graph back to its own parameter: a reference cycle (leak).
+    torch::NoGradGuard no_grad;
     for (auto& [name, p] : params) p.mutable_grad() = torch::full_like(p, 0.01 * (step + 1)) + p * 0.1;
     optimizer->step();
   }
