@@ -8,9 +8,10 @@
 
 namespace twobp {
 
-/// One executed action. Times are microseconds since the start of the step on the recording rank (steady
-/// clock); ranks' clocks are aligned by the step start, which every rank enters together after the barrier-free
-/// first receive, so cross-rank offsets are approximate (documented in docs/BENCHMARKS.md).
+/// One executed action. Times are microseconds since the recording rank entered Pipeline::step (steady clock).
+/// Ranks' clocks are not synchronised: a trace of several ranks is aligned at their step starts, which is exact
+/// only as far as the ranks enter the step together (twobp_bench puts a barrier right before it; see
+/// docs/BENCHMARKS.md).
 struct TraceEvent {
   int rank = 0;
   Action action;
