@@ -12,6 +12,7 @@
 #include <fstream>
 #include <thread>
 
+#include "common/temp_files.h"
 #include "twobp/checkpoint.h"
 #include "twobp/error.h"
 #include "twobp/models/llama.h"
@@ -48,28 +49,10 @@ struct Rank {
   }
 };
 
-// POSIX file helpers: std::filesystem is avoided because libtorch.so exports its own (crashing) copies of some
-// std::filesystem functions, e.g. remove_all.
-std::string make_temp_dir(const std::string& tag) {
-  std::string templ = "/tmp/twobp_" + tag + "_XXXXXX";
-  if (::mkdtemp(templ.data()) == nullptr) throw std::runtime_error("mkdtemp failed for " + templ);
-  return templ;
-}
-
-void remove_tree(const std::string& dir) {
-  ::nftw(dir.c_str(), [](const char* path, const struct stat*, int, struct FTW*) { return ::remove(path); }, 16,
-         FTW_DEPTH | FTW_PHYS);
-}
-
-bool file_exists(const std::string& path) {
-  struct stat st;
-  return ::stat(path.c_str(), &st) == 0;
-}
-
-int64_t file_size(const std::string& path) {
-  struct stat st;
-  return ::stat(path.c_str(), &st) == 0 ? static_cast<int64_t>(st.st_size) : -1;
-}
+using twobp::testing::file_exists;
+using twobp::testing::file_size;
+using twobp::testing::make_temp_dir;
+using twobp::testing::remove_tree;
 
 // A fresh path for a checkpoint directory that does not exist yet (save_checkpoint creates it).
 std::string parent_dir(const std::string& dir) { return dir.substr(0, dir.rfind('/')); }

@@ -13,6 +13,8 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "common/temp_files.h"
+
 namespace {
 
 struct RunResult {
@@ -24,17 +26,12 @@ struct RunResult {
 // functions. The directory is left in /tmp for inspection when a test fails.
 std::string work_dir() {
   static const std::string dir = [] {
-    std::string templ = "/tmp/twobp_llama_pipeline_test_XXXXXX";
-    if (::mkdtemp(templ.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    return templ;
+    return twobp::testing::make_temp_dir("llama_pipeline_test");
   }();
   return dir;
 }
 
-bool file_exists(const std::string& path) {
-  struct stat st;
-  return ::stat(path.c_str(), &st) == 0;
-}
+using twobp::testing::file_exists;
 
 RunResult run(const std::string& args) {
   const std::string cmd = std::string(LLAMA_PIPELINE_BIN) + " " + args + " 2>&1";

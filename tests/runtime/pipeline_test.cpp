@@ -259,22 +259,28 @@ TEST_F(PipelineNumerics, SameSeedSameScheduleGivesBitwiseIdenticalLosses) {
   }
 }
 
+// One Pipeline per rank of a 2-stage schedule (chunks 0 and 1), for tests that drive the ranks' threads themselves.
+std::vector<std::unique_ptr<Pipeline>> make_two_rank_pipelines(const Schedule& schedule) {
+  auto transports = make_local_transports(2);
+  std::vector<std::unique_ptr<Pipeline>> pipelines;
+  for (int r = 0; r < 2; ++r) {
+    auto module = make_chunk(r);
+    auto* raw = module.get();
+    std::vector<PipelineChunk> chunks{{r, module, [raw, r](const at::Tensor& x) { return run_chunk(*raw, r, x); }}};
+    pipelines.push_back(std::make_unique<Pipeline>(schedule, std::move(chunks),
+                                                   std::shared_ptr<Transport>(std::move(transports[r])),
+                                                   default_options()));
+  }
+  return pipelines;
+}
+
 // Poisons a parameter of stage 1 with NaN (the NaN then reaches stage 0 through the backward): every rank must
 // reach the same verdict, and no optimizer may step.
 TEST(PipelineGate, NonFiniteGradientsStopOrSkipOnEveryRank) {
   torch::set_default_dtype(caffe2::TypeMeta::Make<double>());
   for (NonFinitePolicy policy : {NonFinitePolicy::kSkipStep, NonFinitePolicy::kStop}) {
     auto schedule = make_schedule("1f1b", ScheduleOptions{2, 2, 1, BackwardMode::kSplit});
-    auto transports = make_local_transports(2);
-    std::vector<std::unique_ptr<Pipeline>> pipelines;
-    for (int r = 0; r < 2; ++r) {
-      auto module = make_chunk(r);
-      auto* raw = module.get();
-      std::vector<PipelineChunk> chunks{{r, module, [raw, r](const at::Tensor& x) { return run_chunk(*raw, r, x); }}};
-      pipelines.push_back(std::make_unique<Pipeline>(schedule, std::move(chunks),
-                                                     std::shared_ptr<Transport>(std::move(transports[r])),
-                                                     default_options()));
-    }
+    auto pipelines = make_two_rank_pipelines(schedule);
     {
       torch::NoGradGuard g;
       pipelines[1]->parameters()[0].fill_(std::numeric_limits<double>::quiet_NaN());
@@ -313,16 +319,7 @@ TEST(PipelineGate, NonFiniteGradientsStopOrSkipOnEveryRank) {
 TEST(PipelineGate, FiniteGradientsAreClippedToTheGlobalNorm) {
   torch::set_default_dtype(caffe2::TypeMeta::Make<double>());
   auto schedule = make_schedule("gpipe", ScheduleOptions{2, 2, 1, BackwardMode::kSplit});
-  auto transports = make_local_transports(2);
-  std::vector<std::unique_ptr<Pipeline>> pipelines;
-  for (int r = 0; r < 2; ++r) {
-    auto module = make_chunk(r);
-    auto* raw = module.get();
-    std::vector<PipelineChunk> chunks{{r, module, [raw, r](const at::Tensor& x) { return run_chunk(*raw, r, x); }}};
-    pipelines.push_back(std::make_unique<Pipeline>(schedule, std::move(chunks),
-                                                   std::shared_ptr<Transport>(std::move(transports[r])),
-                                                   default_options()));
-  }
+  auto pipelines = make_two_rank_pipelines(schedule);
   auto inputs = torch::randn({4, kDim}) * 100, targets = torch::randn({4, kDim});
   std::vector<double> before(2), after(2);
   std::vector<std::thread> threads;
