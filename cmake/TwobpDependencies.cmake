@@ -52,7 +52,7 @@ if(NOT TWOBP_WITH_NCCL STREQUAL "OFF")
     # Prefer the NCCL that LibTorch itself loads (the pip nvidia-nccl wheel): two NCCLs in one process clash.
     find_path(TWOBP_NCCL_INCLUDE_DIR nccl.h
               HINTS "${TWOBP_TORCH_ROOT}/../nvidia/nccl/include" ${CUDAToolkit_INCLUDE_DIRS})
-    find_library(TWOBP_NCCL_LIBRARY NAMES nccl libnccl.so.2
+    find_library(TWOBP_NCCL_LIBRARY NAMES libnccl.so.2 nccl NAMES_PER_DIR
                  HINTS "${TWOBP_TORCH_ROOT}/../nvidia/nccl/lib" ${CUDAToolkit_LIBRARY_DIR})
   endif()
   if(TWOBP_NCCL_INCLUDE_DIR AND TWOBP_NCCL_LIBRARY AND CUDAToolkit_FOUND)
