@@ -131,8 +131,7 @@ torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& target) { retur
 
 class SplitParity : public ::testing::TestWithParam<Mode> {
  protected:
-  void SetUp() override { torch::set_default_dtype(caffe2::TypeMeta::Make<double>()); }
-  void TearDown() override { torch::set_default_dtype(caffe2::TypeMeta::Make<float>()); }
+  Float64Default float64_;
 };
 
 template <typename Holder, typename... Args>

@@ -7,6 +7,14 @@
 
 namespace twobp::testing {
 
+/// Makes float64 the default dtype while alive (parity tests compare in float64), float32 again afterwards.
+struct Float64Default {
+  Float64Default() { torch::set_default_dtype(caffe2::TypeMeta::Make<double>()); }
+  ~Float64Default() { torch::set_default_dtype(caffe2::TypeMeta::Make<float>()); }
+  Float64Default(const Float64Default&) = delete;
+  Float64Default& operator=(const Float64Default&) = delete;
+};
+
 /// Fast path: twobp::nn::Linear layers.
 struct FastMlpImpl : torch::nn::Module {
   explicit FastMlpImpl(int64_t dim, int64_t hidden = 0) {

@@ -22,8 +22,7 @@ struct Case {
 
 class MpiPipelineParity : public ::testing::TestWithParam<Case> {
  protected:
-  void SetUp() override { torch::set_default_dtype(caffe2::TypeMeta::Make<double>()); }
-  void TearDown() override { torch::set_default_dtype(caffe2::TypeMeta::Make<float>()); }
+  Float64Default float64_;
 };
 
 TEST_P(MpiPipelineParity, LossesAndGradientsMatchSingleProcess) {

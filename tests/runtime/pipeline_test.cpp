@@ -74,8 +74,7 @@ struct ParityCase {
 
 class PipelineParity : public ::testing::TestWithParam<ParityCase> {
  protected:
-  void SetUp() override { torch::set_default_dtype(caffe2::TypeMeta::Make<double>()); }
-  void TearDown() override { torch::set_default_dtype(caffe2::TypeMeta::Make<float>()); }
+  Float64Default float64_;
 };
 
 TEST_P(PipelineParity, LossesAndGradientsMatchSingleProcess) {
@@ -159,8 +158,7 @@ bool is_a(const std::exception_ptr& e) {
 
 class PipelineFailures : public ::testing::Test {
  protected:
-  void SetUp() override { torch::set_default_dtype(caffe2::TypeMeta::Make<double>()); }
-  void TearDown() override { torch::set_default_dtype(caffe2::TypeMeta::Make<float>()); }
+  Float64Default float64_;
   Schedule schedule_ = make_schedule("1f1b", ScheduleOptions{2, 2, 1, BackwardMode::kSplit});
   torch::Tensor inputs_ = torch::randn({2 * kMicroBatchSize, kDim}, torch::kDouble);
   torch::Tensor targets_ = torch::randn({2 * kMicroBatchSize, kDim}, torch::kDouble);
@@ -238,8 +236,7 @@ namespace {
 
 class PipelineNumerics : public ::testing::Test {
  protected:
-  void SetUp() override { torch::set_default_dtype(caffe2::TypeMeta::Make<double>()); }
-  void TearDown() override { torch::set_default_dtype(caffe2::TypeMeta::Make<float>()); }
+  Float64Default float64_;
 };
 
 TEST_F(PipelineNumerics, SameSeedSameScheduleGivesBitwiseIdenticalLosses) {
@@ -277,7 +274,7 @@ std::vector<std::unique_ptr<Pipeline>> make_two_rank_pipelines(const Schedule& s
 // Poisons a parameter of stage 1 with NaN (the NaN then reaches stage 0 through the backward): every rank must
 // reach the same verdict, and no optimizer may step.
 TEST(PipelineGate, NonFiniteGradientsStopOrSkipOnEveryRank) {
-  torch::set_default_dtype(caffe2::TypeMeta::Make<double>());
+  Float64Default float64;
   for (NonFinitePolicy policy : {NonFinitePolicy::kSkipStep, NonFinitePolicy::kStop}) {
     auto schedule = make_schedule("1f1b", ScheduleOptions{2, 2, 1, BackwardMode::kSplit});
     auto pipelines = make_two_rank_pipelines(schedule);
@@ -313,11 +310,10 @@ TEST(PipelineGate, NonFiniteGradientsStopOrSkipOnEveryRank) {
       }
     }
   }
-  torch::set_default_dtype(caffe2::TypeMeta::Make<float>());
 }
 
 TEST(PipelineGate, FiniteGradientsAreClippedToTheGlobalNorm) {
-  torch::set_default_dtype(caffe2::TypeMeta::Make<double>());
+  Float64Default float64;
   auto schedule = make_schedule("gpipe", ScheduleOptions{2, 2, 1, BackwardMode::kSplit});
   auto pipelines = make_two_rank_pipelines(schedule);
   auto inputs = torch::randn({4, kDim}) * 100, targets = torch::randn({4, kDim});
@@ -335,7 +331,6 @@ TEST(PipelineGate, FiniteGradientsAreClippedToTheGlobalNorm) {
   EXPECT_EQ(before[0], before[1]);
   EXPECT_GT(before[0], 0.5);
   EXPECT_NEAR(after[0], 0.5, 1e-5);
-  torch::set_default_dtype(caffe2::TypeMeta::Make<float>());
 }
 
 }  // namespace
