@@ -38,7 +38,8 @@ struct StageOptions {
   /// Gradient seeded into a scalar loss. The Pipeline sets it to 1/num_micro_batches so that the summed
   /// gradients of a step equal those of the mean loss over the whole batch.
   double loss_scale = 1.0;
-  /// Stage 2 of several micro-batches concatenates their queued inputs into one GEMM per layer.
+  /// Stage 2 of several micro-batches hands all their queued work to each layer's kernel in one call, which may
+  /// concatenate it into one GEMM (nn::functional::Batching::kAuto: on CUDA for small micro-batches).
   bool batch_weight_grads = true;
 };
 

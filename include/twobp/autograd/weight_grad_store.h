@@ -23,7 +23,7 @@ struct WeightGradItem {
 
 /// Implemented by every fast-path layer. accumulate_weight_grad() adds the parameter gradients of all `items`
 /// to the parameters' .grad (creating it when undefined). Several items (micro-batches, or repeated uses of a
-/// layer) may be reduced in one call: implementations concatenate them so that one GEMM does the work.
+/// layer) may be reduced in one call: implementations may concatenate them so that one GEMM does the work.
 class WeightGradKernel {
  public:
   virtual ~WeightGradKernel() = default;

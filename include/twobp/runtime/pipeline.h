@@ -42,7 +42,7 @@ struct PipelineOptions {
   /// gradient is scaled by 1/num_micro_batches, so a step's gradients equal those of the mean loss over the
   /// batch, matching a non-pipelined run of the same batch.
   LossFunction loss;
-  /// W actions naming several micro-batches run them as one concatenated GEMM per layer.
+  /// W actions naming several micro-batches give each layer all of them at once (see StageOptions).
   bool batch_weight_grads = true;
   /// Receives are posted this many RECV actions ahead of their use, so data arrives while the rank computes.
   int prefetch_receives = 4;
