@@ -103,7 +103,7 @@ class PathBench {
   const Series& samples() const { return samples_; }
   int64_t parameter_count() const {
     int64_t n = 0;
-    for (const auto& p : module_->parameters()) n += p.numel();
+    for (const auto& p : twobp::unique_tensors(module_->parameters())) n += p.numel();
     return n;
   }
 

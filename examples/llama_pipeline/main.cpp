@@ -290,6 +290,9 @@ void train_rank(const Plan& p, twobp::Transport& transport, c10::Device device, 
   twobp::Pipeline pipeline(p.schedule, std::move(chunks), std::shared_ptr<twobp::Transport>(&transport, [](auto*) {}),
                            po);
 
+  // Each tensor once: with tied embeddings the head chunk lists its table under two names, and AdamW would
+  // step it twice.
+  params = twobp::unique_tensors(params);
   torch::optim::AdamW optimizer(params, torch::optim::AdamWOptions(a.lr).betas({0.9, 0.95}).weight_decay(
                                             a.weight_decay));
   int start = 0;

@@ -43,6 +43,10 @@ struct StageOptions {
   bool batch_weight_grads = true;
 };
 
+/// `tensors` without repeats, by tensor identity, in first-seen order. Module::parameters() lists a tensor once
+/// per name it is registered under; optimizers, norms and clipping must see it once.
+std::vector<at::Tensor> unique_tensors(const std::vector<at::Tensor>& tensors);
+
 /// One chunk of a pipeline.
 ///
 /// Per micro-batch lifecycle (every call names the micro-batch; a violation throws UsageError naming stage and
@@ -87,6 +91,9 @@ class Stage {
 
   const StageOptions& options() const { return options_; }
   torch::nn::Module& module() const { return *module_; }
+  /// The module's parameters, each tensor once (a submodule registered under two names, or a tied weight, is
+  /// listed once). Trainable leaves the forward uses without registering them still get gradients, as with
+  /// loss.backward(), but are not listed here (nor clipped, checkpointed or optimized by what uses this list).
   std::vector<at::Tensor> parameters() const;
   /// Micro-batches with state held (forwarded and not yet fully backpropagated).
   std::size_t live_micro_batches() const { return micro_batches_.size(); }

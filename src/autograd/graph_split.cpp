@@ -4,18 +4,23 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/functions/tensor.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
 #include <mutex>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 
 #include "twobp/autograd/weight_grad_store.h"
+#include "util/check.h"
 
 namespace twobp::detail {
 namespace {
 
+using torch::autograd::AccumulateGrad;
 using torch::autograd::Edge;
 using torch::autograd::edge_list;
 using torch::autograd::Node;
@@ -27,17 +32,17 @@ constexpr std::uint8_t kReachesParam = 4;   // in P
 
 struct GraphInfo {
   std::unordered_map<Node*, std::uint8_t> flags;
-  std::vector<Node*> nodes;  // post-order
+  std::vector<Node*> nodes;    // post-order
+  std::vector<Node*> leaves;   // AccumulateGrad nodes of trainable leaves (not the input, not the anchor)
   // Strong references for as long as the analysis is used: cutting a frontier edge can drop the last reference
   // to an input-side node (e.g. the view in front of a biased Linear on 3-D input) while raw pointers to it are
   // still about to be visited.
   std::vector<std::shared_ptr<Node>> alive;
 };
 
-// Post-order walk from the root computing, for every node, whether it reaches an A-target and a parameter.
+// Post-order walk from the root computing, for every node, whether it reaches an A-target and a trainable leaf.
 // Iterative: a 32-layer transformer chunk has graphs deep enough to overflow a recursive walk's stack.
-GraphInfo analyse(Node* root, Node* input_target, Node* anchor_target,
-                  const std::unordered_map<Node*, std::size_t>& param_nodes) {
+GraphInfo analyse(Node* root, Node* input_target, Node* anchor_target) {
   GraphInfo info;
   std::vector<std::pair<Node*, std::size_t>> stack;
   stack.emplace_back(root, 0);
@@ -53,8 +58,14 @@ GraphInfo analyse(Node* root, Node* input_target, Node* anchor_target,
       continue;
     }
     std::uint8_t f = kVisited;
-    if (node == input_target || node == anchor_target) f |= kReachesInput;
-    if (param_nodes.count(node) != 0) f |= kReachesParam;
+    if (node == input_target || node == anchor_target) {
+      f |= kReachesInput;
+    } else if (dynamic_cast<AccumulateGrad*>(node) != nullptr) {
+      // Every trainable leaf the graph reaches, registered under the module or not, listed once however many
+      // names it has: exactly the set loss.backward() accumulates into.
+      f |= kReachesParam;
+      info.leaves.push_back(node);
+    }
     for (const Edge& e : node->next_edges()) {
       if (!e.is_valid()) continue;
       f |= info.flags[e.function.get()] & (kReachesInput | kReachesParam);
@@ -98,7 +109,35 @@ void remove_hook(Node* node, const torch::autograd::FunctionPreHook* hook) {
               hooks.end());
 }
 
+// Frontier nodes run twice (input side in stage 1, weight side in stage 2). Reject, before any work is done, the
+// nodes for which that is not exact: a node post-hook would see two partial results.
+void check_frontier(const std::vector<Node*>& frontier, const std::string& context) {
+  for (Node* n : frontier) {
+    TWOBP_CHECK(n->post_hooks().empty(), UsageError,
+                "{}: autograd node {} has a post-hook (Node::register_hook); 2BP runs this weight-bearing node "
+                "twice (input side in I, weight side in W) so the hook would see two partial results; remove the "
+                "hook or run this stage with BackwardMode::kStandard",
+                context, n->name());
+  }
+}
+
 }  // namespace
+
+StashedHooks::StashedHooks(std::shared_ptr<Node> node) : node_(std::move(node)) {
+  tensor_pre_hooks_ = std::move(node_->tensor_pre_hooks());
+  node_->tensor_pre_hooks().clear();
+  retains_grad_hooks_ = std::move(node_->retains_grad_hooks());
+  node_->retains_grad_hooks().clear();
+  pre_hooks_ = std::move(node_->pre_hooks());
+  node_->pre_hooks().clear();
+}
+
+StashedHooks::~StashedHooks() {
+  if (!node_) return;  // moved from
+  for (auto& h : tensor_pre_hooks_) node_->tensor_pre_hooks().push_back(std::move(h));
+  for (auto& [index, h] : retains_grad_hooks_) node_->retains_grad_hooks()[index] = std::move(h);
+  for (auto& h : pre_hooks_) node_->pre_hooks().push_back(std::move(h));
+}
 
 InputBackwardResult run_input_backward(const InputBackwardRequest& request) {
   namespace impl = torch::autograd::impl;
@@ -109,17 +148,8 @@ InputBackwardResult run_input_backward(const InputBackwardRequest& request) {
   const bool input_grad = request.input.defined() && request.input.requires_grad();
   std::shared_ptr<Node> input_acc = input_grad ? impl::try_get_grad_accumulator(request.input) : nullptr;
   std::shared_ptr<Node> anchor_acc = impl::try_get_grad_accumulator(request.anchor);
-  std::unordered_map<Node*, std::size_t> param_nodes;
-  std::vector<std::shared_ptr<Node>> param_accs(request.params.size());
-  for (std::size_t i = 0; i < request.params.size(); ++i) {
-    if (!request.params[i].requires_grad()) continue;
-    // try_get: never create an accumulator for a parameter this graph does not use (fast-path parameters
-    // are not autograd inputs at all).
-    param_accs[i] = impl::try_get_grad_accumulator(request.params[i]);
-    if (param_accs[i]) param_nodes.emplace(param_accs[i].get(), i);
-  }
 
-  const GraphInfo info = analyse(root.function.get(), input_acc.get(), anchor_acc.get(), param_nodes);
+  const GraphInfo info = analyse(root.function.get(), input_acc.get(), anchor_acc.get());
   auto flag = [&](Node* n) {
     auto it = info.flags.find(n);
     return it == info.flags.end() ? std::uint8_t{0} : it->second;
@@ -135,6 +165,7 @@ InputBackwardResult run_input_backward(const InputBackwardRequest& request) {
       }
     }
   }
+  check_frontier(frontier, request.context);
 
   auto plan = std::make_unique<SplitPlan>();
   const bool root_in_a = flag(root.function.get()) & kReachesInput;
@@ -152,8 +183,14 @@ InputBackwardResult run_input_backward(const InputBackwardRequest& request) {
     if (anchor_acc && (flag(anchor_acc.get()) & kVisited)) outputs.emplace_back(anchor_acc, 0);
     // keep_graph only when stage 2 must re-enter frontier nodes; a pure fast-path graph is freed right here.
     const bool keep_graph = !frontier.empty();
-    variable_list grads = torch::autograd::Engine::get_default_engine().execute(
-        {root}, {request.grad_output}, keep_graph, /*create_graph=*/false, /*accumulate_grad=*/false, outputs);
+    variable_list grads;
+    try {
+      grads = torch::autograd::Engine::get_default_engine().execute(
+          {root}, {request.grad_output}, keep_graph, /*create_graph=*/false, /*accumulate_grad=*/false, outputs);
+    } catch (...) {
+      for (auto& [node, hook] : hooks) remove_hook(node, hook);
+      throw;
+    }
     for (auto& [node, hook] : hooks) remove_hook(node, hook);
     if (has_input_output) result.grad_input = grads[0];
 
@@ -167,19 +204,28 @@ InputBackwardResult run_input_backward(const InputBackwardRequest& request) {
       }
     }
     if (keep_graph) {
-      std::unordered_map<Node*, bool> is_frontier;
-      for (Node* n : frontier) is_frontier[n] = true;
+      std::unordered_set<Node*> is_frontier(frontier.begin(), frontier.end());
       for (Node* n : info.nodes) {
         if ((flag(n) & kReachesInput) && !is_frontier.count(n)) n->release_variables();
       }
     }
+    // The hooks of frontier nodes already ran on the captured gradients: stage 2 must not apply them again.
+    for (Node* n : frontier) plan->stashed_hooks.emplace_back(n->shared_from_this());
     // Cut every frontier edge that does not lead to weight-side nodes: stage 2 must not redo input gradients.
     for (Node* n : frontier) {
       for (std::size_t i = 0; i < n->num_outputs(); ++i) {
         const Edge& e = n->next_edge(i);
         // Assign through next_edges() rather than set_next_edge(): removing an edge keeps the node's
         // topological number valid (it only has to exceed its children's), while set_next_edge would assert.
-        if (e.is_valid() && !weight_side(info, e.function.get())) n->next_edges()[i] = Edge();
+        if (e.is_valid() && !weight_side(info, e.function.get())) {
+          n->next_edges()[i] = Edge();
+          // An in-place update of a view (h.narrow(...).mul_(scale)) is a CopySlices node whose wrapped function
+          // has edges parallel to its own; both must be cut alike, or CopySlices refuses to run.
+          if (auto* copy_slices = dynamic_cast<torch::autograd::CopySlices*>(n);
+              copy_slices && copy_slices->fn && i < copy_slices->fn->num_outputs()) {
+            copy_slices->fn->next_edges()[i] = Edge();
+          }
+        }
       }
     }
   } else if (flag(root.function.get()) & kReachesParam) {
@@ -191,11 +237,9 @@ InputBackwardResult run_input_backward(const InputBackwardRequest& request) {
   if (input_grad && !result.grad_input.defined()) result.grad_input = at::zeros_like(request.input);
 
   if (!plan->roots.empty()) {
-    for (std::size_t i = 0; i < param_accs.size(); ++i) {
-      if (param_accs[i] && (flag(param_accs[i].get()) & kVisited)) {
-        plan->param_edges.emplace_back(param_accs[i], 0);
-        plan->params.push_back(request.params[i]);
-      }
+    for (Node* leaf : info.leaves) {
+      plan->leaf_edges.emplace_back(leaf->shared_from_this(), 0);
+      plan->leaves.push_back(static_cast<AccumulateGrad*>(leaf)->variable);
     }
     result.plan = std::move(plan);
   }
@@ -203,22 +247,33 @@ InputBackwardResult run_input_backward(const InputBackwardRequest& request) {
 }
 
 void run_weight_backward(SplitPlan& plan) {
-  if (plan.roots.empty() || plan.param_edges.empty()) return;
-  variable_list grads = torch::autograd::Engine::get_default_engine().execute(
-      plan.roots, plan.root_grads, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/false,
-      plan.param_edges);
-  for (std::size_t i = 0; i < grads.size(); ++i) {
-    const at::Tensor& g = grads[i];
-    if (!g.defined()) continue;
-    // The engine's result may alias a tensor someone else holds (a captured root gradient passed through an
-    // identity node); only a gradient nothing else references may become .grad without a copy. Same test as
-    // autograd's own AccumulateGrad, extended to the transposed views matrix products return.
-    const bool fresh = g.use_count() == 1 &&
-                       (g.is_view() ? g._base().use_count() == 1 && g.storage().use_count() == 2
-                                    : g.storage().use_count() == 1);
-    autograd::accumulate_grad(plan.params[i], g, fresh);
+  if (!plan.roots.empty() && !plan.leaf_edges.empty()) {
+    variable_list grads = torch::autograd::Engine::get_default_engine().execute(
+        plan.roots, plan.root_grads, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/false,
+        plan.leaf_edges);
+    // Release the graph's buffers before accumulating (peak memory), keeping only what is accumulated.
+    plan.roots.clear();
+    plan.root_grads.clear();
+    plan.leaf_edges.clear();
+    for (std::size_t i = 0; i < grads.size(); ++i) {
+      at::Tensor g = std::move(grads[i]);
+      if (!g.defined()) continue;
+      // The engine's result may alias a tensor someone else holds (a captured root gradient passed through an
+      // identity node); only a gradient nothing else references may become .grad without a copy. Same test as
+      // autograd's own AccumulateGrad, extended to the transposed views matrix products return.
+      const bool fresh = g.use_count() == 1 &&
+                         (g.is_view() ? g._base().use_count() == 1 && g.storage().use_count() == 2
+                                      : g.storage().use_count() == 1);
+      autograd::accumulate_grad(plan.leaves[i], g, fresh);
+      // As AccumulateGrad does after accumulating in loss.backward(): once per micro-batch and leaf.
+      if (auto& hook = torch::autograd::impl::post_acc_grad_hooks(plan.leaves[i])) (*hook)(plan.leaves[i]);
+    }
   }
-  plan = SplitPlan{};
+  plan.roots.clear();
+  plan.root_grads.clear();
+  plan.leaf_edges.clear();
+  plan.leaves.clear();
+  plan.stashed_hooks.clear();
 }
 
 }  // namespace twobp::detail

@@ -2,15 +2,41 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <tuple>
 #include <unordered_map>
+
+#include <fmt/ranges.h>
+
+#include "util/check.h"
 
 namespace twobp::autograd {
 namespace {
 thread_local WeightGradStore* t_store = nullptr;
 thread_local std::int64_t t_micro_batch = 0;
+
+// Inference tensors (e.g. token ids made under InferenceMode) have no version counter and cannot be modified
+// in place outside InferenceMode anyway.
+std::int64_t version_of(const at::Tensor& t) {
+  return t.defined() && !t.is_inference() ? static_cast<std::int64_t>(t._version()) : -1;
+}
 }  // namespace
+
+void check_no_gradient_hooks(const at::Tensor& param, const std::string& layer, const std::string& context) {
+  if (!param.defined() || !param.requires_grad()) return;
+  const bool tensor_hooks = !torch::autograd::impl::hooks(param).empty();
+  const bool post_accumulate = torch::autograd::impl::post_acc_grad_hooks(param) != nullptr;
+  TWOBP_CHECK(!tensor_hooks && !post_accumulate, UsageError,
+              "{}: a parameter of fast-path layer {} (shape [{}]) has a {}; twobp::nn layers compute weight "
+              "gradients outside autograd and cannot run it as loss.backward() would. Use the LibTorch layer "
+              "(torch::nn::{}, general path, which runs parameter hooks) for this parameter, or change .grad "
+              "after the step",
+              context, layer, fmt::join(param.sizes(), ", "),
+              tensor_hooks ? "gradient hook (register_hook)" : "post-accumulate-grad hook", layer);
+}
 
 WeightGradStore::WeightGradStore() : anchor_(at::empty({0}).set_requires_grad(true)) {}
 
@@ -19,14 +45,31 @@ void WeightGradStore::on_backward(std::int64_t micro_batch, const WeightGradKern
     kernel->accumulate_weight_grad({item});
     return;
   }
+  const std::int64_t input_version = version_of(item.input), grad_version = version_of(item.grad_output);
   std::lock_guard<std::mutex> lock(mutex_);
-  queue_[micro_batch].push_back(Entry{kernel, std::move(item)});
+  queue_[micro_batch].push_back(Entry{kernel, std::move(item), input_version, grad_version});
 }
 
 void WeightGradStore::run(c10::ArrayRef<std::int64_t> micro_batches, bool batched) {
   std::vector<Entry> entries;
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    // Check first, so that a refused W leaves the queue as it was.
+    for (std::int64_t mb : micro_batches) {
+      auto it = queue_.find(mb);
+      if (it == queue_.end()) continue;
+      for (const auto& e : it->second) {
+        for (auto [t, saved, what] : {std::tuple{&e.item.input, e.input_version, "input"},
+                                      std::tuple{&e.item.grad_output, e.grad_version, "output gradient"}}) {
+          const std::int64_t now = version_of(*t);
+          TWOBP_CHECK(saved < 0 || now == saved, UsageError,
+                      "{} micro-batch {}: the {} that {} saved in I for W was modified by an in-place operation "
+                      "between I and W (version {} -> {}); its weight gradient would be wrong. Modify a copy "
+                      "(clone()) instead, or run W before the modification",
+                      context_, mb, what, e.kernel->kernel_name(), saved, now);
+        }
+      }
+    }
     for (std::int64_t mb : micro_batches) {
       auto it = queue_.find(mb);
       if (it == queue_.end()) continue;

@@ -27,10 +27,12 @@ T* from_handle(const c10::IValue& v) {
   return reinterpret_cast<T*>(static_cast<std::intptr_t>(v.toInt()));
 }
 
-void remember(AutogradContext* ctx, const WeightGradKernel& kernel, const at::Tensor& weight) {
+void remember(AutogradContext* ctx, const WeightGradKernel& kernel, const at::Tensor& weight, bool trainable) {
   ctx->saved_data["store"] = to_handle(autograd::current_store());
   ctx->saved_data["mb"] = autograd::current_micro_batch();
   ctx->saved_data["kernel"] = to_handle(&kernel);
+  // Frozen layers (no parameter requires grad) queue no weight work: autograd would leave their .grad undefined.
+  ctx->saved_data["trainable"] = trainable;
   // The weight is read again in backward (input gradient). If an optimizer step modified it in between, the
   // input gradient would silently use the new weights: record the version to turn that into an error.
   ctx->saved_data["weight_version"] = static_cast<std::int64_t>(weight._version());
@@ -44,10 +46,25 @@ void check_weight_unchanged(AutogradContext* ctx, const at::Tensor& weight, cons
               layer, ctx->saved_data["mb"].toInt(), saved, weight._version());
 }
 
+// Queues the layer's weight work, once per forward: a layer whose input depends on parameters only (a learned
+// query) sits on the general split's frontier and its backward runs again in W for the weight side; that second
+// run must not queue the work a second time.
 void hand_over(AutogradContext* ctx, at::Tensor input, at::Tensor grad_output) {
+  if (!ctx->saved_data["trainable"].toBool() || ctx->saved_data.count("queued") != 0) return;
+  ctx->saved_data["queued"] = true;
   auto* store = from_handle<WeightGradStore>(ctx->saved_data["store"]);
   auto* kernel = from_handle<const WeightGradKernel>(ctx->saved_data["kernel"]);
   store->on_backward(ctx->saved_data["mb"].toInt(), kernel, {std::move(input), std::move(grad_output)});
+}
+
+bool trainable(const at::Tensor& t) { return t.defined() && t.requires_grad(); }
+
+// Called when a fast-path node is recorded: rejects, on the first forward, parameters with gradient hooks.
+void check_recordable(const WeightGradStore& store, const WeightGradKernel& kernel, const at::Tensor& weight,
+                      const at::Tensor& bias) {
+  const std::string context = fmt::format("{} micro-batch {}", store.context(), autograd::current_micro_batch());
+  autograd::check_no_gradient_hooks(weight, kernel.kernel_name(), context);
+  autograd::check_no_gradient_hooks(bias, kernel.kernel_name(), context);
 }
 
 // Parameters travel as a non-tensor argument: they must not become autograd inputs of the node (their gradient
@@ -55,13 +72,18 @@ void hand_over(AutogradContext* ctx, at::Tensor input, at::Tensor grad_output) {
 struct Params {
   at::Tensor weight;
   at::Tensor bias;
+  bool trainable = true;  ///< some parameter requires grad when the node is recorded
 };
+
+Params detached(const at::Tensor& weight, const at::Tensor& bias) {
+  return {weight.detach(), bias.defined() ? bias.detach() : bias, trainable(weight) || trainable(bias)};
+}
 
 struct LinearFunction : torch::autograd::Function<LinearFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& anchor,
                             const Params& params, const WeightGradKernel* kernel) {
     const at::Tensor& weight = params.weight;
-    remember(ctx, *kernel, weight);
+    remember(ctx, *kernel, weight, params.trainable);
     ctx->save_for_backward({input});
     ctx->saved_data["weight"] = weight;
     return at::linear(input, weight, params.bias);
@@ -82,7 +104,7 @@ struct EmbeddingFunction : torch::autograd::Function<EmbeddingFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& ids, const at::Tensor& anchor,
                             const Params& params, const WeightGradKernel* kernel) {
     const at::Tensor& weight = params.weight;
-    remember(ctx, *kernel, weight);
+    remember(ctx, *kernel, weight, params.trainable);
     ctx->saved_data["ids"] = ids;
     return at::embedding(weight, ids);
   }
@@ -102,7 +124,7 @@ struct RMSNormFunction : torch::autograd::Function<RMSNormFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& anchor,
                             const Params& params, double eps, const WeightGradKernel* kernel) {
     const at::Tensor& weight = params.weight;
-    remember(ctx, *kernel, weight);
+    remember(ctx, *kernel, weight, params.trainable);
     const at::Tensor x = input.to(compute_type(input));
     const at::Tensor rstd = at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps);
     const at::Tensor normalized = (x * rstd).to(input.scalar_type());
@@ -152,14 +174,15 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const at::T
                   const autograd::WeightGradKernel& kernel) {
   auto* store = autograd::current_store();
   if (store == nullptr || !at::GradMode::is_enabled()) return at::linear(input, weight, bias);
-  return LinearFunction::apply(input, store->anchor(), Params{weight.detach(), bias.defined() ? bias.detach() : bias},
-                               &kernel);
+  check_recordable(*store, kernel, weight, bias);
+  return LinearFunction::apply(input, store->anchor(), detached(weight, bias), &kernel);
 }
 
 at::Tensor embedding(const at::Tensor& ids, const at::Tensor& weight, const autograd::WeightGradKernel& kernel) {
   auto* store = autograd::current_store();
   if (store == nullptr || !at::GradMode::is_enabled()) return at::embedding(weight, ids);
-  return EmbeddingFunction::apply(ids, store->anchor(), Params{weight.detach(), {}}, &kernel);
+  check_recordable(*store, kernel, weight, {});
+  return EmbeddingFunction::apply(ids, store->anchor(), detached(weight, {}), &kernel);
 }
 
 at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps,
@@ -169,7 +192,8 @@ at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double ep
     const at::Tensor x = input.to(compute_type(input));
     return (x * at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps)).to(input.scalar_type()) * weight;
   }
-  return RMSNormFunction::apply(input, store->anchor(), Params{weight.detach(), {}}, eps, &kernel);
+  check_recordable(*store, kernel, weight, {});
+  return RMSNormFunction::apply(input, store->anchor(), detached(weight, {}), eps, &kernel);
 }
 
 // Whether W over several items should concatenate them into one GEMM. On GPUs a GEMM with few rows leaves most of
@@ -187,19 +211,21 @@ bool concatenate_items(c10::ArrayRef<autograd::WeightGradItem> items, int64_t co
 
 void linear_weight_grad(const at::Tensor& weight, const at::Tensor& bias,
                         c10::ArrayRef<autograd::WeightGradItem> items, Batching batching) {
-  if (items.empty()) return;
+  // A frozen parameter keeps an undefined .grad, as autograd leaves it; its GEMM is skipped.
+  const bool weight_grad = trainable(weight), bias_grad = trainable(bias);
+  if (items.empty() || !(weight_grad || bias_grad)) return;
   const int64_t in = weight.size(1), out = weight.size(0);
   if (items.size() == 1 || concatenate_items(items, in, batching)) {
     auto [x, g] = concat_rows(items, in, out);
-    autograd::accumulate_grad(weight, at::mm(g.t(), x));
-    if (bias.defined()) autograd::accumulate_grad(bias, g.sum(0));
+    if (weight_grad) autograd::accumulate_grad(weight, at::mm(g.t(), x));
+    if (bias_grad) autograd::accumulate_grad(bias, g.sum(0));
     return;
   }
   for (const auto& item : items) linear_weight_grad(weight, bias, {item});
 }
 
 void embedding_weight_grad(const at::Tensor& weight, c10::ArrayRef<autograd::WeightGradItem> items) {
-  if (items.empty()) return;
+  if (items.empty() || !trainable(weight)) return;
   std::vector<at::Tensor> ids, grads;
   for (const auto& item : items) {
     ids.push_back(item.input.reshape({-1}));
@@ -207,14 +233,22 @@ void embedding_weight_grad(const at::Tensor& weight, c10::ArrayRef<autograd::Wei
   }
   const at::Tensor all_ids = items.size() == 1 ? ids[0] : at::cat(ids);
   const at::Tensor all_grads = items.size() == 1 ? grads[0] : at::cat(grads);
+  // index_add_ sums rows with repeated ids (an index_put_ would keep only one of them). Like ATen's CUDA embedding
+  // backward (its CPU kernel sums in the table's dtype), the sum is taken in float32 for reduced-precision tables,
+  // so that a frequent token's gradient is not rounded to bf16 once per occurrence, then added to .grad once.
+  const at::ScalarType type = compute_type(weight);
   at::Tensor& slot = const_cast<at::Tensor&>(weight).mutable_grad();
-  if (!slot.defined()) slot = at::zeros_like(weight);
-  // index_add_ sums rows with repeated ids; an index_put_ would keep only one of them.
-  slot.index_add_(0, all_ids, all_grads.to(slot.scalar_type()));
+  if (type == weight.scalar_type() && slot.defined()) {
+    slot.index_add_(0, all_ids, all_grads.to(type));
+    return;
+  }
+  at::Tensor sum = at::zeros(weight.sizes(), weight.options().dtype(type));
+  sum.index_add_(0, all_ids, all_grads.to(type));
+  autograd::accumulate_grad(weight, sum);
 }
 
 void rms_norm_weight_grad(const at::Tensor& weight, c10::ArrayRef<autograd::WeightGradItem> items) {
-  if (items.empty()) return;
+  if (items.empty() || !trainable(weight)) return;
   const int64_t dim = weight.size(0);
   auto [xh, g] = concat_rows(items, dim, dim);
   // Reduce in float32 for reduced-precision activations, like the forward normalisation.

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <deque>
 #include <set>
+#include <unordered_set>
 #include <utility>
 
 #include "util/check.h"
@@ -139,7 +140,9 @@ std::vector<at::Tensor> Pipeline::parameters() const {
   for (const auto& [s, st] : stages_) {
     for (auto& p : st->parameters()) params.push_back(p);
   }
-  return params;
+  // A weight tied between two chunks of this rank (zb-v puts the first and the last stage on rank 0) is one
+  // parameter: counting it twice would double it in the norm and scale it twice when clipping.
+  return unique_tensors(params);
 }
 
 void Pipeline::zero_grad() {
@@ -149,10 +152,12 @@ void Pipeline::zero_grad() {
 GradientCheck Pipeline::check_gradients() {
   // [sum of squares, then one non-finite flag per stage]: one all-reduce gives every rank the same verdict.
   std::vector<double> local(schedule_.num_stages + 1, 0.0);
+  // Each parameter is counted once, in the first of this rank's stages that lists it.
+  std::unordered_set<const c10::TensorImpl*> counted;
   for (const auto& [index, stage_ptr] : stages_) {
     bool bad = false;
     for (const auto& p : stage_ptr->parameters()) {
-      if (!p.grad().defined()) continue;
+      if (!p.grad().defined() || !counted.insert(p.unsafeGetTensorImpl()).second) continue;
       const double sq = p.grad().to(at::kDouble).pow(2).sum().item<double>();
       if (!std::isfinite(sq)) bad = true;
       local[0] += sq;

@@ -6,6 +6,7 @@
 #include <torch/nn/module.h>
 
 #include <set>
+#include <unordered_set>
 
 #include "autograd/graph_split.h"
 #include <fmt/ranges.h>
@@ -25,6 +26,7 @@ Stage::Stage(std::shared_ptr<torch::nn::Module> module, StageForward forward, St
     : module_(std::move(module)), forward_(std::move(forward)), options_(std::move(options)) {
   TWOBP_CHECK(module_ != nullptr, UsageError, "Stage {}: module is null", options_.stage_index);
   TWOBP_CHECK(static_cast<bool>(forward_), UsageError, "Stage {}: forward function is empty", options_.stage_index);
+  store_.set_context(fmt::format("rank {} stage {}", options_.rank, options_.stage_index));
 }
 
 Stage::~Stage() {
@@ -37,7 +39,16 @@ std::string Stage::where(int micro_batch) const {
   return fmt::format("rank {} stage {} micro-batch {}", options_.rank, options_.stage_index, micro_batch);
 }
 
-std::vector<at::Tensor> Stage::parameters() const { return module_->parameters(); }
+std::vector<at::Tensor> unique_tensors(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> out;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (const auto& t : tensors) {
+    if (seen.insert(t.unsafeGetTensorImpl()).second) out.push_back(t);
+  }
+  return out;
+}
+
+std::vector<at::Tensor> Stage::parameters() const { return unique_tensors(module_->parameters()); }
 
 at::Tensor Stage::forward(int micro_batch, const at::Tensor& input, const at::Tensor& target) {
   TWOBP_CHECK(micro_batches_.count(micro_batch) == 0, UsageError,
@@ -99,7 +110,7 @@ at::Tensor Stage::backward_input(int micro_batch, const at::Tensor& grad_output)
   const at::Tensor seed = seed_gradient(micro_batch, state, grad_output);
   store_.set_policy(autograd::WeightGradPolicy::kDeferred);
   detail::InputBackwardResult result =
-      detail::run_input_backward({state.output, seed, state.input, store_.anchor(), parameters()});
+      detail::run_input_backward({state.output, seed, state.input, store_.anchor(), where(micro_batch)});
   state.plan = std::move(result.plan);
   state.output = at::Tensor();
   state.input = at::Tensor();

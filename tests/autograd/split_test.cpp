@@ -7,6 +7,7 @@
 #include <functional>
 #include <random>
 
+#include "common/expect_error.h"
 #include "common/test_models.h"
 #include "twobp/error.h"
 #include "twobp/stage.h"
@@ -269,13 +270,7 @@ class StageMisuse : public ::testing::Test {
     stage = std::make_unique<Stage>(mlp.ptr(), [this](const at::Tensor& x) { return mlp->forward(x); }, options);
   }
   void expect_usage_error(const std::function<void()>& f, const std::vector<std::string>& words) {
-    try {
-      f();
-      FAIL() << "expected UsageError";
-    } catch (const UsageError& e) {
-      const std::string what = e.what();
-      for (const auto& w : words) EXPECT_NE(what.find(w), std::string::npos) << "'" << w << "' not in: " << what;
-    }
+    expect_error<UsageError>(f, words);
   }
   FastMlp mlp;
   StageOptions options;

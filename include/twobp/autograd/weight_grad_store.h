@@ -21,6 +21,11 @@ struct WeightGradItem {
   at::Tensor grad_output;  ///< gradient w.r.t. the layer output
 };
 
+/// Throws UsageError when a parameter written by a fast-path layer has gradient hooks (Tensor::register_hook or
+/// a post-accumulate-grad hook): fast-path layers compute weight gradients outside autograd, where such hooks
+/// cannot run as loss.backward() runs them. `layer` names the kernel, `context` the stage and micro-batch.
+void check_no_gradient_hooks(const at::Tensor& param, const std::string& layer, const std::string& context);
+
 /// Implemented by every fast-path layer. accumulate_weight_grad() adds the parameter gradients of all `items`
 /// to the parameters' .grad (creating it when undefined). Several items (micro-batches, or repeated uses of a
 /// layer) may be reduced in one call: implementations may concatenate them so that one GEMM does the work.
@@ -51,12 +56,18 @@ class WeightGradStore {
   WeightGradPolicy policy() const { return policy_.load(); }
   void set_policy(WeightGradPolicy policy) { policy_.store(policy); }
 
-  /// Called from a fast-path layer's backward. kImmediate: runs the kernel now; kDeferred: queues the item.
+  /// "rank R stage S": prefixed to the errors raised about work recorded in this store. Set once by the owner.
+  void set_context(std::string context) { context_ = std::move(context); }
+  const std::string& context() const { return context_; }
+
+  /// Called from a fast-path layer's backward. kImmediate: runs the kernel now; kDeferred: queues the item and
+  /// remembers the version counters of its tensors, so that run() can refuse an item modified in place since.
   void on_backward(std::int64_t micro_batch, const WeightGradKernel* kernel, WeightGradItem item);
 
   /// Stage 2 for `micro_batches`: groups queued items by layer (in first-queued order, so the result does not
   /// depend on hash order) and runs each layer's kernel once over all of them when `batched`, else once per
-  /// micro-batch. The queued items are released afterwards.
+  /// micro-batch. The queued items are released afterwards. Throws UsageError, before running any kernel, when a
+  /// queued tensor was modified in place after it was queued (the result would silently be wrong).
   void run(c10::ArrayRef<std::int64_t> micro_batches, bool batched);
 
   /// Number of queued items for a micro-batch (0 when none).
@@ -76,11 +87,14 @@ class WeightGradStore {
   struct Entry {
     const WeightGradKernel* kernel;
     WeightGradItem item;
+    std::int64_t input_version = -1;  // -1: not tracked (undefined or inference tensor)
+    std::int64_t grad_version = -1;
   };
   std::atomic<WeightGradPolicy> policy_{WeightGradPolicy::kImmediate};
   mutable std::mutex mutex_;
   std::map<std::int64_t, std::vector<Entry>> queue_;
   at::Tensor anchor_;
+  std::string context_;
 };
 
 /// While alive on the current thread, fast-path layers record into `store` under `micro_batch`; outside any

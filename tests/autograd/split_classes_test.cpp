@@ -1,0 +1,412 @@
+// Classes of modules through the Stage API: every parameter's .grad (defined vs undefined, then values), every
+// buffer and each class's extras equal loss.backward()'s, float64, over two steps without zero_grad, with a
+// different sequence length per micro-batch, in fused mode and in every order of 2BP's I and W. Cases the split
+// cannot run exactly are rejected on the first micro-batch with a UsageError that says what to do instead.
+
+#include <gtest/gtest.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <functional>
+#include <numeric>
+#include <optional>
+#include <random>
+
+#include "common/expect_error.h"
+#include "common/split_cases.h"
+#include "common/test_models.h"
+#include "twobp/error.h"
+#include "twobp/stage.h"
+
+namespace twobp::testing {
+namespace {
+
+constexpr int64_t kDim = 4;
+constexpr int kMicroBatches = 3;
+constexpr int kSteps = 2;
+
+enum class Mode { kFused, kSplitInOrder, kSplitBatchedShuffled, kSplitInterleaved };
+const Mode kModes[] = {Mode::kFused, Mode::kSplitInOrder, Mode::kSplitBatchedShuffled, Mode::kSplitInterleaved};
+
+std::string mode_name(Mode m) {
+  switch (m) {
+    case Mode::kFused: return "fused";
+    case Mode::kSplitInOrder: return "split_in_order";
+    case Mode::kSplitBatchedShuffled: return "split_batched_shuffled";
+    case Mode::kSplitInterleaved: return "split_interleaved";
+  }
+  return "?";
+}
+
+torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& target) { return (out - target).pow(2).mean(); }
+
+torch::Generator seeded(int seed) { return torch::Generator(at::detail::createCPUGenerator(seed)); }
+
+// Micro-batch mb has sequence length 2 + mb: batched W must cope with items of different shapes.
+torch::Tensor activation(int mb, int seed) { return torch::randn({2, 2 + mb, kDim}, seeded(seed * 100 + mb)); }
+
+struct Inputs {
+  std::function<torch::Tensor(int mb)> input = [](int mb) { return activation(mb, 1); };
+  std::function<torch::Tensor(int mb)> target = [](int mb) { return activation(mb, 2); };
+  int stage_index = 1;
+};
+
+// Runs kSteps steps of kMicroBatches through a Stage in `mode` and through loss.backward() on a twin module, then
+// compares everything. Any exception of the Stage propagates (rejection tests catch it).
+void run_class(const std::function<std::shared_ptr<CaseModule>()>& make, Mode mode, const Inputs& in = {}) {
+  SCOPED_TRACE(mode_name(mode));
+  const double scale = 1.0 / kMicroBatches;
+  torch::manual_seed(7);
+  auto reference = make();
+  torch::manual_seed(7);
+  auto candidate = make();
+
+  StageOptions options;
+  options.stage_index = in.stage_index;
+  options.num_stages = in.stage_index + 1;
+  options.rank = 0;
+  options.loss = mse;
+  options.loss_scale = scale;
+  auto* raw = candidate.get();
+  Stage stage(candidate, [raw](const at::Tensor& x) { return raw->forward(x); }, options);
+
+  for (int step = 0; step < kSteps; ++step) {
+    std::vector<torch::Tensor> ref_losses, ref_input_grads;
+    for (int mb = 0; mb < kMicroBatches; ++mb) {
+      torch::Tensor x = in.input(mb);
+      if (in.stage_index > 0) x = x.detach().requires_grad_(true);
+      auto loss = mse(reference->forward(x), in.target(mb));
+      (loss * scale).backward();
+      ref_losses.push_back(loss.detach());
+      ref_input_grads.push_back(in.stage_index > 0 ? x.grad() : torch::Tensor());
+    }
+
+    std::vector<torch::Tensor> losses(kMicroBatches), input_grads(kMicroBatches);
+    std::vector<int> all(kMicroBatches);
+    std::iota(all.begin(), all.end(), 0);
+    if (mode == Mode::kSplitInterleaved) {
+      // F0 I0 W0 F1 I1 F2 I2 W2 W1
+      for (int mb = 0; mb < kMicroBatches; ++mb) {
+        losses[mb] = stage.forward(mb, in.input(mb), in.target(mb));
+        input_grads[mb] = stage.backward_input(mb);
+        if (mb == 0) stage.backward_weight({0});
+      }
+      for (int mb = kMicroBatches - 1; mb > 0; --mb) stage.backward_weight({mb});
+    } else {
+      for (int mb : all) losses[mb] = stage.forward(mb, in.input(mb), in.target(mb));
+      for (int mb : all) input_grads[mb] = mode == Mode::kFused ? stage.backward(mb) : stage.backward_input(mb);
+      if (mode == Mode::kSplitInOrder) {
+        for (int mb : all) stage.backward_weight({mb});
+      } else if (mode == Mode::kSplitBatchedShuffled) {
+        std::shuffle(all.begin(), all.end(), std::mt19937(3 + step));
+        stage.backward_weight(all);
+      }
+    }
+    ASSERT_EQ(stage.live_micro_batches(), 0u);
+    ASSERT_EQ(stage.weight_grad_store().pending_bytes(), 0) << "weight work left queued after W";
+    for (int mb = 0; mb < kMicroBatches; ++mb) {
+      EXPECT_NEAR(losses[mb].item<double>(), ref_losses[mb].item<double>(), 1e-12) << "step " << step << " mb " << mb;
+      ASSERT_EQ(input_grads[mb].defined(), ref_input_grads[mb].defined());
+      if (input_grads[mb].defined()) {
+        EXPECT_LE((input_grads[mb] - ref_input_grads[mb]).abs().max().item<double>(), 1e-10)
+            << "input gradient, step " << step << " micro-batch " << mb;
+      }
+    }
+  }
+  const std::string mismatch = compare_modules(*candidate, *reference, 1e-10);
+  EXPECT_TRUE(mismatch.empty()) << mismatch;
+}
+
+struct ClassMode {
+  ModuleClass cls;
+  Mode mode;
+};
+
+class SupportedClasses : public ::testing::TestWithParam<ClassMode> {
+ protected:
+  Float64Default float64_;
+};
+
+TEST_P(SupportedClasses, MatchLossBackward) {
+  const auto& c = GetParam();
+  run_class([&] { return c.cls.make(kDim); }, c.mode);
+}
+
+TEST_P(SupportedClasses, MatchLossBackwardOnTheFirstStage) {
+  // Stage 0: the input needs no gradient, so general-path work happens in W only.
+  const auto& c = GetParam();
+  Inputs in;
+  in.stage_index = 0;
+  run_class([&] { return c.cls.make(kDim); }, c.mode, in);
+}
+
+std::vector<ClassMode> class_modes() {
+  std::vector<ClassMode> out;
+  for (const auto& cls : supported_module_classes()) {
+    for (Mode m : kModes) out.push_back({cls, m});
+  }
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Classes, SupportedClasses, ::testing::ValuesIn(class_modes()),
+                         [](const auto& info) { return info.param.cls.name + "_" + mode_name(info.param.mode); });
+
+/// First stage: a fast Embedding feeding general layers (LayerNorm, Linear) and a fast Linear.
+struct EmbeddingIntoGeneral : CaseModule {
+  EmbeddingIntoGeneral() {
+    embed = register_module("embed", twobp::nn::Embedding(9, kDim));
+    norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kDim})));
+    general = register_module("general", torch::nn::Linear(kDim, kDim));
+    fast = register_module("fast", twobp::nn::Linear(kDim, kDim));
+  }
+  torch::Tensor forward(const torch::Tensor& ids) override { return fast(torch::gelu(general(norm(embed(ids))))); }
+  twobp::nn::Embedding embed{nullptr};
+  torch::nn::LayerNorm norm{nullptr};
+  torch::nn::Linear general{nullptr};
+  twobp::nn::Linear fast{nullptr};
+};
+
+class SplitClasses : public ::testing::TestWithParam<Mode> {
+ protected:
+  Float64Default float64_;
+};
+
+TEST_P(SplitClasses, FastEmbeddingFeedingGeneralLayersOnTheFirstStage) {
+  Inputs in;
+  in.stage_index = 0;
+  in.input = [](int mb) { return torch::randint(0, 9, {2, 2 + mb}, seeded(40 + mb)).to(torch::kLong); };
+  run_class([] { return std::make_shared<EmbeddingIntoGeneral>(); }, GetParam(), in);
+}
+
+/// torch::nn::Dropout (global generator): the reference and the stage draw masks in the same forward order.
+struct TorchDropout : CaseModule {
+  TorchDropout() {
+    general = register_module("general", torch::nn::Linear(kDim, kDim));
+    dropout = register_module("dropout", torch::nn::Dropout(0.4));
+    fast = register_module("fast", twobp::nn::Linear(kDim, kDim));
+  }
+  torch::Tensor forward(const torch::Tensor& x) override { return fast(dropout(general(x))) + x; }
+  torch::nn::Linear general{nullptr};
+  torch::nn::Dropout dropout{nullptr};
+  twobp::nn::Linear fast{nullptr};
+};
+
+TEST_P(SplitClasses, TorchDropoutWithFixedSeed) {
+  // The global generator is reseeded before each micro-batch's forward, in the reference and in the stage alike.
+  const Mode mode = GetParam();
+  torch::manual_seed(7);
+  auto reference = std::make_shared<TorchDropout>();
+  torch::manual_seed(7);
+  auto candidate = std::make_shared<TorchDropout>();
+  StageOptions options;
+  options.stage_index = 1;
+  options.loss = mse;
+  options.loss_scale = 1.0 / kMicroBatches;
+  Stage stage(candidate, [&](const at::Tensor& x) { return candidate->forward(x); }, options);
+  for (int mb = 0; mb < kMicroBatches; ++mb) {
+    torch::manual_seed(1000 + mb);
+    (mse(reference->forward(activation(mb, 1)), activation(mb, 2)) / kMicroBatches).backward();
+  }
+  for (int mb = 0; mb < kMicroBatches; ++mb) {
+    torch::manual_seed(1000 + mb);
+    stage.forward(mb, activation(mb, 1), activation(mb, 2));
+  }
+  for (int mb = 0; mb < kMicroBatches; ++mb) {
+    if (mode == Mode::kFused) {
+      stage.backward(mb);
+    } else {
+      stage.backward_input(mb);
+    }
+  }
+  if (mode != Mode::kFused) stage.backward_weight({2, 0, 1});
+  const std::string mismatch = compare_modules(*candidate, *reference, 1e-10);
+  EXPECT_TRUE(mismatch.empty()) << mismatch;
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, SplitClasses, ::testing::ValuesIn(kModes),
+                         [](const auto& info) { return mode_name(info.param); });
+
+// ---- Rejected on the first micro-batch, with what to do instead ----------------------------------------------
+
+StageOptions last_stage_options(int stage_index = 1) {
+  StageOptions o;
+  o.stage_index = stage_index;
+  o.num_stages = stage_index + 1;
+  o.rank = 3;
+  o.loss = mse;
+  return o;
+}
+
+TEST(SplitRejects, GradientHookOnAFastPathParameter) {
+  Float64Default f;
+  auto module = std::make_shared<FastParameterHook>(kDim);
+  Stage stage(module, [&](const at::Tensor& x) { return module->forward(x); }, last_stage_options());
+  expect_error([&] { stage.forward(0, activation(0, 1), activation(0, 2)); },
+                     {"rank 3 stage 1 micro-batch 0", "Linear", "gradient hook", "torch::nn::Linear"});
+}
+
+TEST(SplitRejects, PostAccumulateGradHookOnAFastPathParameter) {
+  Float64Default f;
+  FastMlp mlp(kDim);
+  torch::autograd::impl::set_post_acc_grad_hooks(
+      mlp->fc1->bias, std::make_unique<RecordingPostAccumulateHook>(std::make_shared<std::vector<double>>()));
+  Stage stage(mlp.ptr(), [&](const at::Tensor& x) { return mlp->forward(x); }, last_stage_options());
+  expect_error([&] { stage.forward(2, activation(0, 1), activation(0, 2)); },
+                     {"rank 3 stage 1 micro-batch 2", "post-accumulate-grad hook"});
+}
+
+struct NoopPostHook : torch::autograd::FunctionPostHook {
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    return outputs;
+  }
+};
+
+TEST(SplitRejects, NodePostHookOnAWeightBearingNodeIn2bp) {
+  Float64Default f;
+  auto scale = torch::randn({kDim}).requires_grad_(true);
+  auto module = std::make_shared<TorchMlpImpl>(kDim);
+  module->register_parameter("scale", scale);
+  Stage stage(module,
+              [&](const at::Tensor& x) {
+                auto h = x * scale;
+                h.grad_fn()->add_post_hook(std::make_unique<NoopPostHook>());
+                return module->forward(h);
+              },
+              last_stage_options());
+  stage.forward(1, torch::randn({2, kDim}), torch::randn({2, kDim}));
+  expect_error([&] { stage.backward_input(1); }, {"micro-batch 1", "post-hook", "MulBackward0"});
+}
+
+// ---- Fast-path W: saved tensors, precision, lifetime ---------------------------------------------------------
+
+/// Keeps the tensor its fast Linear saves for W, so a test can modify it in place between I and W.
+struct ExposedInput : torch::nn::Module {
+  ExposedInput() { fc = register_module("fc", twobp::nn::Linear(kDim, kDim)); }
+  torch::Tensor forward(const torch::Tensor& x) {
+    saved = torch::tanh(x);
+    return fc(saved);
+  }
+  twobp::nn::Linear fc{nullptr};
+  torch::Tensor saved;
+};
+
+TEST(FastPathWeightGradients, InputModifiedInPlaceBetweenIAndWIsAnError) {
+  Float64Default f;
+  auto module = std::make_shared<ExposedInput>();
+  Stage stage(module, [&](const at::Tensor& x) { return module->forward(x); }, last_stage_options());
+  stage.forward(0, torch::randn({2, kDim}), torch::randn({2, kDim}));
+  stage.backward_input(0);
+  {
+    torch::NoGradGuard no_grad;
+    module->saved.add_(1.0);
+  }
+  expect_error([&] { stage.backward_weight({0}); },
+                     {"rank 3 stage 1 micro-batch 0", "Linear", "in-place", "between I and W"});
+  EXPECT_FALSE(module->fc->weight.grad().defined());
+}
+
+TEST(FastPathWeightGradients, TokenIdsReusedAsABufferBetweenIAndWIsAnError) {
+  twobp::nn::Embedding embed(7, kDim);
+  StageOptions o = last_stage_options(0);
+  o.loss = [](const torch::Tensor& out, const torch::Tensor&) { return out.pow(2).mean(); };
+  Stage stage(embed.ptr(), [&](const at::Tensor& ids) { return embed->forward(ids); }, o);
+  auto ids = torch::tensor({{1, 2, 3}}, torch::kLong);
+  stage.forward(0, ids, torch::zeros({1}));
+  stage.backward_input(0);
+  ids.fill_(4);  // a data loader refilling its batch buffer
+  expect_error([&] { stage.backward_weight({0}); }, {"micro-batch 0", "Embedding", "in-place"});
+}
+
+// 1000 occurrences of a token with gradient 1, in one W: summed in bf16 one row at a time (CUDA's index_add_ with
+// atomics, or ATen's CPU embedding backward for a bf16 table) the sum sticks at 256. twobp sums in float32 on every
+// device and mode and rounds once, as ATen's CUDA embedding backward does.
+void expect_bf16_embedding_sum_in_float32(const torch::Device& device) {
+  torch::manual_seed(0);
+  twobp::nn::Embedding fast(5, 8);
+  fast->to(device, torch::kBFloat16);
+  auto reference = fast->weight.detach().to(torch::kFloat).requires_grad_(true);
+  torch::Tensor ids = torch::zeros({1, 1000}, torch::TensorOptions().dtype(torch::kLong).device(device));
+  ids.narrow(1, 0, 7).fill_(3);
+  StageOptions o = last_stage_options(0);
+  o.loss = [](const torch::Tensor& out, const torch::Tensor&) { return out.to(torch::kFloat).sum(); };
+  for (bool split : {false, true}) {
+    SCOPED_TRACE(split ? "2BP" : "fused");
+    fast->weight.mutable_grad().reset();
+    Stage stage(fast.ptr(), [&](const at::Tensor& x) { return fast->forward(x); }, o);
+    stage.forward(0, ids, torch::zeros({1}, torch::TensorOptions().device(device)));
+    if (split) {
+      stage.backward_input(0);
+      stage.backward_weight({0});
+    } else {
+      stage.backward(0);
+    }
+    ASSERT_TRUE(fast->weight.grad().defined());
+    EXPECT_EQ(fast->weight.grad().scalar_type(), torch::kBFloat16);
+    EXPECT_EQ(fast->weight.grad()[0][0].item<float>(), 992.0f) << "993 occurrences, rounded to bf16 once";
+  }
+  at::embedding(reference, ids).sum().backward();
+  EXPECT_TRUE(torch::equal(fast->weight.grad().cpu(), reference.grad().to(torch::kBFloat16).cpu()));
+}
+
+TEST(FastPathWeightGradients, Bf16EmbeddingSumsRepeatedRowsInFloat32) { expect_bf16_embedding_sum_in_float32(torch::kCPU); }
+
+TEST(FastPathWeightGradients, Bf16EmbeddingSumsRepeatedRowsInFloat32OnCuda) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  expect_bf16_embedding_sum_in_float32(torch::kCUDA);
+}
+
+/// Records weak references to the micro-batch's stage input and its output's autograd node.
+struct Observed : torch::nn::Module {
+  explicit Observed(bool fast_path) {
+    if (fast_path) {
+      fast = register_module("fast", twobp::nn::Linear(kDim, kDim));
+    } else {
+      general = register_module("general", torch::nn::Linear(kDim, kDim));
+    }
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    input.emplace(x.getIntrusivePtr());
+    auto y = fast ? fast(x) : general(x);
+    y = torch::tanh(y) * 2.0;
+    node = y.grad_fn();
+    return y;
+  }
+  twobp::nn::Linear fast{nullptr};
+  torch::nn::Linear general{nullptr};
+  std::optional<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> input;
+  std::weak_ptr<torch::autograd::Node> node;
+};
+
+TEST(SplitLifetime, GraphAndStageInputAreFreedAfterW) {
+  Float64Default f;
+  for (bool fast_path : {true, false}) {
+    SCOPED_TRACE(fast_path ? "fast path" : "general path");
+    auto module = std::make_shared<Observed>(fast_path);
+    StageOptions o;
+    o.stage_index = 1;
+    o.num_stages = 3;
+    Stage stage(module, [&](const at::Tensor& x) { return module->forward(x); }, o);
+    stage.forward(0, torch::randn({2, kDim}));
+    ASSERT_TRUE(module->input.has_value());
+    EXPECT_FALSE(module->input->expired());
+    EXPECT_FALSE(module->node.expired());
+    stage.backward_input(0, torch::randn({2, kDim}));
+    stage.backward_weight({0});
+    EXPECT_TRUE(module->input->expired()) << "the stage input is still referenced after W";
+    EXPECT_TRUE(module->node.expired()) << "the micro-batch's autograd graph is still alive after W";
+    ASSERT_TRUE(module->parameters()[0].grad().defined());
+  }
+}
+
+TEST(StageParameters, EachTensorOnceByIdentity) {
+  RegisteredTwice twice(kDim);
+  EXPECT_EQ(twice.parameters().size(), 8u);
+  auto module = std::make_shared<RegisteredTwice>(kDim);
+  Stage stage(module, [&](const at::Tensor& x) { return module->forward(x); }, StageOptions{});
+  EXPECT_EQ(stage.parameters().size(), 4u);
+}
+
+}  // namespace
+}  // namespace twobp::testing

@@ -1,0 +1,261 @@
+#pragma once
+// Classes of modules the 2BP split must get exactly right (or reject on the first step), shared by the Stage
+// tests (tests/autograd) and the pipeline tests (tests/runtime). Each class is a [batch, seq, dim] -> same-shape
+// module, so any number of them can be chained into a pipeline; each mixes fast-path (twobp::nn) and general-path
+// (torch::nn) layers so both halves of the split meet the pattern.
+//
+// A module may expose `extras()`: tensors that are not parameters of the module but whose values must equal the
+// reference's too (gradients of unregistered leaves, a retained gradient, what a hook saw).
+
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/torch.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "twobp/nn.h"
+
+namespace twobp::testing {
+
+/// A module whose extras() are compared with the reference's after a run.
+struct CaseModule : torch::nn::Module {
+  virtual torch::Tensor forward(const torch::Tensor& x) = 0;
+  virtual std::vector<torch::Tensor> extras() { return {}; }
+};
+
+/// The same submodule registered under two names: Module::parameters() lists its tensors twice.
+struct RegisteredTwice : CaseModule {
+  explicit RegisteredTwice(int64_t dim) {
+    fast = register_module("fast", twobp::nn::Linear(dim, dim));
+    register_module("fast_again", fast.ptr());
+    general = register_module("general", torch::nn::Linear(dim, dim));
+    register_module("general_again", general.ptr());
+  }
+  torch::Tensor forward(const torch::Tensor& x) override { return general(torch::tanh(fast(x))) + x; }
+  twobp::nn::Linear fast{nullptr};
+  torch::nn::Linear general{nullptr};
+};
+
+/// Frozen parameters (requires_grad false) on both paths: whole fast layers, a fast layer with only its bias
+/// trainable, a frozen RMSNorm scale, a general layer with a frozen weight. Their .grad must stay undefined.
+struct Frozen : CaseModule {
+  explicit Frozen(int64_t dim) {
+    fast_frozen = register_module("fast_frozen", twobp::nn::Linear(dim, dim));
+    fast_bias_only = register_module("fast_bias_only", twobp::nn::Linear(dim, dim));
+    norm = register_module("norm", twobp::nn::RMSNorm(dim));
+    general = register_module("general", torch::nn::Linear(dim, dim));
+    fast_frozen->weight.set_requires_grad(false);
+    fast_frozen->bias.set_requires_grad(false);
+    fast_bias_only->weight.set_requires_grad(false);
+    norm->weight.set_requires_grad(false);
+    general->weight.set_requires_grad(false);
+  }
+  torch::Tensor forward(const torch::Tensor& x) override {
+    auto h = norm(torch::tanh(fast_frozen(x)));
+    return general(fast_bias_only(h)) + x;
+  }
+  twobp::nn::Linear fast_frozen{nullptr}, fast_bias_only{nullptr};
+  twobp::nn::RMSNorm norm{nullptr};
+  torch::nn::Linear general{nullptr};
+};
+
+/// Layers whose input depends on parameters only (a learned query): fast Linear and RMSNorm, and a general Linear.
+struct ParameterOnlyInput : CaseModule {
+  explicit ParameterOnlyInput(int64_t dim) {
+    query = register_parameter("query", torch::randn({1, 1, dim}));
+    norm = register_module("norm", twobp::nn::RMSNorm(dim));
+    proj = register_module("proj", twobp::nn::Linear(dim, dim));
+    general = register_module("general", torch::nn::Linear(dim, dim));
+    fc = register_module("fc", twobp::nn::Linear(dim, dim));
+  }
+  torch::Tensor forward(const torch::Tensor& x) override {
+    auto q = query.expand({x.size(0), x.size(1), x.size(2)});
+    return fc(x) * torch::sigmoid(proj(norm(q))) + general(q);
+  }
+  torch::Tensor query;
+  twobp::nn::RMSNorm norm{nullptr};
+  twobp::nn::Linear proj{nullptr}, fc{nullptr};
+  torch::nn::Linear general{nullptr};
+};
+
+/// Records, per call, the sum of the gradient a post-accumulate-grad hook saw in .grad.
+struct RecordingPostAccumulateHook : torch::autograd::PostAccumulateGradHook {
+  explicit RecordingPostAccumulateHook(std::shared_ptr<std::vector<double>> seen) : seen(std::move(seen)) {}
+  void operator()(const torch::autograd::Variable& tensor) override {
+    seen->push_back(tensor.grad().sum().item<double>());
+  }
+  std::shared_ptr<std::vector<double>> seen;
+};
+
+/// Hooks the split must run exactly as often as loss.backward(): a tensor hook and retain_grad() on the output
+/// of a weight-bearing node (the split's frontier), a tensor hook on a weight-side intermediate, a gradient hook
+/// on a general-path parameter and a post-accumulate-grad hook on another.
+struct Hooked : CaseModule {
+  explicit Hooked(int64_t dim) {
+    scale = register_parameter("scale", torch::randn({dim}));
+    shift = register_parameter("shift", torch::randn({dim}));
+    fast = register_module("fast", twobp::nn::Linear(dim, dim));
+    general = register_module("general", torch::nn::Linear(dim, dim));
+    scale.register_hook([](const torch::Tensor& g) { return g * 0.5; });
+    torch::autograd::impl::set_post_acc_grad_hooks(general->weight,
+                                                   std::make_unique<RecordingPostAccumulateHook>(post_accumulate));
+  }
+  torch::Tensor forward(const torch::Tensor& x) override {
+    auto h = fast(x) * scale;  // MulBackward with an edge to `scale`: a frontier node
+    h.register_hook([](const torch::Tensor& g) { return g * 2.0; });
+    h.retain_grad();
+    retained = h;
+    auto s = shift * 3.0;  // weight side only
+    s.register_hook([](const torch::Tensor& g) { return g + 1.0; });
+    return general(torch::tanh(h)) + s + x;
+  }
+  // The hook's call count and the last .grad it saw (intermediate values depend on the order W visits
+  // micro-batches in, which a schedule may choose freely).
+  std::vector<torch::Tensor> extras() override {
+    return {retained.grad(), torch::tensor({static_cast<double>(post_accumulate->size()),
+                                            post_accumulate->empty() ? 0.0 : post_accumulate->back()},
+                                           torch::kDouble)};
+  }
+  torch::Tensor scale, shift, retained;
+  twobp::nn::Linear fast{nullptr};
+  torch::nn::Linear general{nullptr};
+  std::shared_ptr<std::vector<double>> post_accumulate = std::make_shared<std::vector<double>>();
+};
+
+/// In-place updates of views that 2BP handles: a constant factor on a view of an activation, and an in-place
+/// update of a view of a weight-side tensor (whole CopySlices on the weight side).
+struct InPlaceViews : CaseModule {
+  explicit InPlaceViews(int64_t dim) {
+    scale = register_parameter("scale", torch::randn({dim}));
+    general = register_module("general", torch::nn::Linear(dim, dim));
+    fast = register_module("fast", twobp::nn::Linear(dim, dim));
+  }
+  torch::Tensor forward(const torch::Tensor& x) override {
+    auto h = general(x);
+    h.narrow(-1, 0, 2).mul_(3.0);
+    auto w = scale * 1.0;
+    w.narrow(0, 0, 2).mul_(2.0 + torch::tanh(scale.narrow(0, 2, 2)));
+    return fast(h * w) + x;
+  }
+  torch::Tensor scale;
+  torch::nn::Linear general{nullptr};
+  twobp::nn::Linear fast{nullptr};
+};
+
+/// Trainable leaves the forward uses without registering them: a free tensor and another module's parameters.
+struct UnregisteredLeaves : CaseModule {
+  explicit UnregisteredLeaves(int64_t dim)
+      : free_leaf(torch::randn({dim}).requires_grad_(true)), other(torch::nn::Linear(dim, dim)) {
+    fast = register_module("fast", twobp::nn::Linear(dim, dim));
+  }
+  torch::Tensor forward(const torch::Tensor& x) override { return fast(other(x) * free_leaf) + x; }
+  std::vector<torch::Tensor> extras() override {
+    return {free_leaf.grad(), other->weight.grad(), other->bias.grad()};
+  }
+  torch::Tensor free_leaf;
+  torch::nn::Linear other;
+  twobp::nn::Linear fast{nullptr};
+};
+
+/// Dropout on the general path with an explicit generator (so that pipeline ranks on threads draw the same masks
+/// as the reference: each chunk draws in micro-batch order from its own generator).
+struct Dropped : CaseModule {
+  explicit Dropped(int64_t dim) : generator(at::detail::createCPUGenerator(99)) {
+    general = register_module("general", torch::nn::Linear(dim, dim));
+    fast = register_module("fast", twobp::nn::Linear(dim, dim));
+  }
+  torch::Tensor forward(const torch::Tensor& x) override {
+    auto h = general(x);
+    auto keep = at::bernoulli(torch::full_like(h, 0.7), generator);
+    return fast(h * keep / 0.7) + x;
+  }
+  at::Generator generator;
+  torch::nn::Linear general{nullptr};
+  twobp::nn::Linear fast{nullptr};
+};
+
+/// In-place update of a view of an activation with a parameter operand: a CopySlices node on the split's frontier
+/// (its edges and its wrapped function's are cut alike).
+struct InPlaceViewWithParameter : CaseModule {
+  explicit InPlaceViewWithParameter(int64_t dim) {
+    scale = register_parameter("scale", torch::randn({2}));
+    general = register_module("general", torch::nn::Linear(dim, dim));
+  }
+  torch::Tensor forward(const torch::Tensor& x) override {
+    auto h = general(x);
+    h.narrow(-1, 0, 2).mul_(scale);
+    return h + x;
+  }
+  torch::Tensor scale;
+  torch::nn::Linear general{nullptr};
+};
+
+/// A named factory of one class.
+struct ModuleClass {
+  std::string name;
+  std::function<std::shared_ptr<CaseModule>(int64_t dim)> make;
+};
+
+/// The classes the split supports exactly (rejected ones have their own tests).
+inline std::vector<ModuleClass> supported_module_classes() {
+  return {
+      {"RegisteredTwice", [](int64_t d) { return std::make_shared<RegisteredTwice>(d); }},
+      {"Frozen", [](int64_t d) { return std::make_shared<Frozen>(d); }},
+      {"ParameterOnlyInput", [](int64_t d) { return std::make_shared<ParameterOnlyInput>(d); }},
+      {"Hooked", [](int64_t d) { return std::make_shared<Hooked>(d); }},
+      {"InPlaceViews", [](int64_t d) { return std::make_shared<InPlaceViews>(d); }},
+      {"InPlaceViewWithParameter", [](int64_t d) { return std::make_shared<InPlaceViewWithParameter>(d); }},
+      {"UnregisteredLeaves", [](int64_t d) { return std::make_shared<UnregisteredLeaves>(d); }},
+      {"Dropped", [](int64_t d) { return std::make_shared<Dropped>(d); }},
+  };
+}
+
+/// A gradient hook on a fast-path parameter: fast layers cannot run it (rejected in both modes).
+struct FastParameterHook : CaseModule {
+  explicit FastParameterHook(int64_t dim) {
+    fast = register_module("fast", twobp::nn::Linear(dim, dim));
+    fast->weight.register_hook([](const torch::Tensor& g) { return g * 2.0; });
+  }
+  torch::Tensor forward(const torch::Tensor& x) override { return fast(x) + x; }
+  twobp::nn::Linear fast{nullptr};
+};
+
+/// Every parameter's .grad (defined vs undefined, then values), every buffer, and the extras of `got` against
+/// `ref`, to `tol` relative to max(1, |ref|). Returns a description of the first mismatch, empty when equal.
+inline std::string compare_modules(CaseModule& got, CaseModule& ref, double tol) {
+  auto close = [&](const torch::Tensor& a, const torch::Tensor& b, const std::string& what) -> std::string {
+    if (a.defined() != b.defined()) {
+      return what + (b.defined() ? " is undefined, reference has a value" : " is defined, reference has none");
+    }
+    if (!a.defined()) return "";
+    if (a.sizes() != b.sizes()) return what + ": shape differs";
+    const double err = (a - b).abs().max().item<double>();
+    const double scale = std::max(1.0, b.abs().max().item<double>());
+    return err / scale <= tol ? "" : what + ": max abs error " + std::to_string(err);
+  };
+  auto ref_params = ref.named_parameters();
+  auto got_params = got.named_parameters();
+  if (ref_params.size() != got_params.size()) return "parameter lists differ";
+  for (const auto& item : ref_params) {
+    auto r = close(got_params[item.key()].grad(), item.value().grad(), "grad of " + item.key());
+    if (!r.empty()) return r;
+  }
+  auto ref_buffers = ref.named_buffers();
+  auto got_buffers = got.named_buffers();
+  for (const auto& item : ref_buffers) {
+    auto r = close(got_buffers[item.key()], item.value(), "buffer " + item.key());
+    if (!r.empty()) return r;
+  }
+  auto re = ref.extras(), ge = got.extras();
+  if (re.size() != ge.size()) return "extras differ in number";
+  for (std::size_t i = 0; i < re.size(); ++i) {
+    auto r = close(ge[i], re[i], "extra " + std::to_string(i));
+    if (!r.empty()) return r;
+  }
+  return "";
+}
+
+}  // namespace twobp::testing

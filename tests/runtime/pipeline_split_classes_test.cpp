@@ -1,0 +1,291 @@
+// The module classes of tests/common/split_cases.h through the pipeline (ranks as threads, Local transport) on
+// 1f1b, zb-h1 and zb-v, standard and 2BP, float64, two steps without zero_grad: every stage's .grad (defined vs
+// undefined, values), buffers and extras equal a single-process loss.backward() reference. Also: gradient norms
+// and clipping count a tensor once however many names it has.
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <exception>
+#include <thread>
+
+#include "common/split_cases.h"
+#include "common/test_models.h"
+#include "twobp/runtime/pipeline.h"
+#include "twobp/transport/local.h"
+
+namespace twobp::testing {
+namespace {
+
+constexpr int64_t kDim = 4;
+constexpr int64_t kSeq = 3;
+constexpr int64_t kMbs = 2;  // micro-batch size
+constexpr int kRanks = 2;
+constexpr int kMicroBatches = 4;
+constexpr int kSteps = 2;
+
+torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& target) { return (out - target).pow(2).mean(); }
+
+using ChunkFactory = std::function<std::shared_ptr<CaseModule>(int stage)>;
+
+// Chunks are built in stage order from per-stage seeds, on the calling thread, for the pipeline and the reference
+// alike.
+std::shared_ptr<CaseModule> build(const ChunkFactory& make, int s) {
+  torch::manual_seed(100 + s);
+  return make(s);
+}
+
+struct PipelineRun {
+  std::vector<std::shared_ptr<CaseModule>> chunks;  // by stage
+  std::vector<std::vector<double>> losses;          // by step, on the last stage's rank
+  std::vector<std::exception_ptr> errors;           // by rank
+  std::vector<double> norms;                        // by rank, from check_gradients after the last step
+};
+
+PipelineRun run_pipeline(const Schedule& schedule, const ChunkFactory& make, const torch::Tensor& inputs,
+                         const torch::Tensor& targets, PipelineOptions options,
+                         std::function<void(Pipeline&)> after_steps = nullptr) {
+  PipelineRun run;
+  run.chunks.resize(schedule.num_stages);
+  for (int s = 0; s < schedule.num_stages; ++s) run.chunks[s] = build(make, s);
+  auto transports = make_local_transports(schedule.num_ranks);
+  std::vector<std::unique_ptr<Pipeline>> pipelines;
+  for (int r = 0; r < schedule.num_ranks; ++r) {
+    std::vector<PipelineChunk> chunks;
+    for (int s : schedule.stages_of(r)) {
+      auto* raw = run.chunks[s].get();
+      chunks.push_back({s, run.chunks[s], [raw](const at::Tensor& x) { return raw->forward(x); }});
+    }
+    pipelines.push_back(std::make_unique<Pipeline>(schedule, std::move(chunks),
+                                                   std::shared_ptr<Transport>(std::move(transports[r])), options));
+  }
+  run.errors.resize(schedule.num_ranks);
+  run.norms.resize(schedule.num_ranks);
+  run.losses.resize(kSteps);
+  const int last_rank = schedule.stage_to_rank.back();
+  std::vector<std::thread> threads;
+  for (int r = 0; r < schedule.num_ranks; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        for (int step = 0; step < kSteps; ++step) {
+          auto result = pipelines[r]->step(inputs, targets);
+          if (r == last_rank) run.losses[step] = result.losses;
+        }
+        if (after_steps) after_steps(*pipelines[r]);
+      } catch (...) {
+        run.errors[r] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return run;
+}
+
+struct Reference {
+  std::vector<std::shared_ptr<CaseModule>> chunks;
+  std::vector<std::vector<double>> losses;
+};
+
+Reference run_reference(int stages, const ChunkFactory& make, const torch::Tensor& inputs,
+                        const torch::Tensor& targets) {
+  Reference ref;
+  for (int s = 0; s < stages; ++s) ref.chunks.push_back(build(make, s));
+  auto xs = inputs.split(kMbs), ys = targets.split(kMbs);
+  for (int step = 0; step < kSteps; ++step) {
+    ref.losses.emplace_back();
+    for (int mb = 0; mb < kMicroBatches; ++mb) {
+      torch::Tensor h = xs[mb];
+      for (auto& chunk : ref.chunks) h = chunk->forward(h);
+      auto loss = mse(h, ys[mb]);
+      (loss / kMicroBatches).backward();
+      ref.losses.back().push_back(loss.item<double>());
+    }
+  }
+  return ref;
+}
+
+Schedule schedule_for(const std::string& name, BackwardMode mode) {
+  ScheduleOptions so;
+  so.ranks = kRanks;
+  so.micro_batches = kMicroBatches;
+  so.chunks_per_rank = name == "zb-v" ? 2 : 1;
+  so.backward = mode;
+  return make_schedule(name, so);
+}
+
+PipelineOptions options() {
+  PipelineOptions o;
+  o.timeout = std::chrono::seconds(60);
+  o.loss = mse;
+  o.activation_spec = [](int) { return TensorSpec{{kMbs, kSeq, kDim}, at::kDouble}; };
+  return o;
+}
+
+void rethrow_any(const PipelineRun& run) {
+  for (const auto& e : run.errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
+
+void expect_parity(const std::string& schedule_name, BackwardMode mode, const ChunkFactory& make) {
+  const Schedule schedule = schedule_for(schedule_name, mode);
+  torch::manual_seed(1);
+  auto inputs = torch::randn({kMicroBatches * kMbs, kSeq, kDim});
+  auto targets = torch::randn({kMicroBatches * kMbs, kSeq, kDim});
+  Reference ref = run_reference(schedule.num_stages, make, inputs, targets);
+  PipelineRun run = run_pipeline(schedule, make, inputs, targets, options());
+  rethrow_any(run);
+  for (int step = 0; step < kSteps; ++step) {
+    ASSERT_EQ(run.losses[step].size(), static_cast<std::size_t>(kMicroBatches));
+    for (int mb = 0; mb < kMicroBatches; ++mb) {
+      EXPECT_NEAR(run.losses[step][mb], ref.losses[step][mb], 1e-12) << "step " << step << " micro-batch " << mb;
+    }
+  }
+  for (int s = 0; s < schedule.num_stages; ++s) {
+    const std::string mismatch = compare_modules(*run.chunks[s], *ref.chunks[s], 1e-10);
+    EXPECT_TRUE(mismatch.empty()) << "stage " << s << ": " << mismatch;
+  }
+}
+
+struct ParityCase {
+  ModuleClass cls;
+  std::string schedule;
+  BackwardMode mode;
+};
+
+class ModuleClassParity : public ::testing::TestWithParam<ParityCase> {
+ protected:
+  Float64Default float64_;
+};
+
+TEST_P(ModuleClassParity, GradientsBuffersAndExtrasMatchLossBackward) {
+  const auto& c = GetParam();
+  expect_parity(c.schedule, c.mode, [&](int) { return c.cls.make(kDim); });
+}
+
+const char* const kSchedules[] = {"1f1b", "zb-h1", "zb-v"};
+
+std::string mode_name(BackwardMode m) { return m == BackwardMode::kSplit ? "2bp" : "standard"; }
+
+std::string test_name(const std::string& a, const std::string& schedule, BackwardMode m) {
+  std::string n = a + "_" + schedule + "_" + mode_name(m);
+  for (auto& ch : n) {
+    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+  }
+  return n;
+}
+
+std::vector<ParityCase> parity_cases() {
+  std::vector<ParityCase> out;
+  for (const auto& cls : supported_module_classes()) {
+    for (const char* s : kSchedules) {
+      for (BackwardMode m : {BackwardMode::kStandard, BackwardMode::kSplit}) out.push_back({cls, s, m});
+    }
+  }
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Classes, ModuleClassParity, ::testing::ValuesIn(parity_cases()), [](const auto& info) {
+  return test_name(info.param.cls.name, info.param.schedule, info.param.mode);
+});
+
+struct ScheduleMode {
+  std::string schedule;
+  BackwardMode mode;
+};
+
+class PipelineSplitCases : public ::testing::TestWithParam<ScheduleMode> {
+ protected:
+  Float64Default float64_;
+};
+
+/// Every class in one pipeline, one after the other (stage s runs class s mod #classes).
+TEST_P(PipelineSplitCases, MixedClassesInOnePipeline) {
+  const auto classes = supported_module_classes();
+  expect_parity(GetParam().schedule, GetParam().mode,
+                [&](int s) { return classes[(s + 3) % classes.size()].make(kDim); });
+}
+
+/// A first stage whose fast Embedding feeds general layers; later stages of the other classes.
+struct EmbeddingFirst : CaseModule {
+  EmbeddingFirst() {
+    embed = register_module("embed", twobp::nn::Embedding(11, kDim));
+    general = register_module("general", torch::nn::Linear(kDim, kDim));
+  }
+  torch::Tensor forward(const torch::Tensor& x) override {
+    return general(embed(x.select(-1, 0).abs().mul(3).floor().clamp_max(10).to(torch::kLong)));
+  }
+  twobp::nn::Embedding embed{nullptr};
+  torch::nn::Linear general{nullptr};
+};
+
+TEST_P(PipelineSplitCases, FastEmbeddingFirstStageFeedingGeneralLayers) {
+  const auto classes = supported_module_classes();
+  expect_parity(GetParam().schedule, GetParam().mode, [&](int s) -> std::shared_ptr<CaseModule> {
+    if (s == 0) return std::make_shared<EmbeddingFirst>();
+    return classes[s % classes.size()].make(kDim);
+  });
+}
+
+std::vector<ScheduleMode> schedule_modes() {
+  std::vector<ScheduleMode> out;
+  for (const char* s : kSchedules) {
+    for (BackwardMode m : {BackwardMode::kStandard, BackwardMode::kSplit}) out.push_back({s, m});
+  }
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Schedules, PipelineSplitCases, ::testing::ValuesIn(schedule_modes()),
+                         [](const auto& info) { return test_name("", info.param.schedule, info.param.mode); });
+
+/// Norms and clipping see each tensor once: a submodule registered twice in every chunk, and on zb-v one weight
+/// tied between the first and the last stage, which share rank 0.
+TEST(PipelineGradientNorm, CountsEachTensorOnceAndClipsItOnce) {
+  Float64Default f;
+  for (const char* name : {"1f1b", "zb-v"}) {
+    SCOPED_TRACE(name);
+    const Schedule schedule = schedule_for(name, BackwardMode::kSplit);
+    const int last = schedule.num_stages - 1;
+    // Where stage 0 and the last stage share a rank, they share one weight (created once per build of the
+    // pipeline or of the reference). Across ranks a tie would be two tensors, one per process.
+    const bool tie = schedule.stage_to_rank[0] == schedule.stage_to_rank[last];
+    std::shared_ptr<RegisteredTwice> first;
+    ChunkFactory make = [&](int s) {
+      auto m = std::make_shared<RegisteredTwice>(kDim);
+      if (s == 0) first = m;
+      if (s == last && tie) m->fast->tie_weight(first->fast->weight);
+      return m;
+    };
+    torch::manual_seed(1);
+    auto inputs = torch::randn({kMicroBatches * kMbs, kSeq, kDim});
+    auto targets = torch::randn({kMicroBatches * kMbs, kSeq, kDim});
+    Reference ref = run_reference(schedule.num_stages, make, inputs, targets);
+    double ref_sq = 0.0;
+    std::vector<torch::Tensor> ref_params;
+    for (auto& c : ref.chunks) {
+      for (auto& p : c->parameters()) ref_params.push_back(p);
+    }
+    ref_params = unique_tensors(ref_params);
+    for (auto& p : ref_params) ref_sq += p.grad().pow(2).sum().item<double>();
+    const double ref_norm = std::sqrt(ref_sq);
+    const double max_norm = ref_norm / 4;
+
+    std::vector<double> clipped_norms(kRanks);
+    PipelineRun run = run_pipeline(schedule, make, inputs, targets, options(), [&](Pipeline& p) {
+      clipped_norms[p.rank()] = p.clip_grad_norm(max_norm);
+    });
+    rethrow_any(run);
+    for (int r = 0; r < kRanks; ++r) EXPECT_NEAR(clipped_norms[r], ref_norm, 1e-9 * ref_norm) << "rank " << r;
+    const double factor = max_norm / (ref_norm + 1e-6);
+    for (int s = 0; s < schedule.num_stages; ++s) {
+      for (const auto& item : ref.chunks[s]->named_parameters()) {
+        const auto& got = run.chunks[s]->named_parameters()[item.key()].grad();
+        EXPECT_LE((got - item.value().grad() * factor).abs().max().item<double>(), 1e-10)
+            << "stage " << s << " " << item.key() << " is not clipped exactly once";
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace twobp::testing
