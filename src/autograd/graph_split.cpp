@@ -261,7 +261,8 @@ void run_weight_backward(SplitPlan& plan) {
       // The engine's result may alias a tensor someone else holds (a captured root gradient passed through an
       // identity node); only a gradient nothing else references may become .grad without a copy. Same test as
       // autograd's own AccumulateGrad, extended to the transposed views matrix products return.
-      const bool fresh = g.use_count() == 1 &&
+      // Sparse gradients (an Embedding with sparse=true) have no storage to ask; they are copied.
+      const bool fresh = g.layout() == at::kStrided && g.use_count() == 1 &&
                          (g.is_view() ? g._base().use_count() == 1 && g.storage().use_count() == 2
                                       : g.storage().use_count() == 1);
       autograd::accumulate_grad(plan.leaves[i], g, fresh);

@@ -141,6 +141,8 @@ void accumulate_grad(const at::Tensor& param, const at::Tensor& grad, bool fresh
     // A fresh result becomes .grad as it is, whatever its strides (a matrix product's transposed view): copying
     // it into a contiguous tensor costs as much as a small GEMM. Later accumulations add into it in place.
     slot = fresh ? grad.to(param.scalar_type()) : grad.to(param.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+  } else if (slot.is_sparse() && !grad.is_sparse()) {
+    slot = grad + slot;  // a sparse .grad cannot absorb a dense gradient in place (AccumulateGrad does the same)
   } else {
     slot.add_(grad);
   }

@@ -158,7 +158,9 @@ GradientCheck Pipeline::check_gradients() {
     bool bad = false;
     for (const auto& p : stage_ptr->parameters()) {
       if (!p.grad().defined() || !counted.insert(p.unsafeGetTensorImpl()).second) continue;
-      const double sq = p.grad().to(at::kDouble).pow(2).sum().item<double>();
+      // A sparse gradient may hold one index several times: coalesce (sum duplicates) before squaring.
+      const at::Tensor g = p.grad().is_sparse() ? p.grad().coalesce() : p.grad();
+      const double sq = g.to(at::kDouble).pow(2).sum().item<double>();
       if (!std::isfinite(sq)) bad = true;
       local[0] += sq;
     }

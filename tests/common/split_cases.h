@@ -193,6 +193,41 @@ struct InPlaceViewWithParameter : CaseModule {
   torch::nn::Linear general{nullptr};
 };
 
+/// Several ordinary LibTorch modules with multi-output nodes and saved state: LSTM, multi-head attention, GRU cell
+/// style gating, LayerNorm, and an Embedding with sparse gradients indexed by ids derived from the activation.
+struct TorchZoo : CaseModule {
+  explicit TorchZoo(int64_t dim) {
+    lstm = register_module("lstm", torch::nn::LSTM(torch::nn::LSTMOptions(dim, dim).batch_first(true)));
+    attn = register_module("attn", torch::nn::MultiheadAttention(torch::nn::MultiheadAttentionOptions(dim, 2)));
+    norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim})));
+    table = register_module("table", torch::nn::Embedding(torch::nn::EmbeddingOptions(7, dim).sparse(true)));
+    fast = register_module("fast", twobp::nn::Linear(dim, dim));
+  }
+  torch::Tensor forward(const torch::Tensor& x) override {
+    auto h = std::get<0>(lstm(x));
+    auto t = h.transpose(0, 1);  // [seq, batch, dim]
+    auto a = std::get<0>(attn(t, t, t)).transpose(0, 1);
+    auto ids = x.detach().select(-1, 0).abs().mul(3).floor().clamp_max(6).to(torch::kLong);
+    return fast(norm(a + h)) + table(ids) + x;
+  }
+  torch::nn::LSTM lstm{nullptr};
+  torch::nn::MultiheadAttention attn{nullptr};
+  torch::nn::LayerNorm norm{nullptr};
+  torch::nn::Embedding table{nullptr};
+  twobp::nn::Linear fast{nullptr};
+};
+
+/// One parameter used by a fast-path layer and by ordinary ops (its gradient comes from the store and from the
+/// autograd graph and must be the sum), and a fast layer applied twice.
+struct SharedAcrossPaths : CaseModule {
+  explicit SharedAcrossPaths(int64_t dim) { fc = register_module("fc", twobp::nn::Linear(dim, dim)); }
+  torch::Tensor forward(const torch::Tensor& x) override {
+    auto h = fc(torch::tanh(fc(x)));
+    return h + torch::matmul(x, fc->weight.t()) * fc->bias.sum();
+  }
+  twobp::nn::Linear fc{nullptr};
+};
+
 /// A named factory of one class.
 struct ModuleClass {
   std::string name;
@@ -210,6 +245,8 @@ inline std::vector<ModuleClass> supported_module_classes() {
       {"InPlaceViewWithParameter", [](int64_t d) { return std::make_shared<InPlaceViewWithParameter>(d); }},
       {"UnregisteredLeaves", [](int64_t d) { return std::make_shared<UnregisteredLeaves>(d); }},
       {"Dropped", [](int64_t d) { return std::make_shared<Dropped>(d); }},
+      {"TorchZoo", [](int64_t d) { return std::make_shared<TorchZoo>(d); }},
+      {"SharedAcrossPaths", [](int64_t d) { return std::make_shared<SharedAcrossPaths>(d); }},
   };
 }
 
@@ -226,11 +263,16 @@ struct FastParameterHook : CaseModule {
 /// Every parameter's .grad (defined vs undefined, then values), every buffer, and the extras of `got` against
 /// `ref`, to `tol` relative to max(1, |ref|). Returns a description of the first mismatch, empty when equal.
 inline std::string compare_modules(CaseModule& got, CaseModule& ref, double tol) {
-  auto close = [&](const torch::Tensor& a, const torch::Tensor& b, const std::string& what) -> std::string {
+  auto close = [&](torch::Tensor a, torch::Tensor b, const std::string& what) -> std::string {
     if (a.defined() != b.defined()) {
       return what + (b.defined() ? " is undefined, reference has a value" : " is defined, reference has none");
     }
     if (!a.defined()) return "";
+    if (a.is_sparse() != b.is_sparse()) return what + ": sparse layout differs from the reference's";
+    if (a.is_sparse()) {
+      a = a.to_dense();
+      b = b.to_dense();
+    }
     if (a.sizes() != b.sizes()) return what + ": shape differs";
     const double err = (a - b).abs().max().item<double>();
     const double scale = std::max(1.0, b.abs().max().item<double>());

@@ -1,5 +1,5 @@
 // The module classes of tests/common/split_cases.h through the pipeline (ranks as threads, Local transport) on
-// 1f1b, zb-h1 and zb-v, standard and 2BP, float64, two steps without zero_grad: every stage's .grad (defined vs
+// every built-in schedule, standard and 2BP, float64, two steps without zero_grad: every stage's .grad (defined vs
 // undefined, values), buffers and extras equal a single-process loss.backward() reference. Also: gradient norms
 // and clipping count a tensor once however many names it has.
 
@@ -108,7 +108,7 @@ Schedule schedule_for(const std::string& name, BackwardMode mode) {
   ScheduleOptions so;
   so.ranks = kRanks;
   so.micro_batches = kMicroBatches;
-  so.chunks_per_rank = name == "zb-v" ? 2 : 1;
+  so.chunks_per_rank = (name == "zb-v" || name == "interleaved-1f1b") ? 2 : 1;
   so.backward = mode;
   return make_schedule(name, so);
 }
@@ -163,7 +163,6 @@ TEST_P(ModuleClassParity, GradientsBuffersAndExtrasMatchLossBackward) {
   expect_parity(c.schedule, c.mode, [&](int) { return c.cls.make(kDim); });
 }
 
-const char* const kSchedules[] = {"1f1b", "zb-h1", "zb-v"};
 
 std::string mode_name(BackwardMode m) { return m == BackwardMode::kSplit ? "2bp" : "standard"; }
 
@@ -178,7 +177,7 @@ std::string test_name(const std::string& a, const std::string& schedule, Backwar
 std::vector<ParityCase> parity_cases() {
   std::vector<ParityCase> out;
   for (const auto& cls : supported_module_classes()) {
-    for (const char* s : kSchedules) {
+    for (const auto& s : builtin_schedule_names()) {
       for (BackwardMode m : {BackwardMode::kStandard, BackwardMode::kSplit}) out.push_back({cls, s, m});
     }
   }
@@ -229,7 +228,7 @@ TEST_P(PipelineSplitCases, FastEmbeddingFirstStageFeedingGeneralLayers) {
 
 std::vector<ScheduleMode> schedule_modes() {
   std::vector<ScheduleMode> out;
-  for (const char* s : kSchedules) {
+  for (const auto& s : builtin_schedule_names()) {
     for (BackwardMode m : {BackwardMode::kStandard, BackwardMode::kSplit}) out.push_back({s, m});
   }
   return out;
@@ -238,50 +237,55 @@ std::vector<ScheduleMode> schedule_modes() {
 INSTANTIATE_TEST_SUITE_P(Schedules, PipelineSplitCases, ::testing::ValuesIn(schedule_modes()),
                          [](const auto& info) { return test_name("", info.param.schedule, info.param.mode); });
 
+torch::Tensor dense(const torch::Tensor& t) { return t.is_sparse() ? t.to_dense() : t; }
+
 /// Norms and clipping see each tensor once: a submodule registered twice in every chunk, and on zb-v one weight
-/// tied between the first and the last stage, which share rank 0.
+/// tied between the first and the last stage, which share rank 0; sparse gradients (an Embedding with
+/// sparse=true) count each row once however many times it was looked up.
 TEST(PipelineGradientNorm, CountsEachTensorOnceAndClipsItOnce) {
   Float64Default f;
   for (const char* name : {"1f1b", "zb-v"}) {
-    SCOPED_TRACE(name);
-    const Schedule schedule = schedule_for(name, BackwardMode::kSplit);
-    const int last = schedule.num_stages - 1;
-    // Where stage 0 and the last stage share a rank, they share one weight (created once per build of the
-    // pipeline or of the reference). Across ranks a tie would be two tensors, one per process.
-    const bool tie = schedule.stage_to_rank[0] == schedule.stage_to_rank[last];
-    std::shared_ptr<RegisteredTwice> first;
-    ChunkFactory make = [&](int s) {
-      auto m = std::make_shared<RegisteredTwice>(kDim);
-      if (s == 0) first = m;
-      if (s == last && tie) m->fast->tie_weight(first->fast->weight);
-      return m;
-    };
-    torch::manual_seed(1);
-    auto inputs = torch::randn({kMicroBatches * kMbs, kSeq, kDim});
-    auto targets = torch::randn({kMicroBatches * kMbs, kSeq, kDim});
-    Reference ref = run_reference(schedule.num_stages, make, inputs, targets);
-    double ref_sq = 0.0;
-    std::vector<torch::Tensor> ref_params;
-    for (auto& c : ref.chunks) {
-      for (auto& p : c->parameters()) ref_params.push_back(p);
-    }
-    ref_params = unique_tensors(ref_params);
-    for (auto& p : ref_params) ref_sq += p.grad().pow(2).sum().item<double>();
-    const double ref_norm = std::sqrt(ref_sq);
-    const double max_norm = ref_norm / 4;
+    for (bool sparse : {false, true}) {
+      SCOPED_TRACE(std::string(name) + (sparse ? " with sparse gradients" : ""));
+      const Schedule schedule = schedule_for(name, BackwardMode::kSplit);
+      const int last = schedule.num_stages - 1;
+      // Where stage 0 and the last stage share a rank, they share one weight (created once per build of the
+      // pipeline or of the reference). Across ranks a tie would be two tensors, one per process.
+      const bool tie = schedule.stage_to_rank[0] == schedule.stage_to_rank[last];
+      std::shared_ptr<RegisteredTwice> first;
+      ChunkFactory make = [&](int s) -> std::shared_ptr<CaseModule> {
+        if (sparse && s % 2 == 1) return std::make_shared<TorchZoo>(kDim);
+        auto m = std::make_shared<RegisteredTwice>(kDim);
+        if (s == 0) first = m;
+        if (s == last && tie && first) m->fast->tie_weight(first->fast->weight);
+        return m;
+      };
+      torch::manual_seed(1);
+      auto inputs = torch::randn({kMicroBatches * kMbs, kSeq, kDim});
+      auto targets = torch::randn({kMicroBatches * kMbs, kSeq, kDim});
+      Reference ref = run_reference(schedule.num_stages, make, inputs, targets);
+      double ref_sq = 0.0;
+      std::vector<torch::Tensor> ref_params;
+      for (auto& c : ref.chunks) {
+        for (auto& p : c->parameters()) ref_params.push_back(p);
+      }
+      for (auto& p : unique_tensors(ref_params)) ref_sq += dense(p.grad()).pow(2).sum().item<double>();
+      const double ref_norm = std::sqrt(ref_sq);
+      const double max_norm = ref_norm / 4;
 
-    std::vector<double> clipped_norms(kRanks);
-    PipelineRun run = run_pipeline(schedule, make, inputs, targets, options(), [&](Pipeline& p) {
-      clipped_norms[p.rank()] = p.clip_grad_norm(max_norm);
-    });
-    rethrow_any(run);
-    for (int r = 0; r < kRanks; ++r) EXPECT_NEAR(clipped_norms[r], ref_norm, 1e-9 * ref_norm) << "rank " << r;
-    const double factor = max_norm / (ref_norm + 1e-6);
-    for (int s = 0; s < schedule.num_stages; ++s) {
-      for (const auto& item : ref.chunks[s]->named_parameters()) {
-        const auto& got = run.chunks[s]->named_parameters()[item.key()].grad();
-        EXPECT_LE((got - item.value().grad() * factor).abs().max().item<double>(), 1e-10)
-            << "stage " << s << " " << item.key() << " is not clipped exactly once";
+      std::vector<double> clipped_norms(kRanks);
+      PipelineRun run = run_pipeline(schedule, make, inputs, targets, options(), [&](Pipeline& p) {
+        clipped_norms[p.rank()] = p.clip_grad_norm(max_norm);
+      });
+      rethrow_any(run);
+      for (int r = 0; r < kRanks; ++r) EXPECT_NEAR(clipped_norms[r], ref_norm, 1e-9 * ref_norm) << "rank " << r;
+      const double factor = max_norm / (ref_norm + 1e-6);
+      for (int s = 0; s < schedule.num_stages; ++s) {
+        for (const auto& item : ref.chunks[s]->named_parameters()) {
+          const auto got = dense(run.chunks[s]->named_parameters()[item.key()].grad());
+          EXPECT_LE((got - dense(item.value().grad()) * factor).abs().max().item<double>(), 1e-10)
+              << "stage " << s << " " << item.key() << " is not clipped exactly once";
+        }
       }
     }
   }
