@@ -57,7 +57,8 @@ struct PipelineArgs {
   std::string mode = "both";
   int ranks = 2;
   int microbatches = 2;
-  int chunks_per_rank = 0;  // 0: 2 for interleaved-1f1b and zb-v, else 1
+  int chunks_per_rank = 0;  // 0: the schedule's default
+  std::string schedule_file;  // overrides --schedule; its own mode
   PipelineModelArgs model;  // --model and its dimensions
   int steps = 10;
   int warmup = 3;
@@ -159,17 +160,12 @@ std::vector<Trace> gather_traces(Transport& t, const Trace& mine, Duration timeo
   return out;
 }
 
-int chunks_for(const PipelineArgs& a, const std::string& schedule) {
-  if (a.chunks_per_rank > 0) return a.chunks_per_rank;
-  return (schedule == "interleaved-1f1b" || schedule == "zb-v") ? 2 : 1;
-}
 
 // Runs one configuration on this rank; every rank calls it with the same arguments, in the same order.
 RunResult run_config(Transport& transport, const PipelineArgs& a, const std::string& name, BackwardMode mode) {
   const Duration timeout{static_cast<int64_t>(a.timeout_s * 1000)};
   const int p = transport.world_size(), me = transport.rank();
-  ScheduleOptions so{p, a.microbatches, chunks_for(a, name), mode};
-  Schedule schedule = make_schedule(name, so);
+  Schedule schedule = resolve_schedule({name, a.schedule_file, a.chunks_per_rank}, p, a.microbatches, mode);
 
   std::vector<PipelineChunk> chunks = make_model_chunks(a.model, schedule, me);
   PipelineOptions options;
@@ -190,7 +186,7 @@ RunResult run_config(Transport& transport, const PipelineArgs& a, const std::str
   r.mode = mode;
   r.p = p;
   r.m = a.microbatches;
-  r.v = so.chunks_per_rank;
+  r.v = sched.num_stages / sched.num_ranks;
   r.comm_ms = measure_comm_ms(transport, act_shape, timeout);
 
   const int S = sched.num_stages;
@@ -392,10 +388,16 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
 
 void run_pipeline_bench(const PipelineArgs& a) {
   at::set_num_threads(a.threads);
-  std::vector<std::string> names = a.schedule == "all" ? builtin_schedule_names() : std::vector<std::string>{a.schedule};
+  std::vector<std::string> names = a.schedule == "all" ? schedule_names() : std::vector<std::string>{a.schedule};
   std::vector<BackwardMode> modes;
   if (a.mode != "2bp") modes.push_back(BackwardMode::kStandard);
   if (a.mode != "standard") modes.push_back(BackwardMode::kSplit);
+  if (!a.schedule_file.empty()) {
+    // The file fixes the schedule and its mode; ranks and micro-batches are checked against it when it is used.
+    const Schedule s = load_schedule_file(a.schedule_file);
+    names = {s.name};
+    modes = {s.backward};
+  }
 
   auto run_all = [&](Transport& t) {
     std::vector<RunResult> results;
@@ -446,17 +448,21 @@ void run_pipeline_bench(const PipelineArgs& a) {
 void add_pipeline_command(CLI::App& app) {
   auto a = std::make_shared<PipelineArgs>();
   CLI::App* sub = app.add_subcommand("pipeline", "Throughput of pipelines, 2BP against standard backprop");
-  std::vector<std::string> schedules = builtin_schedule_names();
+  std::vector<std::string> schedules = schedule_names();
   schedules.push_back("all");
-  sub->add_option("--schedule", a->schedule, "Built-in schedule, or all")->check(CLI::IsMember(schedules))
+  sub->add_option("--schedule", a->schedule, "Registered schedule, or all")->check(CLI::IsMember(schedules))
       ->capture_default_str();
+  sub->add_option("--schedule-file", a->schedule_file,
+                  "Run this schedule (text form, see dump_schedule) instead; it keeps its own 2BP mode")
+      ->check(CLI::ExistingFile);
   sub->add_option("--mode", a->mode, "standard, 2bp or both")->check(CLI::IsMember({"standard", "2bp", "both"}))
       ->capture_default_str();
   sub->add_option("--ranks", a->ranks, "Ranks as threads (ignored under mpirun: one rank per process)")
       ->capture_default_str()->check(CLI::PositiveNumber);
   sub->add_option("--microbatches", a->microbatches, "Micro-batches per step")->capture_default_str()
       ->check(CLI::PositiveNumber);
-  sub->add_option("--chunks-per-rank", a->chunks_per_rank, "v (default: 2 for interleaved-1f1b and zb-v, else 1)");
+  sub->add_option("--chunks-per-rank", a->chunks_per_rank, "v (default: the schedule's: 2 for interleaved-1f1b and zb-v, "
+                  "else 1)");
   sub->add_option("--model", a->model.model, "llama (fast path), bert or resnet (general autograd-graph split)")
       ->check(CLI::IsMember(pipeline_model_names()))->capture_default_str();
   sub->add_option("--dim", a->model.dim, "Model width (llama, bert)")->capture_default_str();

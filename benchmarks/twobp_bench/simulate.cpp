@@ -55,8 +55,9 @@ struct SimulateArgs {
   int result = 0;
   int ranks = 4;
   int microbatches = 8;
-  int chunks_per_rank = 0;  // 0: 2 for interleaved-1f1b and zb-v, else 1 (as `pipeline`)
+  int chunks_per_rank = 0;  // 0: the schedule's default (as `pipeline`)
   std::string schedule = "all";
+  std::string schedule_file;  // overrides --schedule; its own ranks, micro-batches and mode
   std::string mode = "both";
   std::string json;
 };
@@ -235,8 +236,7 @@ struct Rejected {
 const char* mode_name(BackwardMode m) { return m == BackwardMode::kSplit ? "2bp" : "standard"; }
 
 int chunks_for(const SimulateArgs& a, const std::string& schedule) {
-  if (a.chunks_per_rank > 0) return a.chunks_per_rank;
-  return (schedule == "interleaved-1f1b" || schedule == "zb-v") ? 2 : 1;
+  return a.chunks_per_rank > 0 ? a.chunks_per_rank : schedule_info(schedule).default_chunks_per_rank;
 }
 
 double ms_since(std::chrono::steady_clock::time_point t0) {
@@ -245,27 +245,34 @@ double ms_since(std::chrono::steady_clock::time_point t0) {
 
 void run_simulate(const SimulateArgs& a) {
   const CostSource src = load_costs(a);
-  std::vector<std::string> names =
-      a.schedule == "all" ? builtin_schedule_names() : std::vector<std::string>{a.schedule};
+  std::vector<std::string> names = a.schedule == "all" ? schedule_names() : std::vector<std::string>{a.schedule};
   std::vector<BackwardMode> modes;
   if (a.mode != "2bp") modes.push_back(BackwardMode::kStandard);
   if (a.mode != "standard") modes.push_back(BackwardMode::kSplit);
+  Schedule from_file;
+  if (!a.schedule_file.empty()) {
+    from_file = load_schedule_file(a.schedule_file);
+    validate(from_file);
+    names = {from_file.name};
+    modes = {from_file.backward};
+  }
 
   const auto t_all = std::chrono::steady_clock::now();
   std::vector<SimRow> rows;
   std::vector<Rejected> rejected;
   for (const auto& name : names) {
-    const int v = chunks_for(a, name);
+    const int v = a.schedule_file.empty() ? chunks_for(a, name) : from_file.num_stages / from_file.num_ranks;
     for (BackwardMode mode : modes) {
       SimRow row;
       row.schedule = name;
       row.mode = mode;
-      row.p = a.ranks;
-      row.m = a.microbatches;
+      row.p = a.schedule_file.empty() ? a.ranks : from_file.num_ranks;
+      row.m = a.schedule_file.empty() ? a.microbatches : from_file.num_micro_batches;
       auto t0 = std::chrono::steady_clock::now();
       Schedule sched;
       try {
-        sched = make_schedule(name, ScheduleOptions{a.ranks, a.microbatches, v, mode});
+        sched = a.schedule_file.empty() ? make_schedule(name, ScheduleOptions{a.ranks, a.microbatches, v, mode})
+                                        : from_file;
       } catch (const std::exception& e) {
         std::string reason = e.what();
         reason = reason.substr(0, reason.find('\n'));  // validation errors append a grid
@@ -374,12 +381,17 @@ void add_simulate_command(CLI::App& app) {
   sub->add_option("--microbatches", a->microbatches, "m: micro-batches per step")->capture_default_str()
       ->check(CLI::Range(1, 256));
   sub->add_option("--chunks-per-rank", a->chunks_per_rank,
-                  "v for every schedule (default: 2 for interleaved-1f1b and zb-v, else 1); chunk cost = cost / v")
+                  "v for every schedule (default: the schedule's: 2 for interleaved-1f1b and zb-v, else 1); chunk "
+                  "cost = cost / v")
       ->check(CLI::Range(0, 16));
-  std::vector<std::string> schedules = builtin_schedule_names();
+  std::vector<std::string> schedules = schedule_names();
   schedules.push_back("all");
-  sub->add_option("--schedule", a->schedule, "Built-in schedule, or all")->check(CLI::IsMember(schedules))
+  sub->add_option("--schedule", a->schedule, "Registered schedule, or all")->check(CLI::IsMember(schedules))
       ->capture_default_str();
+  sub->add_option("--schedule-file", a->schedule_file,
+                  "Simulate this schedule (text form, see dump_schedule) instead; its ranks, micro-batches and mode "
+                  "win over --ranks, --microbatches and --mode")
+      ->check(CLI::ExistingFile);
   sub->add_option("--mode", a->mode, "standard, 2bp or both")->check(CLI::IsMember({"standard", "2bp", "both"}))
       ->capture_default_str();
   sub->add_option("--json", a->json, "Write {\"config\", \"results\": [...], \"rejected\": [...]} here");

@@ -78,7 +78,8 @@ struct Args {
   std::string trace;
   double timeout_s = 300;
   int stages = 2;
-  int chunks_per_rank = 1;
+  int chunks_per_rank = 0;  // 0: the schedule's default
+  std::string schedule_file;
   std::string partition;
   bool dry_run = false;
   std::string json;
@@ -103,18 +104,15 @@ Plan make_plan(const Args& args, int world_size) {
   plan.world_size = world_size;
   plan.config = llm::config_by_name(args.model);
   plan.seq_len = args.seq_len > 0 ? args.seq_len : plan.config.max_seq_len;
-  twobp::ScheduleOptions so;
-  so.ranks = world_size;
-  so.micro_batches = args.microbatches;
-  so.chunks_per_rank = args.chunks_per_rank;
-  so.backward = args.two_bp ? twobp::BackwardMode::kSplit : twobp::BackwardMode::kStandard;
-  plan.schedule = twobp::make_schedule(args.schedule, so);
+  plan.schedule = twobp::resolve_schedule({args.schedule, args.schedule_file, args.chunks_per_rank}, world_size,
+                                          args.microbatches,
+                                          args.two_bp ? twobp::BackwardMode::kSplit : twobp::BackwardMode::kStandard);
   plan.partition = llm::make_partition(plan.config, plan.schedule.num_stages, plan.seq_len, args.partition);
   plan.dtype = args.dtype == "bf16" ? at::kBFloat16 : at::kFloat;
   plan.checkpoint_config = {{"model", args.model},
                             {"stages", std::to_string(plan.schedule.num_stages)},
                             {"world_size", std::to_string(world_size)},
-                            {"schedule", args.schedule},
+                            {"schedule", plan.schedule.name},
                             {"partition", plan.partition.layout()},
                             {"dtype", args.dtype},
                             {"seed", std::to_string(args.seed)}};
@@ -148,11 +146,12 @@ void write_json(const std::string& path, const nlohmann::json& j) {
 nlohmann::json config_json(const Plan& p) {
   const Args& a = p.args;
   return {{"model", a.model},
-          {"schedule", a.schedule},
-          {"2bp", a.two_bp},
+          {"schedule", p.schedule.name},
+          {"schedule_file", a.schedule_file},
+          {"2bp", p.schedule.backward == twobp::BackwardMode::kSplit},
           {"world_size", p.world_size},
           {"num_stages", p.schedule.num_stages},
-          {"chunks_per_rank", a.chunks_per_rank},
+          {"chunks_per_rank", p.schedule.num_stages / p.world_size},
           {"partition", p.partition.layout()},
           {"microbatches", a.microbatches},
           {"micro_batch_size", a.micro_batch_size},
@@ -189,8 +188,8 @@ int dry_run(const Plan& p) {
       "bytes; memory_bytes = weights + grads + 2*weights (AdamW) + peak_live_micro_batches * max chunk activations";
   fmt::print("model {}: {} parameters ({:.3f} B), {} stages over {} ranks, schedule {} ({}), partition {} "
              "(imbalance {:.3f})\n",
-             cfg.name, llm::parameter_count(cfg), llm::parameter_count(cfg) / 1e9, S, p.world_size, p.args.schedule,
-             p.args.two_bp ? "2BP" : "fused backward", p.partition.layout(), p.partition.imbalance());
+             cfg.name, llm::parameter_count(cfg), llm::parameter_count(cfg) / 1e9, S, p.world_size, p.schedule.name,
+             p.schedule.backward == twobp::BackwardMode::kSplit ? "2BP" : "fused backward", p.partition.layout(), p.partition.imbalance());
   j["stages"] = nlohmann::json::array();
   for (int s = 0; s < S; ++s) {
     const auto& spec = p.partition.chunks[s];
@@ -351,9 +350,9 @@ void train_rank(const Plan& p, twobp::Transport& transport, c10::Device device, 
 
 void validate_args(const Args& a) {
   TWOBP_CHECK(a.microbatches >= 1 && a.micro_batch_size >= 1 && a.steps >= 1 && a.stages >= 1 &&
-                  a.chunks_per_rank >= 1,
-              twobp::UsageError, "--microbatches, --micro-batch-size, --steps, --stages and --chunks-per-rank must be "
-              "positive");
+                  a.chunks_per_rank >= 0,
+              twobp::UsageError, "--microbatches, --micro-batch-size, --steps and --stages must be positive, "
+              "--chunks-per-rank >= 0");
   TWOBP_CHECK(!a.resume || !a.checkpoint_dir.empty(), twobp::UsageError, "--resume needs --checkpoint-dir");
   TWOBP_CHECK(a.timeout_s > 0, twobp::UsageError, "--timeout must be positive");
 }
@@ -397,7 +396,8 @@ int run(Args args, int& argc, char**& argv) {
     fmt::print("llama_pipeline: model {} ({} parameters), {} ranks ({}), {} stages, schedule {} with {}, partition "
                "{}, {} micro-batches of {} x {} tokens, device {}, dtype {}\n",
                plan.config.name, llm::parameter_count(plan.config), world, mpi ? "MPI" : "threads",
-               plan.schedule.num_stages, args.schedule, args.two_bp ? "2BP" : "fused backward",
+               plan.schedule.num_stages, plan.schedule.name,
+               plan.schedule.backward == twobp::BackwardMode::kSplit ? "2BP" : "fused backward",
                plan.partition.layout(), args.microbatches, args.micro_batch_size, plan.seq_len, args.device,
                args.dtype);
   }
@@ -480,8 +480,10 @@ int main(int argc, char** argv) {
   // A repeated option takes its last value, so scripts can append overrides to a common command line.
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.add_option("--model", a.model, "Model configuration")->check(CLI::IsMember(llm::config_names()));
-  app.add_option("--schedule", a.schedule, "Pipeline schedule")
-      ->check(CLI::IsMember(twobp::builtin_schedule_names()));
+  app.add_option("--schedule", a.schedule, "Pipeline schedule")->check(CLI::IsMember(twobp::schedule_names()));
+  app.add_option("--schedule-file", a.schedule_file,
+                 "A schedule in twobp's text form (dump_schedule); overrides --schedule, keeps its own 2BP mode")
+      ->check(CLI::ExistingFile);
   app.add_flag("--2bp,!--no-2bp", a.two_bp, "Split the backward into I and W (2BP); --no-2bp: fused backward");
   app.add_option("--microbatches", a.microbatches, "Micro-batches per step");
   app.add_option("--micro-batch-size", a.micro_batch_size, "Sequences per micro-batch");
@@ -501,7 +503,8 @@ int main(int argc, char** argv) {
   app.add_option("--trace", a.trace, "Chrome trace of the last step");
   app.add_option("--timeout", a.timeout_s, "Seconds any wait may block before failing");
   app.add_option("--stages", a.stages, "Ranks as threads when not under an MPI launcher");
-  app.add_option("--chunks-per-rank", a.chunks_per_rank, "Model chunks per rank (interleaved and V schedules)");
+  app.add_option("--chunks-per-rank", a.chunks_per_rank,
+                 "Model chunks per rank (interleaved and V schedules; default: the schedule's)");
   app.add_option("--partition", a.partition, "Blocks per chunk, e.g. 3,3,2,0 (default: balanced by compute)");
   app.add_flag("--dry-run", a.dry_run, "Print sizes and memory estimates without allocating the model");
   app.add_option("--json", a.json, "Write the per-step losses (or the dry-run plan) as JSON");

@@ -7,6 +7,7 @@
 #include <deque>
 #include <functional>
 #include <map>
+#include <mutex>
 #include <utility>
 
 #include "twobp/schedule/schedule.h"
@@ -398,9 +399,9 @@ Schedule zb_v(const ScheduleOptions& o) {
 
 // ---- registry ----------------------------------------------------------------------------------------------------
 
-class BuiltinGenerator : public ScheduleGenerator {
+class FunctionGenerator : public ScheduleGenerator {
  public:
-  BuiltinGenerator(std::string name, std::function<Schedule(const ScheduleOptions&)> fn)
+  FunctionGenerator(std::string name, std::function<Schedule(const ScheduleOptions&)> fn)
       : name_(std::move(name)), fn_(std::move(fn)) {}
   std::string name() const override { return name_; }
   Schedule generate(const ScheduleOptions& options) const override { return fn_(options); }
@@ -410,21 +411,86 @@ class BuiltinGenerator : public ScheduleGenerator {
   std::function<Schedule(const ScheduleOptions&)> fn_;
 };
 
+ScheduleInfo builtin(std::string name, Schedule (*fn)(const ScheduleOptions&), int v, std::string summary) {
+  ScheduleInfo info;
+  info.name = name;
+  info.make = [name, fn] { return std::make_unique<FunctionGenerator>(name, fn); };
+  info.default_chunks_per_rank = v;
+  info.summary = std::move(summary);
+  return info;
+}
+
+// The single list of schedule names and their defaults: built-ins first, then register_schedule() additions.
+struct Registry {
+  std::mutex mutex;
+  std::vector<ScheduleInfo> entries;
+
+  Registry() {
+    entries.push_back(builtin("gpipe", gpipe, 1, "all F, then all B (or I, then one batched W)"));
+    entries.push_back(builtin("1f1b", one_f_one_b, 1, "one F one B after a warm-up of p - rank forwards"));
+    entries.push_back(builtin("interleaved-1f1b", interleaved, 2, "1F1B over v chunks per rank (m % p == 0)"));
+    entries.push_back(builtin("zb-h1", zb_h1, 1, "zero bubble H1: 1F1B memory, W fills the cool-down"));
+    entries.push_back(builtin("zb-h2", zb_h2, 1, "zero bubble H2: more warm-up forwards, no bubble"));
+    entries.push_back(builtin("zb-v", zb_v, 2, "zero bubble V: two chunks per rank in a V"));
+  }
+};
+
+Registry& registry() {
+  static Registry r;
+  return r;
+}
+
 }  // namespace
+
+void register_schedule(ScheduleInfo info) {
+  TWOBP_CHECK(!info.name.empty() && static_cast<bool>(info.make), UsageError,
+              "register_schedule: a schedule needs a name and a generator factory");
+  TWOBP_CHECK(info.default_chunks_per_rank >= 1, UsageError,
+              "register_schedule('{}'): default_chunks_per_rank must be >= 1, got {}", info.name,
+              info.default_chunks_per_rank);
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  for (const auto& e : r.entries) {
+    TWOBP_CHECK(e.name != info.name, UsageError, "register_schedule: a schedule named '{}' is already registered",
+                info.name);
+  }
+  r.entries.push_back(std::move(info));
+}
+
+std::vector<std::string> schedule_names() {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  std::vector<std::string> names;
+  for (const auto& e : r.entries) names.push_back(e.name);
+  return names;
+}
+
+ScheduleInfo schedule_info(std::string_view name) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  for (const auto& e : r.entries) {
+    if (e.name == name) return e;
+  }
+  std::vector<std::string> names;
+  for (const auto& e : r.entries) names.push_back(e.name);
+  detail::raise<UsageError>("unknown schedule '{}'; known schedules: {} (or load one from its text form with "
+                            "load_schedule / --schedule-file)",
+                            name, fmt::join(names, ", "));
+}
 
 std::vector<std::string> builtin_schedule_names() {
   return {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v"};
 }
 
-std::unique_ptr<ScheduleGenerator> make_schedule_generator(std::string_view name) {
-  if (name == "gpipe") return std::make_unique<BuiltinGenerator>("gpipe", gpipe);
-  if (name == "1f1b") return std::make_unique<BuiltinGenerator>("1f1b", one_f_one_b);
-  if (name == "interleaved-1f1b") return std::make_unique<BuiltinGenerator>("interleaved-1f1b", interleaved);
-  if (name == "zb-h1") return std::make_unique<BuiltinGenerator>("zb-h1", zb_h1);
-  if (name == "zb-h2") return std::make_unique<BuiltinGenerator>("zb-h2", zb_h2);
-  if (name == "zb-v") return std::make_unique<BuiltinGenerator>("zb-v", zb_v);
-  detail::raise<UsageError>("unknown schedule '{}'; known schedules: {}", name,
-                            fmt::join(builtin_schedule_names(), ", "));
+std::unique_ptr<ScheduleGenerator> make_schedule_generator(std::string_view name) { return schedule_info(name).make(); }
+
+ScheduleOptions default_schedule_options(std::string_view name, int ranks, int micro_batches, BackwardMode backward) {
+  ScheduleOptions o;
+  o.ranks = ranks;
+  o.micro_batches = micro_batches;
+  o.chunks_per_rank = schedule_info(name).default_chunks_per_rank;
+  o.backward = backward;
+  return o;
 }
 
 Schedule make_schedule(std::string_view name, const ScheduleOptions& options) {

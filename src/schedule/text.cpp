@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <fstream>
 #include <iterator>
 #include <map>
 #include <optional>
@@ -228,5 +229,33 @@ std::string dump_schedule(const Schedule& schedule) {
 }
 
 Schedule load_schedule(std::string_view text) { return Parser().parse(text); }
+
+Schedule load_schedule_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  TWOBP_CHECK(in.good(), IOError, "cannot read schedule file '{}'", path);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  try {
+    return load_schedule(text);
+  } catch (const ScheduleError& e) {
+    detail::raise<ScheduleError>("schedule file '{}': {}", path, e.what());
+  }
+}
+
+Schedule resolve_schedule(const ScheduleChoice& choice, int ranks, int micro_batches, BackwardMode backward) {
+  if (choice.file.empty()) {
+    ScheduleOptions o = default_schedule_options(choice.name, ranks, micro_batches, backward);
+    if (choice.chunks_per_rank > 0) o.chunks_per_rank = choice.chunks_per_rank;
+    return make_schedule(choice.name, o);
+  }
+  Schedule schedule = load_schedule_file(choice.file);
+  validate(schedule);
+  TWOBP_CHECK(schedule.num_ranks == ranks, UsageError,
+              "schedule file '{}' is for {} ranks, but the program runs {} ranks", choice.file, schedule.num_ranks,
+              ranks);
+  TWOBP_CHECK(schedule.num_micro_batches == micro_batches, UsageError,
+              "schedule file '{}' has {} micro-batches, but the program was asked for {} (--microbatches)",
+              choice.file, schedule.num_micro_batches, micro_batches);
+  return schedule;
+}
 
 }  // namespace twobp

@@ -14,6 +14,7 @@
 #include <string>
 
 #include "common/temp_files.h"
+#include "twobp/schedule/schedule.h"
 
 namespace {
 
@@ -89,6 +90,20 @@ TEST(LlamaPipeline, SchedulesAgree) {
   expect_close(reference, train("interleaved", "--schedule interleaved-1f1b --chunks-per-rank 2 --steps 2"), 1e-4,
                "interleaved-1f1b step ");
   expect_close(reference, train("zbv", "--schedule zb-v --chunks-per-rank 2 --steps 2"), 1e-4, "zb-v step ");
+}
+
+TEST(LlamaPipeline, ScheduleFileRunsLikeTheNamedSchedule) {
+  // A schedule in the text form (here zb-h1's own, as a user would start from `dump_schedule`) is run as it is.
+  const std::string path = work_dir() + "/zbh1.schedule";
+  std::ofstream(path) << twobp::dump_schedule(twobp::make_schedule(
+      "zb-h1", twobp::default_schedule_options("zb-h1", 2, 4, twobp::BackwardMode::kSplit)));
+  expect_close(train("zbh1_named", "--schedule zb-h1 --steps 2"),
+               train("zbh1_file", "--schedule-file " + path + " --steps 2"), 1e-12, "schedule file step ");
+  // A file for another number of micro-batches is refused before any step, naming the file.
+  const auto r = run(kBase + "--schedule-file " + path + " --microbatches 8 --steps 1");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("zbh1.schedule"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("asked for 8"), std::string::npos) << r.output;
 }
 
 TEST(LlamaPipeline, ResumeReproducesUninterruptedRun) {

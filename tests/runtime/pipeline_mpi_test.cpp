@@ -29,11 +29,7 @@ TEST_P(MpiPipelineParity, LossesAndGradientsMatchSingleProcess) {
   const Case c = GetParam();
   auto& env = *mpitest::g_mpi;
   const int p = env.world_size(), me = env.rank(), m = c.m_factor * p;
-  ScheduleOptions so;
-  so.ranks = p;
-  so.micro_batches = m;
-  so.chunks_per_rank = (c.schedule == "interleaved-1f1b" || c.schedule == "zb-v") ? 2 : 1;
-  so.backward = c.mode;
+  const ScheduleOptions so = default_schedule_options(c.schedule, p, m, c.mode);
   Schedule schedule;
   try {
     schedule = make_schedule(c.schedule, so);

@@ -105,12 +105,7 @@ Reference run_reference(int stages, const ChunkFactory& make, const torch::Tenso
 }
 
 Schedule schedule_for(const std::string& name, BackwardMode mode) {
-  ScheduleOptions so;
-  so.ranks = kRanks;
-  so.micro_batches = kMicroBatches;
-  so.chunks_per_rank = (name == "zb-v" || name == "interleaved-1f1b") ? 2 : 1;
-  so.backward = mode;
-  return make_schedule(name, so);
+  return make_schedule(name, default_schedule_options(name, kRanks, kMicroBatches, mode));
 }
 
 PipelineOptions options() {

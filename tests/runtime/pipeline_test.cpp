@@ -79,11 +79,7 @@ class PipelineParity : public ::testing::TestWithParam<ParityCase> {
 
 TEST_P(PipelineParity, LossesAndGradientsMatchSingleProcess) {
   const ParityCase c = GetParam();
-  ScheduleOptions so;
-  so.ranks = c.p;
-  so.micro_batches = c.m;
-  so.chunks_per_rank = (c.schedule == "interleaved-1f1b" || c.schedule == "zb-v") ? 2 : 1;
-  so.backward = c.mode;
+  const ScheduleOptions so = default_schedule_options(c.schedule, c.p, c.m, c.mode);
   Schedule schedule;
   try {
     schedule = make_schedule(c.schedule, so);

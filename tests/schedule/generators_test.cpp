@@ -38,12 +38,7 @@ std::vector<Case> all_cases() {
 }
 
 ScheduleOptions options_for(const Case& c) {
-  ScheduleOptions o;
-  o.ranks = c.p;
-  o.micro_batches = c.m;
-  o.backward = c.mode;
-  o.chunks_per_rank = (c.name == "interleaved-1f1b" || c.name == "zb-v") ? 2 : 1;
-  return o;
+  return default_schedule_options(c.name, c.p, c.m, c.mode);
 }
 
 class BuiltinSchedules : public testing::TestWithParam<Case> {};
@@ -240,7 +235,7 @@ TEST(Generators, MessagesOfALinkAndDirectionMatchInOrder) {
         for (int m : {4, 8, 12}) {
           Schedule sc;
           try {
-            sc = make_schedule(name, ScheduleOptions{p, m, name == "interleaved-1f1b" || name == "zb-v" ? 2 : 1, mode});
+            sc = make_schedule(name, default_schedule_options(name, p, m, mode));
           } catch (const ScheduleError&) {
             continue;
           }
