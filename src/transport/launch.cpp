@@ -51,6 +51,8 @@ std::optional<LaunchEnv> launch_env_from(const Env& env) {
     l.local_rank = number_or(env, "LOCAL_RANK", 0);
     l.local_size = number_or(env, "LOCAL_WORLD_SIZE", l.world_size);
     single_node = l.local_size == l.world_size;
+    const std::string* agent = find(env, "TORCHELASTIC_USE_AGENT_STORE");
+    l.agent_store = agent != nullptr && (*agent == "True" || *agent == "true" || *agent == "1");
   } else if (find(env, "SLURM_PROCID") && find(env, "SLURM_STEP_ID")) {
     l.launcher = "slurm";
     l.rank = number(env, "SLURM_PROCID");

@@ -201,7 +201,8 @@ struct NcclTransport::Impl {
 
   /// Broadcasts rank 0's bytes over the host transport: an all-reduce of int64 values in which only rank 0
   /// contributes (exact, and it needs nothing from the host but all_reduce_sum).
-  std::vector<std::uint8_t> broadcast(std::vector<std::uint8_t> bytes, std::size_t size, Duration timeout) {
+  std::vector<std::uint8_t> broadcast(const std::vector<std::uint8_t>& bytes, Duration timeout) {
+    const std::size_t size = bytes.size();  // the same on every rank (callers size it from rank 0's data)
     at::Tensor t = at::zeros({static_cast<std::int64_t>(size)}, at::kLong);
     if (rank == 0) {
       auto* p = t.data_ptr<std::int64_t>();
@@ -246,7 +247,7 @@ void NcclTransport::Impl::init(const NcclOptions& options) {
   std::vector<std::uint8_t> shape(16, 0);
   const std::int64_t header[2] = {static_cast<std::int64_t>(all_links.size()), channels};
   std::memcpy(shape.data(), header, sizeof(header));
-  shape = broadcast(shape, shape.size(), detail::remaining(deadline));
+  shape = broadcast(shape, detail::remaining(deadline));
   std::int64_t root_header[2];
   std::memcpy(root_header, shape.data(), sizeof(root_header));
   constexpr std::size_t kPerComm = 2 * sizeof(std::int32_t) + sizeof(ncclUniqueId);
@@ -268,7 +269,7 @@ void NcclTransport::Impl::init(const NcclOptions& options) {
       }
     }
   }
-  blob = broadcast(std::move(blob), blob.size(), detail::remaining(deadline));
+  blob = broadcast(blob, detail::remaining(deadline));
   std::vector<std::pair<int, int>> root_links;
   std::vector<ncclUniqueId> ids(n_comms);
   for (std::size_t k = 0; k < n_comms; ++k) {

@@ -165,7 +165,7 @@ StoreTransport::StoreTransport(const LaunchEnv& env, StoreOptions options) : imp
               env.rank);
   c10d::TCPStoreOptions o;
   o.port = static_cast<std::uint16_t>(env.master_port);
-  o.isServer = env.rank == 0;
+  o.isServer = env.rank == 0 && !env.agent_store;  // under torchrun the agent's store is already there
   o.numWorkers = static_cast<std::size_t>(env.world_size);
   o.waitWorkers = false;  // the barrier below waits, with our timeout and error message
   o.timeout = options.connect_timeout;

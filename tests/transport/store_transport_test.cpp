@@ -36,6 +36,11 @@ TEST(LaunchEnv, Torchrun) {
   EXPECT_EQ(l->local_size, 2);
   EXPECT_EQ(l->master_addr, "node7");
   EXPECT_EQ(l->master_port, 29400);
+  EXPECT_FALSE(l->agent_store);
+  auto agent = launch_env_from({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"TORCHELASTIC_USE_AGENT_STORE", "True"}});
+  ASSERT_TRUE(agent);
+  EXPECT_TRUE(agent->agent_store) << "under torchrun rank 0 must connect to the agent's store, not serve one";
+  EXPECT_EQ(agent->master_addr, "127.0.0.1");
 }
 
 TEST(LaunchEnv, SlurmOpenMpiPmiAndNone) {

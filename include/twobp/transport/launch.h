@@ -20,6 +20,9 @@ struct LaunchEnv {
   /// the job is known to be on one node, else empty / 0 (make_store() then says what to set).
   std::string master_addr;
   int master_port = 0;
+  /// torchrun's agent already serves a TCPStore at MASTER_ADDR:MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True):
+  /// rank 0 then connects to it like every other rank instead of serving one.
+  bool agent_store = false;
 };
 
 /// Reads the launcher's variables from `env` (name -> value; tests pass their own), in this order: torchrun's
