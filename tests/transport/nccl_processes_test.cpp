@@ -37,7 +37,7 @@ std::vector<std::string> one_gpu_env(int rank) {
 
 TEST(NcclProcesses, TwoRanksOnOneGpu) {
   if (c10::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device (this test needs one GPU)";
-  const auto codes = testing::run_processes("NcclRank.Run", "nccl", 2, std::chrono::seconds(240), one_gpu_env);
+  const auto codes = testing::run_processes("NcclRank.Run", "nccl", 2, std::chrono::seconds(150), one_gpu_env);
   ASSERT_EQ(codes.size(), 2u);
   for (int r = 0; r < 2; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << " (its output is above)";
 }
