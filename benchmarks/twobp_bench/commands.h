@@ -19,4 +19,8 @@ void add_pipeline_command(CLI::App& app);
 /// p ranks and m micro-batches from given or measured stage costs; no model runs (simulate.cpp).
 void add_simulate_command(CLI::App& app);
 
+/// `check-schedules`: whether every built-in schedule pairs its messages correctly under a transport's pairing
+/// rule (check_schedules.cpp).
+void add_check_schedules_command(CLI::App& app);
+
 }  // namespace twobp::bench

@@ -3,6 +3,7 @@
 //   twobp_bench split --json split.json        cost of the 2BP split on one stage (split.cpp)
 //   twobp_bench pipeline --json pipeline.json  throughput of pipelines, 2BP vs standard (pipeline.cpp)
 //   twobp_bench simulate --ranks 64 ...        predicted step time of every schedule from stage costs (simulate.cpp)
+//   twobp_bench check-schedules --transport nccl   does every built-in schedule pair on it (check_schedules.cpp)
 
 #include <CLI/CLI.hpp>
 
@@ -17,6 +18,7 @@ int main(int argc, char** argv) {
   twobp::bench::add_split_command(app);
   twobp::bench::add_pipeline_command(app);
   twobp::bench::add_simulate_command(app);
+  twobp::bench::add_check_schedules_command(app);
   try {
     app.parse(argc, argv);  // runs the chosen subcommand's callback
   } catch (const CLI::ParseError& e) {

@@ -50,7 +50,12 @@
 #include "bench_common.h"
 #include "bench_models.h"
 #include "commands.h"
+#include "twobp/config.h"
 #include "twobp/stage.h"
+
+#if TWOBP_HAVE_NCCL  // the CUDA toolkit was found: the caching allocator's statistics are reachable
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
 
 namespace twobp::bench {
 namespace {
@@ -323,6 +328,14 @@ void run_split(const SplitConfig& c) {
   Json out;
   for (const auto& path : paths) out[path->name()] = path->result();
   Json config = config_json(cfg);
+#if TWOBP_HAVE_NCCL
+  if (c.device == "cuda") {
+    // Peak bytes held by live tensors on GPU 0 over the whole run (all paths' weights, activations, gradients).
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(0);
+    config["peak_allocated_bytes"] = stats.allocated_bytes[0].peak;
+    config["peak_reserved_bytes"] = stats.reserved_bytes[0].peak;
+  }
+#endif
   config["load_average_start"] = load_start;
   config["load_average_end"] = load_average();
   out["config"] = config;

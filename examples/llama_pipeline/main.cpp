@@ -1,11 +1,15 @@
 // llama_pipeline: trains a LLaMa-like model with pipeline parallelism and (optionally) 2-stage backpropagation.
 //
 //   llama_pipeline --model tiny --stages 2 --schedule 1f1b --steps 50          # 2 ranks as threads, LocalTransport
-//   mpirun -n 4 llama_pipeline --model small --schedule zb-h1 --device cuda    # one rank per process, MpiTransport
+//   mpirun -n 4 llama_pipeline --model small --schedule zb-h1 --device cuda    # one rank per process, NCCL/MPI
+//   torchrun --nproc-per-node 4 --no-python llama_pipeline --device cuda ...   # the same without MPI (TCPStore)
 //   llama_pipeline --model 7b --stages 4 --dry-run --json plan.json            # sizes and memory, nothing allocated
 //
-// Ranks: under an MPI launcher (detected by twobp::launched_by_mpi_launcher) every process is one rank and
-// --stages is ignored; otherwise --stages P ranks run as threads of this process over a LocalTransport group.
+// Ranks: under an MPI launcher (detected by twobp::launched_by_mpi_launcher) in a build with MPI every process is
+// one rank (MpiEnvironment); under torchrun or srun -- or mpirun in a build without MPI -- the ranks come from the
+// launcher's environment (twobp::launch_env) and meet at a c10d::TCPStore served by rank 0 at
+// MASTER_ADDR:MASTER_PORT (StoreTransport). In both cases --stages is ignored and GPUs talk over NCCL. Otherwise
+// --stages P ranks run as threads of this process over a LocalTransport group.
 // The pipeline has P * --chunks-per-rank stages; the model is split into that many chunks balanced by compute
 // (or by --partition "3,3,2,0"), and each rank builds only its own chunks.
 //
@@ -42,7 +46,9 @@
 #include "twobp/trace/trace.h"
 #include "twobp/transport/local.h"
 #include "twobp/transport/mpi.h"
+#include "twobp/transport/launch.h"
 #include "twobp/transport/nccl.h"
+#include "twobp/transport/store.h"
 #include "twobp/config.h"
 
 // The example sticks to the public API; this is its one-line check helper.
@@ -359,18 +365,19 @@ void validate_args(const Args& a) {
 
 int run(Args args, int& argc, char**& argv) {
   validate_args(args);
-  const bool mpi = twobp::launched_by_mpi_launcher();
+  // Launch: MPI when an MPI launcher started us and MPI is built in; else the launcher's environment (torchrun,
+  // srun, mpirun) with a TCPStore rendezvous; else ranks as threads.
+  const bool mpi = TWOBP_HAVE_MPI && twobp::launched_by_mpi_launcher();
+  const std::optional<twobp::LaunchEnv> launch = mpi ? std::nullopt : twobp::launch_env();
+  const bool store = launch.has_value();
 #if TWOBP_HAVE_MPI
   std::unique_ptr<twobp::MpiEnvironment> env;
   if (mpi) env = std::make_unique<twobp::MpiEnvironment>(&argc, &argv);
-  const int world = mpi ? env->world_size() : args.stages;
-  const int my_rank = mpi ? env->rank() : 0;
+  const int world = mpi ? env->world_size() : store ? launch->world_size : args.stages;
+  const int my_rank = mpi ? env->rank() : store ? launch->rank : 0;
 #else
-  TWOBP_CHECK(!mpi, twobp::UsageError,
-              "started by an MPI launcher, but this build of twobp has no MPI support: run without mpirun and use "
-              "--stages P for P ranks as threads");
-  const int world = args.stages;
-  const int my_rank = 0;
+  const int world = store ? launch->world_size : args.stages;
+  const int my_rank = store ? launch->rank : 0;
 #endif
   const Plan plan = make_plan(args, world);  // model, schedule and partition errors surface here
   if (args.dry_run) return my_rank == 0 ? dry_run(plan) : 0;
@@ -395,7 +402,8 @@ int run(Args args, int& argc, char**& argv) {
   if (my_rank == 0) {
     fmt::print("llama_pipeline: model {} ({} parameters), {} ranks ({}), {} stages, schedule {} with {}, partition "
                "{}, {} micro-batches of {} x {} tokens, device {}, dtype {}\n",
-               plan.config.name, llm::parameter_count(plan.config), world, mpi ? "MPI" : "threads",
+               plan.config.name, llm::parameter_count(plan.config), world,
+               mpi ? "MPI" : store ? "processes, " + launch->launcher + " + TCPStore" : std::string("threads"),
                plan.schedule.num_stages, plan.schedule.name,
                plan.schedule.backward == twobp::BackwardMode::kSplit ? "2BP" : "fused backward",
                plan.partition.layout(), args.microbatches, args.micro_batch_size, plan.seq_len, args.device,
@@ -404,17 +412,48 @@ int run(Args args, int& argc, char**& argv) {
 
   Shared shared;
   shared.traces.resize(world);
-  torch::set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / std::max(1, mpi ? 1 : world)));
-  if (mpi) {
-#if TWOBP_HAVE_MPI
-    // GPUs talk over NCCL (one rank per GPU, chosen by the node-local rank); CPUs over MPI.
-    std::unique_ptr<twobp::Transport> owned;
+  const bool processes = mpi || store;
+  torch::set_num_threads(
+      std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / std::max(1, processes ? 1 : world)));
+  if (store) {
+    // No MPI: rank 0 serves a TCPStore; GPUs talk over NCCL (ids bootstrapped through the store), CPUs through
+    // the store itself (slow; meant for trying the launch, not for speed).
+    auto host = std::make_shared<twobp::StoreTransport>(*launch);
+    std::shared_ptr<twobp::Transport> transport = host;
+    c10::Device device(c10::kCPU);
+    if (cuda) {
 #if TWOBP_HAVE_NCCL
-    if (cuda) owned = std::make_unique<twobp::NcclTransport>(*env);
+      twobp::NcclOptions nccl;
+      nccl.local_rank = launch->local_rank;
+      nccl.local_size = launch->local_size;
+      auto t = std::make_shared<twobp::NcclTransport>(host, nccl);
+      device = t->device();
+      transport = t;
+#else
+      TWOBP_CHECK(false, twobp::UsageError, "--device cuda across processes needs the NCCL transport, which this "
+                  "build of twobp does not have");
+#endif
+    }
+    try {
+      train_rank(plan, *transport, device, tokens, shared);
+    } catch (const std::exception& e) {
+      transport->abort(fmt::format("rank {}: {}", my_rank, e.what()));  // peers fail fast, naming this rank
+      throw;
+    }
+  } else if (mpi) {
+#if TWOBP_HAVE_MPI
+    // GPUs talk over NCCL (one rank per GPU: twobp::choose_cuda_device); CPUs over MPI.
+    std::unique_ptr<twobp::Transport> owned;
+    c10::Device device(c10::kCPU);
+#if TWOBP_HAVE_NCCL
+    if (cuda) {
+      auto t = std::make_unique<twobp::NcclTransport>(*env);
+      device = t->device();
+      owned = std::move(t);
+    }
 #endif
     if (!owned) owned = std::make_unique<twobp::MpiTransport>(*env);
     twobp::Transport& transport = *owned;
-    const c10::Device device = cuda ? c10::Device(c10::kCUDA, env->local_rank() % gpus) : c10::Device(c10::kCPU);
     try {
       train_rank(plan, transport, device, tokens, shared);
     } catch (const std::exception& e) {
@@ -455,7 +494,7 @@ int run(Args args, int& argc, char**& argv) {
 
   if (my_rank != 0) return 0;
   if (!args.trace.empty()) {
-    std::ofstream(args.trace) << twobp::to_chrome_trace(mpi ? std::vector<twobp::Trace>{shared.traces[0]}
+    std::ofstream(args.trace) << twobp::to_chrome_trace(processes ? std::vector<twobp::Trace>{shared.traces[0]}
                                                            : shared.traces);
     fmt::print("trace of the last step written to {}\n", args.trace);
   }

@@ -1,7 +1,9 @@
 #include "twobp/runtime/pipeline.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/Event.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <fmt/ranges.h>
 #include <torch/nn/module.h>
 
@@ -82,7 +84,9 @@ Pipeline::Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, std::sh
   TWOBP_CHECK(transport_->world_size() == schedule_.num_ranks, UsageError,
               "rank {}: schedule '{}' is for {} ranks, but the transport has {}", rank, schedule_.name,
               schedule_.num_ranks, transport_->world_size());
-  validate(schedule_);
+  // Before step 1: a schedule the transport cannot pair (e.g. NCCL, which pairs in posting order per channel)
+  // would deliver tensors to the wrong buffers or hang; refuse it here with the offending action marked.
+  validate(schedule_, transport_->pairing());
   const std::vector<int> mine = schedule_.stages_of(rank);
   std::set<int> given;
   for (auto& chunk : chunks) {
@@ -229,6 +233,8 @@ StepResult Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
     o.peer = peer_rank(schedule_, a);
     o.tag = message_tag(schedule_, a);
     o.label = describe(a);
+    o.channel = message_channel(a);
+    o.timeout = options_.timeout;
     return o;
   };
   auto boundary_spec = [&](int boundary_stage) { return options_.activation_spec(boundary_stage); };
@@ -269,19 +275,36 @@ StepResult Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
     from.erase(it);
     return t;
   };
+  // On a GPU the host only enqueues work, so host times would describe the enqueueing, not the pipeline. There,
+  // timing events on this rank's current stream bracket every action; they are read once, after the step.
+  const c10::Device device = transport_->device();
+  const bool device_timing = !device.is_cpu();
+  auto device_event = [&]() {
+    auto e = std::make_unique<c10::Event>(device.type(), c10::EventFlag::BACKEND_DEFAULT);
+    e->record(c10::impl::getDeviceGuardImpl(device.type())->getStream(device));
+    return e;
+  };
+  std::unique_ptr<c10::Event> step_event;
+  std::vector<std::pair<std::unique_ptr<c10::Event>, std::unique_ptr<c10::Event>>> action_events;
+  if (device_timing) step_event = device_event();
+  std::unique_ptr<c10::Event> begin_event;
   auto record = [&](const Action& a, Clock::time_point t0) {
     result.trace.events.push_back(TraceEvent{me, a, std::chrono::duration<double, std::micro>(t0 - start).count(),
                                              elapsed_us(start)});
+    if (device_timing) action_events.emplace_back(std::move(begin_event), device_event());
   };
 
   try {
     if (stages_.count(0)) input_mbs = split_batch(inputs, 0, "inputs");
     if (stages_.count(last)) target_mbs = split_batch(targets, last, "targets");
-    result.losses.assign(stages_.count(last) ? m : 0, 0.0);
+    // Losses stay on the device until the step ends: one copy to the host per step instead of a device
+    // synchronisation per micro-batch (which would also distort the trace on GPUs).
+    std::vector<at::Tensor> losses(stages_.count(last) ? m : 0);
     for (std::size_t i = 0; i < actions.size(); ++i) {
       const Action& a = actions[i];
       prefetch(a.type == ActionType::kRecvForward || a.type == ActionType::kRecvBackward ? i : 0);
       const Clock::time_point t0 = Clock::now();
+      if (device_timing) begin_event = device_event();
       const int mb = a.micro_batches.empty() ? -1 : a.micro_batches[0];
       switch (a.type) {
         case ActionType::kForward: {
@@ -295,7 +318,7 @@ StepResult Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
           }
           at::Tensor out = stage(a.stage).forward(mb, input, a.stage == last ? target_mbs.at(mb) : at::Tensor());
           if (a.stage == last) {
-            result.losses[mb] = out.item<double>();
+            losses[mb] = out.detach().reshape({1});
           } else {
             if (owner(a.stage + 1) != me) check_spec(out, a.stage, a, a.stage + 1, "activations");
             st.outputs[{a.stage, mb}] = out;
@@ -350,6 +373,11 @@ StepResult Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
     }
     for (auto& s : st.sends) s.work->wait(options_.timeout);
     st.sends.clear();
+    if (!losses.empty()) {
+      // SYNC POINT: the step's only device-to-host copy on the last stage.
+      const at::Tensor host = at::cat(losses).to(at::kDouble).cpu();
+      result.losses.assign(host.data_ptr<double>(), host.data_ptr<double>() + host.numel());
+    }
     for (const auto& [index, stage_ptr] : stages_) {
       TWOBP_CHECK(stage_ptr->live_micro_batches() == 0, ScheduleError,
                   "rank {}: stage {} ended the step with {} micro-batches whose backward did not finish", me, index,
@@ -366,6 +394,15 @@ StepResult Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
     throw;
   }
   result.trace.step_us = elapsed_us(start);
+  if (device_timing && !action_events.empty()) {
+    // SYNC POINT: once per step, after everything was enqueued, to turn the events into the device timeline.
+    action_events.back().second->synchronize();
+    for (std::size_t k = 0; k < action_events.size(); ++k) {
+      result.trace.events[k].start_us = 1000.0 * step_event->elapsedTime(*action_events[k].first);
+      result.trace.events[k].end_us = 1000.0 * step_event->elapsedTime(*action_events[k].second);
+    }
+    result.trace.step_us = std::max(result.trace.step_us, result.trace.events.back().end_us);
+  }
   last_losses_ = result.losses;
   return result;
 }

@@ -73,9 +73,22 @@ std::int64_t message_tag(const Schedule& schedule, const Action& action) {
               describe(action));
   const int peer = detail::peer_stage(action);
   const std::int64_t boundary = std::min(peer, action.stage);
-  const std::int64_t dir = (action.type == ActionType::kSendForward || action.type == ActionType::kRecvForward) ? 0 : 1;
+  const std::int64_t dir = message_channel(action);  // 0 activations, 1 gradients
   const std::int64_t mb = action.micro_batches.front();
   return ((mb * schedule.num_stages + boundary) * 2 + dir);
+}
+
+int message_channel(const Action& action) {
+  switch (action.type) {
+    case ActionType::kSendForward:
+    case ActionType::kRecvForward:
+      return 0;
+    case ActionType::kSendBackward:
+    case ActionType::kRecvBackward:
+      return 1;
+    default:
+      detail::raise<ScheduleError>("message_channel: {} is a compute action, not a SEND/RECV", describe(action));
+  }
 }
 
 CostModel CostModel::uniform(int num_stages, double f, double i, double w, double comm) {

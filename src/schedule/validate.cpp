@@ -3,8 +3,11 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <map>
 #include <string>
+#include <tuple>
 #include <utility>
+#include <vector>
 
 #include "schedule/dry_run.h"
 #include "twobp/schedule/schedule.h"
@@ -23,12 +26,13 @@ class Validator {
   explicit Validator(const Schedule& sc)
       : sc_(sc), S_(sc.num_stages), M_(sc.num_micro_batches), n_(static_cast<std::size_t>(S_) * M_) {}
 
-  void run() {
+  void run(Pairing pairing) {
     detail::check_plausible_size(sc_);
     check_kinds_and_ranks();
     check_counts();
     check_matching();
     check_local_order();
+    if (pairing == Pairing::kInOrderPerChannel) check_in_order_pairing();
     check_deadlock();
   }
 
@@ -267,6 +271,45 @@ class Validator {
     }
   }
 
+  // For transports that pair in posting order per channel (NCCL): the Pipeline posts sends and receives in the
+  // order of its action list, so on every channel (src, dst, message_channel) the sequence of SENDs on src must
+  // name the same messages, in the same order, as the sequence of RECVs on dst. Otherwise such a transport hands
+  // the n-th message to the n-th receive anyway: a silent swap when shapes agree.
+  void check_in_order_pairing() const {
+    struct Posted {
+      std::vector<Where> sends, recvs;
+    };
+    std::map<std::tuple<int, int, int>, Posted> channels;  // (src, dst, channel)
+    for_each([&](Where w, const Action& a) {
+      if (is_compute(a.type)) return;
+      const int peer = owner(detail::peer_stage(a));
+      const int channel = message_channel(a);
+      const bool send = a.type == ActionType::kSendForward || a.type == ActionType::kSendBackward;
+      if (send) {
+        channels[{w.rank, peer, channel}].sends.push_back(w);
+      } else {
+        channels[{peer, w.rank, channel}].recvs.push_back(w);
+      }
+    });
+    for (const auto& [key, posted] : channels) {
+      const auto [src, dst, channel] = key;
+      // check_matching() guarantees equal counts; compare position by position.
+      for (std::size_t n = 0; n < posted.sends.size() && n < posted.recvs.size(); ++n) {
+        const Action& send = at(posted.sends[n]);
+        const Action& recv = at(posted.recvs[n]);
+        if (message_tag(sc_, send) != message_tag(sc_, recv)) {
+          fail(posted.recvs[n],
+               fmt::format("in-order pairing: on channel {} ({}) from rank {} to rank {}, receive #{} is this {} but "
+                           "send #{} on rank {} is {} (action #{}); a transport that pairs in posting order per "
+                           "channel (NCCL) would deliver that tensor here: expected both ranks to post the channel's "
+                           "messages in the same order",
+                           channel, channel == 0 ? "activations" : "gradients", src, dst, n, describe(recv), n, src,
+                           describe(send), posted.sends[n].index));
+        }
+      }
+    }
+  }
+
   // Sends are buffered, a RECV completes once its SEND ran: if the dry run stops, the ranks wait on each other.
   void check_deadlock() const {
     const detail::DryRun run = detail::dry_run(sc_, CostModel::uniform(S_, 1.0, 1.0, 1.0, 0.0));
@@ -299,9 +342,9 @@ class Validator {
 
 }  // namespace
 
-void validate(const Schedule& schedule) {
+void validate(const Schedule& schedule, Pairing pairing) {
   detail::check_structure(schedule);
-  Validator(schedule).run();
+  Validator(schedule).run(pairing);
 }
 
 }  // namespace twobp

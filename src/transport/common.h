@@ -39,6 +39,8 @@ inline void check_p2p_args(const char* what, int rank, int world_size, const at:
               describe_op(options), options.peer, world_size);
   TWOBP_CHECK(options.tag >= 0, UsageError, "rank {}: {} {}: tag {} must be non-negative", rank, what,
               describe_op(options), options.tag);
+  TWOBP_CHECK(options.channel >= 0, UsageError, "rank {}: {} {}: channel {} must be non-negative", rank, what,
+              describe_op(options), options.channel);
   TWOBP_CHECK(tensor.defined(), UsageError, "rank {}: {} {}: the tensor is undefined", rank, what,
               describe_op(options));
   TWOBP_CHECK(tensor.is_contiguous(), UsageError, "rank {}: {} {}: the tensor {} must be contiguous", rank, what,

@@ -4,6 +4,8 @@
 #include "twobp/transport/local.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <fmt/format.h>
 
 #include <condition_variable>
@@ -26,17 +28,25 @@ struct SendState {
   bool matched = false;
 };
 
-/// A posted receive; `payload` is filled in (and `matched` set) when the message arrives.
+/// A posted receive; `payload` is filled in (and `matched` set) when the message arrives, together with the
+/// sender's tag and label (compared with the receive's own under in-order pairing).
 struct RecvState {
   bool matched = false;
   at::Tensor payload;
+  std::shared_ptr<c10::Event> written;  // device payloads: recorded on the sender's stream after the clone
+  std::int64_t tag = 0;
+  std::string label;
 };
 
 struct Message {
   at::Tensor payload;
   std::shared_ptr<SendState> send;
+  std::shared_ptr<c10::Event> written;
+  std::int64_t tag = 0;
+  std::string label;
 };
 
+/// (src, dst, tag) under by-tag pairing, (src, dst, channel) under in-order pairing.
 struct MailKey {
   int src;
   int dst;
@@ -66,6 +76,11 @@ struct LocalGroupState {
   std::vector<std::condition_variable> wakeup;
 
   std::map<MailKey, Mailbox> mail;
+
+  /// The mailbox key of an operation between src and dst: what the pairing rule matches on.
+  MailKey key(int src, int dst, const P2POptions& o) const {
+    return MailKey{src, dst, options.pairing == Pairing::kByTag ? o.tag : static_cast<std::int64_t>(o.channel)};
+  }
 
   bool aborted = false;
   int abort_rank = -1;
@@ -144,7 +159,7 @@ class LocalRecvWork final : public Work {
     // by a receive nobody waits for.
     std::lock_guard<std::mutex> lock(state_->mutex);
     if (recv_->matched) return;
-    auto it = state_->mail.find(MailKey{options_.peer, rank_, options_.tag});
+    auto it = state_->mail.find(state_->key(options_.peer, rank_, options_));
     if (it == state_->mail.end()) return;
     auto& receives = it->second.receives;
     for (auto r = receives.begin(); r != receives.end(); ++r) {
@@ -193,10 +208,28 @@ class LocalRecvWork final : public Work {
   /// Copies the matched message into the buffer, outside the lock: the payload is owned by this Work now.
   void finish(const at::Tensor& payload) {
     finished_ = true;
+    const std::shared_ptr<c10::Event> written = std::move(recv_->written);
+    // Only possible under in-order pairing: the sender posted this channel's messages in another order. NCCL
+    // would deliver the tensor anyway; here it is an error naming both operations.
+    TWOBP_CHECK(recv_->tag == options_.tag, UsageError,
+                "rank {}: {} from rank {}: in-order pairing on channel {} matched it with rank {}'s {} (tag {}, "
+                "expected tag {}): the two ranks post this channel's messages in different orders",
+                rank_, describe_op(options_), options_.peer, options_.channel, options_.peer, recv_->label,
+                recv_->tag, options_.tag);
     TWOBP_CHECK(payload.sizes() == buffer_.sizes() && payload.scalar_type() == buffer_.scalar_type(), UsageError,
                 "rank {}: {} from rank {}: expected {} but rank {} sent {}", rank_, describe_op(options_),
                 options_.peer, describe_tensor(buffer_), options_.peer, describe_tensor(payload));
-    buffer_.copy_(payload);
+    if (written) {
+      // SYNC POINT: the payload was cloned on the sender's stream; this rank's current stream reads it.
+      const auto* impl = c10::impl::getDeviceGuardImpl(payload.device().type());
+      const c10::Stream stream = impl->getStream(payload.device());
+      written->block(stream);
+      buffer_.copy_(payload);
+      // The payload dies with this Work; its memory must not be reused before this stream's copy ran.
+      impl->recordDataPtrOnStream(payload.storage().data_ptr(), stream);
+    } else {
+      buffer_.copy_(payload);
+    }
   }
 
   std::shared_ptr<LocalGroupState> state_;
@@ -217,29 +250,51 @@ LocalTransport::~LocalTransport() = default;
 
 int LocalTransport::world_size() const { return state_->world; }
 
+c10::Device LocalTransport::device() const {
+  const auto& devices = state_->options.devices;
+  if (devices.empty()) return c10::Device(c10::kCPU);
+  return devices.size() == 1 ? devices.front() : devices[static_cast<std::size_t>(rank_)];
+}
+
+std::string LocalTransport::name() const {
+  return state_->options.pairing == Pairing::kByTag ? "local" : "local-in-order";
+}
+
+Pairing LocalTransport::pairing() const { return pairing_of(name()); }
+
 std::unique_ptr<Work> LocalTransport::isend(const at::Tensor& tensor, const P2POptions& options) {
   detail::check_p2p_args("isend", rank_, state_->world, tensor, options);
   // WHY clone: the mailbox owns an immutable snapshot, so the sender may reuse its buffer after wait() (in
   // fact as soon as isend returned) and the receiver never races with the sender's next write.
   at::Tensor payload = tensor.clone(at::MemoryFormat::Contiguous);
+  std::shared_ptr<c10::Event> written;
+  if (!payload.is_cpu()) {
+    written = std::make_shared<c10::Event>(payload.device().type());
+    written->record(c10::impl::getDeviceGuardImpl(payload.device().type())->getStream(payload.device()));
+  }
   auto send = std::make_shared<detail::SendState>();
   {
     std::lock_guard<std::mutex> lock(state_->mutex);
     if (state_->aborted) {
       state_->raise_aborted(rank_, fmt::format("{} to rank {}", detail::describe_op(options), options.peer));
     }
-    auto& box = state_->mail[detail::MailKey{rank_, options.peer, options.tag}];
+    const detail::MailKey key = state_->key(rank_, options.peer, options);
+    auto& box = state_->mail[key];
     if (!box.receives.empty()) {
       auto recv = std::move(box.receives.front());
       box.receives.pop_front();
       recv->payload = std::move(payload);
+      recv->written = std::move(written);
+      recv->tag = options.tag;
+      recv->label = detail::describe_op(options);
       recv->matched = true;
       send->matched = true;
       state_->wakeup[options.peer].notify_all();
     } else {
-      box.messages.push_back(detail::Message{std::move(payload), send});
+      box.messages.push_back(
+          detail::Message{std::move(payload), send, std::move(written), options.tag, detail::describe_op(options)});
     }
-    if (box.empty()) state_->mail.erase(detail::MailKey{rank_, options.peer, options.tag});
+    if (box.empty()) state_->mail.erase(key);
   }
   return std::make_unique<detail::LocalSendWork>(state_, rank_, options, std::move(send));
 }
@@ -252,12 +307,15 @@ std::unique_ptr<Work> LocalTransport::irecv(at::Tensor& buffer, const P2POptions
     if (state_->aborted) {
       state_->raise_aborted(rank_, fmt::format("{} from rank {}", detail::describe_op(options), options.peer));
     }
-    const detail::MailKey key{options.peer, rank_, options.tag};
+    const detail::MailKey key = state_->key(options.peer, rank_, options);
     auto& box = state_->mail[key];
     if (!box.messages.empty()) {
       auto message = std::move(box.messages.front());
       box.messages.pop_front();
       recv->payload = std::move(message.payload);
+      recv->written = std::move(message.written);
+      recv->tag = message.tag;
+      recv->label = std::move(message.label);
       recv->matched = true;
       message.send->matched = true;
       // The sender may be blocked in a synchronous send's wait().
@@ -272,6 +330,14 @@ std::unique_ptr<Work> LocalTransport::irecv(at::Tensor& buffer, const P2POptions
 
 void LocalTransport::all_reduce_sum(at::Tensor& tensor, Duration timeout) {
   TWOBP_CHECK(tensor.defined(), UsageError, "rank {}: all_reduce_sum of an undefined tensor", rank_);
+  if (!tensor.is_cpu()) {
+    // Ranks' device tensors live on different streams: sum host copies (the copy waits for this rank's stream).
+    // Collectives here are small (losses, norms), so the copies cost nothing worth a stream protocol.
+    at::Tensor host = tensor.to(at::kCPU);
+    collective("all_reduce_sum", &host, timeout);
+    tensor.copy_(host);
+    return;
+  }
   collective("all_reduce_sum", &tensor, timeout);
 }
 
@@ -376,6 +442,9 @@ void LocalTransport::abort(const std::string& reason) {
 
 LocalTransportGroup::LocalTransportGroup(int world_size, LocalOptions options) {
   TWOBP_CHECK(world_size >= 1, UsageError, "LocalTransportGroup: world size must be >= 1, got {}", world_size);
+  TWOBP_CHECK(options.devices.size() <= 1 || options.devices.size() == static_cast<std::size_t>(world_size),
+              UsageError, "LocalTransportGroup: LocalOptions::devices has {} entries for {} ranks: expected 0, 1 or {}",
+              options.devices.size(), world_size, world_size);
   auto state = std::make_shared<detail::LocalGroupState>(world_size, options);
   transports_.reserve(world_size);
   for (int r = 0; r < world_size; ++r) transports_.push_back(std::make_unique<LocalTransport>(state, r));

@@ -3,7 +3,7 @@
 
 #include "twobp/config.h"
 
-#if TWOBP_HAVE_NCCL && TWOBP_HAVE_MPI
+#if TWOBP_HAVE_NCCL
 
 #include "twobp/transport/nccl.h"
 
@@ -20,12 +20,17 @@
 #include <cstdint>
 #include <cstring>
 #include <map>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include "transport/common.h"
-#include "transport/mpi_check.h"
+#include "twobp/transport/launch.h"
 #include "util/check.h"
+
+#if TWOBP_HAVE_MPI
+#include "twobp/transport/mpi.h"
+#endif
 
 #define TWOBP_CUDA_CHECK(call)                                                                             \
   do {                                                                                                     \
@@ -36,7 +41,7 @@
     }                                                                                                      \
   } while (false)
 
-/// ncclInProgress is not an error: the communicators are nonblocking (see Impl::settle).
+/// ncclInProgress is not an error: the communicators are nonblocking (see Channel::settled).
 #define TWOBP_NCCL_CHECK(call)                                                                                 \
   do {                                                                                                         \
     const ncclResult_t twobp_nccl_rc_ = (call);                                                                \
@@ -65,29 +70,71 @@ std::vector<std::pair<int, int>> ring_links(int world_size) {
 namespace detail {
 namespace {
 
-struct Link {
+/// The done event of an operation whose enqueue NCCL reported as in progress: it is recorded on the channel
+/// stream once the communicator settled (the kernel is queued by then). Shared by the Work and the channel.
+struct PendingDone {
+  cudaEvent_t done = nullptr;
+  bool recorded = false;
+};
+
+/// One communicator: (src -> dst, channel). src is rank 0 in it.
+struct Channel {
   int src = 0;
   int dst = 0;
+  int channel = 0;
   ncclComm_t comm = nullptr;
   cudaStream_t stream = nullptr;
   bool broken = false;  // aborted after a timeout or an asynchronous NCCL error
+  std::shared_ptr<PendingDone> unsettled;  // the last operation, while NCCL still enqueues it
+
+  std::string name() const { return fmt::format("NCCL channel {} of link {} -> {}", channel, src, dst); }
+
+  void abort_comm() {
+    if (comm != nullptr) ncclCommAbort(comm);
+    comm = nullptr;
+    broken = true;
+  }
+
+  /// Polls the communicator once. Returns true when it has no operation in progress (recording the done event
+  /// of an operation that was in progress); false while NCCL is still working; throws on an NCCL error (after
+  /// aborting the communicator).
+  bool settled(int rank, const std::string& what) {
+    TWOBP_CHECK(!broken && comm != nullptr, TransportError, "rank {}: {}: the {} was aborted earlier", rank, what,
+                name());
+    ncclResult_t state = ncclSuccess;
+    TWOBP_NCCL_CHECK(ncclCommGetAsyncError(comm, &state));
+    if (state == ncclInProgress) return false;
+    if (state != ncclSuccess) {
+      abort_comm();
+      raise<TransportError>("rank {}: {}: {} failed: {}", rank, what, name(), ncclGetErrorString(state));
+    }
+    if (unsettled) {
+      TWOBP_CUDA_CHECK(cudaEventRecord(unsettled->done, stream));
+      unsettled->recorded = true;
+      unsettled.reset();
+    }
+    return true;
+  }
+
+  /// settled() until true or `timeout`; aborts the communicator on timeout.
+  void settle(int rank, Duration timeout, const std::string& what) {
+    const auto deadline = deadline_after(timeout);
+    Backoff backoff;
+    while (!settled(rank, what)) {
+      if (Clock::now() >= deadline) {
+        abort_comm();
+        raise<TimeoutError>("rank {}: {}: the {} did not become ready within {} ms", rank, what, name(),
+                            timeout.count());
+      }
+      backoff.pause();
+    }
+  }
 };
 
-/// Polls a nonblocking MPI request (the bootstrap broadcasts) with a deadline.
-void mpi_poll(MPI_Request& request, Clock::time_point deadline, int rank, const char* what, Duration timeout) {
-  Backoff backoff;
-  for (;;) {
-    int flag = 0;
-    TWOBP_MPI_CHECK(MPI_Test(&request, &flag, MPI_STATUS_IGNORE));
-    if (flag) return;
-    if (Clock::now() >= deadline) {
-      // A nonblocking collective can be neither cancelled nor freed: the request and its buffer are leaked.
-      raise<TimeoutError>("rank {}: NcclTransport setup timed out after {} ms in {} (did every rank construct "
-                          "an NcclTransport?)",
-                          rank, timeout.count(), what);
-    }
-    backoff.pause();
-  }
+using ChannelKey = std::tuple<int, int, int>;  // (src, dst, channel)
+
+Duration remaining(Clock::time_point deadline) {
+  return std::max(Duration(0), std::chrono::duration_cast<Duration>(deadline - Clock::now()));
 }
 
 }  // namespace
@@ -97,24 +144,25 @@ struct NcclTransport::Impl {
   int rank = 0;
   int world = 1;
   int device = 0;
-  std::unique_ptr<MpiTransport> mpi;  // all_reduce_sum, barrier, abort
+  int channels = kNumMessageChannels;
+  std::shared_ptr<Transport> host;  // bootstrap, all_reduce_sum, barrier, abort
   std::vector<std::pair<int, int>> all_links;
-  std::map<std::pair<int, int>, detail::Link> links;  // the links this rank is an end of
+  std::map<detail::ChannelKey, detail::Channel> mine;  // the channels this rank is an end of
 
   ~Impl() {
     // Destructors must not throw and must not hang: finalize politely with a deadline, abort otherwise.
-    for (auto& [key, link] : links) {
-      if (link.comm != nullptr) {
+    for (auto& [key, ch] : mine) {
+      if (ch.comm != nullptr) {
         bool clean = false;
-        if (!link.broken) {
-          const ncclResult_t rc = ncclCommFinalize(link.comm);  // flushes pending operations
+        if (!ch.broken) {
+          const ncclResult_t rc = ncclCommFinalize(ch.comm);  // flushes pending operations
           clean = rc == ncclSuccess || rc == ncclInProgress;
         }
         const auto deadline = Clock::now() + Duration(10000);
         detail::Backoff backoff;
         ncclResult_t state = ncclInProgress;
         while (clean) {
-          if (ncclCommGetAsyncError(link.comm, &state) != ncclSuccess || state != ncclInProgress) break;
+          if (ncclCommGetAsyncError(ch.comm, &state) != ncclSuccess || state != ncclInProgress) break;
           if (Clock::now() >= deadline) {
             clean = false;
             break;
@@ -122,75 +170,217 @@ struct NcclTransport::Impl {
           backoff.pause();
         }
         if (clean && state == ncclSuccess) {
-          ncclCommDestroy(link.comm);
+          ncclCommDestroy(ch.comm);
         } else {
-          ncclCommAbort(link.comm);
+          ncclCommAbort(ch.comm);
         }
-        link.comm = nullptr;
+        ch.comm = nullptr;
       }
-      if (link.stream != nullptr) cudaStreamDestroy(link.stream);
+      if (ch.stream != nullptr) cudaStreamDestroy(ch.stream);
     }
   }
 
-  detail::Link& link(int src, int dst, const char* what, const P2POptions& options) {
-    auto it = links.find({src, dst});
-    TWOBP_CHECK(it != links.end(), UsageError,
+  detail::Channel& channel(int src, int dst, const char* what, const P2POptions& options) {
+    TWOBP_CHECK(options.channel < channels, UsageError,
+                "rank {}: {} {}: channel {} does not exist (NcclOptions::channels is {})", rank, what,
+                detail::describe_op(options), options.channel, channels);
+    auto it = mine.find({src, dst, options.channel});
+    TWOBP_CHECK(it != mine.end(), UsageError,
                 "rank {}: {} {}: there is no NCCL link {} -> {}; list it in NcclOptions::links (the same list on "
                 "every rank)",
                 rank, what, detail::describe_op(options), src, dst);
     TWOBP_CHECK(!it->second.broken, TransportError,
-                "rank {}: {} {}: the NCCL link {} -> {} was aborted after an earlier timeout or error", rank, what,
-                detail::describe_op(options), src, dst);
+                "rank {}: {} {}: the {} was aborted after an earlier timeout or error", rank, what,
+                detail::describe_op(options), it->second.name());
     return it->second;
   }
 
-  /// Nonblocking communicators may answer ncclInProgress while an operation is being enqueued; NCCL requires
-  /// that state to settle before the next call on the communicator.
-  void settle(detail::Link& l, Duration timeout, const std::string& what) {
-    const auto deadline = detail::deadline_after(timeout);
+  void abort_all() {
+    for (auto& [key, ch] : mine) ch.abort_comm();
+  }
+
+  /// Broadcasts rank 0's bytes over the host transport: an all-reduce of int64 values in which only rank 0
+  /// contributes (exact, and it needs nothing from the host but all_reduce_sum).
+  std::vector<std::uint8_t> broadcast(const std::vector<std::uint8_t>& bytes, Duration timeout) {
+    const std::size_t size = bytes.size();  // the same on every rank (callers size it from rank 0's data)
+    at::Tensor t = at::zeros({static_cast<std::int64_t>(size)}, at::kLong);
+    if (rank == 0) {
+      auto* p = t.data_ptr<std::int64_t>();
+      for (std::size_t k = 0; k < size; ++k) p[k] = bytes[k];
+    }
+    host->all_reduce_sum(t, timeout);
+    std::vector<std::uint8_t> out(size);
+    const auto* p = t.data_ptr<std::int64_t>();
+    for (std::size_t k = 0; k < size; ++k) out[k] = static_cast<std::uint8_t>(p[k]);
+    return out;
+  }
+
+  void init(const NcclOptions& options);
+  void warm_up(Clock::time_point deadline, Duration init_timeout);
+};
+
+void NcclTransport::Impl::init(const NcclOptions& options) {
+  const auto deadline = detail::deadline_after(options.init_timeout);
+  rank = host->rank();
+  world = host->world_size();
+  channels = options.channels;
+  TWOBP_CHECK(channels >= 1, UsageError, "rank {}: NcclOptions::channels must be >= 1, got {}", rank, channels);
+
+  int count = 0;
+  TWOBP_CUDA_CHECK(cudaGetDeviceCount(&count));
+  device = options.device >= 0 ? options.device : choose_cuda_device(options.local_rank, options.local_size, count);
+  TWOBP_CHECK(device < count, UsageError, "rank {}: NcclTransport: CUDA device {} does not exist ({} visible)", rank,
+              device, count);
+  c10::cuda::set_device(static_cast<c10::DeviceIndex>(device));
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+
+  all_links = options.links.empty() ? ring_links(world) : options.links;
+  for (const auto& [src, dst] : all_links) {
+    TWOBP_CHECK(src >= 0 && src < world && dst >= 0 && dst < world && src != dst, UsageError,
+                "rank {}: NcclOptions::links: invalid link {} -> {} (world size {})", rank, src, dst, world);
+  }
+  std::sort(all_links.begin(), all_links.end());
+  all_links.erase(std::unique(all_links.begin(), all_links.end()), all_links.end());
+
+  // Bootstrap: rank 0 sends its link list and channel count (every rank compares them with its own), then one
+  // NCCL unique id per (link, channel).
+  std::vector<std::uint8_t> shape(16, 0);
+  const std::int64_t header[2] = {static_cast<std::int64_t>(all_links.size()), channels};
+  std::memcpy(shape.data(), header, sizeof(header));
+  shape = broadcast(shape, detail::remaining(deadline));
+  std::int64_t root_header[2];
+  std::memcpy(root_header, shape.data(), sizeof(root_header));
+  constexpr std::size_t kPerComm = 2 * sizeof(std::int32_t) + sizeof(ncclUniqueId);
+  const std::size_t n_comms = static_cast<std::size_t>(root_header[0] * root_header[1]);
+  TWOBP_CHECK(root_header[1] == channels, UsageError,
+              "rank {}: NcclOptions::channels is {} here but {} on rank 0: every rank must pass the same value", rank,
+              channels, root_header[1]);
+  std::vector<std::uint8_t> blob(static_cast<std::size_t>(root_header[0]) * root_header[1] * kPerComm);
+  if (rank == 0) {
+    std::size_t k = 0;
+    for (const auto& [src, dst] : all_links) {
+      for (int c = 0; c < channels; ++c, ++k) {
+        std::uint8_t* p = blob.data() + k * kPerComm;
+        const std::int32_t ends[2] = {src, dst};
+        std::memcpy(p, ends, sizeof(ends));
+        ncclUniqueId id;
+        TWOBP_NCCL_CHECK(ncclGetUniqueId(&id));
+        std::memcpy(p + sizeof(ends), &id, sizeof(id));
+      }
+    }
+  }
+  blob = broadcast(blob, detail::remaining(deadline));
+  std::vector<std::pair<int, int>> root_links;
+  std::vector<ncclUniqueId> ids(n_comms);
+  for (std::size_t k = 0; k < n_comms; ++k) {
+    const std::uint8_t* p = blob.data() + k * kPerComm;
+    std::int32_t ends[2];
+    std::memcpy(ends, p, sizeof(ends));
+    if (k % channels == 0) root_links.emplace_back(ends[0], ends[1]);
+    std::memcpy(&ids[k], p + sizeof(ends), sizeof(ncclUniqueId));
+  }
+  // Disagreeing ranks would wait for each other's communicators until the timeout: say what differs instead.
+  // (All ranks see rank 0's list, so all of them raise.)
+  TWOBP_CHECK(root_links == all_links, UsageError,
+              "rank {}: NcclOptions::links differ from rank 0's ({} links here, {} on rank 0): every rank must "
+              "pass the same list",
+              rank, all_links.size(), root_links.size());
+
+  // Eager creation in one global order. WHY a group: one thread creates several communicators whose peers
+  // create theirs in the same global order; grouped, NCCL connects them together instead of deadlocking on
+  // the first one. WHY nonblocking: so a missing peer makes us time out instead of hang.
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  try {
+    TWOBP_NCCL_CHECK(ncclGroupStart());
+    std::size_t k = 0;
+    for (const auto& [src, dst] : all_links) {
+      for (int c = 0; c < channels; ++c, ++k) {
+        if (src != rank && dst != rank) continue;
+        detail::Channel& ch = mine[{src, dst, c}];
+        ch.src = src;
+        ch.dst = dst;
+        ch.channel = c;
+        TWOBP_NCCL_CHECK(ncclCommInitRankConfig(&ch.comm, 2, ids[k], src == rank ? 0 : 1, &config));
+      }
+    }
+    TWOBP_NCCL_CHECK(ncclGroupEnd());
+    for (auto& [key, ch] : mine) {
+      ch.settle(rank, detail::remaining(deadline), "creating the communicator");
+      // A stream of its own per channel; non-blocking w.r.t. the legacy default stream.
+      TWOBP_CUDA_CHECK(cudaStreamCreateWithFlags(&ch.stream, cudaStreamNonBlocking));
+    }
+    warm_up(deadline, options.init_timeout);
+  } catch (...) {
+    // A half-created set of communicators cannot be finalized politely: abort them all.
+    abort_all();
+    throw;
+  }
+}
+
+void NcclTransport::Impl::warm_up(Clock::time_point deadline, Duration init_timeout) {
+  // One byte src -> dst on every communicator, all in ONE group: NCCL connects every pair now, while all ranks
+  // are in the constructor, instead of lazily at a first operation whose peer may be busy posting others.
+  at::Tensor byte = at::zeros({1}, at::TensorOptions().dtype(at::kByte).device(c10::Device(c10::kCUDA, device)));
+  const auto compute = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device));
+  cudaEvent_t ready = nullptr;
+  TWOBP_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+  TWOBP_CUDA_CHECK(cudaEventRecord(ready, compute.stream()));  // the zeros are written on the compute stream
+  TWOBP_NCCL_CHECK(ncclGroupStart());
+  for (auto& [key, ch] : mine) {
+    TWOBP_CUDA_CHECK(cudaStreamWaitEvent(ch.stream, ready, 0));
+    if (ch.src == rank) {
+      TWOBP_NCCL_CHECK(ncclSend(byte.data_ptr(), 1, ncclUint8, 1, ch.comm, ch.stream));
+    } else {
+      TWOBP_NCCL_CHECK(ncclRecv(byte.data_ptr(), 1, ncclUint8, 0, ch.comm, ch.stream));
+    }
+  }
+  TWOBP_NCCL_CHECK(ncclGroupEnd());
+  cudaEventDestroy(ready);
+  for (auto& [key, ch] : mine) {
+    ch.settle(rank, detail::remaining(deadline), "warming up (connecting) the channel");
+  }
+  // Wait for the transfers themselves: a peer that never constructed its transport shows up here.
+  for (auto& [key, ch] : mine) {
     detail::Backoff backoff;
     for (;;) {
-      ncclResult_t state = ncclSuccess;
-      TWOBP_NCCL_CHECK(ncclCommGetAsyncError(l.comm, &state));
-      if (state == ncclSuccess) return;
-      if (state != ncclInProgress) {
-        ncclCommAbort(l.comm);
-        l.comm = nullptr;
-        l.broken = true;
-        detail::raise<TransportError>("rank {}: {}: NCCL link {} -> {} failed: {}", rank, what, l.src, l.dst,
-                                      ncclGetErrorString(state));
-      }
+      const cudaError_t q = cudaStreamQuery(ch.stream);
+      if (q == cudaSuccess) break;
+      TWOBP_CHECK(q == cudaErrorNotReady, TransportError, "rank {}: warming up the {}: {}", rank, ch.name(),
+                  cudaGetErrorString(q));
+      ch.settled(rank, "warming up the channel");  // raises on an asynchronous NCCL error
       if (Clock::now() >= deadline) {
-        ncclCommAbort(l.comm);
-        l.comm = nullptr;
-        l.broken = true;
-        detail::raise<TimeoutError>("rank {}: {}: NCCL link {} -> {} did not become ready within {} ms", rank,
-                                    what, l.src, l.dst, timeout.count());
+        detail::raise<TimeoutError>("rank {}: NcclTransport setup: the warm-up exchange on the {} did not finish "
+                                    "within {} ms (did rank {} construct its NcclTransport?)",
+                                    rank, ch.name(), init_timeout.count(), ch.src == rank ? ch.dst : ch.src);
       }
       backoff.pause();
     }
   }
-};
+}
 
 namespace detail {
 namespace {
 
 class NcclWork final : public Work {
  public:
-  NcclWork(std::shared_ptr<NcclTransport::Impl> impl, Link* link, bool is_send, P2POptions options)
-      : impl_(std::move(impl)), link_(link), is_send_(is_send), options_(std::move(options)) {
+  NcclWork(std::shared_ptr<NcclTransport::Impl> impl, Channel* channel, bool is_send, P2POptions options)
+      : impl_(std::move(impl)), channel_(channel), is_send_(is_send), options_(std::move(options)) {
     TWOBP_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
-    TWOBP_CUDA_CHECK(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming));
+    done_ = std::make_shared<PendingDone>();
+    TWOBP_CUDA_CHECK(cudaEventCreateWithFlags(&done_->done, cudaEventDisableTiming));
   }
 
   ~NcclWork() override {
-    // Destroying a recorded, unfinished event is allowed; the buffers are protected by recordStream.
+    // Destroying a recorded, unfinished event is allowed; the buffers are protected by recordStream. An event
+    // still waiting to be recorded is dropped by the channel too (it holds the same PendingDone).
     if (ready_ != nullptr) cudaEventDestroy(ready_);
-    if (done_ != nullptr) cudaEventDestroy(done_);
+    if (channel_->unsettled == done_) channel_->unsettled.reset();
+    if (done_->done != nullptr) cudaEventDestroy(done_->done);
   }
 
   cudaEvent_t ready() const { return ready_; }
-  cudaEvent_t done() const { return done_; }
+  const std::shared_ptr<PendingDone>& done() const { return done_; }
 
   void wait(Duration timeout) override {
     if (finished_) return;
@@ -198,13 +388,10 @@ class NcclWork final : public Work {
     Backoff backoff;
     while (!poll()) {
       if (Clock::now() >= deadline) {
-        // The peer never posted the matching operation (or died): abort this link's communicator so that
-        // its kernel stops occupying the link stream and the GPU; the link is unusable afterwards.
-        if (link_->comm != nullptr) ncclCommAbort(link_->comm);
-        link_->comm = nullptr;
-        link_->broken = true;
-        raise<TimeoutError>("rank {}: timed out after {} ms waiting for {} {} rank {}", impl_->rank,
-                            timeout.count(), describe_op(options_), is_send_ ? "to" : "from", options_.peer);
+        // The peer never posted the matching operation (or died): abort this channel's communicator so that
+        // its kernel stops occupying the stream and the GPU; the channel is unusable afterwards.
+        channel_->abort_comm();
+        raise<TimeoutError>("rank {}: timed out after {} ms waiting for {}", impl_->rank, timeout.count(), what());
       }
       backoff.pause();
     }
@@ -224,22 +411,14 @@ class NcclWork final : public Work {
   }
 
   bool poll() {
-    const cudaError_t q = cudaEventQuery(done_);
+    // A dead peer or network failure shows up as an asynchronous communicator error, not as a CUDA error; an
+    // enqueue still in progress is completed (its done event recorded) here.
+    if (!channel_->settled(impl_->rank, what())) return false;
+    if (!done_->recorded) return false;  // cannot happen once settled; kept as a guard against a dropped event
+    const cudaError_t q = cudaEventQuery(done_->done);
     if (q == cudaSuccess) return true;
     if (q != cudaErrorNotReady) {
       raise<TransportError>("rank {}: {}: cudaEventQuery failed: {}", impl_->rank, what(), cudaGetErrorString(q));
-    }
-    TWOBP_CHECK(!link_->broken && link_->comm != nullptr, TransportError,
-                "rank {}: {}: the NCCL link {} -> {} was aborted", impl_->rank, what(), link_->src, link_->dst);
-    // A dead peer or network failure shows up as an asynchronous communicator error, not as a CUDA error.
-    ncclResult_t state = ncclSuccess;
-    TWOBP_NCCL_CHECK(ncclCommGetAsyncError(link_->comm, &state));
-    if (state != ncclSuccess && state != ncclInProgress) {
-      ncclCommAbort(link_->comm);
-      link_->comm = nullptr;
-      link_->broken = true;
-      raise<TransportError>("rank {}: {}: NCCL link {} -> {} failed: {}", impl_->rank, what(), link_->src,
-                            link_->dst, ncclGetErrorString(state));
     }
     return false;
   }
@@ -251,129 +430,43 @@ class NcclWork final : public Work {
     // the one current at isend/irecv. Ordering it after the done event makes a received tensor safe to read
     // and a sent one safe to overwrite on that stream. (The event has completed, so this costs nothing; it
     // keeps the contract independent of the host-side polling above.)
-    TWOBP_CUDA_CHECK(cudaStreamWaitEvent(c10::cuda::getCurrentCUDAStream(impl_->device).stream(), done_, 0));
+    TWOBP_CUDA_CHECK(
+        cudaStreamWaitEvent(c10::cuda::getCurrentCUDAStream(impl_->device).stream(), done_->done, 0));
   }
 
   std::shared_ptr<NcclTransport::Impl> impl_;
-  Link* link_;  // owned by impl_->links (a std::map: stable address)
+  Channel* channel_;  // owned by impl_->mine (a std::map: stable address)
   bool is_send_;
   P2POptions options_;
   cudaEvent_t ready_ = nullptr;
-  cudaEvent_t done_ = nullptr;
+  std::shared_ptr<PendingDone> done_;
   bool finished_ = false;
 };
 
 }  // namespace
 }  // namespace detail
 
-NcclTransport::NcclTransport(const MpiEnvironment& env, NcclOptions options) : impl_(std::make_shared<Impl>()) {
-  auto& im = *impl_;
-  im.rank = env.rank();
-  im.world = env.world_size();
-  im.mpi = std::make_unique<MpiTransport>(env);
-  const auto deadline = detail::deadline_after(options.init_timeout);
-
-  int count = 0;
-  TWOBP_CUDA_CHECK(cudaGetDeviceCount(&count));
-  im.device = options.device >= 0 ? options.device : env.local_rank();
-  TWOBP_CHECK(im.device < count, UsageError,
-              "rank {}: NcclTransport: CUDA device {} does not exist ({} visible; local rank {}): run at most one "
-              "rank per GPU",
-              im.rank, im.device, count, env.local_rank());
-  c10::cuda::set_device(static_cast<c10::DeviceIndex>(im.device));
-  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(im.device));
-
-  im.all_links = options.links.empty() ? ring_links(im.world) : options.links;
-  for (const auto& [src, dst] : im.all_links) {
-    TWOBP_CHECK(src >= 0 && src < im.world && dst >= 0 && dst < im.world && src != dst, UsageError,
-                "rank {}: NcclOptions::links: invalid link {} -> {} (world size {})", im.rank, src, dst, im.world);
-  }
-  std::sort(im.all_links.begin(), im.all_links.end());
-  im.all_links.erase(std::unique(im.all_links.begin(), im.all_links.end()), im.all_links.end());
-
-  // Bootstrap over a private MPI communicator: rank 0 creates one NCCL unique id per link and broadcasts them
-  // together with its link list, which every rank compares with its own.
-  MPI_Comm boot = MPI_COMM_NULL;
-  TWOBP_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &boot));
-  struct CommFree {
-    MPI_Comm* c;
-    ~CommFree() { MPI_Comm_free(c); }
-  } free_boot{&boot};
-  TWOBP_MPI_CHECK(MPI_Comm_set_errhandler(boot, MPI_ERRORS_RETURN));
-  // WHY heap buffers deleted only on success: after a timeout the broadcast may still complete later and
-  // write into them, so they are leaked then rather than freed under MPI.
-  auto* count_buf = new std::int64_t(static_cast<std::int64_t>(im.all_links.size()));
-  MPI_Request request = MPI_REQUEST_NULL;
-  TWOBP_MPI_CHECK(MPI_Ibcast(count_buf, 1, MPI_INT64_T, 0, boot, &request));
-  detail::mpi_poll(request, deadline, im.rank, "broadcasting the link count", options.init_timeout);
-  const std::int64_t n_links = *count_buf;
-  delete count_buf;
-  constexpr std::size_t kPerLink = 2 * sizeof(std::int32_t) + sizeof(ncclUniqueId);
-  auto* blob = new std::vector<char>(static_cast<std::size_t>(n_links) * kPerLink);
-  if (im.rank == 0) {
-    for (std::size_t k = 0; k < im.all_links.size(); ++k) {
-      char* p = blob->data() + k * kPerLink;
-      const std::int32_t ends[2] = {im.all_links[k].first, im.all_links[k].second};
-      std::memcpy(p, ends, sizeof(ends));
-      ncclUniqueId id;
-      TWOBP_NCCL_CHECK(ncclGetUniqueId(&id));
-      std::memcpy(p + sizeof(ends), &id, sizeof(id));
-    }
-  }
-  TWOBP_MPI_CHECK(MPI_Ibcast(blob->data(), static_cast<int>(blob->size()), MPI_BYTE, 0, boot, &request));
-  detail::mpi_poll(request, deadline, im.rank, "broadcasting the NCCL ids", options.init_timeout);
-  std::vector<std::pair<int, int>> root_links(static_cast<std::size_t>(n_links));
-  std::vector<ncclUniqueId> ids(static_cast<std::size_t>(n_links));
-  for (std::int64_t k = 0; k < n_links; ++k) {
-    const char* p = blob->data() + k * kPerLink;
-    std::int32_t ends[2];
-    std::memcpy(ends, p, sizeof(ends));
-    root_links[k] = {ends[0], ends[1]};
-    std::memcpy(&ids[k], p + sizeof(ends), sizeof(ncclUniqueId));
-  }
-  delete blob;
-  // Disagreeing ranks would wait for each other's communicators until the timeout: say what differs instead.
-  // (All ranks see rank 0's list, so all of them raise.)
-  TWOBP_CHECK(root_links == im.all_links, UsageError,
-              "rank {}: NcclOptions::links differ from rank 0's ({} links here, {} on rank 0): every rank must "
-              "pass the same list",
-              im.rank, im.all_links.size(), root_links.size());
-
-  // Eager creation in one global order. WHY a group: one thread creates several communicators whose peers
-  // create theirs in the same global order; grouped, NCCL connects them together instead of deadlocking on
-  // the first one. WHY nonblocking: so a missing peer makes us time out instead of hang.
-  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = 0;
-  auto create_links = [&] {
-    TWOBP_NCCL_CHECK(ncclGroupStart());
-    for (std::size_t k = 0; k < im.all_links.size(); ++k) {
-      const auto [src, dst] = im.all_links[k];
-      if (src != im.rank && dst != im.rank) continue;
-      detail::Link& l = im.links[{src, dst}];
-      l.src = src;
-      l.dst = dst;
-      TWOBP_NCCL_CHECK(ncclCommInitRankConfig(&l.comm, 2, ids[k], src == im.rank ? 0 : 1, &config));
-    }
-    TWOBP_NCCL_CHECK(ncclGroupEnd());
-    for (auto& [key, l] : im.links) {
-      im.settle(l, std::max(Duration(0), std::chrono::duration_cast<Duration>(deadline - Clock::now())),
-                fmt::format("creating the communicator of link {} -> {}", l.src, l.dst));
-      // A stream of its own per link; non-blocking w.r.t. the legacy default stream.
-      TWOBP_CUDA_CHECK(cudaStreamCreateWithFlags(&l.stream, cudaStreamNonBlocking));
-    }
-  };
-  try {
-    create_links();
-  } catch (...) {
-    // A half-created set of communicators cannot be finalized politely: abort them all.
-    for (auto& [key, l] : im.links) {
-      if (l.comm != nullptr) ncclCommAbort(l.comm);
-      l.comm = nullptr;
-      l.broken = true;
-    }
-    throw;
-  }
+NcclTransport::NcclTransport(std::shared_ptr<Transport> host, NcclOptions options) : impl_(std::make_shared<Impl>()) {
+  TWOBP_CHECK(host != nullptr, UsageError, "NcclTransport: the host transport is null");
+  TWOBP_CHECK(host->device().is_cpu(), UsageError,
+              "NcclTransport: the host transport ({}) must move CPU tensors (MpiTransport, StoreTransport)",
+              host->name());
+  impl_->host = std::move(host);
+  impl_->init(options);
 }
+
+#if TWOBP_HAVE_MPI
+namespace {
+NcclOptions with_local(NcclOptions options, const MpiEnvironment& env) {
+  options.local_rank = env.local_rank();
+  options.local_size = env.local_size();
+  return options;
+}
+}  // namespace
+
+NcclTransport::NcclTransport(const MpiEnvironment& env, NcclOptions options)
+    : NcclTransport(std::make_shared<MpiTransport>(env), with_local(std::move(options), env)) {}
+#endif
 
 NcclTransport::~NcclTransport() = default;
 
@@ -399,60 +492,62 @@ std::unique_ptr<Work> NcclTransport::post(bool is_send, const at::Tensor& tensor
   TWOBP_CHECK(tensor.is_cuda() && tensor.device().index() == im.device, UsageError,
               "rank {}: {} {}: NcclTransport moves tensors on cuda:{}, got one on {}", im.rank, what,
               detail::describe_op(options), im.device, tensor.device().str());
-  detail::Link& link = is_send ? im.link(im.rank, options.peer, what, options)
-                               : im.link(options.peer, im.rank, what, options);
-  const int peer_in_link = link.src == im.rank ? 1 : 0;
+  detail::Channel& ch = is_send ? im.channel(im.rank, options.peer, what, options)
+                                : im.channel(options.peer, im.rank, what, options);
+  const std::string op = fmt::format("{} {}", what, detail::describe_op(options));
+  // NCCL forbids a new call on a nonblocking communicator whose previous one is still being enqueued. After the
+  // warm-up this is a local matter (no peer involved); it is bounded by the caller's timeout all the same.
+  ch.settle(im.rank, options.timeout, op);
+  const int peer_in_comm = ch.src == im.rank ? 1 : 0;
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(im.device));
   const auto compute = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(im.device));
-  auto work = std::make_unique<detail::NcclWork>(impl_, &link, is_send, options);
+  auto work = std::make_unique<detail::NcclWork>(impl_, &ch, is_send, options);
 
   // SYNC POINT (producer side): the tensor was produced -- for a receive buffer: last used -- by work queued on
-  // the compute stream. The link stream must not read (send) or overwrite (receive) it before that finished.
+  // the compute stream. The channel stream must not read (send) or overwrite (receive) it before that finished.
   TWOBP_CUDA_CHECK(cudaEventRecord(work->ready(), compute.stream()));
-  TWOBP_CUDA_CHECK(cudaStreamWaitEvent(link.stream, work->ready(), 0));
+  TWOBP_CUDA_CHECK(cudaStreamWaitEvent(ch.stream, work->ready(), 0));
   const std::size_t bytes = tensor.nbytes();
   if (bytes > 0) {  // both ends agree on the size, so both skip an empty transfer
     // Bytes, not elements: every dtype (fp8, complex, bool) travels the same way.
     if (is_send) {
-      TWOBP_NCCL_CHECK(ncclSend(tensor.data_ptr(), bytes, ncclUint8, peer_in_link, link.comm, link.stream));
+      TWOBP_NCCL_CHECK(ncclSend(tensor.data_ptr(), bytes, ncclUint8, peer_in_comm, ch.comm, ch.stream));
     } else {
-      TWOBP_NCCL_CHECK(ncclRecv(tensor.data_ptr(), bytes, ncclUint8, peer_in_link, link.comm, link.stream));
+      TWOBP_NCCL_CHECK(ncclRecv(tensor.data_ptr(), bytes, ncclUint8, peer_in_comm, ch.comm, ch.stream));
     }
-    im.settle(link, Duration(60000), fmt::format("{} {}", what, detail::describe_op(options)));
     // SYNC POINT (memory lifetime): the caching allocator would give this memory to a new tensor as soon as the
-    // caller drops its reference, although the link stream may still be using it. recordStream delays reuse
-    // until the work queued so far on the link stream is done.
+    // caller drops its reference, although the channel stream may still be using it. recordStream delays reuse
+    // until the work queued so far on the channel stream is done.
     c10::cuda::CUDACachingAllocator::recordStream(
         tensor.storage().data_ptr(),
-        c10::cuda::getStreamFromExternal(link.stream, static_cast<c10::DeviceIndex>(im.device)));
+        c10::cuda::getStreamFromExternal(ch.stream, static_cast<c10::DeviceIndex>(im.device)));
   }
-  TWOBP_CUDA_CHECK(cudaEventRecord(work->done(), link.stream));
+  // Never block here on the peer: if NCCL is still enqueuing (nonblocking communicator), the done event is
+  // recorded when the communicator settles (Work polls, or the next post on this channel).
+  ch.unsettled = work->done();
+  ch.settled(im.rank, op);
   return work;
 }
 
 void NcclTransport::all_reduce_sum(at::Tensor& tensor, Duration timeout) {
   TWOBP_CHECK(tensor.defined(), UsageError, "rank {}: all_reduce_sum of an undefined tensor", impl_->rank);
-  // WHY over MPI on a CPU copy: this is for a handful of scalars (loss, gradient norm). The device-to-host
-  // copy synchronizes with the compute stream that produced the values; a world NCCL communicator would cost
-  // memory and setup time on every rank for no measurable gain.
+  // WHY over the host transport on a CPU copy: this is for a handful of scalars (loss, gradient norm). The
+  // device-to-host copy synchronizes with the compute stream that produced the values; a world NCCL
+  // communicator would cost memory and setup time on every rank for no measurable gain.
   at::Tensor cpu = tensor.to(c10::kCPU).contiguous();
-  impl_->mpi->all_reduce_sum(cpu, timeout);
+  impl_->host->all_reduce_sum(cpu, timeout);
   tensor.copy_(cpu);
 }
 
-void NcclTransport::barrier(Duration timeout) { impl_->mpi->barrier(timeout); }
+void NcclTransport::barrier(Duration timeout) { impl_->host->barrier(timeout); }
 
 void NcclTransport::abort(const std::string& reason) {
-  // Abort the communicators first: MPI_Abort may take a moment to kill us, and the peers' NCCL kernels should
-  // not wait on ours meanwhile.
-  for (auto& [key, link] : impl_->links) {
-    if (link.comm != nullptr) ncclCommAbort(link.comm);
-    link.comm = nullptr;
-    link.broken = true;
-  }
-  impl_->mpi->abort(reason);
+  // Abort the communicators first: the host's abort may take a moment (MPI_Abort kills the job), and the peers'
+  // NCCL kernels should not wait on ours meanwhile.
+  impl_->abort_all();
+  impl_->host->abort(reason);
 }
 
 }  // namespace twobp
 
-#endif  // TWOBP_HAVE_NCCL && TWOBP_HAVE_MPI
+#endif  // TWOBP_HAVE_NCCL

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "common/spawn_ranks.h"
 #include "common/temp_files.h"
 #include "twobp/schedule/schedule.h"
 
@@ -104,6 +105,32 @@ TEST(LlamaPipeline, ScheduleFileRunsLikeTheNamedSchedule) {
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("zbh1.schedule"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("asked for 8"), std::string::npos) << r.output;
+}
+
+// Launched the torchrun way (RANK, WORLD_SIZE, ..., MASTER_ADDR/PORT; no MPI): two processes meet at rank 0's
+// TCPStore and give exactly the losses of the same run as threads.
+TEST(LlamaPipeline, LaunchedAsProcessesWithoutMpiMatchesThreads) {
+  const auto threads = train("threads", "--schedule zb-v --chunks-per-rank 2 --steps 2");
+  const int port = twobp::testing::free_port();
+  ASSERT_GT(port, 0);
+  const auto json = work_dir() + "/processes.json";
+  std::string cmd = "unset OMPI_COMM_WORLD_SIZE OMPI_COMM_WORLD_RANK PMI_RANK PMI_SIZE PMIX_RANK SLURM_PROCID; ";
+  for (int r : {1, 0}) {
+    cmd += "RANK=" + std::to_string(r) + " WORLD_SIZE=2 LOCAL_RANK=" + std::to_string(r) +
+           " LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) + " timeout 120 " +
+           LLAMA_PIPELINE_BIN + " " + kBase + "--schedule zb-v --chunks-per-rank 2 --steps 2" +
+           (r == 0 ? " --json " + json + " > " + work_dir() + "/rank0.log 2>&1; rc0=$?; " : " > " + work_dir() + "/rank1.log 2>&1 & ");
+  }
+  cmd += "wait $!; rc1=$?; cat " + work_dir() + "/rank0.log " + work_dir() + "/rank1.log; exit $((rc0 + rc1))";
+  FILE* pipe = ::popen(("bash -c '" + cmd + "'").c_str(), "r");
+  ASSERT_NE(pipe, nullptr);
+  std::string output;
+  char buffer[4096];
+  while (std::fgets(buffer, sizeof(buffer), pipe) != nullptr) output += buffer;
+  const int status = ::pclose(pipe);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << output;
+  EXPECT_NE(output.find("processes, torchrun + TCPStore"), std::string::npos) << output;
+  expect_close(threads, losses_of(json), 1e-12, "processes vs threads, step ");
 }
 
 TEST(LlamaPipeline, ResumeReproducesUninterruptedRun) {

@@ -7,6 +7,7 @@
 #include <exception>
 #include <thread>
 
+#include "common/pairing_schedule.h"
 #include "common/pipeline_fixtures.h"
 #include "twobp/error.h"
 #include "twobp/runtime/pipeline.h"
@@ -25,8 +26,9 @@ struct RankRun {
 // rank on its own thread.
 std::vector<RankRun> run_pipeline(const Schedule& schedule, const torch::Tensor& inputs, const torch::Tensor& targets,
                                   PipelineOptions options, int steps = 1,
-                                  std::function<void(int rank, Pipeline&)> before_step = nullptr) {
-  auto transports = make_local_transports(schedule.num_ranks);
+                                  std::function<void(int rank, Pipeline&)> before_step = nullptr,
+                                  LocalOptions transport_options = {}) {
+  auto transports = make_local_transports(schedule.num_ranks, transport_options);
   std::vector<RankRun> runs(schedule.num_ranks);
   std::vector<std::unique_ptr<Pipeline>> pipelines;
   for (int r = 0; r < schedule.num_ranks; ++r) {
@@ -70,6 +72,7 @@ struct ParityCase {
   std::string schedule;
   BackwardMode mode;
   int p, m;
+  Pairing pairing = Pairing::kByTag;  // of the Local transport: kInOrderPerChannel pairs like NCCL
 };
 
 class PipelineParity : public ::testing::TestWithParam<ParityCase> {
@@ -90,7 +93,9 @@ TEST_P(PipelineParity, LossesAndGradientsMatchSingleProcess) {
   auto inputs = torch::randn({c.m * kMicroBatchSize, kDim});
   auto targets = torch::randn({c.m * kMicroBatchSize, kDim});
   Reference ref = run_reference(schedule.num_stages, c.m, inputs, targets);
-  auto runs = run_pipeline(schedule, inputs, targets, default_options());
+  LocalOptions transport_options;
+  transport_options.pairing = c.pairing;
+  auto runs = run_pipeline(schedule, inputs, targets, default_options(), 1, nullptr, transport_options);
   for (int r = 0; r < c.p; ++r) {
     if (runs[r].error) std::rethrow_exception(runs[r].error);
   }
@@ -116,7 +121,9 @@ std::vector<ParityCase> all_cases() {
   for (const auto& name : builtin_schedule_names()) {
     for (BackwardMode mode : {BackwardMode::kStandard, BackwardMode::kSplit}) {
       for (auto [p, m] : std::vector<std::pair<int, int>>{{2, 2}, {2, 4}, {4, 4}, {4, 8}}) {
-        cases.push_back({name, mode, p, m});
+        for (Pairing pairing : {Pairing::kByTag, Pairing::kInOrderPerChannel}) {
+          cases.push_back({name, mode, p, m, pairing});
+        }
       }
     }
   }
@@ -125,7 +132,8 @@ std::vector<ParityCase> all_cases() {
 
 INSTANTIATE_TEST_SUITE_P(AllSchedules, PipelineParity, ::testing::ValuesIn(all_cases()), [](const auto& info) {
   std::string n = info.param.schedule + (info.param.mode == BackwardMode::kSplit ? "_2bp" : "_standard") + "_p" +
-                  std::to_string(info.param.p) + "_m" + std::to_string(info.param.m);
+                  std::to_string(info.param.p) + "_m" + std::to_string(info.param.m) +
+                  (info.param.pairing == Pairing::kByTag ? "" : "_in_order");
   for (auto& ch : n) {
     if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
   }
@@ -214,6 +222,38 @@ TEST_F(PipelineFailures, BatchThatDoesNotSplitIntoMicroBatches) {
   ASSERT_TRUE(runs[0].error);
   EXPECT_NE(message_of(runs[0].error).find("cannot be split into 2 micro-batches"), std::string::npos)
       << message_of(runs[0].error);
+}
+
+// A schedule that only by-tag transports can pair: it runs correctly on one, and a Pipeline on an in-order
+// transport refuses it at construction, naming the channel, instead of swapping tensors at step 1.
+TEST(PipelineSetup, ScheduleTheTransportCannotPairIsRefusedBeforeStepOne) {
+  Float64Default float64;
+  const Schedule schedule = breadth_first_vs_depth_first();
+  torch::manual_seed(5);
+  auto inputs = torch::randn({2 * kMicroBatchSize, kDim}), targets = torch::randn({2 * kMicroBatchSize, kDim});
+  Reference ref = run_reference(schedule.num_stages, 2, inputs, targets);
+  auto runs = run_pipeline(schedule, inputs, targets, default_options());
+  for (const auto& run : runs) {
+    if (run.error) std::rethrow_exception(run.error);
+  }
+  for (int mb = 0; mb < 2; ++mb) EXPECT_NEAR(runs[1].result.losses[mb], ref.losses[mb], 1e-12);
+
+  LocalOptions in_order;
+  in_order.pairing = Pairing::kInOrderPerChannel;
+  auto transports = make_local_transports(2, in_order);
+  std::vector<PipelineChunk> chunks;
+  for (int s : {1, 3}) {
+    auto module = make_chunk(s);
+    chunks.push_back({s, module, [raw = module.get(), s](const at::Tensor& x) { return run_chunk(*raw, s, x); }});
+  }
+  try {
+    Pipeline(schedule, std::move(chunks), std::move(transports[1]), default_options());
+    ADD_FAILURE() << "expected ScheduleError";
+  } catch (const ScheduleError& e) {
+    EXPECT_NE(std::string(e.what()).find("in-order pairing: on channel 0 (activations) from rank 0 to rank 1"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(PipelineSetup, ChunkOnTheWrongRankIsRejected) {

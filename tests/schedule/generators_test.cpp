@@ -144,7 +144,7 @@ TEST(Generators, WideSweepValidates) {
 // Micro-batches go in increasing order per stage for F and for I/B; the transport relies on it.
 TEST(Generators, IncreasingMicroBatchOrderPerStage) {
   for (const std::string& name : builtin_schedule_names()) {
-    ScheduleOptions o{4, 8, name == "interleaved-1f1b" || name == "zb-v" ? 2 : 1, BackwardMode::kSplit};
+    const ScheduleOptions o = default_schedule_options(name, 4, 8, BackwardMode::kSplit);
     const Schedule sc = make_schedule(name, o);
     for (const auto& list : sc.actions) {
       std::map<std::pair<int, int>, int> last;

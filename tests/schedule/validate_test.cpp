@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <string>
 
+#include "common/pairing_schedule.h"
 #include "schedule/schedule_test_util.h"
 #include "twobp/error.h"
 #include "twobp/schedule/schedule.h"
@@ -166,6 +167,51 @@ TEST(Validate, SimulateReportsDeadlockToo) {
   Schedule sc = two_stage({{act(RB, 0, {0}), act(F, 0, {0}), act(SF, 0, {0}), act(B, 0, {0})},
                            {act(RF, 1, {0}), act(F, 1, {0}), act(B, 1, {0}), act(SB, 1, {0})}});
   EXPECT_THROW(simulate(sc, CostModel::uniform(2, 1, 1, 1)), ScheduleError);
+}
+
+// Pairing: a schedule valid for by-tag transports, whose activation channel 0 -> 1 is posted in different orders.
+TEST(ValidatePairing, InOrderTransportsRejectDifferentPostingOrders) {
+  const Schedule sc = testing::breadth_first_vs_depth_first();
+  EXPECT_NO_THROW(validate(sc, Pairing::kByTag));
+  try {
+    validate(sc, Pairing::kInOrderPerChannel);
+    ADD_FAILURE() << "expected ScheduleError";
+  } catch (const ScheduleError& e) {
+    const std::string what = e.what();
+    for (const char* word : {"in-order pairing", "channel 0 (activations) from rank 0 to rank 1", "receive #1",
+                             "RECV_F stage 3 micro-batch 0", "SEND_F stage 0 micro-batch 1", "rank 1"}) {
+      EXPECT_NE(what.find(word), std::string::npos) << "'" << word << "' not in:\n" << what;
+    }
+  }
+}
+
+TEST(ValidatePairing, ChannelsSeparateActivationsFromGradients) {
+  EXPECT_EQ(message_channel(act(SF, 0, {0})), 0);
+  EXPECT_EQ(message_channel(act(RF, 1, {0})), 0);
+  EXPECT_EQ(message_channel(act(SB, 1, {0})), 1);
+  EXPECT_EQ(message_channel(act(RB, 0, {0})), 1);
+  EXPECT_THROW(message_channel(act(F, 0, {0})), ScheduleError);
+  EXPECT_EQ(pairing_of("nccl"), Pairing::kInOrderPerChannel);
+  EXPECT_EQ(pairing_of("local-in-order"), Pairing::kInOrderPerChannel);
+  EXPECT_EQ(pairing_of("mpi"), Pairing::kByTag);
+  EXPECT_THROW(pairing_of("carrier-pigeon"), UsageError);
+}
+
+// Every built-in schedule pairs on in-order transports thanks to the channels (zb-v would not with one channel
+// per rank pair: its links carry activations of one chunk and gradients of the other). twobp_bench
+// check-schedules covers p up to 8; this is the quick guard.
+TEST(ValidatePairing, EveryBuiltinSchedulePairsInOrder) {
+  for (const auto& name : builtin_schedule_names()) {
+    for (BackwardMode mode : {BackwardMode::kStandard, BackwardMode::kSplit}) {
+      for (int p : {2, 3, 4}) {
+        for (int m : {p, 2 * p, 3 * p}) {
+          const ScheduleOptions so = default_schedule_options(name, p, m, mode);
+          EXPECT_NO_THROW(validate(make_schedule(name, so), Pairing::kInOrderPerChannel))
+              << name << " p=" << p << " m=" << m;
+        }
+      }
+    }
+  }
 }
 
 }  // namespace

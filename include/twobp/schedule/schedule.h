@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "twobp/schedule/action.h"
+#include "twobp/transport/pairing.h"
 
 namespace twobp {
 
@@ -110,6 +111,17 @@ int peer_rank(const Schedule& schedule, const Action& action);
 /// of the link and dir is 0 for activations (SEND_F/RECV_F) and 1 for gradients (SEND_B/RECV_B).
 std::int64_t message_tag(const Schedule& schedule, const Action& action);
 
+/// Channels of a schedule's messages: activations (SEND_F/RECV_F) travel on channel 0, gradients (SEND_B/RECV_B)
+/// on channel 1, so a channel -- (source rank, destination rank, channel) -- carries one kind of tensor in one
+/// direction. In-order transports (Pairing::kInOrderPerChannel) pair messages per channel; this split is what makes
+/// every built-in schedule, zb-v included, pair correctly on them (validate() checks it).
+constexpr int kNumMessageChannels = 2;
+
+/// For a communication action: its channel in [0, kNumMessageChannels), identical for a SEND and its matching RECV.
+/// The one place the action -> channel mapping is written: validate(), the Pipeline (P2POptions::channel) and
+/// through it every transport read it here. Throws ScheduleError for compute actions.
+int message_channel(const Action& action);
+
 /// Text form: a header line, then one action per line. dump() and load() round-trip exactly.
 std::string dump_schedule(const Schedule& schedule);
 /// Parses the text form; throws ScheduleError naming the line number and what was expected.
@@ -134,9 +146,12 @@ Schedule resolve_schedule(const ScheduleChoice& choice, int ranks, int micro_bat
 std::string render_grid(const Schedule& schedule, const Action* mark = nullptr, int mark_rank = -1);
 
 /// Checks ordering (F before I/B, I before W, stage dependencies across ranks), send/recv matching, that every
-/// (stage, micro-batch) is computed exactly once, and that a dry run cannot deadlock. Throws ScheduleError with
-/// the grid and the offending action marked.
-void validate(const Schedule& schedule);
+/// (stage, micro-batch) is computed exactly once, and that a dry run cannot deadlock. With
+/// Pairing::kInOrderPerChannel it also checks that on every channel (see message_channel) the sender posts its
+/// sends in the order the receiver posts its receives -- the Pipeline posts both in action-list order -- since
+/// such a transport would otherwise deliver tensors to the wrong buffers. Throws ScheduleError with the grid and
+/// the offending action marked.
+void validate(const Schedule& schedule, Pairing pairing = Pairing::kByTag);
 
 /// Per-action costs for the simulator, in any time unit (the result uses the same unit).
 struct CostModel {

@@ -8,7 +8,9 @@
 
 namespace twobp {
 
-/// One executed action. Times are microseconds since the recording rank entered Pipeline::step (steady clock).
+/// One executed action. Times are microseconds since the recording rank entered Pipeline::step: on the host's
+/// steady clock for CPU transports; on a GPU transport from timing events on the rank's current stream (when the
+/// GPU ran the action, not when the host enqueued it).
 /// Ranks' clocks are not synchronised: a trace of several ranks is aligned at their step starts, which is exact
 /// only as far as the ranks enter the step together (twobp_bench puts a barrier right before it; see
 /// docs/BENCHMARKS.md).

@@ -14,6 +14,14 @@ struct LocalOptions {
   /// send). true: a send completes only once the receiver has posted the matching irecv, as with NCCL and
   /// large MPI messages. Use true to check that a schedule does not rely on buffered sends to make progress.
   bool synchronous_sends = false;
+  /// kByTag (default): messages are matched by (source, destination, tag). kInOrderPerChannel: matched like NCCL,
+  /// in posting order per (source, destination, P2POptions::channel), tags ignored for matching -- but where NCCL
+  /// would silently deliver a wrong message, wait() raises UsageError naming both operations (their tags differ).
+  /// Run the CPU tests in this mode to catch schedules and callers that only work when messages carry tags.
+  Pairing pairing = Pairing::kByTag;
+  /// Device of each rank's tensors (device(), where a Pipeline allocates receive buffers): empty = CPU for every
+  /// rank, one entry = the same device for all ranks, else one entry per rank. Several ranks may share a GPU.
+  std::vector<c10::Device> devices;
 };
 
 namespace detail {
@@ -26,12 +34,17 @@ struct LocalGroupState;
 /// shared state is guarded by one mutex, the waits use condition variables with deadlines.
 ///
 /// Semantics:
-///  - isend clones the tensor into the mailbox keyed by (src, dst, tag), so the sender may reuse its buffer as
+///  - isend clones the tensor into the mailbox keyed by (src, dst, tag) -- (src, dst, channel) with in-order
+///    pairing --, so the sender may reuse its buffer as
 ///    soon as isend returned (the Transport contract still says: after wait()). Messages with equal keys are
 ///    delivered in the order they were sent.
 ///  - irecv is matched against the mailbox when posted or when the message arrives; wait() copies the message
 ///    into the buffer after checking shape and dtype (UsageError naming both ranks, the label, expected and
 ///    actual shape/dtype). Destroying an unfinished receive Work withdraws the posted receive.
+///  - Device tensors (ranks as threads sharing GPUs, each thread on its own CUDA stream): isend clones on the
+///    sender's current stream and records an event there; the receiver's current stream waits for that event
+///    before copying into the buffer, and the payload's memory is marked in use on the receiver's stream, so no
+///    stream reads data before it was written or after it was freed. No host synchronisation.
 ///  - abort(reason) on any rank makes every pending and future wait, all_reduce_sum and barrier on all ranks
 ///    throw TransportError naming the aborting rank and its reason.
 ///  - all_reduce_sum sums in rank order (0, 1, ...), so results are bitwise reproducible. all_reduce_sum and
@@ -44,8 +57,9 @@ class LocalTransport final : public Transport {
 
   int rank() const override { return rank_; }
   int world_size() const override;
-  c10::Device device() const override { return c10::Device(c10::kCPU); }
-  std::string name() const override { return "local"; }
+  c10::Device device() const override;
+  std::string name() const override;
+  Pairing pairing() const override;
 
   std::unique_ptr<Work> isend(const at::Tensor& tensor, const P2POptions& options) override;
   std::unique_ptr<Work> irecv(at::Tensor& buffer, const P2POptions& options) override;

@@ -86,6 +86,7 @@ class MpiTransport final : public Transport {
   int world_size() const override;
   c10::Device device() const override { return c10::Device(c10::kCPU); }
   std::string name() const override { return "mpi"; }
+  Pairing pairing() const override { return pairing_of("mpi"); }
 
   std::unique_ptr<Work> isend(const at::Tensor& tensor, const P2POptions& options) override;
   std::unique_ptr<Work> irecv(at::Tensor& buffer, const P2POptions& options) override;

@@ -1,18 +1,21 @@
 #pragma once
-// NcclTransport: CUDA tensors between processes, one rank per GPU. Built only when both NCCL and MPI were
-// found: the NCCL unique ids are bootstrapped over MPI, and all_reduce_sum / barrier / abort go through MPI.
+// NcclTransport: CUDA tensors between processes, one rank per GPU. Built when NCCL was found. The NCCL unique
+// ids are bootstrapped, and all_reduce_sum / barrier / abort run, over a host (CPU) transport: MpiTransport under
+// mpirun, StoreTransport (a c10d::TCPStore) under torchrun or srun.
 
+#include <memory>
 #include <utility>
 #include <vector>
 
 #include "twobp/config.h"
+#include "twobp/schedule/schedule.h"
 #include "twobp/transport/transport.h"
 
-#if TWOBP_HAVE_NCCL && TWOBP_HAVE_MPI
+#if TWOBP_HAVE_NCCL
 
-#include <memory>
-
+#if TWOBP_HAVE_MPI
 #include "twobp/transport/mpi.h"
+#endif
 
 namespace twobp {
 
@@ -21,46 +24,66 @@ namespace twobp {
 std::vector<std::pair<int, int>> ring_links(int world_size);
 
 struct NcclOptions {
-  /// CUDA device of this rank; -1 = the node-local MPI rank (MpiEnvironment::local_rank()).
+  /// CUDA device of this rank; -1 = choose_cuda_device(local_rank, local_size, visible devices) (launch.h).
   int device = -1;
+  /// This rank's position among the ranks of its node, for the default device. The MpiEnvironment constructor
+  /// fills them in; with another host transport take them from LaunchEnv (launch.h).
+  int local_rank = 0;
+  int local_size = 1;
   /// Ordered (src, dst) links that may carry isend(src -> dst); empty = ring_links(world_size). Every rank
   /// must pass the same list (checked against rank 0's).
   std::vector<std::pair<int, int>> links;
-  /// Bound on the collective construction (id broadcast and communicator setup).
+  /// Channels per link (P2POptions::channel in [0, channels)): one communicator each. The default gives each
+  /// message kind of a schedule its own communicator (see message_channel), which is what makes every built-in
+  /// schedule pair correctly under NCCL's in-order rule.
+  int channels = kNumMessageChannels;
+  /// Bound on the collective construction (id broadcast, communicator setup and the warm-up exchange).
   Duration init_timeout{120000};
 };
 
-/// Point-to-point transport over NCCL.
+/// Point-to-point transport over NCCL. Pairing: Pairing::kInOrderPerChannel (NCCL ignores tags).
 ///
 /// Design:
-///  - One 2-rank communicator per ordered link (src is rank 0 in it), all created EAGERLY in the constructor in
-///    one global deterministic order (sorted links) inside ncclGroupStart/End, with nonblocking
-///    communicators so that setup is bounded by init_timeout. The constructor is collective over
-///    MPI_COMM_WORLD.
-///  - Each link has its own CUDA stream: a receive posted early on one link never blocks a send on another.
-///  - isend/irecv: the link stream waits for an event recorded on the current compute stream (where the tensor
-///    was produced), the transfer runs on the link stream (as bytes, so every dtype works), the caching
-///    allocator is told the buffer is in use there (recordStream), and a done event is recorded.
+///  - One 2-rank communicator per (link, channel) (src is rank 0 in it), all created EAGERLY in the constructor
+///    in one global deterministic order inside ncclGroupStart/End, nonblocking so that setup is bounded by
+///    init_timeout. The constructor is collective over the host transport.
+///  - WARM-UP: NCCL connects a pair lazily on its first operation, and that needs the peer to post the
+///    matching one. The constructor therefore exchanges one byte on every communicator, all in one group, so
+///    every connection is made at start-up, while every rank is known to be in the constructor. Afterwards an
+///    operation is handed to the GPU without waiting for the peer.
+///  - Each communicator has its own CUDA stream: a receive posted early on one never blocks a send on another.
+///  - isend/irecv never block the host on the peer: the channel stream waits for an event recorded on the
+///    current compute stream (where the tensor was produced), the transfer is enqueued on the channel stream (as
+///    bytes, so every dtype works), the caching allocator is told the buffer is in use there (recordStream), and
+///    a done event is recorded. If NCCL reports the enqueue as still in progress (nonblocking communicators), the
+///    done event is recorded once it settled -- by the Work's polls or by the next operation on the channel,
+///    which waits for it at most P2POptions::timeout.
 ///  - wait(timeout) polls the done event (and the communicator's async error) until done or the deadline, then
-///    makes the current compute stream wait for the done event. On timeout the link's communicator is aborted
-///    (ncclCommAbort): that link is unusable afterwards, further operations on it throw TransportError.
+///    makes the current compute stream wait for the done event. On timeout the channel's communicator is aborted
+///    (ncclCommAbort): that channel is unusable afterwards, further operations on it throw TransportError.
 ///  - NCCL transfers carry no header: shapes cannot be checked against the sender's. A mismatch is undefined
-///    (typically a TimeoutError); check pipelines with LocalTransport or MpiTransport first.
-///  - all_reduce_sum copies the tensor to the CPU and sums over MPI (it is meant for small tensors: losses,
-///    norms; no world communicator is created). barrier is an MPI barrier; it does not synchronize the GPU.
-///  - abort() aborts every NCCL communicator, then MPI_Abort: THE WHOLE JOB DIES.
+///    (typically a TimeoutError); check pipelines with LocalTransport (in-order mode) or MpiTransport first.
+///  - all_reduce_sum copies the tensor to the CPU and sums over the host transport (meant for small tensors:
+///    losses, norms; no world communicator is created). barrier is the host's; it does not synchronize the GPU.
+///  - abort() aborts every NCCL communicator, then the host transport (under MPI: THE WHOLE JOB DIES).
 ///
 /// Threading: use the transport from one thread. The constructor makes `device` the calling thread's
 /// current CUDA device. A Work keeps the transport's communicators alive until it is destroyed.
 class NcclTransport final : public Transport {
  public:
-  NcclTransport(const MpiEnvironment& env, NcclOptions options = {});
+  /// `host`: a CPU transport over the same ranks (MpiTransport, StoreTransport); shared, kept alive.
+  NcclTransport(std::shared_ptr<Transport> host, NcclOptions options = {});
+#if TWOBP_HAVE_MPI
+  /// Host transport: a new MpiTransport(env); local_rank/local_size from env.
+  explicit NcclTransport(const MpiEnvironment& env, NcclOptions options = {});
+#endif
   ~NcclTransport() override;
 
   int rank() const override;
   int world_size() const override;
   c10::Device device() const override;
   std::string name() const override { return "nccl"; }
+  Pairing pairing() const override { return pairing_of("nccl"); }
   /// All links of the job (not only this rank's), sorted.
   const std::vector<std::pair<int, int>>& links() const;
 
@@ -68,7 +91,7 @@ class NcclTransport final : public Transport {
   std::unique_ptr<Work> irecv(at::Tensor& buffer, const P2POptions& options) override;
   void all_reduce_sum(at::Tensor& tensor, Duration timeout) override;
   void barrier(Duration timeout) override;
-  [[noreturn]] void abort(const std::string& reason) override;
+  void abort(const std::string& reason) override;
 
   struct Impl;
 
@@ -80,4 +103,4 @@ class NcclTransport final : public Transport {
 
 }  // namespace twobp
 
-#endif  // TWOBP_HAVE_NCCL && TWOBP_HAVE_MPI
+#endif  // TWOBP_HAVE_NCCL

@@ -10,6 +10,8 @@
 #include <memory>
 #include <string>
 
+#include "twobp/transport/pairing.h"
+
 namespace twobp {
 
 using Clock = std::chrono::steady_clock;
@@ -32,10 +34,16 @@ class Work {
 
 /// Describes one point-to-point operation. `tag` must be unique among the operations in flight between the
 /// same pair of ranks; `label` ("SEND_F stage 1 micro-batch 3") is used in every error about the operation.
+/// `channel` selects the ordered stream of messages an in-order transport (Pairing::kInOrderPerChannel) pairs
+/// within; by-tag transports ignore it. The Pipeline sets it from message_channel(). `timeout` bounds any wait
+/// inside isend/irecv themselves (an in-order transport may have to wait until the previous operation on the
+/// channel was handed to the device); it never waits for the peer there.
 struct P2POptions {
   int peer = 0;
   std::int64_t tag = 0;
   std::string label;
+  int channel = 0;
+  Duration timeout = std::chrono::minutes(5);
 };
 
 class Transport {
@@ -47,6 +55,9 @@ class Transport {
   /// Device tensors live on (CPU for Local/MPI, the rank's GPU for NCCL).
   virtual c10::Device device() const = 0;
   virtual std::string name() const = 0;
+  /// How this transport pairs a receive with a send (see Pairing). A Pipeline refuses, before its first step, a
+  /// schedule that this rule cannot pair (validate(schedule, pairing())).
+  virtual Pairing pairing() const = 0;
 
   /// Sends `tensor` (contiguous) to options.peer. The tensor must not be modified until wait() returned.
   virtual std::unique_ptr<Work> isend(const at::Tensor& tensor, const P2POptions& options) = 0;

@@ -1,0 +1,306 @@
+// StoreTransport: see twobp/transport/store.h. Every store call goes through Impl::call, which turns c10d's
+// exceptions into TransportError naming this rank and the operation.
+
+#include "twobp/transport/store.h"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <cstring>
+#include <map>
+#include <utility>
+#include <vector>
+
+#include "transport/common.h"
+#include "util/check.h"
+
+namespace twobp {
+namespace {
+
+// Wire format of a message or a collective contribution: [dtype, ndim, dims...] as int64, then the bytes.
+std::vector<std::uint8_t> pack(const at::Tensor& t) {
+  const at::Tensor c = t.contiguous();
+  std::vector<std::int64_t> header{static_cast<std::int64_t>(c.scalar_type()), c.dim()};
+  for (auto d : c.sizes()) header.push_back(d);
+  std::vector<std::uint8_t> out(header.size() * sizeof(std::int64_t) + c.nbytes());
+  std::memcpy(out.data(), header.data(), header.size() * sizeof(std::int64_t));
+  if (c.nbytes() > 0) std::memcpy(out.data() + header.size() * sizeof(std::int64_t), c.data_ptr(), c.nbytes());
+  return out;
+}
+
+/// Shape and dtype of a packed value; `offset` is where the bytes begin. Returns false when malformed.
+bool unpack_header(const std::vector<std::uint8_t>& v, c10::ScalarType* dtype, std::vector<std::int64_t>* sizes,
+                   std::size_t* offset) {
+  if (v.size() < 2 * sizeof(std::int64_t)) return false;
+  std::int64_t head[2];
+  std::memcpy(head, v.data(), sizeof(head));
+  if (head[1] < 0 || head[1] > 64 || head[0] < 0 || head[0] >= static_cast<std::int64_t>(c10::ScalarType::NumOptions))
+    return false;
+  const std::size_t header = (2 + static_cast<std::size_t>(head[1])) * sizeof(std::int64_t);
+  if (v.size() < header) return false;
+  sizes->resize(static_cast<std::size_t>(head[1]));
+  std::memcpy(sizes->data(), v.data() + 2 * sizeof(std::int64_t), sizes->size() * sizeof(std::int64_t));
+  *dtype = static_cast<c10::ScalarType>(head[0]);
+  *offset = header;
+  return true;
+}
+
+}  // namespace
+
+struct StoreTransport::Impl {
+  int rank = 0;
+  int world = 1;
+  std::string prefix;
+  c10::intrusive_ptr<c10d::Store> store;
+  std::map<std::pair<int, std::int64_t>, std::int64_t> sent;      // (dst, tag) -> messages sent
+  std::map<std::pair<int, std::int64_t>, std::int64_t> received;  // (src, tag) -> receives posted
+  std::int64_t collectives = 0;                                   // sequence shared by all_reduce_sum and barrier
+  std::string broken;  // non-empty once a collective timed out: later ones throw it
+
+  std::string key(const std::string& suffix) const { return prefix + "/" + suffix; }
+  std::string abort_key() const { return key("abort"); }
+
+  template <typename F>
+  auto call(const std::string& what, F&& f) -> decltype(f()) {
+    try {
+      return f();
+    } catch (const c10::Error& e) {
+      detail::raise<TransportError>("rank {}: {}: the store (served by rank 0) failed: {}", rank, what,
+                                    e.what_without_backtrace());
+    }
+  }
+
+  /// Throws TransportError when some rank aborted.
+  void check_abort(const std::string& what) {
+    if (!call(what, [&] { return store->check({abort_key()}); })) return;
+    const auto v = call(what, [&] { return store->get(abort_key()); });
+    detail::raise<TransportError>("rank {}: {} failed: {}", rank, what, std::string(v.begin(), v.end()));
+  }
+
+  /// Polls until `k` exists (true), the deadline passes (false) or a rank aborted (throws). The abort key is
+  /// looked at on every poll, so an abort is seen within one back-off step.
+  bool poll_for(const std::string& k, Clock::time_point deadline, const std::string& what) {
+    detail::Backoff backoff(std::chrono::microseconds(2000));
+    for (;;) {
+      if (call(what, [&] { return store->check({k}); })) return true;
+      check_abort(what);
+      if (Clock::now() >= deadline) return false;
+      backoff.pause();
+    }
+  }
+
+  void collective(const char* kind, at::Tensor* tensor, Duration timeout);
+};
+
+namespace {
+
+class StoreSendWork final : public Work {
+ public:
+  void wait(Duration) override {}
+  bool is_completed() override { return true; }
+};
+
+class StoreRecvWork final : public Work {
+ public:
+  StoreRecvWork(std::shared_ptr<StoreTransport::Impl> impl, std::string key, at::Tensor buffer, P2POptions options)
+      : impl_(std::move(impl)), key_(std::move(key)), buffer_(std::move(buffer)), options_(std::move(options)) {}
+
+  void wait(Duration timeout) override {
+    if (finished_) return;
+    if (!impl_->poll_for(key_, detail::deadline_after(timeout), what())) {
+      detail::raise<TimeoutError>("rank {}: timed out after {} ms waiting for {}", impl_->rank, timeout.count(),
+                                  what());
+    }
+    finish();
+  }
+
+  bool is_completed() override {
+    if (finished_) return true;
+    if (!impl_->call(what(), [&] { return impl_->store->check({key_}); })) {
+      impl_->check_abort(what());
+      return false;
+    }
+    finish();
+    return true;
+  }
+
+ private:
+  std::string what() const { return fmt::format("{} from rank {}", detail::describe_op(options_), options_.peer); }
+
+  void finish() {
+    finished_ = true;
+    const auto v = impl_->call(what(), [&] { return impl_->store->get(key_); });
+    impl_->call(what(), [&] { return impl_->store->deleteKey(key_); });
+    c10::ScalarType dtype;
+    std::vector<std::int64_t> sizes;
+    std::size_t offset = 0;
+    TWOBP_CHECK(unpack_header(v, &dtype, &sizes, &offset), TransportError, "rank {}: {}: malformed message",
+                impl_->rank, what());
+    TWOBP_CHECK(at::IntArrayRef(sizes) == buffer_.sizes() && dtype == buffer_.scalar_type(), UsageError,
+                "rank {}: {}: expected {} but rank {} sent {}", impl_->rank, what(), detail::describe_tensor(buffer_),
+                options_.peer, detail::describe_tensor(sizes, dtype));
+    TWOBP_CHECK(v.size() - offset == buffer_.nbytes(), TransportError, "rank {}: {}: message has {} bytes, expected {}",
+                impl_->rank, what(), v.size() - offset, buffer_.nbytes());
+    if (buffer_.nbytes() > 0) std::memcpy(buffer_.data_ptr(), v.data() + offset, buffer_.nbytes());
+  }
+
+  std::shared_ptr<StoreTransport::Impl> impl_;
+  std::string key_;
+  at::Tensor buffer_;
+  P2POptions options_;
+  bool finished_ = false;
+};
+
+}  // namespace
+
+StoreTransport::StoreTransport(const LaunchEnv& env, StoreOptions options) : impl_(std::make_shared<Impl>()) {
+  auto& im = *impl_;
+  im.rank = env.rank;
+  im.world = env.world_size;
+  im.prefix = options.prefix;
+  TWOBP_CHECK(!env.master_addr.empty() && env.master_port > 0, UsageError,
+              "rank {}: StoreTransport: no rendezvous address: set MASTER_ADDR and MASTER_PORT (the host of rank 0 "
+              "and a free TCP port; torchrun sets both)",
+              env.rank);
+  c10d::TCPStoreOptions o;
+  o.port = static_cast<std::uint16_t>(env.master_port);
+  o.isServer = env.rank == 0 && !env.agent_store;  // under torchrun the agent's store is already there
+  o.numWorkers = static_cast<std::size_t>(env.world_size);
+  o.waitWorkers = false;  // the barrier below waits, with our timeout and error message
+  o.timeout = options.connect_timeout;
+  try {
+    im.store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, o);
+  } catch (const c10::Error& e) {
+    detail::raise<TransportError>("rank {}: StoreTransport: cannot {} the TCPStore at {}:{} within {} ms: {}",
+                                  env.rank, env.rank == 0 ? "serve" : "reach", env.master_addr, env.master_port,
+                                  options.connect_timeout.count(), e.what_without_backtrace());
+  }
+  barrier(options.connect_timeout);
+}
+
+StoreTransport::~StoreTransport() {
+  // Rank 0's process serves the store: it must outlive the other ranks' last reads. Every rank checks out; rank 0
+  // waits (bounded: a crashed rank never checks out) until all did or some rank aborted.
+  auto& im = *impl_;
+  try {
+    im.store->add(im.key("checked_out"), 1);
+    if (im.rank != 0) return;
+    const auto deadline = Clock::now() + Duration(10000);
+    detail::Backoff backoff(std::chrono::microseconds(2000));
+    while (im.store->add(im.key("checked_out"), 0) < im.world && !im.store->check({im.abort_key()}) &&
+           Clock::now() < deadline) {
+      backoff.pause();
+    }
+  } catch (const std::exception&) {
+    // Destructors do not throw; a broken store has nobody left to wait for.
+  }
+}
+
+int StoreTransport::rank() const { return impl_->rank; }
+int StoreTransport::world_size() const { return impl_->world; }
+
+std::unique_ptr<Work> StoreTransport::isend(const at::Tensor& tensor, const P2POptions& options) {
+  auto& im = *impl_;
+  detail::check_p2p_args("isend", im.rank, im.world, tensor, options);
+  TWOBP_CHECK(tensor.is_cpu(), UsageError, "rank {}: isend {}: StoreTransport moves CPU tensors, got one on {}",
+              im.rank, detail::describe_op(options), tensor.device().str());
+  const std::string what = fmt::format("{} to rank {}", detail::describe_op(options), options.peer);
+  im.check_abort(what);
+  const std::int64_t n = im.sent[{options.peer, options.tag}]++;
+  const std::string k = im.key(fmt::format("p2p/{}/{}/{}/{}", im.rank, options.peer, options.tag, n));
+  const auto value = pack(tensor);
+  im.call(what, [&] {
+    im.store->set(k, value);
+    return 0;
+  });
+  return std::make_unique<StoreSendWork>();
+}
+
+std::unique_ptr<Work> StoreTransport::irecv(at::Tensor& buffer, const P2POptions& options) {
+  auto& im = *impl_;
+  detail::check_p2p_args("irecv", im.rank, im.world, buffer, options);
+  TWOBP_CHECK(buffer.is_cpu(), UsageError, "rank {}: irecv {}: StoreTransport moves CPU tensors, got one on {}",
+              im.rank, detail::describe_op(options), buffer.device().str());
+  const std::int64_t n = im.received[{options.peer, options.tag}]++;
+  const std::string k = im.key(fmt::format("p2p/{}/{}/{}/{}", options.peer, im.rank, options.tag, n));
+  return std::make_unique<StoreRecvWork>(impl_, k, buffer, options);
+}
+
+void StoreTransport::Impl::collective(const char* kind, at::Tensor* tensor, Duration timeout) {
+  const auto deadline = detail::deadline_after(timeout);
+  const std::int64_t g = collectives++;
+  const std::string what = fmt::format("{} #{}", kind, g);
+  TWOBP_CHECK(broken.empty(), TransportError, "rank {}: {} failed: {}", rank, what, broken);
+  check_abort(what);
+  // The contribution names the kind, so a rank calling barrier while another sums is a clear UsageError.
+  at::Tensor mine = tensor ? tensor->contiguous() : at::empty({0}, at::kByte);
+  auto value = pack(mine);
+  value.insert(value.begin(), kind, kind + std::strlen(kind) + 1);
+  call(what, [&] {
+    store->set(key(fmt::format("coll/{}/{}", g, rank)), value);
+    return 0;
+  });
+  at::Tensor sum;
+  for (int r = 0; r < world; ++r) {
+    const std::string k = key(fmt::format("coll/{}/{}", g, r));
+    if (!poll_for(k, deadline, what)) {
+      std::string missing;
+      for (int q = r; q < world; ++q) {
+        if (!call(what, [&] { return store->check({key(fmt::format("coll/{}/{}", g, q))}); })) {
+          missing += fmt::format("{}{}", missing.empty() ? "" : ", ", q);
+        }
+      }
+      broken = fmt::format("rank {}: timed out after {} ms in {} waiting for rank(s) {}", rank, timeout.count(),
+                           what, missing);
+      throw TimeoutError(broken);
+    }
+    auto v = call(what, [&] { return store->get(k); });
+    const std::size_t name_end = std::find(v.begin(), v.end(), std::uint8_t{0}) - v.begin();
+    const std::string other_kind(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(std::min(name_end, v.size())));
+    TWOBP_CHECK(other_kind == kind, UsageError,
+                "rank {} called {} while rank {} called {} (collective #{}): every rank must call the collectives in "
+                "the same order",
+                rank, kind, r, other_kind, g);
+    if (!tensor) continue;
+    v.erase(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(name_end + 1));
+    c10::ScalarType dtype;
+    std::vector<std::int64_t> sizes;
+    std::size_t offset = 0;
+    TWOBP_CHECK(unpack_header(v, &dtype, &sizes, &offset), TransportError, "rank {}: {}: malformed contribution",
+                rank, what);
+    TWOBP_CHECK(at::IntArrayRef(sizes) == mine.sizes() && dtype == mine.scalar_type(), UsageError,
+                "rank {}: {}: tensor {} does not match rank {}'s {}", rank, what, detail::describe_tensor(mine), r,
+                detail::describe_tensor(sizes, dtype));
+    at::Tensor part = at::empty(sizes, at::TensorOptions().dtype(dtype));
+    if (part.nbytes() > 0) std::memcpy(part.data_ptr(), v.data() + offset, part.nbytes());
+    sum = r == 0 ? part : sum.add_(part);  // rank order: bitwise reproducible
+  }
+  // The last rank to finish reading deletes the keys of this collective.
+  if (call(what, [&] { return store->add(key(fmt::format("coll/{}/done", g)), 1); }) == world) {
+    for (int r = 0; r < world; ++r) call(what, [&] { return store->deleteKey(key(fmt::format("coll/{}/{}", g, r))); });
+    call(what, [&] { return store->deleteKey(key(fmt::format("coll/{}/done", g))); });
+  }
+  if (tensor) tensor->copy_(sum);
+}
+
+void StoreTransport::all_reduce_sum(at::Tensor& tensor, Duration timeout) {
+  TWOBP_CHECK(tensor.defined() && tensor.is_cpu(), UsageError,
+              "rank {}: all_reduce_sum needs a defined CPU tensor", impl_->rank);
+  impl_->collective("all_reduce_sum", &tensor, timeout);
+}
+
+void StoreTransport::barrier(Duration timeout) { impl_->collective("barrier", nullptr, timeout); }
+
+void StoreTransport::abort(const std::string& reason) {
+  auto& im = *impl_;
+  // compareSet keeps the first abort's reason: that is what every rank reports.
+  const std::string v = fmt::format("rank {} aborted: {}", im.rank, reason);
+  try {
+    im.store->compareSet(im.abort_key(), {}, std::vector<std::uint8_t>(v.begin(), v.end()));
+  } catch (const std::exception&) {
+    // The store is gone (rank 0 died): the peers find out through their own store errors.
+  }
+}
+
+}  // namespace twobp

@@ -1,0 +1,108 @@
+#pragma once
+// Multi-process tests without MPI: the test executable starts copies of itself as the ranks of a job, with the
+// environment torchrun would give them, and checks their exit codes. Bounded: a stuck child is killed.
+
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+extern char** environ;
+
+namespace twobp::testing {
+
+/// A TCP port on 127.0.0.1 that was free a moment ago (0 if none could be found).
+inline int free_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof(addr);
+  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    if (fd >= 0) close(fd);
+    return 0;
+  }
+  const int port = ntohs(addr.sin_port);
+  close(fd);
+  return port;
+}
+
+/// Starts `world` copies of this executable, each running only the test `test` (a gtest filter) with a
+/// torchrun-like environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, a free
+/// MASTER_PORT; no MPI or Slurm variables), TWOBP_TEST_SCENARIO=scenario and `extra(rank)`'s variables. Returns
+/// their exit codes; children still running after `limit` are killed (code -9) and the test fails.
+inline std::vector<int> run_processes(const std::string& test, const std::string& scenario, int world,
+                                      std::chrono::seconds limit = std::chrono::seconds(60),
+                                      const std::function<std::vector<std::string>(int)>& extra = nullptr) {
+  const int port = free_port();
+  EXPECT_GT(port, 0) << "no free TCP port on 127.0.0.1";
+  std::vector<std::string> base;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string entry(*e);
+    // A test run under mpirun/srun must not hand its own launcher's variables to the children.
+    if (entry.rfind("OMPI_", 0) == 0 || entry.rfind("PMI", 0) == 0 || entry.rfind("SLURM_", 0) == 0) continue;
+    base.push_back(entry);
+  }
+  std::vector<pid_t> pids;
+  for (int r = 0; r < world; ++r) {
+    // The job's variables first: getenv() returns the first entry of a name, so they win over inherited ones.
+    std::vector<std::string> env{"RANK=" + std::to_string(r), "WORLD_SIZE=" + std::to_string(world),
+                                 "LOCAL_RANK=" + std::to_string(r), "LOCAL_WORLD_SIZE=" + std::to_string(world),
+                                 "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(port),
+                                 "TWOBP_TEST_SCENARIO=" + scenario};
+    if (extra) {
+      for (const std::string& kv : extra(r)) env.push_back(kv);
+    }
+    env.insert(env.end(), base.begin(), base.end());
+    std::vector<char*> envp;
+    for (auto& s : env) envp.push_back(s.data());
+    envp.push_back(nullptr);
+    std::string exe = "/proc/self/exe", filter = "--gtest_filter=" + test;
+    std::vector<char*> argv{exe.data(), filter.data(), nullptr};
+    pid_t pid = 0;
+    const int rc = posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv.data(), envp.data());
+    EXPECT_EQ(rc, 0) << "posix_spawn failed";
+    if (rc == 0) pids.push_back(pid);
+  }
+  std::vector<int> codes(pids.size(), -1);
+  std::vector<bool> done(pids.size(), false);
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  for (std::size_t left = pids.size(); left > 0;) {
+    for (std::size_t k = 0; k < pids.size(); ++k) {
+      if (done[k]) continue;
+      int status = 0;
+      if (waitpid(pids[k], &status, WNOHANG) == pids[k]) {
+        done[k] = true;
+        --left;
+        codes[k] = WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status);
+      }
+    }
+    if (left > 0 && std::chrono::steady_clock::now() > deadline) {
+      for (std::size_t k = 0; k < pids.size(); ++k) {
+        if (!done[k]) {
+          kill(pids[k], SIGKILL);
+          waitpid(pids[k], nullptr, 0);
+          codes[k] = -9;
+        }
+      }
+      ADD_FAILURE() << "scenario " << scenario << ": ranks still running after " << limit.count() << " s were killed";
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return codes;
+}
+
+}  // namespace twobp::testing

@@ -1,0 +1,231 @@
+// Launch without MPI: the launch environment (torchrun, srun, mpirun variables) and StoreTransport, whose ranks
+// meet at a c10d::TCPStore. The multi-process tests start real processes -- this executable again, with a
+// torchrun-like environment -- and check their exit status; every wait is bounded, a stuck child is killed.
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/pipeline_fixtures.h"
+#include "common/spawn_ranks.h"
+#include "twobp/error.h"
+#include "twobp/runtime/pipeline.h"
+#include "twobp/transport/launch.h"
+#include "twobp/transport/store.h"
+
+namespace twobp {
+namespace {
+
+constexpr Duration kLong{30000};
+
+// ---- launch environment ----
+
+TEST(LaunchEnv, Torchrun) {
+  auto l = launch_env_from({{"RANK", "3"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "2"},
+                            {"MASTER_ADDR", "node7"}, {"MASTER_PORT", "29400"}});
+  ASSERT_TRUE(l);
+  EXPECT_EQ(l->launcher, "torchrun");
+  EXPECT_EQ(l->rank, 3);
+  EXPECT_EQ(l->world_size, 8);
+  EXPECT_EQ(l->local_rank, 1);
+  EXPECT_EQ(l->local_size, 2);
+  EXPECT_EQ(l->master_addr, "node7");
+  EXPECT_EQ(l->master_port, 29400);
+  EXPECT_FALSE(l->agent_store);
+  auto agent = launch_env_from({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"TORCHELASTIC_USE_AGENT_STORE", "True"}});
+  ASSERT_TRUE(agent);
+  EXPECT_TRUE(agent->agent_store) << "under torchrun rank 0 must connect to the agent's store, not serve one";
+  EXPECT_EQ(agent->master_addr, "127.0.0.1");
+}
+
+TEST(LaunchEnv, SlurmOpenMpiPmiAndNone) {
+  auto s = launch_env_from({{"SLURM_PROCID", "5"}, {"SLURM_STEP_ID", "0"}, {"SLURM_NTASKS", "8"},
+                            {"SLURM_LOCALID", "1"}, {"SLURM_STEP_TASKS_PER_NODE", "4(x2)"},
+                            {"SLURM_STEP_NUM_NODES", "2"}, {"MASTER_ADDR", "n1"}});
+  ASSERT_TRUE(s);
+  EXPECT_EQ(s->launcher, "slurm");
+  EXPECT_EQ(s->rank, 5);
+  EXPECT_EQ(s->world_size, 8);
+  EXPECT_EQ(s->local_rank, 1);
+  EXPECT_EQ(s->local_size, 4);
+  EXPECT_EQ(s->master_addr, "n1");
+  EXPECT_EQ(s->master_port, 29500);
+  // Two nodes and no MASTER_ADDR: nobody can know where rank 0 is.
+  auto s2 = launch_env_from({{"SLURM_PROCID", "0"}, {"SLURM_STEP_ID", "0"}, {"SLURM_NTASKS", "8"},
+                             {"SLURM_STEP_NUM_NODES", "2"}});
+  ASSERT_TRUE(s2);
+  EXPECT_TRUE(s2->master_addr.empty());
+  // One node: 127.0.0.1.
+  auto s1 = launch_env_from({{"SLURM_PROCID", "0"}, {"SLURM_STEP_ID", "0"}, {"SLURM_NTASKS", "2"},
+                             {"SLURM_STEP_NUM_NODES", "1"}});
+  ASSERT_TRUE(s1);
+  EXPECT_EQ(s1->master_addr, "127.0.0.1");
+  EXPECT_FALSE(launch_env_from({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "4"}})) << "an salloc shell is no launch";
+
+  auto o = launch_env_from({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"},
+                            {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}});
+  ASSERT_TRUE(o);
+  EXPECT_EQ(o->launcher, "openmpi");
+  EXPECT_EQ(o->rank, 1);
+  EXPECT_EQ(o->master_addr, "127.0.0.1");
+  auto p = launch_env_from({{"PMI_RANK", "0"}, {"PMI_SIZE", "3"}});
+  ASSERT_TRUE(p);
+  EXPECT_EQ(p->launcher, "pmi");
+  EXPECT_EQ(p->world_size, 3);
+  EXPECT_FALSE(launch_env_from({{"HOME", "/root"}}));
+}
+
+TEST(LaunchEnv, BadValuesNameTheVariable) {
+  for (const auto& env : std::vector<std::map<std::string, std::string>>{
+           {{"RANK", "x"}, {"WORLD_SIZE", "2"}},
+           {{"RANK", "2"}, {"WORLD_SIZE", "2"}},
+           {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "70000"}},
+           {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "2"}, {"LOCAL_WORLD_SIZE", "2"}}}) {
+    EXPECT_THROW(launch_env_from(env), UsageError);
+  }
+  try {
+    launch_env_from({{"RANK", "1"}, {"WORLD_SIZE", "two"}});
+    ADD_FAILURE() << "expected UsageError";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("WORLD_SIZE='two'"), std::string::npos) << e.what();
+  }
+}
+
+TEST(LaunchEnv, CudaDeviceChoice) {
+  EXPECT_EQ(choose_cuda_device(3, 4, 4), 3);  // one node, four GPUs
+  EXPECT_EQ(choose_cuda_device(3, 4, 1), 0);  // CUDA_VISIBLE_DEVICES per rank (Slurm's --gpus-per-task)
+  EXPECT_EQ(choose_cuda_device(1, 2, 8), 1);
+  EXPECT_THROW(choose_cuda_device(0, 1, 0), UsageError);
+  EXPECT_THROW(choose_cuda_device(4, 6, 4), UsageError);  // more ranks than GPUs
+}
+
+// ---- processes ----
+
+void expect_all_passed(const std::string& scenario, int world) {
+  const auto codes = testing::run_processes("StoreTransportRank.Run", scenario, world);
+  ASSERT_EQ(codes.size(), static_cast<std::size_t>(world));
+  for (int r = 0; r < world; ++r) EXPECT_EQ(codes[r], 0) << "scenario " << scenario << ", rank " << r;
+}
+
+TEST(StoreTransportProcesses, CollectivesRingAndErrors) { expect_all_passed("collectives", 3); }
+TEST(StoreTransportProcesses, PipelineStepMatchesSingleProcess) { expect_all_passed("pipeline", 2); }
+TEST(StoreTransportProcesses, TimeoutAndAbortNameThePeer) { expect_all_passed("abort", 2); }
+
+// ---- what each child process runs ----
+
+void collectives(StoreTransport& t) {
+  const int n = t.world_size(), me = t.rank();
+  at::Tensor x = at::full({4}, static_cast<double>(me + 1), at::kDouble);
+  t.all_reduce_sum(x, kLong);
+  EXPECT_TRUE(at::equal(x, at::full({4}, n * (n + 1) / 2.0, at::kDouble)));
+  t.barrier(kLong);
+  const int next = (me + 1) % n, prev = (me + n - 1) % n;
+  for (auto dtype : {at::kFloat, at::kLong, at::kBFloat16}) {
+    for (int k = 0; k < 3; ++k) {  // the same tag three times: delivered in order
+      at::Tensor out = at::arange(10, at::kFloat).add(me * 100 + k).to(dtype);
+      at::Tensor in = at::empty({10}, dtype);
+      auto r = t.irecv(in, {prev, 7, "RECV ring"});
+      t.isend(out, {next, 7, "SEND ring"})->wait(kLong);
+      r->wait(kLong);
+      EXPECT_TRUE(at::equal(in, at::arange(10, at::kFloat).add(prev * 100 + k).to(dtype)));
+    }
+  }
+  // A shape mismatch names both ranks and both shapes.
+  if (me == 1) t.isend(at::zeros({3}), {0, 9, "SEND_F stage 1 micro-batch 0"})->wait(kLong);
+  if (me == 0) {
+    at::Tensor in = at::empty({4});
+    try {
+      t.irecv(in, {1, 9, "RECV_F stage 2 micro-batch 0"})->wait(kLong);
+      ADD_FAILURE() << "expected UsageError";
+    } catch (const UsageError& e) {
+      const std::string what = e.what();
+      for (const char* w : {"rank 0", "RECV_F stage 2 micro-batch 0", "rank 1", "[4] Float", "[3] Float"}) {
+        EXPECT_NE(what.find(w), std::string::npos) << w << " not in: " << what;
+      }
+    }
+  }
+  t.barrier(kLong);
+}
+
+void pipeline(std::shared_ptr<StoreTransport> t) {
+  using namespace testing;
+  Float64Default float64;
+  const int m = 4;
+  auto schedule = make_schedule("1f1b", ScheduleOptions{2, m, 1, BackwardMode::kSplit});
+  torch::manual_seed(11);
+  auto inputs = torch::randn({m * kMicroBatchSize, kDim}), targets = torch::randn({m * kMicroBatchSize, kDim});
+  Reference ref = run_reference(2, m, inputs, targets);
+  const int me = t->rank();
+  auto module = make_chunk(me);
+  PipelineOptions o;
+  o.timeout = kLong;
+  o.loss = mse;
+  o.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim}, at::kDouble}; };
+  Pipeline p(schedule, {{me, module, [raw = module.get(), me](const at::Tensor& x) { return run_chunk(*raw, me, x); }}},
+             t, o);
+  auto result = p.step(inputs, targets);
+  if (me == 1) {
+    ASSERT_EQ(result.losses.size(), static_cast<std::size_t>(m));
+    for (int mb = 0; mb < m; ++mb) EXPECT_NEAR(result.losses[mb], ref.losses[mb], 1e-12);
+  }
+  auto got = module->named_parameters();
+  for (const auto& item : ref.chunks[me]->named_parameters()) {
+    EXPECT_LE((got[item.key()].grad() - item.value().grad()).abs().max().item<double>(), 1e-12) << item.key();
+  }
+  t->barrier(kLong);
+}
+
+void abort_scenario(StoreTransport& t) {
+  at::Tensor in = at::empty({2});
+  if (t.rank() == 0) {
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      t.irecv(in, {1, 1, "RECV_B stage 0 micro-batch 3"})->wait(Duration(300));
+      ADD_FAILURE() << "expected TimeoutError";
+    } catch (const TimeoutError& e) {
+      EXPECT_NE(std::string(e.what()).find("RECV_B stage 0 micro-batch 3 from rank 1"), std::string::npos)
+          << e.what();
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+  }
+  t.barrier(kLong);
+  if (t.rank() == 1) {
+    t.abort("rank 1 failed: injected failure");
+    return;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    t.irecv(in, {1, 2, "RECV_B stage 0 micro-batch 4"})->wait(kLong);
+    ADD_FAILURE() << "expected TransportError";
+  } catch (const TransportError& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 1 aborted: rank 1 failed: injected failure"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5)) << "an abort must be seen at once";
+}
+
+TEST(StoreTransportRank, Run) {
+  const char* scenario = std::getenv("TWOBP_TEST_SCENARIO");
+  if (scenario == nullptr) GTEST_SKIP() << "runs only as a child process of the StoreTransportProcesses tests";
+  torch::set_num_threads(1);  // several ranks share the test machine's cores
+  auto env = launch_env();
+  ASSERT_TRUE(env) << "no launch environment";
+  EXPECT_EQ(env->launcher, "torchrun");
+  StoreOptions options;
+  options.connect_timeout = kLong;
+  auto t = std::make_shared<StoreTransport>(*env, options);
+  EXPECT_EQ(t->rank(), env->rank);
+  EXPECT_EQ(t->pairing(), Pairing::kByTag);
+  const std::string s = scenario;
+  if (s == "collectives") collectives(*t);
+  if (s == "pipeline") pipeline(t);
+  if (s == "abort") abort_scenario(*t);
+}
+
+}  // namespace
+}  // namespace twobp
