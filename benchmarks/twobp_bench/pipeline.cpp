@@ -174,8 +174,7 @@ RunResult run_config(Transport& transport, const PipelineArgs& a, const std::str
   const PipelineModelArgs model = a.model;
   options.activation_spec = [model](int stage) { return model_activation_spec(model, stage); };
   const std::vector<int64_t> act_shape = model_activation_spec(a.model, 0).shape;
-  Pipeline pipeline(std::move(schedule), std::move(chunks), std::shared_ptr<Transport>(&transport, [](Transport*) {}),
-                    options);
+  Pipeline pipeline(std::move(schedule), std::move(chunks), transport, options);
   const Schedule& sched = pipeline.schedule();
 
   const int64_t batch = static_cast<int64_t>(a.microbatches) * a.model.micro_batch_size;

@@ -292,8 +292,7 @@ void train_rank(const Plan& p, twobp::Transport& transport, c10::Device device, 
   po.loss = [](const at::Tensor& logits, const at::Tensor& targets) {
     return llm::cross_entropy_loss(logits, targets.to(logits.device()));
   };
-  twobp::Pipeline pipeline(p.schedule, std::move(chunks), std::shared_ptr<twobp::Transport>(&transport, [](auto*) {}),
-                           po);
+  twobp::Pipeline pipeline(p.schedule, std::move(chunks), transport, po);
 
   // Each tensor once: with tied embeddings the head chunk lists its table under two names, and AdamW would
   // step it twice.
@@ -324,20 +323,17 @@ void train_rank(const Plan& p, twobp::Transport& transport, c10::Device device, 
     const double norm = pipeline.clip_grad_norm(a.clip);
     optimizer.step();
     // The mean loss lives on the last stage's rank; one all-reduce brings it to everyone (rank 0 reports it).
-    double local = 0.0;
-    for (double l : result.losses) local += l / static_cast<double>(result.losses.size());
-    at::Tensor loss = at::full({1}, owns_last ? local : 0.0, at::kDouble);
-    transport.all_reduce_sum(loss, timeout);
+    const double loss = pipeline.mean_loss(result);
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - ts).count();
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (rank == 0) {
       const double remaining = elapsed / (step - start + 1) * (end - step - 1);
       fmt::print("step {:>5}/{} | loss {:.4f} | grad norm {:.3f} | lr {:.2e} | {:.0f} tok/s | elapsed {:.1f}s | "
                  "remaining {:.1f}s\n",
-                 step + 1, a.steps, loss.item<double>(), norm, lr, tokens_per_step / secs, elapsed, remaining);
+                 step + 1, a.steps, loss, norm, lr, tokens_per_step / secs, elapsed, remaining);
       std::fflush(stdout);
       std::lock_guard<std::mutex> lock(shared.mutex);
-      shared.records.push_back({step, loss.item<double>(), tokens_per_step / secs, norm, lr});
+      shared.records.push_back({step, loss, tokens_per_step / secs, norm, lr});
     }
     if (!a.trace.empty() && step + 1 == end) {
       std::lock_guard<std::mutex> lock(shared.mutex);

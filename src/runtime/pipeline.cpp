@@ -1,14 +1,11 @@
 #include "twobp/runtime/pipeline.h"
 
 #include <ATen/ATen.h>
-#include <c10/core/Event.h>
 #include <c10/core/GradMode.h>
-#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <fmt/ranges.h>
 #include <torch/nn/module.h>
 
 #include <cmath>
-#include <deque>
 #include <set>
 #include <unordered_set>
 #include <utility>
@@ -17,12 +14,6 @@
 
 namespace twobp {
 namespace {
-
-using Key = std::pair<int, int>;  // (stage, micro-batch)
-
-std::string describe_spec(const std::vector<int64_t>& shape, at::ScalarType dtype) {
-  return fmt::format("[{}] {}", fmt::join(shape, ", "), c10::toString(dtype));
-}
 
 // Clips in place to max_norm given the global norm; a no-op when already within it or when the norm is not finite.
 void clip_to(const std::vector<at::Tensor>& params, double norm, double max_norm) {
@@ -34,43 +25,10 @@ void clip_to(const std::vector<at::Tensor>& params, double norm, double max_norm
   }
 }
 
-double elapsed_us(Clock::time_point since) {
-  return std::chrono::duration<double, std::micro>(Clock::now() - since).count();
-}
-
 }  // namespace
 
-// Per-step state of the executor. Everything is keyed by (stage, micro-batch) so that the executor can follow
-// any valid schedule without knowing which one it is.
 struct Pipeline::Impl {
-  struct PostedRecv {
-    at::Tensor buffer;
-    std::unique_ptr<Work> work;
-  };
-  struct PendingSend {
-    at::Tensor tensor;  // kept alive until the transport is done with it
-    std::unique_ptr<Work> work;
-    std::string label;
-  };
-
-  std::map<Key, at::Tensor> outputs;       // F results waiting for SEND_F or a local F of the next stage
-  std::map<Key, at::Tensor> input_grads;   // I/B results waiting for SEND_B or a local I/B of the previous stage
-  std::map<Key, at::Tensor> received_fwd;  // completed RECV_F, consumed by F
-  std::map<Key, at::Tensor> received_bwd;  // completed RECV_B, consumed by I/B
-  std::map<std::size_t, PostedRecv> posted;  // by action index
-  std::deque<PendingSend> sends;
-  std::vector<std::size_t> recv_actions;  // indices of RECV_* in this rank's action list
-  std::size_t next_recv = 0;
-
-  void clear() {
-    outputs.clear();
-    input_grads.clear();
-    received_fwd.clear();
-    received_bwd.clear();
-    posted.clear();
-    sends.clear();
-    next_recv = 0;
-  }
+  std::unique_ptr<Executor> executor;
 };
 
 Pipeline::Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, std::shared_ptr<Transport> transport,
@@ -117,13 +75,18 @@ Pipeline::Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, std::sh
     TWOBP_CHECK(static_cast<bool>(options_.activation_spec), UsageError,
                 "rank {}: PipelineOptions::activation_spec is required with more than one rank", rank);
   }
-  const auto& actions = schedule_.actions[rank];
-  for (std::size_t i = 0; i < actions.size(); ++i) {
-    if (actions[i].type == ActionType::kRecvForward || actions[i].type == ActionType::kRecvBackward) {
-      impl_->recv_actions.push_back(i);
-    }
-  }
+  std::map<int, Stage*> stages;
+  for (auto& [index, stage] : stages_) stages.emplace(index, stage.get());
+  ExecutorOptions eo;
+  eo.timeout = options_.timeout;
+  eo.activation_spec = options_.activation_spec;
+  eo.prefetch_receives = options_.prefetch_receives;
+  impl_->executor = std::make_unique<Executor>(schedule_, rank, std::move(stages), *transport_, std::move(eo));
 }
+
+Pipeline::Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, Transport& transport, PipelineOptions options)
+    : Pipeline(std::move(schedule), std::move(chunks), std::shared_ptr<Transport>(&transport, [](Transport*) {}),
+               std::move(options)) {}
 
 Pipeline::~Pipeline() = default;
 
@@ -205,206 +168,20 @@ double Pipeline::clip_grad_norm(double max_norm) {
 }
 
 StepResult Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
-  const int me = rank();
-  const int m = schedule_.num_micro_batches;
-  const int last = schedule_.num_stages - 1;
-  const auto& actions = schedule_.actions[me];
-  Impl& st = *impl_;
-  st.clear();
-  StepResult result;
-  const Clock::time_point start = Clock::now();
-
-  auto owner = [&](int s) { return schedule_.stage_to_rank[s]; };
-  auto where = [&](const Action& a) { return fmt::format("rank {}: {}", me, describe(a)); };
-
-  auto split_batch = [&](const at::Tensor& batch, int stage_index, const char* what) {
-    TWOBP_CHECK(batch.defined(), UsageError, "rank {}: owns stage {} and needs the {} of the batch, got none", me,
-                stage_index, what);
-    TWOBP_CHECK(batch.dim() > 0 && batch.size(0) % m == 0, UsageError,
-                "rank {}: {} with {} samples cannot be split into {} micro-batches of equal size", me, what,
-                batch.dim() > 0 ? batch.size(0) : 0, m);
-    return batch.split(batch.size(0) / m);
-  };
-  std::vector<at::Tensor> input_mbs, target_mbs;
-
-  // The label of a message names the action on *this* side; both sides compute the same tag.
-  auto p2p = [&](const Action& a) {
-    P2POptions o;
-    o.peer = peer_rank(schedule_, a);
-    o.tag = message_tag(schedule_, a);
-    o.label = describe(a);
-    o.channel = message_channel(a);
-    o.timeout = options_.timeout;
-    return o;
-  };
-  auto boundary_spec = [&](int boundary_stage) { return options_.activation_spec(boundary_stage); };
-  // Checks a tensor about to cross a stage boundary against the boundary's declared spec, naming the producing
-  // and the receiving stage: the receiver's buffer was allocated from the spec, so a mismatch caught here is a
-  // mismatch that would otherwise corrupt or hang the receiver.
-  auto check_spec = [&](const at::Tensor& t, int boundary_stage, const Action& a, int receiver, const char* what) {
-    const TensorSpec spec = boundary_spec(boundary_stage);
-    TWOBP_CHECK(t.sizes().vec() == spec.shape && t.scalar_type() == spec.dtype, UsageError,
-                "{}: stage {} (rank {}) produced {} {} for micro-batch {}, but stage {} (rank {}) expects {}",
-                where(a), a.stage, me, what, describe_spec(t.sizes().vec(), t.scalar_type()), a.micro_batches[0],
-                receiver, owner(receiver), describe_spec(spec.shape, spec.dtype));
-  };
-  auto post_recv = [&](std::size_t index) {
-    const Action& a = actions[index];
-    const int boundary = a.type == ActionType::kRecvForward ? a.stage - 1 : a.stage;
-    const TensorSpec spec = boundary_spec(boundary);
-    Impl::PostedRecv r;
-    r.buffer = at::empty(spec.shape, at::TensorOptions().dtype(spec.dtype).device(transport_->device()));
-    r.work = transport_->irecv(r.buffer, p2p(a));
-    st.posted.emplace(index, std::move(r));
-  };
-  auto prefetch = [&](std::size_t upto_inclusive) {
-    // Keep up to prefetch_receives receives in flight, and always post the one about to be waited on.
-    std::size_t in_flight = st.posted.size();
-    while (st.next_recv < st.recv_actions.size() &&
-           (st.recv_actions[st.next_recv] <= upto_inclusive ||
-            static_cast<int>(in_flight) < options_.prefetch_receives)) {
-      post_recv(st.recv_actions[st.next_recv++]);
-      ++in_flight;
-    }
-  };
-  auto take = [&](std::map<Key, at::Tensor>& from, Key key, const Action& a, const char* what) {
-    auto it = from.find(key);
-    TWOBP_CHECK(it != from.end(), ScheduleError, "{}: the {} for it is not available (schedule order bug)",
-                where(a), what);
-    at::Tensor t = std::move(it->second);
-    from.erase(it);
-    return t;
-  };
-  // On a GPU the host only enqueues work, so host times would describe the enqueueing, not the pipeline. There,
-  // timing events on this rank's current stream bracket every action; they are read once, after the step.
-  const c10::Device device = transport_->device();
-  const bool device_timing = !device.is_cpu();
-  auto device_event = [&]() {
-    auto e = std::make_unique<c10::Event>(device.type(), c10::EventFlag::BACKEND_DEFAULT);
-    e->record(c10::impl::getDeviceGuardImpl(device.type())->getStream(device));
-    return e;
-  };
-  std::unique_ptr<c10::Event> step_event;
-  std::vector<std::pair<std::unique_ptr<c10::Event>, std::unique_ptr<c10::Event>>> action_events;
-  if (device_timing) step_event = device_event();
-  std::unique_ptr<c10::Event> begin_event;
-  auto record = [&](const Action& a, Clock::time_point t0) {
-    result.trace.events.push_back(TraceEvent{me, a, std::chrono::duration<double, std::micro>(t0 - start).count(),
-                                             elapsed_us(start)});
-    if (device_timing) action_events.emplace_back(std::move(begin_event), device_event());
-  };
-
-  try {
-    if (stages_.count(0)) input_mbs = split_batch(inputs, 0, "inputs");
-    if (stages_.count(last)) target_mbs = split_batch(targets, last, "targets");
-    // Losses stay on the device until the step ends: one copy to the host per step instead of a device
-    // synchronisation per micro-batch (which would also distort the trace on GPUs).
-    std::vector<at::Tensor> losses(stages_.count(last) ? m : 0);
-    for (std::size_t i = 0; i < actions.size(); ++i) {
-      const Action& a = actions[i];
-      prefetch(a.type == ActionType::kRecvForward || a.type == ActionType::kRecvBackward ? i : 0);
-      const Clock::time_point t0 = Clock::now();
-      if (device_timing) begin_event = device_event();
-      const int mb = a.micro_batches.empty() ? -1 : a.micro_batches[0];
-      switch (a.type) {
-        case ActionType::kForward: {
-          at::Tensor input;
-          if (a.stage == 0) {
-            input = input_mbs.at(mb);
-          } else if (owner(a.stage - 1) == me) {
-            input = take(st.outputs, {a.stage - 1, mb}, a, "output of the previous stage");
-          } else {
-            input = take(st.received_fwd, {a.stage, mb}, a, "received activation");
-          }
-          at::Tensor out = stage(a.stage).forward(mb, input, a.stage == last ? target_mbs.at(mb) : at::Tensor());
-          if (a.stage == last) {
-            losses[mb] = out.detach().reshape({1});
-          } else {
-            if (owner(a.stage + 1) != me) check_spec(out, a.stage, a, a.stage + 1, "activations");
-            st.outputs[{a.stage, mb}] = out;
-          }
-          break;
-        }
-        case ActionType::kBackwardInput:
-        case ActionType::kBackward: {
-          at::Tensor grad_output;
-          if (a.stage != last) {
-            grad_output = owner(a.stage + 1) == me
-                              ? take(st.input_grads, {a.stage + 1, mb}, a, "input gradient of the next stage")
-                              : take(st.received_bwd, {a.stage, mb}, a, "received gradient");
-          }
-          Stage& s = stage(a.stage);
-          at::Tensor grad_input = a.type == ActionType::kBackward ? s.backward(mb, grad_output)
-                                                                   : s.backward_input(mb, grad_output);
-          if (a.stage > 0) {
-            if (owner(a.stage - 1) != me) check_spec(grad_input, a.stage - 1, a, a.stage - 1, "gradients");
-            st.input_grads[{a.stage, mb}] = grad_input;
-          }
-          break;
-        }
-        case ActionType::kBackwardWeight:
-          stage(a.stage).backward_weight(a.micro_batches);
-          break;
-        case ActionType::kSendForward:
-        case ActionType::kSendBackward: {
-          const bool fwd = a.type == ActionType::kSendForward;
-          at::Tensor t = take(fwd ? st.outputs : st.input_grads, {a.stage, mb}, a,
-                              fwd ? "activation to send" : "gradient to send");
-          t = t.contiguous();
-          auto options = p2p(a);
-          auto work = transport_->isend(t, options);
-          st.sends.push_back({std::move(t), std::move(work), options.label});
-          break;
-        }
-        case ActionType::kRecvForward:
-        case ActionType::kRecvBackward: {
-          auto it = st.posted.find(i);
-          TWOBP_CHECK(it != st.posted.end(), ScheduleError, "{}: receive was not posted", where(a));
-          it->second.work->wait(options_.timeout);
-          at::Tensor buffer = std::move(it->second.buffer);
-          st.posted.erase(it);
-          (a.type == ActionType::kRecvForward ? st.received_fwd : st.received_bwd)[{a.stage, mb}] = buffer;
-          break;
-        }
-      }
-      record(a, t0);
-      // Completed sends are retired as we go so their buffers do not pile up over a long step.
-      while (!st.sends.empty() && st.sends.front().work->is_completed()) st.sends.pop_front();
-    }
-    for (auto& s : st.sends) s.work->wait(options_.timeout);
-    st.sends.clear();
-    if (!losses.empty()) {
-      // SYNC POINT: the step's only device-to-host copy on the last stage.
-      const at::Tensor host = at::cat(losses).to(at::kDouble).cpu();
-      result.losses.assign(host.data_ptr<double>(), host.data_ptr<double>() + host.numel());
-    }
-    for (const auto& [index, stage_ptr] : stages_) {
-      TWOBP_CHECK(stage_ptr->live_micro_batches() == 0, ScheduleError,
-                  "rank {}: stage {} ended the step with {} micro-batches whose backward did not finish", me, index,
-                  stage_ptr->live_micro_batches());
-    }
-  } catch (const std::exception& e) {
-    for (auto& [index, stage_ptr] : stages_) stage_ptr->reset();
-    st.clear();
-    // Tell every peer now: they would otherwise wait for their timeout on messages this rank will never send.
-    try {
-      transport_->abort(fmt::format("rank {} failed: {}", me, e.what()));
-    } catch (...) {
-    }
-    throw;
-  }
-  result.trace.step_us = elapsed_us(start);
-  if (device_timing && !action_events.empty()) {
-    // SYNC POINT: once per step, after everything was enqueued, to turn the events into the device timeline.
-    action_events.back().second->synchronize();
-    for (std::size_t k = 0; k < action_events.size(); ++k) {
-      result.trace.events[k].start_us = 1000.0 * step_event->elapsedTime(*action_events[k].first);
-      result.trace.events[k].end_us = 1000.0 * step_event->elapsedTime(*action_events[k].second);
-    }
-    result.trace.step_us = std::max(result.trace.step_us, result.trace.events.back().end_us);
-  }
+  StepResult result = impl_->executor->run(inputs, targets);
   last_losses_ = result.losses;
   return result;
+}
+
+void Pipeline::add_hook(Executor::Hook hook) { impl_->executor->add_hook(std::move(hook)); }
+
+double Pipeline::mean_loss(const StepResult& result) {
+  // Only the last stage's rank has losses; one all-reduce gives every rank their mean.
+  double local = 0.0;
+  for (double l : result.losses) local += l / static_cast<double>(result.losses.size());
+  at::Tensor t = at::tensor({local}, at::TensorOptions().dtype(at::kDouble)).to(transport_->device());
+  transport_->all_reduce_sum(t, options_.timeout);
+  return t.cpu().item<double>();
 }
 
 }  // namespace twobp

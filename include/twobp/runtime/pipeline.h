@@ -10,18 +10,13 @@
 #include <memory>
 #include <vector>
 
+#include "twobp/runtime/executor.h"
 #include "twobp/schedule/schedule.h"
 #include "twobp/stage.h"
 #include "twobp/trace/trace.h"
 #include "twobp/transport/transport.h"
 
 namespace twobp {
-
-/// Shape and dtype of one micro-batch's activation at a stage boundary.
-struct TensorSpec {
-  std::vector<int64_t> shape;
-  at::ScalarType dtype = at::kFloat;
-};
 
 /// One chunk of the model owned by this rank: the global stage index it implements and its module.
 struct PipelineChunk {
@@ -36,7 +31,8 @@ struct PipelineOptions {
   Duration timeout = std::chrono::minutes(5);
   /// Output of `stage` for one micro-batch (= input of stage + 1). Receive buffers are allocated from it and every
   /// sent activation/gradient is checked against it, so a mismatch is reported on the first step, naming both
-  /// stages, instead of corrupting the receiver. Required when the pipeline has more than one rank.
+  /// stages, instead of corrupting the receiver. Required when the pipeline has more than one rank; asked only for
+  /// boundaries that cross ranks, so it need not cover the last stage (whose output is the loss).
   std::function<TensorSpec(int stage)> activation_spec;
   /// Loss of the last stage, (output, target) -> scalar, averaged over micro-batches: each micro-batch's loss
   /// gradient is scaled by 1/num_micro_batches, so a step's gradients equal those of the mean loss over the
@@ -61,12 +57,6 @@ struct GradientCheck {
   bool finite() const { return non_finite_stages.empty(); }
 };
 
-/// What one step produced on this rank.
-struct StepResult {
-  std::vector<double> losses;  ///< per micro-batch, on the rank owning the last stage; empty elsewhere
-  Trace trace;                 ///< this rank's actions with their times
-};
-
 /// One per rank. Not thread-safe; several Pipelines (one per thread) may share a process.
 ///
 /// step() contract: every rank calls step() once per training step with the same number of micro-batches.
@@ -78,9 +68,16 @@ class Pipeline {
  public:
   Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, std::shared_ptr<Transport> transport,
            PipelineOptions options);
+  /// Borrows `transport`, which must outlive the pipeline (e.g. a transport on the stack of main()).
+  Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, Transport& transport, PipelineOptions options);
   ~Pipeline();
 
+  /// One training step (see the class comment); runs this rank's action list through its Executor.
   StepResult step(const at::Tensor& inputs, const at::Tensor& targets);
+  /// Runs `hook` after every action of every step (see Executor::add_hook).
+  void add_hook(Executor::Hook hook);
+  /// The mean over micro-batches of the last step's losses, on every rank (collective: one all-reduce).
+  double mean_loss(const StepResult& result);
 
   const Schedule& schedule() const { return schedule_; }
   Transport& transport() { return *transport_; }

@@ -1,0 +1,99 @@
+#pragma once
+// The Executor walks one rank's action list for one training step: one small handler per action type, one
+// mailbox through which every tensor passes from the action that produces it to the action that consumes it, and
+// hooks that run after each action. Pipeline owns one; tests may drive one directly with any Transport.
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "twobp/schedule/schedule.h"
+#include "twobp/stage.h"
+#include "twobp/trace/trace.h"
+#include "twobp/transport/transport.h"
+
+namespace twobp {
+
+/// Shape and dtype of one micro-batch's activation at a stage boundary.
+struct TensorSpec {
+  std::vector<int64_t> shape;
+  at::ScalarType dtype = at::kFloat;
+};
+
+/// What one step produced on this rank.
+struct StepResult {
+  /// Per micro-batch, on the rank owning the last stage (empty elsewhere): each micro-batch's loss as the loss
+  /// function returned it, *not* scaled by 1/num_micro_batches (only its gradient seed is scaled).
+  std::vector<double> losses;
+  Trace trace;  ///< this rank's actions with their times
+};
+
+/// Passed to hooks after each action.
+struct ActionEvent {
+  int rank = 0;
+  const Action* action = nullptr;
+  Stage* stage = nullptr;  ///< the stage a compute action ran on; null for communication actions
+};
+
+struct ExecutorOptions {
+  /// Every blocking wait gives up after this long with an error naming the peer, the action and the micro-batch.
+  Duration timeout = std::chrono::minutes(5);
+  /// Output spec of a stage boundary (see PipelineOptions::activation_spec). Needed when messages cross ranks.
+  std::function<TensorSpec(int stage)> activation_spec;
+  /// Receives are posted this many RECV actions ahead of their use.
+  int prefetch_receives = 4;
+};
+
+/// Interprets `schedule.actions[rank]` for one step at a time.
+///
+/// Data flow: an F of stage s puts the activation (s, mb) into the mailbox; a SEND_F takes it from there, a RECV_F
+/// of stage s + 1 puts the received one back under the same key on the other rank, and the F of stage s + 1 takes
+/// it, wherever it came from. Input gradients flow the same way backwards. A missing item is a schedule-order bug
+/// and raises ScheduleError naming the action; a tensor whose shape or dtype differs from the boundary's spec is a
+/// UsageError naming both stages, raised before it is sent.
+///
+/// Errors: when an action throws, every stage forgets the step, the transport is aborted (so that peers fail
+/// fast naming this rank instead of waiting for their timeouts) and the exception is rethrown.
+class Executor {
+ public:
+  using Hook = std::function<void(const ActionEvent&)>;
+
+  /// `stages` are the stages `schedule` places on `rank`, by global index; they and `transport` must outlive the
+  /// executor.
+  Executor(const Schedule& schedule, int rank, std::map<int, Stage*> stages, Transport& transport,
+           ExecutorOptions options);
+  ~Executor();
+  Executor(const Executor&) = delete;
+  Executor& operator=(const Executor&) = delete;
+
+  /// Runs `hook` after every action (after its trace event is recorded), in the order hooks were added, on the
+  /// calling thread. A hook that throws fails the step like an action that throws.
+  void add_hook(Hook hook);
+
+  /// One step: `inputs` (split into micro-batches along dim 0) is needed on the rank owning stage 0, `targets` on
+  /// the rank owning the last stage.
+  StepResult run(const at::Tensor& inputs, const at::Tensor& targets);
+
+ private:
+  struct Step;
+  void forward(Step& st, const Action& a);
+  void backward(Step& st, const Action& a);
+  void backward_weight(Step& st, const Action& a);
+  void send(Step& st, const Action& a);
+  void receive(Step& st, const Action& a);
+  void prefetch(Step& st, std::size_t up_to_inclusive);
+  Stage& stage(const Action& a);
+
+  const Schedule& schedule_;
+  int rank_;
+  std::map<int, Stage*> stages_;
+  Transport& transport_;
+  ExecutorOptions options_;
+  std::vector<Hook> hooks_;
+  std::vector<std::size_t> recv_actions_;  // indices of RECV_* in this rank's action list
+};
+
+}  // namespace twobp
