@@ -35,7 +35,10 @@ function(configure_and_build source build)
   file(REMOVE ${build}/CMakeCache.txt)  # a fresh configure each time; objects stay (and ccache has them)
   run(${CMAKE_COMMAND} -S ${source} -B ${build} -DCMAKE_BUILD_TYPE=Release ${extra}
       "-DCMAKE_PREFIX_PATH=${moved}\;${TORCH_PREFIX}" ${ARGN})
-  run(${CMAKE_COMMAND} --build ${build})
+  set(configure_output "${run_output}" PARENT_SCOPE)
+  if(NOT CONFIGURE_ONLY)
+    run(${CMAKE_COMMAND} --build ${build})
+  endif()
 endfunction()
 
 if(STEP STREQUAL "install")
@@ -70,12 +73,25 @@ if(STEP STREQUAL "install")
   message(STATUS "installed, checked ${n} CMake files, moved to ${moved}")
 
 elseif(STEP STREQUAL "consumer")
-  # CMAKE_DISABLE_FIND_PACKAGE_*: a consumer of twobp::twobp alone must not need MPI or NCCL.
-  configure_and_build(${PROJECT_DIR}/tests/install/consumer ${WORK_DIR}/consumer
-                      -DCMAKE_DISABLE_FIND_PACKAGE_MPI=ON -DCMAKE_DISABLE_FIND_PACKAGE_NCCL=ON)
+  # CMAKE_DISABLE_FIND_PACKAGE_*: a consumer of twobp::twobp alone must not need MPI or NCCL, and components
+  # whose dependencies are missing are only reported not found when optional ...
+  set(hide -DCMAKE_DISABLE_FIND_PACKAGE_MPI=ON -DCMAKE_DISABLE_FIND_PACKAGE_NCCL=ON)
+  configure_and_build(${PROJECT_DIR}/tests/install/consumer ${WORK_DIR}/consumer ${hide})
+  if(NOT configure_output MATCHES "twobp components: MPI FALSE, NCCL FALSE")
+    message(FATAL_ERROR "MPI and NCCL hidden, yet reported found:\n${configure_output}")
+  endif()
   run(${WORK_DIR}/consumer/consumer)
   if(NOT run_output MATCHES "consumer: ok")
     message(FATAL_ERROR "unexpected output: ${run_output}")
+  endif()
+  # ... and fail find_package, saying why, when required.
+  execute_process(COMMAND ${CMAKE_COMMAND} -S ${PROJECT_DIR}/tests/install/consumer -B ${WORK_DIR}/consumer_required
+                          "-DCMAKE_PREFIX_PATH=${moved};${TORCH_PREFIX}" ${hide} -DCONSUMER_REQUIRE=MPI
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  string(REGEX REPLACE "[ \n]+" " " err_text "${err}")  # CMake wraps its messages
+  if(rc EQUAL 0 OR NOT err_text MATCHES "component MPI: MPI for C\\+\\+ was not found")
+    message(FATAL_ERROR "find_package(twobp COMPONENTS MPI) with MPI hidden: expected a failure naming the "
+                        "component, got (${rc}):\n${out}\n${err}")
   endif()
 
 elseif(STEP STREQUAL "example")
