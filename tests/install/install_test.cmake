@@ -46,6 +46,7 @@ if(STEP STREQUAL "install")
   run(${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix})
   # A package that can move names its dependencies by imported target (torch, MPI::MPI_CXX, NCCL::NCCL, ...),
   # never by path: no LibTorch, CUDA, NCCL or MPI location, no path into this build, the sources or the prefix.
+  # (Comment lines are skipped: the generated files mention paths only in comments.)
   file(GLOB cmake_files ${prefix}/lib/cmake/twobp/twobp*.cmake)
   list(LENGTH cmake_files n)
   if(n LESS 3)
@@ -66,6 +67,10 @@ if(STEP STREQUAL "install")
       endforeach()
       if(line MATCHES "(^|[\";])/[A-Za-z]")
         message(FATAL_ERROR "${file} holds an absolute path, the package cannot move:\n  ${line}")
+      endif()
+      # Nor does it hand consumers compile definitions they did not ask for (FMT_HEADER_ONLY is twobp's own).
+      if(line MATCHES "INTERFACE_COMPILE_DEFINITIONS|INTERFACE_COMPILE_OPTIONS")
+        message(FATAL_ERROR "${file} gives consumers compile definitions or options:\n  ${line}")
       endif()
     endforeach()
   endforeach()
