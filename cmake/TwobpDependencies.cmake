@@ -21,6 +21,14 @@ find_path(TWOBP_FMT_INCLUDE_DIR fmt/format.h HINTS "${TWOBP_TORCH_ROOT}/include"
 if(NOT TWOBP_FMT_INCLUDE_DIR)
   find_path(TWOBP_FMT_INCLUDE_DIR fmt/format.h REQUIRED)
 endif()
+# twobp_fmt: FMT_HEADER_ONLY for the library's own sources and the project's programs (tests, benchmark), never
+# exported: twobp's public headers do not use fmt, so a consumer gets no compile definition it did not ask for.
+# (LibTorch's include directory, which holds these headers, is already on every include path via torch.)
+add_library(twobp_fmt INTERFACE)
+target_compile_definitions(twobp_fmt INTERFACE FMT_HEADER_ONLY=1)
+if(NOT TWOBP_FMT_INCLUDE_DIR STREQUAL "${TWOBP_TORCH_ROOT}/include")
+  target_include_directories(twobp_fmt SYSTEM INTERFACE ${TWOBP_FMT_INCLUDE_DIR})
+endif()
 
 # CLI11 and nlohmann/json are header-only; Debian packages them (libcli11-dev, nlohmann-json3-dev).
 # TWOBP_THIRD_PARTY_INCLUDE_DIR lets machines without the packages (the GPU image) point at carried headers.
@@ -45,21 +53,30 @@ if(NOT TWOBP_WITH_MPI STREQUAL "OFF")
 endif()
 
 # NCCL: only meaningful when LibTorch was built with CUDA (torch's config then found the CUDA toolkit).
+# cmake/FindNCCL.cmake prefers the NCCL that LibTorch itself loads (the pip nvidia-nccl wheel): two NCCLs in one
+# process clash. The same module is installed with the package, so consumers find NCCL::NCCL the same way.
 set(TWOBP_HAVE_NCCL OFF)
 if(NOT TWOBP_WITH_NCCL STREQUAL "OFF")
-  if(TARGET torch_cuda OR TARGET CUDA::cudart)
+  if(TARGET c10_cuda)
     find_package(CUDAToolkit QUIET)
-    # Prefer the NCCL that LibTorch itself loads (the pip nvidia-nccl wheel): two NCCLs in one process clash.
-    find_path(TWOBP_NCCL_INCLUDE_DIR nccl.h
-              HINTS "${TWOBP_TORCH_ROOT}/../nvidia/nccl/include" ${CUDAToolkit_INCLUDE_DIRS})
-    find_library(TWOBP_NCCL_LIBRARY NAMES libnccl.so.2 nccl NAMES_PER_DIR
-                 HINTS "${TWOBP_TORCH_ROOT}/../nvidia/nccl/lib" ${CUDAToolkit_LIBRARY_DIR})
+    if(CUDAToolkit_FOUND)
+      find_package(NCCL QUIET)
+    endif()
   endif()
-  if(TWOBP_NCCL_INCLUDE_DIR AND TWOBP_NCCL_LIBRARY AND CUDAToolkit_FOUND)
+  if(TARGET c10_cuda AND CUDAToolkit_FOUND AND NCCL_FOUND)
     set(TWOBP_HAVE_NCCL ON)
   elseif(TWOBP_WITH_NCCL STREQUAL "ON")
-    message(FATAL_ERROR "TWOBP_WITH_NCCL=ON but LibTorch has no CUDA or NCCL was not found")
+    message(FATAL_ERROR "TWOBP_WITH_NCCL=ON but LibTorch has no CUDA, or the CUDA toolkit or NCCL was not found")
   endif()
+endif()
+
+# The optional components of the installed package (twobpConfig.cmake): one library each.
+set(TWOBP_BUILT_COMPONENTS "")
+if(TWOBP_HAVE_MPI)
+  list(APPEND TWOBP_BUILT_COMPONENTS MPI)
+endif()
+if(TWOBP_HAVE_NCCL)
+  list(APPEND TWOBP_BUILT_COMPONENTS NCCL)
 endif()
 
 message(STATUS "twobp: torch ${Torch_VERSION}, MPI ${TWOBP_HAVE_MPI}, NCCL ${TWOBP_HAVE_NCCL}, fmt ${TWOBP_FMT_INCLUDE_DIR}")

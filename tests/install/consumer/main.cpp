@@ -1,12 +1,11 @@
-// Uses the installed headers and library: a 2BP split of one Linear layer must match ordinary backprop.
+// Uses the installed headers (through the umbrella header) and library: a 2BP split of one Linear layer must match
+// ordinary backprop. Built with MPI and NCCL hidden from CMake: twobp::twobp needs neither.
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
 #include <cstdio>
 
-#include "twobp/config.h"
-#include "twobp/nn.h"
-#include "twobp/stage.h"
+#include "twobp/twobp.h"
 
 int main() {
   auto layer = twobp::nn::Linear(4, 3);

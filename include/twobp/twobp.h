@@ -1,0 +1,35 @@
+#pragma once
+// Umbrella header: the whole public API of twobp. Link twobp::twobp; MpiEnvironment/MpiTransport need
+// twobp::mpi (find_package(twobp COMPONENTS MPI)), NcclTransport needs twobp::nccl (COMPONENTS NCCL).
+// Including a header costs nothing at link time: only the classes a program uses must be linked.
+//
+// Every public header is listed here (tests/install/check_umbrella.cmake checks it against include/twobp/).
+
+#include "twobp/config.h"
+
+#include "twobp/error.h"
+
+#include "twobp/autograd/weight_grad_store.h"
+#include "twobp/nn.h"
+#include "twobp/nn/functional.h"
+#include "twobp/nn/modules.h"
+#include "twobp/stage.h"
+
+#include "twobp/schedule/action.h"
+#include "twobp/schedule/schedule.h"
+
+#include "twobp/runtime/pipeline.h"
+#include "twobp/trace/trace.h"
+
+#include "twobp/transport/local.h"
+#include "twobp/transport/transport.h"
+// mpi.h in every build: launched_by_mpi_launcher() is part of the core; MpiEnvironment and MpiTransport are
+// declared only when twobp was built with MPI (TWOBP_HAVE_MPI).
+#include "twobp/transport/mpi.h"
+#if TWOBP_HAVE_NCCL
+#include "twobp/transport/nccl.h"
+#endif
+
+#include "twobp/checkpoint.h"
+#include "twobp/data.h"
+#include "twobp/models/llama.h"

@@ -1,0 +1,129 @@
+# cmake -P script behind the install_* tests (tests/install/CMakeLists.txt). STEP selects the test:
+#   install   install BUILD_DIR into WORK_DIR/prefix, check its CMake files for absolute paths, move it to
+#             WORK_DIR/moved (so that nothing can still point at the place it was installed to)
+#   consumer  configure, build and run tests/install/consumer against WORK_DIR/moved
+#   example   configure, build and run examples/llama_pipeline against WORK_DIR/moved
+#   umbrella  include/twobp/twobp.h includes every public header
+set(prefix ${WORK_DIR}/prefix)
+set(moved ${WORK_DIR}/moved)
+
+function(run)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "failed (${rc}): ${ARGN}\n${out}\n${err}")
+  endif()
+  message(STATUS "${out}")
+  set(run_output "${out}" PARENT_SCOPE)
+endfunction()
+
+# configure_and_build(<source dir> <build dir> <extra cmake arguments>...): a project of its own that knows
+# twobp only through the moved prefix and LibTorch's CMake prefix, as the README tells users to do.
+function(configure_and_build source build)
+  if(NOT EXISTS ${moved}/lib/cmake/twobp/twobpConfig.cmake)
+    message(FATAL_ERROR "no installed package at ${moved}: run the install_package test first")
+  endif()
+  set(extra "")
+  if(CXX_LAUNCHER)
+    list(APPEND extra -DCMAKE_CXX_COMPILER_LAUNCHER=${CXX_LAUNCHER})
+  endif()
+  if(GENERATOR)
+    list(APPEND extra -G ${GENERATOR})
+  endif()
+  if(THIRD_PARTY)
+    list(APPEND extra -DTWOBP_THIRD_PARTY_INCLUDE_DIR=${THIRD_PARTY})
+  endif()
+  file(REMOVE ${build}/CMakeCache.txt)  # a fresh configure each time; objects stay (and ccache has them)
+  run(${CMAKE_COMMAND} -S ${source} -B ${build} -DCMAKE_BUILD_TYPE=Release ${extra}
+      "-DCMAKE_PREFIX_PATH=${moved}\;${TORCH_PREFIX}" ${ARGN})
+  set(configure_output "${run_output}" PARENT_SCOPE)
+  if(NOT CONFIGURE_ONLY)
+    run(${CMAKE_COMMAND} --build ${build})
+  endif()
+endfunction()
+
+if(STEP STREQUAL "install")
+  file(REMOVE_RECURSE ${prefix} ${moved})
+  run(${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix})
+  # A package that can move names its dependencies by imported target (torch, MPI::MPI_CXX, NCCL::NCCL, ...),
+  # never by path: no LibTorch, CUDA, NCCL or MPI location, no path into this build, the sources or the prefix.
+  # (Comment lines are skipped: the generated files mention paths only in comments.)
+  file(GLOB cmake_files ${prefix}/lib/cmake/twobp/twobp*.cmake)
+  list(LENGTH cmake_files n)
+  if(n LESS 3)
+    message(FATAL_ERROR "expected twobpConfig.cmake, twobpConfigVersion.cmake, twobpTargets.cmake; got: ${cmake_files}")
+  endif()
+  foreach(file IN LISTS cmake_files)
+    file(STRINGS ${file} lines)
+    foreach(line IN LISTS lines)
+      if(line MATCHES "^ *#")
+        continue()
+      endif()
+      foreach(bad site-packages /cuda libnccl libc10 libtorch /usr/ ${TORCH_PREFIX} ${BUILD_DIR} ${PROJECT_DIR}
+                  ${WORK_DIR})
+        string(FIND "${line}" "${bad}" at)
+        if(at GREATER -1)
+          message(FATAL_ERROR "${file} names '${bad}', the package cannot move:\n  ${line}")
+        endif()
+      endforeach()
+      if(line MATCHES "(^|[\";])/[A-Za-z]")
+        message(FATAL_ERROR "${file} holds an absolute path, the package cannot move:\n  ${line}")
+      endif()
+      # Nor does it hand consumers compile definitions they did not ask for (FMT_HEADER_ONLY is twobp's own).
+      if(line MATCHES "INTERFACE_COMPILE_DEFINITIONS|INTERFACE_COMPILE_OPTIONS")
+        message(FATAL_ERROR "${file} gives consumers compile definitions or options:\n  ${line}")
+      endif()
+    endforeach()
+  endforeach()
+  file(RENAME ${prefix} ${moved})
+  message(STATUS "installed, checked ${n} CMake files, moved to ${moved}")
+
+elseif(STEP STREQUAL "consumer")
+  # CMAKE_DISABLE_FIND_PACKAGE_*: a consumer of twobp::twobp alone must not need MPI or NCCL, and components
+  # whose dependencies are missing are only reported not found when optional ...
+  set(hide -DCMAKE_DISABLE_FIND_PACKAGE_MPI=ON -DCMAKE_DISABLE_FIND_PACKAGE_NCCL=ON)
+  configure_and_build(${PROJECT_DIR}/tests/install/consumer ${WORK_DIR}/consumer ${hide})
+  if(NOT configure_output MATCHES "twobp components: MPI FALSE, NCCL FALSE")
+    message(FATAL_ERROR "MPI and NCCL hidden, yet reported found:\n${configure_output}")
+  endif()
+  run(${WORK_DIR}/consumer/consumer)
+  if(NOT run_output MATCHES "consumer: ok")
+    message(FATAL_ERROR "unexpected output: ${run_output}")
+  endif()
+  # ... and fail find_package, saying why, when required.
+  execute_process(COMMAND ${CMAKE_COMMAND} -S ${PROJECT_DIR}/tests/install/consumer -B ${WORK_DIR}/consumer_required
+                          "-DCMAKE_PREFIX_PATH=${moved};${TORCH_PREFIX}" ${hide} -DCONSUMER_REQUIRE=MPI
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  string(REGEX REPLACE "[ \n]+" " " err_text "${err}")  # CMake wraps its messages
+  if(rc EQUAL 0 OR NOT err_text MATCHES "component MPI: MPI for C\\+\\+ was not found")
+    message(FATAL_ERROR "find_package(twobp COMPONENTS MPI) with MPI hidden: expected a failure naming the "
+                        "component, got (${rc}):\n${out}\n${err}")
+  endif()
+
+elseif(STEP STREQUAL "example")
+  configure_and_build(${PROJECT_DIR}/examples/llama_pipeline ${WORK_DIR}/example)
+  run(${WORK_DIR}/example/examples/llama_pipeline --model tiny --stages 2 --microbatches 2 --micro-batch-size 1
+      --seq-len 16 --steps 2 --json ${WORK_DIR}/example/losses.json)
+  file(READ ${WORK_DIR}/example/losses.json json)
+  string(JSON steps LENGTH "${json}" steps)
+  if(NOT steps EQUAL 2)
+    message(FATAL_ERROR "expected 2 losses in ${WORK_DIR}/example/losses.json, got:\n${json}")
+  endif()
+
+elseif(STEP STREQUAL "umbrella")
+  file(READ ${PROJECT_DIR}/include/twobp/twobp.h umbrella)
+  file(GLOB_RECURSE headers RELATIVE ${PROJECT_DIR}/include ${PROJECT_DIR}/include/twobp/*.h)
+  list(REMOVE_ITEM headers twobp/twobp.h)
+  set(missing "")
+  foreach(header IN LISTS headers twobp/config.h)
+    string(FIND "${umbrella}" "#include \"${header}\"" at)
+    if(at EQUAL -1)
+      list(APPEND missing ${header})
+    endif()
+  endforeach()
+  if(missing)
+    message(FATAL_ERROR "include/twobp/twobp.h does not include: ${missing}")
+  endif()
+
+else()
+  message(FATAL_ERROR "unknown STEP '${STEP}'")
+endif()
