@@ -18,10 +18,14 @@
 #include "twobp/schedule/action.h"
 #include "twobp/schedule/schedule.h"
 
+#include "twobp/runtime/executor.h"
 #include "twobp/runtime/pipeline.h"
 #include "twobp/trace/trace.h"
 
+#include "twobp/transport/launch.h"
 #include "twobp/transport/local.h"
+#include "twobp/transport/pairing.h"
+#include "twobp/transport/store.h"
 #include "twobp/transport/transport.h"
 // mpi.h in every build: launched_by_mpi_launcher() is part of the core; MpiEnvironment and MpiTransport are
 // declared only when twobp was built with MPI (TWOBP_HAVE_MPI).
