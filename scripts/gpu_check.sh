@@ -39,7 +39,10 @@ prepare() {
   rm -rf .third_party && mkdir -p .third_party/include
   cp -r /usr/src/googletest .third_party/googletest
   cp -r /usr/include/CLI /usr/include/nlohmann .third_party/include/
-  grep -qx '/.third_party/' .git/info/exclude 2>/dev/null || echo '/.third_party/' >> "$(git rev-parse --git-path info/exclude)"
+  local exclude
+  exclude="$(git rev-parse --git-path info/exclude)"  # also right in a worktree, where .git is a file
+  mkdir -p "$(dirname "$exclude")"
+  grep -qx '/.third_party/' "$exclude" 2>/dev/null || echo '/.third_party/' >> "$exclude"
   du -sh .third_party
 }
 
