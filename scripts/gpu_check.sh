@@ -22,6 +22,9 @@
 #   scripts/gpu_check.sh OUTDIR             THERE (carry .third_party): the check itself
 #
 # Environment: PYTHON (default: the first of python3, python3.12, python that imports torch), JOBS (default nproc).
+# Needs a CUDA toolkit (nvcc): the CUDA build of the torch wheel refuses find_package(Torch) without one ("Your
+# installed Caffe2 version uses CUDA but I cannot find the CUDA libraries" -- seen here with /usr/local/cuda hidden;
+# the wheel's nvidia/cu13 headers and libraries are not enough). The GPU image has nvcc 13.0.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$PWD"
