@@ -22,6 +22,9 @@
 #   scripts/gpu_check.sh OUTDIR             THERE (carry .third_party): the check itself
 #
 # Environment: PYTHON (default: the first of python3, python3.12, python that imports torch), JOBS (default nproc).
+# Needs a CUDA toolkit (nvcc): the CUDA build of the torch wheel refuses find_package(Torch) without one ("Your
+# installed Caffe2 version uses CUDA but I cannot find the CUDA libraries" -- seen here with /usr/local/cuda hidden;
+# the wheel's nvidia/cu13 headers and libraries are not enough). The GPU image has nvcc 13.0.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$PWD"
@@ -39,7 +42,10 @@ prepare() {
   rm -rf .third_party && mkdir -p .third_party/include
   cp -r /usr/src/googletest .third_party/googletest
   cp -r /usr/include/CLI /usr/include/nlohmann .third_party/include/
-  grep -qx '/.third_party/' .git/info/exclude 2>/dev/null || echo '/.third_party/' >> "$(git rev-parse --git-path info/exclude)"
+  local exclude
+  exclude="$(git rev-parse --git-path info/exclude)"  # also right in a worktree, where .git is a file
+  mkdir -p "$(dirname "$exclude")"
+  grep -qx '/.third_party/' "$exclude" 2>/dev/null || echo '/.third_party/' >> "$exclude"
   du -sh .third_party
 }
 
