@@ -16,6 +16,7 @@
 #include "twobp/stage.h"
 
 #include "twobp/schedule/action.h"
+#include "twobp/schedule/dependencies.h"
 #include "twobp/schedule/schedule.h"
 
 #include "twobp/runtime/executor.h"

@@ -9,6 +9,7 @@
 #include <tuple>
 #include <utility>
 
+#include "twobp/schedule/dependencies.h"
 #include "util/check.h"
 
 namespace twobp {
@@ -22,10 +23,9 @@ std::string describe_spec(const std::vector<int64_t>& shape, at::ScalarType dtyp
   return fmt::format("[{}] {}", fmt::join(shape, ", "), c10::toString(dtype));
 }
 
-// What travels between actions: the output of stage s, or the gradient w.r.t. the input of stage s.
-enum class Item { kActivation, kInputGrad };
-
-const char* item_name(Item item) { return item == Item::kActivation ? "activation" : "input gradient"; }
+// The tensors that travel between actions (dependencies() also names what stays inside a Stage: its saved graph
+// and pending weight work) are the activations and input gradients.
+bool travels(const ItemRef& it) { return it.item == Item::kActivation || it.item == Item::kInputGrad; }
 
 // The same tag and channel on both sides of a message; the label names the action on *this* side.
 P2POptions message_options(const Schedule& schedule, const Action& a, Duration timeout) {
@@ -88,7 +88,7 @@ struct Executor::Step {
     std::unique_ptr<Work> work;
   };
 
-  std::map<std::tuple<Item, int, int>, at::Tensor> mailbox;
+  std::map<std::tuple<Item, int, int>, at::Tensor> mailbox;  // (item, stage, micro-batch)
   std::map<std::size_t, PostedRecv> posted;  // by action index
   std::deque<PendingSend> sends;
   std::size_t next_recv = 0;  // into recv_actions_
@@ -124,43 +124,54 @@ Stage& Executor::stage(const Action& a) {
 
 namespace {
 
-void put(std::map<std::tuple<Item, int, int>, at::Tensor>& mailbox, Item item, int stage, int mb, at::Tensor t) {
-  mailbox[{item, stage, mb}] = std::move(t);
+void put(std::map<std::tuple<Item, int, int>, at::Tensor>& mailbox, const ItemRef& it, at::Tensor t) {
+  mailbox[{it.item, it.stage, it.micro_batch}] = std::move(t);
+}
+
+// The one item of `items` that travels between actions, if any.
+const ItemRef* travelling(const std::vector<ItemRef>& items) {
+  for (const auto& it : items) {
+    if (travels(it)) return &it;
+  }
+  return nullptr;
 }
 
 }  // namespace
 
 // Takes an item out of the mailbox (it is used exactly once), or names the action that found it missing.
-#define TWOBP_TAKE(st, item, stage_index, mb, a)                                                                   \
-  [&] {                                                                                                            \
-    auto it = (st).mailbox.find({(item), (stage_index), (mb)});                                                    \
-    TWOBP_CHECK(it != (st).mailbox.end(), ScheduleError,                                                           \
-                "{}: the {} of stage {} for micro-batch {} is not available (an action that produces it must come " \
-                "first: schedule order bug)",                                                                      \
-                (st).where(rank_, a), item_name(item), (stage_index), (mb));                                       \
-    at::Tensor t = std::move(it->second);                                                                          \
-    (st).mailbox.erase(it);                                                                                        \
-    return t;                                                                                                      \
-  }()
+at::Tensor Executor::take(Step& st, const ItemRef& it, const Action& a) {
+  auto found = st.mailbox.find({it.item, it.stage, it.micro_batch});
+  TWOBP_CHECK(found != st.mailbox.end(), ScheduleError,
+              "{}: {} is not available (an action that produces it must come first: schedule order bug)",
+              st.where(rank_, a), describe(it));
+  at::Tensor t = std::move(found->second);
+  st.mailbox.erase(found);
+  return t;
+}
 
+// The items each handler takes and puts come from dependencies(), the one table of action meaning.
 void Executor::forward(Step& st, const Action& a) {
   const int mb = a.micro_batches[0], last = schedule_.num_stages - 1;
-  at::Tensor input = a.stage == 0 ? st.input_mbs.at(mb) : TWOBP_TAKE(st, Item::kActivation, a.stage - 1, mb, a);
+  const ActionDependencies deps = dependencies(a, schedule_.num_stages);
+  const ItemRef* in = travelling(deps.needs);
+  at::Tensor input = in == nullptr ? st.input_mbs.at(mb) : take(st, *in, a);
   at::Tensor out = stage(a).forward(mb, input, a.stage == last ? st.target_mbs.at(mb) : at::Tensor());
-  if (a.stage == last) {
-    st.losses[mb] = out.detach().reshape({1});
+  if (const ItemRef* made = travelling(deps.produces)) {
+    put(st.mailbox, *made, std::move(out));
   } else {
-    put(st.mailbox, Item::kActivation, a.stage, mb, std::move(out));
+    st.losses[mb] = out.detach().reshape({1});  // the last stage's output is its loss
   }
 }
 
 void Executor::backward(Step& st, const Action& a) {
-  const int mb = a.micro_batches[0], last = schedule_.num_stages - 1;
-  const at::Tensor grad_output = a.stage == last ? at::Tensor() : TWOBP_TAKE(st, Item::kInputGrad, a.stage + 1, mb, a);
+  const int mb = a.micro_batches[0];
+  const ActionDependencies deps = dependencies(a, schedule_.num_stages);
+  const ItemRef* in = travelling(deps.needs);
+  const at::Tensor grad_output = in == nullptr ? at::Tensor() : take(st, *in, a);
   Stage& s = stage(a);
   at::Tensor grad_input =
       a.type == ActionType::kBackward ? s.backward(mb, grad_output) : s.backward_input(mb, grad_output);
-  if (a.stage > 0) put(st.mailbox, Item::kInputGrad, a.stage, mb, std::move(grad_input));
+  if (const ItemRef* made = travelling(deps.produces)) put(st.mailbox, *made, std::move(grad_input));
 }
 
 void Executor::backward_weight(Step&, const Action& a) { stage(a).backward_weight(a.micro_batches); }
@@ -168,7 +179,7 @@ void Executor::backward_weight(Step&, const Action& a) { stage(a).backward_weigh
 void Executor::send(Step& st, const Action& a) {
   const int mb = a.micro_batches[0];
   const bool fwd = a.type == ActionType::kSendForward;
-  at::Tensor t = TWOBP_TAKE(st, fwd ? Item::kActivation : Item::kInputGrad, a.stage, mb, a).contiguous();
+  at::Tensor t = take(st, dependencies(a, schedule_.num_stages).needs.at(0), a).contiguous();
   // The receiver allocated its buffer from the boundary's spec: a mismatch caught here is one that would otherwise
   // corrupt or hang the receiver. The error names the producing and the receiving stage.
   const int boundary = fwd ? a.stage : a.stage - 1, receiver = fwd ? a.stage + 1 : a.stage - 1;
@@ -188,10 +199,8 @@ void Executor::receive(Step& st, const Action& a) {
   it->second.work->wait(options_.timeout);
   at::Tensor buffer = std::move(it->second.buffer);
   st.posted.erase(it);
-  const bool fwd = a.type == ActionType::kRecvForward;
   // Filed under the producing stage, exactly where a local producer would have put it.
-  put(st.mailbox, fwd ? Item::kActivation : Item::kInputGrad, fwd ? a.stage - 1 : a.stage + 1, a.micro_batches[0],
-      std::move(buffer));
+  put(st.mailbox, dependencies(a, schedule_.num_stages).produces.at(0), std::move(buffer));
 }
 
 void Executor::prefetch(Step& st, std::size_t up_to_inclusive) {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "twobp/schedule/dependencies.h"
 #include "util/check.h"
 
 namespace twobp::detail {
@@ -81,109 +82,86 @@ DryRun dry_run(const Schedule& sc, const CostModel& costs, bool force) {
   const int S = sc.num_stages;
   const int M = sc.num_micro_batches;
   const int R = sc.num_ranks;
-  auto key = [M](int s, int mb) { return static_cast<std::size_t>(s) * M + mb; };
   const std::size_t n = static_cast<std::size_t>(S) * M;
+  constexpr std::size_t kItems = 4;
+  // An item is available on at most two ranks: the owner of its stage (made by a compute action) and the rank that
+  // receives it (made by a RECV). Slot = (item, stage, mb, received?). Messages are keyed by (channel, sending
+  // stage, mb). What each action needs and makes comes from dependencies(): the one table of action meaning.
+  auto item_slot = [&](const ItemRef& it, int rank) {
+    const bool received = sc.stage_to_rank[it.stage] != rank;
+    return ((static_cast<std::size_t>(it.item) * 2 + (received ? 1 : 0)) * S + it.stage) * M + it.micro_batch;
+  };
+  auto message_slot = [&](const Action& a) {
+    const bool send = a.type == ActionType::kSendForward || a.type == ActionType::kSendBackward;
+    const int sender = send ? a.stage : peer_stage(a);
+    return (static_cast<std::size_t>(message_channel(a)) * S + sender) * M + a.micro_batches.front();
+  };
 
-  // Producers by (stage, mb); the first occurrence wins, duplicates are validate()'s business.
-  std::vector<Loc> f_loc(n), bwd_loc(n), send_f_loc(n), send_b_loc(n);
+  // Producers; the first occurrence wins, duplicates are validate()'s business.
+  std::vector<Loc> item_loc(kItems * 2 * n), send_loc(2 * n);
   for (int r = 0; r < R; ++r) {
     for (std::size_t i = 0; i < sc.actions[r].size(); ++i) {
       const Action& a = sc.actions[r][i];
-      std::vector<Loc>* table = nullptr;
-      switch (a.type) {
-        case ActionType::kForward:
-          table = &f_loc;
-          break;
-        case ActionType::kBackwardInput:
-        case ActionType::kBackward:
-          table = &bwd_loc;
-          break;
-        case ActionType::kSendForward:
-          table = &send_f_loc;
-          break;
-        case ActionType::kSendBackward:
-          table = &send_b_loc;
-          break;
-        default:
-          break;
+      for (const ItemRef& made : dependencies(a, S).produces) {
+        Loc& l = item_loc[item_slot(made, r)];
+        if (!l.exists()) l = Loc{r, i};
       }
-      if (table != nullptr) {
-        Loc& l = (*table)[key(a.stage, a.micro_batches.front())];
+      if (a.type == ActionType::kSendForward || a.type == ActionType::kSendBackward) {
+        Loc& l = send_loc[message_slot(a)];
         if (!l.exists()) l = Loc{r, i};
       }
     }
   }
 
-  std::vector<double> f_end(n, kNotRun), bwd_end(n, kNotRun), send_f_time(n, kNotRun), send_b_time(n, kNotRun);
+  std::vector<double> item_time(kItems * 2 * n, kNotRun), send_time(2 * n, kNotRun);
   std::vector<double> clock(R, 0.0);
   DryRun result;
   result.next.assign(R, 0);
   result.event_index.resize(R);
   for (int r = 0; r < R; ++r) result.event_index[r].assign(sc.actions[r].size(), -1);
 
-  // Earliest time the output of `loc` (finished at times[k]) is usable on rank r, or kNotRun while it has not run.
-  // A producer that is missing altogether counts as available at time 0.
-  auto available = [&](const std::vector<Loc>& locs, const std::vector<double>& times, std::size_t k, int r) {
+  // When the output of `locs[k]` (finished at times[k]) is usable: kNotRun while it has not run; a producer that is
+  // missing altogether counts as available at time 0 (so that broken schedules can still be drawn).
+  auto available = [](const std::vector<Loc>& locs, const std::vector<double>& times, std::size_t k, double latency) {
     if (!locs[k].exists()) return 0.0;
     if (times[k] == kNotRun) return kNotRun;
-    return times[k] + (locs[k].rank == r ? 0.0 : costs.communication);
+    return times[k] + latency;
   };
 
   // Returns false when `a` cannot run yet; otherwise runs it on rank r and records its times.
   auto try_run = [&](int r, const Action& a, bool forced) {
-    const int s = a.stage;
-    const int mb = a.micro_batches.front();
     double ready = clock[r];
     auto need = [&](double t) {
       if (t == kNotRun) return forced;
       ready = std::max(ready, t);
       return true;
     };
-    switch (a.type) {
-      case ActionType::kForward:
-        if (s > 0 && !need(available(f_loc, f_end, key(s - 1, mb), r))) return false;
-        break;
-      case ActionType::kBackwardInput:
-      case ActionType::kBackward:
-        if (!need(available(f_loc, f_end, key(s, mb), r))) return false;
-        if (s + 1 < S && !need(available(bwd_loc, bwd_end, key(s + 1, mb), r))) return false;
-        break;
-      case ActionType::kBackwardWeight:
-        for (int w_mb : a.micro_batches) {
-          if (!need(available(bwd_loc, bwd_end, key(s, w_mb), r))) return false;
-        }
-        break;
-      case ActionType::kRecvForward:
-        if (!need(available(send_f_loc, send_f_time, key(s - 1, mb), r))) return false;
-        break;
-      case ActionType::kRecvBackward:
-        if (!need(available(send_b_loc, send_b_time, key(s + 1, mb), r))) return false;
-        break;
-      case ActionType::kSendForward:
-      case ActionType::kSendBackward:
-        break;
+    const ActionDependencies deps = dependencies(a, S);
+    for (const ItemRef& it : deps.needs) {
+      std::size_t k = item_slot(it, r);
+      double latency = 0.0;
+      const int owner = sc.stage_to_rank[it.stage];
+      if (owner != r && !item_loc[k].exists()) {
+        // A schedule without communication actions (compute only, as the simulator accepts it): the item arrives
+        // from its owner `communication` after it was made there.
+        k = item_slot(it, owner);
+        latency = costs.communication;
+      }
+      if (!need(available(item_loc, item_time, k, latency))) return false;
     }
+    const bool is_recv = a.type == ActionType::kRecvForward || a.type == ActionType::kRecvBackward;
+    if (is_recv && !need(available(send_loc, send_time, message_slot(a), costs.communication))) return false;
     const double end = ready + action_cost(a, costs);
     clock[r] = end;
-    const std::size_t k = key(s, mb);
     const Loc here{r, result.next[r]};
     auto is_here = [&](const Loc& l) { return l.rank == here.rank && l.index == here.index; };
-    switch (a.type) {
-      case ActionType::kForward:
-        if (is_here(f_loc[k])) f_end[k] = end;
-        break;
-      case ActionType::kBackwardInput:
-      case ActionType::kBackward:
-        if (is_here(bwd_loc[k])) bwd_end[k] = end;
-        break;
-      case ActionType::kSendForward:
-        if (is_here(send_f_loc[k])) send_f_time[k] = end;
-        break;
-      case ActionType::kSendBackward:
-        if (is_here(send_b_loc[k])) send_b_time[k] = end;
-        break;
-      default:
-        break;
+    for (const ItemRef& made : deps.produces) {
+      const std::size_t k = item_slot(made, r);
+      if (is_here(item_loc[k])) item_time[k] = end;
+    }
+    if (a.type == ActionType::kSendForward || a.type == ActionType::kSendBackward) {
+      const std::size_t k = message_slot(a);
+      if (is_here(send_loc[k])) send_time[k] = end;
     }
     result.event_index[r][result.next[r]] = static_cast<long>(result.events.size());
     result.events.push_back(SimulatedEvent{r, a, ready, end});

@@ -24,9 +24,9 @@ struct DryRun {
   bool complete = true;
 };
 
-/// Runs `schedule` under `costs`. Dependencies: F(s, mb) on F(s-1, mb); I/B(s, mb) on F(s, mb) and on the I/B of
-/// s+1; W on the I's it covers; RECV on its matching SEND. Data crossing ranks arrives `costs.communication`
-/// after it was produced. A dependency whose producer does not occur anywhere in the schedule counts as met at
+/// Runs `schedule` under `costs`. An action waits until every item it needs (dependencies(): the one table of
+/// action meaning) is available on its rank, and a RECV for its matching SEND; data crossing ranks arrives
+/// `costs.communication` after the SEND. A dependency whose producer does not occur anywhere in the schedule counts as met at
 /// time 0, so that broken schedules can still be drawn; validate() reports those separately.
 /// When no rank can move, the run stops (complete = false); with `force` it instead runs the blocked action of the
 /// rank that is earliest in time as if its inputs were there, records it in `forced`, and goes on, so that a

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "schedule/dry_run.h"
+#include "twobp/schedule/dependencies.h"
 #include "twobp/schedule/schedule.h"
 #include "util/check.h"
 
@@ -184,11 +185,14 @@ class Validator {
     });
   }
 
-  // Orderings each rank can check on its own: inputs before consumers, micro-batches in increasing order per
-  // stage and action kind (the transport matches messages of a link in order).
+  // Orderings each rank can check on its own: every item an action needs (dependencies(), the one table of action
+  // meaning) is made available on its rank by an earlier action; micro-batches in increasing order per stage and
+  // action kind (the transport matches messages of a link in order).
   void check_local_order() const {
+    constexpr std::size_t kItems = 4;
     for (int r = 0; r < sc_.num_ranks; ++r) {
-      std::vector<bool> f_done(n_), bwd_done(n_), recv_f(n_), recv_b(n_);
+      std::vector<bool> available(kItems * n_);
+      auto slot = [&](const ItemRef& it) { return static_cast<std::size_t>(it.item) * n_ + key(it.stage, it.micro_batch); };
       std::vector<std::vector<int>> last_mb(8, std::vector<int>(S_, -1));
       for (std::size_t i = 0; i < sc_.actions[r].size(); ++i) {
         const Where w{r, i};
@@ -204,69 +208,14 @@ class Validator {
           }
           last = mb;
         }
-        switch (a.type) {
-          case ActionType::kForward:
-            if (s > 0 && owner(s - 1) == r && !f_done[key(s - 1, mb)]) {
-              fail(w,
-                   fmt::format("runs before F stage {} micro-batch {}: expected the previous stage's F first (both on "
-                               "rank {})",
-                               s - 1, mb, r));
-            }
-            if (s > 0 && owner(s - 1) != r && !recv_f[key(s, mb)]) {
-              fail(w,
-                   fmt::format("runs before its input is received: expected RECV_F stage {} micro-batch {} earlier on "
-                               "rank {}",
-                               s, mb, r));
-            }
-            f_done[key(s, mb)] = true;
-            break;
-          case ActionType::kBackwardInput:
-          case ActionType::kBackward:
-            if (!f_done[key(s, mb)]) {
-              fail(w,
-                   fmt::format("{} runs before F stage {} micro-batch {}: expected F first", to_string(a.type), s, mb));
-            }
-            if (s + 1 < S_ && owner(s + 1) == r && !bwd_done[key(s + 1, mb)]) {
-              fail(w, fmt::format(
-                          "runs before the backward of stage {} micro-batch {}: expected it first (both on rank {})",
-                          s + 1, mb, r));
-            }
-            if (s + 1 < S_ && owner(s + 1) != r && !recv_b[key(s, mb)]) {
-              fail(w,
-                   fmt::format("runs before its output gradient is received: expected RECV_B stage {} micro-batch {} "
-                               "earlier on rank {}",
-                               s, mb, r));
-            }
-            bwd_done[key(s, mb)] = true;
-            break;
-          case ActionType::kBackwardWeight:
-            for (int w_mb : a.micro_batches) {
-              if (!bwd_done[key(s, w_mb)]) {
-                fail(w, fmt::format("W runs before I stage {} micro-batch {}: expected I first", s, w_mb));
-              }
-            }
-            break;
-          case ActionType::kSendForward:
-            if (!f_done[key(s, mb)]) {
-              fail(w, fmt::format("SEND_F runs before F stage {} micro-batch {}: expected the F that produces it first",
-                                  s, mb));
-            }
-            break;
-          case ActionType::kSendBackward:
-            if (!bwd_done[key(s, mb)]) {
-              fail(w, fmt::format(
-                          "SEND_B runs before the I/B of stage {} micro-batch {}: expected the backward that produces "
-                          "it first",
-                          s, mb));
-            }
-            break;
-          case ActionType::kRecvForward:
-            recv_f[key(s, mb)] = true;
-            break;
-          case ActionType::kRecvBackward:
-            recv_b[key(s, mb)] = true;
-            break;
+        const ActionDependencies deps = dependencies(a, S_);
+        for (const ItemRef& need : deps.needs) {
+          if (available[slot(need)]) continue;
+          const Action producer = local_producer(need, r, sc_);
+          fail(w, fmt::format("{} runs before {}, which makes {} available on rank {}: expected {} earlier",
+                              to_string(a.type), describe(producer), describe(need), r, describe(producer)));
         }
+        for (const ItemRef& made : deps.produces) available[slot(made)] = true;
       }
     }
   }

@@ -123,7 +123,7 @@ TEST(Executor, ItemConsumedBeforeItIsProducedIsAScheduleErrorNamingTheAction) {
   Executor executor(sc, 0, rank.stages, *transports[0], executor_options());
   expect_error<ScheduleError>(
       [&] { executor.run(torch::randn({4, kDim}), torch::randn({4, kDim})); },
-      {"rank 0", "F stage 1 micro-batch 1", "activation of stage 0 for micro-batch 1", "not available"});
+      {"rank 0", "F stage 1 micro-batch 1", "the activation of stage 0 micro-batch 1", "not available"});
   for (auto& [s, stage] : rank.stages) EXPECT_EQ(stage->live_micro_batches(), 0u) << "stage " << s;
 }
 

@@ -10,6 +10,7 @@
 #include <memory>
 #include <vector>
 
+#include "twobp/schedule/dependencies.h"
 #include "twobp/schedule/schedule.h"
 #include "twobp/stage.h"
 #include "twobp/trace/trace.h"
@@ -85,6 +86,7 @@ class Executor {
   void send(Step& st, const Action& a);
   void receive(Step& st, const Action& a);
   void prefetch(Step& st, std::size_t up_to_inclusive);
+  at::Tensor take(Step& st, const ItemRef& item, const Action& a);
   Stage& stage(const Action& a);
 
   const Schedule& schedule_;
