@@ -50,41 +50,43 @@ inline void check_groups(Transport& world, GroupLayout layout, Duration timeout)
   EXPECT_EQ(group->world_size(), 2);
   EXPECT_EQ(group->device(), world.device());
   const int g = group->rank();
+  // Tensors live on the transport's device (CPU, or the rank's GPU under NCCL); results are compared on the CPU.
+  const c10::Device dev = world.device();
 
   // All-reduce of a large tensor: the group's sum, not the world's. Values stay exact in float32.
   const std::int64_t n = 1 << 20;
-  at::Tensor x = at::arange(n, at::kFloat).mul_(static_cast<float>(me + 1));
+  at::Tensor x = at::arange(n, at::kFloat).mul_(static_cast<float>(me + 1)).to(dev);
   group->all_reduce_sum(x, timeout);
   const float factor = static_cast<float>(members[0] + 1 + members[1] + 1);
-  EXPECT_TRUE(at::equal(x, at::arange(n, at::kFloat).mul_(factor))) << "rank " << me;
-  at::Tensor d = at::full({3, 5}, static_cast<double>(me), at::kDouble);
+  EXPECT_TRUE(at::equal(x.cpu(), at::arange(n, at::kFloat).mul_(factor))) << "rank " << me;
+  at::Tensor d = at::full({3, 5}, static_cast<double>(me), at::kDouble).to(dev);
   group->all_reduce_sum(d, timeout);
-  EXPECT_TRUE(at::equal(d, at::full({3, 5}, static_cast<double>(members[0] + members[1]), at::kDouble)));
+  EXPECT_TRUE(at::equal(d.cpu(), at::full({3, 5}, static_cast<double>(members[0] + members[1]), at::kDouble)));
 
   // Broadcast from group rank 1.
-  at::Tensor b = at::full({1000}, static_cast<std::int64_t>(me), at::kLong);
+  at::Tensor b = at::full({1000}, static_cast<std::int64_t>(me), at::kLong).to(dev);
   group->broadcast(b, 1, timeout);
-  EXPECT_TRUE(at::equal(b, at::full({1000}, static_cast<std::int64_t>(members[1]), at::kLong))) << "rank " << me;
+  EXPECT_TRUE(at::equal(b.cpu(), at::full({1000}, static_cast<std::int64_t>(members[1]), at::kLong))) << "rank " << me;
 
   // A ring inside the group (group ranks as peers).
   {
     const int next = (g + 1) % 2, prev = (g + 1) % 2;
-    at::Tensor out = at::full({4}, static_cast<float>(me));
-    at::Tensor in = at::empty({4});
+    at::Tensor out = at::full({4}, static_cast<float>(me)).to(dev);
+    at::Tensor in = at::empty({4}, dev);
     auto r = group->irecv(in, {prev, 3, "RECV ring"});
     auto s = group->isend(out, {next, 3, "SEND ring"});
     s->wait(timeout);
     r->wait(timeout);
-    EXPECT_TRUE(at::equal(in, at::full({4}, static_cast<float>(members[prev]))));
+    EXPECT_TRUE(at::equal(in.cpu(), at::full({4}, static_cast<float>(members[prev]))));
   }
 
   // The same tag, at the same time, in both groups and in the parent: nothing is mixed up.
   {
     const int other = (g + 1) % 2;
-    at::Tensor group_out = at::full({2}, 100.0f * static_cast<float>(color) + static_cast<float>(me));
-    at::Tensor group_in = at::empty({2});
-    at::Tensor world_out = at::full({2}, 1000.0f + static_cast<float>(me));
-    at::Tensor world_in = at::empty({2});
+    at::Tensor group_out = at::full({2}, 100.0f * static_cast<float>(color) + static_cast<float>(me)).to(dev);
+    at::Tensor group_in = at::empty({2}, dev);
+    at::Tensor world_out = at::full({2}, 1000.0f + static_cast<float>(me)).to(dev);
+    at::Tensor world_in = at::empty({2}, dev);
     const int wnext = (me + 1) % 4, wprev = (me + 3) % 4;
     auto r1 = world.irecv(world_in, {wprev, 7, "RECV world tag 7"});
     auto r2 = group->irecv(group_in, {other, 7, "RECV group tag 7"});
@@ -94,10 +96,10 @@ inline void check_groups(Transport& world, GroupLayout layout, Duration timeout)
     s2->wait(timeout);
     r1->wait(timeout);
     r2->wait(timeout);
-    EXPECT_TRUE(at::equal(group_in, at::full({2}, 100.0f * static_cast<float>(color) +
+    EXPECT_TRUE(at::equal(group_in.cpu(), at::full({2}, 100.0f * static_cast<float>(color) +
                                                        static_cast<float>(members[other]))))
         << "rank " << me;
-    EXPECT_TRUE(at::equal(world_in, at::full({2}, 1000.0f + static_cast<float>(wprev)))) << "rank " << me;
+    EXPECT_TRUE(at::equal(world_in.cpu(), at::full({2}, 1000.0f + static_cast<float>(wprev)))) << "rank " << me;
   }
   group->barrier(timeout);
 
@@ -109,22 +111,22 @@ inline void check_groups(Transport& world, GroupLayout layout, Duration timeout)
     ASSERT_NE(three, nullptr);
     EXPECT_EQ(three->world_size(), 3);
     EXPECT_EQ(three->rank(), me);
-    at::Tensor y = at::ones({5}, at::kLong);
+    at::Tensor y = at::ones({5}, at::kLong).to(dev);
     three->all_reduce_sum(y, timeout);
-    EXPECT_TRUE(at::equal(y, at::full({5}, 3, at::kLong)));
+    EXPECT_TRUE(at::equal(y.cpu(), at::full({5}, 3, at::kLong)));
     // A group of a group.
     std::unique_ptr<Transport> pair = three->split(three->rank() < 2 ? 0 : -1, 0, timeout);
     EXPECT_EQ(pair != nullptr, three->rank() < 2);
     if (pair) {
-      at::Tensor z = at::full({1}, static_cast<double>(me), at::kDouble);
+      at::Tensor z = at::full({1}, static_cast<double>(me), at::kDouble).to(dev);
       pair->broadcast(z, 0, timeout);
-      EXPECT_EQ(z.item<double>(), 0.0);
+      EXPECT_EQ(z.cpu().item<double>(), 0.0);
     }
   }
   // The parent still works after its groups' traffic.
-  at::Tensor w = at::ones({1}, at::kLong);
+  at::Tensor w = at::ones({1}, at::kLong).to(dev);
   world.all_reduce_sum(w, timeout);
-  EXPECT_EQ(w.item<std::int64_t>(), 4);
+  EXPECT_EQ(w.cpu().item<std::int64_t>(), 4);
 }
 
 /// Rank 3 never calls split: the others get an error that says split, timed out and rank 3, within the timeout.
