@@ -2,7 +2,7 @@
 // Private helpers shared by the transports: describing tensors in error messages, validating the arguments of
 // isend/irecv the same way everywhere, and the poll-with-backoff loop behind every wait(timeout).
 
-#include <ATen/core/Tensor.h>
+#include <ATen/ATen.h>
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -10,6 +10,8 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "twobp/transport/transport.h"
 #include "util/check.h"
@@ -76,6 +78,53 @@ inline Clock::time_point deadline_after(Duration timeout) {
   if (timeout.count() < 0) return now;
   if (timeout > std::chrono::duration_cast<Duration>(Clock::time_point::max() - now)) return Clock::time_point::max();
   return now + timeout;
+}
+
+}  // namespace twobp::detail
+
+namespace twobp::detail {
+
+/// Every rank's (color, key), gathered with ONE all_reduce_sum over `parent` (each rank fills its own row of a
+/// [world, 2] int64 tensor, zeros elsewhere): split is thus one collective in the parent's sequence, bounded by
+/// `timeout` like any other, on every transport that can sum. A rank that never arrives turns into the
+/// collective's TimeoutError, rethrown with "split" and the color in the message.
+inline std::vector<std::pair<int, int>> gather_split_colors(Transport& parent, int color, int key,
+                                                            Duration timeout) {
+  const int world = parent.world_size();
+  at::Tensor rows = at::zeros({world, 2}, at::TensorOptions().dtype(at::kLong).device(parent.device()));
+  at::Tensor mine = at::tensor({static_cast<std::int64_t>(color), static_cast<std::int64_t>(key)},
+                               at::TensorOptions().dtype(at::kLong));
+  rows[parent.rank()].copy_(mine);
+  try {
+    parent.all_reduce_sum(rows, timeout);
+  } catch (const TimeoutError& e) {
+    raise<TimeoutError>("rank {}: split (color {}) timed out: {}", parent.rank(), color, e.what());
+  } catch (const UsageError& e) {
+    raise<UsageError>("rank {}: split (color {}) failed: {}", parent.rank(), color, e.what());
+  } catch (const TransportError& e) {
+    raise<TransportError>("rank {}: split (color {}) failed: {}", parent.rank(), color, e.what());
+  }
+  rows = rows.to(at::kCPU).contiguous();
+  const auto* p = rows.data_ptr<std::int64_t>();
+  std::vector<std::pair<int, int>> out(static_cast<std::size_t>(world));
+  for (int r = 0; r < world; ++r) out[r] = {static_cast<int>(p[2 * r]), static_cast<int>(p[2 * r + 1])};
+  return out;
+}
+
+/// The parent ranks of group `color`, ordered by (key, parent rank): index = rank in the group.
+inline std::vector<int> split_members(const std::vector<std::pair<int, int>>& colors, int color) {
+  std::vector<int> members;
+  for (int r = 0; r < static_cast<int>(colors.size()); ++r) {
+    if (colors[r].first == color) members.push_back(r);
+  }
+  std::stable_sort(members.begin(), members.end(),
+                   [&](int a, int b) { return colors[a].second < colors[b].second; });
+  return members;
+}
+
+/// How a rank of a group names itself in errors: "rank 1 (group color 0, rank 2 in the parent)".
+inline std::string group_member_name(int group_rank, int color, const std::string& parent_name) {
+  return fmt::format("rank {} (group color {}, {} in the parent)", group_rank, color, parent_name);
 }
 
 }  // namespace twobp::detail

@@ -65,10 +65,22 @@ struct Mailbox {
 }  // namespace
 
 struct LocalGroupState {
-  LocalGroupState(int world_size, LocalOptions opts) : world(world_size), options(opts), wakeup(world_size) {}
+  LocalGroupState(int world_size, LocalOptions opts, std::vector<std::string> member_names = {})
+      : world(world_size), options(std::move(opts)), names(default_names(world_size, std::move(member_names))),
+        wakeup(world_size) {}
+
+  static std::vector<std::string> default_names(int world, std::vector<std::string> names) {
+    if (names.empty()) {
+      for (int r = 0; r < world; ++r) names.push_back(fmt::format("rank {}", r));
+    }
+    return names;
+  }
 
   const int world;
   const LocalOptions options;
+  /// How rank r names itself in errors: "rank 2", or in a group "rank 1 (group color 0, rank 2 in the parent)".
+  const std::vector<std::string> names;
+  const std::string& who(int r) const { return names[static_cast<std::size_t>(r)]; }
 
   std::mutex mutex;
   /// wakeup[r] is waited on only by rank r's thread; whoever changes something rank r may wait for (a match
@@ -95,13 +107,22 @@ struct LocalGroupState {
   at::Tensor last_result;  // of generation-1; stays valid until every rank copied it (see collective())
   std::string failure;     // non-empty once a collective failed: all later collectives throw it
 
+  /// Groups being handed out by split(): (split number, color) -> the group's state and how many of its members
+  /// have not taken it yet. The first member to get there (after the gathering collective, so every member is
+  /// known to be in split) creates it; the last one removes the entry.
+  struct PendingGroup {
+    std::shared_ptr<LocalGroupState> state;
+    int untaken = 0;
+  };
+  std::map<std::pair<std::int64_t, int>, PendingGroup> splits;
+
   void notify_all_ranks() {
     for (auto& cv : wakeup) cv.notify_all();
   }
 
   /// Throws the error every wait raises after an abort. Caller holds `mutex`.
   [[noreturn]] void raise_aborted(int me, const std::string& what) const {
-    raise<TransportError>("rank {}: {} failed: rank {} aborted: {}", me, what, abort_rank, abort_reason);
+    raise<TransportError>("{}: {} failed: {} aborted: {}", who(me), what, who(abort_rank), abort_reason);
   }
 };
 
@@ -122,9 +143,9 @@ class LocalSendWork final : public Work {
     });
     if (state_->aborted) state_->raise_aborted(rank_, what());
     if (!done) {
-      raise<TimeoutError>("rank {}: timed out after {} ms waiting for {} to rank {} (rank {} has not posted the "
+      raise<TimeoutError>("{}: timed out after {} ms waiting for {} to rank {} (rank {} has not posted the "
                           "matching receive)",
-                          rank_, timeout.count(), describe_op(options_), options_.peer, options_.peer);
+                          state_->who(rank_), timeout.count(), describe_op(options_), options_.peer, options_.peer);
     }
   }
 
@@ -181,7 +202,7 @@ class LocalRecvWork final : public Work {
           lock, deadline, [&] { return state_->aborted || recv_->matched; });
       if (state_->aborted) state_->raise_aborted(rank_, what());
       if (!matched) {
-        raise<TimeoutError>("rank {}: timed out after {} ms waiting for {} from rank {}", rank_, timeout.count(),
+        raise<TimeoutError>("{}: timed out after {} ms waiting for {} from rank {}", state_->who(rank_), timeout.count(),
                             describe_op(options_), options_.peer);
       }
       payload = std::move(recv_->payload);
@@ -212,12 +233,12 @@ class LocalRecvWork final : public Work {
     // Only possible under in-order pairing: the sender posted this channel's messages in another order. NCCL
     // would deliver the tensor anyway; here it is an error naming both operations.
     TWOBP_CHECK(recv_->tag == options_.tag, UsageError,
-                "rank {}: {} from rank {}: in-order pairing on channel {} matched it with rank {}'s {} (tag {}, "
+                "{}: {} from rank {}: in-order pairing on channel {} matched it with rank {}'s {} (tag {}, "
                 "expected tag {}): the two ranks post this channel's messages in different orders",
-                rank_, describe_op(options_), options_.peer, options_.channel, options_.peer, recv_->label,
+                state_->who(rank_), describe_op(options_), options_.peer, options_.channel, options_.peer, recv_->label,
                 recv_->tag, options_.tag);
     TWOBP_CHECK(payload.sizes() == buffer_.sizes() && payload.scalar_type() == buffer_.scalar_type(), UsageError,
-                "rank {}: {} from rank {}: expected {} but rank {} sent {}", rank_, describe_op(options_),
+                "{}: {} from rank {}: expected {} but rank {} sent {}", state_->who(rank_), describe_op(options_),
                 options_.peer, describe_tensor(buffer_), options_.peer, describe_tensor(payload));
     if (written) {
       // SYNC POINT: the payload was cloned on the sender's stream; this rank's current stream reads it.
@@ -329,7 +350,7 @@ std::unique_ptr<Work> LocalTransport::irecv(at::Tensor& buffer, const P2POptions
 }
 
 void LocalTransport::all_reduce_sum(at::Tensor& tensor, Duration timeout) {
-  TWOBP_CHECK(tensor.defined(), UsageError, "rank {}: all_reduce_sum of an undefined tensor", rank_);
+  TWOBP_CHECK(tensor.defined(), UsageError, "{}: all_reduce_sum of an undefined tensor", state_->who(rank_));
   if (!tensor.is_cpu()) {
     // Ranks' device tensors live on different streams: sum host copies (the copy waits for this rank's stream).
     // Collectives here are small (losses, norms), so the copies cost nothing worth a stream protocol.
@@ -343,7 +364,53 @@ void LocalTransport::all_reduce_sum(at::Tensor& tensor, Duration timeout) {
 
 void LocalTransport::barrier(Duration timeout) { collective("barrier", nullptr, timeout); }
 
-void LocalTransport::collective(const char* kind, at::Tensor* tensor, Duration timeout) {
+void LocalTransport::broadcast(at::Tensor& tensor, int root, Duration timeout) {
+  TWOBP_CHECK(tensor.defined(), UsageError, "{}: broadcast of an undefined tensor", state_->who(rank_));
+  TWOBP_CHECK(root >= 0 && root < state_->world, UsageError, "{}: broadcast from root {}: no such rank (world size {})",
+              state_->who(rank_), root, state_->world);
+  // The root is part of the collective's kind: ranks disagreeing about it get the same UsageError as ranks
+  // calling different collectives.
+  const std::string kind = fmt::format("broadcast from rank {}", root);
+  if (!tensor.is_cpu()) {
+    at::Tensor host = tensor.to(at::kCPU);
+    collective(kind, &host, timeout, root);
+    tensor.copy_(host);
+    return;
+  }
+  collective(kind, &tensor, timeout, root);
+}
+
+std::unique_ptr<Transport> LocalTransport::split(int color, int key, Duration timeout) {
+  const std::int64_t number = splits_++;
+  const auto colors = detail::gather_split_colors(*this, color, key, timeout);
+  if (color < 0) return nullptr;
+  const std::vector<int> members = detail::split_members(colors, color);
+  const auto me = std::find(members.begin(), members.end(), rank_);
+  std::shared_ptr<detail::LocalGroupState> group;
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    auto& pending = state_->splits[{number, color}];
+    if (!pending.state) {
+      LocalOptions options = state_->options;
+      if (options.devices.size() > 1) {
+        options.devices.clear();
+        for (int m : members) options.devices.push_back(state_->options.devices[static_cast<std::size_t>(m)]);
+      }
+      std::vector<std::string> names;
+      for (int g = 0; g < static_cast<int>(members.size()); ++g) {
+        names.push_back(detail::group_member_name(g, color, state_->who(members[g])));
+      }
+      pending.state = std::make_shared<detail::LocalGroupState>(static_cast<int>(members.size()), std::move(options),
+                                                                std::move(names));
+      pending.untaken = static_cast<int>(members.size());
+    }
+    group = pending.state;
+    if (--pending.untaken == 0) state_->splits.erase({number, color});
+  }
+  return std::make_unique<LocalTransport>(std::move(group), static_cast<int>(me - members.begin()));
+}
+
+void LocalTransport::collective(const std::string& kind, at::Tensor* tensor, Duration timeout, int root) {
   const auto deadline = detail::deadline_after(timeout);
   // Snapshot outside the lock: the other ranks sum our contribution while we may already modify `tensor`.
   at::Tensor contribution = tensor ? tensor->clone(at::MemoryFormat::Contiguous) : at::Tensor();
@@ -352,7 +419,7 @@ void LocalTransport::collective(const char* kind, at::Tensor* tensor, Duration t
   const std::int64_t my_generation = s.generation;
   const std::string what = fmt::format("{} #{}", kind, my_generation);
   if (s.aborted) s.raise_aborted(rank_, what);
-  if (!s.failure.empty()) detail::raise<TransportError>("rank {}: {} failed: {}", rank_, what, s.failure);
+  if (!s.failure.empty()) detail::raise<TransportError>("{}: {} failed: {}", state_->who(rank_), what, s.failure);
 
   // A contract violation leaves the collective unable to complete: record it so the other ranks fail at once
   // instead of waiting for their timeout, then report it to this caller as its own UsageError.
@@ -370,14 +437,14 @@ void LocalTransport::collective(const char* kind, at::Tensor* tensor, Duration t
     int first = 0;
     while (!s.has_arrived[first]) ++first;
     if (s.kind != kind) {
-      fail_usage(fmt::format("rank {} called {} while rank {} called {} (collective #{}): every rank must call "
+      fail_usage(fmt::format("{} called {} while rank {} called {} (collective #{}): every rank must call "
                              "the collectives in the same order",
-                             rank_, kind, first, s.kind, my_generation));
+                             state_->who(rank_), kind, first, s.kind, my_generation));
     }
     if (tensor) {
       const auto& other = s.contributions[first];
       if (other.sizes() != contribution.sizes() || other.scalar_type() != contribution.scalar_type()) {
-        fail_usage(fmt::format("rank {}: {}: tensor {} does not match rank {}'s {}", rank_, what,
+        fail_usage(fmt::format("{}: {}: tensor {} does not match rank {}'s {}", state_->who(rank_), what,
                                detail::describe_tensor(contribution), first, detail::describe_tensor(other)));
       }
     }
@@ -389,12 +456,14 @@ void LocalTransport::collective(const char* kind, at::Tensor* tensor, Duration t
   if (s.arrived == s.world) {
     // Last to arrive: sum in rank order (reproducible), publish, open the next generation.
     at::Tensor result;
-    if (tensor) {
+    if (tensor && root >= 0) {
+      result = s.contributions[root];
+    } else if (tensor) {
       try {
         result = s.contributions[0];
         for (int r = 1; r < s.world; ++r) result.add_(s.contributions[r]);
       } catch (const std::exception& e) {
-        s.failure = fmt::format("rank {}: {}: summing failed: {}", rank_, what, e.what());
+        s.failure = fmt::format("{}: {}: summing failed: {}", state_->who(rank_), what, e.what());
         s.notify_all_ranks();
         throw TransportError(s.failure);
       }
@@ -412,14 +481,14 @@ void LocalTransport::collective(const char* kind, at::Tensor* tensor, Duration t
     });
     if (s.aborted) s.raise_aborted(rank_, what);
     if (s.generation <= my_generation) {
-      if (!s.failure.empty()) detail::raise<TransportError>("rank {}: {} failed: {}", rank_, what, s.failure);
+      if (!s.failure.empty()) detail::raise<TransportError>("{}: {} failed: {}", state_->who(rank_), what, s.failure);
       if (!done) {
         std::string missing;
         for (int r = 0; r < s.world; ++r) {
           if (!s.has_arrived[r]) missing += fmt::format("{}{}", missing.empty() ? "" : ", ", r);
         }
         // Our contribution is already in the sum and cannot be withdrawn: the collective is broken for all.
-        s.failure = fmt::format("rank {}: timed out after {} ms in {} waiting for rank(s) {}", rank_,
+        s.failure = fmt::format("{}: timed out after {} ms in {} waiting for rank(s) {}", state_->who(rank_),
                                 timeout.count(), what, missing);
         s.notify_all_ranks();
         throw TimeoutError(s.failure);

@@ -201,6 +201,12 @@ struct MpiTransport::Impl {
   std::int64_t collectives = 0;
   std::string collective_failure;  // guarded by parked_mutex
   std::unique_ptr<detail::ProgressThread> progress;  // only with MPI_THREAD_MULTIPLE
+  std::string name;         // empty: "rank <rank>"; in a group: "rank 1 (group color 0, rank 2 in the parent)"
+
+  std::string who() const { return name.empty() ? fmt::format("rank {}", rank) : name; }
+
+  /// Takes ownership of `c` (a private communicator): errors returned, rank/size/tag range read, progress thread.
+  void adopt(MPI_Comm c, bool thread_multiple);
 
   std::shared_ptr<void> progress_token() { return progress ? progress->acquire() : nullptr; }
 
@@ -271,9 +277,9 @@ struct MpiTransport::Impl {
       if (Clock::now() >= deadline) {
         // A collective cannot be cancelled: keep its buffer alive and refuse later collectives, whose
         // matching would otherwise be off by one across ranks.
-        std::string message = fmt::format("rank {}: timed out after {} ms in {} (a rank did not call it, or is "
+        std::string message = fmt::format("{}: timed out after {} ms in {} (a rank did not call it, or is "
                                           "stuck before it)",
-                                          rank, timeout.count(), what);
+                                          who(), timeout.count(), what);
         {
           std::lock_guard<std::mutex> lock(parked_mutex);
           collective_failure = message;
@@ -284,7 +290,7 @@ struct MpiTransport::Impl {
       backoff.pause();
     }
     if (p->error[0] != MPI_SUCCESS) {
-      detail::raise<TransportError>("rank {}: {} failed: {}", rank, what, detail::mpi_error_string(p->error[0]));
+      detail::raise<TransportError>("{}: {} failed: {}", who(), what, detail::mpi_error_string(p->error[0]));
     }
   }
 
@@ -292,7 +298,7 @@ struct MpiTransport::Impl {
     std::lock_guard<std::mutex> lock(parked_mutex);
     std::string what = fmt::format("{} #{}", kind, collectives++);
     if (!collective_failure.empty()) {
-      detail::raise<TransportError>("rank {}: {} refused: an earlier collective failed: {}", rank, what,
+      detail::raise<TransportError>("{}: {} refused: an earlier collective failed: {}", who(), what,
                                     collective_failure);
     }
     return what;
@@ -327,7 +333,7 @@ class MpiWork final : public Work {
       if (Clock::now() >= deadline) {
         parked_ = true;
         impl_->park(p_);
-        raise<TimeoutError>("rank {}: timed out after {} ms waiting for {} {} rank {}", impl_->rank,
+        raise<TimeoutError>("{}: timed out after {} ms waiting for {} {} rank {}", impl_->who(),
                             timeout.count(), describe_op(options_), is_recv_ ? "from" : "to", options_.peer);
       }
       backoff.pause();
@@ -345,12 +351,12 @@ class MpiWork final : public Work {
  private:
   void finish() {
     finished_ = true;
-    const int me = impl_->rank;
+    const std::string me = impl_->who();
     const int peer = options_.peer;
     const std::string op = describe_op(options_);
     const char* dir = is_recv_ ? "from" : "to";
     if (p_->error[0] != MPI_SUCCESS) {
-      raise<TransportError>("rank {}: {} {} rank {}: header transfer failed: {}", me, op, dir, peer,
+      raise<TransportError>("{}: {} {} rank {}: header transfer failed: {}", me, op, dir, peer,
                             mpi_error_string(p_->error[0]));
     }
     if (is_recv_) {
@@ -362,10 +368,10 @@ class MpiWork final : public Work {
       }
       TWOBP_CHECK(header_bytes == static_cast<int>(sizeof(WireHeader)) && h.magic == kHeaderMagic &&
                       h.sender == peer,
-                  TransportError, "rank {}: {} from rank {}: received a malformed header ({} bytes)", me, op, peer,
+                  TransportError, "{}: {} from rank {}: received a malformed header ({} bytes)", me, op, peer,
                   header_bytes);
       TWOBP_CHECK(h.tag == options_.tag, TransportError,
-                  "rank {}: {} from rank {}: received the message of tag {} instead of tag {}: both fold to MPI "
+                  "{}: {} from rank {}: received the message of tag {} instead of tag {}: both fold to MPI "
                   "tag {} (MPI_TAG_UB allows {} distinct tags); keep the tags in flight between two ranks "
                   "distinct modulo that",
                   me, op, peer, h.tag, options_.tag, impl_->fold(options_.tag), impl_->tag_modulus);
@@ -373,11 +379,11 @@ class MpiWork final : public Work {
       const bool same_shape = h.ndim == buffer.dim() &&
                               std::equal(buffer.sizes().begin(), buffer.sizes().end(), h.dims);
       TWOBP_CHECK(same_shape && h.dtype == static_cast<std::int32_t>(buffer.scalar_type()), UsageError,
-                  "rank {}: {} from rank {}: expected {} but rank {} sent {}", me, op, peer,
+                  "{}: {} from rank {}: expected {} but rank {} sent {}", me, op, peer,
                   describe_tensor(buffer), peer, shape_of(h));
     }
     if (p_->error[1] != MPI_SUCCESS) {
-      raise<TransportError>("rank {}: {} {} rank {}: payload transfer failed: {}", me, op, dir, peer,
+      raise<TransportError>("{}: {} {} rank {}: payload transfer failed: {}", me, op, dir, peer,
                             mpi_error_string(p_->error[1]));
     }
     if (is_recv_) {
@@ -387,7 +393,7 @@ class MpiWork final : public Work {
         MPI_Get_count(&p_->status[1], MPI_BYTE, &bytes);
       }
       TWOBP_CHECK(static_cast<std::int64_t>(bytes) == static_cast<std::int64_t>(p_->tensor.nbytes()),
-                  TransportError, "rank {}: {} from rank {}: received {} payload bytes, expected {}", me, op, peer,
+                  TransportError, "{}: {} from rank {}: received {} payload bytes, expected {}", me, op, peer,
                   bytes, p_->tensor.nbytes());
     }
   }
@@ -400,35 +406,43 @@ class MpiWork final : public Work {
   bool parked_ = false;
 };
 
-void check_cpu_message(const char* what, int rank, const at::Tensor& t, const P2POptions& options) {
-  TWOBP_CHECK(t.is_cpu(), UsageError, "rank {}: {} {}: MpiTransport moves CPU tensors, got one on {}", rank, what,
+void check_cpu_message(const char* what, const std::string& rank, const at::Tensor& t, const P2POptions& options) {
+  TWOBP_CHECK(t.is_cpu(), UsageError, "{}: {} {}: MpiTransport moves CPU tensors, got one on {}", rank, what,
               describe_op(options), t.device().str());
-  TWOBP_CHECK(t.dim() <= kMaxDims, UsageError, "rank {}: {} {}: tensors of at most {} dimensions, got {}", rank,
+  TWOBP_CHECK(t.dim() <= kMaxDims, UsageError, "{}: {} {}: tensors of at most {} dimensions, got {}", rank,
               what, describe_op(options), kMaxDims, describe_tensor(t));
   TWOBP_CHECK(t.nbytes() <= static_cast<std::size_t>(INT_MAX), UsageError,
-              "rank {}: {} {}: {} is {} bytes; MpiTransport messages are limited to {} bytes", rank, what,
+              "{}: {} {}: {} is {} bytes; MpiTransport messages are limited to {} bytes", rank, what,
               describe_op(options), describe_tensor(t), t.nbytes(), INT_MAX);
 }
 
 }  // namespace
 }  // namespace detail
 
-MpiTransport::MpiTransport(const MpiEnvironment& env) : impl_(std::make_shared<Impl>()) {
-  impl_->multiple = env.thread_multiple();
-  // A private communicator: our tags cannot collide with the application's own MPI traffic, and errors on it
-  // are returned to us (MPI_ERRORS_RETURN) instead of killing the job.
-  int rc = MPI_Comm_dup(MPI_COMM_WORLD, &impl_->comm);
-  if (rc != MPI_SUCCESS) detail::raise_mpi_error(rc, "MPI_Comm_dup(MPI_COMM_WORLD)", __FILE__, __LINE__);
-  TWOBP_MPI_CHECK(MPI_Comm_set_errhandler(impl_->comm, MPI_ERRORS_RETURN));
-  TWOBP_MPI_CHECK(MPI_Comm_rank(impl_->comm, &impl_->rank));
-  TWOBP_MPI_CHECK(MPI_Comm_size(impl_->comm, &impl_->world));
+void MpiTransport::Impl::adopt(MPI_Comm c, bool thread_multiple) {
+  comm = c;
+  multiple = thread_multiple;
+  TWOBP_MPI_CHECK(MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN));
+  TWOBP_MPI_CHECK(MPI_Comm_rank(comm, &rank));
+  TWOBP_MPI_CHECK(MPI_Comm_size(comm, &world));
   void* attr = nullptr;
   int flag = 0;
-  TWOBP_MPI_CHECK(MPI_Comm_get_attr(impl_->comm, MPI_TAG_UB, &attr, &flag));
+  TWOBP_MPI_CHECK(MPI_Comm_get_attr(comm, MPI_TAG_UB, &attr, &flag));
   const std::int64_t tag_ub = flag ? *static_cast<int*>(attr) : 32767;  // 32767: the minimum MPI guarantees
-  impl_->tag_modulus = (tag_ub + 1) / 2;  // tags 2f and 2f+1 with f < modulus are both <= tag_ub
-  if (impl_->multiple) impl_->progress = std::make_unique<detail::ProgressThread>(impl_->comm);
+  tag_modulus = (tag_ub + 1) / 2;  // tags 2f and 2f+1 with f < modulus are both <= tag_ub
+  if (multiple) progress = std::make_unique<detail::ProgressThread>(comm);
 }
+
+MpiTransport::MpiTransport(const MpiEnvironment& env) : impl_(std::make_shared<Impl>()) {
+  // A private communicator: our tags cannot collide with the application's own MPI traffic, and errors on it
+  // are returned to us (MPI_ERRORS_RETURN) instead of killing the job.
+  MPI_Comm comm = MPI_COMM_NULL;
+  int rc = MPI_Comm_dup(MPI_COMM_WORLD, &comm);
+  if (rc != MPI_SUCCESS) detail::raise_mpi_error(rc, "MPI_Comm_dup(MPI_COMM_WORLD)", __FILE__, __LINE__);
+  impl_->adopt(comm, env.thread_multiple());
+}
+
+MpiTransport::MpiTransport(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 MpiTransport::~MpiTransport() {
   int finalized = 0;
@@ -460,7 +474,7 @@ int MpiTransport::world_size() const { return impl_->world; }
 
 std::unique_ptr<Work> MpiTransport::isend(const at::Tensor& tensor, const P2POptions& options) {
   detail::check_p2p_args("isend", impl_->rank, impl_->world, tensor, options);
-  detail::check_cpu_message("isend", impl_->rank, tensor, options);
+  detail::check_cpu_message("isend", impl_->who(), tensor, options);
   impl_->reap();
   auto p = std::make_shared<detail::Pending>();
   p->tensor = tensor;  // keeps the storage alive while MPI reads it
@@ -487,7 +501,7 @@ std::unique_ptr<Work> MpiTransport::isend(const at::Tensor& tensor, const P2POpt
     if (rc != MPI_SUCCESS) {
       lock = {};
       impl_->park(p);
-      detail::raise<TransportError>("rank {}: isend {} to rank {}: MPI_Isend failed at {}:{}: {}", impl_->rank,
+      detail::raise<TransportError>("{}: isend {} to rank {}: MPI_Isend failed at {}:{}: {}", impl_->who(),
                                     detail::describe_op(options), options.peer, __FILE__, __LINE__,
                                     detail::mpi_error_string(rc));
     }
@@ -497,7 +511,7 @@ std::unique_ptr<Work> MpiTransport::isend(const at::Tensor& tensor, const P2POpt
 
 std::unique_ptr<Work> MpiTransport::irecv(at::Tensor& buffer, const P2POptions& options) {
   detail::check_p2p_args("irecv", impl_->rank, impl_->world, buffer, options);
-  detail::check_cpu_message("irecv", impl_->rank, buffer, options);
+  detail::check_cpu_message("irecv", impl_->who(), buffer, options);
   impl_->reap();
   auto p = std::make_shared<detail::Pending>();
   p->tensor = buffer;
@@ -518,7 +532,7 @@ std::unique_ptr<Work> MpiTransport::irecv(at::Tensor& buffer, const P2POptions& 
     if (rc != MPI_SUCCESS) {
       lock = {};
       impl_->park(p);
-      detail::raise<TransportError>("rank {}: irecv {} from rank {}: MPI_Irecv failed at {}:{}: {}", impl_->rank,
+      detail::raise<TransportError>("{}: irecv {} from rank {}: MPI_Irecv failed at {}:{}: {}", impl_->who(),
                                     detail::describe_op(options), options.peer, __FILE__, __LINE__,
                                     detail::mpi_error_string(rc));
     }
@@ -529,19 +543,19 @@ std::unique_ptr<Work> MpiTransport::irecv(at::Tensor& buffer, const P2POptions& 
 void MpiTransport::all_reduce_sum(at::Tensor& tensor, Duration timeout) {
   const std::string what = impl_->begin_collective("all_reduce_sum");
   TWOBP_CHECK(tensor.defined() && tensor.is_cpu(), UsageError,
-              "rank {}: {}: MpiTransport reduces defined CPU tensors", impl_->rank, what);
+              "{}: {}: MpiTransport reduces defined CPU tensors", impl_->who(), what);
   MPI_Datatype type = MPI_DATATYPE_NULL;
   at::Tensor work = tensor;
   if (!detail::mpi_type_of(tensor.scalar_type(), &type)) {
     // MPI has no half/bfloat16 sum: reduce in float32 (more accurate anyway) and round once at the end.
     TWOBP_CHECK(tensor.scalar_type() == c10::kHalf || tensor.scalar_type() == c10::kBFloat16, UsageError,
-                "rank {}: {}: dtype {} cannot be summed over MPI", impl_->rank, what,
+                "{}: {}: dtype {} cannot be summed over MPI", impl_->who(), what,
                 c10::toString(tensor.scalar_type()));
     work = tensor.to(c10::kFloat);
     type = MPI_FLOAT;
   }
   if (!work.is_contiguous()) work = work.contiguous();
-  TWOBP_CHECK(work.numel() <= INT_MAX, UsageError, "rank {}: {}: at most {} elements", impl_->rank, what, INT_MAX);
+  TWOBP_CHECK(work.numel() <= INT_MAX, UsageError, "{}: {}: at most {} elements", impl_->who(), what, INT_MAX);
   auto p = std::make_shared<detail::Pending>();
   p->tensor = work;
   {
@@ -565,12 +579,60 @@ void MpiTransport::barrier(Duration timeout) {
   impl_->wait_collective(std::move(p), what, timeout);
 }
 
+void MpiTransport::broadcast(at::Tensor& tensor, int root, Duration timeout) {
+  const std::string what = impl_->begin_collective(fmt::format("broadcast from rank {}", root).c_str());
+  TWOBP_CHECK(tensor.defined() && tensor.is_cpu(), UsageError, "{}: {}: MpiTransport broadcasts defined CPU tensors",
+              impl_->who(), what);
+  TWOBP_CHECK(root >= 0 && root < impl_->world, UsageError, "{}: {}: no such rank (world size {})", impl_->who(),
+              what, impl_->world);
+  at::Tensor work = tensor.is_contiguous() ? tensor : tensor.contiguous();
+  // Bytes, so that every dtype travels; one MPI count is an int.
+  TWOBP_CHECK(work.nbytes() <= static_cast<std::size_t>(INT_MAX), UsageError, "{}: {}: at most {} bytes, got {}",
+              impl_->who(), what, INT_MAX, work.nbytes());
+  auto p = std::make_shared<detail::Pending>();
+  p->tensor = work;
+  {
+    auto lock = impl_->serialize();
+    TWOBP_MPI_CHECK(MPI_Ibcast(work.data_ptr(), static_cast<int>(work.nbytes()), MPI_BYTE, root, impl_->comm,
+                               &p->requests[0]));
+    p->done[0] = false;
+  }
+  impl_->wait_collective(std::move(p), what, timeout);
+  if (!work.is_same(tensor)) tensor.copy_(work);
+}
+
+std::unique_ptr<Transport> MpiTransport::split(int color, int key, Duration timeout) {
+  // WHY gather first: MPI_Comm_split blocks without a timeout. After this (timed) collective every rank is known
+  // to have entered split, so the MPI_Comm_split below cannot wait for a rank that never comes.
+  const auto colors = detail::gather_split_colors(*this, color, key, timeout);
+  MPI_Comm child = MPI_COMM_NULL;
+  {
+    auto lock = impl_->serialize();
+    const int rc = MPI_Comm_split(impl_->comm, color < 0 ? MPI_UNDEFINED : color, key, &child);
+    if (rc != MPI_SUCCESS) {
+      detail::raise<TransportError>("{}: split (color {}): MPI_Comm_split failed: {}", impl_->who(), color,
+                                    detail::mpi_error_string(rc));
+    }
+  }
+  if (color < 0 || child == MPI_COMM_NULL) return nullptr;
+  auto impl = std::make_shared<Impl>();
+  impl->adopt(child, impl_->multiple);
+  // MPI orders the group by (key, parent rank) too; check that it agrees with what every rank computed.
+  const std::vector<int> members = detail::split_members(colors, color);
+  TWOBP_CHECK(static_cast<int>(members.size()) == impl->world && members[impl->rank] == impl_->rank, TransportError,
+              "{}: split (color {}): MPI_Comm_split made rank {} of {}, expected rank {} of {}", impl_->who(), color,
+              impl->rank, impl->world,
+              std::find(members.begin(), members.end(), impl_->rank) - members.begin(), members.size());
+  impl->name = detail::group_member_name(impl->rank, color, impl_->who());
+  return std::unique_ptr<Transport>(new MpiTransport(std::move(impl)));
+}
+
 void MpiTransport::abort(const std::string& reason) {
   // MPI has no way to fail only the peers' pending operations: the whole job is torn down.
   std::fprintf(stderr, "twobp: rank %d aborts the MPI job: %s\n", impl_->rank, reason.c_str());
   std::fflush(stderr);
   MPI_Abort(MPI_COMM_WORLD, 1);
-  detail::raise<TransportError>("rank {}: MPI_Abort returned (reason was: {})", impl_->rank, reason);
+  detail::raise<TransportError>("{}: MPI_Abort returned (reason was: {})", impl_->who(), reason);
 }
 
 }  // namespace twobp

@@ -146,6 +146,7 @@ struct NcclTransport::Impl {
   int device = 0;
   int channels = kNumMessageChannels;
   std::shared_ptr<Transport> host;  // bootstrap, all_reduce_sum, barrier, abort
+  NcclOptions options;              // as given to the constructor; split() derives the group's from them
   std::vector<std::pair<int, int>> all_links;
   std::map<detail::ChannelKey, detail::Channel> mine;  // the channels this rank is an end of
 
@@ -221,6 +222,7 @@ struct NcclTransport::Impl {
 
 void NcclTransport::Impl::init(const NcclOptions& options) {
   const auto deadline = detail::deadline_after(options.init_timeout);
+  this->options = options;
   rank = host->rank();
   world = host->world_size();
   channels = options.channels;
@@ -540,6 +542,28 @@ void NcclTransport::all_reduce_sum(at::Tensor& tensor, Duration timeout) {
 }
 
 void NcclTransport::barrier(Duration timeout) { impl_->host->barrier(timeout); }
+
+void NcclTransport::broadcast(at::Tensor& tensor, int root, Duration timeout) {
+  TWOBP_CHECK(tensor.defined(), UsageError, "rank {}: broadcast of an undefined tensor", impl_->rank);
+  // Over the host transport on a CPU copy, like all_reduce_sum (see there); the copy back lands on this rank's
+  // current stream.
+  at::Tensor cpu = tensor.to(c10::kCPU).contiguous();
+  impl_->host->broadcast(cpu, root, timeout);
+  tensor.copy_(cpu);
+}
+
+std::unique_ptr<Transport> NcclTransport::split(int color, int key, Duration timeout) {
+  // The host transport splits first (a timed collective over every rank of this transport); the group's NCCL
+  // communicators are then bootstrapped through the group's host exactly as this transport's were: its ids never
+  // travel outside the group. UNTESTED on GPUs so far (no GPU where it was written).
+  std::unique_ptr<Transport> group_host = impl_->host->split(color, key, timeout);
+  if (!group_host) return nullptr;
+  NcclOptions options = impl_->options;
+  options.device = impl_->device;  // the group lives on this rank's GPU
+  options.links.clear();           // the group's own ring (links name group ranks)
+  options.init_timeout = timeout;
+  return std::make_unique<NcclTransport>(std::shared_ptr<Transport>(std::move(group_host)), std::move(options));
+}
 
 void NcclTransport::abort(const std::string& reason) {
   // Abort the communicators first: the host's abort may take a moment (MPI_Abort kills the job), and the peers'

@@ -57,6 +57,11 @@ struct StoreTransport::Impl {
   std::map<std::pair<int, std::int64_t>, std::int64_t> received;  // (src, tag) -> receives posted
   std::int64_t collectives = 0;                                   // sequence shared by all_reduce_sum and barrier
   std::string broken;  // non-empty once a collective timed out: later ones throw it
+  std::int64_t splits = 0;  // split() calls so far: with the color, names a group's key prefix
+  std::string name;         // empty: "rank <rank>"; in a group: "rank 1 (group color 0, rank 2 in the parent)"
+  bool is_group = false;    // a group shares its parent's store and does not serve it
+
+  std::string who() const { return name.empty() ? fmt::format("rank {}", rank) : name; }
 
   std::string key(const std::string& suffix) const { return prefix + "/" + suffix; }
   std::string abort_key() const { return key("abort"); }
@@ -66,7 +71,7 @@ struct StoreTransport::Impl {
     try {
       return f();
     } catch (const c10::Error& e) {
-      detail::raise<TransportError>("rank {}: {}: the store (served by rank 0) failed: {}", rank, what,
+      detail::raise<TransportError>("{}: {}: the store (served by rank 0) failed: {}", who(), what,
                                     e.what_without_backtrace());
     }
   }
@@ -75,7 +80,7 @@ struct StoreTransport::Impl {
   void check_abort(const std::string& what) {
     if (!call(what, [&] { return store->check({abort_key()}); })) return;
     const auto v = call(what, [&] { return store->get(abort_key()); });
-    detail::raise<TransportError>("rank {}: {} failed: {}", rank, what, std::string(v.begin(), v.end()));
+    detail::raise<TransportError>("{}: {} failed: {}", who(), what, std::string(v.begin(), v.end()));
   }
 
   /// Polls until `k` exists (true), the deadline passes (false) or a rank aborted (throws). The abort key is
@@ -90,7 +95,8 @@ struct StoreTransport::Impl {
     }
   }
 
-  void collective(const char* kind, at::Tensor* tensor, Duration timeout);
+  /// root < 0: sum (all_reduce_sum) or nothing (barrier: tensor null); else every rank gets root's tensor.
+  void collective(const std::string& kind, at::Tensor* tensor, Duration timeout, int root = -1);
 };
 
 namespace {
@@ -109,7 +115,7 @@ class StoreRecvWork final : public Work {
   void wait(Duration timeout) override {
     if (finished_) return;
     if (!impl_->poll_for(key_, detail::deadline_after(timeout), what())) {
-      detail::raise<TimeoutError>("rank {}: timed out after {} ms waiting for {}", impl_->rank, timeout.count(),
+      detail::raise<TimeoutError>("{}: timed out after {} ms waiting for {}", impl_->who(), timeout.count(),
                                   what());
     }
     finish();
@@ -135,13 +141,13 @@ class StoreRecvWork final : public Work {
     c10::ScalarType dtype;
     std::vector<std::int64_t> sizes;
     std::size_t offset = 0;
-    TWOBP_CHECK(unpack_header(v, &dtype, &sizes, &offset), TransportError, "rank {}: {}: malformed message",
-                impl_->rank, what());
+    TWOBP_CHECK(unpack_header(v, &dtype, &sizes, &offset), TransportError, "{}: {}: malformed message",
+                impl_->who(), what());
     TWOBP_CHECK(at::IntArrayRef(sizes) == buffer_.sizes() && dtype == buffer_.scalar_type(), UsageError,
-                "rank {}: {}: expected {} but rank {} sent {}", impl_->rank, what(), detail::describe_tensor(buffer_),
+                "{}: {}: expected {} but rank {} sent {}", impl_->who(), what(), detail::describe_tensor(buffer_),
                 options_.peer, detail::describe_tensor(sizes, dtype));
-    TWOBP_CHECK(v.size() - offset == buffer_.nbytes(), TransportError, "rank {}: {}: message has {} bytes, expected {}",
-                impl_->rank, what(), v.size() - offset, buffer_.nbytes());
+    TWOBP_CHECK(v.size() - offset == buffer_.nbytes(), TransportError, "{}: {}: message has {} bytes, expected {}",
+                impl_->who(), what(), v.size() - offset, buffer_.nbytes());
     if (buffer_.nbytes() > 0) std::memcpy(buffer_.data_ptr(), v.data() + offset, buffer_.nbytes());
   }
 
@@ -183,6 +189,7 @@ StoreTransport::~StoreTransport() {
   // Rank 0's process serves the store: it must outlive the other ranks' last reads. Every rank checks out; rank 0
   // waits (bounded: a crashed rank never checks out) until all did or some rank aborted.
   auto& im = *impl_;
+  if (im.is_group) return;  // the parent's destructor keeps the store alive for everyone
   try {
     im.store->add(im.key("checked_out"), 1);
     if (im.rank != 0) return;
@@ -203,8 +210,8 @@ int StoreTransport::world_size() const { return impl_->world; }
 std::unique_ptr<Work> StoreTransport::isend(const at::Tensor& tensor, const P2POptions& options) {
   auto& im = *impl_;
   detail::check_p2p_args("isend", im.rank, im.world, tensor, options);
-  TWOBP_CHECK(tensor.is_cpu(), UsageError, "rank {}: isend {}: StoreTransport moves CPU tensors, got one on {}",
-              im.rank, detail::describe_op(options), tensor.device().str());
+  TWOBP_CHECK(tensor.is_cpu(), UsageError, "{}: isend {}: StoreTransport moves CPU tensors, got one on {}",
+              im.who(), detail::describe_op(options), tensor.device().str());
   const std::string what = fmt::format("{} to rank {}", detail::describe_op(options), options.peer);
   im.check_abort(what);
   const std::int64_t n = im.sent[{options.peer, options.tag}]++;
@@ -220,23 +227,25 @@ std::unique_ptr<Work> StoreTransport::isend(const at::Tensor& tensor, const P2PO
 std::unique_ptr<Work> StoreTransport::irecv(at::Tensor& buffer, const P2POptions& options) {
   auto& im = *impl_;
   detail::check_p2p_args("irecv", im.rank, im.world, buffer, options);
-  TWOBP_CHECK(buffer.is_cpu(), UsageError, "rank {}: irecv {}: StoreTransport moves CPU tensors, got one on {}",
-              im.rank, detail::describe_op(options), buffer.device().str());
+  TWOBP_CHECK(buffer.is_cpu(), UsageError, "{}: irecv {}: StoreTransport moves CPU tensors, got one on {}",
+              im.who(), detail::describe_op(options), buffer.device().str());
   const std::int64_t n = im.received[{options.peer, options.tag}]++;
   const std::string k = im.key(fmt::format("p2p/{}/{}/{}/{}", options.peer, im.rank, options.tag, n));
   return std::make_unique<StoreRecvWork>(impl_, k, buffer, options);
 }
 
-void StoreTransport::Impl::collective(const char* kind, at::Tensor* tensor, Duration timeout) {
+void StoreTransport::Impl::collective(const std::string& kind, at::Tensor* tensor, Duration timeout, int root) {
   const auto deadline = detail::deadline_after(timeout);
   const std::int64_t g = collectives++;
   const std::string what = fmt::format("{} #{}", kind, g);
-  TWOBP_CHECK(broken.empty(), TransportError, "rank {}: {} failed: {}", rank, what, broken);
+  TWOBP_CHECK(broken.empty(), TransportError, "{}: {} failed: {}", who(), what, broken);
   check_abort(what);
   // The contribution names the kind, so a rank calling barrier while another sums is a clear UsageError.
-  at::Tensor mine = tensor ? tensor->contiguous() : at::empty({0}, at::kByte);
+  // A broadcast's non-roots only say that they arrived (and which collective they are in).
+  const bool contributes = tensor && (root < 0 || root == rank);
+  at::Tensor mine = contributes ? tensor->contiguous() : at::empty({0}, at::kByte);
   auto value = pack(mine);
-  value.insert(value.begin(), kind, kind + std::strlen(kind) + 1);
+  value.insert(value.begin(), kind.c_str(), kind.c_str() + kind.size() + 1);
   call(what, [&] {
     store->set(key(fmt::format("coll/{}/{}", g, rank)), value);
     return 0;
@@ -251,7 +260,7 @@ void StoreTransport::Impl::collective(const char* kind, at::Tensor* tensor, Dura
           missing += fmt::format("{}{}", missing.empty() ? "" : ", ", q);
         }
       }
-      broken = fmt::format("rank {}: timed out after {} ms in {} waiting for rank(s) {}", rank, timeout.count(),
+      broken = fmt::format("{}: timed out after {} ms in {} waiting for rank(s) {}", who(), timeout.count(),
                            what, missing);
       throw TimeoutError(broken);
     }
@@ -259,22 +268,22 @@ void StoreTransport::Impl::collective(const char* kind, at::Tensor* tensor, Dura
     const std::size_t name_end = std::find(v.begin(), v.end(), std::uint8_t{0}) - v.begin();
     const std::string other_kind(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(std::min(name_end, v.size())));
     TWOBP_CHECK(other_kind == kind, UsageError,
-                "rank {} called {} while rank {} called {} (collective #{}): every rank must call the collectives in "
+                "{} called {} while rank {} called {} (collective #{}): every rank must call the collectives in "
                 "the same order",
-                rank, kind, r, other_kind, g);
-    if (!tensor) continue;
+                who(), kind, r, other_kind, g);
+    if (!tensor || (root >= 0 && r != root)) continue;
     v.erase(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(name_end + 1));
     c10::ScalarType dtype;
     std::vector<std::int64_t> sizes;
     std::size_t offset = 0;
-    TWOBP_CHECK(unpack_header(v, &dtype, &sizes, &offset), TransportError, "rank {}: {}: malformed contribution",
-                rank, what);
-    TWOBP_CHECK(at::IntArrayRef(sizes) == mine.sizes() && dtype == mine.scalar_type(), UsageError,
-                "rank {}: {}: tensor {} does not match rank {}'s {}", rank, what, detail::describe_tensor(mine), r,
+    TWOBP_CHECK(unpack_header(v, &dtype, &sizes, &offset), TransportError, "{}: {}: malformed contribution",
+                who(), what);
+    TWOBP_CHECK(at::IntArrayRef(sizes) == tensor->sizes() && dtype == tensor->scalar_type(), UsageError,
+                "{}: {}: tensor {} does not match rank {}'s {}", who(), what, detail::describe_tensor(*tensor), r,
                 detail::describe_tensor(sizes, dtype));
     at::Tensor part = at::empty(sizes, at::TensorOptions().dtype(dtype));
     if (part.nbytes() > 0) std::memcpy(part.data_ptr(), v.data() + offset, part.nbytes());
-    sum = r == 0 ? part : sum.add_(part);  // rank order: bitwise reproducible
+    sum = (root >= 0 || r == 0) ? part : sum.add_(part);  // rank order: bitwise reproducible
   }
   // The last rank to finish reading deletes the keys of this collective.
   if (call(what, [&] { return store->add(key(fmt::format("coll/{}/done", g)), 1); }) == world) {
@@ -286,16 +295,44 @@ void StoreTransport::Impl::collective(const char* kind, at::Tensor* tensor, Dura
 
 void StoreTransport::all_reduce_sum(at::Tensor& tensor, Duration timeout) {
   TWOBP_CHECK(tensor.defined() && tensor.is_cpu(), UsageError,
-              "rank {}: all_reduce_sum needs a defined CPU tensor", impl_->rank);
+              "{}: all_reduce_sum needs a defined CPU tensor", impl_->who());
   impl_->collective("all_reduce_sum", &tensor, timeout);
 }
 
 void StoreTransport::barrier(Duration timeout) { impl_->collective("barrier", nullptr, timeout); }
 
+void StoreTransport::broadcast(at::Tensor& tensor, int root, Duration timeout) {
+  auto& im = *impl_;
+  TWOBP_CHECK(tensor.defined() && tensor.is_cpu(), UsageError, "{}: broadcast needs a defined CPU tensor", im.who());
+  TWOBP_CHECK(root >= 0 && root < im.world, UsageError, "{}: broadcast from root {}: no such rank (world size {})",
+              im.who(), root, im.world);
+  // The root is part of the kind: ranks disagreeing about it get the "same order" UsageError.
+  im.collective(fmt::format("broadcast from rank {}", root), &tensor, timeout, root);
+}
+
+StoreTransport::StoreTransport(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+std::unique_ptr<Transport> StoreTransport::split(int color, int key, Duration timeout) {
+  auto& im = *impl_;
+  const std::int64_t number = im.splits++;
+  const auto colors = detail::gather_split_colors(*this, color, key, timeout);
+  if (color < 0) return nullptr;
+  const std::vector<int> members = detail::split_members(colors, color);
+  auto child = std::make_shared<Impl>();
+  child->rank = static_cast<int>(std::find(members.begin(), members.end(), im.rank) - members.begin());
+  child->world = static_cast<int>(members.size());
+  // Same store, own key space: a group's messages, collectives and abort key never meet another group's.
+  child->prefix = im.key(fmt::format("split{}/color{}", number, color));
+  child->store = im.store;
+  child->name = detail::group_member_name(child->rank, color, im.who());
+  child->is_group = true;
+  return std::unique_ptr<Transport>(new StoreTransport(std::move(child)));
+}
+
 void StoreTransport::abort(const std::string& reason) {
   auto& im = *impl_;
   // compareSet keeps the first abort's reason: that is what every rank reports.
-  const std::string v = fmt::format("rank {} aborted: {}", im.rank, reason);
+  const std::string v = fmt::format("{} aborted: {}", im.who(), reason);
   try {
     im.store->compareSet(im.abort_key(), {}, std::vector<std::uint8_t>(v.begin(), v.end()));
   } catch (const std::exception&) {

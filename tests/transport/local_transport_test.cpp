@@ -15,6 +15,7 @@
 #include "twobp/error.h"
 #include "twobp/transport/local.h"
 #include "twobp/transport/mpi.h"
+#include "transport/group_cases.h"
 
 namespace twobp {
 namespace {
@@ -404,6 +405,73 @@ TEST(LocalTransportInOrder, DifferentPostingOrdersAreReportedNotSwapped) {
   by_tag[0]->isend(b, on_channel(1, 2, 0, "s2"));
   by_tag[1]->irecv(in, on_channel(0, 2, 0, "r2"))->wait(kLong);
   EXPECT_TRUE(at::equal(in, b));
+}
+
+
+// ---- groups (split) and collectives of any size ----
+
+TEST(LocalTransportGroups, SplitByParityAndByHalf) {
+  for (auto layout : {testing::GroupLayout::kByParity, testing::GroupLayout::kByHalf}) {
+    for (auto pairing : {Pairing::kByTag, Pairing::kInOrderPerChannel}) {
+      LocalOptions options;
+      options.pairing = pairing;
+      auto ts = make_local_transports(4, options);
+      run_ranks(ts, [&](int, Transport& t) { testing::check_groups(t, layout, kLong); });
+    }
+  }
+}
+
+TEST(LocalTransportGroups, PeerThatNeverSplitsTimesOut) {
+  auto ts = make_local_transports(4);
+  run_ranks(ts, [&](int, Transport& t) { testing::check_split_timeout(t, Duration(300)); });
+}
+
+TEST(LocalTransportGroups, AbortInAGroupIsSeenByItsMembersOnly) {
+  auto ts = make_local_transports(4);
+  run_ranks(ts, [&](int, Transport& t) { testing::check_group_abort(t, kLong); });
+}
+
+TEST(LocalTransportGroups, ErrorsNameGroupRankColorAndParentRank) {
+  auto ts = make_local_transports(4);
+  run_ranks(ts, [&](int r, Transport& t) {
+    auto g = t.split(r / 2, r, kLong);
+    if (r == 3) {
+      at::Tensor in = at::empty({1});
+      try {
+        g->irecv(in, {0, 5, "RECV_F stage 1 micro-batch 2"})->wait(Duration(50));
+        ADD_FAILURE() << "expected TimeoutError";
+      } catch (const TimeoutError& e) {
+        const std::string what = e.what();
+        for (const char* w : {"rank 1 (group color 1, rank 3 in the parent)", "RECV_F stage 1 micro-batch 2",
+                              "from rank 0"}) {
+          EXPECT_NE(what.find(w), std::string::npos) << w << " in " << what;
+        }
+      }
+    }
+  });
+}
+
+TEST(LocalTransportCollectives, BroadcastAndLargeAllReduce) {
+  auto ts = make_local_transports(3);
+  run_ranks(ts, [&](int r, Transport& t) {
+    for (auto dtype : {at::kFloat, at::kDouble, at::kLong, at::kBFloat16}) {
+      at::Tensor x = at::full({7, 3}, r + 1, dtype);
+      t.broadcast(x, 2, kLong);
+      EXPECT_TRUE(at::equal(x, at::full({7, 3}, 3, dtype)));
+    }
+    at::Tensor big = at::ones({3 << 20}, at::kFloat);
+    t.all_reduce_sum(big, kLong);
+    EXPECT_TRUE(at::equal(big, at::full({3 << 20}, 3.0f)));
+    // Disagreeing about the root is the "same order" UsageError, not a silent wrong result.
+    at::Tensor y = at::zeros({2});
+    try {
+      t.broadcast(y, r == 0 ? 1 : 0, Duration(2000));
+      ADD_FAILURE() << "expected an error";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("broadcast from rank"), std::string::npos) << e.what();
+    }
+    EXPECT_THROW(t.broadcast(y, 3, kLong), UsageError);
+  });
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include "common/mpi_test_env.h"
 #include "twobp/error.h"
 #include "twobp/transport/mpi.h"
+#include "transport/group_cases.h"
 
 namespace twobp {
 namespace {
@@ -216,6 +217,59 @@ TEST(MpiTransport, InvalidArguments) {
   EXPECT_THROW(t.isend(x, {t.world_size(), 0, "range"}), UsageError);
   at::Tensor nine = at::zeros(std::vector<int64_t>(9, 1));
   EXPECT_THROW(t.isend(nine, {(me + 1) % t.world_size(), 0, "ndim"}), UsageError);
+}
+
+// ---- groups (split) and collectives of any size ----
+// gtest runs the MpiTransport suite (whose last test breaks its transport's collectives) first: these tests use
+// a transport of their own.
+
+MpiTransport& group_world() {
+  static MpiTransport t(*mpitest::g_mpi);
+  return t;
+}
+
+TEST(MpiTransportGroups, SplitByParityAndByHalf) {
+  auto& t = group_world();
+  if (t.world_size() != 4) GTEST_SKIP() << "the dp x pp layouts need mpiexec -n 4";
+  testing::check_groups(t, testing::GroupLayout::kByParity, kLong);
+  testing::check_groups(t, testing::GroupLayout::kByHalf, kLong);
+}
+
+TEST(MpiTransportGroups, SingletonGroupsAndBroadcast) {
+  auto& t = group_world();
+  const int me = t.rank(), n = t.world_size();
+  auto alone = t.split(me, 0, kLong);
+  ASSERT_NE(alone, nullptr);
+  EXPECT_EQ(alone->rank(), 0);
+  EXPECT_EQ(alone->world_size(), 1);
+  at::Tensor x = at::full({3}, static_cast<float>(me));
+  alone->all_reduce_sum(x, kLong);
+  EXPECT_TRUE(at::equal(x, at::full({3}, static_cast<float>(me))));
+  for (auto dtype : {at::kFloat, at::kDouble, at::kLong, at::kBFloat16, at::kBool}) {
+    at::Tensor b = at::full({5, 2}, me == n - 1 ? 1 : 0, dtype);
+    t.broadcast(b, n - 1, kLong);
+    EXPECT_TRUE(at::equal(b, at::full({5, 2}, 1, dtype))) << c10::toString(dtype);
+  }
+  at::Tensor big = at::ones({1 << 20}, at::kFloat);
+  t.all_reduce_sum(big, kLong);
+  EXPECT_TRUE(at::equal(big, at::full({1 << 20}, static_cast<float>(n))));
+  t.barrier(kLong);
+}
+
+TEST(MpiTransportGroups, PeerThatNeverSplitsTimesOut) {
+  if (group_world().world_size() != 4) GTEST_SKIP() << "needs mpiexec -n 4";
+  {
+    MpiTransport fresh(*mpitest::g_mpi);  // its collectives break; the shared transport's must not
+    testing::check_split_timeout(fresh, Duration(300));
+    if (fresh.rank() == 3) {
+      // Late arrival: match the others' abandoned gathering all-reduce, so that no MPI request stays open.
+      std::this_thread::sleep_for(500ms);
+      at::Tensor rows = at::zeros({4, 2}, at::kLong);
+      fresh.all_reduce_sum(rows, kLong);
+    }
+    group_world().barrier(kLong);
+  }
+  group_world().barrier(kLong);
 }
 
 // Must stay the last test: a timed-out collective permanently breaks this transport's collectives.

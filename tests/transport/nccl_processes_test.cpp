@@ -7,7 +7,7 @@
 //
 // Covers: construction (communicators + warm-up), a ring exchange on both channels, one pipeline step of every
 // built-in schedule (zb-v included) in both modes against a single-process reference, and a timeout that aborts
-// the channel. Skips with the reason without a CUDA device.
+// the channel; and (4 processes) transport groups. Skips with the reason without a CUDA device.
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -19,6 +19,7 @@
 
 #include "common/pipeline_fixtures.h"
 #include "common/spawn_ranks.h"
+#include "transport/group_cases.h"
 #include "twobp/error.h"
 #include "twobp/runtime/pipeline.h"
 #include "twobp/transport/launch.h"
@@ -40,6 +41,16 @@ TEST(NcclProcesses, TwoRanksOnOneGpu) {
   const auto codes = testing::run_processes("NcclRank.Run", "nccl", 2, std::chrono::seconds(150), one_gpu_env);
   ASSERT_EQ(codes.size(), 2u);
   for (int r = 0; r < 2; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << " (its output is above)";
+}
+
+// Groups: 4 ranks split by rank % 2 and by rank / 2 (NcclTransport::split splits the StoreTransport host and
+// builds each group's communicators through it). Written without a GPU at hand: not yet run.
+TEST(NcclProcesses, FourRanksGroupsOnOneGpu) {
+  if (c10::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device (this test needs one GPU)";
+  const auto codes =
+      testing::run_processes("NcclRank.Run", "nccl_groups", 4, std::chrono::seconds(240), one_gpu_env);
+  ASSERT_EQ(codes.size(), 4u);
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << " (its output is above)";
 }
 
 void ring(NcclTransport& t) {
@@ -140,6 +151,11 @@ TEST(NcclRank, Run) {
   options.init_timeout = kLong;
   auto t = std::make_shared<NcclTransport>(host, options);  // communicators + warm-up
   EXPECT_EQ(t->pairing(), Pairing::kInOrderPerChannel);
+  if (std::string(scenario) == "nccl_groups") {
+    testing::check_groups(*t, testing::GroupLayout::kByParity, kLong);
+    testing::check_groups(*t, testing::GroupLayout::kByHalf, kLong);
+    return;
+  }
   ring(*t);
   every_schedule(t);
   timeout_aborts_channel(*t);

@@ -13,6 +13,7 @@
 
 #include "common/pipeline_fixtures.h"
 #include "common/spawn_ranks.h"
+#include "transport/group_cases.h"
 #include "twobp/error.h"
 #include "twobp/runtime/pipeline.h"
 #include "twobp/transport/launch.h"
@@ -115,6 +116,10 @@ void expect_all_passed(const std::string& scenario, int world) {
 TEST(StoreTransportProcesses, CollectivesRingAndErrors) { expect_all_passed("collectives", 3); }
 TEST(StoreTransportProcesses, PipelineStepMatchesSingleProcess) { expect_all_passed("pipeline", 2); }
 TEST(StoreTransportProcesses, TimeoutAndAbortNameThePeer) { expect_all_passed("abort", 2); }
+TEST(StoreTransportProcesses, GroupsByParity) { expect_all_passed("groups_parity", 4); }
+TEST(StoreTransportProcesses, GroupsByHalf) { expect_all_passed("groups_half", 4); }
+TEST(StoreTransportProcesses, PeerThatNeverSplitsTimesOut) { expect_all_passed("split_timeout", 4); }
+TEST(StoreTransportProcesses, AbortInAGroupIsSeenByItsMembers) { expect_all_passed("group_abort", 4); }
 
 // ---- what each child process runs ----
 
@@ -225,6 +230,10 @@ TEST(StoreTransportRank, Run) {
   if (s == "collectives") collectives(*t);
   if (s == "pipeline") pipeline(t);
   if (s == "abort") abort_scenario(*t);
+  if (s == "groups_parity") testing::check_groups(*t, testing::GroupLayout::kByParity, kLong);
+  if (s == "groups_half") testing::check_groups(*t, testing::GroupLayout::kByHalf, kLong);
+  if (s == "split_timeout") testing::check_split_timeout(*t, Duration(1000));
+  if (s == "group_abort") testing::check_group_abort(*t, kLong);
 }
 
 }  // namespace

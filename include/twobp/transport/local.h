@@ -2,7 +2,9 @@
 // LocalTransport: the ranks of a pipeline are threads of one process. It is the workhorse of the test suite
 // and of single-process runs: every rank gets its own Transport, all of them share one mailbox.
 
+#include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "twobp/transport/transport.h"
@@ -50,6 +52,14 @@ struct LocalGroupState;
 ///  - all_reduce_sum sums in rank order (0, 1, ...), so results are bitwise reproducible. all_reduce_sum and
 ///    barrier share one sequence: a rank calling barrier while another calls all_reduce_sum is a UsageError.
 ///    A rank that times out in a collective breaks the group's collectives: later ones throw TransportError.
+///  - all_reduce_sum / broadcast take tensors of any size and dtype; device tensors are reduced through host
+///    copies (correct, not fast: use NCCL for device-side gradient reduction). broadcast shares the sequence too.
+///  - split(color, key, timeout): one gathering all_reduce_sum in the parent's collective sequence, then the
+///    first member of each color to get there creates a new shared state for the group and hands it to the
+///    others through the parent's state. A group is an independent LocalTransportGroup: its own mailbox (its
+///    messages never meet the parent's or another group's), its own collectives, its own abort (an abort in a
+///    group fails the group's members; it does not abort the parent). Errors name the rank in the group, the
+///    color and the rank in the parent. A group keeps its own state alive, so it may outlive the parent.
 class LocalTransport final : public Transport {
  public:
   LocalTransport(std::shared_ptr<detail::LocalGroupState> state, int rank);
@@ -65,13 +75,17 @@ class LocalTransport final : public Transport {
   std::unique_ptr<Work> irecv(at::Tensor& buffer, const P2POptions& options) override;
   void all_reduce_sum(at::Tensor& tensor, Duration timeout) override;
   void barrier(Duration timeout) override;
+  void broadcast(at::Tensor& tensor, int root, Duration timeout) override;
+  std::unique_ptr<Transport> split(int color, int key, Duration timeout) override;
   void abort(const std::string& reason) override;
 
  private:
-  void collective(const char* kind, at::Tensor* tensor, Duration timeout);
+  /// root < 0: sum (all_reduce_sum, barrier); else the result is root's contribution (broadcast).
+  void collective(const std::string& kind, at::Tensor* tensor, Duration timeout, int root = -1);
 
   std::shared_ptr<detail::LocalGroupState> state_;
   int rank_;
+  std::int64_t splits_ = 0;  // split() calls so far: with the color, names the group being handed out
 };
 
 /// Creates `world_size` LocalTransports that share one mailbox. The group may be destroyed before or after

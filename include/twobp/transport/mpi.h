@@ -70,6 +70,15 @@ class MpiEnvironment {
 /// all_reduce_sum uses MPI_Iallreduce, barrier MPI_Ibarrier, both polled with a timeout. A timed-out collective
 /// cannot be cancelled in MPI: later collectives on this transport throw TransportError.
 ///
+/// all_reduce_sum takes any number of elements up to INT_MAX (half/bfloat16 are summed in float32); the
+/// summation order is the MPI library's (deterministic for a fixed job layout in Open MPI and MPICH, but not
+/// rank order). broadcast uses MPI_Ibcast on the bytes (any dtype, up to INT_MAX bytes), polled with a timeout.
+/// split(color, key, timeout): a timed gathering all_reduce_sum, then MPI_Comm_split of this transport's
+/// communicator (which can no longer wait for an absent rank); the group is an MpiTransport on its own
+/// communicator (its own progress thread), so its messages never match the parent's. abort() in a group still
+/// ends the whole job. The group's communicator is freed by its destructor: destroy groups before the
+/// MpiEnvironment (before the parent is the safe habit).
+///
 /// abort(reason) prints the reason with the rank to stderr and calls MPI_Abort(MPI_COMM_WORLD, 1): THE WHOLE
 /// JOB DIES; it does not return.
 ///
@@ -92,11 +101,14 @@ class MpiTransport final : public Transport {
   std::unique_ptr<Work> irecv(at::Tensor& buffer, const P2POptions& options) override;
   void all_reduce_sum(at::Tensor& tensor, Duration timeout) override;
   void barrier(Duration timeout) override;
+  void broadcast(at::Tensor& tensor, int root, Duration timeout) override;
+  std::unique_ptr<Transport> split(int color, int key, Duration timeout) override;
   [[noreturn]] void abort(const std::string& reason) override;
 
   struct Impl;
 
  private:
+  explicit MpiTransport(std::shared_ptr<Impl> impl);  // a group made by split()
   std::shared_ptr<Impl> impl_;
 };
 

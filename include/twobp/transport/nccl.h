@@ -91,6 +91,11 @@ class NcclTransport final : public Transport {
   std::unique_ptr<Work> irecv(at::Tensor& buffer, const P2POptions& options) override;
   void all_reduce_sum(at::Tensor& tensor, Duration timeout) override;
   void barrier(Duration timeout) override;
+  /// Over the host transport on a CPU copy, like all_reduce_sum.
+  void broadcast(at::Tensor& tensor, int root, Duration timeout) override;
+  /// Splits the host transport, then builds a new NcclTransport over the group's host (own communicators per
+  /// link and channel of the group's ring, on this rank's GPU, set up within `timeout`). UNTESTED on GPUs.
+  std::unique_ptr<Transport> split(int color, int key, Duration timeout) override;
   void abort(const std::string& reason) override;
 
   struct Impl;

@@ -30,6 +30,12 @@ struct StoreOptions {
 /// in rank order (bitwise reproducible). abort(reason) writes an abort key: every pending and later wait of every
 /// rank throws TransportError naming this rank and the reason (checked at every poll).
 /// A store that becomes unreachable (rank 0 died) makes operations throw TransportError.
+/// all_reduce_sum takes CPU tensors of any size (each contribution is one store value; fine for gradient buckets
+/// of a few MB, slow beyond). broadcast: the root writes its tensor, the others only their arrival.
+/// split(color, key, timeout): one gathering all_reduce_sum over the parent, then each group works on the same
+/// store under its own key prefix (<prefix>/split<n>/color<c>) with group-local ranks: its messages, collectives
+/// and abort key never meet the parent's or another group's (an abort in a group fails its members only). The
+/// group shares the parent's store connection: destroy groups before their parent.
 ///
 /// Threading: one thread per transport.
 class StoreTransport final : public Transport {
@@ -49,11 +55,14 @@ class StoreTransport final : public Transport {
   std::unique_ptr<Work> irecv(at::Tensor& buffer, const P2POptions& options) override;
   void all_reduce_sum(at::Tensor& tensor, Duration timeout) override;
   void barrier(Duration timeout) override;
+  void broadcast(at::Tensor& tensor, int root, Duration timeout) override;
+  std::unique_ptr<Transport> split(int color, int key, Duration timeout) override;
   void abort(const std::string& reason) override;
 
   struct Impl;
 
  private:
+  explicit StoreTransport(std::shared_ptr<Impl> impl);  // a group made by split()
   std::shared_ptr<Impl> impl_;
 };
 

@@ -66,9 +66,28 @@ class Transport {
   /// sends; a mismatch is reported by wait() as UsageError naming both ranks (where the transport can tell).
   virtual std::unique_ptr<Work> irecv(at::Tensor& buffer, const P2POptions& options) = 0;
 
-  /// Sums `tensor` element-wise across all ranks in place (small tensors: losses, gradient norms).
-  /// Every rank must call it in the same order. Blocks at most `timeout`.
+  /// Sums `tensor` element-wise across all ranks in place. Any size and dtype the transport can add (losses and
+  /// norms as well as whole gradient buckets), on device(). Every rank must call it in the same order, with the
+  /// same shape and dtype. Blocks at most `timeout`. Reduction order: each implementation documents it (Local and
+  /// Store sum in rank order and are bitwise reproducible; MPI leaves the order to the MPI library).
   virtual void all_reduce_sum(at::Tensor& tensor, Duration timeout) = 0;
+
+  /// Overwrites `tensor` on every rank with the tensor of rank `root`. Collective: every rank calls it in the
+  /// same order with respect to the other collectives, with the same shape, dtype and root. Blocks at most
+  /// `timeout` (TimeoutError naming the ranks it waited for, where the transport can tell).
+  virtual void broadcast(at::Tensor& tensor, int root, Duration timeout) = 0;
+
+  /// Splits this transport into groups, like MPI_Comm_split / c10d new_group: a data-parallel group and a
+  /// pipeline group can coexist. Collective over all ranks of this transport: every rank calls it, in the same
+  /// order with respect to the other collectives (it is one of them). Ranks passing the same `color` form one
+  /// new transport whose ranks are ordered by (key, rank here); `color` < 0 means "in no group": that rank gets
+  /// nullptr (it must still call split). The child's rank()/world_size() are group-local; its errors name the
+  /// group rank, the parent's rank and the color. Messages of different groups (and of the parent) never match
+  /// each other. Blocks at most `timeout`: a rank that never calls split makes the others throw TimeoutError.
+  ///
+  /// NB: a child may share state with its parent (Local: the parent's shared state hands out the group; MPI: the
+  /// communicator is derived from the parent's): destroy children before their parent.
+  virtual std::unique_ptr<Transport> split(int color, int key, Duration timeout) = 0;
 
   /// Blocks until every rank reached the barrier, or throws TimeoutError.
   virtual void barrier(Duration timeout) = 0;
