@@ -4,7 +4,8 @@
 //   mpirun -np 2 build/benchmarks/twobp_bench pipeline --schedule 1f1b --microbatches 2 --json FILE
 //   build/benchmarks/twobp_bench pipeline --ranks 2 --schedule all ...     (ranks as threads, Local transport)
 //
-// Metrics (docs/BENCHMARKS.md repeats them):
+// Metrics (docs/BENCHMARKS.md repeats them; the formulas of bubble fraction, throughput and memory per rank are
+// code in twobp/metrics/metrics.h):
 //   step_ms_median      median over --steps measured steps of the wall time between two barriers around step()
 //   samples_per_s       m · micro_batch_size / (step_ms_median / 1000)          (samples: sequences or images)
 //   tokens_per_s        samples_per_s · seq   (llama, bert; resnet has no tokens and reports samples_per_s only)
@@ -43,6 +44,7 @@
 #include "commands.h"
 #include "pipeline_models.h"
 #include "twobp/config.h"
+#include "twobp/metrics/metrics.h"
 #include "twobp/runtime/pipeline.h"
 #include "twobp/schedule/schedule.h"
 #include "twobp/trace/trace.h"
@@ -233,12 +235,12 @@ RunResult run_config(Transport& transport, const PipelineArgs& a, const std::str
   std::vector<double> total = sum_over_ranks(transport, local, timeout);
   std::vector<double> step_times(total.begin() + 4 * S + a.steps, total.begin() + 4 * S + 2 * a.steps);
   std::vector<double> bubbles;
-  for (int k = 0; k < a.steps; ++k) bubbles.push_back(1.0 - total[4 * S + k] / (p * step_times[k]));
+  for (int k = 0; k < a.steps; ++k) bubbles.push_back(metrics::bubble_fraction(total[4 * S + k], p, step_times[k]));
   r.step_ms = summarize(step_times);
   r.bubble = summarize(bubbles).median;
-  r.samples_per_s = static_cast<double>(batch) / (r.step_ms.median / 1000.0);
-  r.tokens_per_s = r.samples_per_s * static_cast<double>(tokens_per_sample(a.model));
-  r.peak_rss = total.back() / (transport.name() == "local" ? p : 1);
+  r.samples_per_s = metrics::per_second(static_cast<double>(batch), r.step_ms.median / 1000.0);
+  r.tokens_per_s = metrics::tokens_per_s(r.samples_per_s, tokens_per_sample(a.model));
+  r.peak_rss = metrics::memory_per_rank(total.back(), transport.name() == "local" ? p : 1);
 
   CostModel costs;
   for (int s = 0; s < S; ++s) {
