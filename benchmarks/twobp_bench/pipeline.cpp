@@ -37,7 +37,6 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
-#include <thread>
 
 #include "bench_common.h"
 #include "chart.h"
@@ -45,6 +44,8 @@
 #include "pipeline_models.h"
 #include "twobp/config.h"
 #include "twobp/metrics/metrics.h"
+#include "twobp/runtime/launch.h"
+#include "twobp/runtime/mpi_launch.h"
 #include "twobp/runtime/pipeline.h"
 #include "twobp/schedule/schedule.h"
 #include "twobp/trace/trace.h"
@@ -412,36 +413,28 @@ void run_pipeline_bench(const PipelineArgs& a) {
     return results;
   };
 
-  if (launched_by_mpi_launcher()) {
+  // Under mpirun one rank per process over MPI (under torchrun/srun, or mpirun without MPI: a TCPStore); else
+  // --ranks threads over Local transports. Rank 0 reports.
+  RunRanksOptions o;
+  o.thread_ranks = a.ranks;
 #if TWOBP_HAVE_MPI
-    MpiEnvironment env;
-    MpiTransport transport(env);
-    auto results = run_all(transport);
-    if (env.rank() == 0) report(a, results, "mpi");
-    return;
-#else
-    throw std::runtime_error("launched under an MPI launcher, but twobp was built without MPI");
+  std::unique_ptr<MpiEnvironment> env;
+  if (launched_by_mpi_launcher()) {
+    env = std::make_unique<MpiEnvironment>();
+    o.process_transport = mpi_process_transport(*env);
+    o.launch = mpi_launch_env(*env);
+  }
 #endif
-  }
-  auto transports = make_local_transports(a.ranks);
-  std::vector<std::vector<RunResult>> per_rank(a.ranks);
-  std::vector<std::exception_ptr> errors(a.ranks);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < a.ranks; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        per_rank[r] = run_all(*transports[r]);
-      } catch (...) {
-        errors[r] = std::current_exception();
-        transports[r]->abort("benchmark rank failed");
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
-  report(a, per_rank[0], "local");
+  std::vector<RunResult> results;
+  std::string transport_name;
+  run_ranks(o, [&](Transport& t) {
+    std::vector<RunResult> mine = run_all(t);
+    if (t.rank() == 0) {
+      results = std::move(mine);
+      transport_name = t.name();
+    }
+  });
+  if (!transport_name.empty()) report(a, results, transport_name);  // this process ran rank 0
 }
 
 }  // namespace
