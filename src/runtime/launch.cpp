@@ -24,7 +24,10 @@ bool is_consequence(const std::exception_ptr& e) {
   }
 }
 
-std::string message_of(const std::exception_ptr& e) {
+}  // namespace
+
+std::string error_message(const std::exception_ptr& e) {
+  if (!e) return "";
   try {
     std::rethrow_exception(e);
   } catch (const std::exception& x) {
@@ -33,8 +36,6 @@ std::string message_of(const std::exception_ptr& e) {
     return "unknown exception";
   }
 }
-
-}  // namespace
 
 bool RankErrors::ok() const {
   for (const auto& e : errors) {
@@ -68,7 +69,7 @@ RankErrors run_rank_threads(const std::vector<Transport*>& transports, const Ran
         body(*transports[r]);
       } catch (...) {
         result.errors[r] = std::current_exception();
-        if (abort_on_error) transports[r]->abort(message_of(result.errors[r]));
+        if (abort_on_error) transports[r]->abort(error_message(result.errors[r]));
       }
     });
   }
@@ -94,7 +95,7 @@ void run_ranks(const RunRanksOptions& options, const RankBody& body) {
       body(*transport);
     } catch (...) {
       // Peers fail fast, naming this rank (under MPI the job ends here).
-      transport->abort(fmt::format("rank {}: {}", launch->rank, message_of(std::current_exception())));
+      transport->abort(fmt::format("rank {}: {}", launch->rank, error_message(std::current_exception())));
       throw;
     }
     return;

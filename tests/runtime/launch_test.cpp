@@ -14,14 +14,6 @@
 namespace twobp::testing {
 namespace {
 
-std::string message(const std::exception_ptr& e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const std::exception& x) {
-    return x.what();
-  }
-}
-
 TEST(RunRanks, RunsEveryThreadRankOnItsOwnTransport) {
   if (launch_env()) GTEST_SKIP() << "started by a launcher: run_ranks would run one rank per process";
   RunRanksOptions o;
@@ -65,9 +57,10 @@ TEST(RunRankThreads, KeepsEveryRanksError) {
   for (int rank : {0, 2}) {
     ASSERT_TRUE(r.errors[rank]) << rank;
     EXPECT_THROW(std::rethrow_exception(r.errors[rank]), TransportError) << rank;
-    EXPECT_NE(message(r.errors[rank]).find("rank one is wrong"), std::string::npos) << message(r.errors[rank]);
+    const std::string what = error_message(r.errors[rank]);
+    EXPECT_NE(what.find("rank one is wrong"), std::string::npos) << what;
   }
-  EXPECT_EQ(message(r.root_cause()), "rank one is wrong");
+  EXPECT_EQ(error_message(r.root_cause()), "rank one is wrong");
   EXPECT_THROW(r.rethrow_root_cause(), UsageError);
 }
 
@@ -78,10 +71,10 @@ TEST(RankErrors, RootCauseIsTheFirstErrorNotCausedByAnother) {
   r.errors = {nullptr, std::make_exception_ptr(TransportError("aborted by rank 3")),
               std::make_exception_ptr(TimeoutError("timed out")), std::make_exception_ptr(IOError("disk full")),
               std::make_exception_ptr(UsageError("later"))};
-  EXPECT_EQ(message(r.root_cause()), "disk full");
+  EXPECT_EQ(error_message(r.root_cause()), "disk full");
   // Only consequences: the first of them.
   r.errors = {std::make_exception_ptr(TimeoutError("timed out")), std::make_exception_ptr(TransportError("x"))};
-  EXPECT_EQ(message(r.root_cause()), "timed out");
+  EXPECT_EQ(error_message(r.root_cause()), "timed out");
 }
 
 }  // namespace

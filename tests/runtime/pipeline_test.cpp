@@ -143,15 +143,6 @@ INSTANTIATE_TEST_SUITE_P(AllSchedules, PipelineParity, ::testing::ValuesIn(all_c
   return n;
 });
 
-std::string message_of(const std::exception_ptr& e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const std::exception& ex) {
-    return ex.what();
-  }
-  return "";
-}
-
 template <typename E>
 bool is_a(const std::exception_ptr& e) {
   try {
@@ -178,14 +169,14 @@ TEST_F(PipelineFailures, ActivationOfUnexpectedShapeNamesBothStages) {
   auto runs = run_pipeline(schedule_, inputs_, targets_, options);
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(30));
   ASSERT_TRUE(runs[0].error);
-  ASSERT_TRUE(is_a<UsageError>(runs[0].error)) << message_of(runs[0].error);
-  const std::string what = message_of(runs[0].error);
+  ASSERT_TRUE(is_a<UsageError>(runs[0].error)) << error_message(runs[0].error);
+  const std::string what = error_message(runs[0].error);
   for (const char* word : {"stage 0 (rank 0)", "stage 1 (rank 1)", "micro-batch 0", "[2, 4]", "[2, 5]"}) {
     EXPECT_NE(what.find(word), std::string::npos) << word << " not in: " << what;
   }
   ASSERT_TRUE(runs[1].error) << "the peer must fail too, not hang";
-  EXPECT_TRUE(is_a<TransportError>(runs[1].error)) << message_of(runs[1].error);
-  EXPECT_NE(message_of(runs[1].error).find("rank 0"), std::string::npos) << message_of(runs[1].error);
+  EXPECT_TRUE(is_a<TransportError>(runs[1].error)) << error_message(runs[1].error);
+  EXPECT_NE(error_message(runs[1].error).find("rank 0"), std::string::npos) << error_message(runs[1].error);
 }
 
 TEST_F(PipelineFailures, RankThatThrowsMakesPeersFailNamingIt) {
@@ -198,8 +189,8 @@ TEST_F(PipelineFailures, RankThatThrowsMakesPeersFailNamingIt) {
     }
   });
   ASSERT_TRUE(runs[0].error);
-  EXPECT_TRUE(is_a<TransportError>(runs[0].error)) << message_of(runs[0].error);
-  EXPECT_NE(message_of(runs[0].error).find("injected failure"), std::string::npos) << message_of(runs[0].error);
+  EXPECT_TRUE(is_a<TransportError>(runs[0].error)) << error_message(runs[0].error);
+  EXPECT_NE(error_message(runs[0].error).find("injected failure"), std::string::npos) << error_message(runs[0].error);
 }
 
 TEST_F(PipelineFailures, PeerThatNeverSendsTimesOut) {
@@ -214,7 +205,7 @@ TEST_F(PipelineFailures, PeerThatNeverSendsTimesOut) {
     }
   });
   ASSERT_TRUE(runs[0].error);
-  const std::string what = message_of(runs[0].error);
+  const std::string what = error_message(runs[0].error);
   EXPECT_TRUE(is_a<TimeoutError>(runs[0].error)) << what;
   EXPECT_NE(what.find("rank 1"), std::string::npos) << what;
   EXPECT_NE(what.find("micro-batch"), std::string::npos) << what;
@@ -223,8 +214,8 @@ TEST_F(PipelineFailures, PeerThatNeverSendsTimesOut) {
 TEST_F(PipelineFailures, BatchThatDoesNotSplitIntoMicroBatches) {
   auto runs = run_pipeline(schedule_, torch::randn({3, kDim}, torch::kDouble), targets_, default_options());
   ASSERT_TRUE(runs[0].error);
-  EXPECT_NE(message_of(runs[0].error).find("cannot be split into 2 micro-batches"), std::string::npos)
-      << message_of(runs[0].error);
+  EXPECT_NE(error_message(runs[0].error).find("cannot be split into 2 micro-batches"), std::string::npos)
+      << error_message(runs[0].error);
 }
 
 // A schedule that only by-tag transports can pair: it runs correctly on one, and a Pipeline on an in-order

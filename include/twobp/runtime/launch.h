@@ -19,6 +19,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "twobp/transport/launch.h"
@@ -47,6 +48,9 @@ struct RunRanksOptions {
   /// rank and size) may set it; thread ranks run only when this and launch_env() are both empty.
   std::optional<LaunchEnv> launch;
 };
+
+/// The message of an error: what() of a std::exception, "unknown exception" otherwise, "" for null.
+std::string error_message(const std::exception_ptr& e);
 
 /// The error of each rank, by rank (null: the rank's body returned).
 struct RankErrors {
