@@ -194,7 +194,8 @@ int dry_run(const Plan& p) {
   j["simulated_bubble_fraction"] = sim.bubble_fraction;
   j["activation_formula"] =
       "per block and token (9*dim + 2*kv_dim + 4*ffn) elements; embedding dim; head 2*dim elements + (bytes+4)*vocab "
-      "bytes; memory_bytes = weights + grads + 2*weights (AdamW) + peak_live_micro_batches * max chunk activations";
+      "bytes; memory_bytes = weights + grads + 2*weights (AdamW) + peak_live_micro_batches * max chunk activations "
+      "(twobp::metrics::training_memory_bytes)";
   fmt::print("model {}: {} parameters ({:.3f} B), {} stages over {} ranks, schedule {} ({}), partition {} "
              "(imbalance {:.3f})\n",
              cfg.name, llm::parameter_count(cfg), llm::parameter_count(cfg) / 1e9, S, p.world_size, p.schedule.name,
@@ -213,7 +214,7 @@ int dry_run(const Plan& p) {
                            {"parameters", n},
                            {"cost", p.partition.cost[s]},
                            {"activation_bytes_per_micro_batch", act},
-                           {"memory_bytes", n * bytes * 4 + act}});
+                           {"memory_bytes", twobp::metrics::training_memory_bytes(n, bytes, 1, act)}});
   }
   j["ranks"] = nlohmann::json::array();
   for (int r = 0; r < p.world_size; ++r) {
@@ -226,7 +227,7 @@ int dry_run(const Plan& p) {
     const int peak = sim.peak_live_micro_batches[r];
     const int64_t weights = params * bytes, grads = params * bytes, adam = 2 * params * bytes;
     const int64_t activations = peak * act_max;
-    const int64_t total = weights + grads + adam + activations;
+    const int64_t total = twobp::metrics::training_memory_bytes(params, bytes, peak, act_max);
     j["ranks"].push_back({{"rank", r},
                           {"parameters", params},
                           {"weights_bytes", weights},

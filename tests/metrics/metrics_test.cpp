@@ -32,5 +32,11 @@ TEST(Metrics, EfficiencyAndMemoryPerRank) {
   EXPECT_DOUBLE_EQ(metrics::memory_per_rank(4096.0, 0), 4096.0);
 }
 
+TEST(Metrics, TrainingMemory) {
+  // 1000 fp32 parameters: 4000 weights + 4000 grads + 8000 AdamW; 3 live micro-batches of 500 bytes.
+  EXPECT_EQ(metrics::training_memory_bytes(1000, 4, 3, 500), 17500);
+  EXPECT_EQ(metrics::training_memory_bytes(1000, 2, 0, 500), 8000);
+}
+
 }  // namespace
 }  // namespace twobp::testing
