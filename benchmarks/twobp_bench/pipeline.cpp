@@ -3,6 +3,7 @@
 //
 //   mpirun -np 2 build/benchmarks/twobp_bench pipeline --schedule 1f1b --microbatches 2 --json FILE
 //   build/benchmarks/twobp_bench pipeline --ranks 2 --schedule all ...     (ranks as threads, Local transport)
+//   (under torchrun/srun, or mpirun in a build without MPI: one rank per process over a TCPStore; twobp::run_ranks)
 //
 // Metrics (docs/BENCHMARKS.md repeats them; the formulas of bubble fraction, throughput and memory per rank are
 // code in twobp/metrics/metrics.h):
