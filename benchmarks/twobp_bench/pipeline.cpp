@@ -3,8 +3,10 @@
 //
 //   mpirun -np 2 build/benchmarks/twobp_bench pipeline --schedule 1f1b --microbatches 2 --json FILE
 //   build/benchmarks/twobp_bench pipeline --ranks 2 --schedule all ...     (ranks as threads, Local transport)
+//   (under torchrun/srun, or mpirun in a build without MPI: one rank per process over a TCPStore; twobp::run_ranks)
 //
-// Metrics (docs/BENCHMARKS.md repeats them):
+// Metrics (docs/BENCHMARKS.md repeats them; the formulas of bubble fraction, throughput and memory per rank are
+// code in twobp/metrics/metrics.h):
 //   step_ms_median      median over --steps measured steps of the wall time between two barriers around step()
 //   samples_per_s       m · micro_batch_size / (step_ms_median / 1000)          (samples: sequences or images)
 //   tokens_per_s        samples_per_s · seq   (llama, bert; resnet has no tokens and reports samples_per_s only)
@@ -36,13 +38,15 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
-#include <thread>
 
 #include "bench_common.h"
 #include "chart.h"
 #include "commands.h"
 #include "pipeline_models.h"
 #include "twobp/config.h"
+#include "twobp/metrics/metrics.h"
+#include "twobp/runtime/launch.h"
+#include "twobp/runtime/mpi_launch.h"
 #include "twobp/runtime/pipeline.h"
 #include "twobp/schedule/schedule.h"
 #include "twobp/trace/trace.h"
@@ -233,12 +237,12 @@ RunResult run_config(Transport& transport, const PipelineArgs& a, const std::str
   std::vector<double> total = sum_over_ranks(transport, local, timeout);
   std::vector<double> step_times(total.begin() + 4 * S + a.steps, total.begin() + 4 * S + 2 * a.steps);
   std::vector<double> bubbles;
-  for (int k = 0; k < a.steps; ++k) bubbles.push_back(1.0 - total[4 * S + k] / (p * step_times[k]));
+  for (int k = 0; k < a.steps; ++k) bubbles.push_back(metrics::bubble_fraction(total[4 * S + k], p, step_times[k]));
   r.step_ms = summarize(step_times);
   r.bubble = summarize(bubbles).median;
-  r.samples_per_s = static_cast<double>(batch) / (r.step_ms.median / 1000.0);
-  r.tokens_per_s = r.samples_per_s * static_cast<double>(tokens_per_sample(a.model));
-  r.peak_rss = total.back() / (transport.name() == "local" ? p : 1);
+  r.samples_per_s = metrics::per_second(static_cast<double>(batch), r.step_ms.median / 1000.0);
+  r.tokens_per_s = metrics::tokens_per_s(r.samples_per_s, tokens_per_sample(a.model));
+  r.peak_rss = metrics::memory_per_rank(total.back(), transport.name() == "local" ? p : 1);
 
   CostModel costs;
   for (int s = 0; s < S; ++s) {
@@ -410,36 +414,28 @@ void run_pipeline_bench(const PipelineArgs& a) {
     return results;
   };
 
-  if (launched_by_mpi_launcher()) {
+  // Under mpirun one rank per process over MPI (under torchrun/srun, or mpirun without MPI: a TCPStore); else
+  // --ranks threads over Local transports. Rank 0 reports.
+  RunRanksOptions o;
+  o.thread_ranks = a.ranks;
 #if TWOBP_HAVE_MPI
-    MpiEnvironment env;
-    MpiTransport transport(env);
-    auto results = run_all(transport);
-    if (env.rank() == 0) report(a, results, "mpi");
-    return;
-#else
-    throw std::runtime_error("launched under an MPI launcher, but twobp was built without MPI");
+  std::unique_ptr<MpiEnvironment> env;
+  if (launched_by_mpi_launcher()) {
+    env = std::make_unique<MpiEnvironment>();
+    o.process_transport = mpi_process_transport(*env);
+    o.launch = mpi_launch_env(*env);
+  }
 #endif
-  }
-  auto transports = make_local_transports(a.ranks);
-  std::vector<std::vector<RunResult>> per_rank(a.ranks);
-  std::vector<std::exception_ptr> errors(a.ranks);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < a.ranks; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        per_rank[r] = run_all(*transports[r]);
-      } catch (...) {
-        errors[r] = std::current_exception();
-        transports[r]->abort("benchmark rank failed");
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
-  report(a, per_rank[0], "local");
+  std::vector<RunResult> results;
+  std::string transport_name;
+  run_ranks(o, [&](Transport& t) {
+    std::vector<RunResult> mine = run_all(t);
+    if (t.rank() == 0) {
+      results = std::move(mine);
+      transport_name = t.name();
+    }
+  });
+  if (!transport_name.empty()) report(a, results, transport_name);  // this process ran rank 0
 }
 
 }  // namespace

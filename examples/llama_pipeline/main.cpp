@@ -38,18 +38,21 @@
 #include <thread>
 
 #include "twobp/checkpoint.h"
+#include "twobp/config.h"
 #include "twobp/data.h"
 #include "twobp/error.h"
+#include "twobp/metrics/metrics.h"
 #include "twobp/models/llama.h"
+#include "twobp/runtime/launch.h"
+#include "twobp/runtime/mpi_launch.h"
 #include "twobp/runtime/pipeline.h"
 #include "twobp/schedule/schedule.h"
 #include "twobp/trace/trace.h"
+#include "twobp/transport/launch.h"
 #include "twobp/transport/local.h"
 #include "twobp/transport/mpi.h"
-#include "twobp/transport/launch.h"
 #include "twobp/transport/nccl.h"
 #include "twobp/transport/store.h"
-#include "twobp/config.h"
 
 // The example sticks to the public API; this is its one-line check helper.
 #define TWOBP_CHECK(cond, type, ...)                        \
@@ -191,7 +194,8 @@ int dry_run(const Plan& p) {
   j["simulated_bubble_fraction"] = sim.bubble_fraction;
   j["activation_formula"] =
       "per block and token (9*dim + 2*kv_dim + 4*ffn) elements; embedding dim; head 2*dim elements + (bytes+4)*vocab "
-      "bytes; memory_bytes = weights + grads + 2*weights (AdamW) + peak_live_micro_batches * max chunk activations";
+      "bytes; memory_bytes = weights + grads + 2*weights (AdamW) + peak_live_micro_batches * max chunk activations "
+      "(twobp::metrics::training_memory_bytes)";
   fmt::print("model {}: {} parameters ({:.3f} B), {} stages over {} ranks, schedule {} ({}), partition {} "
              "(imbalance {:.3f})\n",
              cfg.name, llm::parameter_count(cfg), llm::parameter_count(cfg) / 1e9, S, p.world_size, p.schedule.name,
@@ -210,7 +214,7 @@ int dry_run(const Plan& p) {
                            {"parameters", n},
                            {"cost", p.partition.cost[s]},
                            {"activation_bytes_per_micro_batch", act},
-                           {"memory_bytes", n * bytes * 4 + act}});
+                           {"memory_bytes", twobp::metrics::training_memory_bytes(n, bytes, 1, act)}});
   }
   j["ranks"] = nlohmann::json::array();
   for (int r = 0; r < p.world_size; ++r) {
@@ -223,7 +227,7 @@ int dry_run(const Plan& p) {
     const int peak = sim.peak_live_micro_batches[r];
     const int64_t weights = params * bytes, grads = params * bytes, adam = 2 * params * bytes;
     const int64_t activations = peak * act_max;
-    const int64_t total = weights + grads + adam + activations;
+    const int64_t total = twobp::metrics::training_memory_bytes(params, bytes, peak, act_max);
     j["ranks"].push_back({{"rank", r},
                           {"parameters", params},
                           {"weights_bytes", weights},
@@ -326,14 +330,15 @@ void train_rank(const Plan& p, twobp::Transport& transport, c10::Device device, 
     const double loss = pipeline.mean_loss(result);
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - ts).count();
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double tokens_per_s = twobp::metrics::per_second(tokens_per_step, secs);
     if (rank == 0) {
       const double remaining = elapsed / (step - start + 1) * (end - step - 1);
       fmt::print("step {:>5}/{} | loss {:.4f} | grad norm {:.3f} | lr {:.2e} | {:.0f} tok/s | elapsed {:.1f}s | "
                  "remaining {:.1f}s\n",
-                 step + 1, a.steps, loss, norm, lr, tokens_per_step / secs, elapsed, remaining);
+                 step + 1, a.steps, loss, norm, lr, tokens_per_s, elapsed, remaining);
       std::fflush(stdout);
       std::lock_guard<std::mutex> lock(shared.mutex);
-      shared.records.push_back({step, loss, tokens_per_step / secs, norm, lr});
+      shared.records.push_back({step, loss, tokens_per_s, norm, lr});
     }
     if (!a.trace.empty() && step + 1 == end) {
       std::lock_guard<std::mutex> lock(shared.mutex);
@@ -411,82 +416,42 @@ int run(Args args, int& argc, char**& argv) {
   const bool processes = mpi || store;
   torch::set_num_threads(
       std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / std::max(1, processes ? 1 : world)));
-  if (store) {
-    // No MPI: rank 0 serves a TCPStore; GPUs talk over NCCL (ids bootstrapped through the store), CPUs through
-    // the store itself (slow; meant for trying the launch, not for speed).
-    auto host = std::make_shared<twobp::StoreTransport>(*launch);
-    std::shared_ptr<twobp::Transport> transport = host;
-    c10::Device device(c10::kCPU);
-    if (cuda) {
-#if TWOBP_HAVE_NCCL
-      twobp::NcclOptions nccl;
-      nccl.local_rank = launch->local_rank;
-      nccl.local_size = launch->local_size;
-      auto t = std::make_shared<twobp::NcclTransport>(host, nccl);
-      device = t->device();
-      transport = t;
-#else
-      TWOBP_CHECK(false, twobp::UsageError, "--device cuda across processes needs the NCCL transport, which this "
-                  "build of twobp does not have");
-#endif
-    }
-    try {
-      train_rank(plan, *transport, device, tokens, shared);
-    } catch (const std::exception& e) {
-      transport->abort(fmt::format("rank {}: {}", my_rank, e.what()));  // peers fail fast, naming this rank
-      throw;
-    }
-  } else if (mpi) {
+  // Processes: GPUs talk over NCCL (one rank per GPU: twobp::choose_cuda_device); CPUs over MPI, or without MPI
+  // through the TCPStore that rank 0 serves (slow; meant for trying the launch, not for speed). Threads: Local.
+  twobp::RunRanksOptions launch_options;
+  launch_options.thread_ranks = world;
+  launch_options.process_transport = [&](const twobp::LaunchEnv& l) -> std::shared_ptr<twobp::Transport> {
 #if TWOBP_HAVE_MPI
-    // GPUs talk over NCCL (one rank per GPU: twobp::choose_cuda_device); CPUs over MPI.
-    std::unique_ptr<twobp::Transport> owned;
-    c10::Device device(c10::kCPU);
+    if (mpi) {
 #if TWOBP_HAVE_NCCL
-    if (cuda) {
-      auto t = std::make_unique<twobp::NcclTransport>(*env);
-      device = t->device();
-      owned = std::move(t);
+      if (cuda) return std::make_shared<twobp::NcclTransport>(*env);
+#endif
+      return twobp::mpi_process_transport(*env)(l);
     }
 #endif
-    if (!owned) owned = std::make_unique<twobp::MpiTransport>(*env);
-    twobp::Transport& transport = *owned;
-    try {
-      train_rank(plan, transport, device, tokens, shared);
-    } catch (const std::exception& e) {
-      transport.abort(fmt::format("rank {}: {}", my_rank, e.what()));  // the whole job ends
-    }
+    auto host = std::make_shared<twobp::StoreTransport>(l);
+    if (!cuda) return host;
+#if TWOBP_HAVE_NCCL
+    twobp::NcclOptions nccl;
+    nccl.local_rank = l.local_rank;
+    nccl.local_size = l.local_size;
+    return std::make_shared<twobp::NcclTransport>(host, nccl);
+#else
+    TWOBP_CHECK(false, twobp::UsageError, "--device cuda across processes needs the NCCL transport, which this "
+                "build of twobp does not have");
+    return host;
 #endif
-  } else {
-    auto transports = twobp::make_local_transports(world);
-    std::vector<std::thread> threads;
-    std::vector<std::exception_ptr> errors(world);
-    for (int r = 0; r < world; ++r) {
-      threads.emplace_back([&, r] {
-        const c10::Device device = cuda ? c10::Device(c10::kCUDA, r % gpus) : c10::Device(c10::kCPU);
-        try {
-          train_rank(plan, *transports[r], device, tokens, shared);
-        } catch (const std::exception& e) {
-          errors[r] = std::current_exception();
-          transports[r]->abort(e.what());  // peers fail fast instead of waiting for their timeout
-        }
-      });
-    }
-    for (auto& t : threads) t.join();
-    // Report the root cause: the first rank whose error is not a consequence of another rank's abort.
-    std::exception_ptr first;
-    for (auto& e : errors) {
-      if (!e) continue;
-      try {
-        std::rethrow_exception(e);
-      } catch (const twobp::TransportError&) {
-        if (!first) first = e;
-      } catch (...) {
-        first = e;
-        break;
-      }
-    }
-    if (first) std::rethrow_exception(first);
-  }
+  };
+#if TWOBP_HAVE_MPI
+  if (mpi) launch_options.launch = twobp::mpi_launch_env(*env);
+#endif
+  twobp::run_ranks(launch_options, [&](twobp::Transport& transport) {
+    // Compute where the transport's wire is (NCCL), else on a GPU of our own (thread ranks share the GPUs) or CPU.
+    const c10::Device device = transport.device().is_cuda() ? transport.device()
+                               : cuda && !processes ? c10::Device(c10::kCUDA, transport.rank() % gpus)
+                                      : c10::Device(c10::kCPU);
+    train_rank(plan, transport, device, tokens, shared);
+  });
 
   if (my_rank != 0) return 0;
   if (!args.trace.empty()) {

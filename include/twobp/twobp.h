@@ -19,7 +19,10 @@
 #include "twobp/schedule/dependencies.h"
 #include "twobp/schedule/schedule.h"
 
+#include "twobp/metrics/metrics.h"
 #include "twobp/runtime/executor.h"
+#include "twobp/runtime/launch.h"
+#include "twobp/runtime/mpi_launch.h"
 #include "twobp/runtime/pipeline.h"
 #include "twobp/trace/trace.h"
 

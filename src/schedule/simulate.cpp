@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "schedule/dry_run.h"
+#include "twobp/metrics/metrics.h"
 #include "twobp/schedule/schedule.h"
 #include "util/check.h"
 
@@ -56,11 +57,7 @@ SimulationResult simulate(const Schedule& schedule, const CostModel& costs) {
       result.events.push_back(e);
     }
   }
-  if (result.step_time > 0.0) {
-    double idle = 0.0;
-    for (double b : busy) idle += result.step_time - b;
-    result.bubble_fraction = idle / (schedule.num_ranks * result.step_time);
-  }
+  result.bubble_fraction = metrics::bubble_fraction(busy, result.step_time);
   std::stable_sort(result.events.begin(), result.events.end(), [](const SimulatedEvent& a, const SimulatedEvent& b) {
     return a.start != b.start ? a.start < b.start : a.rank < b.rank;
   });

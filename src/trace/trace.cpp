@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <nlohmann/json.hpp>
 
+#include "twobp/metrics/metrics.h"
+
 namespace twobp {
 
 double Trace::busy_us() const {
@@ -15,15 +17,16 @@ double Trace::busy_us() const {
   return busy;
 }
 
-double Trace::idle_fraction() const { return step_us > 0.0 ? 1.0 - busy_us() / step_us : 0.0; }
+double Trace::idle_fraction() const { return metrics::bubble_fraction(std::vector<double>{busy_us()}, step_us); }
 
 double bubble_fraction(const std::vector<Trace>& ranks) {
-  if (ranks.empty()) return 0.0;
-  double step = 0.0, idle = 0.0;
-  for (const auto& t : ranks) step = std::max(step, t.step_us);
-  if (step <= 0.0) return 0.0;
-  for (const auto& t : ranks) idle += step - t.busy_us();
-  return idle / (step * static_cast<double>(ranks.size()));
+  double step = 0.0;
+  std::vector<double> busy;
+  for (const auto& t : ranks) {
+    step = std::max(step, t.step_us);
+    busy.push_back(t.busy_us());
+  }
+  return metrics::bubble_fraction(busy, step);
 }
 
 std::string to_chrome_trace(const std::vector<Trace>& ranks) {

@@ -10,12 +10,12 @@
 
 #include <cstdlib>
 #include <fstream>
-#include <thread>
 
 #include "common/temp_files.h"
 #include "twobp/checkpoint.h"
 #include "twobp/error.h"
 #include "twobp/models/llama.h"
+#include "twobp/runtime/launch.h"
 #include "twobp/transport/local.h"
 
 namespace ck = twobp::checkpoint;
@@ -65,21 +65,13 @@ ck::CheckpointConfig config_for(const std::string& model) {
 
 // Saves the state of both ranks (threads over a LocalTransport group) as checkpoint `step`.
 void save_both(const std::string& dir, int64_t step, std::vector<Rank>& ranks, const ck::CheckpointConfig& config) {
-  auto transports = twobp::make_local_transports(2);
-  std::vector<std::thread> threads;
-  std::vector<std::exception_ptr> errors(2);
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        ck::save_checkpoint(dir, step, config, ranks[r].state(), *transports[r], kTimeout);
-      } catch (...) {
-        errors[r] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (auto& e : errors)
-    if (e) std::rethrow_exception(e);
+  twobp::run_rank_threads(
+      twobp::make_local_transports(2),
+      [&](twobp::Transport& t) {
+        ck::save_checkpoint(dir, step, config, ranks[t.rank()].state(), t, kTimeout);
+      },
+      /*abort_on_error=*/false)
+      .rethrow_root_cause();
 }
 
 std::vector<Rank> make_ranks(uint64_t seed) {

@@ -5,11 +5,11 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <thread>
 
 #include "common/expect_error.h"
 #include "common/pipeline_fixtures.h"
 #include "twobp/runtime/executor.h"
+#include "twobp/runtime/launch.h"
 #include "twobp/transport/local.h"
 
 namespace twobp::testing {
@@ -58,15 +58,14 @@ TEST(Executor, HooksSeeEveryActionOnceInOrderWithItsStage) {
   Reference ref = run_reference(schedule.num_stages, 4, inputs, targets);
 
   std::vector<std::vector<const Action*>> seen(2);
-  std::vector<std::exception_ptr> errors(2);
   std::vector<StepResult> results(2);
-  std::vector<std::thread> threads;
   std::vector<Rank> ranks;
   for (int r = 0; r < 2; ++r) ranks.push_back(stages_of(schedule, r, modules));
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        Executor executor(schedule, r, ranks[r].stages, *transports[r], executor_options());
+  run_rank_threads(
+      transports,
+      [&](Transport& t) {
+        const int r = t.rank();
+        Executor executor(schedule, r, ranks[r].stages, t, executor_options());
         executor.add_hook([&, r](const ActionEvent& e) {
           EXPECT_EQ(e.rank, r);
           EXPECT_EQ(e.stage != nullptr, is_compute(e.action->type)) << describe(*e.action);
@@ -74,15 +73,9 @@ TEST(Executor, HooksSeeEveryActionOnceInOrderWithItsStage) {
           seen[r].push_back(e.action);
         });
         results[r] = executor.run(inputs, targets);
-      } catch (...) {
-        errors[r] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
+      },
+      /*abort_on_error=*/false)
+      .rethrow_root_cause();
   for (int r = 0; r < 2; ++r) {
     ASSERT_EQ(seen[r].size(), schedule.actions[r].size()) << "rank " << r;
     for (std::size_t i = 0; i < seen[r].size(); ++i) EXPECT_EQ(seen[r][i], &schedule.actions[r][i]);

@@ -16,9 +16,9 @@
 #include <torch/torch.h>
 
 #include <exception>
-#include <thread>
 
 #include "common/pipeline_fixtures.h"
+#include "twobp/runtime/launch.h"
 #include "twobp/runtime/pipeline.h"
 #include "twobp/transport/local.h"
 
@@ -85,25 +85,20 @@ TEST_P(PipelineCudaParity, MatchesSingleProcessCudaReference) {
                                                    std::shared_ptr<Transport>(std::move(transports[r])), o));
   }
   std::vector<StepResult> results(c.p);
-  std::vector<std::exception_ptr> errors(c.p);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < c.p; ++r) {
-    threads.emplace_back([&, r] {
-      try {
+  std::vector<Transport*> transports_of;
+  for (auto& p : pipelines) transports_of.push_back(&p->transport());
+  run_rank_threads(
+      transports_of,
+      [&](Transport& t) {
+        const int r = t.rank();
         // Each rank on its own stream: what the transport's stream ordering must survive.
         const auto* impl = c10::impl::getDeviceGuardImpl(c10::kCUDA);
         c10::StreamGuard guard(impl->getStreamFromGlobalPool(dev));
         results[r] = pipelines[r]->step(inputs, targets);
         impl->synchronizeStream(impl->getStream(dev));
-      } catch (...) {
-        errors[r] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
+      },
+      /*abort_on_error=*/false)
+      .rethrow_root_cause();
   const bool bf16 = c.dtype == at::kBFloat16;
   const double rtol = bf16 ? 2e-2 : 1e-5, atol = bf16 ? 2e-2 : 1e-6;
   const int last = schedule.stage_to_rank.back();

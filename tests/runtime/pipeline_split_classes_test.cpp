@@ -7,10 +7,10 @@
 #include <torch/torch.h>
 
 #include <exception>
-#include <thread>
 
 #include "common/split_cases.h"
 #include "common/test_models.h"
+#include "twobp/runtime/launch.h"
 #include "twobp/runtime/pipeline.h"
 #include "twobp/transport/local.h"
 
@@ -59,25 +59,23 @@ PipelineRun run_pipeline(const Schedule& schedule, const ChunkFactory& make, con
     pipelines.push_back(std::make_unique<Pipeline>(schedule, std::move(chunks),
                                                    std::shared_ptr<Transport>(std::move(transports[r])), options));
   }
-  run.errors.resize(schedule.num_ranks);
   run.norms.resize(schedule.num_ranks);
   run.losses.resize(kSteps);
   const int last_rank = schedule.stage_to_rank.back();
-  std::vector<std::thread> threads;
-  for (int r = 0; r < schedule.num_ranks; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        for (int step = 0; step < kSteps; ++step) {
-          auto result = pipelines[r]->step(inputs, targets);
-          if (r == last_rank) run.losses[step] = result.losses;
-        }
-        if (after_steps) after_steps(*pipelines[r]);
-      } catch (...) {
-        run.errors[r] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
+  std::vector<Transport*> transports_of;
+  for (auto& p : pipelines) transports_of.push_back(&p->transport());
+  run.errors = run_rank_threads(
+                   transports_of,
+                   [&](Transport& t) {
+                     const int r = t.rank();
+                     for (int step = 0; step < kSteps; ++step) {
+                       auto result = pipelines[r]->step(inputs, targets);
+                       if (r == last_rank) run.losses[step] = result.losses;
+                     }
+                     if (after_steps) after_steps(*pipelines[r]);
+                   },
+                   /*abort_on_error=*/false)
+                   .errors;
   return run;
 }
 

@@ -5,16 +5,22 @@
 #include <torch/torch.h>
 
 #include <exception>
-#include <thread>
 
 #include "common/pairing_schedule.h"
 #include "common/pipeline_fixtures.h"
 #include "twobp/error.h"
+#include "twobp/runtime/launch.h"
 #include "twobp/runtime/pipeline.h"
 #include "twobp/transport/local.h"
 
 namespace twobp::testing {
 namespace {
+
+std::vector<Transport*> transports_of(const std::vector<std::unique_ptr<Pipeline>>& pipelines) {
+  std::vector<Transport*> transports;
+  for (const auto& p : pipelines) transports.push_back(&p->transport());
+  return transports;
+}
 
 struct RankRun {
   std::vector<std::shared_ptr<torch::nn::Module>> chunks;  // by stage, null when not on this rank
@@ -43,20 +49,17 @@ std::vector<RankRun> run_pipeline(const Schedule& schedule, const torch::Tensor&
     pipelines.push_back(std::make_unique<Pipeline>(schedule, std::move(chunks),
                                                    std::shared_ptr<Transport>(std::move(transports[r])), options));
   }
-  std::vector<std::thread> threads;
-  for (int r = 0; r < schedule.num_ranks; ++r) {
-    threads.emplace_back([&, r] {
-      try {
+  RankErrors errors = run_rank_threads(
+      transports_of(pipelines),
+      [&](Transport& t) {
+        const int r = t.rank();
         for (int i = 0; i < steps; ++i) {
           if (before_step) before_step(r, *pipelines[r]);
           runs[r].result = pipelines[r]->step(inputs, targets);
         }
-      } catch (...) {
-        runs[r].error = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
+      },
+      /*abort_on_error=*/false);
+  for (int r = 0; r < schedule.num_ranks; ++r) runs[r].error = errors.errors[r];
   return runs;
 }
 
@@ -140,15 +143,6 @@ INSTANTIATE_TEST_SUITE_P(AllSchedules, PipelineParity, ::testing::ValuesIn(all_c
   return n;
 });
 
-std::string message_of(const std::exception_ptr& e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const std::exception& ex) {
-    return ex.what();
-  }
-  return "";
-}
-
 template <typename E>
 bool is_a(const std::exception_ptr& e) {
   try {
@@ -175,14 +169,14 @@ TEST_F(PipelineFailures, ActivationOfUnexpectedShapeNamesBothStages) {
   auto runs = run_pipeline(schedule_, inputs_, targets_, options);
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(30));
   ASSERT_TRUE(runs[0].error);
-  ASSERT_TRUE(is_a<UsageError>(runs[0].error)) << message_of(runs[0].error);
-  const std::string what = message_of(runs[0].error);
+  ASSERT_TRUE(is_a<UsageError>(runs[0].error)) << error_message(runs[0].error);
+  const std::string what = error_message(runs[0].error);
   for (const char* word : {"stage 0 (rank 0)", "stage 1 (rank 1)", "micro-batch 0", "[2, 4]", "[2, 5]"}) {
     EXPECT_NE(what.find(word), std::string::npos) << word << " not in: " << what;
   }
   ASSERT_TRUE(runs[1].error) << "the peer must fail too, not hang";
-  EXPECT_TRUE(is_a<TransportError>(runs[1].error)) << message_of(runs[1].error);
-  EXPECT_NE(message_of(runs[1].error).find("rank 0"), std::string::npos) << message_of(runs[1].error);
+  EXPECT_TRUE(is_a<TransportError>(runs[1].error)) << error_message(runs[1].error);
+  EXPECT_NE(error_message(runs[1].error).find("rank 0"), std::string::npos) << error_message(runs[1].error);
 }
 
 TEST_F(PipelineFailures, RankThatThrowsMakesPeersFailNamingIt) {
@@ -195,8 +189,8 @@ TEST_F(PipelineFailures, RankThatThrowsMakesPeersFailNamingIt) {
     }
   });
   ASSERT_TRUE(runs[0].error);
-  EXPECT_TRUE(is_a<TransportError>(runs[0].error)) << message_of(runs[0].error);
-  EXPECT_NE(message_of(runs[0].error).find("injected failure"), std::string::npos) << message_of(runs[0].error);
+  EXPECT_TRUE(is_a<TransportError>(runs[0].error)) << error_message(runs[0].error);
+  EXPECT_NE(error_message(runs[0].error).find("injected failure"), std::string::npos) << error_message(runs[0].error);
 }
 
 TEST_F(PipelineFailures, PeerThatNeverSendsTimesOut) {
@@ -211,7 +205,7 @@ TEST_F(PipelineFailures, PeerThatNeverSendsTimesOut) {
     }
   });
   ASSERT_TRUE(runs[0].error);
-  const std::string what = message_of(runs[0].error);
+  const std::string what = error_message(runs[0].error);
   EXPECT_TRUE(is_a<TimeoutError>(runs[0].error)) << what;
   EXPECT_NE(what.find("rank 1"), std::string::npos) << what;
   EXPECT_NE(what.find("micro-batch"), std::string::npos) << what;
@@ -220,8 +214,8 @@ TEST_F(PipelineFailures, PeerThatNeverSendsTimesOut) {
 TEST_F(PipelineFailures, BatchThatDoesNotSplitIntoMicroBatches) {
   auto runs = run_pipeline(schedule_, torch::randn({3, kDim}, torch::kDouble), targets_, default_options());
   ASSERT_TRUE(runs[0].error);
-  EXPECT_NE(message_of(runs[0].error).find("cannot be split into 2 micro-batches"), std::string::npos)
-      << message_of(runs[0].error);
+  EXPECT_NE(error_message(runs[0].error).find("cannot be split into 2 micro-batches"), std::string::npos)
+      << error_message(runs[0].error);
 }
 
 // A schedule that only by-tag transports can pair: it runs correctly on one, and a Pipeline on an in-order
@@ -321,20 +315,24 @@ TEST(PipelineGate, NonFiniteGradientsStopOrSkipOnEveryRank) {
     auto inputs = torch::randn({4, kDim}), targets = torch::randn({4, kDim});
     std::vector<int> ready(2, -1);
     std::vector<std::string> errors(2);
-    std::vector<std::thread> threads;
-    for (int r = 0; r < 2; ++r) {
-      threads.emplace_back([&, r] {
-        try {
+    RankErrors failed = run_rank_threads(
+        transports_of(pipelines),
+        [&](Transport& t) {
+          const int r = t.rank();
           pipelines[r]->step(inputs, targets);
           ready[r] = pipelines[r]->ready_for_optimizer(/*step=*/7, policy, /*max_norm=*/1.0) ? 1 : 0;
-        } catch (const NumericalError& e) {
-          errors[r] = e.what();
-        } catch (const std::exception& e) {
-          errors[r] = std::string("unexpected: ") + e.what();
-        }
-      });
+        },
+        /*abort_on_error=*/false);
+    for (int r = 0; r < 2; ++r) {
+      if (!failed.errors[r]) continue;
+      try {
+        std::rethrow_exception(failed.errors[r]);
+      } catch (const NumericalError& e) {
+        errors[r] = e.what();
+      } catch (const std::exception& e) {
+        errors[r] = std::string("unexpected: ") + e.what();
+      }
     }
-    for (auto& t : threads) t.join();
     for (int r = 0; r < 2; ++r) {
       if (policy == NonFinitePolicy::kSkipStep) {
         EXPECT_EQ(ready[r], 0) << "rank " << r << " " << errors[r];
@@ -354,16 +352,17 @@ TEST(PipelineGate, FiniteGradientsAreClippedToTheGlobalNorm) {
   auto pipelines = make_two_rank_pipelines(schedule);
   auto inputs = torch::randn({4, kDim}) * 100, targets = torch::randn({4, kDim});
   std::vector<double> before(2), after(2);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      pipelines[r]->step(inputs, targets);
-      before[r] = pipelines[r]->global_grad_norm();
-      EXPECT_TRUE(pipelines[r]->ready_for_optimizer(0, NonFinitePolicy::kStop, 0.5));
-      after[r] = pipelines[r]->global_grad_norm();
-    });
-  }
-  for (auto& t : threads) t.join();
+  run_rank_threads(
+      transports_of(pipelines),
+      [&](Transport& t) {
+        const int r = t.rank();
+        pipelines[r]->step(inputs, targets);
+        before[r] = pipelines[r]->global_grad_norm();
+        EXPECT_TRUE(pipelines[r]->ready_for_optimizer(0, NonFinitePolicy::kStop, 0.5));
+        after[r] = pipelines[r]->global_grad_norm();
+      },
+      /*abort_on_error=*/false)
+      .rethrow_root_cause();
   EXPECT_EQ(before[0], before[1]);
   EXPECT_GT(before[0], 0.5);
   EXPECT_NEAR(after[0], 0.5, 1e-5);

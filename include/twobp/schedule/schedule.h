@@ -174,7 +174,7 @@ struct SimulatedEvent {
 
 struct SimulationResult {
   double step_time = 0.0;
-  double bubble_fraction = 0.0;            ///< idle compute time over (ranks * step_time)
+  double bubble_fraction = 0.0;            ///< metrics::bubble_fraction (twobp/metrics/metrics.h)
   std::vector<int> peak_live_micro_batches;  ///< per rank: max micro-batches whose activations are alive
   std::vector<SimulatedEvent> events;        ///< compute actions with their times
 };

@@ -27,11 +27,13 @@ struct Trace {
 
   /// Time spent in compute actions (F, I, W, B).
   double busy_us() const;
-  /// 1 - busy / step: the share of the step this rank spent waiting (bubble plus communication waits).
+  /// metrics::bubble_fraction of this rank alone, (step - busy) / step: the share of the step it spent waiting
+  /// (bubble plus communication waits).
   double idle_fraction() const;
 };
 
-/// Mean idle fraction over ranks: sum(step - busy) / (ranks * step), with step the slowest rank's step time.
+/// metrics::bubble_fraction (twobp/metrics/metrics.h) of the ranks' busy times, with step the slowest rank's step
+/// time.
 double bubble_fraction(const std::vector<Trace>& ranks);
 
 /// Chrome / Perfetto trace-event JSON ("X" events, one track per rank) for chrome://tracing or ui.perfetto.dev.

@@ -1,0 +1,40 @@
+#pragma once
+// The formulas of the metrics twobp reports, written once and read by the trace (bubble statistics), the simulator,
+// the benchmark and the example; docs/BENCHMARKS.md points here. Times may be in any unit, as long as one call
+// uses one unit throughout.
+
+#include <cstdint>
+#include <vector>
+
+namespace twobp::metrics {
+
+/// Bubble fraction: idle compute time over ranks × step time,
+///   Σ_r (step − busy_r) / (p · step)  =  1 − Σ_r busy_r / (p · step),
+/// with busy_r the time rank r spent in compute actions (F, I, W, B) and step the step time (the slowest rank's).
+/// 0 when there are no ranks or the step took no time.
+double bubble_fraction(const std::vector<double>& busy, double step);
+
+/// The same from the busy time summed over `ranks` ranks (what an all-reduce of per-rank busy times gives).
+double bubble_fraction(double total_busy, int ranks, double step);
+
+/// Throughput: `items` (samples, tokens) per second of `seconds`; 0 when no time passed.
+double per_second(double items, double seconds);
+
+/// tokens/s = samples/s · tokens per sample (the sequence length); 0 for models without tokens (tokens_per_sample 0).
+double tokens_per_s(double samples_per_s, int64_t tokens_per_sample);
+
+/// Efficiency against the ideal: ideal step time / measured step time (1 = no bubble nor overhead; the ideal of a
+/// pipeline is the compute of one rank, Σ busy / p). 0 when the measured step took no time.
+double efficiency(double ideal_step, double step);
+
+/// Memory per rank: a process's bytes over the ranks it holds (ranks as threads share one process, so its peak
+/// resident set is split evenly over them; one rank per process keeps the whole).
+double memory_per_rank(double process_bytes, int ranks_in_process);
+
+/// Estimated training memory of a rank (or one stage) with AdamW, in bytes: weights + gradients + AdamW's two
+/// moments (4 · parameters · bytes_per_element) + live micro-batches · activation bytes of one micro-batch
+/// (the rank's peak_live_micro_batches from simulate(), and its largest chunk's activations).
+int64_t training_memory_bytes(int64_t parameters, int64_t bytes_per_element, int64_t live_micro_batches,
+                              int64_t activation_bytes_per_micro_batch);
+
+}  // namespace twobp::metrics

@@ -1,0 +1,40 @@
+// Metric formulas (see twobp/metrics/metrics.h).
+
+#include "twobp/metrics/metrics.h"
+
+#include <algorithm>
+
+namespace twobp::metrics {
+
+double bubble_fraction(const std::vector<double>& busy, double step) {
+  if (busy.empty() || step <= 0.0) return 0.0;
+  double idle = 0.0;
+  for (double b : busy) idle += step - b;
+  return idle / (step * static_cast<double>(busy.size()));
+}
+
+double bubble_fraction(double total_busy, int ranks, double step) {
+  if (ranks <= 0 || step <= 0.0) return 0.0;
+  return 1.0 - total_busy / (static_cast<double>(ranks) * step);
+}
+
+double per_second(double items, double seconds) { return seconds > 0.0 ? items / seconds : 0.0; }
+
+double tokens_per_s(double samples_per_s, int64_t tokens_per_sample) {
+  return samples_per_s * static_cast<double>(tokens_per_sample);
+}
+
+double efficiency(double ideal_step, double step) { return step > 0.0 ? ideal_step / step : 0.0; }
+
+double memory_per_rank(double process_bytes, int ranks_in_process) {
+  return process_bytes / static_cast<double>(std::max(1, ranks_in_process));
+}
+
+int64_t training_memory_bytes(int64_t parameters, int64_t bytes_per_element, int64_t live_micro_batches,
+                              int64_t activation_bytes_per_micro_batch) {
+  const int64_t weights = parameters * bytes_per_element;
+  return weights /* weights */ + weights /* gradients */ + 2 * weights /* AdamW moments */ +
+         live_micro_batches * activation_bytes_per_micro_batch;
+}
+
+}  // namespace twobp::metrics
