@@ -7,6 +7,10 @@ set -euo pipefail
 # LibTorch 2.11.0: its default PyPI build is for CUDA 13.0, the toolkit on our machines, so the NCCL transport
 # compiles and links against the same CUDA and NCCL that LibTorch loads; it is also the version on the GPU image.
 TWOBP_TORCH_VERSION="${TWOBP_TORCH_VERSION:-2.11.0}"
+# ccache: hash paths relative to the checkout (and ignore the build directory in -g builds), so that another clone
+# of the same tree (CI's, a worktree's) reuses the cache. Harmless where ccache is not installed.
+export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$PWD}"
+export CCACHE_NOHASHDIR="${CCACHE_NOHASHDIR:-true}"
 PYTHON="${PYTHON:-python3}"
 
 twobp_setup() {
