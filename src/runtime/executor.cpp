@@ -11,16 +11,13 @@
 
 #include "twobp/schedule/dependencies.h"
 #include "util/check.h"
+#include "util/format.h"
 
 namespace twobp {
 namespace {
 
 double elapsed_us(Clock::time_point since) {
   return std::chrono::duration<double, std::micro>(Clock::now() - since).count();
-}
-
-std::string describe_spec(const std::vector<int64_t>& shape, at::ScalarType dtype) {
-  return fmt::format("[{}] {}", fmt::join(shape, ", "), c10::toString(dtype));
 }
 
 // The tensors that travel between actions (dependencies() also names what stays inside a Stage: its saved graph
@@ -187,8 +184,8 @@ void Executor::send(Step& st, const Action& a) {
   TWOBP_CHECK(t.sizes().vec() == spec.shape && t.scalar_type() == spec.dtype, UsageError,
               "{}: stage {} (rank {}) produced {} {} for micro-batch {}, but stage {} (rank {}) expects {}",
               st.where(rank_, a), a.stage, rank_, fwd ? "activations" : "gradients",
-              describe_spec(t.sizes().vec(), t.scalar_type()), mb, receiver, schedule_.stage_to_rank[receiver],
-              describe_spec(spec.shape, spec.dtype));
+              detail::describe_shape(t.sizes(), t.scalar_type()), mb, receiver, schedule_.stage_to_rank[receiver],
+              detail::describe_shape(spec.shape, spec.dtype));
   auto work = transport_.isend(t, message_options(schedule_, a, options_.timeout));
   st.sends.push_back({std::move(t), std::move(work)});
 }

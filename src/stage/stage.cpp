@@ -12,12 +12,13 @@
 #include <fmt/ranges.h>
 
 #include "util/check.h"
+#include "util/format.h"
 
 namespace twobp {
 
 namespace {
 std::string shape_of(const at::Tensor& t) {
-  return t.defined() ? fmt::format("[{}] {}", fmt::join(t.sizes(), ", "), c10::toString(t.scalar_type()))
+  return t.defined() ? detail::describe_shape(t.sizes(), t.scalar_type())
                      : std::string("undefined");
 }
 }  // namespace
