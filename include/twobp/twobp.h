@@ -20,6 +20,7 @@
 #include "twobp/schedule/schedule.h"
 
 #include "twobp/metrics/metrics.h"
+#include "twobp/runtime/data_parallel.h"
 #include "twobp/runtime/executor.h"
 #include "twobp/runtime/launch.h"
 #include "twobp/runtime/mpi_launch.h"

@@ -10,6 +10,7 @@
 #include <unordered_set>
 #include <utility>
 
+#include "runtime/gradient_reducer.h"
 #include "util/check.h"
 
 namespace twobp {
@@ -29,6 +30,8 @@ void clip_to(const std::vector<at::Tensor>& params, double norm, double max_norm
 
 struct Pipeline::Impl {
   std::unique_ptr<Executor> executor;
+  std::unique_ptr<detail::GradientReducer> reducer;  // data parallelism only
+  Transport* data_parallel = nullptr;                // the reducer's group
 };
 
 Pipeline::Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, std::shared_ptr<Transport> transport,
@@ -81,7 +84,33 @@ Pipeline::Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, std::sh
   eo.timeout = options_.timeout;
   eo.activation_spec = options_.activation_spec;
   eo.prefetch_receives = options_.prefetch_receives;
+  Transport* dp = options_.data_parallel.group;
+  if (dp != nullptr && dp->world_size() > 1) {
+    impl_->data_parallel = dp;
+    try {
+      impl_->reducer = std::make_unique<detail::GradientReducer>(schedule_, rank, stages, options_.data_parallel,
+                                                                 options_.timeout);
+    } catch (const std::exception& e) {
+      // Replicas that disagree fail here together, but this rank's pipeline peers may already be waiting in
+      // step() for it: tell them now rather than at their timeout.
+      const std::string reason = fmt::format("rank {} failed: {}", rank, e.what());
+      for (Transport* t : {transport_.get(), dp}) {
+        try {
+          t->abort(reason);
+        } catch (...) {
+        }
+      }
+      throw;
+    }
+  }
   impl_->executor = std::make_unique<Executor>(schedule_, rank, std::move(stages), *transport_, std::move(eo));
+  if (impl_->reducer) {
+    // First hook: a bucket starts right after its stage's last weight action, before any user hook runs.
+    const Action* first = schedule_.actions[rank].data();
+    impl_->executor->add_hook([reducer = impl_->reducer.get(), first](const ActionEvent& event) {
+      reducer->after_action(static_cast<std::size_t>(event.action - first));
+    });
+  }
 }
 
 Pipeline::Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, Transport& transport, PipelineOptions options)
@@ -138,6 +167,12 @@ GradientCheck Pipeline::check_gradients() {
   }
   at::Tensor total = at::tensor(local, at::TensorOptions().dtype(at::kDouble)).to(transport_->device());
   transport_->all_reduce_sum(total, options_.timeout);
+  if (impl_->data_parallel != nullptr) {
+    // The flags over the replicas too (the norm is already the same on every replica: gradients are averaged).
+    at::Tensor flags = total.narrow(0, 1, schedule_.num_stages).clone();
+    impl_->data_parallel->all_reduce_sum(flags, options_.timeout);
+    total.narrow(0, 1, schedule_.num_stages).copy_(flags);
+  }
   total = total.cpu();
   GradientCheck check;
   check.norm = std::sqrt(total[0].item<double>());
@@ -168,7 +203,22 @@ double Pipeline::clip_grad_norm(double max_norm) {
 }
 
 StepResult Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
-  StepResult result = impl_->executor->run(inputs, targets);
+  StepResult result;
+  try {
+    if (impl_->reducer) impl_->reducer->begin_step();
+    result = impl_->executor->run(inputs, targets);
+    if (impl_->reducer) result.reduce_wait_us = impl_->reducer->finish();
+  } catch (const std::exception& e) {
+    if (impl_->reducer) {
+      impl_->reducer->reset();
+      // The other replicas would otherwise wait for this one's reductions until their timeout.
+      try {
+        impl_->data_parallel->abort(fmt::format("rank {} failed: {}", rank(), e.what()));
+      } catch (...) {
+      }
+    }
+    throw;
+  }
   last_losses_ = result.losses;
   return result;
 }
@@ -181,6 +231,10 @@ double Pipeline::mean_loss(const StepResult& result) {
   for (double l : result.losses) local += l / static_cast<double>(result.losses.size());
   at::Tensor t = at::tensor({local}, at::TensorOptions().dtype(at::kDouble)).to(transport_->device());
   transport_->all_reduce_sum(t, options_.timeout);
+  if (impl_->data_parallel != nullptr) {
+    impl_->data_parallel->all_reduce_sum(t, options_.timeout);
+    t.div_(impl_->data_parallel->world_size());
+  }
   return t.cpu().item<double>();
 }
 

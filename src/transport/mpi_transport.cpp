@@ -270,7 +270,7 @@ struct MpiTransport::Impl {
   }
 
   /// Polls a single collective request until done or the deadline.
-  void wait_collective(std::shared_ptr<detail::Pending> p, const std::string& what, Duration timeout) {
+  void wait_collective(const std::shared_ptr<detail::Pending>& p, const std::string& what, Duration timeout) {
     const auto deadline = detail::deadline_after(timeout);
     detail::Backoff backoff;
     while (!test(*p)) {
@@ -283,7 +283,7 @@ struct MpiTransport::Impl {
         {
           std::lock_guard<std::mutex> lock(parked_mutex);
           collective_failure = message;
-          parked.push_back(std::move(p));
+          parked.push_back(p);
         }
         throw TimeoutError(message);
       }
@@ -540,7 +540,57 @@ std::unique_ptr<Work> MpiTransport::irecv(at::Tensor& buffer, const P2POptions& 
   return std::make_unique<detail::MpiWork>(impl_, std::move(p), true, options);
 }
 
+namespace detail {
+namespace {
+
+// A started MPI_Iallreduce. wait() polls it like every collective (a timeout parks it and refuses later
+// collectives) and copies a half/bfloat16 result, reduced in float32, back into the caller's tensor.
+class MpiCollectiveWork final : public Work {
+ public:
+  MpiCollectiveWork(std::shared_ptr<MpiTransport::Impl> impl, std::shared_ptr<Pending> pending, at::Tensor target,
+                    std::string what)
+      : impl_(std::move(impl)), p_(std::move(pending)), target_(std::move(target)), what_(std::move(what)) {}
+
+  ~MpiCollectiveWork() override {
+    // Dropped unfinished (the step failed): MPI may still write into the buffer, so keep it parked.
+    if (!finished_) {
+      try {
+        impl_->park(p_);
+      } catch (...) {
+      }
+    }
+  }
+
+  void wait(Duration timeout) override {
+    if (finished_) return;
+    finished_ = true;  // wait_collective parks the operation itself on a timeout
+    impl_->wait_collective(p_, what_, timeout);
+    if (!p_->tensor.is_same(target_)) target_.copy_(p_->tensor);
+  }
+
+  bool is_completed() override {
+    if (finished_) return true;
+    if (!impl_->test(*p_)) return false;
+    wait(Duration(0));
+    return true;
+  }
+
+ private:
+  std::shared_ptr<MpiTransport::Impl> impl_;
+  std::shared_ptr<Pending> p_;
+  at::Tensor target_;
+  std::string what_;
+  bool finished_ = false;
+};
+
+}  // namespace
+}  // namespace detail
+
 void MpiTransport::all_reduce_sum(at::Tensor& tensor, Duration timeout) {
+  all_reduce_sum_async(tensor, timeout)->wait(timeout);
+}
+
+std::unique_ptr<Work> MpiTransport::all_reduce_sum_async(at::Tensor& tensor, Duration timeout) {
   const std::string what = impl_->begin_collective("all_reduce_sum");
   TWOBP_CHECK(tensor.defined() && tensor.is_cpu(), UsageError,
               "{}: {}: MpiTransport reduces defined CPU tensors", impl_->who(), what);
@@ -558,14 +608,15 @@ void MpiTransport::all_reduce_sum(at::Tensor& tensor, Duration timeout) {
   TWOBP_CHECK(work.numel() <= INT_MAX, UsageError, "{}: {}: at most {} elements", impl_->who(), what, INT_MAX);
   auto p = std::make_shared<detail::Pending>();
   p->tensor = work;
+  // The progress thread keeps the reduction moving while this rank computes (MPI progresses only inside calls).
+  p->progress_token = impl_->progress_token();
   {
     auto lock = impl_->serialize();
     TWOBP_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, work.data_ptr(), static_cast<int>(work.numel()), type, MPI_SUM,
                                    impl_->comm, &p->requests[0]));
     p->done[0] = false;
   }
-  impl_->wait_collective(std::move(p), what, timeout);
-  if (!work.is_same(tensor)) tensor.copy_(work);
+  return std::make_unique<detail::MpiCollectiveWork>(impl_, std::move(p), tensor, what);
 }
 
 void MpiTransport::barrier(Duration timeout) {

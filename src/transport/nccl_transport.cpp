@@ -149,9 +149,13 @@ struct NcclTransport::Impl {
   NcclOptions options;              // as given to the constructor; split() derives the group's from them
   std::vector<std::pair<int, int>> all_links;
   std::map<detail::ChannelKey, detail::Channel> mine;  // the channels this rank is an end of
+  /// The communicator of every rank, for all_reduce_sum_async (gradient buckets); created by the first one.
+  std::unique_ptr<detail::Channel> collective;
+  std::int64_t async_reductions = 0;
 
   ~Impl() {
     // Destructors must not throw and must not hang: finalize politely with a deadline, abort otherwise.
+    if (collective) mine.emplace(detail::ChannelKey{-1, -1, -1}, std::move(*collective));
     for (auto& [key, ch] : mine) {
       if (ch.comm != nullptr) {
         bool clean = false;
@@ -198,7 +202,11 @@ struct NcclTransport::Impl {
 
   void abort_all() {
     for (auto& [key, ch] : mine) ch.abort_comm();
+    if (collective) collective->abort_comm();
   }
+
+  /// Creates `collective` (collective over every rank: the first all_reduce_sum_async of each rank gets here).
+  void create_collective(Duration timeout);
 
   /// Broadcasts rank 0's bytes over the host transport: an all-reduce of int64 values in which only rank 0
   /// contributes (exact, and it needs nothing from the host but all_reduce_sum).
@@ -320,6 +328,30 @@ void NcclTransport::Impl::init(const NcclOptions& options) {
   }
 }
 
+void NcclTransport::Impl::create_collective(Duration timeout) {
+  const auto deadline = detail::deadline_after(timeout);
+  std::vector<std::uint8_t> id_bytes(sizeof(ncclUniqueId), 0);
+  if (rank == 0) {
+    ncclUniqueId id;
+    TWOBP_NCCL_CHECK(ncclGetUniqueId(&id));
+    std::memcpy(id_bytes.data(), &id, sizeof(id));
+  }
+  id_bytes = broadcast(id_bytes, timeout);
+  ncclUniqueId id;
+  std::memcpy(&id, id_bytes.data(), sizeof(id));
+  auto ch = std::make_unique<detail::Channel>();
+  ch->src = 0;
+  ch->dst = world - 1;
+  ch->channel = -1;
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;  // a missing rank makes us time out instead of hang
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  TWOBP_NCCL_CHECK(ncclCommInitRankConfig(&ch->comm, world, id, rank, &config));
+  ch->settle(rank, detail::remaining(deadline), "creating the collective communicator");
+  TWOBP_CUDA_CHECK(cudaStreamCreateWithFlags(&ch->stream, cudaStreamNonBlocking));
+  collective = std::move(ch);
+}
+
 void NcclTransport::Impl::warm_up(Clock::time_point deadline, Duration init_timeout) {
   // One byte src -> dst on every communicator, all in ONE group: NCCL connects every pair now, while all ranks
   // are in the constructor, instead of lazily at a first operation whose peer may be busy posting others.
@@ -366,8 +398,9 @@ namespace {
 
 class NcclWork final : public Work {
  public:
-  NcclWork(std::shared_ptr<NcclTransport::Impl> impl, Channel* channel, bool is_send, P2POptions options)
-      : impl_(std::move(impl)), channel_(channel), is_send_(is_send), options_(std::move(options)) {
+  /// `what` names the operation in errors ("isend SEND_F stage 1 micro-batch 2 (tag 7) to rank 1").
+  NcclWork(std::shared_ptr<NcclTransport::Impl> impl, Channel* channel, std::string what)
+      : impl_(std::move(impl)), channel_(channel), what_(std::move(what)) {
     TWOBP_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
     done_ = std::make_shared<PendingDone>();
     TWOBP_CUDA_CHECK(cudaEventCreateWithFlags(&done_->done, cudaEventDisableTiming));
@@ -408,9 +441,7 @@ class NcclWork final : public Work {
   }
 
  private:
-  std::string what() const {
-    return fmt::format("{} {} rank {}", describe_op(options_), is_send_ ? "to" : "from", options_.peer);
-  }
+  const std::string& what() const { return what_; }
 
   bool poll() {
     // A dead peer or network failure shows up as an asynchronous communicator error, not as a CUDA error; an
@@ -437,9 +468,8 @@ class NcclWork final : public Work {
   }
 
   std::shared_ptr<NcclTransport::Impl> impl_;
-  Channel* channel_;  // owned by impl_->mine (a std::map: stable address)
-  bool is_send_;
-  P2POptions options_;
+  Channel* channel_;  // owned by impl_->mine or impl_->collective (stable addresses)
+  std::string what_;
   cudaEvent_t ready_ = nullptr;
   std::shared_ptr<PendingDone> done_;
   bool finished_ = false;
@@ -503,7 +533,8 @@ std::unique_ptr<Work> NcclTransport::post(bool is_send, const at::Tensor& tensor
   const int peer_in_comm = ch.src == im.rank ? 1 : 0;
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(im.device));
   const auto compute = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(im.device));
-  auto work = std::make_unique<detail::NcclWork>(impl_, &ch, is_send, options);
+  auto work = std::make_unique<detail::NcclWork>(
+      impl_, &ch, fmt::format("{} {} rank {}", detail::describe_op(options), is_send ? "to" : "from", options.peer));
 
   // SYNC POINT (producer side): the tensor was produced -- for a receive buffer: last used -- by work queued on
   // the compute stream. The channel stream must not read (send) or overwrite (receive) it before that finished.
@@ -539,6 +570,47 @@ void NcclTransport::all_reduce_sum(at::Tensor& tensor, Duration timeout) {
   at::Tensor cpu = tensor.to(c10::kCPU).contiguous();
   impl_->host->all_reduce_sum(cpu, timeout);
   tensor.copy_(cpu);
+}
+
+std::unique_ptr<Work> NcclTransport::all_reduce_sum_async(at::Tensor& tensor, Duration timeout) {
+  auto& im = *impl_;
+  TWOBP_CHECK(tensor.defined() && tensor.is_cuda() && tensor.device().index() == im.device && tensor.is_contiguous(),
+              UsageError, "rank {}: all_reduce_sum_async: NcclTransport reduces contiguous tensors on cuda:{}, got {}",
+              im.rank, im.device, tensor.defined() ? tensor.device().str() : std::string("an undefined tensor"));
+  ncclDataType_t type = ncclFloat;
+  switch (tensor.scalar_type()) {
+    case at::kFloat: type = ncclFloat32; break;
+    case at::kDouble: type = ncclFloat64; break;
+    case at::kHalf: type = ncclFloat16; break;
+    case at::kBFloat16: type = ncclBfloat16; break;
+    case at::kInt: type = ncclInt32; break;
+    case at::kLong: type = ncclInt64; break;
+    default:
+      detail::raise<UsageError>("rank {}: all_reduce_sum_async: dtype {} cannot be summed by NCCL", im.rank,
+                                c10::toString(tensor.scalar_type()));
+  }
+  const std::string what = fmt::format("all_reduce_sum_async #{}", im.async_reductions++);
+  // WHY a communicator of every rank (unlike all_reduce_sum): gradient buckets are large and reduced while the
+  // pipeline runs; staying on the GPU, on a stream of their own, is what lets them overlap compute.
+  if (!im.collective) im.create_collective(timeout);
+  detail::Channel& ch = *im.collective;
+  ch.settle(im.rank, timeout, what);
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(im.device));
+  const auto compute = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(im.device));
+  auto work = std::make_unique<detail::NcclWork>(impl_, &ch, what);
+  // SYNC POINT: the bucket was filled on the compute stream.
+  TWOBP_CUDA_CHECK(cudaEventRecord(work->ready(), compute.stream()));
+  TWOBP_CUDA_CHECK(cudaStreamWaitEvent(ch.stream, work->ready(), 0));
+  if (tensor.numel() > 0) {
+    TWOBP_NCCL_CHECK(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), static_cast<std::size_t>(tensor.numel()),
+                                   type, ncclSum, ch.comm, ch.stream));
+    c10::cuda::CUDACachingAllocator::recordStream(
+        tensor.storage().data_ptr(),
+        c10::cuda::getStreamFromExternal(ch.stream, static_cast<c10::DeviceIndex>(im.device)));
+  }
+  ch.unsettled = work->done();
+  ch.settled(im.rank, what);
+  return work;
 }
 
 void NcclTransport::barrier(Duration timeout) { impl_->host->barrier(timeout); }

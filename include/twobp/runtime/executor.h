@@ -30,6 +30,9 @@ struct StepResult {
   /// function returned it, *not* scaled by 1/num_micro_batches (only its gradient seed is scaled).
   std::vector<double> losses;
   Trace trace;  ///< this rank's actions with their times
+  /// With data parallelism (PipelineOptions::data_parallel): microseconds step() waited, after this rank's last
+  /// action, for the gradient reductions to finish -- their time left exposed on the critical path. 0 otherwise.
+  double reduce_wait_us = 0.0;
 };
 
 /// Passed to hooks after each action.

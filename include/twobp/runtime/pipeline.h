@@ -10,6 +10,7 @@
 #include <memory>
 #include <vector>
 
+#include "twobp/runtime/data_parallel.h"
 #include "twobp/runtime/executor.h"
 #include "twobp/schedule/schedule.h"
 #include "twobp/stage.h"
@@ -42,6 +43,10 @@ struct PipelineOptions {
   bool batch_weight_grads = true;
   /// Receives are posted this many RECV actions ahead of their use, so data arrives while the rank computes.
   int prefetch_receives = 4;
+  /// Data parallelism: the group of this stage's replicas and how gradients are averaged over it (see
+  /// twobp/runtime/data_parallel.h). With a group of more than one rank, the constructor is collective over it,
+  /// step() returns averaged gradients, and mean_loss() / check_gradients() cover every replica.
+  DataParallelOptions data_parallel;
 };
 
 /// What to do when a step produced a NaN or Inf loss or gradient.
@@ -72,11 +77,13 @@ class Pipeline {
   Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, Transport& transport, PipelineOptions options);
   ~Pipeline();
 
-  /// One training step (see the class comment); runs this rank's action list through its Executor.
+  /// One training step (see the class comment); runs this rank's action list through its Executor, then (data
+  /// parallelism) waits for the gradient reductions.
   StepResult step(const at::Tensor& inputs, const at::Tensor& targets);
   /// Runs `hook` after every action of every step (see Executor::add_hook).
   void add_hook(Executor::Hook hook);
-  /// The mean over micro-batches of the last step's losses, on every rank (collective: one all-reduce).
+  /// The mean over micro-batches (and replicas) of the last step's losses, on every rank (collective: one
+  /// all-reduce, and one over the data-parallel group).
   double mean_loss(const StepResult& result);
 
   const Schedule& schedule() const { return schedule_; }
@@ -89,7 +96,8 @@ class Pipeline {
   std::vector<at::Tensor> parameters() const;
   void zero_grad();
   /// Global gradient norm and the stages with non-finite gradients or losses (one all-reduce of
-  /// num_stages + 1 numbers); every rank must call it, after step().
+  /// num_stages + 1 numbers, and of the flags over the data-parallel group, so that every replica decides
+  /// alike); every rank must call it, after step().
   GradientCheck check_gradients();
   /// L2 norm of the gradient over ALL ranks' parameters; collective like check_gradients().
   double global_grad_norm() { return check_gradients().norm; }

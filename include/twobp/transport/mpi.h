@@ -67,7 +67,8 @@ class MpiEnvironment {
 /// label, expected and actual shape/dtype. On a timeout the pending requests are cancelled where MPI allows;
 /// what cannot be cancelled is parked (buffers kept alive) and reaped later, so nothing is freed under MPI.
 ///
-/// all_reduce_sum uses MPI_Iallreduce, barrier MPI_Ibarrier, both polled with a timeout. A timed-out collective
+/// all_reduce_sum uses MPI_Iallreduce (all_reduce_sum_async returns it unfinished, progressed by the progress
+/// thread meanwhile), barrier MPI_Ibarrier, both polled with a timeout. A timed-out collective
 /// cannot be cancelled in MPI: later collectives on this transport throw TransportError.
 ///
 /// all_reduce_sum takes any number of elements up to INT_MAX (half/bfloat16 are summed in float32); the
@@ -100,6 +101,7 @@ class MpiTransport final : public Transport {
   std::unique_ptr<Work> isend(const at::Tensor& tensor, const P2POptions& options) override;
   std::unique_ptr<Work> irecv(at::Tensor& buffer, const P2POptions& options) override;
   void all_reduce_sum(at::Tensor& tensor, Duration timeout) override;
+  std::unique_ptr<Work> all_reduce_sum_async(at::Tensor& tensor, Duration timeout) override;
   void barrier(Duration timeout) override;
   void broadcast(at::Tensor& tensor, int root, Duration timeout) override;
   std::unique_ptr<Transport> split(int color, int key, Duration timeout) override;

@@ -64,7 +64,9 @@ struct NcclOptions {
 ///  - NCCL transfers carry no header: shapes cannot be checked against the sender's. A mismatch is undefined
 ///    (typically a TimeoutError); check pipelines with LocalTransport (in-order mode) or MpiTransport first.
 ///  - all_reduce_sum copies the tensor to the CPU and sums over the host transport (meant for small tensors:
-///    losses, norms; no world communicator is created). barrier is the host's; it does not synchronize the GPU.
+///    losses, norms). all_reduce_sum_async (gradient buckets) stays on the GPU: the first call creates a
+///    communicator of every rank with a stream of its own (ncclAllReduce, waited like a receive). NOT YET RUN ON
+///    A GPU. barrier is the host's; it does not synchronize the GPU.
 ///  - abort() aborts every NCCL communicator, then the host transport (under MPI: THE WHOLE JOB DIES).
 ///
 /// Threading: use the transport from one thread. The constructor makes `device` the calling thread's
@@ -90,6 +92,8 @@ class NcclTransport final : public Transport {
   std::unique_ptr<Work> isend(const at::Tensor& tensor, const P2POptions& options) override;
   std::unique_ptr<Work> irecv(at::Tensor& buffer, const P2POptions& options) override;
   void all_reduce_sum(at::Tensor& tensor, Duration timeout) override;
+  /// On a communicator of every rank (created by the first call) and a stream of its own; see the class comment.
+  std::unique_ptr<Work> all_reduce_sum_async(at::Tensor& tensor, Duration timeout) override;
   void barrier(Duration timeout) override;
   /// Over the host transport on a CPU copy, like all_reduce_sum.
   void broadcast(at::Tensor& tensor, int root, Duration timeout) override;

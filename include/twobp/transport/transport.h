@@ -72,6 +72,15 @@ class Transport {
   /// Store sum in rank order and are bitwise reproducible; MPI leaves the order to the MPI library).
   virtual void all_reduce_sum(at::Tensor& tensor, Duration timeout) = 0;
 
+  /// all_reduce_sum() without waiting: starts the reduction and returns its handle; `tensor` holds the sum once
+  /// wait() returned and must not be read or written before. The same collective ordering rules apply: every
+  /// rank starts the same reductions in the same order (with respect to all collectives of this transport).
+  /// Used for data-parallel gradient buckets, so that reductions overlap the rest of a step.
+  /// MPI: MPI_Iallreduce, progressed while other MPI traffic runs. NCCL: a collective communicator of its own,
+  /// on its own stream. The default (Local, Store): reduces at once, blocking up to `timeout`, and returns a
+  /// completed handle -- correct, but nothing overlaps.
+  virtual std::unique_ptr<Work> all_reduce_sum_async(at::Tensor& tensor, Duration timeout);
+
   /// Overwrites `tensor` on every rank with the tensor of rank `root`. Collective: every rank calls it in the
   /// same order with respect to the other collectives, with the same shape, dtype and root. Blocks at most
   /// `timeout` (TimeoutError naming the ranks it waited for, where the transport can tell).

@@ -1,0 +1,102 @@
+#pragma once
+// Data × pipeline parallelism (2D): dp replicas of a pp-rank pipeline, world = dp · pp ranks.
+//
+// Rank layout (one rule, here): world rank r is pipeline rank r % pp of replica r / pp. The pp stages of one
+// replica are adjacent ranks, so with one rank per GPU and pp dividing the GPUs of a node, a replica's activations
+// and input gradients (sent every micro-batch) stay inside a node, and only the data-parallel gradient reduction
+// (once per step, overlapped with W) crosses nodes.
+//
+//   world rank:       0    1    2    3    4    5    6    7        dp = 2, pp = 4
+//   replica:          0    0    0    0    1    1    1    1
+//   pipeline rank:    0    1    2    3    0    1    2    3
+//   pipeline group:   {0,1,2,3} {4,5,6,7}     data-parallel groups: {0,4} {1,5} {2,6} {3,7}
+//
+// A Pipeline runs on its pipeline group; PipelineOptions::data_parallel names the data-parallel group, and the
+// pipeline then averages every parameter gradient over it (see DataParallelOptions) so that all replicas step
+// with the gradient of the mean loss over the global batch.
+
+#include <cstdint>
+#include <memory>
+
+#include "twobp/transport/transport.h"
+
+namespace twobp {
+
+/// Which replica and pipeline rank a world rank is (see the top of this file).
+struct ParallelLayout {
+  int dp = 1;  ///< replicas (data-parallel degree)
+  int pp = 1;  ///< pipeline ranks per replica
+
+  /// The layout of `world_size` ranks in `dp` replicas; UsageError unless dp >= 1 divides world_size.
+  static ParallelLayout of(int world_size, int dp);
+
+  int world_size() const { return dp * pp; }
+  int replica(int world_rank) const { return world_rank / pp; }
+  int pipeline_rank(int world_rank) const { return world_rank % pp; }
+  int world_rank(int replica, int pipeline_rank) const { return replica * pp + pipeline_rank; }
+};
+
+/// The two groups of one rank, made from the world transport (collective: every rank constructs it, in the same
+/// order with respect to the world's other collectives; it splits the world twice).
+///
+/// With dp == 1 nothing is split: pipeline() is the world itself and data_parallel() is null, so a
+/// pipeline-only job pays nothing. Destroy the groups before the world transport.
+class ParallelGroups {
+ public:
+  ParallelGroups(Transport& world, int dp, Duration timeout);
+  ~ParallelGroups();
+  ParallelGroups(const ParallelGroups&) = delete;
+  ParallelGroups& operator=(const ParallelGroups&) = delete;
+
+  const ParallelLayout& layout() const { return layout_; }
+  int replica() const { return replica_; }
+  int pipeline_rank() const { return pipeline_rank_; }
+  /// The ranks of this replica, by pipeline rank: the transport to give the Pipeline.
+  Transport& pipeline() { return pipeline_ ? *pipeline_ : world_; }
+  /// The ranks holding the same stages in every replica, by replica; null when dp == 1.
+  Transport* data_parallel() { return data_parallel_.get(); }
+
+ private:
+  Transport& world_;
+  ParallelLayout layout_;
+  int replica_ = 0;
+  int pipeline_rank_ = 0;
+  std::unique_ptr<Transport> pipeline_;
+  std::unique_ptr<Transport> data_parallel_;
+};
+
+/// Gradient averaging over the data-parallel group (PipelineOptions::data_parallel).
+///
+/// What: after every step, each parameter's .grad is the mean over the replicas of their .grad (each replica's
+/// gradient being that of its own mean loss), i.e. the gradient of the mean loss over the global batch of
+/// dp · num_micro_batches micro-batches. A gradient undefined on every replica stays undefined; one defined on
+/// some replicas only (a parameter unused by some replicas' data) becomes defined everywhere, with zeros for the
+/// replicas that had none, as one loss.backward() over the global batch would give. Sparse gradients are
+/// refused (UsageError naming the stage): use a dense embedding with data parallelism. So is a buffer that changes
+/// during a step (BatchNorm's running statistics): each replica would update it from its own share of the batch,
+/// unlike one process on the global batch (UsageError after the first step, naming the stage and the buffer).
+/// Only the chunks' parameters are averaged: a trainable tensor the forward uses without registering it keeps
+/// its replica's own gradient (as with PyTorch DDP); register it to have it averaged.
+///
+/// When: each stage's parameters are reduced in buckets of about `bucket_bytes` (one dtype per bucket, the
+/// stage's parameters in reverse order of registration, as backward produces them), started asynchronously
+/// right after the stage's last weight-producing action of the step (its last W in 2BP, its last B otherwise),
+/// so that the reduction overlaps the rank's remaining actions and bubbles; a tensor shared by two chunks of a
+/// rank is reduced once, after the later one. Pipeline::step() then waits for every bucket before it returns,
+/// so the optimizer gate and the optimizer see reduced gradients; the time it waited is
+/// StepResult::reduce_wait_us (the reduction time left exposed on the critical path).
+///
+/// With `overlap` false every bucket starts only after the rank's last action: the baseline the overlap is
+/// measured against. Transports without asynchronous collectives (Local, Store) reduce each bucket when it
+/// starts, blocking: correct, but nothing overlaps. Every replica must build the same model: the pipeline's
+/// constructor checks that the replicas agree on each rank's parameters (one small all-reduce over the group).
+struct DataParallelOptions {
+  /// This rank's data-parallel group (ParallelGroups::data_parallel()); null or a group of one: no reduction.
+  /// Must outlive the pipeline.
+  Transport* group = nullptr;
+  /// Target bucket size. Larger: fewer collectives (latency); smaller: the first bucket starts sooner.
+  std::int64_t bucket_bytes = 25LL << 20;
+  bool overlap = true;
+};
+
+}  // namespace twobp

@@ -1,0 +1,192 @@
+#include "runtime/gradient_reducer.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <torch/nn/module.h>
+
+#include <algorithm>
+#include <unordered_map>
+
+#include "util/check.h"
+#include "util/format.h"
+
+namespace twobp::detail {
+namespace {
+
+double elapsed_us(Clock::time_point since) {
+  return std::chrono::duration<double, std::micro>(Clock::now() - since).count();
+}
+
+bool makes_weight_grads(ActionType t) { return t == ActionType::kBackward || t == ActionType::kBackwardWeight; }
+
+}  // namespace
+
+GradientReducer::GradientReducer(const Schedule& schedule, int rank, const std::map<int, Stage*>& stages,
+                                 DataParallelOptions options, Duration timeout)
+    : rank_(rank), options_(options), timeout_(timeout), dp_(options.group->world_size()), stages_(stages) {
+  TWOBP_CHECK(options_.bucket_bytes > 0, UsageError, "rank {}: DataParallelOptions::bucket_bytes must be > 0, got {}",
+              rank_, options_.bucket_bytes);
+  // The last weight-producing action of each chunk: its gradients are complete for the step after it.
+  const auto& actions = schedule.actions.at(rank);
+  std::map<int, std::size_t> last_weight_action;
+  for (std::size_t i = 0; i < actions.size(); ++i) {
+    if (makes_weight_grads(actions[i].type)) last_weight_action[actions[i].stage] = i;
+  }
+  // Each tensor belongs to the chunk (among those listing it) whose last weight action comes latest.
+  std::unordered_map<const c10::TensorImpl*, int> owner;
+  for (const auto& [index, stage] : stages) {
+    TWOBP_CHECK(last_weight_action.count(index) != 0, ScheduleError,
+                "rank {}: stage {} has no B or W action in schedule '{}'", rank_, index, schedule.name);
+    for (const auto& p : stage->parameters()) {
+      auto [it, inserted] = owner.emplace(p.unsafeGetTensorImpl(), index);
+      if (!inserted && last_weight_action[index] > last_weight_action[it->second]) it->second = index;
+    }
+  }
+  // Buckets per chunk, its parameters in reverse order (backward produces the last layers' gradients first),
+  // one dtype and device per bucket, closed at bucket_bytes.
+  double signature[3] = {0, 0, 0};  // tensors, elements, buckets: compared across replicas below
+  for (const auto& [index, stage] : stages) {
+    std::map<std::pair<at::ScalarType, std::string>, std::size_t> open;  // (dtype, device) -> bucket
+    const auto params = stage->parameters();
+    for (auto it = params.rbegin(); it != params.rend(); ++it) {
+      const at::Tensor& p = *it;
+      if (!p.requires_grad() || owner.at(p.unsafeGetTensorImpl()) != index) continue;
+      const auto key = std::make_pair(p.scalar_type(), p.device().str());
+      auto found = open.find(key);
+      if (found == open.end() || buckets_[found->second].numel * static_cast<std::int64_t>(p.element_size()) >=
+                                     options_.bucket_bytes) {
+        buckets_.push_back(Bucket{index, {}, 0});
+        starts_after_[last_weight_action[index]].push_back(buckets_.size() - 1);
+        found = open.insert_or_assign(key, buckets_.size() - 1).first;
+      }
+      Bucket& b = buckets_[found->second];
+      b.params.push_back(p);
+      b.numel += p.numel();
+      signature[0] += 1;
+      signature[1] += static_cast<double>(p.numel());
+    }
+  }
+  signature[2] = static_cast<double>(buckets_.size());
+  // Replicas that disagree would reduce buffers of different sizes into each other: refuse before step 1.
+  at::Tensor sums = at::tensor(std::vector<double>(signature, signature + 3), at::kDouble)
+                        .to(options_.group->device());
+  options_.group->all_reduce_sum(sums, timeout_);
+  sums = sums.cpu();
+  for (int k = 0; k < 3; ++k) {
+    TWOBP_CHECK(sums[k].item<double>() == dp_ * signature[k], UsageError,
+                "rank {} (replica {} of {}): the data-parallel replicas disagree on this rank's parameters (here "
+                "{} tensors, {} elements, {} buckets; the replicas' mean {} {}): every replica must build the same "
+                "chunks with the same parameters",
+                rank_, options_.group->rank(), dp_, signature[0], signature[1], signature[2], sums[k].item<double>() / dp_,
+                k == 0 ? "tensors" : k == 1 ? "elements" : "buckets");
+  }
+  started_.assign(buckets_.size(), false);
+}
+
+GradientReducer::~GradientReducer() = default;
+
+void GradientReducer::begin_step() {
+  buffers_.clear();
+  for (const auto& [index, stage] : stages_) {
+    for (const auto& item : stage->module().named_buffers()) {
+      const at::Tensor& t = item.value();
+      if (!t.defined()) continue;
+      buffers_.push_back(Buffer{index, item.key(), t, t.is_inference() ? 0 : static_cast<std::int64_t>(t._version())});
+    }
+  }
+}
+
+void GradientReducer::check_buffers() const {
+  // WHY refuse rather than average: a buffer updated in forward (BatchNorm's running statistics, a step counter)
+  // has no gradient to reduce, and its update from one replica's share differs from one process's update on
+  // the global batch; silently keeping per-replica values would make the replicas drift apart.
+  for (const auto& b : buffers_) {
+    const bool same = b.tensor.is_inference() || static_cast<std::int64_t>(b.tensor._version()) == b.version;
+    const auto now = stages_.at(b.stage)->module().named_buffers().find(b.name);
+    TWOBP_CHECK(same && now != nullptr && now->is_same(b.tensor), UsageError,
+                "rank {} stage {}: buffer '{}' changed during the step; with data parallelism each replica would "
+                "update it from its own share of the batch only (e.g. BatchNorm running statistics), unlike one "
+                "process on the global batch. Use a module without running state (LayerNorm, RMSNorm), put it in "
+                "eval() mode, or train without data parallelism",
+                rank_, b.stage, b.name);
+  }
+}
+
+void GradientReducer::after_action(std::size_t index) {
+  if (!options_.overlap) return;
+  auto it = starts_after_.find(index);
+  if (it == starts_after_.end()) return;
+  for (std::size_t b : it->second) start(b);
+}
+
+void GradientReducer::start(std::size_t index) {
+  Bucket& b = buckets_[index];
+  c10::AutoGradMode no_grad(false);
+  // [gradients..., one flag per parameter]: the flags count the replicas whose gradient is defined, so that
+  // "undefined everywhere" stays undefined and "defined somewhere" becomes defined everywhere.
+  std::vector<at::Tensor> pieces;
+  pieces.reserve(b.params.size() + 1);
+  std::vector<double> flags;
+  const auto& p0 = b.params.front();
+  for (const auto& p : b.params) {
+    const at::Tensor& g = p.grad();
+    TWOBP_CHECK(!g.defined() || !g.is_sparse(), UsageError,
+                "rank {} stage {}: a parameter {} has a sparse gradient; data-parallel reduction needs dense "
+                "gradients (e.g. an embedding with sparse=false)",
+                rank_, b.stage, describe_shape(p.sizes(), p.scalar_type()));
+    pieces.push_back(g.defined() ? g.reshape({-1}).to(p.scalar_type())
+                                 : at::zeros({p.numel()}, p.options().requires_grad(false)));
+    flags.push_back(g.defined() ? 1.0 : 0.0);
+  }
+  pieces.push_back(at::tensor(flags, at::kDouble).to(p0.device(), p0.scalar_type()));
+  InFlight f;
+  f.bucket = index;
+  f.flat = at::cat(pieces);
+  f.work = options_.group->all_reduce_sum_async(f.flat, timeout_);
+  started_[index] = true;
+  in_flight_.push_back(std::move(f));
+}
+
+void GradientReducer::write_back(InFlight& f) {
+  Bucket& b = buckets_[f.bucket];
+  c10::AutoGradMode no_grad(false);
+  f.flat.div_(dp_);  // the sum over replicas -> the mean (each replica's gradient is of its own mean loss)
+  // SYNC POINT (GPU): one small copy per bucket to learn which gradients are defined anywhere.
+  const at::Tensor flags = f.flat.narrow(0, b.numel, static_cast<std::int64_t>(b.params.size())).to(at::kDouble).cpu();
+  const double* defined = flags.data_ptr<double>();
+  std::int64_t offset = 0;
+  for (std::size_t k = 0; k < b.params.size(); ++k) {
+    at::Tensor& p = b.params[k];
+    const at::Tensor mean = f.flat.narrow(0, offset, p.numel()).view(p.sizes());
+    offset += p.numel();
+    if (defined[k] == 0.0) continue;  // undefined on every replica (so here too)
+    at::Tensor& grad = p.mutable_grad();
+    if (grad.defined()) {
+      grad.copy_(mean);
+    } else {
+      grad = mean.clone();
+    }
+  }
+}
+
+double GradientReducer::finish() {
+  const Clock::time_point t0 = Clock::now();
+  for (std::size_t b = 0; b < buckets_.size(); ++b) {
+    if (!started_[b]) start(b);
+  }
+  for (auto& f : in_flight_) {
+    f.work->wait(timeout_);
+    write_back(f);
+  }
+  in_flight_.clear();
+  started_.assign(buckets_.size(), false);
+  check_buffers();
+  return elapsed_us(t0);
+}
+
+void GradientReducer::reset() {
+  in_flight_.clear();
+  started_.assign(buckets_.size(), false);
+}
+
+}  // namespace twobp::detail

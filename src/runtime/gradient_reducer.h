@@ -1,0 +1,73 @@
+#pragma once
+// Averages parameter gradients over a data-parallel group, bucket by bucket, each bucket started after the last
+// weight-producing action of its stage (see DataParallelOptions in twobp/runtime/data_parallel.h).
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "twobp/runtime/data_parallel.h"
+#include "twobp/schedule/schedule.h"
+#include "twobp/stage.h"
+
+namespace twobp::detail {
+
+class GradientReducer {
+ public:
+  /// `stages`: this rank's chunks, by global index; `rank`: this rank in the pipeline (schedule) group.
+  /// Collective over the data-parallel group (checks that the replicas agree on the parameters).
+  GradientReducer(const Schedule& schedule, int rank, const std::map<int, Stage*>& stages,
+                  DataParallelOptions options, Duration timeout);
+  ~GradientReducer();
+
+  /// Before a step: remembers the buffers' versions (see finish()).
+  void begin_step();
+  /// After action `index` of this rank's list: starts the buckets whose stage's gradients are now complete.
+  void after_action(std::size_t index);
+  /// Starts what has not started, waits for every bucket and writes the averaged gradients back. Returns the
+  /// microseconds it took (the reduction time exposed after the rank's last action). Throws UsageError when a
+  /// buffer changed during the step: each replica would have updated it from its own share of the batch only.
+  double finish();
+  /// Forgets the step after an error (unfinished reductions are dropped; their transport keeps buffers alive).
+  void reset();
+
+ private:
+  struct Bucket {
+    int stage = 0;                   // the chunk whose last weight action starts it
+    std::vector<at::Tensor> params;  // one dtype and device
+    std::int64_t numel = 0;          // of the gradients (the flat buffer has params.size() more: the flags)
+  };
+  struct InFlight {
+    std::size_t bucket = 0;
+    at::Tensor flat;
+    std::unique_ptr<Work> work;
+  };
+
+  struct Buffer {
+    int stage = 0;
+    std::string name;
+    at::Tensor tensor;
+    std::int64_t version = 0;  // at begin_step()
+  };
+
+  void start(std::size_t bucket);
+  void check_buffers() const;
+  void write_back(InFlight& f);
+
+  int rank_;
+  DataParallelOptions options_;
+  Duration timeout_;
+  int dp_;
+  std::vector<Bucket> buckets_;
+  std::map<std::size_t, std::vector<std::size_t>> starts_after_;  // action index -> buckets
+  std::vector<bool> started_;
+  std::vector<InFlight> in_flight_;
+  std::map<int, Stage*> stages_;
+  std::vector<Buffer> buffers_;
+};
+
+}  // namespace twobp::detail

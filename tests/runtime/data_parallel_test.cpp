@@ -1,0 +1,246 @@
+// Data x pipeline parallelism with ranks as threads (Local transport): the rank layout and groups, parity of
+// dp x pp against one process on the global batch for every built-in schedule x mode (float64, see
+// common/dp_cases.h), and what is refused.
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+
+#include "common/dp_cases.h"
+#include "common/expect_error.h"
+#include "common/test_models.h"
+#include "twobp/error.h"
+#include "twobp/runtime/launch.h"
+#include "twobp/transport/local.h"
+
+namespace twobp::testing {
+namespace {
+
+TEST(ParallelLayout, AdjacentStagesPerReplica) {
+  const ParallelLayout l = ParallelLayout::of(8, 2);
+  EXPECT_EQ(l.pp, 4);
+  EXPECT_EQ(l.replica(5), 1);
+  EXPECT_EQ(l.pipeline_rank(5), 1);
+  EXPECT_EQ(l.world_rank(1, 3), 7);
+  for (int r = 0; r < 8; ++r) EXPECT_EQ(l.world_rank(l.replica(r), l.pipeline_rank(r)), r);
+  EXPECT_THROW(ParallelLayout::of(6, 4), UsageError);
+  EXPECT_THROW(ParallelLayout::of(4, 0), UsageError);
+}
+
+TEST(ParallelGroups, GroupRanksFollowTheLayout) {
+  auto world = make_local_transports(6);
+  const auto errors = run_rank_threads(world, [](Transport& t) {
+    ParallelGroups g(t, 3, std::chrono::seconds(30));
+    EXPECT_EQ(g.pipeline().world_size(), 2);
+    EXPECT_EQ(g.pipeline().rank(), t.rank() % 2);
+    ASSERT_NE(g.data_parallel(), nullptr);
+    EXPECT_EQ(g.data_parallel()->world_size(), 3);
+    EXPECT_EQ(g.data_parallel()->rank(), t.rank() / 2);
+    // The data-parallel group sums exactly the ranks holding the same pipeline rank.
+    at::Tensor x = at::full({1}, static_cast<double>(t.rank()), at::kDouble);
+    g.data_parallel()->all_reduce_sum(x, std::chrono::seconds(30));
+    const int p = t.rank() % 2;
+    EXPECT_EQ(x.item<double>(), p + (2 + p) + (4 + p));
+  });
+  errors.rethrow_root_cause();
+}
+
+TEST(ParallelGroups, OneReplicaSplitsNothing) {
+  auto world = make_local_transports(2);
+  run_rank_threads(world, [](Transport& t) {
+    ParallelGroups g(t, 1, std::chrono::seconds(30));
+    EXPECT_EQ(&g.pipeline(), &t);
+    EXPECT_EQ(g.data_parallel(), nullptr);
+  }).rethrow_root_cause();
+}
+
+struct DpCase {
+  std::string schedule;
+  BackwardMode mode;
+  int dp;
+  int pp;
+  bool overlap;
+};
+
+class DataPipelineParity : public ::testing::TestWithParam<DpCase> {
+ protected:
+  Float64Default float64_;
+};
+
+TEST_P(DataPipelineParity, EveryReplicaHasTheGlobalBatchGradients) {
+  const DpCase c = GetParam();
+  Schedule schedule;
+  try {
+    schedule = dp::replica_schedule(c.schedule, c.mode, c.pp);
+  } catch (const ScheduleError& e) {
+    GTEST_SKIP() << "schedule rejects this shape: " << e.what();
+  }
+  const dp::GlobalBatch batch = dp::global_batch(c.dp);
+  const dp::Reference ref = dp::reference(schedule.num_stages, batch);
+  // Chunks are built on this thread (torch::manual_seed is process-wide), then trained by one thread per rank.
+  std::vector<dp::RankRun> runs(c.dp * c.pp);
+  for (int r = 0; r < c.dp * c.pp; ++r) runs[r].chunks = dp::chunks_of(schedule, r % c.pp);
+  auto world = make_local_transports(c.dp * c.pp);
+  run_rank_threads(world, [&](Transport& t) {
+    dp::run_rank(t, c.dp, schedule, c.overlap, batch, runs[t.rank()]);
+  }).rethrow_root_cause();
+  for (int r = 0; r < c.dp * c.pp; ++r) dp::expect_matches(runs[r], ref, "world rank " + std::to_string(r));
+}
+
+std::vector<DpCase> dp_cases() {
+  std::vector<DpCase> out;
+  for (const auto& s : builtin_schedule_names()) {
+    for (BackwardMode m : {BackwardMode::kStandard, BackwardMode::kSplit}) {
+      out.push_back({s, m, 2, 2, true});
+      out.push_back({s, m, 2, 1, true});
+    }
+  }
+  // Overlap off starts every bucket after the last action: the same result, by another path.
+  out.push_back({"1f1b", BackwardMode::kSplit, 2, 2, false});
+  out.push_back({"zb-v", BackwardMode::kSplit, 2, 2, false});
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Schedules, DataPipelineParity, ::testing::ValuesIn(dp_cases()), [](const auto& info) {
+  const DpCase& c = info.param;
+  std::string n = c.schedule + "_" + (c.mode == BackwardMode::kSplit ? "2bp" : "standard") + "_dp" +
+                  std::to_string(c.dp) + "_pp" + std::to_string(c.pp) + (c.overlap ? "" : "_no_overlap");
+  std::replace_if(n.begin(), n.end(), [](char ch) { return !std::isalnum(static_cast<unsigned char>(ch)); }, '_');
+  return n;
+});
+
+// A dp=2 x pp=2 job of one 1F1B step on 4 threads: `make(replica, stage)` builds the chunks, `targets_of` may
+// change a replica's targets, `after` runs on every rank after the step. Returns every rank's error.
+struct Job {
+  std::function<std::shared_ptr<CaseModule>(int replica, int stage)> make = [](int, int s) {
+    return dp::make_chunk(s);
+  };
+  BackwardMode mode = BackwardMode::kSplit;
+  LossFunction loss = dp::mse;
+  std::function<at::Tensor(const at::Tensor&, int replica)> targets_of;
+  std::function<void(Pipeline&, const StepResult&, int world_rank)> after;
+};
+
+RankErrors run_job(const Job& job) {
+  const Schedule schedule = dp::replica_schedule("1f1b", job.mode, 2);
+  std::vector<std::map<int, std::shared_ptr<CaseModule>>> chunks(4);
+  for (int r = 0; r < 4; ++r) {
+    for (int s : schedule.stages_of(r % 2)) chunks[r][s] = job.make(r / 2, s);
+  }
+  const dp::GlobalBatch batch = dp::global_batch(2);
+  auto world = make_local_transports(4);
+  return run_rank_threads(world, [&](Transport& t) {
+    ParallelGroups groups(t, 2, std::chrono::seconds(30));
+    std::vector<PipelineChunk> pc;
+    for (auto& [s, m] : chunks[t.rank()]) {
+      auto* raw = m.get();
+      pc.push_back({s, m, [raw](const at::Tensor& x) { return raw->forward(x); }});
+    }
+    PipelineOptions o;
+    o.timeout = std::chrono::seconds(30);
+    o.loss = job.loss;
+    o.activation_spec = [](int) { return TensorSpec{{dp::kMbs, dp::kSeq, dp::kDim}, at::kDouble}; };
+    o.data_parallel.group = groups.data_parallel();
+    Pipeline pipeline(schedule, std::move(pc), groups.pipeline(), o);
+    const auto mine = dp::replica_batch(batch, groups.replica());
+    const at::Tensor targets = job.targets_of ? job.targets_of(mine.targets, groups.replica()) : mine.targets;
+    const StepResult result = pipeline.step(mine.inputs, targets);
+    if (job.after) job.after(pipeline, result, t.rank());
+  });
+}
+
+TEST(DataParallel, RefusesReplicasWithDifferentParameters) {
+  Float64Default f;
+  Job job;
+  job.make = [](int replica, int s) -> std::shared_ptr<CaseModule> {
+    torch::manual_seed(s);
+    if (replica == 1 && s == 1) return std::make_shared<Frozen>(dp::kDim);  // other parameters
+    return std::make_shared<RegisteredTwice>(dp::kDim);
+  };
+  const RankErrors errors = run_job(job);
+  expect_error<UsageError>([&] { errors.rethrow_root_cause(); }, {"replicas disagree"});
+}
+
+TEST(DataParallel, RefusesSparseGradientsNamingTheStage) {
+  Float64Default f;
+  for (BackwardMode mode : {BackwardMode::kStandard, BackwardMode::kSplit}) {
+    Job job;
+    job.mode = mode;
+    job.make = [](int, int s) -> std::shared_ptr<CaseModule> {
+      torch::manual_seed(s);
+      if (s == 1) return std::make_shared<TorchZoo>(dp::kDim);  // an Embedding with sparse gradients
+      return std::make_shared<RegisteredTwice>(dp::kDim);
+    };
+    const RankErrors errors = run_job(job);
+    expect_error<UsageError>([&] { errors.rethrow_root_cause(); }, {"stage 1", "sparse gradient"});
+  }
+}
+
+/// A buffer updated in forward (like BatchNorm's running statistics).
+struct RunningMean : CaseModule {
+  RunningMean() {
+    fc = register_module("fc", twobp::nn::Linear(dp::kDim, dp::kDim));
+    mean = register_buffer("running_mean", torch::zeros({dp::kDim}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) override {
+    {
+      torch::NoGradGuard no_grad;
+      mean.mul_(0.9).add_(x.mean(std::vector<int64_t>{0, 1}), 0.1);
+    }
+    return fc(x) + x;
+  }
+  twobp::nn::Linear fc{nullptr};
+  torch::Tensor mean;
+};
+
+TEST(DataParallel, RefusesBuffersUpdatedDuringTheStep) {
+  Float64Default f;
+  for (BackwardMode mode : {BackwardMode::kStandard, BackwardMode::kSplit}) {
+    Job job;
+    job.mode = mode;
+    job.make = [](int, int s) -> std::shared_ptr<CaseModule> {
+      torch::manual_seed(s);
+      if (s == 1) return std::make_shared<RunningMean>();
+      return std::make_shared<RegisteredTwice>(dp::kDim);
+    };
+    const RankErrors errors = run_job(job);
+    expect_error<UsageError>([&] { errors.rethrow_root_cause(); }, {"stage 1", "running_mean", "eval()"});
+  }
+}
+
+TEST(DataParallel, MeanLossIsOverTheGlobalBatch) {
+  Float64Default f;
+  const dp::Reference ref = dp::reference(2, dp::global_batch(2));
+  double expected = 0.0;
+  for (double l : ref.losses[0]) expected += l / static_cast<double>(ref.losses[0].size());
+  std::vector<double> means(4, 0.0);
+  Job job;
+  job.after = [&](Pipeline& p, const StepResult& result, int rank) { means[rank] = p.mean_loss(result); };
+  run_job(job).rethrow_root_cause();
+  for (int r = 0; r < 4; ++r) EXPECT_NEAR(means[r], expected, 1e-12) << "world rank " << r;
+}
+
+// A loss whose value is NaN on one replica while every gradient stays finite: only the replica's own flags can
+// tell, so every replica must hear of them to skip the step alike.
+TEST(DataParallel, OptimizerGateDecidesAlikeOnEveryReplica) {
+  Float64Default f;
+  std::vector<int> gate(4, -1);
+  Job job;
+  job.loss = [](const at::Tensor& out, const at::Tensor& target) {
+    return dp::mse(out, target.nan_to_num()) + target.sum().detach() * 0.0;  // NaN value, finite gradient
+  };
+  job.targets_of = [](const at::Tensor& targets, int replica) {
+    at::Tensor t = targets.clone();
+    if (replica == 1) t.index_put_({0, 0, 0}, std::nan(""));
+    return t;
+  };
+  job.after = [&](Pipeline& p, const StepResult&, int rank) {
+    gate[rank] = p.ready_for_optimizer(0, NonFinitePolicy::kSkipStep) ? 1 : 0;
+  };
+  run_job(job).rethrow_root_cause();
+  for (int r = 0; r < 4; ++r) EXPECT_EQ(gate[r], 0) << "world rank " << r;
+}
+
+}  // namespace
+}  // namespace twobp::testing
