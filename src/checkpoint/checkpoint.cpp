@@ -149,6 +149,38 @@ struct Reader {
   }
 };
 
+// "rank 1" without data parallelism, "pipeline rank 1 of replica 0 (dp=2)" with it: who is speaking in an error.
+std::string who(int rank, const DataParallelCheckpoint& dp) {
+  return dp.dp == 1 && dp.replica == 0 ? fmt::format("rank {}", rank)
+                                       : fmt::format("pipeline rank {} of replica {} (dp={})", rank, dp.replica, dp.dp);
+}
+
+// Refuses an inconsistent DataParallelCheckpoint before any file or message is touched. `saving`: the group is
+// needed (save waits on it); loading only reads dp and replica.
+void check_data_parallel(const std::string& dir, int rank, const DataParallelCheckpoint& dp, bool saving) {
+  const char* what = saving ? "saving" : "loading";
+  TWOBP_CHECK(dp.dp >= 1, UsageError,
+              "checkpoint {}: rank {} is {} with dp={} (DataParallelCheckpoint::dp, the number of replicas): it must "
+              "be at least 1",
+              dir, rank, what, dp.dp);
+  TWOBP_CHECK(dp.replica >= 0 && dp.replica < dp.dp, UsageError,
+              "checkpoint {}: rank {} is {} as replica {} of dp={}: the replica must be in 0 .. {} (world rank / pp)",
+              dir, rank, what, dp.replica, dp.dp, dp.dp - 1);
+  if (!saving) return;
+  TWOBP_CHECK(dp.dp == 1 || dp.group != nullptr, UsageError,
+              "checkpoint {}: {} saves with dp={} but without its data-parallel group (DataParallelCheckpoint::group "
+              "is null): pass the transport of the ranks holding pipeline rank {} in every replica "
+              "(world.split(color = pipeline rank, key = replica)), so that no rank returns before replica 0 committed",
+              dir, who(rank, dp), dp.dp, rank);
+  if (dp.group != nullptr) {
+    TWOBP_CHECK(dp.group->world_size() == dp.dp && dp.group->rank() == dp.replica, UsageError,
+                "checkpoint {}: {} passes a data-parallel group of {} ranks in which it is rank {}, but dp={} and "
+                "replica={}: the group must hold one rank per replica, ordered by replica "
+                "(world.split(color = pipeline rank, key = replica))",
+                dir, who(rank, dp), dp.group->world_size(), dp.group->rank(), dp.dp, dp.replica);
+  }
+}
+
 }  // namespace
 
 uint32_t crc32(const void* data, std::size_t size, uint32_t crc) {
@@ -194,6 +226,8 @@ void write_manifest(const std::string& dir, const Manifest& manifest) {
   j["version"] = kManifestVersion;
   j["step"] = manifest.step;
   j["world_size"] = manifest.world_size;
+  j["pp"] = manifest.world_size;  // the same fact under its data-parallel name; read_manifest checks they agree
+  j["dp"] = manifest.dp;
   j["config"] = manifest.config;
   j["shards"] = nlohmann::json::array();
   for (const auto& s : manifest.shards) {
@@ -224,6 +258,13 @@ Manifest read_manifest(const std::string& dir) {
                 j.at("version").get<int>(), kManifestVersion);
     m.step = j.at("step").get<int64_t>();
     m.world_size = j.at("world_size").get<int>();
+    // Absent in manifests written before data parallelism: one replica, and pp is the world size.
+    m.dp = j.value("dp", 1);
+    const int pp = j.value("pp", m.world_size);
+    TWOBP_CHECK(pp == m.world_size, IOError,
+                "checkpoint: manifest {} says pp={} but world_size={} (both are the number of shards)", path, pp,
+                m.world_size);
+    TWOBP_CHECK(m.dp >= 1, IOError, "checkpoint: manifest {} says dp={} (must be at least 1)", path, m.dp);
     m.config = j.at("config").get<CheckpointConfig>();
     for (const auto& s : j.at("shards")) {
       ShardInfo info;
@@ -252,8 +293,12 @@ void check_config(const std::string& dir, const Manifest& manifest, const Checkp
                 "checkpoint {} was written for {}={}, but this run has {}={}: it belongs to another configuration",
                 dir, key, it->second, key, value);
   }
+  // dp is deliberately not compared: every replica holds the same state, so any number of replicas can resume.
   TWOBP_CHECK(manifest.world_size == world_size, UsageError,
-              "checkpoint {} was written by {} ranks, but this run has {}", dir, manifest.world_size, world_size);
+              "checkpoint {} was written by a pipeline of pp={} ranks (one shard per pipeline rank; dp={} replicas), "
+              "but this run's pipeline has pp={} ranks: resume with pp={} pipeline ranks per replica (any number of "
+              "data-parallel replicas), or start afresh in another directory",
+              dir, manifest.world_size, manifest.dp, world_size, manifest.world_size);
 }
 
 NamedTensors read_shard(const std::string& dir, const Manifest& manifest, int rank) {
@@ -302,8 +347,11 @@ NamedTensors read_shard(const std::string& dir, const Manifest& manifest, int ra
   return tensors;
 }
 
-void save_checkpoint(const std::string& dir, int64_t step, const CheckpointConfig& config,
-                     const NamedTensors& tensors, Transport& transport, Duration timeout) {
+namespace {
+
+// The collective save of one pipeline (replica 0's): shards, gathered checksums, manifest, barrier.
+void save_pipeline(const std::string& dir, int64_t step, const CheckpointConfig& config, const NamedTensors& tensors,
+                   Transport& transport, Duration timeout, int dp) {
   const int rank = transport.rank(), world = transport.world_size();
   const ShardInfo mine = write_shard(dir, step, rank, tensors);
   // Gather (bytes, crc) of every shard on every rank: each rank fills its own slots, the sum fills all. Doubles
@@ -316,6 +364,7 @@ void save_checkpoint(const std::string& dir, int64_t step, const CheckpointConfi
     Manifest m;
     m.step = step;
     m.world_size = world;
+    m.dp = dp;
     m.config = config;
     auto acc = info.accessor<double, 2>();
     for (int r = 0; r < world; ++r) {
@@ -323,14 +372,38 @@ void save_checkpoint(const std::string& dir, int64_t step, const CheckpointConfi
     }
     write_manifest(dir, m);
   }
+  // Why: rank 0 commits after the others wrote their shards; without this barrier a rank could return (and, say,
+  // end the job) before the manifest naming its shard exists.
   transport.barrier(timeout);
+}
+
+}  // namespace
+
+void save_checkpoint(const std::string& dir, int64_t step, const CheckpointConfig& config,
+                     const NamedTensors& tensors, Transport& pipeline, Duration timeout,
+                     const DataParallelCheckpoint& data_parallel) {
+  check_data_parallel(dir, pipeline.rank(), data_parallel, /*saving=*/true);
+  // One copy per stage: replicas hold identical state, so replica 0 alone writes; the others would only race it
+  // for the same file names.
+  if (data_parallel.replica == 0) save_pipeline(dir, step, config, tensors, pipeline, timeout, data_parallel.dp);
+  // Why: a rank of replica r > 0 wrote nothing, so nothing above held it back. The replica-0 rank of its group
+  // reaches this barrier only after its pipeline barrier, i.e. after the manifest was committed; so no rank of any
+  // replica returns before the checkpoint is complete.
+  if (data_parallel.group != nullptr) data_parallel.group->barrier(timeout);
 }
 
 bool checkpoint_exists(const std::string& dir) { return exists(join(dir, kManifestName)); }
 
-LoadedCheckpoint load_checkpoint(const std::string& dir, const CheckpointConfig& expected, int rank, int world_size) {
+LoadedCheckpoint load_checkpoint(const std::string& dir, const CheckpointConfig& expected, int rank, int world_size,
+                                 const DataParallelCheckpoint& data_parallel) {
+  check_data_parallel(dir, rank, data_parallel, /*saving=*/false);
   const Manifest m = read_manifest(dir);
-  check_config(dir, m, expected, world_size);
+  try {
+    check_config(dir, m, expected, world_size);
+  } catch (const UsageError& e) {
+    throw UsageError(fmt::format("{}: {}", who(rank, data_parallel), e.what()));
+  }
+  // Any replica reads the shard of its pipeline rank: the shards do not depend on the replica.
   return {m.step, read_shard(dir, m, rank)};
 }
 

@@ -1,15 +1,21 @@
-// Sharded checkpoints: round trip of parameters and AdamW state, checksum verification, crash safety and
-// configuration checks.
+// Sharded checkpoints: round trip of parameters and AdamW state, checksum verification, crash safety,
+// configuration checks, and checkpoints of dp replicas of a pipeline (one copy per stage, any replica resumes).
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <dirent.h>
 #include <ftw.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <thread>
 
 #include "common/temp_files.h"
 #include "twobp/checkpoint.h"
@@ -207,5 +213,228 @@ TEST(Checkpoint, ConfigurationMismatchIsUsageError) {
   // Malformed manifest.
   { std::ofstream(dir + "/manifest.json") << "{ not json"; }
   EXPECT_THROW(ck::load_checkpoint(dir, config_for("tiny"), 0, 2), twobp::IOError);
+  remove_tree(parent_dir(dir));
+}
+
+// ---- Data parallelism: world = dp x pp ranks, replica = world rank / pp, pipeline rank = world rank % pp ----
+
+namespace {
+
+// One rank of a dp x pp job, with its groups split from the world exactly as the layout says.
+struct DpRank {
+  twobp::Transport* world = nullptr;
+  int replica = 0;
+  int pipeline_rank = 0;
+  std::unique_ptr<twobp::Transport> pipeline;       // the replica's pipeline: rank = pipeline rank
+  std::unique_ptr<twobp::Transport> data_parallel;  // same pipeline rank in every replica: rank = replica
+  int dp = 1;
+
+  ck::DataParallelCheckpoint dpc() const { return {dp, replica, data_parallel.get()}; }
+};
+
+// Runs body on dp x pp threads over LocalTransports and rethrows the first rank's failure.
+void run_dp_pp(int dp, int pp, const std::function<void(DpRank&)>& body) {
+  twobp::run_rank_threads(twobp::make_local_transports(dp * pp), [&](twobp::Transport& world) {
+    DpRank r;
+    r.world = &world;
+    r.dp = dp;
+    r.replica = world.rank() / pp;
+    r.pipeline_rank = world.rank() % pp;
+    // Both splits are collectives over the world: every rank makes them in the same order.
+    r.pipeline = world.split(/*color=*/r.replica, /*key=*/r.pipeline_rank, kTimeout);
+    r.data_parallel = world.split(/*color=*/r.pipeline_rank, /*key=*/r.replica, kTimeout);
+    EXPECT_EQ(r.pipeline->rank(), r.pipeline_rank);
+    EXPECT_EQ(r.pipeline->world_size(), pp);
+    EXPECT_EQ(r.data_parallel->rank(), r.replica);
+    EXPECT_EQ(r.data_parallel->world_size(), dp);
+    body(r);
+  }).rethrow_root_cause();
+}
+
+// The tensors stage `stage` owns at `step`: distinct per stage and step, identical on every replica (as data
+// parallelism keeps them), several dtypes so that the comparison is bitwise for each. `offset` != 0 makes a copy
+// that differs (a replica that must not be written).
+ck::NamedTensors stage_tensors(int stage, int64_t step, double offset = 0) {
+  const std::string s = "stage" + std::to_string(stage);
+  return {{s + ".weight", torch::sin(torch::arange(12, torch::kFloat).reshape({3, 4}) * (stage + 1) + step) + offset},
+          {s + ".norm", torch::full({5}, 0.25 * (stage + 1) + step + offset, torch::kBFloat16)},
+          {"optim." + s + ".weight.step", torch::scalar_tensor(100 * step + stage + offset, torch::kLong)}};
+}
+
+void expect_bitwise(const ck::NamedTensors& got, const ck::NamedTensors& want, const std::string& who) {
+  ASSERT_EQ(got.size(), want.size()) << who;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(got[i].first, want[i].first) << who;
+    EXPECT_EQ(got[i].second.scalar_type(), want[i].second.scalar_type()) << who << " " << want[i].first;
+    EXPECT_TRUE(torch::equal(got[i].second, want[i].second)) << who << " " << want[i].first;
+  }
+}
+
+std::vector<std::string> files_in(const std::string& dir) {
+  std::vector<std::string> names;
+  if (DIR* d = ::opendir(dir.c_str())) {
+    while (const dirent* e = ::readdir(d)) {
+      const std::string name = e->d_name;
+      if (name != "." && name != "..") names.push_back(name);
+    }
+    ::closedir(d);
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+nlohmann::json read_json(const std::string& path) { return nlohmann::json::parse(slurp(path)); }
+
+void write_json(const std::string& path, const nlohmann::json& j) { std::ofstream(path) << j.dump(2) << "\n"; }
+
+// Every rank of a dp x pp job saves stage_tensors(pipeline rank, step).
+void save_dp_pp(const std::string& dir, int64_t step, const ck::CheckpointConfig& config, int dp, int pp) {
+  run_dp_pp(dp, pp, [&](DpRank& r) {
+    ck::save_checkpoint(dir, step, config, stage_tensors(r.pipeline_rank, step), *r.pipeline, kTimeout, r.dpc());
+  });
+}
+
+template <typename E>
+std::string message_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const E& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected an exception";
+  return {};
+}
+
+void expect_contains(const std::string& what, const std::vector<std::string>& parts) {
+  for (const auto& p : parts) EXPECT_NE(what.find(p), std::string::npos) << "'" << p << "' in: " << what;
+}
+
+}  // namespace
+
+TEST(DataParallelCheckpoint, OneCopyPerStageThatEveryReplicaLoads) {
+  const auto dir = fresh_dir("dp_save");
+  const auto config = config_for("tiny");
+  const auto delay = std::chrono::milliseconds(200);
+  run_dp_pp(2, 2, [&](DpRank& r) {
+    // Step 1: replica 0 (the writer) starts late. Replica 1 writes nothing, so only the data-parallel barrier keeps
+    // it from returning, and loading, before the manifest exists.
+    if (r.replica == 0) std::this_thread::sleep_for(delay);
+    ck::save_checkpoint(dir, 1, config, stage_tensors(r.pipeline_rank, 1), *r.pipeline, kTimeout, r.dpc());
+    auto loaded = ck::load_checkpoint(dir, config, r.pipeline_rank, 2, r.dpc());
+    const std::string who = "replica " + std::to_string(r.replica) + " stage " + std::to_string(r.pipeline_rank);
+    EXPECT_EQ(loaded.step, 1) << who;
+    expect_bitwise(loaded.tensors, stage_tensors(r.pipeline_rank, 1), who + " step 1");
+    // Nobody may still be reading step 1 when step 2's commit removes its shards.
+    r.world->barrier(kTimeout);
+
+    // Step 2: replica 1 starts late and hands in tensors that differ from replica 0's. A save that read or wrote
+    // them would replace replica 0's committed files after the fact; a correct one ignores them.
+    if (r.replica == 1) std::this_thread::sleep_for(delay);
+    ck::save_checkpoint(dir, 2, config, stage_tensors(r.pipeline_rank, 2, r.replica == 0 ? 0.0 : 1000.0),
+                        *r.pipeline, kTimeout, r.dpc());
+    loaded = ck::load_checkpoint(dir, config, r.pipeline_rank, 2, r.dpc());
+    EXPECT_EQ(loaded.step, 2) << who;
+    expect_bitwise(loaded.tensors, stage_tensors(r.pipeline_rank, 2), who + " step 2");
+  });
+
+  // One copy per stage: pp shards (step 1's were collected), no temp files, the manifest records dp and pp.
+  EXPECT_EQ(files_in(dir),
+            (std::vector<std::string>{"manifest.json", "shard-step2-rank0.bin", "shard-step2-rank1.bin"}));
+  const auto m = ck::read_manifest(dir);
+  EXPECT_EQ(m.step, 2);
+  EXPECT_EQ(m.dp, 2);
+  EXPECT_EQ(m.world_size, 2);
+  EXPECT_EQ(m.shards.size(), 2u);
+  const auto j = read_json(dir + "/manifest.json");
+  EXPECT_EQ(j.at("dp").get<int>(), 2);
+  EXPECT_EQ(j.at("pp").get<int>(), 2);
+  EXPECT_EQ(j.at("world_size").get<int>(), 2);
+
+  // Replica-independent: dp=1 (no data parallelism, the default) and dp=3 resume from it.
+  for (int stage = 0; stage < 2; ++stage) {
+    expect_bitwise(ck::load_checkpoint(dir, config, stage, 2).tensors, stage_tensors(stage, 2), "dp=1");
+    expect_bitwise(ck::load_checkpoint(dir, config, stage, 2, {3, 2, nullptr}).tensors, stage_tensors(stage, 2),
+                   "dp=3 replica 2");
+  }
+  // The shards are those a single pipeline (dp=1) writes for the same state, byte for byte.
+  const auto single = fresh_dir("dp_single");
+  save_dp_pp(single, 2, config, /*dp=*/1, /*pp=*/2);
+  for (const char* shard : {"/shard-step2-rank0.bin", "/shard-step2-rank1.bin"}) {
+    EXPECT_EQ(slurp(dir + shard), slurp(single + shard)) << shard;
+  }
+  EXPECT_EQ(ck::read_manifest(single).dp, 1);
+  remove_tree(parent_dir(single));
+  remove_tree(parent_dir(dir));
+}
+
+TEST(DataParallelCheckpoint, OtherPipelineSizeIsRefused) {
+  const auto dir = fresh_dir("dp_pp");
+  const auto config = config_for("tiny");
+  save_dp_pp(dir, 5, config, /*dp=*/2, /*pp=*/2);
+  // A pipeline of 4 ranks (say dp=1 x pp=4 on the same 4 GPUs) cannot use 2 shards.
+  const std::string what = message_of<twobp::UsageError>(
+      [&] { ck::load_checkpoint(dir, config, 1, 4, {2, 1, nullptr}); });
+  expect_contains(what, {dir, "pipeline rank 1 of replica 1", "pp=2", "pp=4", "dp=2 replicas", "resume with pp=2"});
+  EXPECT_THROW(ck::load_checkpoint(dir, config, 0, 1), twobp::UsageError);
+  // The same pp with another dp is fine (checked above for dp=1 and 3); a replica outside its dp is not.
+  expect_contains(message_of<twobp::UsageError>([&] { ck::load_checkpoint(dir, config, 0, 2, {2, 2, nullptr}); }),
+                  {dir, "replica 2 of dp=2"});
+  remove_tree(parent_dir(dir));
+}
+
+TEST(DataParallelCheckpoint, InconsistentDataParallelArgumentIsRefusedBeforeWriting) {
+  const auto dir = fresh_dir("dp_args");
+  auto ts = twobp::make_local_transports(1);
+  const auto tensors = stage_tensors(0, 1);
+  // dp > 1 without the group: the other replicas could not be held until the commit.
+  expect_contains(message_of<twobp::UsageError>([&] {
+                    ck::save_checkpoint(dir, 1, config_for("tiny"), tensors, *ts[0], kTimeout, {2, 0, nullptr});
+                  }),
+                  {dir, "pipeline rank 0 of replica 0 (dp=2)", "data-parallel group", "null"});
+  // A group that is not one rank per replica (here: 1 rank for dp=2).
+  expect_contains(message_of<twobp::UsageError>([&] {
+                    ck::save_checkpoint(dir, 1, config_for("tiny"), tensors, *ts[0], kTimeout, {2, 0, ts[0].get()});
+                  }),
+                  {dir, "group of 1 ranks", "dp=2"});
+  EXPECT_THROW(ck::save_checkpoint(dir, 1, config_for("tiny"), tensors, *ts[0], kTimeout, {0, 0, nullptr}),
+               twobp::UsageError);
+  EXPECT_FALSE(file_exists(dir));  // refused before anything was written
+}
+
+TEST(DataParallelCheckpoint, ManifestWithoutDpReadsAsOneReplica) {
+  const auto dir = fresh_dir("dp_old");
+  auto ranks = make_ranks(1);
+  ranks[0].train_step(0);
+  ranks[1].train_step(0);
+  save_both(dir, 1, ranks, config_for("tiny"));  // the API without data parallelism
+  const std::string path = dir + "/manifest.json";
+  auto j = read_json(path);
+  EXPECT_EQ(j.at("dp").get<int>(), 1);
+  EXPECT_EQ(j.at("pp").get<int>(), 2);
+  // A manifest written before "dp" and "pp" existed.
+  j.erase("dp");
+  j.erase("pp");
+  write_json(path, j);
+  const auto m = ck::read_manifest(dir);
+  EXPECT_EQ(m.dp, 1);
+  EXPECT_EQ(m.world_size, 2);
+  for (int r = 0; r < 2; ++r) {
+    for (const ck::DataParallelCheckpoint& dpc : {ck::DataParallelCheckpoint{}, ck::DataParallelCheckpoint{2, 1}}) {
+      auto loaded = ck::load_checkpoint(dir, config_for("tiny"), r, 2, dpc);
+      EXPECT_EQ(loaded.step, 1);
+      expect_bitwise(loaded.tensors, ranks[r].state(), "rank " + std::to_string(r) + " dp=" + std::to_string(dpc.dp));
+    }
+  }
+  // "pp" and "world_size" are one fact: a manifest where they disagree is malformed.
+  j["pp"] = 3;
+  write_json(path, j);
+  EXPECT_THROW(ck::read_manifest(dir), twobp::IOError);
   remove_tree(parent_dir(dir));
 }
