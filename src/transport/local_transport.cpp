@@ -64,10 +64,21 @@ struct Mailbox {
 
 }  // namespace
 
+struct LocalGroupState;
+
+/// Every group split (transitively) from one LocalTransportGroup: an abort anywhere reaches all of them, as an
+/// MPI abort ends the whole job, so that a rank failing in one group does not leave its peers in another group
+/// (a data-parallel group next to a pipeline group) waiting for their timeouts.
+struct LocalFamily {
+  std::mutex mutex;
+  std::vector<std::weak_ptr<LocalGroupState>> members;
+};
+
 struct LocalGroupState {
-  LocalGroupState(int world_size, LocalOptions opts, std::vector<std::string> member_names = {})
+  LocalGroupState(int world_size, LocalOptions opts, std::vector<std::string> member_names = {},
+                  std::shared_ptr<LocalFamily> fam = nullptr)
       : world(world_size), options(std::move(opts)), names(default_names(world_size, std::move(member_names))),
-        wakeup(world_size) {}
+        wakeup(world_size), family(fam ? std::move(fam) : std::make_shared<LocalFamily>()) {}
 
   static std::vector<std::string> default_names(int world, std::vector<std::string> names) {
     if (names.empty()) {
@@ -94,8 +105,10 @@ struct LocalGroupState {
     return MailKey{src, dst, options.pairing == Pairing::kByTag ? o.tag : static_cast<std::int64_t>(o.channel)};
   }
 
+  const std::shared_ptr<LocalFamily> family;
+
   bool aborted = false;
-  int abort_rank = -1;
+  std::string abort_who;  // "rank 2", or a group member's name when the abort came from another group
   std::string abort_reason;
 
   // Collectives: one sequence shared by all_reduce_sum and barrier. `generation` counts completed ones.
@@ -122,7 +135,7 @@ struct LocalGroupState {
 
   /// Throws the error every wait raises after an abort. Caller holds `mutex`.
   [[noreturn]] void raise_aborted(int me, const std::string& what) const {
-    raise<TransportError>("{}: {} failed: {} aborted: {}", who(me), what, who(abort_rank), abort_reason);
+    raise<TransportError>("{}: {} failed: {} aborted: {}", who(me), what, abort_who, abort_reason);
   }
 };
 
@@ -401,7 +414,9 @@ std::unique_ptr<Transport> LocalTransport::split(int color, int key, Duration ti
         names.push_back(detail::group_member_name(g, color, state_->who(members[g])));
       }
       pending.state = std::make_shared<detail::LocalGroupState>(static_cast<int>(members.size()), std::move(options),
-                                                                std::move(names));
+                                                                std::move(names), state_->family);
+      std::lock_guard<std::mutex> family_lock(state_->family->mutex);
+      state_->family->members.push_back(pending.state);
       pending.untaken = static_cast<int>(members.size());
     }
     group = pending.state;
@@ -501,12 +516,22 @@ void LocalTransport::collective(const std::string& kind, at::Tensor* tensor, Dur
 }
 
 void LocalTransport::abort(const std::string& reason) {
-  std::lock_guard<std::mutex> lock(state_->mutex);
-  if (state_->aborted) return;  // the first abort's reason is what everyone reports
-  state_->aborted = true;
-  state_->abort_rank = rank_;
-  state_->abort_reason = reason;
-  state_->notify_all_ranks();
+  std::vector<std::shared_ptr<detail::LocalGroupState>> states;
+  {
+    std::lock_guard<std::mutex> lock(state_->family->mutex);
+    for (const auto& weak : state_->family->members) {
+      if (auto st = weak.lock()) states.push_back(std::move(st));
+    }
+  }
+  const std::string who = state_->who(rank_);
+  for (const auto& st : states) {  // one state's mutex at a time: no lock order to get wrong
+    std::lock_guard<std::mutex> lock(st->mutex);
+    if (st->aborted) continue;  // the first abort's reason is what everyone reports
+    st->aborted = true;
+    st->abort_who = who;
+    st->abort_reason = reason;
+    st->notify_all_ranks();
+  }
 }
 
 LocalTransportGroup::LocalTransportGroup(int world_size, LocalOptions options) {
@@ -515,6 +540,7 @@ LocalTransportGroup::LocalTransportGroup(int world_size, LocalOptions options) {
               UsageError, "LocalTransportGroup: LocalOptions::devices has {} entries for {} ranks: expected 0, 1 or {}",
               options.devices.size(), world_size, world_size);
   auto state = std::make_shared<detail::LocalGroupState>(world_size, options);
+  state->family->members.push_back(state);
   transports_.reserve(world_size);
   for (int r = 0; r < world_size; ++r) transports_.push_back(std::make_unique<LocalTransport>(state, r));
 }

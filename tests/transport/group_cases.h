@@ -149,21 +149,48 @@ inline void check_split_timeout(Transport& world, Duration timeout) {
   EXPECT_LT(std::chrono::steady_clock::now() - t0, timeout + std::chrono::seconds(5));
 }
 
+/// all_reduce_sum_async: several reductions in flight at once (float, double, bfloat16 through float32, and one
+/// in a group), waited for in reverse order; each holds its sum afterwards, whatever the transport overlaps.
+inline void check_async_all_reduce(Transport& world, Duration timeout) {
+  const int n = world.world_size(), me = world.rank();
+  at::Tensor f = at::full({1 << 16}, static_cast<float>(me + 1));
+  at::Tensor d = at::arange(7, at::kDouble) * (me + 1);
+  at::Tensor h = at::full({5}, 0.5, at::kBFloat16);
+  std::vector<std::unique_ptr<Work>> works;
+  works.push_back(world.all_reduce_sum_async(f, timeout));
+  works.push_back(world.all_reduce_sum_async(d, timeout));
+  works.push_back(world.all_reduce_sum_async(h, timeout));
+  for (auto it = works.rbegin(); it != works.rend(); ++it) (*it)->wait(timeout);
+  const double total = n * (n + 1) / 2.0;
+  EXPECT_TRUE(at::equal(f, at::full({1 << 16}, static_cast<float>(total))));
+  EXPECT_TRUE(at::equal(d, at::arange(7, at::kDouble) * total));
+  EXPECT_TRUE(at::equal(h, at::full({5}, 0.5 * n, at::kBFloat16)));
+  // In a group of two (by parity), next to a reduction of the parent started before it.
+  auto group = world.split(me % 2, me, timeout);
+  at::Tensor w = at::ones({3});
+  at::Tensor g = at::full({3}, static_cast<float>(me));
+  auto parent_work = world.all_reduce_sum_async(w, timeout);
+  auto group_work = group->all_reduce_sum_async(g, timeout);
+  group_work->wait(timeout);
+  parent_work->wait(timeout);
+  float expected = 0;
+  for (int r = me % 2; r < n; r += 2) expected += static_cast<float>(r);
+  EXPECT_TRUE(at::equal(g, at::full({3}, expected)));
+  EXPECT_TRUE(at::equal(w, at::full({3}, static_cast<float>(n))));
+}
+
 /// Group rank 0 of color 0 aborts its group: its group peer's pending receive fails with TransportError naming
-/// the reason; the other group is unaffected. (Not for MPI, where abort ends the job.)
-inline void check_group_abort(Transport& world, Duration timeout) {
+/// the reason. `reaches_other_groups`: whether the abort also fails the other group (Local: every group split
+/// from one world fails together; Store: the other group is unaffected). (Not for MPI, where abort ends the job.)
+inline void check_group_abort(Transport& world, Duration timeout, bool reaches_other_groups) {
   const int me = world.rank();
   auto group = world.split(me % 2, me, timeout);
   ASSERT_NE(group, nullptr);
-  if (me % 2 == 0) {
-    if (group->rank() == 0) {
-      group->abort("injected failure in group 0");
-      return;
-    }
+  auto expect_aborted = [&](Transport& t, int peer) {
     at::Tensor in = at::empty({2});
     const auto t0 = std::chrono::steady_clock::now();
     try {
-      group->irecv(in, {0, 1, "RECV_F stage 1 micro-batch 0"})->wait(timeout);
+      t.irecv(in, {peer, 1, "RECV_F stage 1 micro-batch 0"})->wait(timeout);
       ADD_FAILURE() << "expected TransportError";
     } catch (const TransportError& e) {
       const std::string what = e.what();
@@ -172,6 +199,15 @@ inline void check_group_abort(Transport& world, Duration timeout) {
       }
     }
     EXPECT_LT(std::chrono::steady_clock::now() - t0, timeout) << "an abort must be seen before the timeout";
+  };
+  if (me % 2 == 0) {
+    if (group->rank() == 0) {
+      group->abort("injected failure in group 0");
+      return;
+    }
+    expect_aborted(*group, 0);
+  } else if (reaches_other_groups) {
+    expect_aborted(*group, 1 - group->rank());  // a message nobody sends: only the abort ends the wait
   } else {
     at::Tensor x = at::ones({4});
     group->all_reduce_sum(x, timeout);

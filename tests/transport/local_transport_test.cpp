@@ -421,14 +421,19 @@ TEST(LocalTransportGroups, SplitByParityAndByHalf) {
   }
 }
 
+TEST(LocalTransportGroups, AsynchronousAllReduces) {
+  auto ts = make_local_transports(4);
+  run_ranks(ts, [&](int, Transport& t) { testing::check_async_all_reduce(t, kLong); });
+}
+
 TEST(LocalTransportGroups, PeerThatNeverSplitsTimesOut) {
   auto ts = make_local_transports(4);
   run_ranks(ts, [&](int, Transport& t) { testing::check_split_timeout(t, Duration(300)); });
 }
 
-TEST(LocalTransportGroups, AbortInAGroupIsSeenByItsMembersOnly) {
+TEST(LocalTransportGroups, AbortInAGroupFailsEveryGroupOfTheWorld) {
   auto ts = make_local_transports(4);
-  run_ranks(ts, [&](int, Transport& t) { testing::check_group_abort(t, kLong); });
+  run_ranks(ts, [&](int, Transport& t) { testing::check_group_abort(t, kLong, /*reaches_other_groups=*/true); });
 }
 
 TEST(LocalTransportGroups, ErrorsNameGroupRankColorAndParentRank) {

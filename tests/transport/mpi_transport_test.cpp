@@ -204,6 +204,8 @@ TEST(MpiTransport, AllReduceSum) {
   EXPECT_THROW(t.all_reduce_sum(b, kLong), UsageError);
 }
 
+TEST(MpiTransport, AsynchronousAllReduces) { testing::check_async_all_reduce(transport(), kLong); }
+
 TEST(MpiTransport, Barrier) {
   auto& t = transport();
   for (int i = 0; i < 10; ++i) t.barrier(kLong);

@@ -118,6 +118,7 @@ TEST(StoreTransportProcesses, PipelineStepMatchesSingleProcess) { expect_all_pas
 TEST(StoreTransportProcesses, TimeoutAndAbortNameThePeer) { expect_all_passed("abort", 2); }
 TEST(StoreTransportProcesses, GroupsByParity) { expect_all_passed("groups_parity", 4); }
 TEST(StoreTransportProcesses, GroupsByHalf) { expect_all_passed("groups_half", 4); }
+TEST(StoreTransportProcesses, AsynchronousAllReduces) { expect_all_passed("async_all_reduce", 4); }
 TEST(StoreTransportProcesses, PeerThatNeverSplitsTimesOut) { expect_all_passed("split_timeout", 4); }
 TEST(StoreTransportProcesses, AbortInAGroupIsSeenByItsMembers) { expect_all_passed("group_abort", 4); }
 
@@ -232,8 +233,9 @@ TEST(StoreTransportRank, Run) {
   if (s == "abort") abort_scenario(*t);
   if (s == "groups_parity") testing::check_groups(*t, testing::GroupLayout::kByParity, kLong);
   if (s == "groups_half") testing::check_groups(*t, testing::GroupLayout::kByHalf, kLong);
+  if (s == "async_all_reduce") testing::check_async_all_reduce(*t, kLong);
   if (s == "split_timeout") testing::check_split_timeout(*t, Duration(1000));
-  if (s == "group_abort") testing::check_group_abort(*t, kLong);
+  if (s == "group_abort") testing::check_group_abort(*t, kLong, /*reaches_other_groups=*/false);
 }
 
 }  // namespace

@@ -57,8 +57,10 @@ struct LocalGroupState;
 ///  - split(color, key, timeout): one gathering all_reduce_sum in the parent's collective sequence, then the
 ///    first member of each color to get there creates a new shared state for the group and hands it to the
 ///    others through the parent's state. A group is an independent LocalTransportGroup: its own mailbox (its
-///    messages never meet the parent's or another group's), its own collectives, its own abort (an abort in a
-///    group fails the group's members; it does not abort the parent). Errors name the rank in the group, the
+///    messages never meet the parent's or another group's), its own collectives. An abort anywhere -- parent or
+///    any group split from it, transitively -- fails every one of them, as an MPI abort ends the whole job (so a
+///    rank failing in its data-parallel group does not leave its pipeline peers waiting for their timeouts).
+///    Errors name the rank in the group, the
 ///    color and the rank in the parent. A group keeps its own state alive, so it may outlive the parent.
 class LocalTransport final : public Transport {
  public:
