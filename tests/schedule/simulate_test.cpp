@@ -251,7 +251,7 @@ TEST(SimulateDataParallel, ReductionsThatFitInTheRanksRemainingTimeAreHidden) {
   EXPECT_DOUBLE_EQ(off.data_parallel_exposed, 0.5);
   EXPECT_DOUBLE_EQ(off.step_time, 7.5);
   // Interleaved 1F1B (p = 2, m = 2, v = 2): rank 0's last W of stage 2 ends at 5.5 and the rank at 6.5, so 1 on
-  // stage 2 and nothing on stage 0 is hidden exactly; a bit more is exposed by the excess.
+  // stage 2 and nothing on stage 0 is hidden exactly (it ends with the rank); 1.25 exposes the excess 0.25.
   const Schedule il = make("interleaved-1f1b", 2, 2, BackwardMode::kSplit, 2);
   CostModel c = CostModel::uniform(4, 0.5, 0.5, 0.5);
   c.data_parallel_reduce = {0, 0, 1, 0};
