@@ -5,7 +5,7 @@
 //   twobp_bench simulate --ranks 64 --microbatches 256 --f 1 --i 1 --w 1 --comm 0.1 --json sim.json
 //   twobp_bench simulate --from-json pipeline.json --result 0 --ranks 16 --microbatches 64
 //
-// Costs (milliseconds, or any unit: the results use the same one):
+// Costs (milliseconds, or any unit: the results use the same one; with --dp > 1 milliseconds, the all-reduce's unit):
 //   --f/--i/--w/--b are per RANK, i.e. per stage of a v = 1 pipeline (B defaults to I + W; W is per micro-batch).
 //   A schedule with v chunks per rank runs the same model on the same ranks cut into v times more stages, so each
 //   chunk costs (per-rank cost) / v. --comm is per message and is not scaled.
@@ -21,12 +21,32 @@
 //                                                       total / v ("mean-rank / v": a model that grows with p,
 //                                                       every rank holding as much work as a measured one)
 //
+// Data parallelism (--dp N > 1; N = 1, the default, changes nothing and adds no fields): N replicas of the
+// pipeline, each stage's gradients all-reduced over its N replicas after every step, on one link per rank that
+// is separate from compute and from pipeline messages (CostModel::data_parallel_reduce).
+//   --model-params P   parameters of the whole model (default 7e9, LLaMa-7B), split evenly over the schedule's
+//                      stages: a stage holds P / (p · v), a rank P / p
+//   --grad-bytes B     bytes per gradient element (default 2: bf16 gradients, as the 7B measurements)
+//   --link-gbps X, --link-latency-us L   one rank's data-parallel link: X gigabit/s (default 100) and L µs per
+//                      ring step (default 5)
+//   stage all-reduce   metrics::ring_all_reduce_seconds(P / (p · v) · B, N, X · 1e9 / 8, L · 1e-6), in ms
+//   --dp-overlap on|off|both (default both): on = a stage's all-reduce starts when its last W (2bp) or B
+//                      (standard) ends, overlapping the rank's remaining work; off = after the rank's last action.
+//                      both gives each schedule and mode one row per setting.
+//
 // Metrics (docs/BENCHMARKS.md repeats them), per schedule and mode, from simulate(schedule, costs):
 //   sim_step_ms              the simulated step time: each rank runs its actions in order; an F/I/B waits until
 //                            its input arrived, `comm` after the producing action finished
 //   sim_bubble_fraction      idle compute time / (p · sim_step_ms)
 //   peak_live_microbatches   max over ranks of micro-batches whose activations are alive at once
-//   speedup_vs_standard      sim_step_ms(standard) / sim_step_ms(2bp), same schedule, p, m, v (2bp rows only)
+//   speedup_vs_standard      sim_step_ms(standard) / sim_step_ms(2bp), same schedule, p, m, v (2bp rows only;
+//                            with --dp > 1 also the same dp_overlap)
+//   with --dp > 1 (sim_step_ms and sim_bubble_fraction then include the exposed all-reduce time):
+//   dp, dp_overlap           N, and whether the all-reduces overlap (true) or follow the rank's last action
+//   dp_reduce_ms             the all-reduce time of one rank per step: max over ranks of the sum of its stages'
+//                            all-reduces (v chunks: v all-reduces of 1/v of the rank's gradients each)
+//   dp_exposed_ms            SimulationResult::data_parallel_exposed: max over ranks of how far the all-reduces
+//                            pushed the rank's step end past its last action (0: fully hidden)
 //   generate_ms, simulate_ms wall time this tool spent generating+validating and simulating the schedule
 // Shapes a schedule rejects (e.g. interleaved-1f1b needs m to be a multiple of p) are listed with the reason.
 
@@ -44,6 +64,7 @@
 
 #include "bench_common.h"
 #include "commands.h"
+#include "twobp/metrics/metrics.h"
 #include "twobp/schedule/schedule.h"
 
 namespace twobp::bench {
@@ -60,6 +81,13 @@ struct SimulateArgs {
   std::string schedule_file;  // overrides --schedule; its own ranks, micro-batches and mode
   std::string mode = "both";
   std::string json;
+  // Data parallelism (see the header comment); dp = 1: none.
+  int dp = 1;
+  double link_gbps = 100;
+  double link_latency_us = 5;
+  double model_params = 7e9;
+  double grad_bytes = 2;
+  std::string dp_overlap = "both";
 };
 
 /// Where the costs come from: per-rank constants (command line) or a measured pipeline result.
@@ -218,6 +246,24 @@ CostModel costs_for(const Schedule& target, const CostSource& src, std::string& 
   return c;
 }
 
+/// Adds the data-parallel all-reduce of every stage to `costs` (ms): the model's parameters split evenly over the
+/// schedule's stages, all-reduced over `a.dp` replicas on a ring. Returns the max over ranks of the sum of the
+/// rank's stages' all-reduces (dp_reduce_ms).
+double add_data_parallel(const Schedule& sched, const SimulateArgs& a, bool overlap, CostModel& costs) {
+  const double stage_bytes = a.model_params / sched.num_stages * a.grad_bytes;
+  const double stage_ms =
+      1e3 * metrics::ring_all_reduce_seconds(stage_bytes, a.dp, a.link_gbps * 1e9 / 8, a.link_latency_us * 1e-6);
+  costs.data_parallel_reduce.assign(sched.num_stages, stage_ms);
+  costs.overlap_data_parallel = overlap;
+  double per_rank = 0;
+  for (int r = 0; r < sched.num_ranks; ++r) {
+    double sum = 0;
+    for (int s : sched.stages_of(r)) sum += costs.data_parallel_reduce[s];
+    per_rank = std::max(per_rank, sum);
+  }
+  return per_rank;
+}
+
 struct SimRow {
   std::string schedule;
   BackwardMode mode;
@@ -225,6 +271,8 @@ struct SimRow {
   double step = 0, bubble = 0, generate_ms = 0, simulate_ms = 0;
   int peak_live = 0;
   std::string rule;
+  bool dp_overlap = false;  // only meaningful with --dp > 1
+  double dp_reduce_ms = 0, dp_exposed_ms = 0;
 };
 
 struct Rejected {
@@ -245,6 +293,11 @@ double ms_since(std::chrono::steady_clock::time_point t0) {
 
 void run_simulate(const SimulateArgs& a) {
   const CostSource src = load_costs(a);
+  const bool dp = a.dp > 1;
+  // Without data parallelism one pass with the overlap setting unused; with it, one per --dp-overlap setting.
+  std::vector<bool> overlaps{true};
+  if (dp && a.dp_overlap == "off") overlaps = {false};
+  if (dp && a.dp_overlap == "both") overlaps = {true, false};
   std::vector<std::string> names = a.schedule == "all" ? schedule_names() : std::vector<std::string>{a.schedule};
   std::vector<BackwardMode> modes;
   if (a.mode != "2bp") modes.push_back(BackwardMode::kStandard);
@@ -283,21 +336,29 @@ void run_simulate(const SimulateArgs& a) {
       row.generate_ms = ms_since(t0);
       row.v = sched.num_stages / sched.num_ranks;
       row.stages = sched.num_stages;
-      const CostModel costs = costs_for(sched, src, row.rule);
-      t0 = std::chrono::steady_clock::now();
-      const SimulationResult sim = simulate(sched, costs);
-      row.simulate_ms = ms_since(t0);
-      row.step = sim.step_time;
-      row.bubble = sim.bubble_fraction;
-      row.peak_live = *std::max_element(sim.peak_live_micro_batches.begin(), sim.peak_live_micro_batches.end());
-      rows.push_back(row);
+      for (bool overlap : overlaps) {
+        CostModel costs = costs_for(sched, src, row.rule);
+        if (dp) row.dp_reduce_ms = add_data_parallel(sched, a, overlap, costs);
+        row.dp_overlap = overlap;
+        t0 = std::chrono::steady_clock::now();
+        const SimulationResult sim = simulate(sched, costs);
+        row.simulate_ms = ms_since(t0);
+        row.step = sim.step_time;
+        row.bubble = sim.bubble_fraction;
+        row.peak_live = *std::max_element(sim.peak_live_micro_batches.begin(), sim.peak_live_micro_batches.end());
+        row.dp_exposed_ms = sim.data_parallel_exposed;
+        rows.push_back(row);
+      }
     }
   }
   const double total_ms = ms_since(t_all);
 
   auto standard_of = [&](const SimRow& r) -> const SimRow* {
     for (const auto& o : rows) {
-      if (o.schedule == r.schedule && o.v == r.v && o.mode == BackwardMode::kStandard) return &o;
+      if (o.schedule == r.schedule && o.v == r.v && o.mode == BackwardMode::kStandard &&
+          o.dp_overlap == r.dp_overlap) {
+        return &o;
+      }
     }
     return nullptr;
   };
@@ -308,9 +369,21 @@ void run_simulate(const SimulateArgs& a) {
   if (!src.measured) {
     out["config"]["costs_ms_per_rank"] = {{"F", src.f}, {"I", src.i}, {"W", src.w}, {"B", src.b}};
   }
+  if (dp) {
+    out["config"]["data_parallel"] = {{"dp", a.dp},
+                                      {"link_gbps", a.link_gbps},
+                                      {"link_latency_us", a.link_latency_us},
+                                      {"model_params", a.model_params},
+                                      {"grad_bytes", a.grad_bytes},
+                                      {"overlap", a.dp_overlap}};
+  }
   out["results"] = Json::array();
   std::vector<std::vector<std::string>> table{{"schedule", "v", "stages", "std ms", "2bp ms", "speedup", "std bubble",
                                                "2bp bubble", "std peak mbs", "2bp peak mbs", "cost rule", "tool ms"}};
+  if (dp) {
+    for (const char* column : {"dp reduce ms", "std exposed", "2bp exposed"}) table[0].push_back(column);
+    table[0].insert(table[0].begin() + 1, "dp overlap");
+  }
   for (const auto& r : rows) {
     Json j{{"schedule", r.schedule},
            {"mode", mode_name(r.mode)},
@@ -324,31 +397,52 @@ void run_simulate(const SimulateArgs& a) {
            {"cost_rule", r.rule},
            {"generate_ms", r.generate_ms},
            {"simulate_ms", r.simulate_ms}};
+    if (dp) {
+      j["dp"] = a.dp;
+      j["dp_overlap"] = r.dp_overlap;
+      j["dp_reduce_ms"] = r.dp_reduce_ms;
+      j["dp_exposed_ms"] = r.dp_exposed_ms;
+    }
     const SimRow* std_row = standard_of(r);
     if (r.mode == BackwardMode::kSplit && std_row) j["speedup_vs_standard"] = std_row->step / r.step;
     out["results"].push_back(j);
   }
-  // Table: one line per schedule, both modes side by side.
+  // Table: one line per schedule (and overlap setting), both modes side by side.
   for (const auto& name : names) {
-    const SimRow *s = nullptr, *t = nullptr;
-    for (const auto& r : rows) {
-      if (r.schedule != name) continue;
-      (r.mode == BackwardMode::kStandard ? s : t) = &r;
+    for (bool overlap : overlaps) {
+      const SimRow *s = nullptr, *t = nullptr;
+      for (const auto& r : rows) {
+        if (r.schedule != name || r.dp_overlap != overlap) continue;
+        (r.mode == BackwardMode::kStandard ? s : t) = &r;
+      }
+      if (!s && !t) continue;
+      const SimRow& any = s ? *s : *t;
+      auto num = [](const SimRow* r, double SimRow::*field, int digits) { return r ? fmt_num(r->*field, digits) : ""; };
+      auto peak = [](const SimRow* r) { return r ? std::to_string(r->peak_live) : ""; };
+      std::vector<std::string> line{
+          name, std::to_string(any.v), std::to_string(any.stages), num(s, &SimRow::step, 2), num(t, &SimRow::step, 2),
+          s && t ? fmt_num(s->step / t->step, 3) : "", num(s, &SimRow::bubble, 3), num(t, &SimRow::bubble, 3),
+          peak(s), peak(t), any.rule,
+          fmt_num((s ? s->generate_ms + s->simulate_ms : 0) + (t ? t->generate_ms + t->simulate_ms : 0), 0)};
+      if (dp) {
+        line.insert(line.begin() + 1, overlap ? "on" : "off");
+        line.push_back(fmt_num(any.dp_reduce_ms, 2));
+        line.push_back(num(s, &SimRow::dp_exposed_ms, 2));
+        line.push_back(num(t, &SimRow::dp_exposed_ms, 2));
+      }
+      table.push_back(line);
     }
-    if (!s && !t) continue;
-    const SimRow& any = s ? *s : *t;
-    auto num = [](const SimRow* r, double SimRow::*field, int digits) { return r ? fmt_num(r->*field, digits) : ""; };
-    auto peak = [](const SimRow* r) { return r ? std::to_string(r->peak_live) : ""; };
-    table.push_back({name, std::to_string(any.v), std::to_string(any.stages), num(s, &SimRow::step, 2),
-                     num(t, &SimRow::step, 2), s && t ? fmt_num(s->step / t->step, 3) : "",
-                     num(s, &SimRow::bubble, 3), num(t, &SimRow::bubble, 3), peak(s), peak(t), any.rule,
-                     fmt_num((s ? s->generate_ms + s->simulate_ms : 0) + (t ? t->generate_ms + t->simulate_ms : 0), 0)});
   }
   out["rejected"] = Json::array();
   for (const auto& r : rejected) out["rejected"].push_back({{"schedule", r.schedule}, {"v", r.v}, {"reason", r.reason}});
   out["tool_ms"] = total_ms;
 
   std::cout << fmt::format("simulate: p={} m={}; costs: {}\n", a.ranks, a.microbatches, src.description);
+  if (dp) {
+    std::cout << fmt::format("data parallel: dp={}, {:g} parameters split evenly over the stages, {:g} bytes per "
+                             "gradient, ring all-reduce on {:g} Gbit/s with {:g} us per step\n",
+                             a.dp, a.model_params, a.grad_bytes, a.link_gbps, a.link_latency_us);
+  }
   print_table(std::cout, table);
   for (const auto& r : rejected) std::cout << fmt::format("rejected: {} (v={}): {}\n", r.schedule, r.v, r.reason);
   std::cout << fmt::format("generated, validated and simulated {} configurations in {:.0f} ms\n", rows.size(),
@@ -395,6 +489,23 @@ void add_simulate_command(CLI::App& app) {
   sub->add_option("--mode", a->mode, "standard, 2bp or both")->check(CLI::IsMember({"standard", "2bp", "both"}))
       ->capture_default_str();
   sub->add_option("--json", a->json, "Write {\"config\", \"results\": [...], \"rejected\": [...]} here");
+  sub->add_option("--dp", a->dp,
+                  "Data-parallel replicas of the pipeline; > 1 adds each stage's gradient all-reduce (costs then in "
+                  "ms). 1: none, and the DP options below have no effect")
+      ->capture_default_str()->check(CLI::Range(1, 65536));
+  sub->add_option("--link-gbps", a->link_gbps, "Data-parallel link bandwidth of one rank, gigabit/s")
+      ->capture_default_str()->check(CLI::Range(1e-3, 1e6));
+  sub->add_option("--link-latency-us", a->link_latency_us, "Data-parallel latency of one ring step, microseconds")
+      ->capture_default_str()->check(CLI::Range(0.0, 1e9));
+  sub->add_option("--model-params", a->model_params,
+                  "Parameters of the whole model (default LLaMa-7B), split evenly over the stages")
+      ->capture_default_str()->check(CLI::Range(1.0, 1e15));
+  sub->add_option("--grad-bytes", a->grad_bytes, "Bytes per gradient element all-reduced (2: bf16, 4: fp32)")
+      ->capture_default_str()->check(CLI::Range(1.0, 16.0));
+  sub->add_option("--dp-overlap", a->dp_overlap,
+                  "on: a stage's all-reduce starts after its last W/B; off: after the rank's last action; both: one "
+                  "row each")
+      ->capture_default_str()->check(CLI::IsMember({"on", "off", "both"}));
   sub->callback([a] { run_simulate(*a); });
 }
 

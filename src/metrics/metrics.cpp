@@ -37,4 +37,10 @@ int64_t training_memory_bytes(int64_t parameters, int64_t bytes_per_element, int
          live_micro_batches * activation_bytes_per_micro_batch;
 }
 
+double ring_all_reduce_seconds(double bytes, int ranks, double link_bytes_per_s, double latency_s) {
+  if (ranks <= 1 || bytes <= 0.0) return 0.0;
+  const double steps = 2.0 * (ranks - 1);  // reduce-scatter + all-gather, n - 1 steps each
+  return steps / ranks * bytes / link_bytes_per_s + steps * latency_s;
+}
+
 }  // namespace twobp::metrics

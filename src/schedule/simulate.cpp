@@ -1,6 +1,7 @@
 // Event-driven simulation of a schedule under a cost model.
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <utility>
 
@@ -30,6 +31,35 @@ void check_costs(const Schedule& sc, const CostModel& costs) {
   if (has_i || (has_b && costs.backward.empty())) check_size(costs.backward_input, "backward_input");
   if (has_w || (has_b && costs.backward.empty())) check_size(costs.backward_weight, "backward_weight");
   if (has_b && !costs.backward.empty()) check_size(costs.backward, "backward");
+  if (!costs.data_parallel_reduce.empty()) {
+    check_size(costs.data_parallel_reduce, "data_parallel_reduce");
+    for (std::size_t s = 0; s < costs.data_parallel_reduce.size(); ++s) {
+      const double t = costs.data_parallel_reduce[s];
+      TWOBP_CHECK(std::isfinite(t) && t >= 0.0, UsageError,
+                  "simulate: CostModel.data_parallel_reduce[{}] is {}, expected a finite time >= 0", s, t);
+    }
+  }
+}
+
+/// Ends of each rank's data-parallel reductions (see simulate() in schedule.h): per rank, the end of its last
+/// all-reduce, or `compute_end[r]` when it has none. `weights_done[s]` is the end of stage s's last W/B (-1 when
+/// the schedule has none, then the rank's end is used).
+std::vector<double> reduction_ends(const Schedule& sc, const CostModel& costs, const std::vector<double>& compute_end,
+                                   const std::vector<double>& weights_done) {
+  std::vector<double> ends = compute_end;
+  for (int r = 0; r < sc.num_ranks; ++r) {
+    // (ready time, stage), served in this order on the rank's one link.
+    std::vector<std::pair<double, int>> ready;
+    for (int s : sc.stages_of(r)) {
+      const bool overlap = costs.overlap_data_parallel && weights_done[s] >= 0.0;
+      ready.emplace_back(overlap ? weights_done[s] : compute_end[r], s);
+    }
+    std::sort(ready.begin(), ready.end());
+    double link_free = 0.0;
+    for (const auto& [t, s] : ready) link_free = std::max(link_free, t) + costs.data_parallel_reduce[s];
+    ends[r] = std::max(compute_end[r], link_free);
+  }
+  return ends;
 }
 
 }  // namespace
@@ -50,12 +80,26 @@ SimulationResult simulate(const Schedule& schedule, const CostModel& costs) {
 
   SimulationResult result;
   std::vector<double> busy(schedule.num_ranks, 0.0);
+  std::vector<double> compute_end(schedule.num_ranks, 0.0);   // end of the rank's last action
+  std::vector<double> weights_done(schedule.num_stages, -1.0);  // end of the stage's last W/B
   for (const SimulatedEvent& e : run.events) {
-    result.step_time = std::max(result.step_time, e.end);
+    compute_end[e.rank] = std::max(compute_end[e.rank], e.end);
     if (is_compute(e.action.type)) {
       busy[e.rank] += e.end - e.start;
       result.events.push_back(e);
     }
+    if (e.action.type == ActionType::kBackwardWeight || e.action.type == ActionType::kBackward) {
+      weights_done[e.action.stage] = std::max(weights_done[e.action.stage], e.end);
+    }
+  }
+  const std::vector<double> rank_end = costs.data_parallel_reduce.empty()
+                                           ? compute_end
+                                           : reduction_ends(schedule, costs, compute_end, weights_done);
+  result.data_parallel_exposed_per_rank.assign(schedule.num_ranks, 0.0);
+  for (int r = 0; r < schedule.num_ranks; ++r) {
+    result.step_time = std::max(result.step_time, rank_end[r]);
+    result.data_parallel_exposed_per_rank[r] = rank_end[r] - compute_end[r];
+    result.data_parallel_exposed = std::max(result.data_parallel_exposed, result.data_parallel_exposed_per_rank[r]);
   }
   result.bubble_fraction = metrics::bubble_fraction(busy, result.step_time);
   std::stable_sort(result.events.begin(), result.events.end(), [](const SimulatedEvent& a, const SimulatedEvent& b) {

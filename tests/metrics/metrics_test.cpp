@@ -38,5 +38,18 @@ TEST(Metrics, TrainingMemory) {
   EXPECT_EQ(metrics::training_memory_bytes(1000, 2, 0, 500), 8000);
 }
 
+TEST(Metrics, RingAllReduce) {
+  // 8 ranks, 1 GB over 12.5 GB/s (100 Gbit/s) and 5 us per step: 2·7/8 · 0.08 s + 14 · 5 us = 0.14 + 0.00007.
+  EXPECT_NEAR(metrics::ring_all_reduce_seconds(1e9, 8, 12.5e9, 5e-6), 0.14007, 1e-15);
+  // 2 ranks: each sends half and receives half twice -> bytes / bandwidth, plus 2 latencies.
+  EXPECT_DOUBLE_EQ(metrics::ring_all_reduce_seconds(100.0, 2, 10.0, 1.0), 12.0);
+  // 4 ranks, no latency: 2·3/4 = 1.5 bytes per byte of buffer.
+  EXPECT_DOUBLE_EQ(metrics::ring_all_reduce_seconds(400.0, 4, 100.0, 0.0), 6.0);
+  // Nothing to reduce: one rank, or no bytes.
+  EXPECT_DOUBLE_EQ(metrics::ring_all_reduce_seconds(1e9, 1, 12.5e9, 5e-6), 0.0);
+  EXPECT_DOUBLE_EQ(metrics::ring_all_reduce_seconds(1e9, 0, 12.5e9, 5e-6), 0.0);
+  EXPECT_DOUBLE_EQ(metrics::ring_all_reduce_seconds(0.0, 8, 12.5e9, 5e-6), 0.0);
+}
+
 }  // namespace
 }  // namespace twobp::testing

@@ -1,6 +1,10 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "twobp/error.h"
 #include "twobp/schedule/schedule.h"
@@ -140,6 +144,161 @@ TEST(Simulate, WorksWithoutCommunicationActions) {
   const auto unit = CostModel::uniform(2, 1, 1, 1, 0.25);
   EXPECT_DOUBLE_EQ(simulate(compute_only, unit).step_time, simulate(sc, unit).step_time);
   EXPECT_EQ(add_communication(compute_only).actions, sc.actions);
+}
+
+// ---- data parallelism: per-stage all-reduces on one link per rank ----
+
+TEST(SimulateDataParallel, NoReductionCostsChangeNothing) {
+  for (const std::string& name : schedule_names()) {
+    for (BackwardMode mode : {BackwardMode::kStandard, BackwardMode::kSplit}) {
+      const Schedule sc = make_schedule(name, default_schedule_options(name, 4, 8, mode));
+      const CostModel base = CostModel::uniform(sc.num_stages, 1.0, 1.25, 0.75, 0.1);
+      CostModel zero = base;
+      zero.data_parallel_reduce.assign(sc.num_stages, 0.0);
+      for (const CostModel& c : {base, zero}) {
+        const auto sim = simulate(sc, c);
+        // The step is the end of the last action, as without the data-parallel fields.
+        double last_end = 0.0;
+        for (const auto& e : sim.events) last_end = std::max(last_end, e.end);
+        EXPECT_DOUBLE_EQ(sim.step_time, last_end) << name;
+        EXPECT_EQ(sim.data_parallel_exposed, 0.0) << name;
+        EXPECT_EQ(sim.data_parallel_exposed_per_rank, std::vector<double>(sc.num_ranks, 0.0)) << name;
+      }
+      const auto a = simulate(sc, base), b = simulate(sc, zero);
+      EXPECT_EQ(a.step_time, b.step_time);
+      EXPECT_EQ(a.bubble_fraction, b.bubble_fraction);
+      EXPECT_EQ(a.peak_live_micro_batches, b.peak_live_micro_batches);
+      ASSERT_EQ(a.events.size(), b.events.size());
+      for (std::size_t k = 0; k < a.events.size(); ++k) EXPECT_EQ(a.events[k].end, b.events[k].end);
+    }
+  }
+  // The known values are untouched (TwoBpBeats1f1bAtP2M2).
+  EXPECT_DOUBLE_EQ(simulate(make("1f1b", 2, 2, BackwardMode::kSplit), CostModel::uniform(2, 1, 1, 1)).step_time, 7.0);
+}
+
+TEST(SimulateDataParallel, WithoutOverlapReductionsFollowTheRanksLastAction) {
+  // 1F1B 2BP, p = 2, m = 2, F = I = W = 1: both ranks end at 7 (see Grid.RendersCells). Reductions 0.5 (stage 0)
+  // and 1.5 (stage 1) start at 7: ends 7.5 and 8.5, so the step is 7 + max over ranks of its reductions.
+  CostModel c = CostModel::uniform(2, 1, 1, 1);
+  c.data_parallel_reduce = {0.5, 1.5};
+  c.overlap_data_parallel = false;
+  const auto sim = simulate(make("1f1b", 2, 2, BackwardMode::kSplit), c);
+  EXPECT_DOUBLE_EQ(sim.step_time, 8.5);
+  EXPECT_DOUBLE_EQ(sim.data_parallel_exposed, 1.5);
+  EXPECT_EQ(sim.data_parallel_exposed_per_rank, (std::vector<double>{0.5, 1.5}));
+  // Busy 6 per rank over a step of 8.5.
+  EXPECT_NEAR(sim.bubble_fraction, 1.0 - 12.0 / (2 * 8.5), 1e-12);
+
+  // Standard 1F1B, p = 2, m = 2, B = 2: rank 0 ends at 9, rank 1 at 7 (B1 [5,7]). Reductions 1 and 3: both ranks
+  // end at 10, so the step grows by 1 while rank 1's exposed time is 3.
+  c.data_parallel_reduce = {1.0, 3.0};
+  const auto std_sim = simulate(make("1f1b", 2, 2, BackwardMode::kStandard), c);
+  EXPECT_DOUBLE_EQ(std_sim.step_time, 10.0);
+  EXPECT_DOUBLE_EQ(std_sim.data_parallel_exposed, 3.0);
+  EXPECT_EQ(std_sim.data_parallel_exposed_per_rank, (std::vector<double>{1.0, 3.0}));
+  // One chunk per rank whose last W/B is the rank's last action: overlapping cannot hide anything.
+  c.overlap_data_parallel = true;
+  EXPECT_DOUBLE_EQ(simulate(make("1f1b", 2, 2, BackwardMode::kStandard), c).step_time, 10.0);
+}
+
+// ZB-V 2BP, p = 2, m = 2, F = I = W = 0.5 per chunk (rank 0 holds stages 0 and 3, rank 1 stages 1 and 2):
+//   rank 0 | F0.0 F0.1 ..   F3.0 I3.0 W3.0 F3.1 I3.1 W3.1 I0.0 W0.0 ..   I0.1 W0.1   last W: stage 3 at 4.5, 0 at 7
+//   rank 1 | ..   F1.0 F2.0 F1.1 F2.1 I2.0 W2.0 I1.0 W1.0 I2.1 W2.1 I1.1 W1.1 ..   last W: stage 2 at 5.5, 1 at 6.5
+// Rank 0 ends at 7, rank 1 at 6.5.
+Schedule zbv_p2_m2() { return make("zb-v", 2, 2, BackwardMode::kSplit, 2); }
+CostModel zbv_costs(std::vector<double> reduce, bool overlap) {
+  CostModel c = CostModel::uniform(4, 0.5, 0.5, 0.5);
+  c.data_parallel_reduce = std::move(reduce);
+  c.overlap_data_parallel = overlap;
+  return c;
+}
+
+TEST(SimulateDataParallel, OverlapStartsAStageReductionAtItsLastW) {
+  const Schedule sc = zbv_p2_m2();
+  ASSERT_DOUBLE_EQ(simulate(sc, zbv_costs({}, true)).step_time, 7.0);
+  // Reductions of 1 per stage. Overlap: rank 0 reduces stage 3 in [4.5, 5.5] under its compute and stage 0 in
+  // [7, 8]; rank 1 stage 2 in [5.5, 6.5], stage 1 in [6.5, 7.5]. Exposed 1 on both ranks, step 8.
+  const auto on = simulate(sc, zbv_costs({1, 1, 1, 1}, true));
+  EXPECT_DOUBLE_EQ(on.step_time, 8.0);
+  EXPECT_DOUBLE_EQ(on.data_parallel_exposed, 1.0);
+  EXPECT_EQ(on.data_parallel_exposed_per_rank, (std::vector<double>{1.0, 1.0}));
+  // Without overlap both reductions follow the rank's end: rank 0 [7, 9], rank 1 [6.5, 8.5]. Exposed 2, step 9.
+  const auto off = simulate(sc, zbv_costs({1, 1, 1, 1}, false));
+  EXPECT_DOUBLE_EQ(off.step_time, 9.0);
+  EXPECT_DOUBLE_EQ(off.data_parallel_exposed, 2.0);
+  EXPECT_LT(on.data_parallel_exposed, off.data_parallel_exposed);
+  EXPECT_LT(on.bubble_fraction, off.bubble_fraction);
+
+  // Reductions of 2 make the link the bottleneck: rank 1 reduces stage 2 in [5.5, 7.5], so stage 1 (ready at 6.5)
+  // waits for the link until 7.5 and ends at 9.5 (exposed 3); rank 0: stage 3 [4.5, 6.5], stage 0 [7, 9] (2).
+  const auto busy_link = simulate(sc, zbv_costs({2, 2, 2, 2}, true));
+  EXPECT_DOUBLE_EQ(busy_link.step_time, 9.5);
+  EXPECT_EQ(busy_link.data_parallel_exposed_per_rank, (std::vector<double>{2.0, 3.0}));
+  EXPECT_DOUBLE_EQ(busy_link.data_parallel_exposed, 3.0);
+  EXPECT_DOUBLE_EQ(simulate(sc, zbv_costs({2, 2, 2, 2}, false)).data_parallel_exposed, 4.0);
+}
+
+TEST(SimulateDataParallel, ReductionsThatFitInTheRanksRemainingTimeAreHidden) {
+  const Schedule sc = zbv_p2_m2();
+  // Only the chunks that finish early have gradients to reduce (0.5 each): stage 3 in [4.5, 5] before rank 0's end
+  // at 7, stage 2 in [5.5, 6] before rank 1's at 6.5. Nothing is exposed and the step is unchanged.
+  const auto on = simulate(sc, zbv_costs({0, 0, 0.5, 0.5}, true));
+  EXPECT_EQ(on.data_parallel_exposed, 0.0);
+  EXPECT_EQ(on.data_parallel_exposed_per_rank, (std::vector<double>{0.0, 0.0}));
+  EXPECT_DOUBLE_EQ(on.step_time, 7.0);
+  // The same reductions after the ranks' last actions are exposed.
+  const auto off = simulate(sc, zbv_costs({0, 0, 0.5, 0.5}, false));
+  EXPECT_DOUBLE_EQ(off.data_parallel_exposed, 0.5);
+  EXPECT_DOUBLE_EQ(off.step_time, 7.5);
+  // Interleaved 1F1B (p = 2, m = 2, v = 2): rank 0's last W of stage 2 ends at 5.5 and the rank at 6.5, so 1 on
+  // stage 2 and nothing on stage 0 is hidden exactly (it ends with the rank); 1.25 exposes the excess 0.25.
+  const Schedule il = make("interleaved-1f1b", 2, 2, BackwardMode::kSplit, 2);
+  CostModel c = CostModel::uniform(4, 0.5, 0.5, 0.5);
+  c.data_parallel_reduce = {0, 0, 1, 0};
+  EXPECT_EQ(simulate(il, c).data_parallel_exposed, 0.0);
+  c.data_parallel_reduce = {0, 0, 1.25, 0};
+  EXPECT_DOUBLE_EQ(simulate(il, c).data_parallel_exposed, 0.25);
+}
+
+TEST(SimulateDataParallel, OverlapNeverExposesMoreThanReducingAfterBackward) {
+  for (const std::string& name : schedule_names()) {
+    for (BackwardMode mode : {BackwardMode::kStandard, BackwardMode::kSplit}) {
+      for (int p : {2, 4}) {
+        const Schedule sc = make_schedule(name, default_schedule_options(name, p, 2 * p, mode));
+        CostModel c = CostModel::uniform(sc.num_stages, 1.0, 1.0, 1.0, 0.1);
+        c.data_parallel_reduce.resize(sc.num_stages);
+        for (int s = 0; s < sc.num_stages; ++s) c.data_parallel_reduce[s] = 0.5 + 0.75 * s;
+        c.overlap_data_parallel = false;
+        const auto off = simulate(sc, c);
+        c.overlap_data_parallel = true;
+        const auto on = simulate(sc, c);
+        const std::string what = name + (mode == BackwardMode::kSplit ? " 2bp" : " standard") + " p=" +
+                                 std::to_string(p);
+        EXPECT_LE(on.data_parallel_exposed, off.data_parallel_exposed) << what;
+        EXPECT_LE(on.step_time, off.step_time) << what;
+        // Without overlap every rank is extended by exactly the sum of its stages' reductions.
+        for (int r = 0; r < p; ++r) {
+          double sum = 0.0;
+          for (int s : sc.stages_of(r)) sum += c.data_parallel_reduce[s];
+          EXPECT_NEAR(off.data_parallel_exposed_per_rank[r], sum, 1e-9) << what << " rank " << r;
+          EXPECT_GT(on.data_parallel_exposed_per_rank[r], 0.0) << what;  // the last chunk is never hidden
+        }
+        // Two chunks per rank: the earlier chunk's reduction is hidden at least in part.
+        if (sc.num_stages > p) EXPECT_LT(on.data_parallel_exposed, off.data_parallel_exposed) << what;
+      }
+    }
+  }
+}
+
+TEST(SimulateDataParallel, RejectsBadReductionCosts) {
+  const Schedule sc = make("1f1b", 2, 2, BackwardMode::kSplit);
+  CostModel c = CostModel::uniform(2, 1, 1, 1);
+  c.data_parallel_reduce = {1.0};
+  EXPECT_THROW(simulate(sc, c), UsageError);
+  c.data_parallel_reduce = {1.0, -1.0};
+  EXPECT_THROW(simulate(sc, c), UsageError);
+  c.data_parallel_reduce = {1.0, std::nan("")};
+  EXPECT_THROW(simulate(sc, c), UsageError);
 }
 
 TEST(Grid, RendersCells) {

@@ -37,4 +37,14 @@ double memory_per_rank(double process_bytes, int ranks_in_process);
 int64_t training_memory_bytes(int64_t parameters, int64_t bytes_per_element, int64_t live_micro_batches,
                               int64_t activation_bytes_per_micro_batch);
 
+/// Time of a ring all-reduce of `bytes` over `ranks` ranks, in seconds: the bandwidth/latency model of the ring
+/// algorithm NCCL and MPI use for large messages,
+///   2(n − 1)/n · bytes / link_bytes_per_s  +  2(n − 1) · latency_s,
+/// since a ring all-reduce is a reduce-scatter then an all-gather, each of n − 1 steps in which every rank sends
+/// and receives one 1/n slice of the buffer over its link. It is the model behind nccl-tests' "busbw"
+/// (bus bandwidth = algbw · 2(n − 1)/n, doc/PERFORMANCE.md), so a measured busbw is the link_bytes_per_s to give.
+/// `link_bytes_per_s` is one rank's link bandwidth in bytes per second (gigabits/s · 1e9 / 8), `latency_s` the
+/// cost of one ring step. 0 when n ≤ 1 (nothing to reduce) or bytes ≤ 0; link_bytes_per_s must be > 0 otherwise.
+double ring_all_reduce_seconds(double bytes, int ranks, double link_bytes_per_s, double latency_s);
+
 }  // namespace twobp::metrics

@@ -161,6 +161,16 @@ struct CostModel {
   std::vector<double> backward;         ///< per stage (fused B); if empty, I + W
   double communication = 0.0;           ///< latency of one send, sender to receiver
 
+  /// Data parallelism (dp replicas of the pipeline): per stage, the time to all-reduce that stage's gradients over
+  /// its data-parallel group (e.g. metrics::ring_all_reduce_seconds of its gradient bytes, in this model's unit).
+  /// Empty (the default): no data parallelism, and simulate() behaves exactly as without these fields.
+  std::vector<double> data_parallel_reduce;
+  /// When a stage's all-reduce may start. true: as soon as its gradients are complete, i.e. at the end of the
+  /// stage's last weight-producing action of the step (its last W, or last B in standard mode), so that it overlaps
+  /// the rank's remaining actions and idle time (what 2BP's deferred W makes possible). false: after the rank's last
+  /// action, as a framework that reduces all gradients once backward is over does.
+  bool overlap_data_parallel = true;
+
   /// The same costs for every stage.
   static CostModel uniform(int num_stages, double f, double i, double w, double comm = 0.0);
 };
@@ -173,14 +183,30 @@ struct SimulatedEvent {
 };
 
 struct SimulationResult {
+  /// The slowest rank's step end: max over ranks of max(end of its last action, end of its last all-reduce).
   double step_time = 0.0;
-  double bubble_fraction = 0.0;            ///< metrics::bubble_fraction (twobp/metrics/metrics.h)
+  /// metrics::bubble_fraction (twobp/metrics/metrics.h) of the compute busy times over step_time (so all-reduce
+  /// time that is not hidden counts as idle compute).
+  double bubble_fraction = 0.0;
+  /// Data parallelism (CostModel::data_parallel_reduce): how far the all-reduces pushed a rank's step end past its
+  /// last action, max(0, end of its last all-reduce − end of its last action), per rank (size num_ranks; all 0
+  /// without data parallelism), and the max over ranks. step_time − (step_time without data parallelism) can be
+  /// smaller than data_parallel_exposed, when the rank whose reductions are exposed is not the slowest.
+  std::vector<double> data_parallel_exposed_per_rank;
+  double data_parallel_exposed = 0.0;
   std::vector<int> peak_live_micro_batches;  ///< per rank: max micro-batches whose activations are alive
   std::vector<SimulatedEvent> events;        ///< compute actions with their times
 };
 
 /// Event-driven simulation of `schedule` under `costs`: each rank runs its actions in order, an F/I/B waits for
 /// its input to arrive (communication latency after the producer finished).
+/// With data parallelism (costs.data_parallel_reduce not empty) each rank also has one reduction link, separate from
+/// compute and from pipeline communication: the all-reduce of each of its stages starts at max(when the stage's
+/// gradients are ready -- see CostModel::overlap_data_parallel --, when the link is free), in the order the stages
+/// become ready (ties: lower stage first), and lasts data_parallel_reduce[stage]. The optimizer step needs every
+/// reduction, so the rank's step ends when both its actions and its reductions are done.
+/// Throws UsageError when a cost vector the schedule needs has the wrong size, or a data_parallel_reduce entry is
+/// negative or not finite.
 SimulationResult simulate(const Schedule& schedule, const CostModel& costs);
 
 }  // namespace twobp
