@@ -81,7 +81,10 @@ class Stage {
   at::Tensor backward_input(int micro_batch, const at::Tensor& grad_output = {});
 
   /// 2BP stage 2 for micro-batches whose backward_input ran, in any order; accumulates into .grad.
-  void backward_weight(const std::vector<int>& micro_batches);
+  /// `done`, when given, is called during the W with parameters whose gradient no later part of this W writes
+  /// (fast-path layers' parameters as each layer finishes; general-path leaves are not reported). The caller
+  /// passes it on the stage's last W of a step, to start reducing those gradients while the W goes on.
+  void backward_weight(const std::vector<int>& micro_batches, const autograd::ParametersDone& done = nullptr);
 
   /// Ordinary (fused) backprop for one micro-batch: returns the input gradient and accumulates into .grad.
   at::Tensor backward(int micro_batch, const at::Tensor& grad_output = {});

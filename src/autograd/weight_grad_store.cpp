@@ -50,7 +50,7 @@ void WeightGradStore::on_backward(std::int64_t micro_batch, const WeightGradKern
   queue_[micro_batch].push_back(Entry{kernel, std::move(item), input_version, grad_version});
 }
 
-void WeightGradStore::run(c10::ArrayRef<std::int64_t> micro_batches, bool batched) {
+void WeightGradStore::run(c10::ArrayRef<std::int64_t> micro_batches, bool batched, const ParametersDone& done) {
   std::vector<Entry> entries;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -78,22 +78,40 @@ void WeightGradStore::run(c10::ArrayRef<std::int64_t> micro_batches, bool batche
     }
   }
   c10::AutoGradMode no_grad(false);
-  auto run_grouped = [](std::vector<Entry>& group_entries) {
-    // Group by kernel in first-seen order: a layer used several times (tied weights, several micro-batches)
-    // becomes one kernel call, i.e. one concatenated GEMM.
-    std::vector<const WeightGradKernel*> order;
-    std::unordered_map<const WeightGradKernel*, std::vector<WeightGradItem>> groups;
-    for (auto& e : group_entries) {
-      auto [it, inserted] = groups.try_emplace(e.kernel);
-      if (inserted) order.push_back(e.kernel);
-      it->second.push_back(std::move(e.item));
-    }
-    for (const auto* kernel : order) kernel->accumulate_weight_grad(groups[kernel]);
-  };
+  // The kernel calls of this run, in order: one per layer over all its items (batched; grouped in first-seen
+  // order, so a layer used several times -- tied weights, several micro-batches -- is one concatenated GEMM),
+  // or one per item.
+  std::vector<std::pair<const WeightGradKernel*, std::vector<WeightGradItem>>> calls;
   if (batched) {
-    run_grouped(entries);
+    std::unordered_map<const WeightGradKernel*, std::size_t> slot;
+    for (auto& e : entries) {
+      auto [it, inserted] = slot.try_emplace(e.kernel, calls.size());
+      if (inserted) calls.emplace_back(e.kernel, std::vector<WeightGradItem>{});
+      calls[it->second].second.push_back(std::move(e.item));
+    }
   } else {
-    for (auto& e : entries) e.kernel->accumulate_weight_grad({e.item});
+    for (auto& e : entries) calls.emplace_back(e.kernel, std::vector<WeightGradItem>{std::move(e.item)});
+  }
+  // For `done`: the last call writing each parameter (by identity); nothing is reported when a kernel does not
+  // say what it writes, since it might write anything.
+  std::vector<std::vector<at::Tensor>> finished(calls.size());
+  if (done) {
+    std::unordered_map<const c10::TensorImpl*, std::pair<std::size_t, at::Tensor>> last;
+    bool known = true;
+    for (std::size_t c = 0; c < calls.size() && known; ++c) {
+      const auto params = calls[c].first->weight_grad_parameters();
+      known = !params.empty();
+      for (const auto& p : params) {
+        if (p.defined()) last.insert_or_assign(p.unsafeGetTensorImpl(), std::make_pair(c, p));
+      }
+    }
+    if (known) {
+      for (auto& [impl, at_call] : last) finished[at_call.first].push_back(at_call.second);
+    }
+  }
+  for (std::size_t c = 0; c < calls.size(); ++c) {
+    calls[c].first->accumulate_weight_grad(calls[c].second);
+    if (!finished[c].empty()) done(finished[c]);
   }
 }
 

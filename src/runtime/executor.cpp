@@ -171,7 +171,10 @@ void Executor::backward(Step& st, const Action& a) {
   if (const ItemRef* made = travelling(deps.produces)) put(st.mailbox, *made, std::move(grad_input));
 }
 
-void Executor::backward_weight(Step&, const Action& a) { stage(a).backward_weight(a.micro_batches); }
+void Executor::backward_weight(Step& st, const Action& a) {
+  stage(a).backward_weight(a.micro_batches,
+                           options_.parameters_done ? options_.parameters_done(st.index) : autograd::ParametersDone());
+}
 
 void Executor::send(Step& st, const Action& a) {
   const int mb = a.micro_batches[0];

@@ -42,12 +42,17 @@ GradientReducer::GradientReducer(const Schedule& schedule, int rank, const std::
       if (!inserted && last_weight_action[index] > last_weight_action[it->second]) it->second = index;
     }
   }
-  // Buckets per chunk, its parameters in reverse order (backward produces the last layers' gradients first),
-  // one dtype and device per bucket, closed at bucket_bytes.
+  // Buckets in the order the chunks finish their weight gradients; within a chunk its parameters in reverse
+  // order (backward produces the last layers' gradients first), one dtype and device per bucket, closed at
+  // bucket_bytes.
+  std::vector<std::pair<std::size_t, int>> chunk_order;  // (last weight action, stage)
+  for (const auto& [index, stage] : stages) chunk_order.emplace_back(last_weight_action[index], index);
+  std::sort(chunk_order.begin(), chunk_order.end());
   double signature[3] = {0, 0, 0};  // tensors, elements, buckets: compared across replicas below
-  for (const auto& [index, stage] : stages) {
+  for (const auto& [action, index] : chunk_order) {
+    last_weight_action_[action] = index;
     std::map<std::pair<at::ScalarType, std::string>, std::size_t> open;  // (dtype, device) -> bucket
-    const auto params = stage->parameters();
+    const auto params = stages.at(index)->parameters();
     for (auto it = params.rbegin(); it != params.rend(); ++it) {
       const at::Tensor& p = *it;
       if (!p.requires_grad() || owner.at(p.unsafeGetTensorImpl()) != index) continue;
@@ -56,10 +61,10 @@ GradientReducer::GradientReducer(const Schedule& schedule, int rank, const std::
       if (found == open.end() || buckets_[found->second].numel * static_cast<std::int64_t>(p.element_size()) >=
                                      options_.bucket_bytes) {
         buckets_.push_back(Bucket{index, {}, 0});
-        starts_after_[last_weight_action[index]].push_back(buckets_.size() - 1);
         found = open.insert_or_assign(key, buckets_.size() - 1).first;
       }
       Bucket& b = buckets_[found->second];
+      slot_[p.unsafeGetTensorImpl()] = {found->second, b.params.size()};
       b.params.push_back(p);
       b.numel += p.numel();
       signature[0] += 1;
@@ -80,7 +85,7 @@ GradientReducer::GradientReducer(const Schedule& schedule, int rank, const std::
                 rank_, options_.group->rank(), dp_, signature[0], signature[1], signature[2], sums[k].item<double>() / dp_,
                 k == 0 ? "tensors" : k == 1 ? "elements" : "buckets");
   }
-  started_.assign(buckets_.size(), false);
+  reset();
 }
 
 GradientReducer::~GradientReducer() = default;
@@ -112,11 +117,45 @@ void GradientReducer::check_buffers() const {
   }
 }
 
+autograd::ParametersDone GradientReducer::parameters_done(std::size_t index) {
+  if (!options_.overlap) return nullptr;
+  auto it = last_weight_action_.find(index);
+  if (it == last_weight_action_.end()) return nullptr;
+  const int stage = it->second;
+  return [this, stage](const std::vector<at::Tensor>& params) { mark_final(stage, params); };
+}
+
+void GradientReducer::mark_final(int stage, const std::vector<at::Tensor>& params) {
+  for (const auto& p : params) {
+    auto it = slot_.find(p.unsafeGetTensorImpl());
+    if (it == slot_.end()) continue;  // not reduced here (frozen)
+    const auto [bucket, k] = it->second;
+    // A tensor shared with a later chunk of this rank is final only after that chunk's weight actions.
+    if (buckets_[bucket].stage != stage || final_[bucket][k]) continue;
+    final_[bucket][k] = true;
+    --pending_[bucket];
+  }
+  start_ready();
+}
+
+void GradientReducer::mark_stage_final(int stage) {
+  for (std::size_t b = 0; b < buckets_.size(); ++b) {
+    if (buckets_[b].stage != stage) continue;
+    final_[b].assign(buckets_[b].params.size(), true);
+    pending_[b] = 0;
+  }
+}
+
 void GradientReducer::after_action(std::size_t index) {
   if (!options_.overlap) return;
-  auto it = starts_after_.find(index);
-  if (it == starts_after_.end()) return;
-  for (std::size_t b : it->second) start(b);
+  auto it = last_weight_action_.find(index);
+  if (it == last_weight_action_.end()) return;
+  mark_stage_final(it->second);
+  start_ready();
+}
+
+void GradientReducer::start_ready() {
+  while (next_ < buckets_.size() && pending_[next_] == 0) start(next_++);
 }
 
 void GradientReducer::start(std::size_t index) {
@@ -143,7 +182,6 @@ void GradientReducer::start(std::size_t index) {
   f.bucket = index;
   f.flat = at::cat(pieces);
   f.work = options_.group->all_reduce_sum_async(f.flat, timeout_);
-  started_[index] = true;
   in_flight_.push_back(std::move(f));
 }
 
@@ -171,22 +209,26 @@ void GradientReducer::write_back(InFlight& f) {
 
 double GradientReducer::finish() {
   const Clock::time_point t0 = Clock::now();
-  for (std::size_t b = 0; b < buckets_.size(); ++b) {
-    if (!started_[b]) start(b);
-  }
+  for (const auto& [action, stage] : last_weight_action_) mark_stage_final(stage);
+  start_ready();
   for (auto& f : in_flight_) {
     f.work->wait(timeout_);
     write_back(f);
   }
-  in_flight_.clear();
-  started_.assign(buckets_.size(), false);
+  reset();
   check_buffers();
   return elapsed_us(t0);
 }
 
 void GradientReducer::reset() {
   in_flight_.clear();
-  started_.assign(buckets_.size(), false);
+  final_.clear();
+  pending_.clear();
+  for (const auto& b : buckets_) {
+    final_.emplace_back(b.params.size(), false);
+    pending_.push_back(b.params.size());
+  }
+  next_ = 0;
 }
 
 }  // namespace twobp::detail

@@ -26,7 +26,11 @@ class GradientReducer {
 
   /// Before a step: remembers the buffers' versions (see finish()).
   void begin_step();
-  /// After action `index` of this rank's list: starts the buckets whose stage's gradients are now complete.
+  /// For the W at `index` of this rank's list: when it is its stage's last weight action, the function that
+  /// marks parameters final as the W produces them (Stage::backward_weight's `done`); null otherwise.
+  autograd::ParametersDone parameters_done(std::size_t index);
+  /// After action `index` of this rank's list: every parameter of a stage whose last weight action it was is
+  /// final; starts the buckets that are ready.
   void after_action(std::size_t index);
   /// Starts what has not started, waits for every bucket and writes the averaged gradients back. Returns the
   /// microseconds it took (the reduction time exposed after the rank's last action). Throws UsageError when a
@@ -54,6 +58,11 @@ class GradientReducer {
     std::int64_t version = 0;  // at begin_step()
   };
 
+  void mark_final(int stage, const std::vector<at::Tensor>& params);
+  void mark_stage_final(int stage);
+  /// Starts ready buckets in bucket order. WHY in order: the replicas' reductions are matched by their order,
+  /// and which bucket becomes ready first may depend on a replica's data (a layer its micro-batches skip).
+  void start_ready();
   void start(std::size_t bucket);
   void check_buffers() const;
   void write_back(InFlight& f);
@@ -63,8 +72,12 @@ class GradientReducer {
   Duration timeout_;
   int dp_;
   std::vector<Bucket> buckets_;
-  std::map<std::size_t, std::vector<std::size_t>> starts_after_;  // action index -> buckets
-  std::vector<bool> started_;
+  std::map<std::size_t, int> last_weight_action_;  // action index -> the stage it completes
+  std::map<const c10::TensorImpl*, std::pair<std::size_t, std::size_t>> slot_;  // parameter -> (bucket, index)
+  // Per step:
+  std::vector<std::vector<bool>> final_;  // by bucket, by parameter
+  std::vector<std::size_t> pending_;      // by bucket: parameters not final yet
+  std::size_t next_ = 0;                  // the next bucket to start
   std::vector<InFlight> in_flight_;
   std::map<int, Stage*> stages_;
   std::vector<Buffer> buffers_;

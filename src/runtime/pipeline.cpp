@@ -103,6 +103,11 @@ Pipeline::Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, std::sh
       throw;
     }
   }
+  if (impl_->reducer) {
+    eo.parameters_done = [reducer = impl_->reducer.get()](std::size_t index) {
+      return reducer->parameters_done(index);
+    };
+  }
   impl_->executor = std::make_unique<Executor>(schedule_, rank, std::move(stages), *transport_, std::move(eo));
   if (impl_->reducer) {
     // First hook: a bucket starts right after its stage's last weight action, before any user hook runs.

@@ -119,7 +119,7 @@ at::Tensor Stage::backward_input(int micro_batch, const at::Tensor& grad_output)
   return result.grad_input;
 }
 
-void Stage::backward_weight(const std::vector<int>& micro_batches) {
+void Stage::backward_weight(const std::vector<int>& micro_batches, const autograd::ParametersDone& done) {
   // Validate every micro-batch before doing any work, so a bad call leaves the stage unchanged.
   std::set<int> seen;
   for (int mb : micro_batches) {
@@ -132,7 +132,25 @@ void Stage::backward_weight(const std::vector<int>& micro_batches) {
                 "{}: W called before I (backward_input) for this micro-batch", where(mb));
   }
   std::vector<std::int64_t> ids(micro_batches.begin(), micro_batches.end());
-  store_.run(ids, options_.batch_weight_grads);
+  autograd::ParametersDone fast_only;
+  if (done) {
+    // A tensor the general path also writes in this W (a weight shared across paths) is final only at the end.
+    auto general = std::make_shared<std::unordered_set<const c10::TensorImpl*>>();
+    for (int mb : micro_batches) {
+      const auto& plan = micro_batches_.at(mb).plan;
+      if (plan) {
+        for (const auto& leaf : plan->leaves) general->insert(leaf.unsafeGetTensorImpl());
+      }
+    }
+    fast_only = [general, &done](const std::vector<at::Tensor>& params) {
+      std::vector<at::Tensor> out;
+      for (const auto& p : params) {
+        if (p.requires_grad() && general->count(p.unsafeGetTensorImpl()) == 0) out.push_back(p);
+      }
+      if (!out.empty()) done(out);
+    };
+  }
+  store_.run(ids, options_.batch_weight_grads, fast_only);
   for (int mb : micro_batches) {
     auto it = micro_batches_.find(mb);
     if (it->second.plan) detail::run_weight_backward(*it->second.plan);

@@ -8,6 +8,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <fmt/format.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <map>
@@ -69,9 +70,16 @@ struct LocalGroupState;
 /// Every group split (transitively) from one LocalTransportGroup: an abort anywhere reaches all of them, as an
 /// MPI abort ends the whole job, so that a rank failing in one group does not leave its peers in another group
 /// (a data-parallel group next to a pipeline group) waiting for their timeouts.
+///
+/// WHY the abort lives here, not in each group: a group created after an abort (a split racing with it) must see
+/// it too. abort() sets the flag first, then wakes every member it knows of under that member's mutex; a member
+/// created later checks the flag before it ever waits.
 struct LocalFamily {
-  std::mutex mutex;
+  std::mutex mutex;  // guards members and the first abort's who/reason
   std::vector<std::weak_ptr<LocalGroupState>> members;
+  std::atomic<bool> aborted{false};
+  std::string abort_who;  // "rank 2", or "rank 0 (group color 1, rank 2 in the parent)"
+  std::string abort_reason;
 };
 
 struct LocalGroupState {
@@ -107,9 +115,7 @@ struct LocalGroupState {
 
   const std::shared_ptr<LocalFamily> family;
 
-  bool aborted = false;
-  std::string abort_who;  // "rank 2", or a group member's name when the abort came from another group
-  std::string abort_reason;
+  bool aborted() const { return family->aborted.load(); }
 
   // Collectives: one sequence shared by all_reduce_sum and barrier. `generation` counts completed ones.
   std::int64_t generation = 0;
@@ -135,7 +141,7 @@ struct LocalGroupState {
 
   /// Throws the error every wait raises after an abort. Caller holds `mutex`.
   [[noreturn]] void raise_aborted(int me, const std::string& what) const {
-    raise<TransportError>("{}: {} failed: {} aborted: {}", who(me), what, abort_who, abort_reason);
+    raise<TransportError>("{}: {} failed: {} aborted: {}", who(me), what, family->abort_who, family->abort_reason);
   }
 };
 
@@ -152,9 +158,9 @@ class LocalSendWork final : public Work {
     std::unique_lock<std::mutex> lock(state_->mutex);
     // Eager sends are complete once deposited; synchronous ones wait until the receiver posted its irecv.
     const bool done = state_->wakeup[rank_].wait_until(lock, deadline, [&] {
-      return state_->aborted || !state_->options.synchronous_sends || send_->matched;
+      return state_->aborted() || !state_->options.synchronous_sends || send_->matched;
     });
-    if (state_->aborted) state_->raise_aborted(rank_, what());
+    if (state_->aborted()) state_->raise_aborted(rank_, what());
     if (!done) {
       raise<TimeoutError>("{}: timed out after {} ms waiting for {} to rank {} (rank {} has not posted the "
                           "matching receive)",
@@ -164,7 +170,7 @@ class LocalSendWork final : public Work {
 
   bool is_completed() override {
     std::lock_guard<std::mutex> lock(state_->mutex);
-    if (state_->aborted) state_->raise_aborted(rank_, what());
+    if (state_->aborted()) state_->raise_aborted(rank_, what());
     return !state_->options.synchronous_sends || send_->matched;
   }
 
@@ -212,8 +218,8 @@ class LocalRecvWork final : public Work {
     {
       std::unique_lock<std::mutex> lock(state_->mutex);
       const bool matched = state_->wakeup[rank_].wait_until(
-          lock, deadline, [&] { return state_->aborted || recv_->matched; });
-      if (state_->aborted) state_->raise_aborted(rank_, what());
+          lock, deadline, [&] { return state_->aborted() || recv_->matched; });
+      if (state_->aborted()) state_->raise_aborted(rank_, what());
       if (!matched) {
         raise<TimeoutError>("{}: timed out after {} ms waiting for {} from rank {}", state_->who(rank_), timeout.count(),
                             describe_op(options_), options_.peer);
@@ -228,7 +234,7 @@ class LocalRecvWork final : public Work {
     at::Tensor payload;
     {
       std::lock_guard<std::mutex> lock(state_->mutex);
-      if (state_->aborted) state_->raise_aborted(rank_, what());
+      if (state_->aborted()) state_->raise_aborted(rank_, what());
       if (!recv_->matched) return false;
       payload = std::move(recv_->payload);
     }
@@ -309,7 +315,7 @@ std::unique_ptr<Work> LocalTransport::isend(const at::Tensor& tensor, const P2PO
   auto send = std::make_shared<detail::SendState>();
   {
     std::lock_guard<std::mutex> lock(state_->mutex);
-    if (state_->aborted) {
+    if (state_->aborted()) {
       state_->raise_aborted(rank_, fmt::format("{} to rank {}", detail::describe_op(options), options.peer));
     }
     const detail::MailKey key = state_->key(rank_, options.peer, options);
@@ -338,7 +344,7 @@ std::unique_ptr<Work> LocalTransport::irecv(at::Tensor& buffer, const P2POptions
   auto recv = std::make_shared<detail::RecvState>();
   {
     std::lock_guard<std::mutex> lock(state_->mutex);
-    if (state_->aborted) {
+    if (state_->aborted()) {
       state_->raise_aborted(rank_, fmt::format("{} from rank {}", detail::describe_op(options), options.peer));
     }
     const detail::MailKey key = state_->key(options.peer, rank_, options);
@@ -433,7 +439,7 @@ void LocalTransport::collective(const std::string& kind, at::Tensor* tensor, Dur
   std::unique_lock<std::mutex> lock(s.mutex);
   const std::int64_t my_generation = s.generation;
   const std::string what = fmt::format("{} #{}", kind, my_generation);
-  if (s.aborted) s.raise_aborted(rank_, what);
+  if (s.aborted()) s.raise_aborted(rank_, what);
   if (!s.failure.empty()) detail::raise<TransportError>("{}: {} failed: {}", state_->who(rank_), what, s.failure);
 
   // A contract violation leaves the collective unable to complete: record it so the other ranks fail at once
@@ -492,10 +498,11 @@ void LocalTransport::collective(const std::string& kind, at::Tensor* tensor, Dur
     s.notify_all_ranks();
   } else {
     const bool done = s.wakeup[rank_].wait_until(lock, deadline, [&] {
-      return s.aborted || !s.failure.empty() || s.generation > my_generation;
+      return s.aborted() || !s.failure.empty() || s.generation > my_generation;
     });
-    if (s.aborted) s.raise_aborted(rank_, what);
     if (s.generation <= my_generation) {
+      // A collective that completed before an abort still succeeds: its result is valid.
+      if (s.aborted()) s.raise_aborted(rank_, what);
       if (!s.failure.empty()) detail::raise<TransportError>("{}: {} failed: {}", state_->who(rank_), what, s.failure);
       if (!done) {
         std::string missing;
@@ -516,20 +523,20 @@ void LocalTransport::collective(const std::string& kind, at::Tensor* tensor, Dur
 }
 
 void LocalTransport::abort(const std::string& reason) {
+  auto& family = *state_->family;
   std::vector<std::shared_ptr<detail::LocalGroupState>> states;
   {
-    std::lock_guard<std::mutex> lock(state_->family->mutex);
-    for (const auto& weak : state_->family->members) {
+    std::lock_guard<std::mutex> lock(family.mutex);
+    if (family.aborted.load()) return;  // the first abort's reason is what everyone reports
+    family.abort_who = state_->who(rank_);
+    family.abort_reason = reason;
+    family.aborted.store(true);
+    for (const auto& weak : family.members) {
       if (auto st = weak.lock()) states.push_back(std::move(st));
     }
   }
-  const std::string who = state_->who(rank_);
-  for (const auto& st : states) {  // one state's mutex at a time: no lock order to get wrong
+  for (const auto& st : states) {  // one mutex at a time: no lock order to get wrong
     std::lock_guard<std::mutex> lock(st->mutex);
-    if (st->aborted) continue;  // the first abort's reason is what everyone reports
-    st->aborted = true;
-    st->abort_who = who;
-    st->abort_reason = reason;
     st->notify_all_ranks();
   }
 }

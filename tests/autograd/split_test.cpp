@@ -375,3 +375,75 @@ TEST(WeightGradBatching, ConcatenatedAndSeparateGemmsGiveTheSameGradients) {
 
 }  // namespace
 }  // namespace twobp::testing
+
+namespace twobp::testing {
+namespace {
+
+/// A stage of fast layers (one weight tied between the first and the last), a general layer, and a fast weight
+/// the general path uses as well.
+struct DoneModule : torch::nn::Module {
+  DoneModule() {
+    a = register_module("a", twobp::nn::Linear(4, 4));
+    b = register_module("b", twobp::nn::Linear(4, 4));
+    c = register_module("c", twobp::nn::Linear(4, 4));
+    general = register_module("general", torch::nn::Linear(4, 4));
+    shared = register_module("shared", twobp::nn::Linear(4, 4));
+    c->tie_weight(a->weight);
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = torch::tanh(a(x));
+    h = torch::tanh(b(h));
+    h = general(h) + shared(h) * shared->bias.sum();  // shared's bias: fast path and general path
+    return c(h);
+  }
+  twobp::nn::Linear a{nullptr}, b{nullptr}, c{nullptr}, shared{nullptr};
+  torch::nn::Linear general{nullptr};
+};
+
+// W reports a parameter when no later part of the W writes it: at that moment its .grad already holds its
+// final value for the W. Tied and general-path tensors are reported late or not at all, never early.
+TEST(WeightGradDone, ReportsEachFastParameterOnceWhenItsGradientIsFinal) {
+  Float64Default f;
+  for (bool batched : {true, false}) {
+    SCOPED_TRACE(batched ? "batched" : "separate");
+    torch::manual_seed(3);
+    auto module = std::make_shared<DoneModule>();
+    StageOptions so;
+    so.stage_index = 1;
+    so.num_stages = 3;
+    so.batch_weight_grads = batched;
+    Stage stage(module, [m = module.get()](const at::Tensor& x) { return m->forward(x); }, so);
+    for (int mb = 0; mb < 2; ++mb) {
+      at::Tensor out = stage.forward(mb, torch::randn({3, 4}));
+      stage.backward_input(mb, torch::randn({3, 4}));
+    }
+    std::map<const c10::TensorImpl*, at::Tensor> seen;  // grad snapshot at report time
+    std::vector<std::string> order;
+    auto names = module->named_parameters();
+    stage.backward_weight({0, 1}, [&](const std::vector<at::Tensor>& params) {
+      for (const auto& p : params) {
+        EXPECT_TRUE(seen.emplace(p.unsafeGetTensorImpl(), p.grad().clone()).second) << "reported twice";
+        for (const auto& item : names) {
+          if (item.value().is_same(p)) order.push_back(item.key());
+        }
+      }
+    });
+    // Every fast-only parameter was reported, with its final gradient; the general-path ones and shared.bias
+    // (written by both paths) were not.
+    for (const auto& name : {"a.weight", "a.bias", "b.weight", "b.bias", "c.bias", "shared.weight"}) {
+      const at::Tensor& p = names[name];
+      auto it = seen.find(p.unsafeGetTensorImpl());
+      ASSERT_NE(it, seen.end()) << name << " not reported";
+      EXPECT_TRUE(at::equal(it->second, p.grad())) << name << " was reported before its gradient was final";
+    }
+    for (const auto& name : {"general.weight", "general.bias", "shared.bias"}) {
+      EXPECT_EQ(seen.count(names[name].unsafeGetTensorImpl()), 0u) << name << " reported by the fast path";
+    }
+    // The tied weight is written by c's and a's kernels: reported after both, i.e. after b (queued between).
+    const auto pos = [&](const std::string& n) { return std::find(order.begin(), order.end(), n) - order.begin(); };
+    EXPECT_GT(pos("a.weight"), pos("b.weight"));
+  }
+}
+
+}  // namespace
+}  // namespace twobp::testing

@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <string>
@@ -34,7 +35,14 @@ class WeightGradKernel {
   virtual ~WeightGradKernel() = default;
   virtual void accumulate_weight_grad(c10::ArrayRef<WeightGradItem> items) const = 0;
   virtual std::string kernel_name() const = 0;
+  /// The tensors accumulate_weight_grad() may write the .grad of. Empty means "not known": a W that runs such a
+  /// kernel then reports no parameter complete before it ended (see WeightGradStore::run).
+  virtual std::vector<at::Tensor> weight_grad_parameters() const { return {}; }
 };
+
+/// Told, during a W, of parameters no later kernel of that W writes: if the W is the last of the step for the
+/// stage, their gradients are final (data-parallel reduction starts on them while W goes on).
+using ParametersDone = std::function<void(const std::vector<at::Tensor>& params)>;
 
 /// When a fast-path layer's backward runs, does it compute its weight gradient now or defer it?
 enum class WeightGradPolicy {
@@ -68,7 +76,9 @@ class WeightGradStore {
   /// depend on hash order) and runs each layer's kernel once over all of them when `batched`, else once per
   /// micro-batch. The queued items are released afterwards. Throws UsageError, before running any kernel, when a
   /// queued tensor was modified in place after it was queued (the result would silently be wrong).
-  void run(c10::ArrayRef<std::int64_t> micro_batches, bool batched);
+  /// `done`, when given, is called after each kernel call with the parameters of that kernel that no later call
+  /// of this run writes (never when some kernel of the run does not list its parameters).
+  void run(c10::ArrayRef<std::int64_t> micro_batches, bool batched, const ParametersDone& done = nullptr);
 
   /// Number of queued items for a micro-batch (0 when none).
   std::size_t pending(std::int64_t micro_batch) const;

@@ -26,6 +26,7 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl>, public autograd::Wei
   at::Tensor forward(const at::Tensor& input);
   void accumulate_weight_grad(c10::ArrayRef<autograd::WeightGradItem> items) const override;
   std::string kernel_name() const override { return "Linear"; }
+  std::vector<at::Tensor> weight_grad_parameters() const override { return {weight, bias}; }
   /// Makes this layer use `shared` (e.g. the embedding table, for tied input/output embeddings) as its weight.
   /// Both layers then accumulate into the same .grad, so the gradient is the sum over every use.
   void tie_weight(const at::Tensor& shared);
@@ -53,6 +54,7 @@ class EmbeddingImpl : public torch::nn::Cloneable<EmbeddingImpl>, public autogra
   at::Tensor forward(const at::Tensor& ids);
   void accumulate_weight_grad(c10::ArrayRef<autograd::WeightGradItem> items) const override;
   std::string kernel_name() const override { return "Embedding"; }
+  std::vector<at::Tensor> weight_grad_parameters() const override { return {weight}; }
 
   EmbeddingOptions options;
   at::Tensor weight;
@@ -74,6 +76,7 @@ class RMSNormImpl : public torch::nn::Cloneable<RMSNormImpl>, public autograd::W
   at::Tensor forward(const at::Tensor& input);
   void accumulate_weight_grad(c10::ArrayRef<autograd::WeightGradItem> items) const override;
   std::string kernel_name() const override { return "RMSNorm"; }
+  std::vector<at::Tensor> weight_grad_parameters() const override { return {weight}; }
 
   RMSNormOptions options;
   at::Tensor weight;

@@ -49,6 +49,9 @@ struct ExecutorOptions {
   std::function<TensorSpec(int stage)> activation_spec;
   /// Receives are posted this many RECV actions ahead of their use.
   int prefetch_receives = 4;
+  /// Asked before each W with the action's index in the rank's list: a function for Stage::backward_weight to
+  /// call with parameters whose gradient is final during that W, or null (data-parallel reduction uses it).
+  std::function<autograd::ParametersDone(std::size_t action_index)> parameters_done;
 };
 
 /// Interprets `schedule.actions[rank]` for one step at a time.
