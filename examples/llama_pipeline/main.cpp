@@ -4,6 +4,7 @@
 //   mpirun -n 4 llama_pipeline --model small --schedule zb-h1 --device cuda    # one rank per process, NCCL/MPI
 //   torchrun --nproc-per-node 4 --no-python llama_pipeline --device cuda ...   # the same without MPI (TCPStore)
 //   llama_pipeline --model 7b --stages 4 --dry-run --json plan.json            # sizes and memory, nothing allocated
+//   mpirun -n 8 llama_pipeline --dp 2 --device cuda ...                        # 2 replicas of a 4-rank pipeline
 //
 // Ranks: under an MPI launcher (detected by twobp::launched_by_mpi_launcher) in a build with MPI every process is
 // one rank (MpiEnvironment); under torchrun or srun -- or mpirun in a build without MPI -- the ranks come from the
@@ -12,6 +13,13 @@
 // --stages P ranks run as threads of this process over a LocalTransport group.
 // The pipeline has P * --chunks-per-rank stages; the model is split into that many chunks balanced by compute
 // (or by --partition "3,3,2,0"), and each rank builds only its own chunks.
+//
+// Data parallelism: --dp D trains D replicas of a P-rank pipeline on D * P ranks (threads: --stages P gives P, and
+// D * P threads run; under a launcher P = world size / D). World rank r is pipeline rank r % P of replica r / P
+// (twobp::ParallelLayout: a replica's stages are adjacent ranks, so they share a node). Every step reads one
+// global batch of D * --microbatches * --micro-batch-size sequences; replica d trains on the d-th share of it, and
+// gradients are averaged over the replicas (overlapped with W), so losses match a single pipeline with D times
+// the micro-batches. Checkpoints hold one copy per stage (replica 0 writes) and resume with any D.
 //
 // Devices and precision: --device cuda puts rank r's chunks on GPU (local rank mod device count). Activations cross
 // ranks through the transport's device (CPU for Local/MPI: each chunk's forward moves its input to the GPU and its
@@ -87,6 +95,7 @@ struct Args {
   std::string trace;
   double timeout_s = 300;
   int stages = 2;
+  int dp = 1;  // data-parallel replicas
   int chunks_per_rank = 0;  // 0: the schedule's default
   std::string schedule_file;
   std::string partition;
@@ -99,7 +108,8 @@ struct Args {
 struct Plan {
   Args args;
   llm::LlamaConfig config;
-  int world_size = 1;
+  int world_size = 1;  // pipeline ranks of one replica (pp); the job has dp * world_size ranks
+  int dp = 1;
   int64_t seq_len = 0;
   twobp::Schedule schedule;
   llm::Partition partition;
@@ -107,10 +117,12 @@ struct Plan {
   ck::CheckpointConfig checkpoint_config;
 };
 
+/// `world_size`: the pipeline ranks of one replica.
 Plan make_plan(const Args& args, int world_size) {
   Plan plan;
   plan.args = args;
   plan.world_size = world_size;
+  plan.dp = args.dp;
   plan.config = llm::config_by_name(args.model);
   plan.seq_len = args.seq_len > 0 ? args.seq_len : plan.config.max_seq_len;
   plan.schedule = twobp::resolve_schedule({args.schedule, args.schedule_file, args.chunks_per_rank}, world_size,
@@ -158,7 +170,9 @@ nlohmann::json config_json(const Plan& p) {
           {"schedule", p.schedule.name},
           {"schedule_file", a.schedule_file},
           {"2bp", p.schedule.backward == twobp::BackwardMode::kSplit},
-          {"world_size", p.world_size},
+          {"world_size", p.dp * p.world_size},
+          {"dp", p.dp},
+          {"pp", p.world_size},
           {"num_stages", p.schedule.num_stages},
           {"chunks_per_rank", p.schedule.num_stages / p.world_size},
           {"partition", p.partition.layout()},
@@ -263,11 +277,16 @@ struct Shared {
   int64_t resumed_from = 0;
 };
 
-void train_rank(const Plan& p, twobp::Transport& transport, c10::Device device, const std::vector<uint16_t>& tokens,
+void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, const std::vector<uint16_t>& tokens,
                 Shared& shared) {
   const Args& a = p.args;
-  const int rank = transport.rank();
   const auto timeout = twobp::Duration(static_cast<int64_t>(a.timeout_s * 1000));
+  // The pipeline of this rank's replica, and the group of the same stages in every replica (dp > 1).
+  twobp::ParallelGroups groups(world, p.dp, timeout);
+  twobp::Transport& transport = groups.pipeline();
+  const int rank = transport.rank();  // in the pipeline
+  const bool reports = world.rank() == 0;
+  const ck::DataParallelCheckpoint replicas{p.dp, groups.replica(), groups.data_parallel()};
   const int last = p.schedule.num_stages - 1;
 
   // Build only this rank's chunks.
@@ -296,6 +315,7 @@ void train_rank(const Plan& p, twobp::Transport& transport, c10::Device device, 
   po.loss = [](const at::Tensor& logits, const at::Tensor& targets) {
     return llm::cross_entropy_loss(logits, targets.to(logits.device()));
   };
+  po.data_parallel.group = groups.data_parallel();
   twobp::Pipeline pipeline(p.schedule, std::move(chunks), transport, po);
 
   // Each tensor once: with tied embeddings the head chunk lists its table under two names, and AdamW would
@@ -305,16 +325,18 @@ void train_rank(const Plan& p, twobp::Transport& transport, c10::Device device, 
                                             a.weight_decay));
   int start = 0;
   if (a.resume) {
-    auto loaded = ck::load_checkpoint(a.checkpoint_dir, p.checkpoint_config, rank, p.world_size);
+    auto loaded = ck::load_checkpoint(a.checkpoint_dir, p.checkpoint_config, rank, p.world_size, replicas);
     ck::restore(loaded.tensors, named, &optimizer);
     start = static_cast<int>(loaded.step);
-    if (rank == 0) shared.resumed_from = start;
+    if (reports) shared.resumed_from = start;
   }
-  twobp::data::BatchSampler sampler(tokens, seq, a.microbatches * mbs, a.seed);
+  // One global batch per step, the same for every --dp; replica d trains on its d-th share.
+  const int64_t replica_batch = a.microbatches * mbs;
+  twobp::data::BatchSampler sampler(tokens, seq, p.dp * replica_batch, a.seed);
   const int end = a.stop_after > 0 ? std::min(a.stop_after, a.steps) : a.steps;
   const bool owns_first = p.schedule.stage_to_rank[0] == rank;
   const bool owns_last = p.schedule.stage_to_rank[last] == rank;
-  const double tokens_per_step = static_cast<double>(a.microbatches * mbs * seq);
+  const double tokens_per_step = static_cast<double>(p.dp * replica_batch * seq);
   const auto t0 = std::chrono::steady_clock::now();
 
   for (int step = start; step < end; ++step) {
@@ -323,15 +345,17 @@ void train_rank(const Plan& p, twobp::Transport& transport, c10::Device device, 
     for (auto& group : optimizer.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
     pipeline.zero_grad();
     const auto batch = sampler.batch(step);
-    auto result = pipeline.step(owns_first ? batch.inputs : at::Tensor(), owns_last ? batch.targets : at::Tensor());
+    const int64_t share = groups.replica() * replica_batch;
+    auto result = pipeline.step(owns_first ? batch.inputs.narrow(0, share, replica_batch) : at::Tensor(),
+                                owns_last ? batch.targets.narrow(0, share, replica_batch) : at::Tensor());
     const double norm = pipeline.clip_grad_norm(a.clip);
     optimizer.step();
-    // The mean loss lives on the last stage's rank; one all-reduce brings it to everyone (rank 0 reports it).
+    // The mean loss lives on the last stage's ranks; all-reduces bring the global batch's to everyone.
     const double loss = pipeline.mean_loss(result);
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - ts).count();
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double tokens_per_s = twobp::metrics::per_second(tokens_per_step, secs);
-    if (rank == 0) {
+    if (reports) {
       const double remaining = elapsed / (step - start + 1) * (end - step - 1);
       fmt::print("step {:>5}/{} | loss {:.4f} | grad norm {:.3f} | lr {:.2e} | {:.0f} tok/s | elapsed {:.1f}s | "
                  "remaining {:.1f}s\n",
@@ -342,23 +366,23 @@ void train_rank(const Plan& p, twobp::Transport& transport, c10::Device device, 
     }
     if (!a.trace.empty() && step + 1 == end) {
       std::lock_guard<std::mutex> lock(shared.mutex);
-      shared.traces[rank] = result.trace;
+      shared.traces[world.rank()] = result.trace;
     }
     const bool periodic = a.checkpoint_every > 0 && (step + 1) % a.checkpoint_every == 0;
     if (!a.checkpoint_dir.empty() && (periodic || step + 1 == end)) {
       ck::NamedTensors state = named;
       auto opt = ck::adamw_state_tensors(optimizer, named);
       state.insert(state.end(), opt.begin(), opt.end());
-      ck::save_checkpoint(a.checkpoint_dir, step + 1, p.checkpoint_config, state, transport, timeout);
-      if (rank == 0) fmt::print("checkpoint of step {} written to {}\n", step + 1, a.checkpoint_dir);
+      ck::save_checkpoint(a.checkpoint_dir, step + 1, p.checkpoint_config, state, transport, timeout, replicas);
+      if (reports) fmt::print("checkpoint of step {} written to {}\n", step + 1, a.checkpoint_dir);
     }
   }
 }
 
 void validate_args(const Args& a) {
-  TWOBP_CHECK(a.microbatches >= 1 && a.micro_batch_size >= 1 && a.steps >= 1 && a.stages >= 1 &&
+  TWOBP_CHECK(a.microbatches >= 1 && a.micro_batch_size >= 1 && a.steps >= 1 && a.stages >= 1 && a.dp >= 1 &&
                   a.chunks_per_rank >= 0,
-              twobp::UsageError, "--microbatches, --micro-batch-size, --steps and --stages must be positive, "
+              twobp::UsageError, "--microbatches, --micro-batch-size, --steps, --stages and --dp must be positive, "
               "--chunks-per-rank >= 0");
   TWOBP_CHECK(!a.resume || !a.checkpoint_dir.empty(), twobp::UsageError, "--resume needs --checkpoint-dir");
   TWOBP_CHECK(a.timeout_s > 0, twobp::UsageError, "--timeout must be positive");
@@ -374,13 +398,14 @@ int run(Args args, int& argc, char**& argv) {
 #if TWOBP_HAVE_MPI
   std::unique_ptr<twobp::MpiEnvironment> env;
   if (mpi) env = std::make_unique<twobp::MpiEnvironment>(&argc, &argv);
-  const int world = mpi ? env->world_size() : store ? launch->world_size : args.stages;
+  const int world = mpi ? env->world_size() : store ? launch->world_size : args.dp * args.stages;
   const int my_rank = mpi ? env->rank() : store ? launch->rank : 0;
 #else
-  const int world = store ? launch->world_size : args.stages;
+  const int world = store ? launch->world_size : args.dp * args.stages;
   const int my_rank = store ? launch->rank : 0;
 #endif
-  const Plan plan = make_plan(args, world);  // model, schedule and partition errors surface here
+  const twobp::ParallelLayout layout = twobp::ParallelLayout::of(world, args.dp);  // dp must divide the world
+  const Plan plan = make_plan(args, layout.pp);  // model, schedule and partition errors surface here
   if (args.dry_run) return my_rank == 0 ? dry_run(plan) : 0;
 
   // Everything that can be checked before a step is checked here, on every rank.
@@ -394,18 +419,19 @@ int run(Args args, int& argc, char**& argv) {
               args.data.empty() ? "the built-in corpus" : args.data, tokens.size(), plan.seq_len);
   if (args.resume) {
     const auto manifest = ck::read_manifest(args.checkpoint_dir);
-    ck::check_config(args.checkpoint_dir, manifest, plan.checkpoint_config, world);
+    ck::check_config(args.checkpoint_dir, manifest, plan.checkpoint_config, layout.pp);
   }
   bool cuda = args.device == "cuda";
   TWOBP_CHECK(!cuda || torch::cuda::is_available(), twobp::UsageError,
               "--device cuda, but no CUDA device is available");
   const int gpus = cuda ? static_cast<int>(torch::cuda::device_count()) : 0;
   if (my_rank == 0) {
-    fmt::print("llama_pipeline: model {} ({} parameters), {} ranks ({}), {} stages, schedule {} with {}, partition "
-               "{}, {} micro-batches of {} x {} tokens, device {}, dtype {}\n",
+    fmt::print("llama_pipeline: model {} ({} parameters), {} ranks ({}) = {} replica(s) x {} pipeline ranks, {} "
+               "stages, schedule {} with {}, partition {}, {} micro-batches of {} x {} tokens per replica, device {}, "
+               "dtype {}\n",
                plan.config.name, llm::parameter_count(plan.config), world,
                mpi ? "MPI" : store ? "processes, " + launch->launcher + " + TCPStore" : std::string("threads"),
-               plan.schedule.num_stages, plan.schedule.name,
+               layout.dp, layout.pp, plan.schedule.num_stages, plan.schedule.name,
                plan.schedule.backward == twobp::BackwardMode::kSplit ? "2BP" : "fused backward",
                plan.partition.layout(), args.microbatches, args.micro_batch_size, plan.seq_len, args.device,
                args.dtype);
@@ -502,7 +528,8 @@ int main(int argc, char** argv) {
   app.add_flag("--resume", a.resume, "Resume from --checkpoint-dir");
   app.add_option("--trace", a.trace, "Chrome trace of the last step");
   app.add_option("--timeout", a.timeout_s, "Seconds any wait may block before failing");
-  app.add_option("--stages", a.stages, "Ranks as threads when not under an MPI launcher");
+  app.add_option("--stages", a.stages, "Pipeline ranks per replica as threads when not under a launcher");
+  app.add_option("--dp", a.dp, "Data-parallel replicas of the pipeline (world = dp x pipeline ranks)");
   app.add_option("--chunks-per-rank", a.chunks_per_rank,
                  "Model chunks per rank (interleaved and V schedules; default: the schedule's)");
   app.add_option("--partition", a.partition, "Blocks per chunk, e.g. 3,3,2,0 (default: balanced by compute)");

@@ -152,6 +152,34 @@ TEST(LlamaPipeline, ResumeReproducesUninterruptedRun) {
   EXPECT_EQ(r.output.find("loss"), std::string::npos) << r.output;
 }
 
+// Two replicas of a 2-rank pipeline (4 threads) on 4 micro-batches each train like one pipeline on 8: the same
+// global batch, gradients averaged over the replicas.
+TEST(LlamaPipeline, DataParallelMatchesOnePipelineWithTheWholeBatch) {
+  const auto one = train("dp1", "--schedule 1f1b --dp 1 --microbatches 8 --steps 3");
+  expect_close(one, train("dp2", "--schedule 1f1b --dp 2 --microbatches 4 --steps 3"), 1e-4, "dp 2 vs dp 1, step ");
+  expect_close(one, train("dp2_standard", "--schedule 1f1b --no-2bp --dp 2 --microbatches 4 --steps 3"), 1e-4,
+               "dp 2 without 2BP vs dp 1, step ");
+  // Replicas of single-rank pipelines (--stages 1).
+  expect_close(one, train("dp2_pp1", "--schedule 1f1b --stages 1 --dp 2 --microbatches 4 --steps 3"), 1e-4,
+               "dp 2 x pp 1 vs dp 1, step ");
+}
+
+// A checkpoint written by 2 replicas holds one copy per stage and resumes with 1 replica (same global batch).
+TEST(LlamaPipeline, DataParallelCheckpointResumesWithAnotherDp) {
+  const auto ckpt = work_dir() + "/ckpt_dp";
+  const auto full = train("dp_full", "--schedule 1f1b --dp 1 --microbatches 8 --steps 4");
+  const auto first =
+      train("dp_first", "--schedule 1f1b --dp 2 --microbatches 4 --steps 4 --stop-after 2 --checkpoint-dir " + ckpt);
+  const auto second =
+      train("dp_second", "--schedule 1f1b --dp 1 --microbatches 8 --steps 4 --resume --checkpoint-dir " + ckpt);
+  ASSERT_EQ(full.size(), 4u);
+  expect_close({full[0], full[1]}, first, 1e-4, "dp 2 before the checkpoint, step ");
+  expect_close({full[2], full[3]}, second, 1e-4, "dp 1 after resuming, step ");
+  // --dp must divide the ranks.
+  const auto r = run(kBase + "--dp 0 --steps 1");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+}
+
 TEST(LlamaPipeline, MisuseFailsBeforeAnyStep) {
   auto r = run(kBase + "--stages 8 --steps 1");  // 8 chunks for 4 blocks
   EXPECT_EQ(r.exit_code, 2) << r.output;
