@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <tuple>
 #include <unordered_map>
+#include <unordered_set>
 
 #include <fmt/ranges.h>
 
@@ -27,22 +28,50 @@ std::int64_t version_of(const at::Tensor& t) {
 
 void check_no_gradient_hooks(const at::Tensor& param, const std::string& layer, const std::string& context) {
   if (!param.defined() || !param.requires_grad()) return;
-  const bool tensor_hooks = !torch::autograd::impl::hooks(param).empty();
-  const bool post_accumulate = torch::autograd::impl::post_acc_grad_hooks(param) != nullptr;
-  TWOBP_CHECK(!tensor_hooks && !post_accumulate, UsageError,
-              "{}: a parameter of fast-path layer {} (shape [{}]) has a {}; twobp::nn layers compute weight "
-              "gradients outside autograd and cannot run it as loss.backward() would. Use the LibTorch layer "
-              "(torch::nn::{}, general path, which runs parameter hooks) for this parameter, or change .grad "
-              "after the step",
-              context, layer, fmt::join(param.sizes(), ", "),
-              tensor_hooks ? "gradient hook (register_hook)" : "post-accumulate-grad hook", layer);
+  TWOBP_CHECK(torch::autograd::impl::hooks(param).empty(), UsageError,
+              "{}: a parameter of fast-path layer {} (shape [{}]) has a gradient hook (register_hook); twobp::nn "
+              "layers compute weight gradients outside autograd and cannot run it as loss.backward() would. Use "
+              "the LibTorch layer (torch::nn::{}, general path, which runs parameter hooks) for this parameter, a "
+              "post-accumulate-grad hook (supported), or change .grad after the step",
+              context, layer, fmt::join(param.sizes(), ", "), layer);
 }
+
+namespace {
+
+bool has_post_accumulate_hook(const at::Tensor& p) {
+  return p.defined() && p.requires_grad() && torch::autograd::impl::post_acc_grad_hooks(p) != nullptr;
+}
+
+bool has_hooked_parameter(const WeightGradKernel* kernel) {
+  for (const auto& p : kernel->weight_grad_parameters()) {
+    if (has_post_accumulate_hook(p)) return true;
+  }
+  return false;
+}
+
+void fire_post_accumulate_hook(const at::Tensor& p) {
+  if (auto& hook = torch::autograd::impl::post_acc_grad_hooks(p)) (*hook)(p);
+}
+
+[[noreturn]] void refuse_shared_hooked(const std::string& context, const at::Tensor& p, const WeightGradKernel* k) {
+  detail::raise<UsageError>(
+      "{}: a parameter (shape [{}]) of fast-path layer {} that ordinary ops use too has a post-accumulate-grad "
+      "hook; autograd and the fast path would each fire it. Use the LibTorch layer (torch::nn::{}) for it, or "
+      "hook only parameters used by one kind of layer",
+      context, fmt::join(p.sizes(), ", "), k->kernel_name(), k->kernel_name());
+}
+
+}  // namespace
 
 WeightGradStore::WeightGradStore() : anchor_(at::empty({0}).set_requires_grad(true)) {}
 
 void WeightGradStore::on_backward(std::int64_t micro_batch, const WeightGradKernel* kernel, WeightGradItem item) {
   if (policy() == WeightGradPolicy::kImmediate) {
     kernel->accumulate_weight_grad({item});
+    if (has_hooked_parameter(kernel)) {
+      std::lock_guard<std::mutex> lock(mutex_);  // autograd may run this on a device thread
+      immediate_hooked_.push_back(kernel);
+    }
     return;
   }
   const std::int64_t input_version = version_of(item.input), grad_version = version_of(item.grad_output);
@@ -50,7 +79,26 @@ void WeightGradStore::on_backward(std::int64_t micro_batch, const WeightGradKern
   queue_[micro_batch].push_back(Entry{kernel, std::move(item), input_version, grad_version});
 }
 
-void WeightGradStore::run(c10::ArrayRef<std::int64_t> micro_batches, bool batched, const ParametersDone& done) {
+void WeightGradStore::fire_immediate_hooks() {
+  std::vector<const WeightGradKernel*> kernels;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    kernels.swap(immediate_hooked_);
+  }
+  std::unordered_map<const c10::TensorImpl*, at::Tensor> fired;
+  for (const auto* k : kernels) {
+    for (const auto& p : k->weight_grad_parameters()) {
+      if (!has_post_accumulate_hook(p) || !fired.emplace(p.unsafeGetTensorImpl(), p).second) continue;
+      // A grad accumulator exists while a live graph uses the tensor through ordinary ops: AccumulateGrad has
+      // fired (or will fire) the hook for that use.
+      if (torch::autograd::impl::try_get_grad_accumulator(p) != nullptr) refuse_shared_hooked(context_, p, k);
+      fire_post_accumulate_hook(p);
+    }
+  }
+}
+
+void WeightGradStore::run(c10::ArrayRef<std::int64_t> micro_batches, bool batched, const ParametersDone& done,
+                          const std::vector<at::Tensor>& general_leaves) {
   std::vector<Entry> entries;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -73,7 +121,10 @@ void WeightGradStore::run(c10::ArrayRef<std::int64_t> micro_batches, bool batche
     for (std::int64_t mb : micro_batches) {
       auto it = queue_.find(mb);
       if (it == queue_.end()) continue;
-      for (auto& e : it->second) entries.push_back(std::move(e));
+      for (auto& e : it->second) {
+        e.micro_batch = mb;
+        entries.push_back(std::move(e));
+      }
       queue_.erase(it);
     }
   }
@@ -81,16 +132,54 @@ void WeightGradStore::run(c10::ArrayRef<std::int64_t> micro_batches, bool batche
   // The kernel calls of this run, in order: one per layer over all its items (batched; grouped in first-seen
   // order, so a layer used several times -- tied weights, several micro-batches -- is one concatenated GEMM),
   // or one per item.
+  // With post-accumulate-grad hooks, the calls go micro-batch by micro-batch, and after the last call of a
+  // micro-batch that writes a hooked parameter the hook fires (once, however many layers share the tensor).
+  bool hooked = false;
+  for (const auto& e : entries) hooked = hooked || has_hooked_parameter(e.kernel);
+  if (hooked) {
+    std::unordered_set<const c10::TensorImpl*> general;
+    for (const auto& t : general_leaves) general.insert(t.unsafeGetTensorImpl());
+    for (const auto& e : entries) {
+      for (const auto& p : e.kernel->weight_grad_parameters()) {
+        if (has_post_accumulate_hook(p) && general.count(p.unsafeGetTensorImpl()) != 0) {
+          refuse_shared_hooked(context_, p, e.kernel);
+        }
+      }
+    }
+  }
   std::vector<std::pair<const WeightGradKernel*, std::vector<WeightGradItem>>> calls;
-  if (batched) {
+  std::vector<std::vector<at::Tensor>> fire_after;  // by call: hooked parameters whose micro-batch ends there
+  auto group_into_calls = [&](std::vector<Entry>& group) {
     std::unordered_map<const WeightGradKernel*, std::size_t> slot;
-    for (auto& e : entries) {
+    for (auto& e : group) {
       auto [it, inserted] = slot.try_emplace(e.kernel, calls.size());
-      if (inserted) calls.emplace_back(e.kernel, std::vector<WeightGradItem>{});
+      if (inserted || !batched) {
+        if (!inserted) it->second = calls.size();
+        calls.emplace_back(e.kernel, std::vector<WeightGradItem>{});
+      }
       calls[it->second].second.push_back(std::move(e.item));
     }
+  };
+  if (!hooked) {
+    group_into_calls(entries);
+    fire_after.resize(calls.size());
   } else {
-    for (auto& e : entries) calls.emplace_back(e.kernel, std::vector<WeightGradItem>{std::move(e.item)});
+    for (std::int64_t mb : micro_batches) {
+      std::vector<Entry> group;
+      for (auto& e : entries) {
+        if (e.micro_batch == mb) group.push_back(std::move(e));
+      }
+      const std::size_t first = calls.size();
+      group_into_calls(group);
+      fire_after.resize(calls.size());
+      std::unordered_map<const c10::TensorImpl*, std::pair<std::size_t, at::Tensor>> last;
+      for (std::size_t c = first; c < calls.size(); ++c) {
+        for (const auto& p : calls[c].first->weight_grad_parameters()) {
+          if (has_post_accumulate_hook(p)) last.insert_or_assign(p.unsafeGetTensorImpl(), std::make_pair(c, p));
+        }
+      }
+      for (auto& [impl, at_call] : last) fire_after[at_call.first].push_back(at_call.second);
+    }
   }
   // For `done`: the last call writing each parameter (by identity); nothing is reported when a kernel does not
   // say what it writes, since it might write anything.
@@ -111,6 +200,7 @@ void WeightGradStore::run(c10::ArrayRef<std::int64_t> micro_batches, bool batche
   }
   for (std::size_t c = 0; c < calls.size(); ++c) {
     calls[c].first->accumulate_weight_grad(calls[c].second);
+    for (const auto& p : fire_after[c]) fire_post_accumulate_hook(p);
     if (!finished[c].empty()) done(finished[c]);
   }
 }
@@ -136,6 +226,7 @@ std::int64_t WeightGradStore::pending_bytes() const {
 void WeightGradStore::clear() {
   std::lock_guard<std::mutex> lock(mutex_);
   queue_.clear();
+  immediate_hooked_.clear();
 }
 
 RecordingScope::RecordingScope(WeightGradStore& store, std::int64_t micro_batch)

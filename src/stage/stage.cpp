@@ -132,16 +132,17 @@ void Stage::backward_weight(const std::vector<int>& micro_batches, const autogra
                 "{}: W called before I (backward_input) for this micro-batch", where(mb));
   }
   std::vector<std::int64_t> ids(micro_batches.begin(), micro_batches.end());
+  // The tensors the general path accumulates in this W: a tensor shared with the fast path is final only at the
+  // end, and may not carry a post-accumulate-grad hook (both paths would fire it).
+  std::vector<at::Tensor> general_leaves;
+  for (int mb : micro_batches) {
+    const auto& plan = micro_batches_.at(mb).plan;
+    if (plan) general_leaves.insert(general_leaves.end(), plan->leaves.begin(), plan->leaves.end());
+  }
   autograd::ParametersDone fast_only;
   if (done) {
-    // A tensor the general path also writes in this W (a weight shared across paths) is final only at the end.
     auto general = std::make_shared<std::unordered_set<const c10::TensorImpl*>>();
-    for (int mb : micro_batches) {
-      const auto& plan = micro_batches_.at(mb).plan;
-      if (plan) {
-        for (const auto& leaf : plan->leaves) general->insert(leaf.unsafeGetTensorImpl());
-      }
-    }
+    for (const auto& leaf : general_leaves) general->insert(leaf.unsafeGetTensorImpl());
     fast_only = [general, &done](const std::vector<at::Tensor>& params) {
       std::vector<at::Tensor> out;
       for (const auto& p : params) {
@@ -150,7 +151,7 @@ void Stage::backward_weight(const std::vector<int>& micro_batches, const autogra
       if (!out.empty()) done(out);
     };
   }
-  store_.run(ids, options_.batch_weight_grads, fast_only);
+  store_.run(ids, options_.batch_weight_grads, fast_only, general_leaves);
   for (int mb : micro_batches) {
     auto it = micro_batches_.find(mb);
     if (it->second.plan) detail::run_weight_backward(*it->second.plan);
@@ -166,6 +167,7 @@ at::Tensor Stage::backward(int micro_batch, const at::Tensor& grad_output) {
   store_.set_policy(autograd::WeightGradPolicy::kImmediate);
   // Exactly output.backward(seed): parameters and the input leaf accumulate their gradients.
   torch::autograd::backward({state.output}, {seed});
+  store_.fire_immediate_hooks();  // fast-path parameters' post-accumulate-grad hooks, once each
   at::Tensor grad_input;
   if (state.input.requires_grad()) {
     grad_input = state.input.grad().defined() ? state.input.grad() : at::zeros_like(state.input);

@@ -246,14 +246,27 @@ TEST(SplitRejects, GradientHookOnAFastPathParameter) {
                      {"rank 3 stage 1 micro-batch 0", "Linear", "gradient hook", "torch::nn::Linear"});
 }
 
-TEST(SplitRejects, PostAccumulateGradHookOnAFastPathParameter) {
+// A fast-path parameter that ordinary ops use too would get its hook fired by autograd and by the fast path.
+TEST(SplitRejects, PostAccumulateGradHookOnAParameterSharedAcrossPaths) {
   Float64Default f;
-  FastMlp mlp(kDim);
-  torch::autograd::impl::set_post_acc_grad_hooks(
-      mlp->fc1->bias, std::make_unique<RecordingPostAccumulateHook>(std::make_shared<std::vector<double>>()));
-  Stage stage(mlp.ptr(), [&](const at::Tensor& x) { return mlp->forward(x); }, last_stage_options());
-  expect_error([&] { stage.forward(2, activation(0, 1), activation(0, 2)); },
-                     {"rank 3 stage 1 micro-batch 2", "post-accumulate-grad hook"});
+  for (bool split : {false, true}) {
+    SCOPED_TRACE(split ? "2BP" : "fused");
+    auto module = std::make_shared<SharedAcrossPaths>(kDim);
+    torch::autograd::impl::set_post_acc_grad_hooks(
+        module->fc->weight, std::make_unique<RecordingPostAccumulateHook>(std::make_shared<std::vector<double>>()));
+    Stage stage(module, [&](const at::Tensor& x) { return module->forward(x); }, last_stage_options());
+    stage.forward(2, activation(0, 1), activation(0, 2));
+    expect_error(
+        [&] {
+          if (split) {
+            stage.backward_input(2);
+            stage.backward_weight({2});
+          } else {
+            stage.backward(2);
+          }
+        },
+        {"rank 3 stage 1", "post-accumulate-grad hook", "ordinary ops", "torch::nn::Linear"});
+  }
 }
 
 struct NoopPostHook : torch::autograd::FunctionPostHook {

@@ -228,6 +228,39 @@ struct SharedAcrossPaths : CaseModule {
   twobp::nn::Linear fc{nullptr};
 };
 
+/// Moves the gradient out at every accumulation (optimizer-in-backward style): adds .grad to `moved`, then
+/// resets .grad. It must see each micro-batch's gradient alone, as AccumulateGrad gives it in loss.backward().
+struct MovingPostAccumulateHook : torch::autograd::PostAccumulateGradHook {
+  explicit MovingPostAccumulateHook(std::shared_ptr<torch::Tensor> moved) : moved(std::move(moved)) {}
+  void operator()(const torch::autograd::Variable& tensor) override {
+    *moved = moved->defined() ? *moved + tensor.grad() : tensor.grad().clone();
+    const_cast<torch::autograd::Variable&>(tensor).mutable_grad().reset();
+  }
+  std::shared_ptr<torch::Tensor> moved;
+};
+
+/// Post-accumulate-grad hooks on fast-path parameters: a recording hook on a Linear applied twice (a tied use:
+/// one firing per micro-batch), and a hook that moves an RMSNorm's gradient out and resets .grad.
+struct FastHooked : CaseModule {
+  explicit FastHooked(int64_t dim) {
+    fast = register_module("fast", twobp::nn::Linear(dim, dim));
+    norm = register_module("norm", twobp::nn::RMSNorm(dim));
+    torch::autograd::impl::set_post_acc_grad_hooks(fast->weight, std::make_unique<RecordingPostAccumulateHook>(seen));
+    torch::autograd::impl::set_post_acc_grad_hooks(norm->weight, std::make_unique<MovingPostAccumulateHook>(moved));
+  }
+  torch::Tensor forward(const torch::Tensor& x) override { return norm(fast(torch::tanh(fast(x)))) + x; }
+  // The count, the last .grad sum seen (the gradient accumulates, so the last one is the total whatever the
+  // micro-batch order), and what was moved out.
+  std::vector<torch::Tensor> extras() override {
+    return {torch::tensor({static_cast<double>(seen->size()), seen->empty() ? 0.0 : seen->back()}, torch::kDouble),
+            *moved};
+  }
+  twobp::nn::Linear fast{nullptr};
+  twobp::nn::RMSNorm norm{nullptr};
+  std::shared_ptr<std::vector<double>> seen = std::make_shared<std::vector<double>>();
+  std::shared_ptr<torch::Tensor> moved = std::make_shared<torch::Tensor>();
+};
+
 /// A named factory of one class.
 struct ModuleClass {
   std::string name;
@@ -247,6 +280,7 @@ inline std::vector<ModuleClass> supported_module_classes() {
       {"Dropped", [](int64_t d) { return std::make_shared<Dropped>(d); }},
       {"TorchZoo", [](int64_t d) { return std::make_shared<TorchZoo>(d); }},
       {"SharedAcrossPaths", [](int64_t d) { return std::make_shared<SharedAcrossPaths>(d); }},
+      {"FastHooked", [](int64_t d) { return std::make_shared<FastHooked>(d); }},
   };
 }
 

@@ -22,9 +22,10 @@ struct WeightGradItem {
   at::Tensor grad_output;  ///< gradient w.r.t. the layer output
 };
 
-/// Throws UsageError when a parameter written by a fast-path layer has gradient hooks (Tensor::register_hook or
-/// a post-accumulate-grad hook): fast-path layers compute weight gradients outside autograd, where such hooks
-/// cannot run as loss.backward() runs them. `layer` names the kernel, `context` the stage and micro-batch.
+/// Throws UsageError when a parameter written by a fast-path layer has a gradient hook (Tensor::register_hook):
+/// fast-path layers compute weight gradients outside autograd, where such a hook (which may change the gradient
+/// before it is accumulated) cannot run as loss.backward() runs it. `layer` names the kernel, `context` the stage
+/// and micro-batch. Post-accumulate-grad hooks are supported (see WeightGradStore).
 void check_no_gradient_hooks(const at::Tensor& param, const std::string& layer, const std::string& context);
 
 /// Implemented by every fast-path layer. accumulate_weight_grad() adds the parameter gradients of all `items`
@@ -52,6 +53,13 @@ enum class WeightGradPolicy {
 
 /// Per-stage queue of deferred weight-gradient work, keyed by micro-batch.
 ///
+/// Post-accumulate-grad hooks of fast-path parameters fire as AccumulateGrad fires them in loss.backward(): once
+/// per micro-batch (per backward) in which the parameter got a gradient, after every use of it in that
+/// micro-batch was accumulated (a tied weight fires once). In W, a run whose layers have such hooks is therefore
+/// computed micro-batch by micro-batch (no concatenation across micro-batches); after an immediate-mode backward
+/// (B) the Stage calls fire_immediate_hooks(). A hooked parameter that ordinary ops use as well (where autograd's
+/// AccumulateGrad fires it too) is refused with a UsageError.
+///
 /// Contract: every WeightGradKernel pushed here must outlive the queued work (Stage owns both its module and its
 /// store and clears the store first). push() may be called from autograd's device threads while the owning
 /// thread blocks in backward, so the queue is locked; run() is called by the owning thread only.
@@ -77,15 +85,21 @@ class WeightGradStore {
   /// micro-batch. The queued items are released afterwards. Throws UsageError, before running any kernel, when a
   /// queued tensor was modified in place after it was queued (the result would silently be wrong).
   /// `done`, when given, is called after each kernel call with the parameters of that kernel that no later call
-  /// of this run writes (never when some kernel of the run does not list its parameters).
-  void run(c10::ArrayRef<std::int64_t> micro_batches, bool batched, const ParametersDone& done = nullptr);
+  /// of this run writes (never when some kernel of the run does not list its parameters). `general_leaves`: the
+  /// tensors the general path accumulates for these micro-batches (a hooked parameter among them is refused).
+  void run(c10::ArrayRef<std::int64_t> micro_batches, bool batched, const ParametersDone& done = nullptr,
+           const std::vector<at::Tensor>& general_leaves = {});
+
+  /// After an immediate-mode backward (B): fires the post-accumulate-grad hooks of the fast-path parameters that
+  /// backward accumulated into, once each. Throws UsageError for a hooked parameter autograd also accumulated.
+  void fire_immediate_hooks();
 
   /// Number of queued items for a micro-batch (0 when none).
   std::size_t pending(std::int64_t micro_batch) const;
   /// Total bytes held by queued tensors (memory accounting for the benchmark and tests).
   std::int64_t pending_bytes() const;
   /// Drops queued work without running it (used when a step is abandoned after an error).
-  void clear();
+  void clear();  // also forgets hooks pending after an immediate backward
 
   /// A zero-element leaf that requires grad. Fast-path layers take it as an extra autograd input so that their
   /// output is part of the graph even when the layer input needs no gradient (token ids, first-stage images),
@@ -98,11 +112,13 @@ class WeightGradStore {
     const WeightGradKernel* kernel;
     WeightGradItem item;
     std::int64_t input_version = -1;  // -1: not tracked (undefined or inference tensor)
+    std::int64_t micro_batch = 0;     // set when taken out of the queue
     std::int64_t grad_version = -1;
   };
   std::atomic<WeightGradPolicy> policy_{WeightGradPolicy::kImmediate};
   mutable std::mutex mutex_;
   std::map<std::int64_t, std::vector<Entry>> queue_;
+  std::vector<const WeightGradKernel*> immediate_hooked_;  // kernels with hooked parameters run by B
   at::Tensor anchor_;
   std::string context_;
 };
