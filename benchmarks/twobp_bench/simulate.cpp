@@ -33,6 +33,9 @@
 //   --dp-overlap on|off|both (default both): on = a stage's all-reduce starts when its last W (2bp) or B
 //                      (standard) ends, overlapping the rank's remaining work; off = after the rank's last action.
 //                      both gives each schedule and mode one row per setting.
+//   --dp-buckets K     each stage's all-reduce in K equal buckets (default 4); with overlap, after a W they start
+//                      one by one during it (bucket j at (j+1)/K of the W), as the runtime starts a bucket once the
+//                      layers that fill it ran in the stage's last W; after a B all at its end (CostModel docs)
 //
 // Metrics (docs/BENCHMARKS.md repeats them), per schedule and mode, from simulate(schedule, costs):
 //   sim_step_ms              the simulated step time: each rank runs its actions in order; an F/I/B waits until
@@ -83,6 +86,7 @@ struct SimulateArgs {
   std::string json;
   // Data parallelism (see the header comment); dp = 1: none.
   int dp = 1;
+  int dp_buckets = 4;
   double link_gbps = 100;
   double link_latency_us = 5;
   double model_params = 7e9;
@@ -251,10 +255,13 @@ CostModel costs_for(const Schedule& target, const CostSource& src, std::string& 
 /// rank's stages' all-reduces (dp_reduce_ms).
 double add_data_parallel(const Schedule& sched, const SimulateArgs& a, bool overlap, CostModel& costs) {
   const double stage_bytes = a.model_params / sched.num_stages * a.grad_bytes;
-  const double stage_ms =
-      1e3 * metrics::ring_all_reduce_seconds(stage_bytes, a.dp, a.link_gbps * 1e9 / 8, a.link_latency_us * 1e-6);
+  // K buckets of stage_bytes / K each, every one paying the ring's latency.
+  const double stage_ms = a.dp_buckets * 1e3 *
+                          metrics::ring_all_reduce_seconds(stage_bytes / a.dp_buckets, a.dp, a.link_gbps * 1e9 / 8,
+                                                           a.link_latency_us * 1e-6);
   costs.data_parallel_reduce.assign(sched.num_stages, stage_ms);
   costs.overlap_data_parallel = overlap;
+  costs.data_parallel_buckets = a.dp_buckets;
   double per_rank = 0;
   for (int r = 0; r < sched.num_ranks; ++r) {
     double sum = 0;
@@ -375,7 +382,8 @@ void run_simulate(const SimulateArgs& a) {
                                       {"link_latency_us", a.link_latency_us},
                                       {"model_params", a.model_params},
                                       {"grad_bytes", a.grad_bytes},
-                                      {"overlap", a.dp_overlap}};
+                                      {"overlap", a.dp_overlap},
+                                      {"buckets_per_stage", a.dp_buckets}};
   }
   out["results"] = Json::array();
   std::vector<std::vector<std::string>> table{{"schedule", "v", "stages", "std ms", "2bp ms", "speedup", "std bubble",
@@ -506,6 +514,9 @@ void add_simulate_command(CLI::App& app) {
                   "on: a stage's all-reduce starts after its last W/B; off: after the rank's last action; both: one "
                   "row each")
       ->capture_default_str()->check(CLI::IsMember({"on", "off", "both"}));
+  sub->add_option("--dp-buckets", a->dp_buckets,
+                  "Buckets per stage all-reduce; with overlap they start during the stage's last W")
+      ->capture_default_str()->check(CLI::Range(1, 100000));
   sub->callback([a] { run_simulate(*a); });
 }
 

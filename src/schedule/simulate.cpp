@@ -33,6 +33,8 @@ void check_costs(const Schedule& sc, const CostModel& costs) {
   if (has_b && !costs.backward.empty()) check_size(costs.backward, "backward");
   if (!costs.data_parallel_reduce.empty()) {
     check_size(costs.data_parallel_reduce, "data_parallel_reduce");
+    TWOBP_CHECK(costs.data_parallel_buckets >= 1, UsageError,
+                "simulate: CostModel.data_parallel_buckets is {}, expected >= 1", costs.data_parallel_buckets);
     for (std::size_t s = 0; s < costs.data_parallel_reduce.size(); ++s) {
       const double t = costs.data_parallel_reduce[s];
       TWOBP_CHECK(std::isfinite(t) && t >= 0.0, UsageError,
@@ -41,22 +43,34 @@ void check_costs(const Schedule& sc, const CostModel& costs) {
   }
 }
 
+/// The last weight-producing action of a stage: when it started and ended, and whether it was a W.
+struct LastWeightAction {
+  double start = -1.0, end = -1.0;  // end < 0: the schedule has none
+  bool is_w = false;
+};
+
 /// Ends of each rank's data-parallel reductions (see simulate() in schedule.h): per rank, the end of its last
-/// all-reduce, or `compute_end[r]` when it has none. `weights_done[s]` is the end of stage s's last W/B (-1 when
-/// the schedule has none, then the rank's end is used).
+/// all-reduce, or `compute_end[r]` when it has none.
 std::vector<double> reduction_ends(const Schedule& sc, const CostModel& costs, const std::vector<double>& compute_end,
-                                   const std::vector<double>& weights_done) {
+                                   const std::vector<LastWeightAction>& last_weight) {
+  const int k = costs.data_parallel_buckets;
   std::vector<double> ends = compute_end;
   for (int r = 0; r < sc.num_ranks; ++r) {
-    // (ready time, stage), served in this order on the rank's one link.
+    // (ready time, stage), one per bucket, served in this order on the rank's one link.
     std::vector<std::pair<double, int>> ready;
     for (int s : sc.stages_of(r)) {
-      const bool overlap = costs.overlap_data_parallel && weights_done[s] >= 0.0;
-      ready.emplace_back(overlap ? weights_done[s] : compute_end[r], s);
+      const LastWeightAction& w = last_weight[s];
+      const bool overlap = costs.overlap_data_parallel && w.end >= 0.0;
+      for (int j = 0; j < k; ++j) {
+        const double t = !overlap ? compute_end[r]
+                         : w.is_w ? w.start + (w.end - w.start) * (j + 1) / static_cast<double>(k)
+                                  : w.end;
+        ready.emplace_back(t, s);
+      }
     }
-    std::sort(ready.begin(), ready.end());
+    std::stable_sort(ready.begin(), ready.end());
     double link_free = 0.0;
-    for (const auto& [t, s] : ready) link_free = std::max(link_free, t) + costs.data_parallel_reduce[s];
+    for (const auto& [t, s] : ready) link_free = std::max(link_free, t) + costs.data_parallel_reduce[s] / k;
     ends[r] = std::max(compute_end[r], link_free);
   }
   return ends;
@@ -81,20 +95,21 @@ SimulationResult simulate(const Schedule& schedule, const CostModel& costs) {
   SimulationResult result;
   std::vector<double> busy(schedule.num_ranks, 0.0);
   std::vector<double> compute_end(schedule.num_ranks, 0.0);   // end of the rank's last action
-  std::vector<double> weights_done(schedule.num_stages, -1.0);  // end of the stage's last W/B
+  std::vector<LastWeightAction> last_weight(schedule.num_stages);
   for (const SimulatedEvent& e : run.events) {
     compute_end[e.rank] = std::max(compute_end[e.rank], e.end);
     if (is_compute(e.action.type)) {
       busy[e.rank] += e.end - e.start;
       result.events.push_back(e);
     }
-    if (e.action.type == ActionType::kBackwardWeight || e.action.type == ActionType::kBackward) {
-      weights_done[e.action.stage] = std::max(weights_done[e.action.stage], e.end);
+    if ((e.action.type == ActionType::kBackwardWeight || e.action.type == ActionType::kBackward) &&
+        e.end > last_weight[e.action.stage].end) {
+      last_weight[e.action.stage] = {e.start, e.end, e.action.type == ActionType::kBackwardWeight};
     }
   }
   const std::vector<double> rank_end = costs.data_parallel_reduce.empty()
                                            ? compute_end
-                                           : reduction_ends(schedule, costs, compute_end, weights_done);
+                                           : reduction_ends(schedule, costs, compute_end, last_weight);
   result.data_parallel_exposed_per_rank.assign(schedule.num_ranks, 0.0);
   for (int r = 0; r < schedule.num_ranks; ++r) {
     result.step_time = std::max(result.step_time, rank_end[r]);

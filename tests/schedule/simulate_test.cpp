@@ -238,6 +238,29 @@ TEST(SimulateDataParallel, OverlapStartsAStageReductionAtItsLastW) {
   EXPECT_DOUBLE_EQ(simulate(sc, zbv_costs({2, 2, 2, 2}, false)).data_parallel_exposed, 4.0);
 }
 
+// Buckets: with 2BP a one-chunk rank still hides part of its reduction in its last W, as the runtime starts a
+// bucket once the W's layers that fill it ran; after a B nothing starts early.
+TEST(SimulateDataParallel, BucketsStartDuringTheLastW) {
+  // 1F1B 2BP, p = 2, m = 2, F = I = W = 1: rank 0's last action is W(mb 1) in [6, 7], rank 1's W(mbs 0, 1) in
+  // [5, 7]. Reductions 0.5 and 1.5 in 2 buckets: rank 0 reduces [6.5, 6.75] and [7, 7.25] (exposed 0.25); rank 1
+  // [6, 6.75] and [7, 7.75] (0.75).
+  CostModel c = CostModel::uniform(2, 1, 1, 1);
+  c.data_parallel_reduce = {0.5, 1.5};
+  c.data_parallel_buckets = 2;
+  const auto split = simulate(make("1f1b", 2, 2, BackwardMode::kSplit), c);
+  EXPECT_EQ(split.data_parallel_exposed_per_rank, (std::vector<double>{0.25, 0.75}));
+  EXPECT_DOUBLE_EQ(split.step_time, 7.75);
+  c.data_parallel_buckets = 1;
+  EXPECT_DOUBLE_EQ(simulate(make("1f1b", 2, 2, BackwardMode::kSplit), c).data_parallel_exposed, 1.5);
+  // Standard mode: the buckets of a B start at its end, however many there are.
+  c.data_parallel_buckets = 4;
+  c.data_parallel_reduce = {1.0, 3.0};
+  EXPECT_EQ(simulate(make("1f1b", 2, 2, BackwardMode::kStandard), c).data_parallel_exposed_per_rank,
+            (std::vector<double>{1.0, 3.0}));
+  c.data_parallel_buckets = 0;
+  EXPECT_THROW(simulate(make("1f1b", 2, 2, BackwardMode::kStandard), c), UsageError);
+}
+
 TEST(SimulateDataParallel, ReductionsThatFitInTheRanksRemainingTimeAreHidden) {
   const Schedule sc = zbv_p2_m2();
   // Only the chunks that finish early have gradients to reduce (0.5 each): stage 3 in [4.5, 5] before rank 0's end

@@ -170,6 +170,11 @@ struct CostModel {
   /// the rank's remaining actions and idle time (what 2BP's deferred W makes possible). false: after the rank's last
   /// action, as a framework that reduces all gradients once backward is over does.
   bool overlap_data_parallel = true;
+  /// Each stage's reduction in this many equal buckets (>= 1). With overlap, the buckets of a stage whose last
+  /// weight action is a W become ready one by one during that W (bucket j at (j + 1) / k of its duration: the
+  /// runtime starts a bucket as soon as the W's layers that fill it have run); after a B all are ready at its end
+  /// (the runtime reduces B's gradients once the B is over).
+  int data_parallel_buckets = 1;
 
   /// The same costs for every stage.
   static CostModel uniform(int num_stages, double f, double i, double w, double comm = 0.0);
@@ -201,9 +206,9 @@ struct SimulationResult {
 /// Event-driven simulation of `schedule` under `costs`: each rank runs its actions in order, an F/I/B waits for
 /// its input to arrive (communication latency after the producer finished).
 /// With data parallelism (costs.data_parallel_reduce not empty) each rank also has one reduction link, separate from
-/// compute and from pipeline communication: the all-reduce of each of its stages starts at max(when the stage's
-/// gradients are ready -- see CostModel::overlap_data_parallel --, when the link is free), in the order the stages
-/// become ready (ties: lower stage first), and lasts data_parallel_reduce[stage]. The optimizer step needs every
+/// compute and from pipeline communication: each bucket of each of its stages (CostModel::data_parallel_buckets)
+/// starts at max(when it is ready -- see CostModel::overlap_data_parallel --, when the link is free), in the order
+/// they become ready (ties: lower stage first), and lasts data_parallel_reduce[stage] / buckets. The optimizer step needs every
 /// reduction, so the rank's step ends when both its actions and its reductions are done.
 /// Throws UsageError when a cost vector the schedule needs has the wrong size, or a data_parallel_reduce entry is
 /// negative or not finite.
