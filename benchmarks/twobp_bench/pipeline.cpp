@@ -2,6 +2,7 @@
 // measured bubble and the simulator's prediction from costs measured in the same run.
 //
 //   mpirun -np 2 build/benchmarks/twobp_bench pipeline --schedule 1f1b --microbatches 2 --json FILE
+//   mpirun -np 4 build/benchmarks/twobp_bench pipeline --dp 2 --schedule 1f1b,zb-v   (2 replicas of 2 ranks)
 //   build/benchmarks/twobp_bench pipeline --ranks 2 --schedule all ...     (ranks as threads, Local transport)
 //   (under torchrun/srun, or mpirun in a build without MPI: one rank per process over a TCPStore; twobp::run_ranks)
 //
@@ -21,6 +22,20 @@
 //   peak_live_mbs       max over ranks of micro-batches whose activations are alive at once (simulated)
 //   peak_rss_bytes      max over ranks of the process's peak resident set (getrusage; Local: the whole process)
 //
+// Data parallelism (--dp N, default 1; N = 1 changes nothing and adds no fields): N replicas of a p-rank pipeline,
+// world = N · p, laid out by twobp::ParallelLayout (world rank r = pipeline rank r % p of replica r / p). --ranks
+// stays p: threads run N · p rank threads; under a launcher p = world size / N (UsageError unless N divides it).
+// Replica k trains on the synthetic batch of seed 7 + k. With N > 1 each configuration runs with
+// DataParallelOptions::overlap true and false, and
+//   samples_per_s       counts the global batch: N · m · micro_batch_size / (step_ms_median / 1000)
+//   speedup             pairs rows with the same dp_overlap
+//   dp, dp_overlap      N, and the overlap setting of that run
+//   dp_exposed_ms       median over steps of metrics::exposed_wait (max over all N · p ranks) of
+//                       StepResult::reduce_wait_us / 1000: reduction time left on the critical path
+//   dp_reduce_bytes     gradient bytes one replica reduces per step (Σ over its ranks' parameters)
+// Step times are taken between barriers over the whole world; costs, bubble, communication, traces and the
+// simulation stay per pipeline (replica 0's): the simulator is not given the measured reduction times.
+//
 // Models (--model, pipeline_models.h): llama (fast path, balanced by compute), bert and resnet (general
 // autograd-graph split, blocks partitioned evenly over the stages). --chart writes an SVG bar chart of the
 // throughput, standard vs 2BP per schedule; --trace-dir a Chrome trace and an SVG timeline of the last measured
@@ -38,6 +53,7 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
+#include <stdexcept>
 
 #include "bench_common.h"
 #include "chart.h"
@@ -46,6 +62,7 @@
 #include "twobp/config.h"
 #include "twobp/metrics/metrics.h"
 #include "twobp/runtime/launch.h"
+#include "twobp/runtime/data_parallel.h"
 #include "twobp/runtime/mpi_launch.h"
 #include "twobp/runtime/pipeline.h"
 #include "twobp/schedule/schedule.h"
@@ -59,7 +76,8 @@ namespace {
 struct PipelineArgs {
   std::string schedule = "1f1b";
   std::string mode = "both";
-  int ranks = 2;
+  int ranks = 2;  // pipeline ranks p (threads: dp · p threads run; under a launcher p = world / dp)
+  int dp = 1;     // data-parallel replicas of the pipeline
   int microbatches = 2;
   int chunks_per_rank = 0;  // 0: the schedule's default
   std::string schedule_file;  // overrides --schedule; its own mode
@@ -79,6 +97,10 @@ struct RunResult {
   double samples_per_s = 0, tokens_per_s = 0, bubble = 0, sim_step_ms = 0, sim_bubble = 0, comm_ms = 0;
   int peak_live = 0;
   double peak_rss = 0;
+  // Data parallelism (dp > 1 only; see the header comment).
+  int dp = 1;
+  bool dp_overlap = true;
+  double dp_exposed_ms = 0, dp_reduce_bytes = 0;
   std::vector<double> f_ms, i_ms, w_ms, b_ms;  // per stage
   std::vector<std::string> trace_files;        // written by rank 0 under --trace-dir
 };
@@ -165,10 +187,31 @@ std::vector<Trace> gather_traces(Transport& t, const Trace& mine, Duration timeo
 }
 
 
+// Gradient bytes of `params` (those requiring a gradient; a tensor listed twice counts once).
+double gradient_bytes(const std::vector<at::Tensor>& params) {
+  std::vector<const void*> seen;
+  double bytes = 0;
+  for (const auto& t : params) {
+    if (!t.requires_grad()) continue;
+    const void* impl = t.unsafeGetTensorImpl();
+    if (std::find(seen.begin(), seen.end(), impl) != seen.end()) continue;
+    seen.push_back(impl);
+    bytes += static_cast<double>(t.numel()) * static_cast<double>(t.element_size());
+  }
+  return bytes;
+}
+
 // Runs one configuration on this rank; every rank calls it with the same arguments, in the same order.
-RunResult run_config(Transport& transport, const PipelineArgs& a, const std::string& name, BackwardMode mode) {
+// `world` holds every rank (dp · p); the pipeline runs on groups.pipeline(), and with dp > 1 averages its
+// gradients over groups.data_parallel() (overlapped with the rank's remaining actions when `dp_overlap`).
+// Per-pipeline measurements (costs, busy time, bubble, traces) are replica 0's; step times are taken between
+// barriers over the whole world. With dp == 1 the world is the pipeline and nothing changes.
+RunResult run_config(Transport& world, ParallelGroups& groups, const PipelineArgs& a, const std::string& name,
+                     BackwardMode mode, bool dp_overlap) {
   const Duration timeout{static_cast<int64_t>(a.timeout_s * 1000)};
+  Transport& transport = groups.pipeline();
   const int p = transport.world_size(), me = transport.rank();
+  const int dp = groups.layout().dp;
   Schedule schedule = resolve_schedule({name, a.schedule_file, a.chunks_per_rank}, p, a.microbatches, mode);
 
   std::vector<PipelineChunk> chunks = make_model_chunks(a.model, schedule, me);
@@ -177,12 +220,17 @@ RunResult run_config(Transport& transport, const PipelineArgs& a, const std::str
   options.loss = model_loss(a.model);
   const PipelineModelArgs model = a.model;
   options.activation_spec = [model](int stage) { return model_activation_spec(model, stage); };
+  options.data_parallel.group = groups.data_parallel();
+  options.data_parallel.overlap = dp_overlap;
   const std::vector<int64_t> act_shape = model_activation_spec(a.model, 0).shape;
   Pipeline pipeline(std::move(schedule), std::move(chunks), transport, options);
   const Schedule& sched = pipeline.schedule();
 
   const int64_t batch = static_cast<int64_t>(a.microbatches) * a.model.micro_batch_size;
-  const auto [inputs, targets] = make_model_batch(a.model, batch, /*seed=*/7);
+  // Each replica trains on its own share of the global batch: the same synthetic generator, seeded 7 + replica
+  // (replica 0, and dp = 1, get seed 7 as before data parallelism).
+  const auto [inputs, targets] =
+      make_model_batch(a.model, batch, /*seed=*/7 + static_cast<uint64_t>(groups.replica()));
 
   RunResult r;
   r.schedule = name;
@@ -190,22 +238,25 @@ RunResult run_config(Transport& transport, const PipelineArgs& a, const std::str
   r.p = p;
   r.m = a.microbatches;
   r.v = sched.num_stages / sched.num_ranks;
+  r.dp = dp;
+  r.dp_overlap = dp_overlap;
   r.comm_ms = measure_comm_ms(transport, act_shape, timeout);
 
   const int S = sched.num_stages;
   std::vector<std::vector<double>> f(S), i(S), w(S), b(S);
-  std::vector<double> steps_ms, busy_ms;
+  std::vector<double> steps_ms, busy_ms, reduce_wait_ms;
   Trace last;
   for (int step = 0; step < a.warmup + a.steps; ++step) {
     pipeline.zero_grad();
-    transport.barrier(timeout);
+    world.barrier(timeout);
     const auto t0 = std::chrono::steady_clock::now();
     StepResult result = pipeline.step(inputs, targets);
-    transport.barrier(timeout);
+    world.barrier(timeout);
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     if (step < a.warmup) continue;
     steps_ms.push_back(ms);
     busy_ms.push_back(result.trace.busy_us() / 1000.0);
+    reduce_wait_ms.push_back(result.reduce_wait_us / 1000.0);
     for (const auto& e : result.trace.events) {
       const double d = (e.end_us - e.start_us) / 1000.0;
       switch (e.action.type) {
@@ -240,9 +291,29 @@ RunResult run_config(Transport& transport, const PipelineArgs& a, const std::str
   for (int k = 0; k < a.steps; ++k) bubbles.push_back(metrics::bubble_fraction(total[4 * S + k], p, step_times[k]));
   r.step_ms = summarize(step_times);
   r.bubble = summarize(bubbles).median;
-  r.samples_per_s = metrics::per_second(static_cast<double>(batch), r.step_ms.median / 1000.0);
+  // Samples of the global batch: dp replicas of m micro-batches each.
+  r.samples_per_s =
+      metrics::per_second(static_cast<double>(dp) * static_cast<double>(batch), r.step_ms.median / 1000.0);
   r.tokens_per_s = metrics::tokens_per_s(r.samples_per_s, tokens_per_sample(a.model));
   r.peak_rss = metrics::memory_per_rank(total.back(), transport.name() == "local" ? p : 1);
+  if (dp > 1) {
+    // Every world rank's reduction wait of every measured step (one slot each), then the slowest rank per step.
+    // Slots: [step k][world rank] waits, then [pipeline rank] gradient bytes of replica 0's ranks.
+    const std::size_t world_size = static_cast<std::size_t>(world.world_size());
+    const std::size_t bytes_at = static_cast<std::size_t>(a.steps) * world_size;
+    std::vector<double> waits(bytes_at + static_cast<std::size_t>(p), 0.0);
+    const auto my_slot = static_cast<std::size_t>(world.rank());
+    for (std::size_t k = 0; k < reduce_wait_ms.size(); ++k) waits[k * world_size + my_slot] = reduce_wait_ms[k];
+    if (groups.replica() == 0) waits[bytes_at + static_cast<std::size_t>(me)] = gradient_bytes(pipeline.parameters());
+    waits = sum_over_ranks(world, waits, timeout);
+    std::vector<double> exposed;
+    for (std::size_t k = 0; k < reduce_wait_ms.size(); ++k) {
+      const auto first = waits.begin() + static_cast<std::ptrdiff_t>(k * world_size);
+      exposed.push_back(metrics::exposed_wait(std::vector<double>(first, first + world_size)));
+    }
+    r.dp_exposed_ms = summarize(exposed).median;
+    for (int q = 0; q < p; ++q) r.dp_reduce_bytes += waits[bytes_at + static_cast<std::size_t>(q)];
+  }
 
   CostModel costs;
   for (int s = 0; s < S; ++s) {
@@ -267,10 +338,11 @@ RunResult run_config(Transport& transport, const PipelineArgs& a, const std::str
   r.peak_live = *std::max_element(sim.peak_live_micro_batches.begin(), sim.peak_live_micro_batches.end());
 
   std::vector<Trace> traces = gather_traces(transport, last, timeout);
-  if (me == 0 && !a.trace_dir.empty()) {
+  if (world.rank() == 0 && !a.trace_dir.empty()) {
     make_directories(a.trace_dir);
-    const std::string base = fmt::format("{}/{}_{}_p{}_m{}", a.trace_dir, name,
-                                         mode == BackwardMode::kSplit ? "2bp" : "standard", p, a.microbatches);
+    std::string base = fmt::format("{}/{}_{}_p{}_m{}", a.trace_dir, name,
+                                   mode == BackwardMode::kSplit ? "2bp" : "standard", p, a.microbatches);
+    if (dp > 1) base += fmt::format("_dp{}_{}", dp, dp_overlap ? "overlap" : "nooverlap");
     std::ofstream(base + ".trace.json") << to_chrome_trace(traces);
     r.trace_files = {base + ".trace.json", base + ".svg"};
     std::ofstream(base + ".svg") << to_svg(traces, fmt::format("{} {} — p={} m={} v={}, last measured step", name,
@@ -278,6 +350,28 @@ RunResult run_config(Transport& transport, const PipelineArgs& a, const std::str
                                                                a.microbatches, r.v));
   }
   return r;
+}
+
+// "all", one registered schedule, or several separated by commas; throws std::invalid_argument naming an unknown
+// one and the registered ones.
+std::vector<std::string> schedule_list(const std::string& value) {
+  const std::vector<std::string> known = schedule_names();
+  if (value == "all") return known;
+  std::vector<std::string> names;
+  std::size_t start = 0;
+  while (start <= value.size()) {
+    const std::size_t comma = std::min(value.find(',', start), value.size());
+    const std::string name = value.substr(start, comma - start);
+    if (std::find(known.begin(), known.end(), name) == known.end()) {
+      std::string list;
+      for (const auto& k : known) list += (list.empty() ? "" : ", ") + k;
+      throw std::invalid_argument(
+          fmt::format("unknown schedule '{}': expected all, or one or more (comma-separated) of {}", name, list));
+    }
+    names.push_back(name);
+    start = comma + 1;
+  }
+  return names;
 }
 
 const char* mode_name(BackwardMode m) { return m == BackwardMode::kSplit ? "2bp" : "standard"; }
@@ -288,7 +382,8 @@ void write_chart(const PipelineArgs& a, const std::vector<RunResult>& results, b
   int p = 0;
   for (const auto& r : results) {
     p = r.p;
-    const std::string name = fmt::format("{} (v={})", r.schedule, r.v);
+    std::string name = fmt::format("{} (v={})", r.schedule, r.v);
+    if (r.dp > 1) name += r.dp_overlap ? " dp overlap" : " dp no overlap";
     auto it = std::find_if(groups.begin(), groups.end(), [&](const BarGroup& g) { return g.name == name; });
     if (it == groups.end()) {
       groups.push_back({name, {0.0, 0.0}, ""});
@@ -299,8 +394,9 @@ void write_chart(const PipelineArgs& a, const std::vector<RunResult>& results, b
   for (auto& g : groups) {
     if (g.values[0] > 0 && g.values[1] > 0) g.label = fmt::format("2BP \u00d7{:.3f}", g.values[1] / g.values[0]);
   }
-  const std::string title = fmt::format("twobp pipeline throughput: {} model, p={}, m={}, micro-batch {}", a.model.model,
-                                        p, a.microbatches, a.model.micro_batch_size);
+  std::string title = fmt::format("twobp pipeline throughput: {} model, p={}, m={}, micro-batch {}", a.model.model, p,
+                                  a.microbatches, a.model.micro_batch_size);
+  if (a.dp > 1) title += fmt::format(", dp={} (global batch)", a.dp);
   std::ofstream(a.chart) << bar_chart_svg(title, tokens ? "tokens/s" : "samples/s", {"standard", "2BP"}, groups);
 }
 
@@ -323,16 +419,25 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
   std::vector<std::vector<std::string>> rows{{"schedule", "mode", "p", "m", "v", "step ms", "p25-p75",
                                               tokens ? "tokens/s" : "samples/s", "speedup", "sim speedup", "bubble",
                                               "sim ms", "sim err", "peak mbs"}};
+  const bool dp = a.dp > 1;  // dp = 1: the output of a pipeline without data parallelism, no dp fields
+  if (dp) {
+    rows[0].insert(rows[0].begin() + 2, "dp overlap");
+    rows[0].insert(rows[0].begin() + 2, "dp");
+    rows[0].push_back("dp exposed ms");
+    out["config"]["dp"] = a.dp;
+  }
   std::ofstream csv;
   if (!a.csv.empty()) {
     csv.open(a.csv);
     csv << "schedule,mode,p,m,v,tokens_per_s,step_ms_median,bubble_fraction,sim_step_ms,sim_error,"
-           "peak_live_microbatches,speedup_vs_standard,sim_speedup_vs_standard,peak_rss_bytes,samples_per_s\n";
+           "peak_live_microbatches,speedup_vs_standard,sim_speedup_vs_standard,peak_rss_bytes,samples_per_s";
+    csv << (dp ? ",dp,dp_overlap,dp_exposed_ms,dp_reduce_bytes\n" : "\n");
   }
   for (const auto& r : results) {
     double speedup = 0, sim_speedup = 0;
     for (const auto& o : results) {
-      if (o.schedule == r.schedule && o.p == r.p && o.m == r.m && o.v == r.v && o.mode == BackwardMode::kStandard) {
+      if (o.schedule == r.schedule && o.p == r.p && o.m == r.m && o.v == r.v && o.dp_overlap == r.dp_overlap &&
+          o.mode == BackwardMode::kStandard) {
         speedup = r.samples_per_s / o.samples_per_s;
         sim_speedup = o.sim_step_ms / r.sim_step_ms;
       }
@@ -351,6 +456,12 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
     j["peak_rss_bytes"] = r.peak_rss;
     j["communication_ms"] = r.comm_ms;
     j["costs_ms"] = {{"F", r.f_ms}, {"I", r.i_ms}, {"W", r.w_ms}, {"B", r.b_ms}};
+    if (dp) {
+      j["dp"] = r.dp;
+      j["dp_overlap"] = r.dp_overlap;
+      j["dp_exposed_ms"] = r.dp_exposed_ms;
+      j["dp_reduce_bytes"] = r.dp_reduce_bytes;
+    }
     if (speedup > 0) {
       j["speedup_vs_standard"] = speedup;
       j["sim_speedup_vs_standard"] = sim_speedup;
@@ -363,11 +474,21 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
                     speedup > 0 ? fmt_num(speedup, 3) : "", speedup > 0 ? fmt_num(sim_speedup, 3) : "",
                     fmt_num(r.bubble, 3), fmt_num(r.sim_step_ms, 1), fmt_num(100 * sim_error, 1) + "%",
                     std::to_string(r.peak_live)});
+    if (dp) {
+      rows.back().insert(rows.back().begin() + 2, r.dp_overlap ? "on" : "off");
+      rows.back().insert(rows.back().begin() + 2, std::to_string(r.dp));
+      rows.back().push_back(fmt_num(r.dp_exposed_ms, 2));
+    }
     if (csv) {
-      csv << fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n", r.schedule, mode_name(r.mode), r.p, r.m,
+      csv << fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}", r.schedule, mode_name(r.mode), r.p, r.m,
                          r.v, tokens ? fmt::format("{}", r.tokens_per_s) : "", r.step_ms.median, r.bubble,
                          r.sim_step_ms, sim_error, r.peak_live, speedup > 0 ? fmt::format("{}", speedup) : "",
                          speedup > 0 ? fmt::format("{}", sim_speedup) : "", r.peak_rss, r.samples_per_s);
+      if (dp) {
+        csv << fmt::format(",{},{},{},{}", r.dp, r.dp_overlap ? "true" : "false", r.dp_exposed_ms,
+                           r.dp_reduce_bytes);
+      }
+      csv << "\n";
     }
   }
   print_table(std::cout, rows);
@@ -391,7 +512,7 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
 
 void run_pipeline_bench(const PipelineArgs& a) {
   at::set_num_threads(a.threads);
-  std::vector<std::string> names = a.schedule == "all" ? schedule_names() : std::vector<std::string>{a.schedule};
+  std::vector<std::string> names = schedule_list(a.schedule);
   std::vector<BackwardMode> modes;
   if (a.mode != "2bp") modes.push_back(BackwardMode::kStandard);
   if (a.mode != "standard") modes.push_back(BackwardMode::kSplit);
@@ -402,13 +523,22 @@ void run_pipeline_bench(const PipelineArgs& a) {
     modes = {s.backward};
   }
 
+  // With data parallelism every configuration runs with the reductions overlapped, then without.
+  const std::vector<bool> overlaps = a.dp > 1 ? std::vector<bool>{true, false} : std::vector<bool>{true};
   auto run_all = [&](Transport& t) {
+    const Duration timeout{static_cast<int64_t>(a.timeout_s * 1000)};
+    ParallelGroups groups(t, a.dp, timeout);  // UsageError unless dp divides the world size
     std::vector<RunResult> results;
     for (const auto& name : names) {
       for (BackwardMode mode : modes) {
-        if (t.rank() == 0) std::cerr << fmt::format("[pipeline] {} {} p={} m={} ...\n", name, mode_name(mode),
-                                                    t.world_size(), a.microbatches);
-        results.push_back(run_config(t, a, name, mode));
+        for (bool overlap : overlaps) {
+          if (t.rank() == 0) {
+            std::cerr << fmt::format("[pipeline] {} {} p={} m={}{} ...\n", name, mode_name(mode),
+                                     groups.layout().pp, a.microbatches,
+                                     a.dp > 1 ? fmt::format(" dp={} overlap={}", a.dp, overlap ? "on" : "off") : "");
+          }
+          results.push_back(run_config(t, groups, a, name, mode, overlap));
+        }
       }
     }
     return results;
@@ -417,7 +547,7 @@ void run_pipeline_bench(const PipelineArgs& a) {
   // Under mpirun one rank per process over MPI (under torchrun/srun, or mpirun without MPI: a TCPStore); else
   // --ranks threads over Local transports. Rank 0 reports.
   RunRanksOptions o;
-  o.thread_ranks = a.ranks;
+  o.thread_ranks = a.dp * a.ranks;  // threads: dp replicas of --ranks pipeline ranks
 #if TWOBP_HAVE_MPI
   std::unique_ptr<MpiEnvironment> env;
   if (launched_by_mpi_launcher()) {
@@ -443,16 +573,28 @@ void run_pipeline_bench(const PipelineArgs& a) {
 void add_pipeline_command(CLI::App& app) {
   auto a = std::make_shared<PipelineArgs>();
   CLI::App* sub = app.add_subcommand("pipeline", "Throughput of pipelines, 2BP against standard backprop");
-  std::vector<std::string> schedules = schedule_names();
-  schedules.push_back("all");
-  sub->add_option("--schedule", a->schedule, "Registered schedule, or all")->check(CLI::IsMember(schedules))
+  sub->add_option("--schedule", a->schedule, "Registered schedule, several separated by commas, or all")
+      ->check([](const std::string& value) -> std::string {
+        try {
+          schedule_list(value);
+        } catch (const std::invalid_argument& e) {
+          return e.what();
+        }
+        return "";
+      })
       ->capture_default_str();
   sub->add_option("--schedule-file", a->schedule_file,
                   "Run this schedule (text form, see dump_schedule) instead; it keeps its own 2BP mode")
       ->check(CLI::ExistingFile);
   sub->add_option("--mode", a->mode, "standard, 2bp or both")->check(CLI::IsMember({"standard", "2bp", "both"}))
       ->capture_default_str();
-  sub->add_option("--ranks", a->ranks, "Ranks as threads (ignored under mpirun: one rank per process)")
+  sub->add_option("--ranks", a->ranks,
+                  "Pipeline ranks p; ranks run as dp x p threads (ignored under mpirun: one rank per process, "
+                  "p = world size / dp)")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  sub->add_option("--dp", a->dp,
+                  "Data-parallel replicas of the pipeline (world = dp x p; each configuration then runs with the "
+                  "gradient reductions overlapped and not)")
       ->capture_default_str()->check(CLI::PositiveNumber);
   sub->add_option("--microbatches", a->microbatches, "Micro-batches per step")->capture_default_str()
       ->check(CLI::PositiveNumber);

@@ -43,4 +43,10 @@ double ring_all_reduce_seconds(double bytes, int ranks, double link_bytes_per_s,
   return steps / ranks * bytes / link_bytes_per_s + steps * latency_s;
 }
 
+double exposed_wait(const std::vector<double>& wait_per_rank) {
+  double most = 0.0;
+  for (double w : wait_per_rank) most = std::max(most, w);
+  return most;
+}
+
 }  // namespace twobp::metrics

@@ -51,5 +51,13 @@ TEST(Metrics, RingAllReduce) {
   EXPECT_DOUBLE_EQ(metrics::ring_all_reduce_seconds(0.0, 8, 12.5e9, 5e-6), 0.0);
 }
 
+TEST(Metrics, ExposedWait) {
+  // The slowest rank's wait is what the step exposes.
+  EXPECT_DOUBLE_EQ(metrics::exposed_wait({0.5, 3.0, 1.25, 0.0}), 3.0);
+  // No ranks, or nobody waited (a negative wait, e.g. clock noise, counts as none).
+  EXPECT_DOUBLE_EQ(metrics::exposed_wait({}), 0.0);
+  EXPECT_DOUBLE_EQ(metrics::exposed_wait({0.0, -1e-9}), 0.0);
+}
+
 }  // namespace
 }  // namespace twobp::testing

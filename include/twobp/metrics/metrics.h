@@ -47,4 +47,9 @@ int64_t training_memory_bytes(int64_t parameters, int64_t bytes_per_element, int
 /// cost of one ring step. 0 when n ≤ 1 (nothing to reduce) or bytes ≤ 0; link_bytes_per_s must be > 0 otherwise.
 double ring_all_reduce_seconds(double bytes, int ranks, double link_bytes_per_s, double latency_s);
 
+/// Exposed wait of one step: the max over ranks of the time each rank waited after its last action (e.g. for the
+/// data-parallel gradient reductions, StepResult::reduce_wait_us), since the step ends when the slowest rank
+/// does. Negative waits count as 0; 0 when there are no ranks.
+double exposed_wait(const std::vector<double>& wait_per_rank);
+
 }  // namespace twobp::metrics
