@@ -20,7 +20,8 @@
 //                       arrives `communication` after its producer finished
 //   sim_error           step_ms_median / sim_step_ms − 1
 //   peak_live_mbs       max over ranks of micro-batches whose activations are alive at once (simulated)
-//   peak_rss_bytes      max over ranks of the process's peak resident set (getrusage; Local: the whole process)
+//   peak_rss_bytes      max over the pipeline's ranks of metrics::memory_per_rank: the process's peak resident set
+//                       (getrusage) over the ranks it holds (threads: all dp · p of them; processes: 1)
 //
 // Data parallelism (--dp N, default 1; N = 1 changes nothing and adds no fields): N replicas of a p-rank pipeline,
 // world = N · p, laid out by twobp::ParallelLayout (world rank r = pipeline rank r % p of replica r / p). --ranks
@@ -272,7 +273,7 @@ RunResult run_config(Transport& world, ParallelGroups& groups, const PipelineArg
     last = std::move(result.trace);
   }
   // Share per-stage medians (the owner fills its stages), per-step busy times and step times.
-  std::vector<double> local(4 * S + 2 * a.steps + 1, 0.0);
+  std::vector<double> local(4 * S + 2 * a.steps + p, 0.0);
   auto med = [](const std::vector<double>& v) { return v.empty() ? 0.0 : summarize(v).median; };
   for (int s : sched.stages_of(me)) {
     local[4 * s] = med(f[s]);
@@ -284,7 +285,9 @@ RunResult run_config(Transport& world, ParallelGroups& groups, const PipelineArg
     local[4 * S + k] = busy_ms[k];
     local[4 * S + a.steps + k] = me == 0 ? steps_ms[k] : 0.0;
   }
-  local.back() = peak_rss_bytes();
+  // One slot per pipeline rank: its share of its process's peak resident set (rank threads share one process).
+  local[4 * S + 2 * a.steps + me] =
+      metrics::memory_per_rank(peak_rss_bytes(), transport.name() == "local" ? world.world_size() : 1);
   std::vector<double> total = sum_over_ranks(transport, local, timeout);
   std::vector<double> step_times(total.begin() + 4 * S + a.steps, total.begin() + 4 * S + 2 * a.steps);
   std::vector<double> bubbles;
@@ -295,7 +298,7 @@ RunResult run_config(Transport& world, ParallelGroups& groups, const PipelineArg
   r.samples_per_s =
       metrics::per_second(static_cast<double>(dp) * static_cast<double>(batch), r.step_ms.median / 1000.0);
   r.tokens_per_s = metrics::tokens_per_s(r.samples_per_s, tokens_per_sample(a.model));
-  r.peak_rss = metrics::memory_per_rank(total.back(), transport.name() == "local" ? p : 1);
+  r.peak_rss = *std::max_element(total.begin() + 4 * S + 2 * a.steps, total.end());
   if (dp > 1) {
     // Every world rank's reduction wait of every measured step (one slot each), then the slowest rank per step.
     // Slots: [step k][world rank] waits, then [pipeline rank] gradient bytes of replica 0's ranks.

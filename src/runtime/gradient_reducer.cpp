@@ -24,8 +24,13 @@ bool makes_weight_grads(ActionType t) { return t == ActionType::kBackward || t =
 GradientReducer::GradientReducer(const Schedule& schedule, int rank, const std::map<int, Stage*>& stages,
                                  DataParallelOptions options, Duration timeout)
     : rank_(rank), options_(options), timeout_(timeout), dp_(options.group->world_size()), stages_(stages) {
-  TWOBP_CHECK(options_.bucket_bytes > 0, UsageError, "rank {}: DataParallelOptions::bucket_bytes must be > 0, got {}",
-              rank_, options_.bucket_bytes);
+  // WHY no early start on a blocking transport: a reduction started inside the action stream would block there
+  // until the other replicas reach it, coupling their pipelines; with skew in opposite directions two replicas
+  // could each wait for a rank that waits for the other. Started after the last action, nothing can interleave.
+  options_.overlap = options_.overlap && options_.group->asynchronous_all_reduce();
+  TWOBP_CHECK(options_.bucket_bytes > 0 && options_.first_bucket_bytes > 0, UsageError,
+              "rank {}: DataParallelOptions::bucket_bytes and first_bucket_bytes must be > 0, got {} and {}", rank_,
+              options_.bucket_bytes, options_.first_bucket_bytes);
   // The last weight-producing action of each chunk: its gradients are complete for the step after it.
   const auto& actions = schedule.actions.at(rank);
   std::map<int, std::size_t> last_weight_action;
@@ -52,14 +57,18 @@ GradientReducer::GradientReducer(const Schedule& schedule, int rank, const std::
   for (const auto& [action, index] : chunk_order) {
     last_weight_action_[action] = index;
     std::map<std::pair<at::ScalarType, std::string>, std::size_t> open;  // (dtype, device) -> bucket
+    const std::size_t first_of_stage = buckets_.size();  // the stage's first bucket (if any) gets this index
     const auto params = stages.at(index)->parameters();
     for (auto it = params.rbegin(); it != params.rend(); ++it) {
       const at::Tensor& p = *it;
       if (!p.requires_grad() || owner.at(p.unsafeGetTensorImpl()) != index) continue;
       const auto key = std::make_pair(p.scalar_type(), p.device().str());
       auto found = open.find(key);
-      if (found == open.end() || buckets_[found->second].numel * static_cast<std::int64_t>(p.element_size()) >=
-                                     options_.bucket_bytes) {
+      const bool first = found != open.end() && found->second == first_of_stage;
+      const std::int64_t cap = first ? std::min(options_.first_bucket_bytes, options_.bucket_bytes)
+                                     : options_.bucket_bytes;
+      if (found == open.end() ||
+          buckets_[found->second].numel * static_cast<std::int64_t>(p.element_size()) >= cap) {
         buckets_.push_back(Bucket{index, {}, 0});
         found = open.insert_or_assign(key, buckets_.size() - 1).first;
       }

@@ -78,7 +78,8 @@ class ParallelGroups {
 /// Only the chunks' parameters are averaged: a trainable tensor the forward uses without registering it keeps
 /// its replica's own gradient (as with PyTorch DDP); register it to have it averaged.
 ///
-/// When: each stage's parameters are reduced in buckets of about `bucket_bytes` (one dtype per bucket, the
+/// When: each stage's parameters are reduced in buckets of about `bucket_bytes` (the first `first_bucket_bytes`;
+/// one dtype per bucket, the
 /// stage's parameters in reverse order of registration, as backward produces them), started asynchronously
 /// right after the stage's last weight-producing action of the step (its last W in 2BP, its last B otherwise),
 /// so that the reduction overlaps the rank's remaining actions and bubbles; a tensor shared by two chunks of a
@@ -87,8 +88,10 @@ class ParallelGroups {
 /// StepResult::reduce_wait_us (the reduction time left exposed on the critical path).
 ///
 /// With `overlap` false every bucket starts only after the rank's last action: the baseline the overlap is
-/// measured against. Transports without asynchronous collectives (Local, Store) reduce each bucket when it
-/// starts, blocking: correct, but nothing overlaps. Every replica must build the same model: the pipeline's
+/// measured against. On transports without asynchronous collectives (Local, Store:
+/// Transport::asynchronous_all_reduce() false) overlap is off whatever the option says: a blocking reduction
+/// started between two actions would couple the replicas' pipelines (and could deadlock them); reduce_wait_us
+/// is then the whole reduction. Every replica must build the same model: the pipeline's
 /// constructor checks that the replicas agree on each rank's parameters (one small all-reduce over the group).
 struct DataParallelOptions {
   /// This rank's data-parallel group (ParallelGroups::data_parallel()); null or a group of one: no reduction.
@@ -96,6 +99,9 @@ struct DataParallelOptions {
   Transport* group = nullptr;
   /// Target bucket size. Larger: fewer collectives (latency); smaller: the first bucket starts sooner.
   std::int64_t bucket_bytes = 25LL << 20;
+  /// Size of each stage's first bucket (its last layers, the first final in W), as PyTorch DDP's 1 MB first
+  /// bucket: a small bucket starts reducing while the rest of the W still runs.
+  std::int64_t first_bucket_bytes = 1LL << 20;
   bool overlap = true;
 };
 

@@ -102,6 +102,7 @@ class MpiTransport final : public Transport {
   std::unique_ptr<Work> irecv(at::Tensor& buffer, const P2POptions& options) override;
   void all_reduce_sum(at::Tensor& tensor, Duration timeout) override;
   std::unique_ptr<Work> all_reduce_sum_async(at::Tensor& tensor, Duration timeout) override;
+  bool asynchronous_all_reduce() const override { return true; }
   void barrier(Duration timeout) override;
   void broadcast(at::Tensor& tensor, int root, Duration timeout) override;
   std::unique_ptr<Transport> split(int color, int key, Duration timeout) override;

@@ -94,6 +94,7 @@ class NcclTransport final : public Transport {
   void all_reduce_sum(at::Tensor& tensor, Duration timeout) override;
   /// On a communicator of every rank (created by the first call) and a stream of its own; see the class comment.
   std::unique_ptr<Work> all_reduce_sum_async(at::Tensor& tensor, Duration timeout) override;
+  bool asynchronous_all_reduce() const override { return true; }
   void barrier(Duration timeout) override;
   /// Over the host transport on a CPU copy, like all_reduce_sum.
   void broadcast(at::Tensor& tensor, int root, Duration timeout) override;

@@ -80,6 +80,8 @@ class Transport {
   /// on its own stream. The default (Local, Store): reduces at once, blocking up to `timeout`, and returns a
   /// completed handle -- correct, but nothing overlaps.
   virtual std::unique_ptr<Work> all_reduce_sum_async(at::Tensor& tensor, Duration timeout);
+  /// Whether all_reduce_sum_async returns before the reduction is done (MPI, NCCL), i.e. can overlap compute.
+  virtual bool asynchronous_all_reduce() const { return false; }
 
   /// Overwrites `tensor` on every rank with the tensor of rank `root`. Collective: every rank calls it in the
   /// same order with respect to the other collectives, with the same shape, dtype and root. Blocks at most
