@@ -216,10 +216,15 @@ StepResult Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
   } catch (const std::exception& e) {
     if (impl_->reducer) {
       impl_->reducer->reset();
-      // The other replicas would otherwise wait for this one's reductions until their timeout.
-      try {
-        impl_->data_parallel->abort(fmt::format("rank {} failed: {}", rank(), e.what()));
-      } catch (...) {
+      // The other replicas would otherwise wait for this one's reductions, and (for an error after the last
+      // action, e.g. a refused buffer) this replica's other ranks for its next step, until their timeouts. The
+      // executor already aborted the pipeline transport for an error inside an action; a second abort is a no-op.
+      const std::string reason = fmt::format("rank {} failed: {}", rank(), e.what());
+      for (Transport* t : {impl_->data_parallel, transport_.get()}) {
+        try {
+          t->abort(reason);
+        } catch (...) {
+        }
       }
     }
     throw;
