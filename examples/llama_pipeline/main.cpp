@@ -96,6 +96,7 @@ struct Args {
   double timeout_s = 300;
   int stages = 2;
   int dp = 1;  // data-parallel replicas
+  int max_pending_w = 0;  // memory-bounded 2BP: 0 = no limit
   int chunks_per_rank = 0;  // 0: the schedule's default
   std::string schedule_file;
   std::string partition;
@@ -316,6 +317,7 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
     return llm::cross_entropy_loss(logits, targets.to(logits.device()));
   };
   po.data_parallel.group = groups.data_parallel();
+  po.max_pending_weight_micro_batches = a.max_pending_w;
   twobp::Pipeline pipeline(p.schedule, std::move(chunks), transport, po);
 
   // Each tensor once: with tied embeddings the head chunk lists its table under two names, and AdamW would
@@ -530,6 +532,9 @@ int main(int argc, char** argv) {
   app.add_option("--timeout", a.timeout_s, "Seconds any wait may block before failing");
   app.add_option("--stages", a.stages, "Pipeline ranks per replica as threads when not under a launcher");
   app.add_option("--dp", a.dp, "Data-parallel replicas of the pipeline (world = dp x pipeline ranks)");
+  app.add_option("--max-pending-w", a.max_pending_w,
+                 "2BP: at most N micro-batches per stage wait for their W; older ones run early (0: no limit)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--chunks-per-rank", a.chunks_per_rank,
                  "Model chunks per rank (interleaved and V schedules; default: the schedule's)");
   app.add_option("--partition", a.partition, "Blocks per chunk, e.g. 3,3,2,0 (default: balanced by compute)");

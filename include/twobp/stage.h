@@ -100,6 +100,8 @@ class Stage {
   std::vector<at::Tensor> parameters() const;
   /// Micro-batches with state held (forwarded and not yet fully backpropagated).
   std::size_t live_micro_batches() const { return micro_batches_.size(); }
+  /// Micro-batches whose I ran and whose W has not: the deferred weight work this stage holds.
+  std::size_t pending_weight_micro_batches() const;
   autograd::WeightGradStore& weight_grad_store() { return store_; }
 
  private:

@@ -5,7 +5,9 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <deque>
+#include <set>
 #include <tuple>
 #include <utility>
 
@@ -91,6 +93,9 @@ struct Executor::Step {
   std::size_t next_recv = 0;  // into recv_actions_
   std::size_t index = 0;      // of the action being executed
   std::vector<at::Tensor> input_mbs, target_mbs;
+  // Memory-bounded 2BP: per stage, micro-batches whose I ran and W did not, oldest first; and the W's run early.
+  std::map<int, std::deque<int>> pending_weight;
+  std::set<std::pair<int, int>> early_weight;  // (stage, micro-batch)
   std::vector<at::Tensor> losses;  // on the device until the step ends
 
   std::string where(int rank, const Action& a) const { return fmt::format("rank {}: {}", rank, describe(a)); }
@@ -169,10 +174,28 @@ void Executor::backward(Step& st, const Action& a) {
   at::Tensor grad_input =
       a.type == ActionType::kBackward ? s.backward(mb, grad_output) : s.backward_input(mb, grad_output);
   if (const ItemRef* made = travelling(deps.produces)) put(st.mailbox, *made, std::move(grad_input));
+  const int limit = options_.max_pending_weight_micro_batches;
+  if (a.type == ActionType::kBackwardInput && limit > 0) {
+    auto& pending = st.pending_weight[a.stage];
+    pending.push_back(mb);
+    while (static_cast<int>(pending.size()) > limit) {
+      const int oldest = pending.front();
+      pending.pop_front();
+      s.backward_weight({oldest});
+      st.early_weight.insert({a.stage, oldest});
+    }
+  }
 }
 
 void Executor::backward_weight(Step& st, const Action& a) {
-  stage(a).backward_weight(a.micro_batches,
+  std::vector<int> mbs;  // the action's micro-batches whose W did not run early
+  for (int mb : a.micro_batches) {
+    if (st.early_weight.erase({a.stage, mb}) != 0) continue;
+    mbs.push_back(mb);
+    auto& pending = st.pending_weight[a.stage];
+    pending.erase(std::remove(pending.begin(), pending.end(), mb), pending.end());
+  }
+  stage(a).backward_weight(mbs,
                            options_.parameters_done ? options_.parameters_done(st.index) : autograd::ParametersDone());
 }
 

@@ -84,6 +84,10 @@ Pipeline::Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, std::sh
   eo.timeout = options_.timeout;
   eo.activation_spec = options_.activation_spec;
   eo.prefetch_receives = options_.prefetch_receives;
+  TWOBP_CHECK(options_.max_pending_weight_micro_batches >= 0, UsageError,
+              "rank {}: PipelineOptions::max_pending_weight_micro_batches must be >= 0 (0: no limit), got {}", rank,
+              options_.max_pending_weight_micro_batches);
+  eo.max_pending_weight_micro_batches = options_.max_pending_weight_micro_batches;
   Transport* dp = options_.data_parallel.group;
   if (dp != nullptr && dp->world_size() > 1) {
     impl_->data_parallel = dp;

@@ -51,6 +51,12 @@ std::vector<at::Tensor> unique_tensors(const std::vector<at::Tensor>& tensors) {
 
 std::vector<at::Tensor> Stage::parameters() const { return unique_tensors(module_->parameters()); }
 
+std::size_t Stage::pending_weight_micro_batches() const {
+  std::size_t n = 0;
+  for (const auto& [mb, state] : micro_batches_) n += state.phase == Phase::kInputGradDone ? 1 : 0;
+  return n;
+}
+
 at::Tensor Stage::forward(int micro_batch, const at::Tensor& input, const at::Tensor& target) {
   TWOBP_CHECK(micro_batches_.count(micro_batch) == 0, UsageError,
               "{}: F called again before the backward of its previous F ran", where(micro_batch));

@@ -83,6 +83,13 @@ TEST(LlamaPipeline, LossFallsAnd2bpMatchesFusedBackward) {
   expect_close(split, fused, 1e-4, "2bp vs no-2bp step ");
 }
 
+// Memory-bounded 2BP changes when W's run, not what they compute.
+TEST(LlamaPipeline, MaxPendingWeightKeepsTheLosses) {
+  const auto unbounded = train("pending_unbounded", "--schedule zb-h1 --steps 3");
+  expect_close(unbounded, train("pending_1", "--schedule zb-h1 --steps 3 --max-pending-w 1"), 1e-5,
+               "--max-pending-w 1 vs unbounded, step ");
+}
+
 TEST(LlamaPipeline, SchedulesAgree) {
   const auto reference = train("ref", "--schedule 1f1b --steps 2");
   expect_close(reference, train("gpipe", "--schedule gpipe --steps 2"), 1e-4, "gpipe step ");

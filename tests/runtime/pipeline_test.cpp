@@ -76,6 +76,7 @@ struct ParityCase {
   BackwardMode mode;
   int p, m;
   Pairing pairing = Pairing::kByTag;  // of the Local transport: kInOrderPerChannel pairs like NCCL
+  int max_pending_weight = 0;          // memory-bounded 2BP (PipelineOptions::max_pending_weight_micro_batches)
 };
 
 class PipelineParity : public ::testing::TestWithParam<ParityCase> {
@@ -98,7 +99,22 @@ TEST_P(PipelineParity, LossesAndGradientsMatchSingleProcess) {
   Reference ref = run_reference(schedule.num_stages, c.m, inputs, targets);
   LocalOptions transport_options;
   transport_options.pairing = c.pairing;
-  auto runs = run_pipeline(schedule, inputs, targets, default_options(), 1, nullptr, transport_options);
+  PipelineOptions options = default_options();
+  options.max_pending_weight_micro_batches = c.max_pending_weight;
+  // With a limit, no stage may hold more deferred W's than it after any action.
+  auto check_limit = [&](int, Pipeline& p) {
+    if (c.max_pending_weight == 0) return;
+    p.add_hook([&p, limit = c.max_pending_weight](const ActionEvent& e) {
+      for (int s : p.stage_indices()) {
+        const std::size_t pending = p.stage(s).pending_weight_micro_batches();
+        if (static_cast<int>(pending) > limit) {
+          throw std::runtime_error("stage " + std::to_string(s) + " holds " + std::to_string(pending) +
+                                   " deferred W's after " + describe(*e.action));
+        }
+      }
+    });
+  };
+  auto runs = run_pipeline(schedule, inputs, targets, options, 1, check_limit, transport_options);
   for (int r = 0; r < c.p; ++r) {
     if (runs[r].error) std::rethrow_exception(runs[r].error);
   }
@@ -127,6 +143,10 @@ std::vector<ParityCase> all_cases() {
         for (Pairing pairing : {Pairing::kByTag, Pairing::kInOrderPerChannel}) {
           cases.push_back({name, mode, p, m, pairing});
         }
+        // Memory-bounded 2BP: W's run early when more than 1 (or 2) micro-batches wait for theirs.
+        if (mode == BackwardMode::kSplit) {
+          for (int limit : {1, 2}) cases.push_back({name, mode, p, m, Pairing::kByTag, limit});
+        }
       }
     }
   }
@@ -136,7 +156,9 @@ std::vector<ParityCase> all_cases() {
 INSTANTIATE_TEST_SUITE_P(AllSchedules, PipelineParity, ::testing::ValuesIn(all_cases()), [](const auto& info) {
   std::string n = info.param.schedule + (info.param.mode == BackwardMode::kSplit ? "_2bp" : "_standard") + "_p" +
                   std::to_string(info.param.p) + "_m" + std::to_string(info.param.m) +
-                  (info.param.pairing == Pairing::kByTag ? "" : "_in_order");
+                  (info.param.pairing == Pairing::kByTag ? "" : "_in_order") +
+                  (info.param.max_pending_weight > 0 ? "_pending_w" + std::to_string(info.param.max_pending_weight)
+                                                     : std::string());
   for (auto& ch : n) {
     if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
   }

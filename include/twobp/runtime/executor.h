@@ -49,6 +49,10 @@ struct ExecutorOptions {
   std::function<TensorSpec(int stage)> activation_spec;
   /// Receives are posted this many RECV actions ahead of their use.
   int prefetch_receives = 4;
+  /// Memory-bounded 2BP: at most this many micro-batches per stage may wait for their W (0: no limit, as the
+  /// schedule says). When an I would leave more, the oldest one's W runs right after that I (its time counts in
+  /// the I's trace event), and the schedule's W skips it. Gradients are unchanged: W only ever runs after its I.
+  int max_pending_weight_micro_batches = 0;
   /// Asked before each W with the action's index in the rank's list: a function for Stage::backward_weight to
   /// call with parameters whose gradient is final during that W, or null (data-parallel reduction uses it).
   std::function<autograd::ParametersDone(std::size_t action_index)> parameters_done;

@@ -43,6 +43,9 @@ struct PipelineOptions {
   bool batch_weight_grads = true;
   /// Receives are posted this many RECV actions ahead of their use, so data arrives while the rank computes.
   int prefetch_receives = 4;
+  /// Memory-bounded 2BP: at most this many micro-batches per stage wait for their W; an I that would leave more
+  /// runs the oldest one's W at once (see ExecutorOptions::max_pending_weight_micro_batches). 0: no limit.
+  int max_pending_weight_micro_batches = 0;
   /// Data parallelism: the group of this stage's replicas and how gradients are averaged over it (see
   /// twobp/runtime/data_parallel.h). With a group of more than one rank, the constructor is collective over it,
   /// step() returns averaged gradients, and mean_loss() / check_gradients() cover every replica.
