@@ -14,13 +14,10 @@
 #include "twobp/schedule/dependencies.h"
 #include "util/check.h"
 #include "util/format.h"
+#include "util/time.h"
 
 namespace twobp {
 namespace {
-
-double elapsed_us(Clock::time_point since) {
-  return std::chrono::duration<double, std::micro>(Clock::now() - since).count();
-}
 
 // The tensors that travel between actions (dependencies() also names what stays inside a Stage: its saved graph
 // and pending weight work) are the activations and input gradients.
@@ -285,7 +282,7 @@ StepResult Executor::run(const at::Tensor& inputs, const at::Tensor& targets) {
       (this->*kHandlers[static_cast<int>(a.type)])(st, a);
       timeline.end_action();
       result.trace.events.push_back(
-          TraceEvent{rank_, a, std::chrono::duration<double, std::micro>(t0 - start).count(), elapsed_us(start)});
+          TraceEvent{rank_, a, std::chrono::duration<double, std::micro>(t0 - start).count(), detail::elapsed_us(start)});
       if (!hooks_.empty()) {
         const ActionEvent event{rank_, &a, is_compute(a.type) ? &stage(a) : nullptr};
         for (const auto& hook : hooks_) hook(event);
@@ -315,7 +312,7 @@ StepResult Executor::run(const at::Tensor& inputs, const at::Tensor& targets) {
     }
     throw;
   }
-  result.trace.step_us = elapsed_us(start);
+  result.trace.step_us = detail::elapsed_us(start);
   timeline.apply(result.trace);
   return result;
 }

@@ -9,13 +9,10 @@
 
 #include "util/check.h"
 #include "util/format.h"
+#include "util/time.h"
 
 namespace twobp::detail {
 namespace {
-
-double elapsed_us(Clock::time_point since) {
-  return std::chrono::duration<double, std::micro>(Clock::now() - since).count();
-}
 
 bool makes_weight_grads(ActionType t) { return t == ActionType::kBackward || t == ActionType::kBackwardWeight; }
 

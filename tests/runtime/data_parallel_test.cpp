@@ -162,19 +162,27 @@ TEST(DataParallel, RefusesReplicasWithDifferentParameters) {
   expect_error<UsageError>([&] { errors.rethrow_root_cause(); }, {"replicas disagree"});
 }
 
-TEST(DataParallel, RefusesSparseGradientsNamingTheStage) {
+// A job whose stage 1 is `stage1()` (the other stages RegisteredTwice) must fail, in both backward modes, with a
+// UsageError containing every one of `words`.
+void expect_refused_in_both_modes(const std::function<std::shared_ptr<CaseModule>()>& stage1,
+                                  const std::vector<std::string>& words) {
   Float64Default f;
   for (BackwardMode mode : {BackwardMode::kStandard, BackwardMode::kSplit}) {
     Job job;
     job.mode = mode;
-    job.make = [](int, int s) -> std::shared_ptr<CaseModule> {
+    job.make = [&](int, int s) -> std::shared_ptr<CaseModule> {
       torch::manual_seed(s);
-      if (s == 1) return std::make_shared<TorchZoo>(dp::kDim);  // an Embedding with sparse gradients
+      if (s == 1) return stage1();
       return std::make_shared<RegisteredTwice>(dp::kDim);
     };
     const RankErrors errors = run_job(job);
-    expect_error<UsageError>([&] { errors.rethrow_root_cause(); }, {"stage 1", "sparse gradient"});
+    expect_error<UsageError>([&] { errors.rethrow_root_cause(); }, words);
   }
+}
+
+TEST(DataParallel, RefusesSparseGradientsNamingTheStage) {
+  // TorchZoo holds an Embedding with sparse gradients.
+  expect_refused_in_both_modes([] { return std::make_shared<TorchZoo>(dp::kDim); }, {"stage 1", "sparse gradient"});
 }
 
 /// A buffer updated in forward (like BatchNorm's running statistics).
@@ -195,18 +203,8 @@ struct RunningMean : CaseModule {
 };
 
 TEST(DataParallel, RefusesBuffersUpdatedDuringTheStep) {
-  Float64Default f;
-  for (BackwardMode mode : {BackwardMode::kStandard, BackwardMode::kSplit}) {
-    Job job;
-    job.mode = mode;
-    job.make = [](int, int s) -> std::shared_ptr<CaseModule> {
-      torch::manual_seed(s);
-      if (s == 1) return std::make_shared<RunningMean>();
-      return std::make_shared<RegisteredTwice>(dp::kDim);
-    };
-    const RankErrors errors = run_job(job);
-    expect_error<UsageError>([&] { errors.rethrow_root_cause(); }, {"stage 1", "running_mean", "eval()"});
-  }
+  expect_refused_in_both_modes([] { return std::make_shared<RunningMean>(); },
+                               {"stage 1", "running_mean", "eval()"});
 }
 
 TEST(DataParallel, MeanLossIsOverTheGlobalBatch) {
