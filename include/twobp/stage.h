@@ -5,14 +5,18 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "twobp/autograd/weight_grad_store.h"
+#include "twobp/tensors.h"
 
 namespace torch::nn {
 class Module;
@@ -22,12 +26,70 @@ namespace twobp {
 
 namespace detail {
 struct SplitPlan;
-}
+}  // namespace detail
 
-/// Computes a scalar loss from the last stage's output and the micro-batch target.
-using LossFunction = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
-/// The chunk's forward: input -> output. Usually wraps a module's forward().
-using StageForward = std::function<at::Tensor(const at::Tensor& input)>;
+namespace detail {
+template <typename F, typename... Args>
+constexpr bool returns_v = std::is_invocable_r_v<at::Tensor, F&, const Args&...>;
+}  // namespace detail
+
+/// The chunk's forward. Either form converts implicitly (usually a lambda around the module's forward()):
+///   [](const at::Tensor& input) -> at::Tensor          one tensor in, one out
+///   [](const NamedTensors& inputs) -> NamedTensors     several named tensors (see twobp/tensors.h)
+class StageForward {
+ public:
+  StageForward() = default;
+  StageForward(std::nullptr_t) {}  // NOLINT(google-explicit-constructor)
+  template <typename F, std::enable_if_t<std::is_invocable_r_v<NamedTensors, F&, const NamedTensors&> &&
+                                             !std::is_same_v<std::decay_t<F>, StageForward>,
+                                         int> = 0>
+  StageForward(F f) : multi_(std::move(f)) {}  // NOLINT(google-explicit-constructor)
+  template <typename F, std::enable_if_t<detail::returns_v<F, at::Tensor> &&
+                                             !std::is_invocable_r_v<NamedTensors, F&, const NamedTensors&> &&
+                                             !std::is_same_v<std::decay_t<F>, StageForward>,
+                                         int> = 0>
+  StageForward(F f) : single_(std::move(f)) {}  // NOLINT(google-explicit-constructor)
+
+  explicit operator bool() const { return single_ || multi_; }
+  /// Whether it takes NamedTensors (then the last stage's forward also sees the targets among its inputs).
+  bool takes_named_tensors() const { return static_cast<bool>(multi_); }
+  /// Runs it; a one-tensor forward needs exactly one input (`where` names the stage in the error otherwise).
+  NamedTensors call(const NamedTensors& inputs, std::string_view where) const;
+  NamedTensors operator()(const NamedTensors& inputs) const { return call(inputs, "forward"); }
+
+ private:
+  std::function<at::Tensor(const at::Tensor&)> single_;
+  std::function<NamedTensors(const NamedTensors&)> multi_;
+};
+
+/// Computes a scalar loss from the last stage's output(s) and the micro-batch's target(s). Either form converts:
+///   [](const at::Tensor& output, const at::Tensor& target) -> at::Tensor
+///   [](const NamedTensors& outputs, const NamedTensors& targets) -> at::Tensor
+class LossFunction {
+ public:
+  LossFunction() = default;
+  LossFunction(std::nullptr_t) {}  // NOLINT(google-explicit-constructor)
+  template <typename F, std::enable_if_t<detail::returns_v<F, NamedTensors, NamedTensors> &&
+                                             !std::is_same_v<std::decay_t<F>, LossFunction>,
+                                         int> = 0>
+  LossFunction(F f) : multi_(std::move(f)) {}  // NOLINT(google-explicit-constructor)
+  template <typename F, std::enable_if_t<detail::returns_v<F, at::Tensor, at::Tensor> &&
+                                             !detail::returns_v<F, NamedTensors, NamedTensors> &&
+                                             !std::is_same_v<std::decay_t<F>, LossFunction>,
+                                         int> = 0>
+  LossFunction(F f) : single_(std::move(f)) {}  // NOLINT(google-explicit-constructor)
+
+  explicit operator bool() const { return single_ || multi_; }
+  /// Runs it; the one-tensor form needs exactly one output and one target.
+  at::Tensor call(const NamedTensors& outputs, const NamedTensors& targets, std::string_view where) const;
+  at::Tensor operator()(const NamedTensors& outputs, const NamedTensors& targets) const {
+    return call(outputs, targets, "loss");
+  }
+
+ private:
+  std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> single_;
+  std::function<at::Tensor(const NamedTensors&, const NamedTensors&)> multi_;
+};
 
 struct StageOptions {
   int stage_index = 0;  ///< global stage index, used in error messages and to decide on input gradients
@@ -71,13 +133,24 @@ class Stage {
   Stage(const Stage&) = delete;
   Stage& operator=(const Stage&) = delete;
 
-  /// Runs the chunk on `input` (the previous stage's output, or the first stage's data). `target` is passed to
-  /// the loss on the last stage. Returns the output (the loss on the last stage); the caller sends it on.
+  /// Runs the chunk on `inputs` (the previous stage's outputs, or the first stage's data). `targets` is the last
+  /// stage's data: passed to the loss, and -- to a forward taking NamedTensors -- among its inputs too (labels,
+  /// masks, position ids reach the last stage without being relayed; their names must differ from the inputs').
+  /// An input gets a gradient (returned by I or B) when the stage is not the first, the tensor is floating-point
+  /// and requires grad. Returns the outputs, detached (the loss, named "loss", on the last stage); an output
+  /// carries a gradient when it requires grad (see NamedTensors) and is then returned as a leaf that requires
+  /// grad, so that it can be handed to the next stage as is.
+  NamedTensors forward(int micro_batch, const NamedTensors& inputs, const NamedTensors& targets);
+  /// One-tensor form: on stages after the first, a floating-point input always gets a gradient.
   at::Tensor forward(int micro_batch, const at::Tensor& input, const at::Tensor& target = {});
 
-  /// 2BP stage 1: the gradient w.r.t. the stage input, to be sent upstream. `grad_output` must match the
-  /// output's shape and dtype; on the last stage (scalar loss) it may be undefined and loss_scale is used.
-  /// Returns an undefined tensor when the input needs no gradient (first stage).
+  /// 2BP stage 1: the gradients w.r.t. the stage inputs, to be sent upstream. `grad_outputs` names a gradient for
+  /// outputs that carry one (matching its shape and dtype); an output it omits, or names with an undefined
+  /// tensor, contributes nothing -- as a tensor the rest of the model does not use. On the last stage (scalar
+  /// loss) it may be empty and loss_scale is used. Returns one entry per input that gets a gradient, undefined
+  /// when no output depends on that input (its producer's parameters then get no gradient from it).
+  NamedTensors backward_input(int micro_batch, const NamedTensors& grad_outputs);
+  /// One-tensor form: returns zeros where the input got no gradient, undefined on the first stage.
   at::Tensor backward_input(int micro_batch, const at::Tensor& grad_output = {});
 
   /// 2BP stage 2 for micro-batches whose backward_input ran, in any order; accumulates into .grad.
@@ -86,7 +159,9 @@ class Stage {
   /// passes it on the stage's last W of a step, to start reducing those gradients while the W goes on.
   void backward_weight(const std::vector<int>& micro_batches, const autograd::ParametersDone& done = nullptr);
 
-  /// Ordinary (fused) backprop for one micro-batch: returns the input gradient and accumulates into .grad.
+  /// Ordinary (fused) backprop for one micro-batch: returns the input gradients (as backward_input) and
+  /// accumulates into .grad.
+  NamedTensors backward(int micro_batch, const NamedTensors& grad_outputs);
   at::Tensor backward(int micro_batch, const at::Tensor& grad_output = {});
 
   /// Forgets every micro-batch of the current step (after an error), releasing its memory.
@@ -108,13 +183,24 @@ class Stage {
   enum class Phase { kForwarded, kInputGradDone };
   struct MicroBatch {
     Phase phase = Phase::kForwarded;
-    at::Tensor input;   // leaf the input gradient is taken against (undefined grad requirement on stage 0)
-    at::Tensor output;  // the output (or loss) the backward starts from
+    NamedTensors inputs;   // the leaves input gradients are taken against (those requiring grad)
+    NamedTensors outputs;  // the outputs (or the loss) the backward starts from, with their graph
     std::unique_ptr<detail::SplitPlan> plan;  // general-path stage-2 work, after backward_input
   };
 
   MicroBatch& lookup(int micro_batch, const char* action);
-  at::Tensor seed_gradient(int micro_batch, const MicroBatch& state, const at::Tensor& grad_output) const;
+  // The (output, seed) pairs a backward starts from: outputs with a defined gradient in `grad_outputs`.
+  std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> seeds(int micro_batch, const MicroBatch& state,
+                                                                     const NamedTensors& grad_outputs) const;
+  // The inputs that get a gradient, and which of them got none.
+  static std::vector<at::Tensor> gradient_inputs(const MicroBatch& state, std::vector<std::string>* names);
+  // The one-tensor forms of I and B: the NamedTensors call they make, and the input for zeros_like.
+  struct SingleCall {
+    at::Tensor input;
+    NamedTensors grad_outputs;
+  };
+  SingleCall single_call(int micro_batch, const char* action, const at::Tensor& grad_output);
+  at::Tensor single_gradient(int micro_batch, const SingleCall& call, const NamedTensors& grads) const;
   std::string where(int micro_batch) const;
 
   std::shared_ptr<torch::nn::Module> module_;

@@ -14,6 +14,7 @@
 #include "twobp/nn/functional.h"
 #include "twobp/nn/modules.h"
 #include "twobp/stage.h"
+#include "twobp/tensors.h"
 
 #include "twobp/schedule/action.h"
 #include "twobp/schedule/dependencies.h"

@@ -40,40 +40,43 @@ struct GraphInfo {
   std::vector<std::shared_ptr<Node>> alive;
 };
 
-// Post-order walk from the root computing, for every node, whether it reaches an A-target and a trainable leaf.
+// Post-order walk from the roots computing, for every node, whether it reaches an A-target and a trainable leaf.
 // Iterative: a 32-layer transformer chunk has graphs deep enough to overflow a recursive walk's stack.
-GraphInfo analyse(Node* root, Node* input_target, Node* anchor_target) {
+GraphInfo analyse(const std::vector<Node*>& roots, const std::unordered_set<Node*>& a_targets) {
   GraphInfo info;
   std::vector<std::pair<Node*, std::size_t>> stack;
-  stack.emplace_back(root, 0);
-  info.flags[root] = kVisited;
-  while (!stack.empty()) {
-    auto& [node, next] = stack.back();
-    if (next < node->num_outputs()) {
-      Node* child = node->next_edge(next++).function.get();
-      if (child != nullptr && info.flags.find(child) == info.flags.end()) {
-        info.flags[child] = kVisited;
-        stack.emplace_back(child, 0);
+  for (Node* root : roots) {
+    if (info.flags.count(root)) continue;
+    stack.emplace_back(root, 0);
+    info.flags[root] = kVisited;
+    while (!stack.empty()) {
+      auto& [node, next] = stack.back();
+      if (next < node->num_outputs()) {
+        Node* child = node->next_edge(next++).function.get();
+        if (child != nullptr && info.flags.find(child) == info.flags.end()) {
+          info.flags[child] = kVisited;
+          stack.emplace_back(child, 0);
+        }
+        continue;
       }
-      continue;
+      std::uint8_t f = kVisited;
+      if (a_targets.count(node)) {
+        f |= kReachesInput;
+      } else if (dynamic_cast<AccumulateGrad*>(node) != nullptr) {
+        // Every trainable leaf the graph reaches, registered under the module or not, listed once however many
+        // names it has: exactly the set loss.backward() accumulates into.
+        f |= kReachesParam;
+        info.leaves.push_back(node);
+      }
+      for (const Edge& e : node->next_edges()) {
+        if (!e.is_valid()) continue;
+        f |= info.flags[e.function.get()] & (kReachesInput | kReachesParam);
+      }
+      info.flags[node] = f;
+      info.nodes.push_back(node);
+      info.alive.push_back(node->shared_from_this());
+      stack.pop_back();
     }
-    std::uint8_t f = kVisited;
-    if (node == input_target || node == anchor_target) {
-      f |= kReachesInput;
-    } else if (dynamic_cast<AccumulateGrad*>(node) != nullptr) {
-      // Every trainable leaf the graph reaches, registered under the module or not, listed once however many
-      // names it has: exactly the set loss.backward() accumulates into.
-      f |= kReachesParam;
-      info.leaves.push_back(node);
-    }
-    for (const Edge& e : node->next_edges()) {
-      if (!e.is_valid()) continue;
-      f |= info.flags[e.function.get()] & (kReachesInput | kReachesParam);
-    }
-    info.flags[node] = f;
-    info.nodes.push_back(node);
-    info.alive.push_back(node->shared_from_this());
-    stack.pop_back();
   }
   return info;
 }
@@ -141,15 +144,28 @@ StashedHooks::~StashedHooks() {
 
 InputBackwardResult run_input_backward(const InputBackwardRequest& request) {
   namespace impl = torch::autograd::impl;
+  TORCH_INTERNAL_ASSERT(request.outputs.size() == request.grad_outputs.size(),
+                        "run_input_backward: one gradient per output");
   InputBackwardResult result;
-  const Edge root = impl::gradient_edge(request.output);
-  TORCH_INTERNAL_ASSERT(root.is_valid(), "run_input_backward: output has no autograd history");
+  result.grad_inputs.resize(request.inputs.size());
+  edge_list roots;
+  std::vector<Node*> root_nodes;
+  for (const at::Tensor& out : request.outputs) {
+    roots.push_back(impl::gradient_edge(out));
+    TORCH_INTERNAL_ASSERT(roots.back().is_valid(), "run_input_backward: an output has no autograd history");
+    root_nodes.push_back(roots.back().function.get());
+  }
 
-  const bool input_grad = request.input.defined() && request.input.requires_grad();
-  std::shared_ptr<Node> input_acc = input_grad ? impl::try_get_grad_accumulator(request.input) : nullptr;
+  std::vector<std::shared_ptr<Node>> input_accs;  // one per input (null when it needs no gradient)
+  std::unordered_set<Node*> a_targets;
+  for (const at::Tensor& in : request.inputs) {
+    input_accs.push_back(in.defined() && in.requires_grad() ? impl::try_get_grad_accumulator(in) : nullptr);
+    if (input_accs.back()) a_targets.insert(input_accs.back().get());
+  }
   std::shared_ptr<Node> anchor_acc = impl::try_get_grad_accumulator(request.anchor);
+  if (anchor_acc) a_targets.insert(anchor_acc.get());
 
-  const GraphInfo info = analyse(root.function.get(), input_acc.get(), anchor_acc.get());
+  const GraphInfo info = analyse(root_nodes, a_targets);
   auto flag = [&](Node* n) {
     auto it = info.flags.find(n);
     return it == info.flags.end() ? std::uint8_t{0} : it->second;
@@ -167,9 +183,22 @@ InputBackwardResult run_input_backward(const InputBackwardRequest& request) {
   }
   check_frontier(frontier, request.context);
 
+  // Roots reaching A run in stage 1; roots reaching only trainable leaves are all stage-2 work (e.g. a first
+  // stage of general modules: nothing upstream needs a gradient).
   auto plan = std::make_unique<SplitPlan>();
-  const bool root_in_a = flag(root.function.get()) & kReachesInput;
-  if (root_in_a) {
+  edge_list a_roots;
+  variable_list a_seeds;
+  for (std::size_t r = 0; r < roots.size(); ++r) {
+    const std::uint8_t f = flag(roots[r].function.get());
+    if (f & kReachesInput) {
+      a_roots.push_back(roots[r]);
+      a_seeds.push_back(request.grad_outputs[r]);
+    } else if (f & kReachesParam) {
+      plan->roots.push_back(roots[r]);
+      plan->root_grads.push_back(request.grad_outputs[r]);
+    }
+  }
+  if (!a_roots.empty()) {
     auto captures = std::make_shared<Captures>();
     std::vector<std::pair<Node*, const torch::autograd::FunctionPreHook*>> hooks;
     for (Node* n : frontier) {
@@ -178,21 +207,26 @@ InputBackwardResult run_input_backward(const InputBackwardRequest& request) {
       n->add_pre_hook(std::move(hook));
     }
     edge_list outputs;
-    if (input_grad && input_acc && (flag(input_acc.get()) & kVisited)) outputs.emplace_back(input_acc, 0);
-    const bool has_input_output = !outputs.empty();
+    std::vector<std::size_t> output_of_input;  // engine output index -> request input index
+    for (std::size_t i = 0; i < input_accs.size(); ++i) {
+      if (input_accs[i] && (flag(input_accs[i].get()) & kVisited)) {
+        outputs.emplace_back(input_accs[i], 0);
+        output_of_input.push_back(i);
+      }
+    }
     if (anchor_acc && (flag(anchor_acc.get()) & kVisited)) outputs.emplace_back(anchor_acc, 0);
     // keep_graph only when stage 2 must re-enter frontier nodes; a pure fast-path graph is freed right here.
     const bool keep_graph = !frontier.empty();
     variable_list grads;
     try {
       grads = torch::autograd::Engine::get_default_engine().execute(
-          {root}, {request.grad_output}, keep_graph, /*create_graph=*/false, /*accumulate_grad=*/false, outputs);
+          a_roots, a_seeds, keep_graph, /*create_graph=*/false, /*accumulate_grad=*/false, outputs);
     } catch (...) {
       for (auto& [node, hook] : hooks) remove_hook(node, hook);
       throw;
     }
     for (auto& [node, hook] : hooks) remove_hook(node, hook);
-    if (has_input_output) result.grad_input = grads[0];
+    for (std::size_t k = 0; k < output_of_input.size(); ++k) result.grad_inputs[output_of_input[k]] = grads[k];
 
     for (Node* n : frontier) {
       auto it = captures->grads.find(n);
@@ -228,13 +262,7 @@ InputBackwardResult run_input_backward(const InputBackwardRequest& request) {
         }
       }
     }
-  } else if (flag(root.function.get()) & kReachesParam) {
-    // Nothing upstream needs a gradient (e.g. a first stage of general modules): all work is stage 2.
-    plan->roots.push_back(root);
-    plan->root_grads.push_back(request.grad_output);
   }
-
-  if (input_grad && !result.grad_input.defined()) result.grad_input = at::zeros_like(request.input);
 
   if (!plan->roots.empty()) {
     for (Node* leaf : info.leaves) {

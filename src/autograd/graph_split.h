@@ -1,7 +1,7 @@
 #pragma once
 // The general path of the 2BP split: any LibTorch module, split by analysing its autograd graph.
 //
-// Let A be the nodes from which the stage input (or the fast-path anchor) is reachable, and P the nodes from
+// Let A be the nodes from which a stage input (or the fast-path anchor) is reachable, and P the nodes from
 // which a leaf's AccumulateGrad is reachable (the trainable leaves are found in the graph itself, so a tensor
 // listed twice by Module::parameters(), or a trainable leaf the module never registered, is handled exactly as
 // loss.backward() handles it: once, by identity). Stage 1 runs the engine with only the A-targets as outputs;
@@ -18,6 +18,9 @@
 // micro-batch's gradient, as AccumulateGrad fires them in loss.backward(). Node post-hooks on frontier nodes
 // would see two partial results and are rejected. An in-place write into a view with a parameter operand puts a
 // CopySlices node on the frontier; its wrapped function's edges are cut together with its own.
+//
+// Several outputs (a stage returning several differentiable tensors) are several roots of one engine run: roots
+// that reach A run in stage 1 together, roots that reach only P are handed to stage 2 whole, with their seeds.
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/edge.h>
@@ -57,16 +60,18 @@ struct SplitPlan {
 };
 
 struct InputBackwardRequest {
-  at::Tensor output;       ///< what the backward starts from
-  at::Tensor grad_output;  ///< its gradient
-  at::Tensor input;        ///< stage input leaf; its gradient is returned if it requires grad
-  at::Tensor anchor;       ///< the WeightGradStore anchor (reached by every fast-path layer)
-  std::string context;     ///< "rank R stage S micro-batch M", prefixed to every error
+  std::vector<at::Tensor> outputs;       ///< what the backward starts from: the outputs that got a gradient
+  std::vector<at::Tensor> grad_outputs;  ///< their gradients (defined), one per output
+  std::vector<at::Tensor> inputs;        ///< stage input leaves (requiring grad) whose gradients are returned
+  at::Tensor anchor;                     ///< the WeightGradStore anchor (reached by every fast-path layer)
+  std::string context;                   ///< "rank R stage S micro-batch M", prefixed to every error
 };
 
 struct InputBackwardResult {
-  at::Tensor grad_input;             ///< undefined when the input needs no gradient
-  std::unique_ptr<SplitPlan> plan;   ///< null when stage 2 has no general-path work
+  /// One per request input: its gradient, or undefined when no output depends on it (as .grad after
+  /// loss.backward() would stay undefined).
+  std::vector<at::Tensor> grad_inputs;
+  std::unique_ptr<SplitPlan> plan;  ///< null when stage 2 has no general-path work
 };
 
 /// Stage 1. Fast-path layers reached by the graph queue their weight work in their store as a side effect.

@@ -11,6 +11,7 @@
 #include <tuple>
 #include <utility>
 
+#include "runtime/boundary.h"
 #include "twobp/schedule/dependencies.h"
 #include "util/check.h"
 #include "util/format.h"
@@ -24,14 +25,37 @@ namespace {
 bool travels(const ItemRef& it) { return it.item == Item::kActivation || it.item == Item::kInputGrad; }
 
 // The same tag and channel on both sides of a message; the label names the action on *this* side.
-P2POptions message_options(const Schedule& schedule, const Action& a, Duration timeout) {
+P2POptions message_options(const Schedule& schedule, const Action& a, MessagePart part, Duration timeout) {
   P2POptions o;
   o.peer = peer_rank(schedule, a);
-  o.tag = message_tag(schedule, a);
-  o.label = describe(a);
-  o.channel = message_channel(a);
+  o.tag = message_tag(schedule, a, part);
+  o.label = part.is_header() ? describe(a) + " (shape header)"
+                             : part.tensor == 0 ? describe(a) : fmt::format("{} (tensor {})", describe(a), part.tensor);
+  o.channel = message_channel(a, part);
   o.timeout = timeout;
   return o;
+}
+
+std::string describe_spec(const BoundarySpec& spec) {
+  std::string out;
+  for (const auto& t : spec) {
+    if (!out.empty()) out += ", ";
+    out += fmt::format("{} {}{}", t.name.empty() ? std::string("tensor") : t.name,
+                       detail::describe_shape(t.shape, t.dtype), t.carries_gradient() ? "" : " (no gradient)");
+  }
+  return out;
+}
+
+std::string describe_announced(const NamedTensors& t, const std::vector<bool>& gradient) {
+  std::string out;
+  for (std::size_t i = 0; i < t.size(); ++i) {
+    if (!out.empty()) out += ", ";
+    const auto& [name, tensor] = t.entry(i);
+    out += fmt::format("{} {}{}", name.empty() ? std::string("tensor") : name,
+                       tensor.defined() ? detail::describe_shape(tensor.sizes(), tensor.scalar_type()) : "undefined",
+                       gradient[i] ? "" : " (no gradient)");
+  }
+  return out;
 }
 
 // Device timing: on a GPU the host only enqueues work, so host times would describe the enqueueing, not the
@@ -76,20 +100,27 @@ class DeviceTimeline {
 // schedule without knowing which one it is.
 struct Executor::Step {
   struct PostedRecv {
-    at::Tensor buffer;
-    std::unique_ptr<Work> work;
+    at::Tensor header;  // announced shapes: the header, received first
+    std::unique_ptr<Work> header_work;
+    bool tensors_posted = false;
+    std::vector<detail::AnnouncedTensor> layout;  // from the header or the spec
+    std::vector<at::Tensor> buffers;              // one per layout entry (undefined when absent)
+    std::vector<std::unique_ptr<Work>> works;
   };
   struct PendingSend {
-    at::Tensor tensor;  // kept alive until the transport is done with it
-    std::unique_ptr<Work> work;
+    std::vector<at::Tensor> tensors;  // kept alive until the transport is done with them
+    std::vector<std::unique_ptr<Work>> works;
+    bool completed() const {
+      return std::all_of(works.begin(), works.end(), [](const auto& w) { return w->is_completed(); });
+    }
   };
 
-  std::map<std::tuple<Item, int, int>, at::Tensor> mailbox;  // (item, stage, micro-batch)
+  std::map<std::tuple<Item, int, int>, NamedTensors> mailbox;  // (item, stage, micro-batch)
   std::map<std::size_t, PostedRecv> posted;  // by action index
   std::deque<PendingSend> sends;
   std::size_t next_recv = 0;  // into recv_actions_
   std::size_t index = 0;      // of the action being executed
-  std::vector<at::Tensor> input_mbs, target_mbs;
+  std::vector<NamedTensors> input_mbs, target_mbs;
   // Memory-bounded 2BP: per stage, micro-batches whose I ran and W did not, oldest first; and the W's run early.
   std::map<int, std::deque<int>> pending_weight;
   std::set<std::pair<int, int>> early_weight;  // (stage, micro-batch)
@@ -123,7 +154,7 @@ Stage& Executor::stage(const Action& a) {
 
 namespace {
 
-void put(std::map<std::tuple<Item, int, int>, at::Tensor>& mailbox, const ItemRef& it, at::Tensor t) {
+void put(std::map<std::tuple<Item, int, int>, NamedTensors>& mailbox, const ItemRef& it, NamedTensors t) {
   mailbox[{it.item, it.stage, it.micro_batch}] = std::move(t);
 }
 
@@ -138,12 +169,12 @@ const ItemRef* travelling(const std::vector<ItemRef>& items) {
 }  // namespace
 
 // Takes an item out of the mailbox (it is used exactly once), or names the action that found it missing.
-at::Tensor Executor::take(Step& st, const ItemRef& it, const Action& a) {
+NamedTensors Executor::take(Step& st, const ItemRef& it, const Action& a) {
   auto found = st.mailbox.find({it.item, it.stage, it.micro_batch});
   TWOBP_CHECK(found != st.mailbox.end(), ScheduleError,
               "{}: {} is not available (an action that produces it must come first: schedule order bug)",
               st.where(rank_, a), describe(it));
-  at::Tensor t = std::move(found->second);
+  NamedTensors t = std::move(found->second);
   st.mailbox.erase(found);
   return t;
 }
@@ -153,12 +184,12 @@ void Executor::forward(Step& st, const Action& a) {
   const int mb = a.micro_batches[0], last = schedule_.num_stages - 1;
   const ActionDependencies deps = dependencies(a, schedule_.num_stages);
   const ItemRef* in = travelling(deps.needs);
-  at::Tensor input = in == nullptr ? st.input_mbs.at(mb) : take(st, *in, a);
-  at::Tensor out = stage(a).forward(mb, input, a.stage == last ? st.target_mbs.at(mb) : at::Tensor());
+  NamedTensors input = in == nullptr ? st.input_mbs.at(mb) : take(st, *in, a);
+  NamedTensors out = stage(a).forward(mb, input, a.stage == last ? st.target_mbs.at(mb) : NamedTensors());
   if (const ItemRef* made = travelling(deps.produces)) {
     put(st.mailbox, *made, std::move(out));
   } else {
-    st.losses[mb] = out.detach().reshape({1});  // the last stage's output is its loss
+    st.losses[mb] = out.entry(0).tensor.reshape({1});  // the last stage's output is its loss
   }
 }
 
@@ -166,11 +197,12 @@ void Executor::backward(Step& st, const Action& a) {
   const int mb = a.micro_batches[0];
   const ActionDependencies deps = dependencies(a, schedule_.num_stages);
   const ItemRef* in = travelling(deps.needs);
-  const at::Tensor grad_output = in == nullptr ? at::Tensor() : take(st, *in, a);
+  // The last stage starts from its loss (an empty set: Stage seeds it); the others from the received gradients.
+  const NamedTensors grad_outputs = in == nullptr ? NamedTensors() : take(st, *in, a);
   Stage& s = stage(a);
-  at::Tensor grad_input =
-      a.type == ActionType::kBackward ? s.backward(mb, grad_output) : s.backward_input(mb, grad_output);
-  if (const ItemRef* made = travelling(deps.produces)) put(st.mailbox, *made, std::move(grad_input));
+  NamedTensors grad_inputs =
+      a.type == ActionType::kBackward ? s.backward(mb, grad_outputs) : s.backward_input(mb, grad_outputs);
+  if (const ItemRef* made = travelling(deps.produces)) put(st.mailbox, *made, std::move(grad_inputs));
   const int limit = options_.max_pending_weight_micro_batches;
   if (a.type == ActionType::kBackwardInput && limit > 0) {
     auto& pending = st.pending_weight[a.stage];
@@ -196,31 +228,111 @@ void Executor::backward_weight(Step& st, const Action& a) {
                            options_.parameters_done ? options_.parameters_done(st.index) : autograd::ParametersDone());
 }
 
+BoundarySpec Executor::fixed_spec(int boundary) const {
+  if (options_.boundary_spec) return options_.boundary_spec(boundary);
+  if (options_.activation_spec) return {options_.activation_spec(boundary)};
+  return {};
+}
+
 void Executor::send(Step& st, const Action& a) {
   const int mb = a.micro_batches[0];
   const bool fwd = a.type == ActionType::kSendForward;
-  at::Tensor t = take(st, dependencies(a, schedule_.num_stages).needs.at(0), a).contiguous();
-  // The receiver allocated its buffer from the boundary's spec: a mismatch caught here is one that would otherwise
-  // corrupt or hang the receiver. The error names the producing and the receiving stage.
+  NamedTensors t = take(st, dependencies(a, schedule_.num_stages).needs.at(0), a);
   const int boundary = fwd ? a.stage : a.stage - 1, receiver = fwd ? a.stage + 1 : a.stage - 1;
-  const TensorSpec spec = options_.activation_spec(boundary);
-  TWOBP_CHECK(t.sizes().vec() == spec.shape && t.scalar_type() == spec.dtype, UsageError,
-              "{}: stage {} (rank {}) produced {} {} for micro-batch {}, but stage {} (rank {}) expects {}",
-              st.where(rank_, a), a.stage, rank_, fwd ? "activations" : "gradients",
-              detail::describe_shape(t.sizes(), t.scalar_type()), mb, receiver, schedule_.stage_to_rank[receiver],
-              detail::describe_shape(spec.shape, spec.dtype));
-  auto work = transport_.isend(t, message_options(schedule_, a, options_.timeout));
-  st.sends.push_back({std::move(t), std::move(work)});
+  // Activations carry a gradient when they require grad (Stage::forward's contract); gradients are all "carried".
+  std::vector<bool> gradient;
+  for (auto& e : t) {
+    gradient.push_back(!fwd || e.tensor.requires_grad());
+    if (e.tensor.defined()) e.tensor = e.tensor.detach().contiguous();
+  }
+  const auto where = [&] {
+    return fmt::format("{}: stage {} (rank {})", st.where(rank_, a), a.stage, rank_);
+  };
+  Step::PendingSend pending;
+  if (const BoundarySpec spec_all = fixed_spec(boundary); !spec_all.empty()) {
+    // The receiver allocated its buffers from the spec: a mismatch caught here is one that would otherwise
+    // corrupt or hang the receiver. The error names the producing and the receiving stage.
+    BoundarySpec spec;
+    for (const auto& ts : spec_all) {
+      if (fwd || ts.carries_gradient()) spec.push_back(ts);
+    }
+    bool same = t.size() == spec.size();
+    for (std::size_t i = 0; same && i < spec.size(); ++i) {
+      const at::Tensor& x = t.entry(i).tensor;
+      same = t.entry(i).name == spec[i].name && x.defined() && x.sizes().vec() == spec[i].shape &&
+             x.scalar_type() == spec[i].dtype && (!fwd || gradient[i] == spec[i].carries_gradient());
+    }
+    for (std::size_t i = 0; !fwd && i < t.size() && i < spec.size(); ++i) {
+      TWOBP_CHECK(t.entry(i).tensor.defined(), UsageError,
+                  "{}: no gradient reached input '{}' of micro-batch {} (no output of stage {} depends on it); with "
+                  "fixed activation specs every tensor whose spec carries a gradient must get one: set "
+                  "requires_grad = false in its spec (and detach it in stage {}), or give no specs -- announced "
+                  "messages say which gradients are undefined",
+                  where(), t.entry(i).name, mb, a.stage, receiver);
+    }
+    TWOBP_CHECK(same, UsageError, "{} produced {} {{{}}} for micro-batch {}, but stage {} (rank {}) expects {{{}}}",
+                where(), fwd ? "activations" : "gradients", describe_announced(t, gradient), mb, receiver,
+                schedule_.stage_to_rank[receiver], describe_spec(spec));
+  } else {
+    // Announced shapes: the header first, on its own channel, then the tensors that are present.
+    at::Tensor header = detail::encode_header(detail::announce(t, gradient), where()).to(transport_.device());
+    pending.works.push_back(
+        transport_.isend(header, message_options(schedule_, a, MessagePart::header(), options_.timeout)));
+    pending.tensors.push_back(std::move(header));
+  }
+  TWOBP_CHECK(static_cast<int>(t.size()) <= kMaxTensorsPerMessage, UsageError,
+              "{} sends {} tensors ({{{}}}); a stage boundary carries at most {}", where(), t.size(), t.describe(),
+              kMaxTensorsPerMessage);
+  for (std::size_t i = 0; i < t.size(); ++i) {
+    const at::Tensor& x = t.entry(i).tensor;
+    if (!x.defined()) continue;
+    pending.works.push_back(transport_.isend(
+        x, message_options(schedule_, a, MessagePart{static_cast<int>(i)}, options_.timeout)));
+    pending.tensors.push_back(x);
+  }
+  st.sends.push_back(std::move(pending));
+}
+
+void Executor::post_tensors(Step& st, std::size_t index) {
+  const Action& a = schedule_.actions[rank_][index];
+  Step::PostedRecv& r = st.posted.at(index);
+  if (r.header_work) {
+    r.header_work->wait(options_.timeout);
+    r.layout = detail::decode_header(r.header, st.where(rank_, a));
+    TWOBP_CHECK(static_cast<int>(r.layout.size()) <= kMaxTensorsPerMessage, TransportError,
+                "{}: the shape header announces {} tensors, more than {}", st.where(rank_, a), r.layout.size(),
+                kMaxTensorsPerMessage);
+  }
+  for (std::size_t i = 0; i < r.layout.size(); ++i) {
+    const detail::AnnouncedTensor& t = r.layout[i];
+    at::Tensor buffer;
+    if (t.present) {
+      buffer = at::empty(t.shape, at::TensorOptions().dtype(t.dtype).device(transport_.device()));
+      r.works.push_back(transport_.irecv(
+          buffer, message_options(schedule_, a, MessagePart{static_cast<int>(i)}, options_.timeout)));
+    }
+    r.buffers.push_back(std::move(buffer));
+  }
+  r.tensors_posted = true;
 }
 
 void Executor::receive(Step& st, const Action& a) {
   auto it = st.posted.find(st.index);
   TWOBP_CHECK(it != st.posted.end(), ScheduleError, "{}: receive was not posted", st.where(rank_, a));
-  it->second.work->wait(options_.timeout);
-  at::Tensor buffer = std::move(it->second.buffer);
+  if (!it->second.tensors_posted) post_tensors(st, st.index);
+  Step::PostedRecv r = std::move(it->second);
   st.posted.erase(it);
+  for (auto& w : r.works) w->wait(options_.timeout);
+  const bool fwd = a.type == ActionType::kRecvForward;
+  NamedTensors received;
+  for (std::size_t i = 0; i < r.layout.size(); ++i) {
+    at::Tensor& t = r.buffers[i];
+    // An activation that carries a gradient arrives as a leaf that requires grad, as the sender's Stage returned it.
+    if (fwd && t.defined() && r.layout[i].carries_gradient && t.is_floating_point()) t.requires_grad_(true);
+    received.add(r.layout[i].name, std::move(t));
+  }
   // Filed under the producing stage, exactly where a local producer would have put it.
-  put(st.mailbox, dependencies(a, schedule_.num_stages).produces.at(0), std::move(buffer));
+  put(st.mailbox, dependencies(a, schedule_.num_stages).produces.at(0), std::move(received));
 }
 
 void Executor::prefetch(Step& st, std::size_t up_to_inclusive) {
@@ -231,15 +343,63 @@ void Executor::prefetch(Step& st, std::size_t up_to_inclusive) {
           static_cast<int>(st.posted.size()) < options_.prefetch_receives)) {
     const std::size_t index = recv_actions_[st.next_recv++];
     const Action& a = actions[index];
-    const TensorSpec spec = options_.activation_spec(a.type == ActionType::kRecvForward ? a.stage - 1 : a.stage);
+    const bool fwd = a.type == ActionType::kRecvForward;
     Step::PostedRecv r;
-    r.buffer = at::empty(spec.shape, at::TensorOptions().dtype(spec.dtype).device(transport_.device()));
-    r.work = transport_.irecv(r.buffer, message_options(schedule_, a, options_.timeout));
+    const BoundarySpec spec = fixed_spec(fwd ? a.stage - 1 : a.stage);
+    if (spec.empty()) {
+      r.header = at::empty({detail::kHeaderSlots}, at::TensorOptions().dtype(at::kLong).device(transport_.device()));
+      r.header_work = transport_.irecv(r.header, message_options(schedule_, a, MessagePart::header(), options_.timeout));
+    } else {
+      for (const auto& ts : spec) {
+        if (fwd || ts.carries_gradient()) r.layout.push_back({ts.name, true, ts.carries_gradient(), ts.dtype, ts.shape});
+      }
+    }
     st.posted.emplace(index, std::move(r));
+    if (!spec.empty()) post_tensors(st, index);
+  }
+  // Announced shapes: post the tensors of messages whose header arrived, in action order (in-order transports
+  // pair each channel's messages in posting order). On a GPU reading a header waits for the device, so there the
+  // tensors are posted by the RECV itself.
+  if (!transport_.device().is_cpu()) return;
+  for (auto& [index, r] : st.posted) {
+    if (r.tensors_posted) continue;
+    if (!r.header_work->is_completed()) break;
+    post_tensors(st, index);
   }
 }
 
-StepResult Executor::run(const at::Tensor& inputs, const at::Tensor& targets) {
+StepResult Executor::run(const NamedTensors& inputs, const NamedTensors& targets) {
+  const int m = schedule_.num_micro_batches, last = schedule_.num_stages - 1;
+  auto split_batch = [&](const NamedTensors& batch, int stage_index, const char* what) {
+    std::vector<NamedTensors> out(stages_.count(stage_index) ? m : 0);
+    if (out.empty()) return out;
+    TWOBP_CHECK(!batch.empty(), UsageError, "rank {}: owns stage {} and needs the {} of the batch, got none", rank_,
+                stage_index, what);
+    for (const auto& [name, t] : batch) {
+      TWOBP_CHECK(t.defined() && t.dim() > 0 && t.size(0) % m == 0, UsageError,
+                  "rank {}: {} '{}' with {} samples cannot be split into {} micro-batches of equal size; pass the "
+                  "micro-batches one by one to split them unevenly",
+                  rank_, what, name, t.defined() && t.dim() > 0 ? t.size(0) : 0, m);
+      const auto pieces = t.split(t.size(0) / m);
+      for (int k = 0; k < m; ++k) out[k].add(name, pieces[k]);
+    }
+    return out;
+  };
+  std::vector<NamedTensors> input_mbs, target_mbs;
+  try {
+    input_mbs = split_batch(inputs, 0, "inputs");
+    target_mbs = split_batch(targets, last, "targets");
+  } catch (const std::exception& e) {
+    try {
+      transport_.abort(fmt::format("rank {} failed: {}", rank_, e.what()));
+    } catch (...) {
+    }
+    throw;
+  }
+  return run(input_mbs, target_mbs);
+}
+
+StepResult Executor::run(const std::vector<NamedTensors>& inputs, const std::vector<NamedTensors>& targets) {
   using Handler = void (Executor::*)(Step&, const Action&);
   static constexpr Handler kHandlers[] = {
       &Executor::forward,  // kForward
@@ -258,19 +418,21 @@ StepResult Executor::run(const at::Tensor& inputs, const at::Tensor& targets) {
   const Clock::time_point start = Clock::now();
   DeviceTimeline timeline(transport_.device());
 
-  auto split_batch = [&](const at::Tensor& batch, int stage_index, const char* what) {
-    TWOBP_CHECK(batch.defined(), UsageError, "rank {}: owns stage {} and needs the {} of the batch, got none", rank_,
-                stage_index, what);
-    TWOBP_CHECK(batch.dim() > 0 && batch.size(0) % m == 0, UsageError,
-                "rank {}: {} with {} samples cannot be split into {} micro-batches of equal size", rank_, what,
-                batch.dim() > 0 ? batch.size(0) : 0, m);
-    return batch.split(batch.size(0) / m);
+  auto micro_batches = [&](const std::vector<NamedTensors>& given, int stage_index, const char* what) {
+    TWOBP_CHECK(static_cast<int>(given.size()) == m, UsageError,
+                "rank {}: owns stage {} and needs the {} of {} micro-batches, got {}", rank_, stage_index, what, m,
+                given.size());
+    for (int k = 0; k < m; ++k) {
+      TWOBP_CHECK(!given[k].empty(), UsageError, "rank {}: stage {} micro-batch {}: no {} given", rank_, stage_index,
+                  k, what);
+    }
+    return given;
   };
 
   try {
-    if (stages_.count(0)) st.input_mbs = split_batch(inputs, 0, "inputs");
+    if (stages_.count(0)) st.input_mbs = micro_batches(inputs, 0, "inputs");
     if (stages_.count(last)) {
-      st.target_mbs = split_batch(targets, last, "targets");
+      st.target_mbs = micro_batches(targets, last, "targets");
       st.losses.resize(m);
     }
     for (st.index = 0; st.index < actions.size(); ++st.index) {
@@ -288,9 +450,11 @@ StepResult Executor::run(const at::Tensor& inputs, const at::Tensor& targets) {
         for (const auto& hook : hooks_) hook(event);
       }
       // Completed sends are retired as we go so their buffers do not pile up over a long step.
-      while (!st.sends.empty() && st.sends.front().work->is_completed()) st.sends.pop_front();
+      while (!st.sends.empty() && st.sends.front().completed()) st.sends.pop_front();
     }
-    for (auto& s : st.sends) s.work->wait(options_.timeout);
+    for (auto& s : st.sends) {
+      for (auto& w : s.works) w->wait(options_.timeout);
+    }
     st.sends.clear();
     if (!st.losses.empty()) {
       // SYNC POINT: the step's only device-to-host copy on the last stage (not one per micro-batch).

@@ -74,15 +74,16 @@ Pipeline::Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, std::sh
     TWOBP_CHECK(given.count(s) != 0, UsageError, "rank {}: schedule '{}' places stage {} on this rank, but no chunk "
                 "was given for it", rank, schedule_.name, s);
   }
-  if (schedule_.num_ranks > 1) {
-    TWOBP_CHECK(static_cast<bool>(options_.activation_spec), UsageError,
-                "rank {}: PipelineOptions::activation_spec is required with more than one rank", rank);
-  }
+  TWOBP_CHECK(!(options_.activation_spec && options_.boundary_spec), UsageError,
+              "rank {}: give PipelineOptions::activation_spec (one tensor per boundary) or boundary_spec (several), "
+              "not both",
+              rank);
   std::map<int, Stage*> stages;
   for (auto& [index, stage] : stages_) stages.emplace(index, stage.get());
   ExecutorOptions eo;
   eo.timeout = options_.timeout;
   eo.activation_spec = options_.activation_spec;
+  eo.boundary_spec = options_.boundary_spec;
   eo.prefetch_receives = options_.prefetch_receives;
   TWOBP_CHECK(options_.max_pending_weight_micro_batches >= 0, UsageError,
               "rank {}: PipelineOptions::max_pending_weight_micro_batches must be >= 0 (0: no limit), got {}", rank,
@@ -211,11 +212,19 @@ double Pipeline::clip_grad_norm(double max_norm) {
   return norm;
 }
 
-StepResult Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
+StepResult Pipeline::step(const NamedTensors& inputs, const NamedTensors& targets) {
+  return run_step([&] { return impl_->executor->run(inputs, targets); });
+}
+
+StepResult Pipeline::step(const std::vector<NamedTensors>& inputs, const std::vector<NamedTensors>& targets) {
+  return run_step([&] { return impl_->executor->run(inputs, targets); });
+}
+
+StepResult Pipeline::run_step(const std::function<StepResult()>& run) {
   StepResult result;
   try {
     if (impl_->reducer) impl_->reducer->begin_step();
-    result = impl_->executor->run(inputs, targets);
+    result = run();
     if (impl_->reducer) result.reduce_wait_us = impl_->reducer->finish();
   } catch (const std::exception& e) {
     if (impl_->reducer) {

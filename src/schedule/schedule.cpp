@@ -66,26 +66,30 @@ int peer_rank(const Schedule& schedule, const Action& action) {
   return schedule.stage_to_rank[peer];
 }
 
-std::int64_t message_tag(const Schedule& schedule, const Action& action) {
+std::int64_t message_tag(const Schedule& schedule, const Action& action, MessagePart part) {
   TWOBP_CHECK(!is_compute(action.type), ScheduleError, "message_tag: {} is a compute action, not a SEND/RECV",
               describe(action));
   TWOBP_CHECK(action.micro_batches.size() == 1, ScheduleError, "message_tag: {} must name exactly one micro-batch",
               describe(action));
+  TWOBP_CHECK(part.tensor < kMaxTensorsPerMessage, UsageError,
+              "{}: a stage boundary carries at most {} tensors (tensor {} was asked for)", describe(action),
+              kMaxTensorsPerMessage, part.tensor);
   const int peer = detail::peer_stage(action);
   const std::int64_t boundary = std::min(peer, action.stage);
   const std::int64_t dir = message_channel(action);  // 0 activations, 1 gradients
   const std::int64_t mb = action.micro_batches.front();
-  return ((mb * schedule.num_stages + boundary) * 2 + dir);
+  return ((mb * schedule.num_stages + boundary) * 2 + dir) * (kMaxTensorsPerMessage + 1) + part.tensor + 1;
 }
 
-int message_channel(const Action& action) {
+int message_channel(const Action& action, MessagePart part) {
+  const int header = part.is_header() ? 2 : 0;
   switch (action.type) {
     case ActionType::kSendForward:
     case ActionType::kRecvForward:
-      return 0;
+      return 0 + header;
     case ActionType::kSendBackward:
     case ActionType::kRecvBackward:
-      return 1;
+      return 1 + header;
     default:
       detail::raise<ScheduleError>("message_channel: {} is a compute action, not a SEND/RECV", describe(action));
   }

@@ -57,33 +57,82 @@ std::size_t Stage::pending_weight_micro_batches() const {
   return n;
 }
 
-at::Tensor Stage::forward(int micro_batch, const at::Tensor& input, const at::Tensor& target) {
+NamedTensors StageForward::call(const NamedTensors& inputs, std::string_view where) const {
+  if (multi_) return multi_(inputs);
+  return NamedTensors(single_(inputs.single(fmt::format("{}: the one-tensor forward's input", where))));
+}
+
+at::Tensor LossFunction::call(const NamedTensors& outputs, const NamedTensors& targets, std::string_view where) const {
+  if (multi_) return multi_(outputs, targets);
+  return single_(outputs.single(fmt::format("{}: the one-tensor loss's output", where)),
+                 targets.single(fmt::format("{}: the one-tensor loss's target", where)));
+}
+
+NamedTensors Stage::forward(int micro_batch, const NamedTensors& inputs, const NamedTensors& targets) {
   TWOBP_CHECK(micro_batches_.count(micro_batch) == 0, UsageError,
               "{}: F called again before the backward of its previous F ran", where(micro_batch));
-  TWOBP_CHECK(input.defined(), UsageError, "{}: F got an undefined input tensor", where(micro_batch));
+  TWOBP_CHECK(!inputs.empty(), UsageError, "{}: F got no input tensor", where(micro_batch));
   MicroBatch state;
-  // The first stage's input is data (token ids, images): no gradient is sent upstream from it.
-  const bool input_grad = options_.stage_index > 0 && input.is_floating_point();
-  state.input = input_grad ? input.detach().requires_grad_(true) : input;
-  at::Tensor output;
+  for (const auto& [name, tensor] : inputs) {
+    TWOBP_CHECK(tensor.defined(), UsageError, "{}: F got an undefined input tensor '{}'", where(micro_batch), name);
+    // The first stage's inputs are data (token ids, images): no gradient is sent upstream from them.
+    const bool input_grad = options_.stage_index > 0 && tensor.is_floating_point() && tensor.requires_grad();
+    state.inputs.add(name, input_grad ? tensor.detach().requires_grad_(true) : tensor.detach());
+  }
+  const bool last = static_cast<bool>(options_.loss);
+  NamedTensors outputs;
   {
     c10::AutoGradMode grad_mode(true);
     autograd::RecordingScope scope(store_, micro_batch);
-    output = forward_(state.input);
-    if (options_.loss) {
-      TWOBP_CHECK(target.defined(), UsageError, "{}: the last stage computes a loss and needs a target",
+    NamedTensors fn_inputs = state.inputs;
+    if (last && forward_.takes_named_tensors()) {
+      for (const auto& [name, tensor] : targets) {
+        TWOBP_CHECK(!fn_inputs.contains(name), UsageError,
+                    "{}: the target '{}' has the name of an input of the last stage ({{{}}}); rename one of them",
+                    where(micro_batch), name, state.inputs.describe());
+        fn_inputs.add(name, tensor);
+      }
+    }
+    outputs = forward_.call(fn_inputs, where(micro_batch));
+    TWOBP_CHECK(!outputs.empty(), UsageError, "{}: the forward returned no tensor", where(micro_batch));
+    if (last) {
+      TWOBP_CHECK(!targets.empty(), UsageError, "{}: the last stage computes a loss and needs a target",
                   where(micro_batch));
-      output = options_.loss(output, target);
-      TWOBP_CHECK(output.numel() == 1, UsageError, "{}: the loss must be a scalar, got {}", where(micro_batch),
-                  shape_of(output));
+      at::Tensor loss = options_.loss.call(outputs, targets, where(micro_batch));
+      TWOBP_CHECK(loss.defined() && loss.numel() == 1, UsageError, "{}: the loss must be a scalar, got {}",
+                  where(micro_batch), shape_of(loss));
+      outputs = NamedTensors{{"loss", loss}};
+    }
+    for (auto& [name, tensor] : outputs) {
+      TWOBP_CHECK(tensor.defined(), UsageError, "{}: the forward returned an undefined tensor '{}'",
+                  where(micro_batch), name);
+      // An output that is a leaf (an input passed through, a parameter) gets a node of its own, so that its
+      // gradient reaches the leaf through the graph like any other output's.
+      if (tensor.requires_grad() && tensor.grad_fn() == nullptr) tensor = tensor.view_as(tensor);
     }
   }
-  TWOBP_CHECK(output.requires_grad(), UsageError,
-              "{}: the stage output depends on no parameter and no input that requires a gradient",
+  bool any_gradient = false;
+  for (const auto& entry : outputs) any_gradient = any_gradient || entry.tensor.requires_grad();
+  TWOBP_CHECK(any_gradient, UsageError,
+              "{}: no stage output depends on a parameter or on an input that requires a gradient",
               where(micro_batch));
-  state.output = output;
+  NamedTensors detached;
+  for (const auto& [name, tensor] : outputs) {
+    detached.add(name, tensor.requires_grad() ? tensor.detach().requires_grad_(true) : tensor.detach());
+  }
+  state.outputs = std::move(outputs);
   micro_batches_.emplace(micro_batch, std::move(state));
-  return output.detach();
+  return detached;
+}
+
+at::Tensor Stage::forward(int micro_batch, const at::Tensor& input, const at::Tensor& target) {
+  TWOBP_CHECK(input.defined(), UsageError, "{}: F got an undefined input tensor", where(micro_batch));
+  const bool input_grad = options_.stage_index > 0 && input.is_floating_point();
+  NamedTensors targets;
+  if (target.defined()) targets = NamedTensors(target);
+  return forward(micro_batch, NamedTensors(input.detach().requires_grad_(input_grad)), targets)
+      .single(where(micro_batch))
+      .detach();
 }
 
 Stage::MicroBatch& Stage::lookup(int micro_batch, const char* action) {
@@ -93,36 +142,75 @@ Stage::MicroBatch& Stage::lookup(int micro_batch, const char* action) {
   return it->second;
 }
 
-at::Tensor Stage::seed_gradient(int micro_batch, const MicroBatch& state, const at::Tensor& grad_output) const {
-  const at::Tensor& out = state.output;
-  if (!grad_output.defined()) {
-    TWOBP_CHECK(out.numel() == 1, UsageError,
-                "{}: backward needs the gradient of the output {} (only a scalar loss may omit it)",
-                where(micro_batch), shape_of(out));
-    return at::full_like(out, options_.loss_scale);
+std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> Stage::seeds(int micro_batch, const MicroBatch& state,
+                                                                         const NamedTensors& grad_outputs) const {
+  std::vector<at::Tensor> roots, grads;
+  if (grad_outputs.empty()) {
+    // Empty means "seed the scalar loss"; an output that got no gradient is named with an undefined tensor.
+    TWOBP_CHECK(state.outputs.size() == 1 && state.outputs.entry(0).tensor.numel() == 1, UsageError,
+                "{}: backward needs the gradients of the outputs {{{}}} (only a scalar loss may omit them; name an "
+                "output with an undefined tensor to say that it got no gradient)",
+                where(micro_batch), state.outputs.describe());
+    const at::Tensor& loss = state.outputs.entry(0).tensor;
+    return {{loss}, {at::full_like(loss, options_.loss_scale)}};
   }
-  TWOBP_CHECK(grad_output.sizes() == out.sizes() && grad_output.scalar_type() == out.scalar_type(), UsageError,
-              "{}: gradient for the output is {}, but the output is {}", where(micro_batch), shape_of(grad_output),
-              shape_of(out));
-  TWOBP_CHECK(grad_output.device() == out.device(), UsageError,
-              "{}: gradient for the output is on {}, but the output is on {}", where(micro_batch),
-              grad_output.device().str(), out.device().str());
-  return grad_output;
+  for (const auto& [name, grad] : grad_outputs) {
+    TWOBP_CHECK(state.outputs.contains(name), UsageError,
+                "{}: got a gradient for '{}', which is not an output of this stage ({{{}}})", where(micro_batch),
+                name, state.outputs.describe());
+    if (!grad.defined()) continue;
+    const at::Tensor& out = state.outputs[name];
+    TWOBP_CHECK(out.requires_grad(), UsageError,
+                "{}: got a gradient for output '{}', which carries none (it does not require grad)",
+                where(micro_batch), name);
+    TWOBP_CHECK(grad.sizes() == out.sizes() && grad.scalar_type() == out.scalar_type(), UsageError,
+                "{}: gradient for output '{}' is {}, but the output is {}", where(micro_batch), name,
+                shape_of(grad), shape_of(out));
+    TWOBP_CHECK(grad.device() == out.device(), UsageError,
+                "{}: gradient for output '{}' is on {}, but the output is on {}", where(micro_batch), name,
+                grad.device().str(), out.device().str());
+    roots.push_back(out);
+    grads.push_back(grad);
+  }
+  return {roots, grads};
 }
 
-at::Tensor Stage::backward_input(int micro_batch, const at::Tensor& grad_output) {
+std::vector<at::Tensor> Stage::gradient_inputs(const MicroBatch& state, std::vector<std::string>* names) {
+  std::vector<at::Tensor> out;
+  for (const auto& [name, tensor] : state.inputs) {
+    if (!tensor.requires_grad()) continue;
+    out.push_back(tensor);
+    names->push_back(name);
+  }
+  return out;
+}
+
+NamedTensors Stage::backward_input(int micro_batch, const NamedTensors& grad_outputs) {
   MicroBatch& state = lookup(micro_batch, "I (backward_input)");
   TWOBP_CHECK(state.phase == Phase::kForwarded, UsageError,
               "{}: I (backward_input) called twice; the next action for it must be W", where(micro_batch));
-  const at::Tensor seed = seed_gradient(micro_batch, state, grad_output);
-  store_.set_policy(autograd::WeightGradPolicy::kDeferred);
-  detail::InputBackwardResult result =
-      detail::run_input_backward({state.output, seed, state.input, store_.anchor(), where(micro_batch)});
-  state.plan = std::move(result.plan);
-  state.output = at::Tensor();
-  state.input = at::Tensor();
+  auto [roots, grads] = seeds(micro_batch, state, grad_outputs);
+  std::vector<std::string> names;
+  std::vector<at::Tensor> inputs = gradient_inputs(state, &names);
+  NamedTensors result;
+  if (!roots.empty()) {
+    store_.set_policy(autograd::WeightGradPolicy::kDeferred);
+    detail::InputBackwardResult r = detail::run_input_backward(
+        {std::move(roots), std::move(grads), inputs, store_.anchor(), where(micro_batch)});
+    state.plan = std::move(r.plan);
+    for (std::size_t i = 0; i < names.size(); ++i) result.add(names[i], r.grad_inputs[i]);
+  } else {
+    for (const auto& name : names) result.add(name, at::Tensor());  // nothing downstream used any output
+  }
+  state.outputs = NamedTensors();
+  state.inputs = NamedTensors();
   state.phase = Phase::kInputGradDone;
-  return result.grad_input;
+  return result;
+}
+
+at::Tensor Stage::backward_input(int micro_batch, const at::Tensor& grad_output) {
+  const SingleCall call = single_call(micro_batch, "I (backward_input)", grad_output);
+  return single_gradient(micro_batch, call, backward_input(micro_batch, call.grad_outputs));
 }
 
 void Stage::backward_weight(const std::vector<int>& micro_batches, const autograd::ParametersDone& done) {
@@ -165,21 +253,51 @@ void Stage::backward_weight(const std::vector<int>& micro_batches, const autogra
   }
 }
 
-at::Tensor Stage::backward(int micro_batch, const at::Tensor& grad_output) {
+NamedTensors Stage::backward(int micro_batch, const NamedTensors& grad_outputs) {
   MicroBatch& state = lookup(micro_batch, "B (backward)");
   TWOBP_CHECK(state.phase == Phase::kForwarded, UsageError,
               "{}: B (fused backward) called after I already ran; finish it with W", where(micro_batch));
-  const at::Tensor seed = seed_gradient(micro_batch, state, grad_output);
-  store_.set_policy(autograd::WeightGradPolicy::kImmediate);
-  // Exactly output.backward(seed): parameters and the input leaf accumulate their gradients.
-  torch::autograd::backward({state.output}, {seed});
-  store_.fire_immediate_hooks();  // fast-path parameters' post-accumulate-grad hooks, once each
-  at::Tensor grad_input;
-  if (state.input.requires_grad()) {
-    grad_input = state.input.grad().defined() ? state.input.grad() : at::zeros_like(state.input);
+  auto [roots, grads] = seeds(micro_batch, state, grad_outputs);
+  std::vector<std::string> names;
+  std::vector<at::Tensor> inputs = gradient_inputs(state, &names);
+  if (!roots.empty()) {
+    store_.set_policy(autograd::WeightGradPolicy::kImmediate);
+    // Exactly sum(outputs * seeds).backward(): parameters and the input leaves accumulate their gradients.
+    torch::autograd::backward(roots, grads);
+    store_.fire_immediate_hooks();  // fast-path parameters' post-accumulate-grad hooks, once each
   }
+  NamedTensors result;
+  for (std::size_t i = 0; i < names.size(); ++i) result.add(names[i], inputs[i].grad());
   micro_batches_.erase(micro_batch);
-  return grad_input;
+  return result;
+}
+
+at::Tensor Stage::backward(int micro_batch, const at::Tensor& grad_output) {
+  const SingleCall call = single_call(micro_batch, "B (backward)", grad_output);
+  return single_gradient(micro_batch, call, backward(micro_batch, call.grad_outputs));
+}
+
+Stage::SingleCall Stage::single_call(int micro_batch, const char* action, const at::Tensor& grad_output) {
+  MicroBatch& state = lookup(micro_batch, action);
+  SingleCall call;
+  if (state.inputs.size() == 1) call.input = state.inputs.entry(0).tensor;
+  if (grad_output.defined()) {
+    TWOBP_CHECK(state.outputs.size() == 1, UsageError,
+                "{}: the one-tensor {} got one gradient for the outputs {{{}}}; use the NamedTensors form",
+                where(micro_batch), action, state.outputs.describe());
+    call.grad_outputs = NamedTensors{{state.outputs.entry(0).name, grad_output}};
+  }
+  return call;
+}
+
+at::Tensor Stage::single_gradient(int micro_batch, const SingleCall& call, const NamedTensors& grads) const {
+  if (grads.empty()) return at::Tensor();
+  TWOBP_CHECK(grads.size() == 1, UsageError,
+              "{}: the one-tensor backward was used on a stage whose inputs are {{{}}}; use the NamedTensors form",
+              where(micro_batch), grads.describe());
+  // The one-tensor contract: zeros for an input no output depends on (the NamedTensors form says "undefined").
+  const at::Tensor& g = grads.entry(0).tensor;
+  return g.defined() ? g : at::zeros_like(call.input);
 }
 
 void Stage::reset() {

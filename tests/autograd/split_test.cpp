@@ -308,7 +308,7 @@ TEST_F(StageMisuse, GradientOfWrongShapeOrDtype) {
   expect_usage_error([&] { middle.backward_input(2, torch::randn({3, 6})); }, {"micro-batch 2", "[3, 6]", "[2, 6]"});
   expect_usage_error([&] { middle.backward_input(2, torch::randn({2, 6}, torch::kDouble)); },
                      {"micro-batch 2", "Double", "Float"});
-  expect_usage_error([&] { middle.backward_input(2); }, {"micro-batch 2", "gradient of the output"});
+  expect_usage_error([&] { middle.backward_input(2); }, {"micro-batch 2", "gradients of the outputs"});
   // The stage is unchanged by the rejected calls: a correct gradient still works.
   EXPECT_EQ(middle.backward_input(2, torch::randn({2, 6})).sizes(), torch::IntArrayRef({2, 6}));
 }

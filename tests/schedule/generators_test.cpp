@@ -216,11 +216,18 @@ TEST(Generators, PeerRankAndTags) {
     ASSERT_TRUE(recvs.count(tag)) << tag;
     EXPECT_NE(recvs[tag], rank);
   }
-  // The documented formula.
-  EXPECT_EQ(message_tag(sc, Action{ActionType::kSendForward, 1, {3}}), (3 * 4 + 1) * 2 + 0);
-  EXPECT_EQ(message_tag(sc, Action{ActionType::kRecvForward, 2, {3}}), (3 * 4 + 1) * 2 + 0);
-  EXPECT_EQ(message_tag(sc, Action{ActionType::kSendBackward, 2, {3}}), (3 * 4 + 1) * 2 + 1);
-  EXPECT_EQ(message_tag(sc, Action{ActionType::kRecvBackward, 1, {3}}), (3 * 4 + 1) * 2 + 1);
+  // The documented formula: one tag per part (header, tensor 0, tensor 1, ...) of each message.
+  constexpr int kParts = kMaxTensorsPerMessage + 1;
+  EXPECT_EQ(message_tag(sc, Action{ActionType::kSendForward, 1, {3}}), ((3 * 4 + 1) * 2 + 0) * kParts + 1);
+  EXPECT_EQ(message_tag(sc, Action{ActionType::kRecvForward, 2, {3}}), ((3 * 4 + 1) * 2 + 0) * kParts + 1);
+  EXPECT_EQ(message_tag(sc, Action{ActionType::kSendBackward, 2, {3}}), ((3 * 4 + 1) * 2 + 1) * kParts + 1);
+  EXPECT_EQ(message_tag(sc, Action{ActionType::kRecvBackward, 1, {3}}, MessagePart{2}),
+            ((3 * 4 + 1) * 2 + 1) * kParts + 3);
+  EXPECT_EQ(message_tag(sc, Action{ActionType::kSendForward, 1, {3}}, MessagePart::header()),
+            ((3 * 4 + 1) * 2 + 0) * kParts);
+  EXPECT_EQ(message_channel(Action{ActionType::kSendBackward, 2, {3}}, MessagePart::header()), 3);
+  EXPECT_THROW(message_tag(sc, Action{ActionType::kSendForward, 1, {3}}, MessagePart{kMaxTensorsPerMessage}),
+               UsageError);
   EXPECT_EQ(peer_rank(sc, Action{ActionType::kSendForward, 1, {0}}), 1);  // stage 2 is on rank 1 (V)
   EXPECT_EQ(peer_rank(sc, Action{ActionType::kSendForward, 2, {0}}), 0);
 }

@@ -18,12 +18,6 @@
 
 namespace twobp {
 
-/// Shape and dtype of one micro-batch's activation at a stage boundary.
-struct TensorSpec {
-  std::vector<int64_t> shape;
-  at::ScalarType dtype = at::kFloat;
-};
-
 /// What one step produced on this rank.
 struct StepResult {
   /// Per micro-batch, on the rank owning the last stage (empty elsewhere): each micro-batch's loss as the loss
@@ -45,8 +39,10 @@ struct ActionEvent {
 struct ExecutorOptions {
   /// Every blocking wait gives up after this long with an error naming the peer, the action and the micro-batch.
   Duration timeout = std::chrono::minutes(5);
-  /// Output spec of a stage boundary (see PipelineOptions::activation_spec). Needed when messages cross ranks.
+  /// Fixed specs of the stage boundaries (see PipelineOptions::activation_spec and boundary_spec); when neither is
+  /// set, senders announce shapes.
   std::function<TensorSpec(int stage)> activation_spec;
+  std::function<BoundarySpec(int stage)> boundary_spec;
   /// Receives are posted this many RECV actions ahead of their use.
   int prefetch_receives = 4;
   /// Memory-bounded 2BP: at most this many micro-batches per stage may wait for their W (0: no limit, as the
@@ -66,6 +62,13 @@ struct ExecutorOptions {
 /// and raises ScheduleError naming the action; a tensor whose shape or dtype differs from the boundary's spec is a
 /// UsageError naming both stages, raised before it is sent.
 ///
+/// Messages: an item is a NamedTensors; each tensor travels as one message. With fixed specs the receiver
+/// allocates from the spec and posts its receives ahead; without, the sender first sends a shape header
+/// (twobp/schedule/schedule.h: MessagePart, channels 2 and 3) from which the receiver allocates, so shapes may
+/// change from micro-batch to micro-batch and step to step. A gradient message says which gradients are undefined
+/// (nothing downstream depended on that tensor) and carries only the others, so the upstream stage's parameters
+/// get exactly the gradients (and undefined ones) loss.backward() gives them.
+///
 /// Errors: when an action throws, every stage forgets the step, the transport is aborted (so that peers fail
 /// fast naming this rank instead of waiting for their timeouts) and the exception is rethrown.
 class Executor {
@@ -84,9 +87,12 @@ class Executor {
   /// calling thread. A hook that throws fails the step like an action that throws.
   void add_hook(Hook hook);
 
-  /// One step: `inputs` (split into micro-batches along dim 0) is needed on the rank owning stage 0, `targets` on
-  /// the rank owning the last stage.
-  StepResult run(const at::Tensor& inputs, const at::Tensor& targets);
+  /// One step: `inputs` (each tensor split into micro-batches along dim 0) is needed on the rank owning stage 0,
+  /// `targets` on the rank owning the last stage.
+  StepResult run(const NamedTensors& inputs, const NamedTensors& targets);
+  /// One step over micro-batches given one by one (they may differ in shape: sequence lengths, sizes); one entry
+  /// per micro-batch where needed (as above), empty vectors elsewhere.
+  StepResult run(const std::vector<NamedTensors>& inputs, const std::vector<NamedTensors>& targets);
 
  private:
   struct Step;
@@ -96,7 +102,9 @@ class Executor {
   void send(Step& st, const Action& a);
   void receive(Step& st, const Action& a);
   void prefetch(Step& st, std::size_t up_to_inclusive);
-  at::Tensor take(Step& st, const ItemRef& item, const Action& a);
+  void post_tensors(Step& st, std::size_t index);
+  BoundarySpec fixed_spec(int boundary) const;
+  NamedTensors take(Step& st, const ItemRef& item, const Action& a);
   Stage& stage(const Action& a);
 
   const Schedule& schedule_;

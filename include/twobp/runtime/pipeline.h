@@ -30,11 +30,16 @@ struct PipelineOptions {
   /// Every blocking wait (receive, send completion, collectives) gives up after this long with an error naming
   /// the peer, the action and the micro-batch.
   Duration timeout = std::chrono::minutes(5);
-  /// Output of `stage` for one micro-batch (= input of stage + 1). Receive buffers are allocated from it and every
-  /// sent activation/gradient is checked against it, so a mismatch is reported on the first step, naming both
-  /// stages, instead of corrupting the receiver. Required when the pipeline has more than one rank; asked only for
-  /// boundaries that cross ranks, so it need not cover the last stage (whose output is the loss).
+  /// Fixed shapes of the stage boundaries, optional: output of `stage` for one micro-batch (= input of
+  /// stage + 1), asked only for boundaries that cross ranks (so it need not cover the last stage). With a spec,
+  /// receivers allocate from it and post their receives ahead, and every sent tensor is checked against it, so a
+  /// mismatch is reported on the first step naming both stages. Without one, senders announce shapes in a small
+  /// header before each message: shapes may then vary by micro-batch and step (variable sequence lengths), at
+  /// the cost of one more small message per boundary crossing (measured by `twobp_bench pipeline --variable-seq`).
+  /// activation_spec: boundaries of one tensor; boundary_spec: several named tensors (see NamedTensors), in the
+  /// order the stage returns them. At most one of the two.
   std::function<TensorSpec(int stage)> activation_spec;
+  std::function<BoundarySpec(int stage)> boundary_spec;
   /// Loss of the last stage, (output, target) -> scalar, averaged over micro-batches: each micro-batch's loss
   /// gradient is scaled by 1/num_micro_batches, so a step's gradients equal those of the mean loss over the
   /// batch, matching a non-pipelined run of the same batch.
@@ -68,8 +73,10 @@ struct GradientCheck {
 /// One per rank. Not thread-safe; several Pipelines (one per thread) may share a process.
 ///
 /// step() contract: every rank calls step() once per training step with the same number of micro-batches.
-/// `inputs` (the whole batch, split along dim 0 into micro-batches) is required on the rank owning stage 0,
-/// `targets` on the rank owning the last stage; other ranks may pass undefined tensors. Parameter gradients are
+/// `inputs` (the whole batch, each tensor split along dim 0 into micro-batches) is required on the rank owning
+/// stage 0, `targets` on the rank owning the last stage; other ranks may pass undefined tensors (empty sets).
+/// `targets` reach the last stage directly -- its loss and, for a forward taking NamedTensors, its forward too --
+/// so labels and masks need not be relayed through the pipeline. Parameter gradients are
 /// accumulated into .grad (call zero_grad() between steps). On any error the pipeline aborts the transport so
 /// every peer fails fast naming this rank, forgets the step's state and rethrows.
 class Pipeline {
@@ -82,7 +89,11 @@ class Pipeline {
 
   /// One training step (see the class comment); runs this rank's action list through its Executor, then (data
   /// parallelism) waits for the gradient reductions.
-  StepResult step(const at::Tensor& inputs, const at::Tensor& targets);
+  StepResult step(const NamedTensors& inputs, const NamedTensors& targets);
+  /// One step over micro-batches given one by one (shapes may differ between them: sequence lengths, sizes;
+  /// each micro-batch's loss still counts 1/num_micro_batches). One entry per micro-batch where needed (see the
+  /// class comment), empty vectors elsewhere.
+  StepResult step(const std::vector<NamedTensors>& inputs, const std::vector<NamedTensors>& targets);
   /// Runs `hook` after every action of every step (see Executor::add_hook).
   void add_hook(Executor::Hook hook);
   /// The mean over micro-batches (and replicas) of the last step's losses, on every rank (collective: one
@@ -115,6 +126,7 @@ class Pipeline {
 
  private:
   struct Impl;
+  StepResult run_step(const std::function<StepResult()>& run);
   Schedule schedule_;
   std::shared_ptr<Transport> transport_;
   PipelineOptions options_;

@@ -106,21 +106,34 @@ Schedule add_communication(Schedule schedule);
 /// neighbouring stage does not exist.
 int peer_rank(const Schedule& schedule, const Action& action);
 
+/// The messages of one SEND/RECV: the tensors of a boundary (NamedTensors) travel as one message each, after a
+/// shape header when the sender announces shapes (no activation specs). At most kMaxTensorsPerMessage tensors.
+constexpr int kMaxTensorsPerMessage = 15;
+/// Which message of a SEND/RECV: the shape header, or the k-th tensor (MessagePart{k}).
+struct MessagePart {
+  static MessagePart header() { return MessagePart{-1}; }
+  bool is_header() const { return tensor < 0; }
+  int tensor = 0;  ///< index of the tensor among those the SEND carries; -1 for the header
+};
+
 /// For a communication action: a tag, identical for a SEND and its matching RECV, that is unique per (stage
-/// boundary, micro-batch, direction): ((mb * num_stages + boundary) * 2 + dir), where boundary is the lower stage
-/// of the link and dir is 0 for activations (SEND_F/RECV_F) and 1 for gradients (SEND_B/RECV_B).
-std::int64_t message_tag(const Schedule& schedule, const Action& action);
+/// boundary, micro-batch, direction, part): ((mb * num_stages + boundary) * 2 + dir) * (kMaxTensorsPerMessage + 1)
+/// + part.tensor + 1, where boundary is the lower stage of the link, dir is 0 for activations (SEND_F/RECV_F) and 1
+/// for gradients (SEND_B/RECV_B).
+std::int64_t message_tag(const Schedule& schedule, const Action& action, MessagePart part = {});
 
 /// Channels of a schedule's messages: activations (SEND_F/RECV_F) travel on channel 0, gradients (SEND_B/RECV_B)
 /// on channel 1, so a channel -- (source rank, destination rank, channel) -- carries one kind of tensor in one
-/// direction. In-order transports (Pairing::kInOrderPerChannel) pair messages per channel; this split is what makes
-/// every built-in schedule, zb-v included, pair correctly on them (validate() checks it).
-constexpr int kNumMessageChannels = 2;
+/// direction; shape headers travel on channels 2 and 3 alike, so that a receiver may post the next headers before
+/// it knows (and posts) the tensors of the current message. In-order transports (Pairing::kInOrderPerChannel) pair
+/// messages per channel; this split is what makes every built-in schedule, zb-v included, pair correctly on them
+/// (validate() checks the tensor channels; headers follow the same order on theirs).
+constexpr int kNumMessageChannels = 4;
 
 /// For a communication action: its channel in [0, kNumMessageChannels), identical for a SEND and its matching RECV.
-/// The one place the action -> channel mapping is written: validate(), the Pipeline (P2POptions::channel) and
+/// The one place the action -> channel mapping is written: validate(), the Executor (P2POptions::channel) and
 /// through it every transport read it here. Throws ScheduleError for compute actions.
-int message_channel(const Action& action);
+int message_channel(const Action& action, MessagePart part = {});
 
 /// Text form: a header line, then one action per line. dump() and load() round-trip exactly.
 std::string dump_schedule(const Schedule& schedule);
