@@ -5,6 +5,7 @@
 //   torchrun --nproc-per-node 4 --no-python llama_pipeline --device cuda ...   # the same without MPI (TCPStore)
 //   llama_pipeline --model 7b --stages 4 --dry-run --json plan.json            # sizes and memory, nothing allocated
 //   mpirun -n 8 llama_pipeline --dp 2 --device cuda ...                        # 2 replicas of a 4-rank pipeline
+//   llama_pipeline --pack --seq-len-warmup 10 --steps 50                       # packed documents, length warm-up
 //
 // Ranks: under an MPI launcher (detected by twobp::launched_by_mpi_launcher) in a build with MPI every process is
 // one rank (MpiEnvironment); under torchrun or srun -- or mpirun in a build without MPI -- the ranks come from the
@@ -30,6 +31,12 @@
 // --warmup-steps, then cosine decay to 10% of --lr at step N). --stop-after K ends the run after step K (and
 // checkpoints it when --checkpoint-dir is given); a later --resume continues to N with identical losses, because the
 // batch of step s depends only on (--seed, s) and the checkpoint holds the weights and the AdamW state.
+//
+// Sequences: --pack treats the token --doc-separator as the end of a document; attention stays within a document,
+// rotary positions restart at each one, and no target predicts across documents. Positions and document ids cross
+// every stage boundary beside the hidden state (twobp::NamedTensors, without gradients); the loss mask reaches the
+// last stage directly from the data. --seq-len-warmup S grows the sequence length from short to --seq-len over S
+// steps (twobp::data::warmup_seq_len); shapes then change every step, so senders announce them.
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -97,6 +104,9 @@ struct Args {
   int stages = 2;
   int dp = 1;  // data-parallel replicas
   int max_pending_w = 0;  // memory-bounded 2BP: 0 = no limit
+  bool pack = false;      // packed documents: positions and document mask cross every stage boundary
+  int doc_separator = 10;  // the token that ends a document ('\n' for the byte-level corpus)
+  int seq_len_warmup = 0;  // steps over which the sequence length grows to --seq-len (0: none)
   int chunks_per_rank = 0;  // 0: the schedule's default
   std::string schedule_file;
   std::string partition;
@@ -302,20 +312,47 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
     for (auto& t : chunk->parameters()) params.push_back(t);
     const bool is_last = s == last;
     std::shared_ptr<llm::LlamaChunkImpl> impl = chunk.ptr();
-    chunks.push_back({s, impl, [impl, device, wire, is_last](const at::Tensor& x) {
-                        // Compute on `device`; activations travel on the transport's device (no-op when equal).
-                        at::Tensor y = impl->forward(x.to(device));
-                        return is_last ? y : y.to(wire);
-                      }});
+    // Compute on `device`; activations travel on the transport's device (no-op when equal).
+    if (a.pack) {
+      // Several tensors cross each boundary: the hidden state and, without gradients, positions and doc ids.
+      chunks.push_back({s, impl, [impl, device, wire, is_last](const twobp::NamedTensors& in) {
+                          twobp::NamedTensors here;
+                          for (const auto& [name, t] : in) here.add(name, t.to(device));
+                          twobp::NamedTensors out = impl->forward(here);
+                          if (!is_last) {
+                            for (auto& e : out) e.tensor = e.tensor.to(wire);
+                          }
+                          return out;
+                        }});
+    } else {
+      chunks.push_back({s, impl, [impl, device, wire, is_last](const at::Tensor& x) {
+                          at::Tensor y = impl->forward(x.to(device));
+                          return is_last ? y : y.to(wire);
+                        }});
+    }
   }
   twobp::PipelineOptions po;
   po.timeout = timeout;
   const int64_t mbs = a.micro_batch_size, seq = p.seq_len, dim = p.config.dim;
   const auto dtype = p.dtype;
-  po.activation_spec = [=](int) { return twobp::TensorSpec{{mbs, seq, dim}, dtype}; };
-  po.loss = [](const at::Tensor& logits, const at::Tensor& targets) {
-    return llm::cross_entropy_loss(logits, targets.to(logits.device()));
-  };
+  // Fixed shapes give every boundary a spec; with a sequence-length warm-up they change from step to step, so the
+  // senders announce them instead (PipelineOptions::activation_spec).
+  if (a.seq_len_warmup == 0 && a.pack) {
+    po.boundary_spec = [=](int) {
+      return twobp::BoundarySpec{{{mbs, seq, dim}, dtype, llm::kHidden},
+                                 {{mbs, seq}, at::kLong, llm::kPositions, false},
+                                 {{mbs, seq}, at::kLong, llm::kDocIds, false}};
+    };
+  } else if (a.seq_len_warmup == 0) {
+    po.activation_spec = [=](int) { return twobp::TensorSpec{{mbs, seq, dim}, dtype}; };
+  }
+  if (a.pack) {
+    po.loss = llm::masked_cross_entropy_loss;
+  } else {
+    po.loss = [](const at::Tensor& logits, const at::Tensor& targets) {
+      return llm::cross_entropy_loss(logits, targets.to(logits.device()));
+    };
+  }
   po.data_parallel.group = groups.data_parallel();
   po.max_pending_weight_micro_batches = a.max_pending_w;
   twobp::Pipeline pipeline(p.schedule, std::move(chunks), transport, po);
@@ -338,7 +375,6 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
   const int end = a.stop_after > 0 ? std::min(a.stop_after, a.steps) : a.steps;
   const bool owns_first = p.schedule.stage_to_rank[0] == rank;
   const bool owns_last = p.schedule.stage_to_rank[last] == rank;
-  const double tokens_per_step = static_cast<double>(p.dp * replica_batch * seq);
   const auto t0 = std::chrono::steady_clock::now();
 
   for (int step = start; step < end; ++step) {
@@ -346,10 +382,23 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
     const double lr = learning_rate(a, step);
     for (auto& group : optimizer.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
     pipeline.zero_grad();
+    // The step's sequence length (shorter during --seq-len-warmup): a prefix of the full-length windows, so the
+    // batch of a step still depends only on (--seed, step).
+    const int64_t len = twobp::data::warmup_seq_len(seq, step, a.seq_len_warmup);
+    const double tokens_per_step = static_cast<double>(p.dp * replica_batch * len);
     const auto batch = sampler.batch(step);
     const int64_t share = groups.replica() * replica_batch;
-    auto result = pipeline.step(owns_first ? batch.inputs.narrow(0, share, replica_batch) : at::Tensor(),
-                                owns_last ? batch.targets.narrow(0, share, replica_batch) : at::Tensor());
+    const at::Tensor ids = batch.inputs.narrow(0, share, replica_batch).narrow(1, 0, len);
+    const at::Tensor next = batch.targets.narrow(0, share, replica_batch).narrow(1, 0, len);
+    twobp::NamedTensors inputs, targets;
+    if (a.pack) {
+      if (owns_first) inputs = llm::packed_inputs(ids, a.doc_separator);
+      if (owns_last) targets = llm::packed_targets(ids, next, a.doc_separator);
+    } else {
+      if (owns_first) inputs = twobp::NamedTensors(ids);
+      if (owns_last) targets = twobp::NamedTensors(next);
+    }
+    auto result = pipeline.step(inputs, targets);
     const double norm = pipeline.clip_grad_norm(a.clip);
     optimizer.step();
     // The mean loss lives on the last stage's ranks; all-reduces bring the global batch's to everyone.
@@ -388,6 +437,7 @@ void validate_args(const Args& a) {
               "--chunks-per-rank >= 0");
   TWOBP_CHECK(!a.resume || !a.checkpoint_dir.empty(), twobp::UsageError, "--resume needs --checkpoint-dir");
   TWOBP_CHECK(a.timeout_s > 0, twobp::UsageError, "--timeout must be positive");
+  TWOBP_CHECK(a.seq_len_warmup >= 0, twobp::UsageError, "--seq-len-warmup must be >= 0 (0: none)");
 }
 
 int run(Args args, int& argc, char**& argv) {
@@ -429,14 +479,16 @@ int run(Args args, int& argc, char**& argv) {
   const int gpus = cuda ? static_cast<int>(torch::cuda::device_count()) : 0;
   if (my_rank == 0) {
     fmt::print("llama_pipeline: model {} ({} parameters), {} ranks ({}) = {} replica(s) x {} pipeline ranks, {} "
-               "stages, schedule {} with {}, partition {}, {} micro-batches of {} x {} tokens per replica, device {}, "
-               "dtype {}\n",
+               "stages, schedule {} with {}, partition {}, {} micro-batches of {} x {} tokens per replica{}{}, "
+               "device {}, dtype {}\n",
                plan.config.name, llm::parameter_count(plan.config), world,
                mpi ? "MPI" : store ? "processes, " + launch->launcher + " + TCPStore" : std::string("threads"),
                layout.dp, layout.pp, plan.schedule.num_stages, plan.schedule.name,
                plan.schedule.backward == twobp::BackwardMode::kSplit ? "2BP" : "fused backward",
-               plan.partition.layout(), args.microbatches, args.micro_batch_size, plan.seq_len, args.device,
-               args.dtype);
+               plan.partition.layout(), args.microbatches, args.micro_batch_size, plan.seq_len,
+               args.pack ? " (packed documents)" : "",
+               args.seq_len_warmup > 0 ? fmt::format(" (length warm-up over {} steps)", args.seq_len_warmup) : "",
+               args.device, args.dtype);
   }
 
   Shared shared;
@@ -535,6 +587,12 @@ int main(int argc, char** argv) {
   app.add_option("--max-pending-w", a.max_pending_w,
                  "2BP: at most N micro-batches per stage wait for their W; older ones run early (0: no limit)")
       ->check(CLI::NonNegativeNumber);
+  app.add_flag("--pack", a.pack,
+               "Packed documents: attention stays within a document, positions restart per document (positions "
+               "and document ids cross every stage boundary)");
+  app.add_option("--doc-separator", a.doc_separator, "With --pack: the token that ends a document (default 10)");
+  app.add_option("--seq-len-warmup", a.seq_len_warmup,
+                 "Grow the sequence length linearly to --seq-len over this many steps (shapes announced per step)");
   app.add_option("--chunks-per-rank", a.chunks_per_rank,
                  "Model chunks per rank (interleaved and V schedules; default: the schedule's)");
   app.add_option("--partition", a.partition, "Blocks per chunk, e.g. 3,3,2,0 (default: balanced by compute)");

@@ -48,6 +48,11 @@ struct Batch {
   at::Tensor targets;
 };
 
+/// Sequence-length warm-up: the length of step `step` (0-based) when training starts short and reaches `full`
+/// after `warmup_steps` steps: full * (step + 1) / warmup_steps rounded down to a multiple of `multiple` (at least
+/// `multiple`, at most `full`); `full` from step warmup_steps - 1 on, and always when warmup_steps <= 0.
+int64_t warmup_seq_len(int64_t full, int64_t step, int64_t warmup_steps, int64_t multiple = 8);
+
 /// Draws [batch, seq + 1] windows at random offsets of a token stream. Stateless: batch(step) depends only on
 /// (tokens, seq_len, batch_size, seed, step), so a resumed run sees exactly the batches of an uninterrupted one,
 /// and every rank of a pipeline can draw the same batch independently.

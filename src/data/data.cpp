@@ -134,6 +134,14 @@ BatchSampler::BatchSampler(std::vector<uint16_t> tokens, int64_t seq_len, int64_
               seq_len + 1);
 }
 
+int64_t warmup_seq_len(int64_t full, int64_t step, int64_t warmup_steps, int64_t multiple) {
+  TWOBP_CHECK(full > 0 && multiple > 0, UsageError, "warmup_seq_len: full length {} and multiple {} must be positive",
+              full, multiple);
+  if (warmup_steps <= 0 || step + 1 >= warmup_steps) return full;
+  const int64_t len = full * (step + 1) / warmup_steps / multiple * multiple;
+  return std::min(full, std::max(multiple, len));
+}
+
 Batch BatchSampler::batch(int64_t step) const {
   const uint64_t windows = tokens_.size() - static_cast<uint64_t>(seq_len_);  // valid start offsets
   at::Tensor window = at::empty({batch_size_, seq_len_ + 1}, at::kLong);

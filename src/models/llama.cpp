@@ -63,12 +63,15 @@ bool ends_with(const std::string& s, std::string_view suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-// Rotate-half rotary embedding on [batch, heads, seq, head_dim]; angles in float32, applied in x's dtype.
-at::Tensor apply_rotary(const at::Tensor& x, double theta) {
+// Rotate-half rotary embedding on [batch, heads, seq, head_dim]; angles in float32, applied in x's dtype. Angles
+// follow `positions` ([batch, seq]) when given, else 0..seq-1.
+at::Tensor apply_rotary(const at::Tensor& x, double theta, const at::Tensor& positions) {
   const int64_t seq = x.size(2), half = x.size(3) / 2;
   auto fopts = x.options().dtype(at::kFloat);
   auto inv_freq = at::pow(theta, -at::arange(0, half, fopts) / static_cast<double>(half));
-  auto angles = at::outer(at::arange(seq, fopts), inv_freq);  // [seq, half]
+  at::Tensor angles = positions.defined()
+                          ? (positions.to(at::kFloat).unsqueeze(-1) * inv_freq).unsqueeze(1)  // [batch, 1, seq, half]
+                          : at::outer(at::arange(seq, fopts), inv_freq);                      // [seq, half]
   auto cos = at::cos(angles).to(x.scalar_type()), sin = at::sin(angles).to(x.scalar_type());
   auto x1 = x.narrow(-1, 0, half), x2 = x.narrow(-1, half, half);
   return at::cat({x1 * cos - x2 * sin, x1 * sin + x2 * cos}, -1);
@@ -275,19 +278,27 @@ LlamaBlockImpl::LlamaBlockImpl(const LlamaConfig& c) : config(c) {
   w2 = register_module("w2", linear(c.ffn_dim, c.dim));
 }
 
-at::Tensor LlamaBlockImpl::forward(const at::Tensor& x) {
+at::Tensor LlamaBlockImpl::forward(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& doc_ids) {
   const int64_t b = x.size(0), s = x.size(1), hd = config.head_dim();
   auto h = attn_norm(x);
   auto q = wq(h).view({b, s, config.n_heads, hd}).transpose(1, 2);
   auto k = wk(h).view({b, s, config.n_kv_heads, hd}).transpose(1, 2);
   auto v = wv(h).view({b, s, config.n_kv_heads, hd}).transpose(1, 2);
-  q = apply_rotary(q, config.rope_theta);
-  k = apply_rotary(k, config.rope_theta);
+  q = apply_rotary(q, config.rope_theta, positions);
+  k = apply_rotary(k, config.rope_theta, positions);
   if (const int64_t rep = config.n_heads / config.n_kv_heads; rep > 1) {
     k = k.repeat_interleave(rep, 1);
     v = v.repeat_interleave(rep, 1);
   }
-  auto a = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
+  at::Tensor a;
+  if (doc_ids.defined()) {
+    // Document masking: causal, and only within the token's own document. [batch, 1, seq, seq], true = attend.
+    const at::Tensor same = doc_ids.unsqueeze(2) == doc_ids.unsqueeze(1);
+    const at::Tensor causal = at::ones({s, s}, doc_ids.options().dtype(at::kBool)).tril();
+    a = at::scaled_dot_product_attention(q, k, v, (same & causal).unsqueeze(1), 0.0, /*is_causal=*/false);
+  } else {
+    a = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
+  }
   auto y = x + wo(a.transpose(1, 2).reshape({b, s, config.dim}));
   auto m = mlp_norm(y);
   return y + w2(at::silu(w1(m)) * w3(m));
@@ -336,7 +347,9 @@ LlamaChunkImpl::LlamaChunkImpl(const LlamaConfig& config, const ChunkSpec& spec,
   }
 }
 
-at::Tensor LlamaChunkImpl::forward(const at::Tensor& input) {
+at::Tensor LlamaChunkImpl::forward(const at::Tensor& input) { return run(input, {}, {}); }
+
+at::Tensor LlamaChunkImpl::run(const at::Tensor& input, const at::Tensor& positions, const at::Tensor& doc_ids) {
   at::Tensor h = input;
   if (spec_.has_embedding) {
     TWOBP_CHECK(input.dim() == 2 && input.scalar_type() == at::kLong, UsageError,
@@ -348,9 +361,54 @@ at::Tensor LlamaChunkImpl::forward(const at::Tensor& input) {
                 "model '{}': chunk of blocks [{}, {}) takes hidden states [batch, seq, {}], got [{}]", config_.name,
                 spec_.first_layer, spec_.end_layer, config_.dim, fmt::join(input.sizes(), ", "));
   }
-  for (auto& block : blocks) h = block(h);
+  for (auto& block : blocks) h = block->forward(h, positions, doc_ids);
   if (spec_.has_head) h = head(norm(h));
   return h;
+}
+
+NamedTensors LlamaChunkImpl::forward(const NamedTensors& in) {
+  const at::Tensor& positions = in[kPositions];
+  const at::Tensor& doc_ids = in[kDocIds];
+  at::Tensor out = run(spec_.has_embedding ? in[kTokens] : in[kHidden], positions, doc_ids);
+  if (spec_.has_head) return NamedTensors{{"logits", out}};
+  return NamedTensors{{kHidden, out}, {kPositions, positions}, {kDocIds, doc_ids}};
+}
+
+PackedDocuments pack_documents(const at::Tensor& tokens, int64_t separator) {
+  TWOBP_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong, UsageError,
+              "pack_documents: token ids must be [batch, seq] int64, got [{}] {}", fmt::join(tokens.sizes(), ", "),
+              c10::toString(tokens.scalar_type()));
+  // A token after a separator starts a new document: doc = number of separators strictly before it.
+  const at::Tensor ends = (tokens == separator).to(at::kLong);
+  const at::Tensor doc_ids = ends.cumsum(1) - ends;
+  // Position = index - index of the document's first token; the first token's index is the running maximum of
+  // "index where a document starts".
+  const int64_t seq = tokens.size(1);
+  const at::Tensor index = at::arange(seq, tokens.options()).expand_as(tokens);
+  const at::Tensor starts = at::where(doc_ids != at::roll(doc_ids, 1, 1), index, at::zeros_like(index));
+  const at::Tensor first = std::get<0>(at::cummax(starts, 1));
+  return {doc_ids, index - first};
+}
+
+NamedTensors packed_inputs(const at::Tensor& tokens, int64_t separator) {
+  const PackedDocuments docs = pack_documents(tokens, separator);
+  return NamedTensors{{kTokens, tokens}, {kPositions, docs.positions}, {kDocIds, docs.doc_ids}};
+}
+
+NamedTensors packed_targets(const at::Tensor& tokens, const at::Tensor& targets, int64_t separator) {
+  // The target of token i is token i + 1; it continues i's document unless token i ends it.
+  const at::Tensor mask = (tokens != separator).to(at::kFloat);
+  return NamedTensors{{kTargets, targets}, {kLossMask, mask}};
+}
+
+at::Tensor masked_cross_entropy_loss(const NamedTensors& outputs, const NamedTensors& targets) {
+  const at::Tensor& logits = outputs["logits"];
+  const int64_t vocab = logits.size(-1);
+  const at::Tensor per_token = at::cross_entropy_loss(logits.reshape({-1, vocab}).to(at::kFloat),
+                                                      targets[kTargets].to(logits.device()).reshape({-1}), {},
+                                                      at::Reduction::None);
+  const at::Tensor mask = targets[kLossMask].to(per_token.device()).reshape({-1}).to(at::kFloat);
+  return (per_token * mask).sum() / mask.sum().clamp_min(1.0);
 }
 
 at::Tensor cross_entropy_loss(const at::Tensor& logits, const at::Tensor& targets) {

@@ -142,3 +142,16 @@ TEST(BatchSampler, DeterministicShiftedWindows) {
   EXPECT_NE(text.find(window), std::string::npos);
   EXPECT_THROW(td::BatchSampler(std::vector<uint16_t>(10, 1), 10, 1, 0), twobp::UsageError);
 }
+
+TEST(WarmupSeqLen, GrowsInMultiplesToTheFullLength) {
+  using twobp::data::warmup_seq_len;
+  EXPECT_EQ(warmup_seq_len(64, 0, 4), 16);
+  EXPECT_EQ(warmup_seq_len(64, 1, 4), 32);
+  EXPECT_EQ(warmup_seq_len(64, 2, 4), 48);
+  EXPECT_EQ(warmup_seq_len(64, 3, 4), 64);
+  EXPECT_EQ(warmup_seq_len(64, 100, 4), 64);
+  EXPECT_EQ(warmup_seq_len(64, 0, 100), 8);  // never below one multiple
+  EXPECT_EQ(warmup_seq_len(5, 0, 100), 5);   // nor above the full length
+  EXPECT_EQ(warmup_seq_len(64, 0, 0), 64);   // no warm-up
+  EXPECT_THROW(warmup_seq_len(0, 0, 4), twobp::UsageError);
+}

@@ -114,30 +114,63 @@ TEST(LlamaPipeline, ScheduleFileRunsLikeTheNamedSchedule) {
   EXPECT_NE(r.output.find("asked for 8"), std::string::npos) << r.output;
 }
 
-// Launched the torchrun way (RANK, WORLD_SIZE, ..., MASTER_ADDR/PORT; no MPI): two processes meet at rank 0's
-// TCPStore and give exactly the losses of the same run as threads.
-TEST(LlamaPipeline, LaunchedAsProcessesWithoutMpiMatchesThreads) {
-  const auto threads = train("threads", "--schedule zb-v --chunks-per-rank 2 --steps 2");
+// Runs the example as two processes launched the torchrun way (RANK, WORLD_SIZE, ..., MASTER_ADDR/PORT; no MPI):
+// they meet at rank 0's TCPStore. Returns rank 0's losses; `output` gets both ranks' logs.
+std::vector<double> train_as_processes(const std::string& name, const std::string& extra, std::string* output) {
   const int port = twobp::testing::free_port();
-  ASSERT_GT(port, 0);
-  const auto json = work_dir() + "/processes.json";
+  EXPECT_GT(port, 0);
+  const auto json = work_dir() + "/" + name + ".json";
+  const auto log = work_dir() + "/" + name;
   std::string cmd = "unset OMPI_COMM_WORLD_SIZE OMPI_COMM_WORLD_RANK PMI_RANK PMI_SIZE PMIX_RANK SLURM_PROCID; ";
   for (int r : {1, 0}) {
     cmd += "RANK=" + std::to_string(r) + " WORLD_SIZE=2 LOCAL_RANK=" + std::to_string(r) +
            " LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) + " timeout 120 " +
-           LLAMA_PIPELINE_BIN + " " + kBase + "--schedule zb-v --chunks-per-rank 2 --steps 2" +
-           (r == 0 ? " --json " + json + " > " + work_dir() + "/rank0.log 2>&1; rc0=$?; " : " > " + work_dir() + "/rank1.log 2>&1 & ");
+           LLAMA_PIPELINE_BIN + " " + kBase + extra +
+           (r == 0 ? " --json " + json + " > " + log + ".rank0.log 2>&1; rc0=$?; " : " > " + log + ".rank1.log 2>&1 & ");
   }
-  cmd += "wait $!; rc1=$?; cat " + work_dir() + "/rank0.log " + work_dir() + "/rank1.log; exit $((rc0 + rc1))";
+  cmd += "wait $!; rc1=$?; cat " + log + ".rank0.log " + log + ".rank1.log; exit $((rc0 + rc1))";
   FILE* pipe = ::popen(("bash -c '" + cmd + "'").c_str(), "r");
-  ASSERT_NE(pipe, nullptr);
-  std::string output;
+  EXPECT_NE(pipe, nullptr);
+  if (pipe == nullptr) return {};
   char buffer[4096];
-  while (std::fgets(buffer, sizeof(buffer), pipe) != nullptr) output += buffer;
+  while (std::fgets(buffer, sizeof(buffer), pipe) != nullptr) *output += buffer;
   const int status = ::pclose(pipe);
-  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << output;
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << *output;
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) return {};
+  return losses_of(json);
+}
+
+// Launched the torchrun way, two processes give exactly the losses of the same run as threads.
+TEST(LlamaPipeline, LaunchedAsProcessesWithoutMpiMatchesThreads) {
+  const std::string args = "--schedule zb-v --chunks-per-rank 2 --steps 2";
+  const auto threads = train("threads", args);
+  std::string output;
+  const auto processes = train_as_processes("processes", args, &output);
   EXPECT_NE(output.find("processes, torchrun + TCPStore"), std::string::npos) << output;
-  expect_close(threads, losses_of(json), 1e-12, "processes vs threads, step ");
+  expect_close(threads, processes, 1e-12, "processes vs threads, step ");
+}
+
+// Packed documents (positions and document ids cross every boundary beside the hidden state, the loss mask goes
+// straight to the last stage) and a sequence-length warm-up (shapes announced, changing every step): 2BP and fused
+// backward, every kind of schedule, threads and processes give the same losses; packing really changes them.
+TEST(LlamaPipeline, PackedDocumentsAndLengthWarmupAgreeEverywhere) {
+  const std::string run_args = "--pack --seq-len-warmup 3 --steps 4 ";
+  const auto reference = train("packed_1f1b", run_args + "--schedule 1f1b");
+  ASSERT_EQ(reference.size(), 4u);
+  expect_close(reference, train("packed_fused", run_args + "--schedule 1f1b --no-2bp"), 1e-4, "packed fused, step ");
+  expect_close(reference, train("packed_zbv", run_args + "--schedule zb-v --chunks-per-rank 2"), 1e-4,
+               "packed zb-v, step ");
+  expect_close(reference, train("packed_zbh2", run_args + "--schedule zb-h2 --max-pending-w 1"), 1e-4,
+               "packed zb-h2, step ");
+  std::string output;
+  expect_close(reference, train_as_processes("packed_processes", run_args + "--schedule 1f1b", &output), 1e-12,
+               "packed processes vs threads, step ");
+  // Without the warm-up, packing gives every boundary a fixed spec (nothing is announced).
+  const auto fixed = train("packed_fixed", "--pack --steps 4 --schedule 1f1b");
+  expect_close(fixed, train("packed_fixed_zbh1", "--pack --steps 4 --schedule zb-h1"), 1e-4, "packed fixed, step ");
+  const auto unpacked = train("unpacked", "--steps 4 --schedule 1f1b");
+  ASSERT_EQ(unpacked.size(), fixed.size());
+  EXPECT_GT(std::abs(unpacked[0] - fixed[0]), 1e-6) << "--pack must change what the model sees";
 }
 
 TEST(LlamaPipeline, ResumeReproducesUninterruptedRun) {

@@ -204,3 +204,38 @@ TEST_F(ChunkParity, TwoChunksAsStagesWithSplitBackward) {
   }
   expect_same_gradients();
 }
+
+TEST(PackedDocuments, DocumentsAndPositionsRestartAfterEachSeparator) {
+  const int64_t sep = 10;
+  auto tokens = torch::tensor({5, 10, 7, 8, 10, 3, 4, 9, 10, 10, 2, 2}, torch::kLong).view({2, 6});
+  auto docs = llm::pack_documents(tokens, sep);
+  EXPECT_TRUE(torch::equal(docs.doc_ids, torch::tensor({0, 0, 1, 1, 1, 2, 0, 0, 0, 1, 2, 2}).view({2, 6})))
+      << docs.doc_ids;
+  EXPECT_TRUE(torch::equal(docs.positions, torch::tensor({0, 1, 0, 1, 2, 0, 0, 1, 2, 0, 0, 1}).view({2, 6})))
+      << docs.positions;
+  auto targets = llm::packed_targets(tokens, tokens, sep);
+  EXPECT_TRUE(torch::equal(targets[llm::kLossMask], (tokens != sep).to(torch::kFloat)));
+}
+
+TEST(PackedDocuments, DocumentMaskingMakesEachDocumentSeeOnlyItself) {
+  // A row packing documents A and B gives, on B's tokens, the logits of B run alone: B attends to nothing of A
+  // and its rotary positions restart at 0. Float64 so that the comparison is tight.
+  torch::set_default_dtype(caffe2::TypeMeta::Make<double>());
+  const auto c = llm::config_by_name("tiny");
+  llm::LlamaChunk whole(c, llm::make_partition(c, 1, 32).chunks[0], 3);
+  whole->to(torch::kDouble);
+  torch::set_default_dtype(caffe2::TypeMeta::Make<float>());
+  const int64_t sep = 10;
+  torch::manual_seed(5);
+  auto a = torch::randint(11, c.vocab_size, {1, 5}, torch::kLong);
+  a[0][4] = sep;  // A ends with the separator
+  auto b = torch::randint(11, c.vocab_size, {1, 7}, torch::kLong);
+  auto packed = torch::cat({a, b}, 1);
+  torch::NoGradGuard no_grad;
+  auto logits = whole->forward(llm::packed_inputs(packed, sep))["logits"];
+  auto alone = whole->forward(b);
+  EXPECT_LT((logits.narrow(1, 5, 7) - alone).abs().max().item<double>(), 1e-10);
+  // Without the mask B would see A: the test can tell the difference.
+  auto unmasked = whole->forward(packed);
+  EXPECT_GT((unmasked.narrow(1, 5, 7) - alone).abs().max().item<double>(), 1e-6);
+}

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "twobp/nn/modules.h"
+#include "twobp/tensors.h"
 
 namespace twobp::models {
 
@@ -126,11 +127,42 @@ Partition make_partition(const LlamaConfig& config, int num_chunks, int64_t seq_
 
 // ---- Modules ----
 
-/// One decoder block. Input and output [batch, seq, dim].
+// ---- Packed sequences ----
+
+/// Names of the tensors a chunk takes and returns in its NamedTensors form (LlamaChunkImpl::forward).
+constexpr const char* kTokens = "tokens";        ///< first chunk's input: ids [batch, seq] int64
+constexpr const char* kHidden = "hidden";        ///< between chunks: [batch, seq, dim], differentiable
+constexpr const char* kPositions = "positions";  ///< [batch, seq] int64, position within its document
+constexpr const char* kDocIds = "doc_ids";       ///< [batch, seq] int64, document of each token (attention mask)
+constexpr const char* kTargets = "targets";      ///< loss: next-token ids [batch, seq] int64
+constexpr const char* kLossMask = "loss_mask";   ///< loss: 1 where the target continues the input's document
+
+/// Packing: rows that hold several documents back to back, each ended by `separator`. Returns, for token ids
+/// [batch, seq], the document index of every token (0, 1, ... per row; a separator belongs to the document it
+/// ends) and its position within its document (restarting at 0 after every separator).
+struct PackedDocuments {
+  at::Tensor doc_ids;
+  at::Tensor positions;
+};
+PackedDocuments pack_documents(const at::Tensor& tokens, int64_t separator);
+
+/// The inputs of the first chunk and the targets of the loss for a packed batch: tokens, positions and doc_ids;
+/// targets and loss_mask (0 where the next token starts another document: nothing predicts across documents).
+NamedTensors packed_inputs(const at::Tensor& tokens, int64_t separator);
+NamedTensors packed_targets(const at::Tensor& tokens, const at::Tensor& targets, int64_t separator);
+
+/// Mean cross entropy over the tokens whose loss_mask is 1 (outputs: "logits"; targets: kTargets, kLossMask).
+at::Tensor masked_cross_entropy_loss(const NamedTensors& outputs, const NamedTensors& targets);
+
+// ---- Modules ----
+
+/// One decoder block. Input and output [batch, seq, dim]. With `positions` ([batch, seq] int64) rotary angles
+/// follow them instead of 0..seq-1; with `doc_ids` a token attends only to earlier tokens of its own document
+/// (document masking), else to all earlier tokens (causal).
 class LlamaBlockImpl : public torch::nn::Module {
  public:
   explicit LlamaBlockImpl(const LlamaConfig& config);
-  at::Tensor forward(const at::Tensor& x);
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& positions = {}, const at::Tensor& doc_ids = {});
 
   LlamaConfig config;
   twobp::nn::RMSNorm attn_norm{nullptr}, mlp_norm{nullptr};
@@ -152,6 +184,9 @@ class LlamaChunkImpl : public torch::nn::Module {
  public:
   LlamaChunkImpl(const LlamaConfig& config, const ChunkSpec& spec, uint64_t seed = 0);
   at::Tensor forward(const at::Tensor& input);
+  /// Packed sequences: takes kTokens (first chunk) or kHidden, plus kPositions and kDocIds; returns kHidden (or
+  /// "logits" from the last chunk) with kPositions and kDocIds passed on (no gradient: they are integers).
+  NamedTensors forward(const NamedTensors& inputs);
 
   const LlamaConfig& config() const { return config_; }
   const ChunkSpec& spec() const { return spec_; }
@@ -162,6 +197,7 @@ class LlamaChunkImpl : public torch::nn::Module {
   twobp::nn::Linear head{nullptr};            ///< last chunk only
 
  private:
+  at::Tensor run(const at::Tensor& input, const at::Tensor& positions, const at::Tensor& doc_ids);
   LlamaConfig config_;
   ChunkSpec spec_;
 };
