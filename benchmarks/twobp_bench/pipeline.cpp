@@ -37,6 +37,14 @@
 // Step times are taken between barriers over the whole world; costs, bubble, communication, traces and the
 // simulation stay per pipeline (replica 0's): the simulator is not given the measured reduction times.
 //
+// Variable shapes (--variable-seq): every configuration runs twice on the same data, with fixed activation specs
+// (receivers allocate ahead) and with shapes announced by the senders (a header message before each boundary
+// message: what sequence lengths that change per step or micro-batch need), and
+//   shapes              "fixed" or "announced"
+//   announce_ratio      throughput with announced shapes / with fixed specs, same schedule, mode, p, m, v: the
+//                       median over measured steps of step_ms(fixed) / step_ms(announced) of the same step (the
+//                       two pipelines take turns, so each pair shares the machine's state)
+//
 // Models (--model, pipeline_models.h): llama (fast path, balanced by compute), bert and resnet (general
 // autograd-graph split, blocks partitioned evenly over the stages). --chart writes an SVG bar chart of the
 // throughput, standard vs 2BP per schedule; --trace-dir a Chrome trace and an SVG timeline of the last measured
@@ -55,6 +63,7 @@
 #include <iostream>
 #include <memory>
 #include <stdexcept>
+#include <tuple>
 
 #include "bench_common.h"
 #include "chart.h"
@@ -87,6 +96,7 @@ struct PipelineArgs {
   int warmup = 3;
   int threads = 1;
   double timeout_s = 300;
+  bool variable_seq = false;  // also run every configuration with announced shapes (see the header)
   std::string json, csv, trace_dir, chart;
 };
 
@@ -101,6 +111,8 @@ struct RunResult {
   // Data parallelism (dp > 1 only; see the header comment).
   int dp = 1;
   bool dp_overlap = true;
+  bool announced = false;  // shapes announced by senders (no activation spec)
+  double announce_ratio = 0;  // announced rows of --variable-seq: see the header
   double dp_exposed_ms = 0, dp_reduce_bytes = 0;
   std::vector<double> f_ms, i_ms, w_ms, b_ms;  // per stage
   std::vector<std::string> trace_files;        // written by rank 0 under --trace-dir
@@ -202,30 +214,49 @@ double gradient_bytes(const std::vector<at::Tensor>& params) {
   return bytes;
 }
 
-// Runs one configuration on this rank; every rank calls it with the same arguments, in the same order.
+// What run_config measures of one variant (one pipeline) over the measured steps.
+struct Measurements {
+  std::unique_ptr<Pipeline> pipeline;
+  bool announced = false;
+  std::vector<std::vector<double>> f, i, w, b;  // per stage: F, I, W (per micro-batch), B durations in ms
+  std::vector<double> steps_ms, busy_ms, reduce_wait_ms;
+  Trace last;  // of the last measured step
+};
+
+RunResult summarize_run(Transport& world, ParallelGroups& groups, const PipelineArgs& a, const std::string& name,
+                        BackwardMode mode, bool dp_overlap, double comm_ms, const Measurements& m);
+
+// Runs one configuration on this rank; every rank calls it with the same arguments, in the same order. One result
+// per entry of `announce` (false: fixed activation specs, true: shapes announced by the senders): the variants are
+// separate pipelines of identical models that take turns step by step, so that the machine's noise hits them alike
+// and their ratio is paired.
 // `world` holds every rank (dp · p); the pipeline runs on groups.pipeline(), and with dp > 1 averages its
 // gradients over groups.data_parallel() (overlapped with the rank's remaining actions when `dp_overlap`).
 // Per-pipeline measurements (costs, busy time, bubble, traces) are replica 0's; step times are taken between
 // barriers over the whole world. With dp == 1 the world is the pipeline and nothing changes.
-RunResult run_config(Transport& world, ParallelGroups& groups, const PipelineArgs& a, const std::string& name,
-                     BackwardMode mode, bool dp_overlap) {
+std::vector<RunResult> run_config(Transport& world, ParallelGroups& groups, const PipelineArgs& a,
+                                  const std::string& name, BackwardMode mode, bool dp_overlap,
+                                  const std::vector<bool>& announce) {
   const Duration timeout{static_cast<int64_t>(a.timeout_s * 1000)};
   Transport& transport = groups.pipeline();
   const int p = transport.world_size(), me = transport.rank();
-  const int dp = groups.layout().dp;
   Schedule schedule = resolve_schedule({name, a.schedule_file, a.chunks_per_rank}, p, a.microbatches, mode);
 
-  std::vector<PipelineChunk> chunks = make_model_chunks(a.model, schedule, me);
-  PipelineOptions options;
-  options.timeout = timeout;
-  options.loss = model_loss(a.model);
+  std::vector<Measurements> variants(announce.size());
   const PipelineModelArgs model = a.model;
-  options.activation_spec = [model](int stage) { return model_activation_spec(model, stage); };
-  options.data_parallel.group = groups.data_parallel();
-  options.data_parallel.overlap = dp_overlap;
+  for (std::size_t k = 0; k < announce.size(); ++k) {
+    PipelineOptions options;
+    options.timeout = timeout;
+    options.loss = model_loss(a.model);
+    if (!announce[k]) options.activation_spec = [model](int stage) { return model_activation_spec(model, stage); };
+    options.data_parallel.group = groups.data_parallel();
+    options.data_parallel.overlap = dp_overlap;
+    variants[k].announced = announce[k];
+    variants[k].pipeline =
+        std::make_unique<Pipeline>(schedule, make_model_chunks(a.model, schedule, me), transport, options);
+  }
   const std::vector<int64_t> act_shape = model_activation_spec(a.model, 0).shape;
-  Pipeline pipeline(std::move(schedule), std::move(chunks), transport, options);
-  const Schedule& sched = pipeline.schedule();
+  const Schedule& sched = variants[0].pipeline->schedule();
 
   const int64_t batch = static_cast<int64_t>(a.microbatches) * a.model.micro_batch_size;
   // Each replica trains on its own share of the global batch: the same synthetic generator, seeded 7 + replica
@@ -233,6 +264,72 @@ RunResult run_config(Transport& world, ParallelGroups& groups, const PipelineArg
   const auto [inputs, targets] =
       make_model_batch(a.model, batch, /*seed=*/7 + static_cast<uint64_t>(groups.replica()));
 
+  const double comm_ms = measure_comm_ms(transport, act_shape, timeout);
+  const int S = sched.num_stages;
+  for (auto& v : variants) v.f = v.i = v.w = v.b = std::vector<std::vector<double>>(S);
+  for (int step = 0; step < a.warmup + a.steps; ++step) {
+    for (Measurements& v : variants) {
+      Pipeline& pipeline = *v.pipeline;
+      pipeline.zero_grad();
+      world.barrier(timeout);
+      const auto t0 = std::chrono::steady_clock::now();
+      StepResult result = pipeline.step(inputs, targets);
+      world.barrier(timeout);
+      const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      if (step < a.warmup) continue;
+      v.steps_ms.push_back(ms);
+      v.busy_ms.push_back(result.trace.busy_us() / 1000.0);
+      v.reduce_wait_ms.push_back(result.reduce_wait_us / 1000.0);
+      for (const auto& e : result.trace.events) {
+        const double d = (e.end_us - e.start_us) / 1000.0;
+        switch (e.action.type) {
+          case ActionType::kForward: v.f[e.action.stage].push_back(d); break;
+          case ActionType::kBackwardInput: v.i[e.action.stage].push_back(d); break;
+          case ActionType::kBackward: v.b[e.action.stage].push_back(d); break;
+          case ActionType::kBackwardWeight:
+            v.w[e.action.stage].push_back(d / static_cast<double>(e.action.micro_batches.size()));
+            break;
+          default: break;
+        }
+      }
+      v.last = std::move(result.trace);
+    }
+  }
+
+  std::vector<RunResult> out;
+  for (const Measurements& v : variants) {
+    out.push_back(summarize_run(world, groups, a, name, mode, dp_overlap, comm_ms, v));
+  }
+  // Announced against fixed shapes, paired: the median over measured steps of the ratio of the two variants'
+  // step times in that step (rank 0's times, as every reported step time).
+  if (announce == std::vector<bool>{false, true}) {
+    std::vector<double> ratios;
+    for (std::size_t k = 0; k < variants[0].steps_ms.size(); ++k) {
+      ratios.push_back(variants[0].steps_ms[k] / variants[1].steps_ms[k]);
+    }
+    out[1].announce_ratio = summarize(ratios).median;
+  }
+  return out;
+}
+
+// The results of one variant of run_config (one Measurements): per-stage costs, bubble, throughput, data-parallel waits, the
+// simulation of the measured costs and (rank 0, --trace-dir) the trace of the last measured step. Collective
+// over the world, like run_config.
+RunResult summarize_run(Transport& world, ParallelGroups& groups, const PipelineArgs& a, const std::string& name,
+                        BackwardMode mode, bool dp_overlap, double comm_ms, const Measurements& m) {
+  Pipeline& pipeline = *m.pipeline;
+  const auto& [f, i, w, b] = std::tie(m.f, m.i, m.w, m.b);
+  const std::vector<double>& busy_ms = m.busy_ms;
+  const std::vector<double>& steps_ms = m.steps_ms;
+  const std::vector<double>& reduce_wait_ms = m.reduce_wait_ms;
+  const Trace& last = m.last;
+  const Duration timeout{static_cast<int64_t>(a.timeout_s * 1000)};
+  Transport& transport = groups.pipeline();
+  const int p = transport.world_size(), me = transport.rank();
+  const int dp = groups.layout().dp;
+  const Schedule& sched = pipeline.schedule();
+  const int S = sched.num_stages;
+  const int64_t batch = static_cast<int64_t>(a.microbatches) * a.model.micro_batch_size;
   RunResult r;
   r.schedule = name;
   r.mode = mode;
@@ -241,37 +338,8 @@ RunResult run_config(Transport& world, ParallelGroups& groups, const PipelineArg
   r.v = sched.num_stages / sched.num_ranks;
   r.dp = dp;
   r.dp_overlap = dp_overlap;
-  r.comm_ms = measure_comm_ms(transport, act_shape, timeout);
-
-  const int S = sched.num_stages;
-  std::vector<std::vector<double>> f(S), i(S), w(S), b(S);
-  std::vector<double> steps_ms, busy_ms, reduce_wait_ms;
-  Trace last;
-  for (int step = 0; step < a.warmup + a.steps; ++step) {
-    pipeline.zero_grad();
-    world.barrier(timeout);
-    const auto t0 = std::chrono::steady_clock::now();
-    StepResult result = pipeline.step(inputs, targets);
-    world.barrier(timeout);
-    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    if (step < a.warmup) continue;
-    steps_ms.push_back(ms);
-    busy_ms.push_back(result.trace.busy_us() / 1000.0);
-    reduce_wait_ms.push_back(result.reduce_wait_us / 1000.0);
-    for (const auto& e : result.trace.events) {
-      const double d = (e.end_us - e.start_us) / 1000.0;
-      switch (e.action.type) {
-        case ActionType::kForward: f[e.action.stage].push_back(d); break;
-        case ActionType::kBackwardInput: i[e.action.stage].push_back(d); break;
-        case ActionType::kBackward: b[e.action.stage].push_back(d); break;
-        case ActionType::kBackwardWeight:
-          w[e.action.stage].push_back(d / static_cast<double>(e.action.micro_batches.size()));
-          break;
-        default: break;
-      }
-    }
-    last = std::move(result.trace);
-  }
+  r.announced = m.announced;
+  r.comm_ms = comm_ms;
   // Share per-stage medians (the owner fills its stages), per-step busy times and step times.
   std::vector<double> local(4 * S + 2 * a.steps + p, 0.0);
   auto med = [](const std::vector<double>& v) { return v.empty() ? 0.0 : summarize(v).median; };
@@ -346,6 +414,7 @@ RunResult run_config(Transport& world, ParallelGroups& groups, const PipelineArg
     std::string base = fmt::format("{}/{}_{}_p{}_m{}", a.trace_dir, name,
                                    mode == BackwardMode::kSplit ? "2bp" : "standard", p, a.microbatches);
     if (dp > 1) base += fmt::format("_dp{}_{}", dp, dp_overlap ? "overlap" : "nooverlap");
+    if (m.announced) base += "_announced";
     std::ofstream(base + ".trace.json") << to_chrome_trace(traces);
     r.trace_files = {base + ".trace.json", base + ".svg"};
     std::ofstream(base + ".svg") << to_svg(traces, fmt::format("{} {} — p={} m={} v={}, last measured step", name,
@@ -387,6 +456,7 @@ void write_chart(const PipelineArgs& a, const std::vector<RunResult>& results, b
     p = r.p;
     std::string name = fmt::format("{} (v={})", r.schedule, r.v);
     if (r.dp > 1) name += r.dp_overlap ? " dp overlap" : " dp no overlap";
+    if (r.announced) name += " announced";
     auto it = std::find_if(groups.begin(), groups.end(), [&](const BarGroup& g) { return g.name == name; });
     if (it == groups.end()) {
       groups.push_back({name, {0.0, 0.0}, ""});
@@ -429,22 +499,30 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
     rows[0].push_back("dp exposed ms");
     out["config"]["dp"] = a.dp;
   }
+  if (a.variable_seq) {
+    rows[0].insert(rows[0].begin() + 2, "shapes");
+    rows[0].push_back("announce ratio");
+    out["config"]["variable_seq"] = true;
+  }
   std::ofstream csv;
   if (!a.csv.empty()) {
     csv.open(a.csv);
     csv << "schedule,mode,p,m,v,tokens_per_s,step_ms_median,bubble_fraction,sim_step_ms,sim_error,"
            "peak_live_microbatches,speedup_vs_standard,sim_speedup_vs_standard,peak_rss_bytes,samples_per_s";
-    csv << (dp ? ",dp,dp_overlap,dp_exposed_ms,dp_reduce_bytes\n" : "\n");
+    csv << (dp ? ",dp,dp_overlap,dp_exposed_ms,dp_reduce_bytes" : "");
+    csv << (a.variable_seq ? ",shapes,announce_ratio\n" : "\n");
   }
   for (const auto& r : results) {
     double speedup = 0, sim_speedup = 0;
     for (const auto& o : results) {
-      if (o.schedule == r.schedule && o.p == r.p && o.m == r.m && o.v == r.v && o.dp_overlap == r.dp_overlap &&
-          o.mode == BackwardMode::kStandard) {
+      const bool same = o.schedule == r.schedule && o.p == r.p && o.m == r.m && o.v == r.v &&
+                        o.dp_overlap == r.dp_overlap;
+      if (same && o.announced == r.announced && o.mode == BackwardMode::kStandard) {
         speedup = r.samples_per_s / o.samples_per_s;
         sim_speedup = o.sim_step_ms / r.sim_step_ms;
       }
     }
+    const double announce_ratio = r.announce_ratio;
     const double sim_error = r.step_ms.median / r.sim_step_ms - 1.0;
     Json j{{"schedule", r.schedule}, {"mode", mode_name(r.mode)}, {"p", r.p}, {"m", r.m}, {"v", r.v}};
     if (tokens) j["tokens_per_s"] = r.tokens_per_s;
@@ -465,6 +543,10 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
       j["dp_exposed_ms"] = r.dp_exposed_ms;
       j["dp_reduce_bytes"] = r.dp_reduce_bytes;
     }
+    if (a.variable_seq) {
+      j["shapes"] = r.announced ? "announced" : "fixed";
+      if (announce_ratio > 0) j["announce_ratio"] = announce_ratio;
+    }
     if (speedup > 0) {
       j["speedup_vs_standard"] = speedup;
       j["sim_speedup_vs_standard"] = sim_speedup;
@@ -482,6 +564,10 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
       rows.back().insert(rows.back().begin() + 2, std::to_string(r.dp));
       rows.back().push_back(fmt_num(r.dp_exposed_ms, 2));
     }
+    if (a.variable_seq) {
+      rows.back().insert(rows.back().begin() + 2, r.announced ? "announced" : "fixed");
+      rows.back().push_back(announce_ratio > 0 ? fmt_num(announce_ratio, 3) : "");
+    }
     if (csv) {
       csv << fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}", r.schedule, mode_name(r.mode), r.p, r.m,
                          r.v, tokens ? fmt::format("{}", r.tokens_per_s) : "", r.step_ms.median, r.bubble,
@@ -490,6 +576,10 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
       if (dp) {
         csv << fmt::format(",{},{},{},{}", r.dp, r.dp_overlap ? "true" : "false", r.dp_exposed_ms,
                            r.dp_reduce_bytes);
+      }
+      if (a.variable_seq) {
+        csv << fmt::format(",{},{}", r.announced ? "announced" : "fixed",
+                           announce_ratio > 0 ? fmt::format("{}", announce_ratio) : "");
       }
       csv << "\n";
     }
@@ -528,6 +618,8 @@ void run_pipeline_bench(const PipelineArgs& a) {
 
   // With data parallelism every configuration runs with the reductions overlapped, then without.
   const std::vector<bool> overlaps = a.dp > 1 ? std::vector<bool>{true, false} : std::vector<bool>{true};
+  // With --variable-seq every configuration runs with fixed specs and with shapes announced, in turn.
+  const std::vector<bool> announce = a.variable_seq ? std::vector<bool>{false, true} : std::vector<bool>{false};
   auto run_all = [&](Transport& t) {
     const Duration timeout{static_cast<int64_t>(a.timeout_s * 1000)};
     ParallelGroups groups(t, a.dp, timeout);  // UsageError unless dp divides the world size
@@ -536,11 +628,12 @@ void run_pipeline_bench(const PipelineArgs& a) {
       for (BackwardMode mode : modes) {
         for (bool overlap : overlaps) {
           if (t.rank() == 0) {
-            std::cerr << fmt::format("[pipeline] {} {} p={} m={}{} ...\n", name, mode_name(mode),
+            std::cerr << fmt::format("[pipeline] {} {} p={} m={}{}{} ...\n", name, mode_name(mode),
                                      groups.layout().pp, a.microbatches,
-                                     a.dp > 1 ? fmt::format(" dp={} overlap={}", a.dp, overlap ? "on" : "off") : "");
+                                     a.dp > 1 ? fmt::format(" dp={} overlap={}", a.dp, overlap ? "on" : "off") : "",
+                                     a.variable_seq ? ", fixed specs and announced shapes in turn" : "");
           }
-          results.push_back(run_config(t, groups, a, name, mode, overlap));
+          for (RunResult& r : run_config(t, groups, a, name, mode, overlap, announce)) results.push_back(std::move(r));
         }
       }
     }
@@ -624,6 +717,9 @@ void add_pipeline_command(CLI::App& app) {
   sub->add_option("--warmup", a->warmup, "Unmeasured steps first")->capture_default_str();
   sub->add_option("--threads", a->threads, "at::set_num_threads (per process)")->capture_default_str();
   sub->add_option("--timeout", a->timeout_s, "Seconds any wait may block")->capture_default_str();
+  sub->add_flag("--variable-seq", a->variable_seq,
+               "Also run every configuration with shapes announced by the senders (no activation spec: what "
+               "sequence lengths that vary per step or micro-batch need), same data; reports announce_ratio");
   sub->add_option("--json", a->json, "Write {\"config\", \"results\": [...]} here");
   sub->add_option("--csv", a->csv, "Write one CSV row per configuration here");
   sub->add_option("--trace-dir", a->trace_dir, "Write a Chrome trace and an SVG of the last step per configuration");
