@@ -351,8 +351,9 @@ TEST(WeightGradBatching, ConcatenatedAndSeparateGemmsGiveTheSameGradients) {
   auto weight = torch::randn({5, 3}, torch::kDouble).requires_grad_(true);
   auto bias = torch::randn({5}, torch::kDouble).requires_grad_(true);
   std::vector<autograd::WeightGradItem> items;
+  // A different sequence length per micro-batch (variable shapes at stage boundaries): rows are concatenated.
   for (int k = 0; k < 3; ++k) {
-    items.push_back({torch::randn({2, 4, 3}, torch::kDouble), torch::randn({2, 4, 5}, torch::kDouble)});
+    items.push_back({torch::randn({2, 2 + k, 3}, torch::kDouble), torch::randn({2, 2 + k, 5}, torch::kDouble)});
   }
   std::vector<torch::Tensor> grads;
   for (auto batching : {nn::functional::Batching::kConcatenate, nn::functional::Batching::kSeparate}) {
