@@ -15,6 +15,8 @@
 //   bubble_fraction     1 − Σ_ranks busy / (p · step), busy = time in F/I/W/B actions, per step, median over steps
 //   cost of F, I, B     per stage: median duration of that action over the measured steps
 //   cost of W           per stage and micro-batch: median of duration / micro-batches in the W
+//   cost of R           (--recompute) per stage: median time an I or B spent re-running the forward first; the
+//                       costs of I and B exclude it, and the simulator adds it back (CostModel::recompute)
 //   communication       one-way time of one activation between rank 0 and rank 1: half the median round trip
 //   sim_step_ms         simulate(schedule, those costs).step_time: each rank runs its actions in order, data
 //                       arrives `communication` after its producer finished
@@ -97,6 +99,7 @@ struct PipelineArgs {
   int threads = 1;
   double timeout_s = 300;
   bool variable_seq = false;  // also run every configuration with announced shapes (see the header)
+  bool recompute = false;     // activation recomputation on every stage
   std::string json, csv, trace_dir, chart;
 };
 
@@ -114,7 +117,8 @@ struct RunResult {
   bool announced = false;  // shapes announced by senders (no activation spec)
   double announce_ratio = 0;  // announced rows of --variable-seq: see the header
   double dp_exposed_ms = 0, dp_reduce_bytes = 0;
-  std::vector<double> f_ms, i_ms, w_ms, b_ms;  // per stage
+  std::vector<double> f_ms, i_ms, w_ms, b_ms;  // per stage (I and B without their recomputation)
+  std::vector<double> r_ms;                    // per stage: recomputation inside each I or B (--recompute)
   std::vector<std::string> trace_files;        // written by rank 0 under --trace-dir
 };
 
@@ -219,6 +223,7 @@ struct Measurements {
   std::unique_ptr<Pipeline> pipeline;
   bool announced = false;
   std::vector<std::vector<double>> f, i, w, b;  // per stage: F, I, W (per micro-batch), B durations in ms
+  std::vector<std::vector<double>> r;           // per stage: recomputation inside I/B, ms (--recompute)
   std::vector<double> steps_ms, busy_ms, reduce_wait_ms;
   Trace last;  // of the last measured step
 };
@@ -252,8 +257,9 @@ std::vector<RunResult> run_config(Transport& world, ParallelGroups& groups, cons
     options.data_parallel.group = groups.data_parallel();
     options.data_parallel.overlap = dp_overlap;
     variants[k].announced = announce[k];
-    variants[k].pipeline =
-        std::make_unique<Pipeline>(schedule, make_model_chunks(a.model, schedule, me), transport, options);
+    std::vector<PipelineChunk> chunks = make_model_chunks(a.model, schedule, me);
+    for (auto& chunk : chunks) chunk.recompute = a.recompute;
+    variants[k].pipeline = std::make_unique<Pipeline>(schedule, std::move(chunks), transport, options);
   }
   const std::vector<int64_t> act_shape = model_activation_spec(a.model, 0).shape;
   const Schedule& sched = variants[0].pipeline->schedule();
@@ -266,7 +272,7 @@ std::vector<RunResult> run_config(Transport& world, ParallelGroups& groups, cons
 
   const double comm_ms = measure_comm_ms(transport, act_shape, timeout);
   const int S = sched.num_stages;
-  for (auto& v : variants) v.f = v.i = v.w = v.b = std::vector<std::vector<double>>(S);
+  for (auto& v : variants) v.f = v.i = v.w = v.b = v.r = std::vector<std::vector<double>>(S);
   for (int step = 0; step < a.warmup + a.steps; ++step) {
     for (Measurements& v : variants) {
       Pipeline& pipeline = *v.pipeline;
@@ -281,7 +287,11 @@ std::vector<RunResult> run_config(Transport& world, ParallelGroups& groups, cons
       v.busy_ms.push_back(result.trace.busy_us() / 1000.0);
       v.reduce_wait_ms.push_back(result.reduce_wait_us / 1000.0);
       for (const auto& e : result.trace.events) {
-        const double d = (e.end_us - e.start_us) / 1000.0;
+        // I and B are recorded without their recomputation, which is recorded apart (the simulator adds it back).
+        const double d = (e.end_us - e.start_us - e.recompute_us) / 1000.0;
+        if (e.action.type == ActionType::kBackwardInput || e.action.type == ActionType::kBackward) {
+          v.r[e.action.stage].push_back(e.recompute_us / 1000.0);
+        }
         switch (e.action.type) {
           case ActionType::kForward: v.f[e.action.stage].push_back(d); break;
           case ActionType::kBackwardInput: v.i[e.action.stage].push_back(d); break;
@@ -329,6 +339,7 @@ RunResult summarize_run(Transport& world, ParallelGroups& groups, const Pipeline
   const int dp = groups.layout().dp;
   const Schedule& sched = pipeline.schedule();
   const int S = sched.num_stages;
+  constexpr int kCosts = 5;  // per stage: F, I, W, B, recomputation
   const int64_t batch = static_cast<int64_t>(a.microbatches) * a.model.micro_batch_size;
   RunResult r;
   r.schedule = name;
@@ -341,32 +352,33 @@ RunResult summarize_run(Transport& world, ParallelGroups& groups, const Pipeline
   r.announced = m.announced;
   r.comm_ms = comm_ms;
   // Share per-stage medians (the owner fills its stages), per-step busy times and step times.
-  std::vector<double> local(4 * S + 2 * a.steps + p, 0.0);
+  std::vector<double> local(kCosts * S + 2 * a.steps + p, 0.0);
   auto med = [](const std::vector<double>& v) { return v.empty() ? 0.0 : summarize(v).median; };
   for (int s : sched.stages_of(me)) {
-    local[4 * s] = med(f[s]);
-    local[4 * s + 1] = med(i[s]);
-    local[4 * s + 2] = med(w[s]);
-    local[4 * s + 3] = med(b[s]);
+    local[kCosts * s] = med(f[s]);
+    local[kCosts * s + 1] = med(i[s]);
+    local[kCosts * s + 2] = med(w[s]);
+    local[kCosts * s + 3] = med(b[s]);
+    local[kCosts * s + 4] = med(m.r[s]);
   }
   for (int k = 0; k < a.steps; ++k) {
-    local[4 * S + k] = busy_ms[k];
-    local[4 * S + a.steps + k] = me == 0 ? steps_ms[k] : 0.0;
+    local[kCosts * S + k] = busy_ms[k];
+    local[kCosts * S + a.steps + k] = me == 0 ? steps_ms[k] : 0.0;
   }
   // One slot per pipeline rank: its share of its process's peak resident set (rank threads share one process).
-  local[4 * S + 2 * a.steps + me] =
+  local[kCosts * S + 2 * a.steps + me] =
       metrics::memory_per_rank(peak_rss_bytes(), transport.name() == "local" ? world.world_size() : 1);
   std::vector<double> total = sum_over_ranks(transport, local, timeout);
-  std::vector<double> step_times(total.begin() + 4 * S + a.steps, total.begin() + 4 * S + 2 * a.steps);
+  std::vector<double> step_times(total.begin() + kCosts * S + a.steps, total.begin() + kCosts * S + 2 * a.steps);
   std::vector<double> bubbles;
-  for (int k = 0; k < a.steps; ++k) bubbles.push_back(metrics::bubble_fraction(total[4 * S + k], p, step_times[k]));
+  for (int k = 0; k < a.steps; ++k) bubbles.push_back(metrics::bubble_fraction(total[kCosts * S + k], p, step_times[k]));
   r.step_ms = summarize(step_times);
   r.bubble = summarize(bubbles).median;
   // Samples of the global batch: dp replicas of m micro-batches each.
   r.samples_per_s =
       metrics::per_second(static_cast<double>(dp) * static_cast<double>(batch), r.step_ms.median / 1000.0);
   r.tokens_per_s = metrics::tokens_per_s(r.samples_per_s, tokens_per_sample(a.model));
-  r.peak_rss = *std::max_element(total.begin() + 4 * S + 2 * a.steps, total.end());
+  r.peak_rss = *std::max_element(total.begin() + kCosts * S + 2 * a.steps, total.end());
   if (dp > 1) {
     // Every world rank's reduction wait of every measured step (one slot each), then the slowest rank per step.
     // Slots: [step k][world rank] waits, then [pipeline rank] gradient bytes of replica 0's ranks.
@@ -388,11 +400,13 @@ RunResult summarize_run(Transport& world, ParallelGroups& groups, const Pipeline
 
   CostModel costs;
   for (int s = 0; s < S; ++s) {
-    r.f_ms.push_back(total[4 * s]);
-    r.i_ms.push_back(total[4 * s + 1]);
-    r.w_ms.push_back(total[4 * s + 2]);
-    r.b_ms.push_back(total[4 * s + 3]);
+    r.f_ms.push_back(total[kCosts * s]);
+    r.i_ms.push_back(total[kCosts * s + 1]);
+    r.w_ms.push_back(total[kCosts * s + 2]);
+    r.b_ms.push_back(total[kCosts * s + 3]);
+    r.r_ms.push_back(total[kCosts * s + 4]);
   }
+  if (a.recompute) costs.recompute = r.r_ms;
   costs.forward = r.f_ms;
   costs.communication = r.comm_ms;
   if (mode == BackwardMode::kSplit) {
@@ -481,7 +495,8 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
                    {"heads", m.heads},       {"kv_heads", m.kv_heads}, {"ffn", m.ffn},
                    {"vocab", m.vocab},       {"seq", m.seq},         {"micro_batch_size", m.micro_batch_size},
                    {"steps", a.steps},       {"warmup", a.warmup},   {"threads", a.threads},
-                   {"transport", transport_name}, {"load_average", load_average()}};
+                   {"transport", transport_name}, {"load_average", load_average()},
+                   {"recompute", a.recompute}};
   if (m.model == "resnet") {
     out["config"]["channels"] = m.channels;
     out["config"]["image_size"] = m.image_size;
@@ -537,6 +552,7 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
     j["peak_rss_bytes"] = r.peak_rss;
     j["communication_ms"] = r.comm_ms;
     j["costs_ms"] = {{"F", r.f_ms}, {"I", r.i_ms}, {"W", r.w_ms}, {"B", r.b_ms}};
+    if (a.recompute) j["costs_ms"]["R"] = r.r_ms;
     if (dp) {
       j["dp"] = r.dp;
       j["dp_overlap"] = r.dp_overlap;
@@ -717,6 +733,8 @@ void add_pipeline_command(CLI::App& app) {
   sub->add_option("--warmup", a->warmup, "Unmeasured steps first")->capture_default_str();
   sub->add_option("--threads", a->threads, "at::set_num_threads (per process)")->capture_default_str();
   sub->add_option("--timeout", a->timeout_s, "Seconds any wait may block")->capture_default_str();
+  sub->add_flag("--recompute", a->recompute,
+               "Activation recomputation on every stage: F keeps only its inputs, each I/B re-runs the forward");
   sub->add_flag("--variable-seq", a->variable_seq,
                "Also run every configuration with shapes announced by the senders (no activation spec: what "
                "sequence lengths that vary per step or micro-batch need), same data; reports announce_ratio");

@@ -92,6 +92,7 @@ struct SimulateArgs {
   double model_params = 7e9;
   double grad_bytes = 2;
   std::string dp_overlap = "both";
+  bool recompute = false;  // activation recomputation: every I and B first re-runs its stage's forward
 };
 
 /// Where the costs come from: per-rank constants (command line) or a measured pipeline result.
@@ -345,6 +346,7 @@ void run_simulate(const SimulateArgs& a) {
       row.stages = sched.num_stages;
       for (bool overlap : overlaps) {
         CostModel costs = costs_for(sched, src, row.rule);
+        if (a.recompute) costs.recompute = costs.forward;  // the re-run forward costs what F costs
         if (dp) row.dp_reduce_ms = add_data_parallel(sched, a, overlap, costs);
         row.dp_overlap = overlap;
         t0 = std::chrono::steady_clock::now();
@@ -372,7 +374,7 @@ void run_simulate(const SimulateArgs& a) {
 
   Json out;
   out["config"] = {{"ranks", a.ranks},     {"microbatches", a.microbatches}, {"chunks_per_rank", a.chunks_per_rank},
-                   {"costs", src.description}, {"communication_ms", src.comm}};
+                   {"costs", src.description}, {"communication_ms", src.comm}, {"recompute", a.recompute}};
   if (!src.measured) {
     out["config"]["costs_ms_per_rank"] = {{"F", src.f}, {"I", src.i}, {"W", src.w}, {"B", src.b}};
   }
@@ -496,6 +498,8 @@ void add_simulate_command(CLI::App& app) {
       ->check(CLI::ExistingFile);
   sub->add_option("--mode", a->mode, "standard, 2bp or both")->check(CLI::IsMember({"standard", "2bp", "both"}))
       ->capture_default_str();
+  sub->add_flag("--recompute", a->recompute,
+               "Activation recomputation: every I and B first re-runs its stage's forward (CostModel::recompute = F)");
   sub->add_option("--json", a->json, "Write {\"config\", \"results\": [...], \"rejected\": [...]} here");
   sub->add_option("--dp", a->dp,
                   "Data-parallel replicas of the pipeline; > 1 adds each stage's gradient all-reduce (costs then in "

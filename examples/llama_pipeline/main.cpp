@@ -6,6 +6,7 @@
 //   llama_pipeline --model 7b --stages 4 --dry-run --json plan.json            # sizes and memory, nothing allocated
 //   mpirun -n 8 llama_pipeline --dp 2 --device cuda ...                        # 2 replicas of a 4-rank pipeline
 //   llama_pipeline --pack --seq-len-warmup 10 --steps 50                       # packed documents, length warm-up
+//   llama_pipeline --recompute --schedule zb-h1                                # activation recomputation
 //
 // Ranks: under an MPI launcher (detected by twobp::launched_by_mpi_launcher) in a build with MPI every process is
 // one rank (MpiEnvironment); under torchrun or srun -- or mpirun in a build without MPI -- the ranks come from the
@@ -107,6 +108,7 @@ struct Args {
   bool pack = false;      // packed documents: positions and document mask cross every stage boundary
   int doc_separator = 10;  // the token that ends a document ('\n' for the byte-level corpus)
   int seq_len_warmup = 0;  // steps over which the sequence length grows to --seq-len (0: none)
+  bool recompute = false;  // activation recomputation on every chunk
   int chunks_per_rank = 0;  // 0: the schedule's default
   std::string schedule_file;
   std::string partition;
@@ -331,6 +333,7 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
                         }});
     }
   }
+  for (auto& chunk : chunks) chunk.recompute = a.recompute;
   twobp::PipelineOptions po;
   po.timeout = timeout;
   const int64_t mbs = a.micro_batch_size, seq = p.seq_len, dim = p.config.dim;
@@ -593,6 +596,9 @@ int main(int argc, char** argv) {
   app.add_option("--doc-separator", a.doc_separator, "With --pack: the token that ends a document (default 10)");
   app.add_option("--seq-len-warmup", a.seq_len_warmup,
                  "Grow the sequence length linearly to --seq-len over this many steps (shapes announced per step)");
+  app.add_flag("--recompute", a.recompute,
+               "Activation recomputation: each stage keeps only its inputs after F and re-runs the forward before "
+               "its I (or B)");
   app.add_option("--chunks-per-rank", a.chunks_per_rank,
                  "Model chunks per rank (interleaved and V schedules; default: the schedule's)");
   app.add_option("--partition", a.partition, "Blocks per chunk, e.g. 3,3,2,0 (default: balanced by compute)");

@@ -3,6 +3,7 @@
 // (ordinary backprop, action B) or split by 2BP into stage 1 (I: input gradient) and stage 2 (W: weight
 // gradients, possibly for several micro-batches at once).
 
+#include <ATen/core/Generator.h>
 #include <ATen/core/Tensor.h>
 
 #include <cstddef>
@@ -13,6 +14,7 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "twobp/autograd/weight_grad_store.h"
@@ -26,6 +28,13 @@ namespace twobp {
 
 namespace detail {
 struct SplitPlan;
+
+/// The random state of the default CPU generator (and the CUDA generator of a CUDA device), to replay a forward.
+struct RngState {
+  static RngState capture(c10::Device device, const std::vector<at::Generator>& extra = {});
+  void restore() const;
+  std::vector<std::pair<at::Generator, at::Tensor>> states;
+};
 }  // namespace detail
 
 namespace detail {
@@ -103,6 +112,18 @@ struct StageOptions {
   /// Stage 2 of several micro-batches hands all their queued work to each layer's kernel in one call, which may
   /// concatenate it into one GEMM (nn::functional::Batching::kAuto: on CUDA for small micro-batches).
   bool batch_weight_grads = true;
+  /// Activation recomputation: F keeps only the stage's inputs (and targets), dropping its graph and saved
+  /// activations; the first I or B of the micro-batch re-runs the forward under autograd -- with F's random state,
+  /// so dropout draws the same masks, and putting buffers back afterwards, so running statistics are updated once
+  /// -- then proceeds as usual (W still needs only what I left). Gradients are unchanged; the recompute time is
+  /// part of that I or B (take_recompute_us()). Other side effects of the forward happen twice. The re-run's
+  /// outputs are compared with F's: a forward that draws from a generator not replayed (see below) or is otherwise
+  /// not reproducible is refused with a UsageError naming the stage and micro-batch, instead of training on
+  /// gradients of another forward.
+  bool recompute = false;
+  /// Generators the forward draws from besides the default CPU (and the device's CUDA) generator, e.g. a module's
+  /// own dropout generator: replayed like the defaults when recomputing.
+  std::vector<at::Generator> replay_generators;
 };
 
 /// `tensors` without repeats, by tensor identity, in first-seen order. Module::parameters() lists a tensor once
@@ -178,6 +199,8 @@ class Stage {
   /// Micro-batches whose I ran and whose W has not: the deferred weight work this stage holds.
   std::size_t pending_weight_micro_batches() const;
   autograd::WeightGradStore& weight_grad_store() { return store_; }
+  /// Microseconds spent re-running forwards (StageOptions::recompute) since the last call; resets to 0.
+  double take_recompute_us();
 
  private:
   enum class Phase { kForwarded, kInputGradDone };
@@ -186,7 +209,17 @@ class Stage {
     NamedTensors inputs;   // the leaves input gradients are taken against (those requiring grad)
     NamedTensors outputs;  // the outputs (or the loss) the backward starts from, with their graph
     std::unique_ptr<detail::SplitPlan> plan;  // general-path stage-2 work, after backward_input
+    // Recomputation: F's random state and targets, until the forward was re-run.
+    bool recompute_pending = false;
+    detail::RngState rng;
+    NamedTensors targets;
+    NamedTensors forwarded;  // F's outputs (detached), to check the re-run against
   };
+
+  NamedTensors run_forward(int micro_batch, const NamedTensors& inputs, const NamedTensors& targets);
+  void recompute(int micro_batch, MicroBatch& state);
+  void check_recomputed(int micro_batch, const MicroBatch& state) const;
+  c10::Device device() const;
 
   MicroBatch& lookup(int micro_batch, const char* action);
   // The (output, seed) pairs a backward starts from: outputs with a defined gradient in `grad_outputs`.
@@ -208,6 +241,7 @@ class Stage {
   StageOptions options_;
   autograd::WeightGradStore store_;
   std::map<int, MicroBatch> micro_batches_;
+  double recompute_us_ = 0.0;
 };
 
 }  // namespace twobp

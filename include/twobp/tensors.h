@@ -60,6 +60,12 @@ class NamedTensors {
 
 /// Shape and dtype of one tensor that crosses a stage boundary for one micro-batch.
 struct TensorSpec {
+  TensorSpec() = default;
+  /// TensorSpec{{batch, seq, dim}, at::kBFloat16} for a one-tensor boundary; name and gradient for several.
+  TensorSpec(std::vector<int64_t> shape, at::ScalarType dtype = at::kFloat, std::string name = {},
+             bool requires_grad = true)
+      : shape(std::move(shape)), dtype(dtype), name(std::move(name)), requires_grad(requires_grad) {}
+
   std::vector<int64_t> shape;
   at::ScalarType dtype = at::kFloat;
   /// Its name in the boundary's NamedTensors ("" for a one-tensor boundary).

@@ -444,7 +444,8 @@ StepResult Executor::run(const std::vector<NamedTensors>& inputs, const std::vec
       (this->*kHandlers[static_cast<int>(a.type)])(st, a);
       timeline.end_action();
       result.trace.events.push_back(
-          TraceEvent{rank_, a, std::chrono::duration<double, std::micro>(t0 - start).count(), detail::elapsed_us(start)});
+          TraceEvent{rank_, a, std::chrono::duration<double, std::micro>(t0 - start).count(), detail::elapsed_us(start),
+                     is_compute(a.type) ? stage(a).take_recompute_us() : 0.0});
       if (!hooks_.empty()) {
         const ActionEvent event{rank_, &a, is_compute(a.type) ? &stage(a) : nullptr};
         for (const auto& hook : hooks_) hook(event);

@@ -62,6 +62,7 @@ Pipeline::Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, std::sh
     so.num_stages = schedule_.num_stages;
     so.rank = rank;
     so.batch_weight_grads = options_.batch_weight_grads;
+    so.recompute = chunk.recompute;
     if (chunk.stage == schedule_.num_stages - 1) {
       TWOBP_CHECK(static_cast<bool>(options_.loss), UsageError,
                   "rank {}: stage {} is the last stage and needs PipelineOptions::loss", rank, chunk.stage);

@@ -108,15 +108,18 @@ namespace detail {
 
 double action_cost(const Action& action, const CostModel& costs) {
   const auto s = static_cast<std::size_t>(action.stage);
+  // Activation recomputation re-runs the forward at the start of the micro-batch's I or B.
+  const double recompute = costs.recompute.empty() ? 0.0 : costs.recompute.at(s);
   switch (action.type) {
     case ActionType::kForward:
       return costs.forward.at(s);
     case ActionType::kBackwardInput:
-      return costs.backward_input.at(s);
+      return recompute + costs.backward_input.at(s);
     case ActionType::kBackwardWeight:
       return costs.backward_weight.at(s) * static_cast<double>(action.micro_batches.size());
     case ActionType::kBackward:
-      return costs.backward.empty() ? costs.backward_input.at(s) + costs.backward_weight.at(s) : costs.backward.at(s);
+      return recompute +
+             (costs.backward.empty() ? costs.backward_input.at(s) + costs.backward_weight.at(s) : costs.backward.at(s));
     default:
       return 0.0;
   }

@@ -31,6 +31,7 @@ void check_costs(const Schedule& sc, const CostModel& costs) {
   if (has_i || (has_b && costs.backward.empty())) check_size(costs.backward_input, "backward_input");
   if (has_w || (has_b && costs.backward.empty())) check_size(costs.backward_weight, "backward_weight");
   if (has_b && !costs.backward.empty()) check_size(costs.backward, "backward");
+  if (!costs.recompute.empty()) check_size(costs.recompute, "recompute");
   if (!costs.data_parallel_reduce.empty()) {
     check_size(costs.data_parallel_reduce, "data_parallel_reduce");
     TWOBP_CHECK(costs.data_parallel_buckets >= 1, UsageError,

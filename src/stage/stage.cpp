@@ -5,6 +5,10 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/nn/module.h>
 
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <chrono>
+#include <mutex>
 #include <set>
 #include <unordered_set>
 
@@ -79,38 +83,9 @@ NamedTensors Stage::forward(int micro_batch, const NamedTensors& inputs, const N
     const bool input_grad = options_.stage_index > 0 && tensor.is_floating_point() && tensor.requires_grad();
     state.inputs.add(name, input_grad ? tensor.detach().requires_grad_(true) : tensor.detach());
   }
-  const bool last = static_cast<bool>(options_.loss);
-  NamedTensors outputs;
-  {
-    c10::AutoGradMode grad_mode(true);
-    autograd::RecordingScope scope(store_, micro_batch);
-    NamedTensors fn_inputs = state.inputs;
-    if (last && forward_.takes_named_tensors()) {
-      for (const auto& [name, tensor] : targets) {
-        TWOBP_CHECK(!fn_inputs.contains(name), UsageError,
-                    "{}: the target '{}' has the name of an input of the last stage ({{{}}}); rename one of them",
-                    where(micro_batch), name, state.inputs.describe());
-        fn_inputs.add(name, tensor);
-      }
-    }
-    outputs = forward_.call(fn_inputs, where(micro_batch));
-    TWOBP_CHECK(!outputs.empty(), UsageError, "{}: the forward returned no tensor", where(micro_batch));
-    if (last) {
-      TWOBP_CHECK(!targets.empty(), UsageError, "{}: the last stage computes a loss and needs a target",
-                  where(micro_batch));
-      at::Tensor loss = options_.loss.call(outputs, targets, where(micro_batch));
-      TWOBP_CHECK(loss.defined() && loss.numel() == 1, UsageError, "{}: the loss must be a scalar, got {}",
-                  where(micro_batch), shape_of(loss));
-      outputs = NamedTensors{{"loss", loss}};
-    }
-    for (auto& [name, tensor] : outputs) {
-      TWOBP_CHECK(tensor.defined(), UsageError, "{}: the forward returned an undefined tensor '{}'",
-                  where(micro_batch), name);
-      // An output that is a leaf (an input passed through, a parameter) gets a node of its own, so that its
-      // gradient reaches the leaf through the graph like any other output's.
-      if (tensor.requires_grad() && tensor.grad_fn() == nullptr) tensor = tensor.view_as(tensor);
-    }
-  }
+  // Recomputation replays the forward with the random state it starts from (dropout draws the same mask).
+  if (options_.recompute) state.rng = detail::RngState::capture(device(), options_.replay_generators);
+  NamedTensors outputs = run_forward(micro_batch, state.inputs, targets);
   bool any_gradient = false;
   for (const auto& entry : outputs) any_gradient = any_gradient || entry.tensor.requires_grad();
   TWOBP_CHECK(any_gradient, UsageError,
@@ -120,10 +95,137 @@ NamedTensors Stage::forward(int micro_batch, const NamedTensors& inputs, const N
   for (const auto& [name, tensor] : outputs) {
     detached.add(name, tensor.requires_grad() ? tensor.detach().requires_grad_(true) : tensor.detach());
   }
-  state.outputs = std::move(outputs);
+  if (options_.recompute) {
+    // Only the inputs (and targets) stay alive; the graph and its saved activations go with `outputs`.
+    state.targets = targets;
+    state.forwarded = detached;
+    state.recompute_pending = true;
+  } else {
+    state.outputs = std::move(outputs);
+  }
   micro_batches_.emplace(micro_batch, std::move(state));
   return detached;
 }
+
+NamedTensors Stage::run_forward(int micro_batch, const NamedTensors& inputs, const NamedTensors& targets) {
+  const bool last = static_cast<bool>(options_.loss);
+  c10::AutoGradMode grad_mode(true);
+  autograd::RecordingScope scope(store_, micro_batch);
+  NamedTensors fn_inputs = inputs;
+  if (last && forward_.takes_named_tensors()) {
+    for (const auto& [name, tensor] : targets) {
+      TWOBP_CHECK(!fn_inputs.contains(name), UsageError,
+                  "{}: the target '{}' has the name of an input of the last stage ({{{}}}); rename one of them",
+                  where(micro_batch), name, inputs.describe());
+      fn_inputs.add(name, tensor);
+    }
+  }
+  NamedTensors outputs = forward_.call(fn_inputs, where(micro_batch));
+  TWOBP_CHECK(!outputs.empty(), UsageError, "{}: the forward returned no tensor", where(micro_batch));
+  if (last) {
+    TWOBP_CHECK(!targets.empty(), UsageError, "{}: the last stage computes a loss and needs a target",
+                where(micro_batch));
+    at::Tensor loss = options_.loss.call(outputs, targets, where(micro_batch));
+    TWOBP_CHECK(loss.defined() && loss.numel() == 1, UsageError, "{}: the loss must be a scalar, got {}",
+                where(micro_batch), shape_of(loss));
+    outputs = NamedTensors{{"loss", loss}};
+  }
+  for (auto& [name, tensor] : outputs) {
+    TWOBP_CHECK(tensor.defined(), UsageError, "{}: the forward returned an undefined tensor '{}'", where(micro_batch),
+                name);
+    // An output that is a leaf (an input passed through, a parameter) gets a node of its own, so that its
+    // gradient reaches the leaf through the graph like any other output's.
+    if (tensor.requires_grad() && tensor.grad_fn() == nullptr) tensor = tensor.view_as(tensor);
+  }
+  return outputs;
+}
+
+void Stage::recompute(int micro_batch, MicroBatch& state) {
+  if (!state.recompute_pending) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  // Replay with F's random state, then continue the random stream where it was; buffers (BatchNorm running
+  // statistics) are put back, so that they are updated once per micro-batch, by F, as without recomputation.
+  const detail::RngState now = detail::RngState::capture(device(), options_.replay_generators);
+  state.rng.restore();
+  std::vector<at::Tensor> buffers = module_->buffers(), saved;
+  for (const auto& b : buffers) saved.push_back(b.clone());
+  try {
+    state.outputs = run_forward(micro_batch, state.inputs, state.targets);
+  } catch (...) {
+    now.restore();
+    throw;
+  }
+  {
+    c10::AutoGradMode no_grad(false);
+    for (std::size_t k = 0; k < buffers.size(); ++k) buffers[k].copy_(saved[k]);
+  }
+  now.restore();
+  check_recomputed(micro_batch, state);
+  state.targets = NamedTensors();
+  state.forwarded = NamedTensors();
+  state.recompute_pending = false;
+  recompute_us_ += std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void Stage::check_recomputed(int micro_batch, const MicroBatch& state) const {
+  // Reproducible forwards give the same outputs up to the order of floating-point sums (nondeterministic GPU
+  // kernels): a relative difference of a few units of the dtype's precision. A mask drawn anew, or any other
+  // change of what the forward computes, differs by much more.
+  for (std::size_t k = 0; k < state.outputs.size(); ++k) {
+    const auto& [name, again] = state.outputs.entry(k);
+    const at::Tensor& first = state.forwarded.entry(k).tensor;
+    if (!again.is_floating_point() || again.numel() == 0) {
+      TWOBP_CHECK(again.is_floating_point() || at::equal(again.detach(), first), UsageError,
+                  "{}: the recomputed forward returned another '{}' than F did", where(micro_batch), name);
+      continue;
+    }
+    const double scale = first.detach().to(at::kDouble).norm().item<double>();
+    const double diff = (again.detach().to(at::kDouble) - first.to(at::kDouble)).norm().item<double>();
+    const std::size_t bytes = c10::elementSize(again.scalar_type());
+    const double tolerance = bytes <= 2 ? 5e-2 : bytes == 4 ? 1e-3 : 1e-6;  // bf16/fp16, fp32, fp64
+    TWOBP_CHECK(diff <= tolerance * scale + 1e-12, UsageError,
+                "{}: with StageOptions::recompute the forward ran again before I/B and returned another '{}' "
+                "(relative difference {:.3g}): it draws from a generator that is not replayed (list it in "
+                "StageOptions::replay_generators) or is otherwise not reproducible; or turn recomputation off for "
+                "this stage",
+                where(micro_batch), name.empty() ? std::string("output") : name, scale > 0 ? diff / scale : diff);
+  }
+}
+
+double Stage::take_recompute_us() {
+  const double us = recompute_us_;
+  recompute_us_ = 0.0;
+  return us;
+}
+
+c10::Device Stage::device() const {
+  for (const auto& p : module_->parameters()) return p.device();
+  return c10::Device(c10::kCPU);
+}
+
+namespace detail {
+
+RngState RngState::capture(c10::Device device, const std::vector<at::Generator>& extra) {
+  RngState s;
+  std::vector<at::Generator> generators{at::detail::getDefaultCPUGenerator()};
+  if (!device.is_cpu()) generators.push_back(at::globalContext().defaultGenerator(device));
+  generators.insert(generators.end(), extra.begin(), extra.end());
+  for (auto& g : generators) {
+    std::lock_guard<std::mutex> lock(g.mutex());
+    s.states.emplace_back(g, g.get_state());
+  }
+  return s;
+}
+
+void RngState::restore() const {
+  for (const auto& [generator, state] : states) {
+    at::Generator g = generator;
+    std::lock_guard<std::mutex> lock(g.mutex());
+    g.set_state(state);
+  }
+}
+
+}  // namespace detail
 
 at::Tensor Stage::forward(int micro_batch, const at::Tensor& input, const at::Tensor& target) {
   TWOBP_CHECK(input.defined(), UsageError, "{}: F got an undefined input tensor", where(micro_batch));
@@ -189,6 +291,7 @@ NamedTensors Stage::backward_input(int micro_batch, const NamedTensors& grad_out
   MicroBatch& state = lookup(micro_batch, "I (backward_input)");
   TWOBP_CHECK(state.phase == Phase::kForwarded, UsageError,
               "{}: I (backward_input) called twice; the next action for it must be W", where(micro_batch));
+  recompute(micro_batch, state);
   auto [roots, grads] = seeds(micro_batch, state, grad_outputs);
   std::vector<std::string> names;
   std::vector<at::Tensor> inputs = gradient_inputs(state, &names);
@@ -257,6 +360,7 @@ NamedTensors Stage::backward(int micro_batch, const NamedTensors& grad_outputs) 
   MicroBatch& state = lookup(micro_batch, "B (backward)");
   TWOBP_CHECK(state.phase == Phase::kForwarded, UsageError,
               "{}: B (fused backward) called after I already ran; finish it with W", where(micro_batch));
+  recompute(micro_batch, state);
   auto [roots, grads] = seeds(micro_batch, state, grad_outputs);
   std::vector<std::string> names;
   std::vector<at::Tensor> inputs = gradient_inputs(state, &names);
@@ -279,6 +383,7 @@ at::Tensor Stage::backward(int micro_batch, const at::Tensor& grad_output) {
 
 Stage::SingleCall Stage::single_call(int micro_batch, const char* action, const at::Tensor& grad_output) {
   MicroBatch& state = lookup(micro_batch, action);
+  if (state.phase == Phase::kForwarded) recompute(micro_batch, state);  // the outputs name the gradient
   SingleCall call;
   if (state.inputs.size() == 1) call.input = state.inputs.entry(0).tensor;
   if (grad_output.defined()) {
@@ -302,6 +407,7 @@ at::Tensor Stage::single_gradient(int micro_batch, const SingleCall& call, const
 
 void Stage::reset() {
   micro_batches_.clear();
+  recompute_us_ = 0.0;
   store_.clear();
 }
 

@@ -40,6 +40,16 @@ std::string to_chrome_trace(const std::vector<Trace>& ranks) {
                         {"dur", e.end_us - e.start_us},
                         {"pid", 0},
                         {"tid", e.rank}});
+      // The recomputed forward opens its I or B: a nested slice at its start.
+      if (e.recompute_us > 0) {
+        events.push_back({{"name", "recompute " + describe(e.action)},
+                          {"cat", "recompute"},
+                          {"ph", "X"},
+                          {"ts", e.start_us},
+                          {"dur", std::min(e.recompute_us, e.end_us - e.start_us)},
+                          {"pid", 0},
+                          {"tid", e.rank}});
+      }
     }
   }
   return nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump();

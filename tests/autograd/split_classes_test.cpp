@@ -50,12 +50,13 @@ struct Inputs {
   std::function<torch::Tensor(int mb)> input = [](int mb) { return activation(mb, 1); };
   std::function<torch::Tensor(int mb)> target = [](int mb) { return activation(mb, 2); };
   int stage_index = 1;
+  bool recompute = false;  // StageOptions::recompute: F keeps only the input, I/B re-run the forward
 };
 
 // Runs kSteps steps of kMicroBatches through a Stage in `mode` and through loss.backward() on a twin module, then
 // compares everything. Any exception of the Stage propagates (rejection tests catch it).
 void run_class(const std::function<std::shared_ptr<CaseModule>()>& make, Mode mode, const Inputs& in = {}) {
-  SCOPED_TRACE(mode_name(mode));
+  SCOPED_TRACE(mode_name(mode) + (in.recompute ? " with recomputation" : ""));
   const double scale = 1.0 / kMicroBatches;
   torch::manual_seed(7);
   auto reference = make();
@@ -68,6 +69,7 @@ void run_class(const std::function<std::shared_ptr<CaseModule>()>& make, Mode mo
   options.rank = 0;
   options.loss = mse;
   options.loss_scale = scale;
+  options.recompute = in.recompute;
   auto* raw = candidate.get();
   Stage stage(candidate, [raw](const at::Tensor& x) { return raw->forward(x); }, options);
 
@@ -121,6 +123,7 @@ void run_class(const std::function<std::shared_ptr<CaseModule>()>& make, Mode mo
 struct ClassMode {
   ModuleClass cls;
   Mode mode;
+  bool recompute = false;
 };
 
 class SupportedClasses : public ::testing::TestWithParam<ClassMode> {
@@ -130,7 +133,9 @@ class SupportedClasses : public ::testing::TestWithParam<ClassMode> {
 
 TEST_P(SupportedClasses, MatchLossBackward) {
   const auto& c = GetParam();
-  run_class([&] { return c.cls.make(kDim); }, c.mode);
+  Inputs in;
+  in.recompute = c.recompute;
+  run_class([&] { return c.cls.make(kDim); }, c.mode, in);
 }
 
 TEST_P(SupportedClasses, MatchLossBackwardOnTheFirstStage) {
@@ -138,6 +143,7 @@ TEST_P(SupportedClasses, MatchLossBackwardOnTheFirstStage) {
   const auto& c = GetParam();
   Inputs in;
   in.stage_index = 0;
+  in.recompute = c.recompute;
   run_class([&] { return c.cls.make(kDim); }, c.mode, in);
 }
 
@@ -145,12 +151,19 @@ std::vector<ClassMode> class_modes() {
   std::vector<ClassMode> out;
   for (const auto& cls : supported_module_classes()) {
     for (Mode m : kModes) out.push_back({cls, m});
+    // Activation recomputation: fused, and 2BP with W batched and interleaved with I. (Dropped draws from a
+    // generator of its own: see RecomputationOfAPrivateGenerator below.)
+    if (cls.name == "Dropped") continue;
+    for (Mode m : {Mode::kFused, Mode::kSplitBatchedShuffled, Mode::kSplitInterleaved}) out.push_back({cls, m, true});
   }
   return out;
 }
 
 INSTANTIATE_TEST_SUITE_P(Classes, SupportedClasses, ::testing::ValuesIn(class_modes()),
-                         [](const auto& info) { return info.param.cls.name + "_" + mode_name(info.param.mode); });
+                         [](const auto& info) {
+                           return info.param.cls.name + "_" + mode_name(info.param.mode) +
+                                  (info.param.recompute ? "_recompute" : "");
+                         });
 
 /// First stage: a fast Embedding feeding general layers (LayerNorm, Linear) and a fast Linear.
 struct EmbeddingIntoGeneral : CaseModule {
@@ -220,6 +233,92 @@ TEST_P(SplitClasses, TorchDropoutWithFixedSeed) {
     }
   }
   if (mode != Mode::kFused) stage.backward_weight({2, 0, 1});
+  const std::string mismatch = compare_modules(*candidate, *reference, 1e-10);
+  EXPECT_TRUE(mismatch.empty()) << mismatch;
+}
+
+TEST_P(SplitClasses, TorchDropoutWithRecomputationDrawsTheSameMasks) {
+  // Recomputation replays each forward with the random state its F started from, whatever was drawn since, and
+  // leaves the random stream where it was.
+  const Mode mode = GetParam();
+  torch::manual_seed(7);
+  auto reference = std::make_shared<TorchDropout>();
+  torch::manual_seed(7);
+  auto candidate = std::make_shared<TorchDropout>();
+  StageOptions options;
+  options.stage_index = 1;
+  options.loss = mse;
+  options.loss_scale = 1.0 / kMicroBatches;
+  options.recompute = true;
+  Stage stage(candidate, [&](const at::Tensor& x) { return candidate->forward(x); }, options);
+  torch::manual_seed(1000);
+  for (int mb = 0; mb < kMicroBatches; ++mb) {
+    (mse(reference->forward(activation(mb, 1)), activation(mb, 2)) / kMicroBatches).backward();
+  }
+  const double after_reference = torch::rand({1}).item<double>();
+  torch::manual_seed(1000);
+  for (int mb = 0; mb < kMicroBatches; ++mb) stage.forward(mb, activation(mb, 1), activation(mb, 2));
+  for (int mb = kMicroBatches - 1; mb >= 0; --mb) {
+    if (mode == Mode::kFused) {
+      stage.backward(mb);
+    } else {
+      stage.backward_input(mb);
+    }
+  }
+  EXPECT_GT(stage.take_recompute_us(), 0.0);
+  EXPECT_EQ(stage.take_recompute_us(), 0.0);
+  if (mode != Mode::kFused) stage.backward_weight({2, 0, 1});
+  EXPECT_EQ(torch::rand({1}).item<double>(), after_reference) << "the random stream moved";
+  const std::string mismatch = compare_modules(*candidate, *reference, 1e-10);
+  EXPECT_TRUE(mismatch.empty()) << mismatch;
+}
+
+TEST_P(SplitClasses, RecomputationOfAPrivateGeneratorIsRefusedUnlessReplayed) {
+  // A module drawing from a generator of its own: recomputation cannot replay it unless told about it; the re-run
+  // differs from F and is refused, naming the stage, micro-batch and what to do. Listed in replay_generators, the
+  // gradients are exact.
+  const Mode mode = GetParam();
+  auto make = [] { return std::make_shared<Dropped>(kDim); };
+  expect_error([&] {
+    Float64Default f64;
+    auto module = make();
+    StageOptions options;
+    options.stage_index = 1;
+    options.loss = mse;
+    options.recompute = true;
+    Stage stage(module, [&](const at::Tensor& x) { return module->forward(x); }, options);
+    stage.forward(0, activation(0, 1), activation(0, 2));
+    if (mode == Mode::kFused) {
+      stage.backward(0);
+    } else {
+      stage.backward_input(0);
+    }
+  }, {"rank 0 stage 1 micro-batch 0", "recompute", "replay_generators"});
+
+  Float64Default f64;
+  torch::manual_seed(7);
+  auto reference = make();
+  torch::manual_seed(7);
+  auto candidate = make();
+  StageOptions options;
+  options.stage_index = 1;
+  options.loss = mse;
+  options.loss_scale = 1.0 / kMicroBatches;
+  options.recompute = true;
+  options.replay_generators = {candidate->generator};
+  Stage stage(candidate, [&](const at::Tensor& x) { return candidate->forward(x); }, options);
+  for (int mb = 0; mb < kMicroBatches; ++mb) {
+    (mse(reference->forward(activation(mb, 1)), activation(mb, 2)) / kMicroBatches).backward();
+  }
+  for (int mb = 0; mb < kMicroBatches; ++mb) stage.forward(mb, activation(mb, 1), activation(mb, 2));
+  for (int mb = 0; mb < kMicroBatches; ++mb) {
+    if (mode == Mode::kFused) {
+      stage.backward(mb);
+    } else {
+      stage.backward_input(mb);
+    }
+  }
+  if (mode != Mode::kFused) stage.backward_weight({0, 1, 2});
   const std::string mismatch = compare_modules(*candidate, *reference, 1e-10);
   EXPECT_TRUE(mismatch.empty()) << mismatch;
 }

@@ -171,13 +171,13 @@ inline std::string compare_gradients(torch::nn::Module& got, torch::nn::Module& 
 
 /// The chunks of `rank` and its PipelineChunk list for `schedule`.
 inline std::vector<PipelineChunk> boundary_chunks(const Schedule& schedule, int rank, bool aux,
-                                                  std::map<int, BoundaryChunk>* modules) {
+                                                  std::map<int, BoundaryChunk>* modules, bool recompute = false) {
   std::vector<PipelineChunk> chunks;
   for (int s : schedule.stages_of(rank)) {
     BoundaryChunk module = make_boundary_chunk(s, schedule.num_stages, aux);
     modules->emplace(s, module);
     auto* raw = module.get();
-    chunks.push_back({s, module.ptr(), [raw](const NamedTensors& in) { return raw->forward(in); }});
+    chunks.push_back({s, module.ptr(), [raw](const NamedTensors& in) { return raw->forward(in); }, recompute});
   }
   return chunks;
 }

@@ -90,6 +90,15 @@ TEST(LlamaPipeline, MaxPendingWeightKeepsTheLosses) {
                "--max-pending-w 1 vs unbounded, step ");
 }
 
+// Activation recomputation changes what is kept between F and I, not the losses.
+TEST(LlamaPipeline, RecomputationKeepsTheLosses) {
+  const auto kept = train("recompute_off", "--schedule zb-h1 --steps 3");
+  expect_close(kept, train("recompute_on", "--schedule zb-h1 --steps 3 --recompute"), 1e-5,
+               "--recompute vs without, step ");
+  expect_close(kept, train("recompute_fused", "--schedule zb-h1 --steps 3 --recompute --no-2bp"), 1e-4,
+               "--recompute --no-2bp vs without, step ");
+}
+
 TEST(LlamaPipeline, SchedulesAgree) {
   const auto reference = train("ref", "--schedule 1f1b --steps 2");
   expect_close(reference, train("gpipe", "--schedule gpipe --steps 2"), 1e-4, "gpipe step ");

@@ -25,7 +25,8 @@ struct BoundaryRun {
 };
 
 BoundaryRun run_boundary_pipeline(const Schedule& schedule, bool aux, const std::vector<BoundaryBatch>& steps,
-                                  PipelineOptions options, Pairing pairing = Pairing::kByTag) {
+                                  PipelineOptions options, Pairing pairing = Pairing::kByTag,
+                                  bool recompute = false) {
   LocalOptions lo;
   lo.pairing = pairing;
   auto transports = make_local_transports(schedule.num_ranks, lo);
@@ -35,7 +36,7 @@ BoundaryRun run_boundary_pipeline(const Schedule& schedule, bool aux, const std:
   std::vector<std::unique_ptr<Pipeline>> pipelines;
   std::vector<Transport*> raw;
   for (int r = 0; r < schedule.num_ranks; ++r) {
-    pipelines.push_back(std::make_unique<Pipeline>(schedule, boundary_chunks(schedule, r, aux, &run.modules[r]),
+    pipelines.push_back(std::make_unique<Pipeline>(schedule, boundary_chunks(schedule, r, aux, &run.modules[r], recompute),
                                                    *transports[r], options));
     raw.push_back(transports[r].get());
   }
@@ -66,6 +67,7 @@ struct BoundaryCase {
   int p, m;
   Pairing pairing;
   bool fixed_specs;  // else announced shapes, varying per micro-batch and per step, with the "aux" tensor
+  bool recompute = false;  // activation recomputation on every stage
 };
 
 class BoundaryParity : public ::testing::TestWithParam<BoundaryCase> {
@@ -90,7 +92,7 @@ TEST_P(BoundaryParity, LossesAndGradientsMatchSingleProcess) {
 
   PipelineOptions options = boundary_options();
   if (c.fixed_specs) options.boundary_spec = [aux](int) { return boundary_spec(aux); };
-  BoundaryRun run = run_boundary_pipeline(schedule, aux, steps, options, c.pairing);
+  BoundaryRun run = run_boundary_pipeline(schedule, aux, steps, options, c.pairing, c.recompute);
   if (!run.errors.ok()) std::rethrow_exception(run.errors.root_cause());
 
   const int last = schedule.stage_to_rank.back();
@@ -118,6 +120,8 @@ std::vector<BoundaryCase> boundary_cases() {
         for (Pairing pairing : {Pairing::kByTag, Pairing::kInOrderPerChannel}) {
           for (bool fixed : {false, true}) cases.push_back({name, mode, p, m, pairing, fixed});
         }
+        // Activation recomputation on every stage, announced shapes.
+        cases.push_back({name, mode, p, m, Pairing::kByTag, false, true});
       }
     }
   }
@@ -128,7 +132,7 @@ INSTANTIATE_TEST_SUITE_P(AllSchedules, BoundaryParity, ::testing::ValuesIn(bound
   const auto& c = info.param;
   std::string n = c.schedule + (c.mode == BackwardMode::kSplit ? "_2bp" : "_standard") + "_p" + std::to_string(c.p) +
                   "_m" + std::to_string(c.m) + (c.pairing == Pairing::kByTag ? "" : "_in_order") +
-                  (c.fixed_specs ? "_fixed_specs" : "_announced_variable");
+                  (c.fixed_specs ? "_fixed_specs" : "_announced_variable") + (c.recompute ? "_recompute" : "");
   for (auto& ch : n) {
     if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
   }

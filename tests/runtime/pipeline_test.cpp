@@ -33,7 +33,7 @@ struct RankRun {
 std::vector<RankRun> run_pipeline(const Schedule& schedule, const torch::Tensor& inputs, const torch::Tensor& targets,
                                   PipelineOptions options, int steps = 1,
                                   std::function<void(int rank, Pipeline&)> before_step = nullptr,
-                                  LocalOptions transport_options = {}) {
+                                  LocalOptions transport_options = {}, bool recompute = false) {
   auto transports = make_local_transports(schedule.num_ranks, transport_options);
   std::vector<RankRun> runs(schedule.num_ranks);
   std::vector<std::unique_ptr<Pipeline>> pipelines;
@@ -44,7 +44,7 @@ std::vector<RankRun> run_pipeline(const Schedule& schedule, const torch::Tensor&
       auto module = make_chunk(s);
       runs[r].chunks[s] = module;
       auto* raw = module.get();
-      chunks.push_back({s, module, [raw, s](const at::Tensor& x) { return run_chunk(*raw, s, x); }});
+      chunks.push_back({s, module, [raw, s](const at::Tensor& x) { return run_chunk(*raw, s, x); }, recompute});
     }
     pipelines.push_back(std::make_unique<Pipeline>(schedule, std::move(chunks),
                                                    std::shared_ptr<Transport>(std::move(transports[r])), options));
@@ -77,6 +77,7 @@ struct ParityCase {
   int p, m;
   Pairing pairing = Pairing::kByTag;  // of the Local transport: kInOrderPerChannel pairs like NCCL
   int max_pending_weight = 0;          // memory-bounded 2BP (PipelineOptions::max_pending_weight_micro_batches)
+  bool recompute = false;              // activation recomputation on every stage (PipelineChunk::recompute)
 };
 
 class PipelineParity : public ::testing::TestWithParam<ParityCase> {
@@ -114,9 +115,14 @@ TEST_P(PipelineParity, LossesAndGradientsMatchSingleProcess) {
       }
     });
   };
-  auto runs = run_pipeline(schedule, inputs, targets, options, 1, check_limit, transport_options);
+  auto runs = run_pipeline(schedule, inputs, targets, options, 1, check_limit, transport_options, c.recompute);
   for (int r = 0; r < c.p; ++r) {
     if (runs[r].error) std::rethrow_exception(runs[r].error);
+    // With recomputation every I and B carries the time of the forward it re-ran first; nothing else does.
+    for (const auto& e : runs[r].result.trace.events) {
+      const bool opens = e.action.type == ActionType::kBackwardInput || e.action.type == ActionType::kBackward;
+      EXPECT_EQ(e.recompute_us > 0, c.recompute && opens) << describe(e.action);
+    }
   }
   const int last_rank = schedule.stage_to_rank.back();
   ASSERT_EQ(runs[last_rank].result.losses.size(), static_cast<std::size_t>(c.m));
@@ -147,6 +153,8 @@ std::vector<ParityCase> all_cases() {
         if (mode == BackwardMode::kSplit) {
           for (int limit : {1, 2}) cases.push_back({name, mode, p, m, Pairing::kByTag, limit});
         }
+        // Activation recomputation on every stage.
+        if (m == 2 * p) cases.push_back({name, mode, p, m, Pairing::kByTag, 0, true});
       }
     }
   }
@@ -158,7 +166,8 @@ INSTANTIATE_TEST_SUITE_P(AllSchedules, PipelineParity, ::testing::ValuesIn(all_c
                   std::to_string(info.param.p) + "_m" + std::to_string(info.param.m) +
                   (info.param.pairing == Pairing::kByTag ? "" : "_in_order") +
                   (info.param.max_pending_weight > 0 ? "_pending_w" + std::to_string(info.param.max_pending_weight)
-                                                     : std::string());
+                                                     : std::string()) +
+                  (info.param.recompute ? "_recompute" : "");
   for (auto& ch : n) {
     if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
   }

@@ -36,6 +36,26 @@ TEST(Simulate, TextbookBubbleGpipeAnd1f1b) {
   }
 }
 
+TEST(Simulate, RecomputationAddsTheForwardToEveryBackward) {
+  // GPipe, F = 1, B = 2, recompute R = 1: each B costs 3, so the step is (m + p - 1) (F + B + R).
+  for (int p : {2, 4}) {
+    for (int m : {2, 8}) {
+      const Schedule sc = make("gpipe", p, m, BackwardMode::kStandard);
+      CostModel c = fb_costs(sc.num_stages, 1.0, 2.0);
+      c.recompute.assign(sc.num_stages, 1.0);
+      EXPECT_NEAR(simulate(sc, c).step_time, 4.0 * (m + p - 1), 1e-9) << "p=" << p << " m=" << m;
+      // With 2BP the recompute opens every I, W is unchanged: the same as I costing I + R.
+      const Schedule split = make("1f1b", p, m, BackwardMode::kSplit);
+      CostModel with = CostModel::uniform(split.num_stages, 1.0, 1.0, 1.0), folded = with;
+      with.recompute.assign(split.num_stages, 0.5);
+      folded.backward_input.assign(split.num_stages, 1.5);
+      EXPECT_NEAR(simulate(split, with).step_time, simulate(split, folded).step_time, 1e-9);
+      with.recompute.assign(1, 0.5);
+      EXPECT_THROW(simulate(split, with), UsageError);
+    }
+  }
+}
+
 TEST(Simulate, TextbookBubbleInterleaved) {
   for (int p : {2, 4}) {
     for (int v : {2, 3, 4}) {

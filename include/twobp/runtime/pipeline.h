@@ -24,6 +24,9 @@ struct PipelineChunk {
   int stage = 0;
   std::shared_ptr<torch::nn::Module> module;
   StageForward forward;
+  /// Activation recomputation for this stage (StageOptions::recompute): F keeps only its inputs, I or B re-runs
+  /// the forward first.
+  bool recompute = false;
 };
 
 struct PipelineOptions {

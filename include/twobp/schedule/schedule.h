@@ -172,6 +172,9 @@ struct CostModel {
   std::vector<double> backward_input;   ///< per stage (I)
   std::vector<double> backward_weight;  ///< per stage and micro-batch (W of k micro-batches costs k times this)
   std::vector<double> backward;         ///< per stage (fused B); if empty, I + W
+  /// Activation recomputation (StageOptions::recompute), per stage: the time to re-run the forward, added to every
+  /// I and B of that stage (usually its forward cost; 0 for stages without). Empty (the default): no recomputation.
+  std::vector<double> recompute;
   double communication = 0.0;           ///< latency of one send, sender to receiver
 
   /// Data parallelism (dp replicas of the pipeline): per stage, the time to all-reduce that stage's gradients over

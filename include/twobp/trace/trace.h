@@ -19,6 +19,8 @@ struct TraceEvent {
   Action action;
   double start_us = 0.0;
   double end_us = 0.0;
+  /// Activation recomputation: the part of this I or B spent re-running the forward first (host time), else 0.
+  double recompute_us = 0.0;
 };
 
 struct Trace {
