@@ -205,6 +205,43 @@ struct TorchDropout : CaseModule {
   twobp::nn::Linear fast{nullptr};
 };
 
+// What the random-draw tests share: stage 1 of mse with loss scale 1/kMicroBatches, and the two sides' loops.
+StageOptions random_stage_options(bool recompute) {
+  StageOptions options;
+  options.stage_index = 1;
+  options.loss = mse;
+  options.loss_scale = 1.0 / kMicroBatches;
+  options.recompute = recompute;
+  return options;
+}
+
+// loss.backward() of every micro-batch, `before(mb)` first.
+void run_reference(CaseModule& reference, const std::function<void(int)>& before = nullptr) {
+  for (int mb = 0; mb < kMicroBatches; ++mb) {
+    if (before) before(mb);
+    (mse(reference.forward(activation(mb, 1)), activation(mb, 2)) / kMicroBatches).backward();
+  }
+}
+
+// F of every micro-batch in order (`before(mb)` first), then B (fused) or I in `order`, `after_backward()`, then
+// one W of every micro-batch.
+void run_stage(Stage& stage, Mode mode, const std::vector<int>& order, const std::function<void(int)>& before = nullptr,
+               const std::function<void()>& after_backward = nullptr) {
+  for (int mb = 0; mb < kMicroBatches; ++mb) {
+    if (before) before(mb);
+    stage.forward(mb, activation(mb, 1), activation(mb, 2));
+  }
+  for (int mb : order) {
+    if (mode == Mode::kFused) {
+      stage.backward(mb);
+    } else {
+      stage.backward_input(mb);
+    }
+  }
+  if (after_backward) after_backward();
+  if (mode != Mode::kFused) stage.backward_weight({2, 0, 1});
+}
+
 TEST_P(SplitClasses, TorchDropoutWithFixedSeed) {
   // The global generator is reseeded before each micro-batch's forward, in the reference and in the stage alike.
   const Mode mode = GetParam();
@@ -212,27 +249,10 @@ TEST_P(SplitClasses, TorchDropoutWithFixedSeed) {
   auto reference = std::make_shared<TorchDropout>();
   torch::manual_seed(7);
   auto candidate = std::make_shared<TorchDropout>();
-  StageOptions options;
-  options.stage_index = 1;
-  options.loss = mse;
-  options.loss_scale = 1.0 / kMicroBatches;
-  Stage stage(candidate, [&](const at::Tensor& x) { return candidate->forward(x); }, options);
-  for (int mb = 0; mb < kMicroBatches; ++mb) {
-    torch::manual_seed(1000 + mb);
-    (mse(reference->forward(activation(mb, 1)), activation(mb, 2)) / kMicroBatches).backward();
-  }
-  for (int mb = 0; mb < kMicroBatches; ++mb) {
-    torch::manual_seed(1000 + mb);
-    stage.forward(mb, activation(mb, 1), activation(mb, 2));
-  }
-  for (int mb = 0; mb < kMicroBatches; ++mb) {
-    if (mode == Mode::kFused) {
-      stage.backward(mb);
-    } else {
-      stage.backward_input(mb);
-    }
-  }
-  if (mode != Mode::kFused) stage.backward_weight({2, 0, 1});
+  Stage stage(candidate, [&](const at::Tensor& x) { return candidate->forward(x); }, random_stage_options(false));
+  auto reseed = [](int mb) { torch::manual_seed(1000 + mb); };
+  run_reference(*reference, reseed);
+  run_stage(stage, mode, {0, 1, 2}, reseed);
   const std::string mismatch = compare_modules(*candidate, *reference, 1e-10);
   EXPECT_TRUE(mismatch.empty()) << mismatch;
 }
@@ -245,29 +265,15 @@ TEST_P(SplitClasses, TorchDropoutWithRecomputationDrawsTheSameMasks) {
   auto reference = std::make_shared<TorchDropout>();
   torch::manual_seed(7);
   auto candidate = std::make_shared<TorchDropout>();
-  StageOptions options;
-  options.stage_index = 1;
-  options.loss = mse;
-  options.loss_scale = 1.0 / kMicroBatches;
-  options.recompute = true;
-  Stage stage(candidate, [&](const at::Tensor& x) { return candidate->forward(x); }, options);
+  Stage stage(candidate, [&](const at::Tensor& x) { return candidate->forward(x); }, random_stage_options(true));
   torch::manual_seed(1000);
-  for (int mb = 0; mb < kMicroBatches; ++mb) {
-    (mse(reference->forward(activation(mb, 1)), activation(mb, 2)) / kMicroBatches).backward();
-  }
+  run_reference(*reference);
   const double after_reference = torch::rand({1}).item<double>();
   torch::manual_seed(1000);
-  for (int mb = 0; mb < kMicroBatches; ++mb) stage.forward(mb, activation(mb, 1), activation(mb, 2));
-  for (int mb = kMicroBatches - 1; mb >= 0; --mb) {
-    if (mode == Mode::kFused) {
-      stage.backward(mb);
-    } else {
-      stage.backward_input(mb);
-    }
-  }
-  EXPECT_GT(stage.take_recompute_us(), 0.0);
-  EXPECT_EQ(stage.take_recompute_us(), 0.0);
-  if (mode != Mode::kFused) stage.backward_weight({2, 0, 1});
+  run_stage(stage, mode, {2, 1, 0}, nullptr, [&] {
+    EXPECT_GT(stage.take_recompute_us(), 0.0);
+    EXPECT_EQ(stage.take_recompute_us(), 0.0);
+  });
   EXPECT_EQ(torch::rand({1}).item<double>(), after_reference) << "the random stream moved";
   const std::string mismatch = compare_modules(*candidate, *reference, 1e-10);
   EXPECT_TRUE(mismatch.empty()) << mismatch;
@@ -278,47 +284,25 @@ TEST_P(SplitClasses, RecomputationOfAPrivateGeneratorIsRefusedUnlessReplayed) {
   // differs from F and is refused, naming the stage, micro-batch and what to do. Listed in replay_generators, the
   // gradients are exact.
   const Mode mode = GetParam();
-  auto make = [] { return std::make_shared<Dropped>(kDim); };
-  expect_error([&] {
-    Float64Default f64;
-    auto module = make();
-    StageOptions options;
-    options.stage_index = 1;
-    options.loss = mse;
-    options.recompute = true;
-    Stage stage(module, [&](const at::Tensor& x) { return module->forward(x); }, options);
-    stage.forward(0, activation(0, 1), activation(0, 2));
-    if (mode == Mode::kFused) {
-      stage.backward(0);
-    } else {
-      stage.backward_input(0);
-    }
-  }, {"rank 0 stage 1 micro-batch 0", "recompute", "replay_generators"});
-
   Float64Default f64;
+  auto make = [] { return std::make_shared<Dropped>(kDim); };
+  expect_error(
+      [&] {
+        auto module = make();
+        Stage stage(module, [&](const at::Tensor& x) { return module->forward(x); }, random_stage_options(true));
+        run_stage(stage, mode, {0, 1, 2});
+      },
+      {"rank 0 stage 1 micro-batch 0", "recompute", "replay_generators"});
+
   torch::manual_seed(7);
   auto reference = make();
   torch::manual_seed(7);
   auto candidate = make();
-  StageOptions options;
-  options.stage_index = 1;
-  options.loss = mse;
-  options.loss_scale = 1.0 / kMicroBatches;
-  options.recompute = true;
+  StageOptions options = random_stage_options(true);
   options.replay_generators = {candidate->generator};
   Stage stage(candidate, [&](const at::Tensor& x) { return candidate->forward(x); }, options);
-  for (int mb = 0; mb < kMicroBatches; ++mb) {
-    (mse(reference->forward(activation(mb, 1)), activation(mb, 2)) / kMicroBatches).backward();
-  }
-  for (int mb = 0; mb < kMicroBatches; ++mb) stage.forward(mb, activation(mb, 1), activation(mb, 2));
-  for (int mb = 0; mb < kMicroBatches; ++mb) {
-    if (mode == Mode::kFused) {
-      stage.backward(mb);
-    } else {
-      stage.backward_input(mb);
-    }
-  }
-  if (mode != Mode::kFused) stage.backward_weight({0, 1, 2});
+  run_reference(*reference);
+  run_stage(stage, mode, {0, 1, 2});
   const std::string mismatch = compare_modules(*candidate, *reference, 1e-10);
   EXPECT_TRUE(mismatch.empty()) << mismatch;
 }
