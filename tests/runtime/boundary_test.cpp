@@ -275,3 +275,40 @@ TEST(StageTensors, GradientsNameOutputsAndUndefinedMeansNone) {
 
 }  // namespace
 }  // namespace twobp::testing
+
+namespace twobp::testing {
+namespace {
+
+TEST(StageTensors, OneTensorUnderTwoNamesSumsBothGradients) {
+  // The same output under two names (and an input passed straight through): both gradients reach the producer.
+  Float64Default float64;
+  torch::manual_seed(4);
+  auto lin = std::make_shared<torch::nn::LinearImpl>(3, 3);
+  StageOptions so;
+  so.stage_index = 1;
+  so.num_stages = 3;
+  for (bool split : {true, false}) {
+    Stage stage(lin,
+                [lin](const NamedTensors& in) {
+                  at::Tensor y = lin->forward(in["u"]);
+                  return NamedTensors{{"a", y}, {"b", y}, {"u", in["u"]}};
+                },
+                so);
+    lin->zero_grad();
+    auto u = torch::randn({2, 3}), ga = torch::randn({2, 3}), gb = torch::randn({2, 3}), gu = torch::randn({2, 3});
+    stage.forward(0, NamedTensors{{"u", u.clone().requires_grad_(true)}}, NamedTensors());
+    const NamedTensors grads{{"a", ga}, {"b", gb}, {"u", gu}};
+    NamedTensors got = split ? stage.backward_input(0, grads) : stage.backward(0, grads);
+    if (split) stage.backward_weight({0});
+    const at::Tensor weight_grad = lin->weight.grad().clone();
+    lin->zero_grad();
+    auto u2 = u.clone().requires_grad_(true);
+    at::Tensor y = lin->forward(u2);
+    torch::autograd::backward({y, y, u2 * 1.0}, {ga, gb, gu});
+    EXPECT_TRUE(torch::allclose(got["u"], u2.grad(), 0, 1e-12)) << (split ? "2BP" : "fused");
+    EXPECT_TRUE(torch::allclose(weight_grad, lin->weight.grad(), 0, 1e-12)) << (split ? "2BP" : "fused");
+  }
+}
+
+}  // namespace
+}  // namespace twobp::testing
