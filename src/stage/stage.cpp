@@ -120,7 +120,15 @@ NamedTensors Stage::run_forward(int micro_batch, const NamedTensors& inputs, con
       fn_inputs.add(name, tensor);
     }
   }
-  NamedTensors outputs = forward_.call(fn_inputs, where(micro_batch));
+  NamedTensors outputs;
+  try {
+    outputs = forward_.call(fn_inputs, where(micro_batch));
+  } catch (const UsageError& e) {
+    // twobp's own errors inside the user's forward (a name missing from the inputs) say where they happened.
+    const std::string here = where(micro_batch);
+    if (std::string_view(e.what()).rfind(here, 0) == 0) throw;
+    throw UsageError(fmt::format("{}: in the stage's forward: {}", here, e.what()));
+  }
   TWOBP_CHECK(!outputs.empty(), UsageError, "{}: the forward returned no tensor", where(micro_batch));
   if (last) {
     TWOBP_CHECK(!targets.empty(), UsageError, "{}: the last stage computes a loss and needs a target",

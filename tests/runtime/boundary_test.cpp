@@ -224,6 +224,17 @@ TEST_F(BoundaryErrors, TooMuchToAnnounceSaysWhatToDo) {
   EXPECT_TRUE(errors.errors[1]);
 }
 
+TEST(StageTensors, AMissingNameInTheForwardSaysWhereAndWhatThereIs) {
+  Float64Default float64;
+  auto lin = std::make_shared<torch::nn::LinearImpl>(2, 2);
+  StageOptions so;
+  so.stage_index = 2;
+  so.rank = 1;
+  Stage stage(lin, [lin](const NamedTensors& in) { return NamedTensors{{"h", lin->forward(in["hidden"])}}; }, so);
+  expect_error([&] { stage.forward(3, NamedTensors{{"h", torch::randn({1, 2})}}, NamedTensors()); },
+               {"rank 1 stage 2 micro-batch 3", "no tensor named 'hidden'", "h [1, 2] Double"});
+}
+
 TEST(StageTensors, OneTensorFormsRefuseSeveralTensorsNamingThem) {
   Float64Default float64;
   auto lin = std::make_shared<torch::nn::LinearImpl>(2, 2);
