@@ -65,7 +65,6 @@
 #include <iostream>
 #include <memory>
 #include <stdexcept>
-#include <tuple>
 
 #include "bench_common.h"
 #include "chart.h"
@@ -328,11 +327,6 @@ std::vector<RunResult> run_config(Transport& world, ParallelGroups& groups, cons
 RunResult summarize_run(Transport& world, ParallelGroups& groups, const PipelineArgs& a, const std::string& name,
                         BackwardMode mode, bool dp_overlap, double comm_ms, const Measurements& m) {
   Pipeline& pipeline = *m.pipeline;
-  const auto& [f, i, w, b] = std::tie(m.f, m.i, m.w, m.b);
-  const std::vector<double>& busy_ms = m.busy_ms;
-  const std::vector<double>& steps_ms = m.steps_ms;
-  const std::vector<double>& reduce_wait_ms = m.reduce_wait_ms;
-  const Trace& last = m.last;
   const Duration timeout{static_cast<int64_t>(a.timeout_s * 1000)};
   Transport& transport = groups.pipeline();
   const int p = transport.world_size(), me = transport.rank();
@@ -355,15 +349,15 @@ RunResult summarize_run(Transport& world, ParallelGroups& groups, const Pipeline
   std::vector<double> local(kCosts * S + 2 * a.steps + p, 0.0);
   auto med = [](const std::vector<double>& v) { return v.empty() ? 0.0 : summarize(v).median; };
   for (int s : sched.stages_of(me)) {
-    local[kCosts * s] = med(f[s]);
-    local[kCosts * s + 1] = med(i[s]);
-    local[kCosts * s + 2] = med(w[s]);
-    local[kCosts * s + 3] = med(b[s]);
+    local[kCosts * s] = med(m.f[s]);
+    local[kCosts * s + 1] = med(m.i[s]);
+    local[kCosts * s + 2] = med(m.w[s]);
+    local[kCosts * s + 3] = med(m.b[s]);
     local[kCosts * s + 4] = med(m.r[s]);
   }
   for (int k = 0; k < a.steps; ++k) {
-    local[kCosts * S + k] = busy_ms[k];
-    local[kCosts * S + a.steps + k] = me == 0 ? steps_ms[k] : 0.0;
+    local[kCosts * S + k] = m.busy_ms[k];
+    local[kCosts * S + a.steps + k] = me == 0 ? m.steps_ms[k] : 0.0;
   }
   // One slot per pipeline rank: its share of its process's peak resident set (rank threads share one process).
   local[kCosts * S + 2 * a.steps + me] =
@@ -386,11 +380,11 @@ RunResult summarize_run(Transport& world, ParallelGroups& groups, const Pipeline
     const std::size_t bytes_at = static_cast<std::size_t>(a.steps) * world_size;
     std::vector<double> waits(bytes_at + static_cast<std::size_t>(p), 0.0);
     const auto my_slot = static_cast<std::size_t>(world.rank());
-    for (std::size_t k = 0; k < reduce_wait_ms.size(); ++k) waits[k * world_size + my_slot] = reduce_wait_ms[k];
+    for (std::size_t k = 0; k < m.reduce_wait_ms.size(); ++k) waits[k * world_size + my_slot] = m.reduce_wait_ms[k];
     if (groups.replica() == 0) waits[bytes_at + static_cast<std::size_t>(me)] = gradient_bytes(pipeline.parameters());
     waits = sum_over_ranks(world, waits, timeout);
     std::vector<double> exposed;
-    for (std::size_t k = 0; k < reduce_wait_ms.size(); ++k) {
+    for (std::size_t k = 0; k < m.reduce_wait_ms.size(); ++k) {
       const auto first = waits.begin() + static_cast<std::ptrdiff_t>(k * world_size);
       exposed.push_back(metrics::exposed_wait(std::vector<double>(first, first + world_size)));
     }
@@ -422,7 +416,7 @@ RunResult summarize_run(Transport& world, ParallelGroups& groups, const Pipeline
   r.sim_bubble = sim.bubble_fraction;
   r.peak_live = *std::max_element(sim.peak_live_micro_batches.begin(), sim.peak_live_micro_batches.end());
 
-  std::vector<Trace> traces = gather_traces(transport, last, timeout);
+  std::vector<Trace> traces = gather_traces(transport, m.last, timeout);
   if (world.rank() == 0 && !a.trace_dir.empty()) {
     make_directories(a.trace_dir);
     std::string base = fmt::format("{}/{}_{}_p{}_m{}", a.trace_dir, name,

@@ -36,26 +36,28 @@ P2POptions message_options(const Schedule& schedule, const Action& a, MessagePar
   return o;
 }
 
+// "name [2, 3] Double" or "name [2, 3] Bool (no gradient)", joined by ", ": how boundary errors list tensors.
+std::string describe_entry(const std::string& name, const std::string& shape, bool gradient) {
+  return fmt::format("{} {}{}", name.empty() ? std::string("tensor") : name, shape, gradient ? "" : " (no gradient)");
+}
+
 std::string describe_spec(const BoundarySpec& spec) {
-  std::string out;
+  std::vector<std::string> parts;
   for (const auto& t : spec) {
-    if (!out.empty()) out += ", ";
-    out += fmt::format("{} {}{}", t.name.empty() ? std::string("tensor") : t.name,
-                       detail::describe_shape(t.shape, t.dtype), t.carries_gradient() ? "" : " (no gradient)");
+    parts.push_back(describe_entry(t.name, detail::describe_shape(t.shape, t.dtype), t.carries_gradient()));
   }
-  return out;
+  return fmt::format("{}", fmt::join(parts, ", "));
 }
 
 std::string describe_announced(const NamedTensors& t, const std::vector<bool>& gradient) {
-  std::string out;
+  std::vector<std::string> parts;
   for (std::size_t i = 0; i < t.size(); ++i) {
-    if (!out.empty()) out += ", ";
     const auto& [name, tensor] = t.entry(i);
-    out += fmt::format("{} {}{}", name.empty() ? std::string("tensor") : name,
-                       tensor.defined() ? detail::describe_shape(tensor.sizes(), tensor.scalar_type()) : "undefined",
-                       gradient[i] ? "" : " (no gradient)");
+    parts.push_back(describe_entry(
+        name, tensor.defined() ? detail::describe_shape(tensor.sizes(), tensor.scalar_type()) : "undefined",
+        gradient[i]));
   }
-  return out;
+  return fmt::format("{}", fmt::join(parts, ", "));
 }
 
 // Device timing: on a GPU the host only enqueues work, so host times would describe the enqueueing, not the

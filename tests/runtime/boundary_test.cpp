@@ -224,6 +224,14 @@ TEST_F(BoundaryErrors, TooMuchToAnnounceSaysWhatToDo) {
   EXPECT_TRUE(errors.errors[1]);
 }
 
+// Stage 1 of 3: its inputs get gradients, its outputs need them.
+StageOptions middle_stage() {
+  StageOptions so;
+  so.stage_index = 1;
+  so.num_stages = 3;
+  return so;
+}
+
 TEST(StageTensors, AMissingNameInTheForwardSaysWhereAndWhatThereIs) {
   Float64Default float64;
   auto lin = std::make_shared<torch::nn::LinearImpl>(2, 2);
@@ -238,9 +246,7 @@ TEST(StageTensors, AMissingNameInTheForwardSaysWhereAndWhatThereIs) {
 TEST(StageTensors, OneTensorFormsRefuseSeveralTensorsNamingThem) {
   Float64Default float64;
   auto lin = std::make_shared<torch::nn::LinearImpl>(2, 2);
-  StageOptions so;
-  so.stage_index = 1;
-  so.num_stages = 3;
+  const StageOptions so = middle_stage();
   Stage stage(lin, [lin](const at::Tensor& x) { return lin->forward(x); }, so);
   NamedTensors in{{"h", torch::randn({1, 2}, torch::kDouble)}, {"mask", torch::ones({1, 2})}};
   expect_error([&] { stage.forward(0, in, NamedTensors()); },
@@ -253,9 +259,7 @@ TEST(StageTensors, GradientsNameOutputsAndUndefinedMeansNone) {
   Float64Default float64;
   torch::manual_seed(3);
   auto lin = std::make_shared<torch::nn::LinearImpl>(3, 3);
-  StageOptions so;
-  so.stage_index = 1;
-  so.num_stages = 3;
+  const StageOptions so = middle_stage();
   Stage stage(lin,
               [lin](const NamedTensors& in) {
                 return NamedTensors{{"p", lin->forward(in["u"])}, {"q", in["v"] * 2.0}};
@@ -284,20 +288,12 @@ TEST(StageTensors, GradientsNameOutputsAndUndefinedMeansNone) {
   EXPECT_TRUE(torch::allclose(lin->weight.grad(), lin2->weight.grad(), 0, 1e-12));
 }
 
-}  // namespace
-}  // namespace twobp::testing
-
-namespace twobp::testing {
-namespace {
-
 TEST(StageTensors, OneTensorUnderTwoNamesSumsBothGradients) {
   // The same output under two names (and an input passed straight through): both gradients reach the producer.
   Float64Default float64;
   torch::manual_seed(4);
   auto lin = std::make_shared<torch::nn::LinearImpl>(3, 3);
-  StageOptions so;
-  so.stage_index = 1;
-  so.num_stages = 3;
+  const StageOptions so = middle_stage();
   for (bool split : {true, false}) {
     Stage stage(lin,
                 [lin](const NamedTensors& in) {
