@@ -25,6 +25,25 @@
 //   peak_rss_bytes      max over the pipeline's ranks of metrics::memory_per_rank: the process's peak resident set
 //                       (getrusage) over the ranks it holds (threads: all dp · p of them; processes: 1)
 //
+// Tensor memory (twobp/metrics/memory.h; every run records it: PipelineOptions::record_memory):
+//   peak_memory_bytes       max over the pipeline's ranks and measured steps of StepResult::peak_memory_bytes
+//                           (CPU: twobp's allocation counter, one account per rank; CUDA: the caching allocator's
+//                           allocated bytes). memory_source in "config" says which.
+//   sim_peak_memory_bytes   max over ranks of simulate_peak_memory(schedule, model), the model measured in the same
+//                           run: per rank, base = median memory when a step starts; per stage and action type,
+//                           added = median(after − before) and rise = median(peak − before) of its actions (W: per
+//                           micro-batch), without the stage's .grad allocation (gradient bytes of its parameters,
+//                           charged to its first W or B of each step: the benchmark resets gradients every step)
+//   sim_memory_error        peak_memory_bytes / sim_peak_memory_bytes − 1
+//   ..._per_rank            the same per pipeline rank
+//   (rows with a memory limit have no sim_ memory fields: the simulator does not model the W's a limit moves)
+// Memory-bounded 2BP (--memory-limit-mb X): every configuration also runs with PipelineOptions::memory_limit_bytes
+// = X MiB, the two pipelines taking turns step by step, and the limited rows report
+//   memory_limit_bytes      the limit
+//   limit_held              peak_memory_bytes <= memory_limit_bytes (the first, unmeasured steps may exceed it)
+//   limit_ratio             throughput with the limit / without, the median over measured steps of the paired
+//                           step-time ratio (as announce_ratio): the throughput the limit costs
+//
 // Data parallelism (--dp N, default 1; N = 1 changes nothing and adds no fields): N replicas of a p-rank pipeline,
 // world = N · p, laid out by twobp::ParallelLayout (world rank r = pipeline rank r % p of replica r / p). --ranks
 // stays p: threads run N · p rank threads; under a launcher p = world size / N (UsageError unless N divides it).
@@ -60,10 +79,12 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <fstream>
 #include <iostream>
 #include <memory>
+#include <set>
 #include <stdexcept>
 
 #include "bench_common.h"
@@ -71,6 +92,7 @@
 #include "commands.h"
 #include "pipeline_models.h"
 #include "twobp/config.h"
+#include "twobp/metrics/memory.h"
 #include "twobp/metrics/metrics.h"
 #include "twobp/runtime/launch.h"
 #include "twobp/runtime/data_parallel.h"
@@ -83,6 +105,8 @@
 
 namespace twobp::bench {
 namespace {
+
+constexpr double kMiB = 1024.0 * 1024.0;
 
 struct PipelineArgs {
   std::string schedule = "1f1b";
@@ -99,6 +123,7 @@ struct PipelineArgs {
   double timeout_s = 300;
   bool variable_seq = false;  // also run every configuration with announced shapes (see the header)
   bool recompute = false;     // activation recomputation on every stage
+  double memory_limit_mb = 0;  // > 0: also run every configuration under this memory limit (see the header)
   std::string json, csv, trace_dir, chart;
 };
 
@@ -116,6 +141,11 @@ struct RunResult {
   bool announced = false;  // shapes announced by senders (no activation spec)
   double announce_ratio = 0;  // announced rows of --variable-seq: see the header
   double dp_exposed_ms = 0, dp_reduce_bytes = 0;
+  // Tensor memory (see the header): per pipeline rank, and the maxima over ranks.
+  std::vector<double> peak_memory_per_rank, sim_peak_memory_per_rank;
+  double peak_memory = 0, sim_peak_memory = 0;
+  int64_t memory_limit = 0;  // limited rows of --memory-limit-mb
+  double limit_ratio = 0;
   std::vector<double> f_ms, i_ms, w_ms, b_ms;  // per stage (I and B without their recomputation)
   std::vector<double> r_ms;                    // per stage: recomputation inside each I or B (--recompute)
   std::vector<std::string> trace_files;        // written by rank 0 under --trace-dir
@@ -217,10 +247,45 @@ double gradient_bytes(const std::vector<at::Tensor>& params) {
   return bytes;
 }
 
+// One pipeline of a configuration: how its shapes travel and its memory limit (0: none).
+struct Variant {
+  bool announced = false;
+  int64_t memory_limit = 0;
+};
+
+// Samples of the memory model of simulate_peak_memory() (see the header), from this rank's measured steps.
+struct MemorySamples {
+  std::vector<double> base;  // memory when a step starts
+  // [stage][action type]: added and rise of each action (W: per micro-batch)
+  std::vector<std::array<std::vector<double>, kNumActionTypes>> added, rise;
+  std::vector<double> gradients;  // [stage]: .grad bytes of its parameters (this rank's stages)
+
+  // One step: its events in order. A stage's first W or B allocates its gradients; that allocation is taken out
+  // of the action and given to the model as MemoryModel::gradients.
+  void add(const Trace& trace) {
+    if (trace.events.empty()) return;
+    base.push_back(static_cast<double>(trace.events.front().memory_before));
+    std::set<int> has_gradients;
+    for (const TraceEvent& e : trace.events) {
+      const int type = static_cast<int>(e.action.type);
+      const bool weights = e.action.type == ActionType::kBackwardWeight || e.action.type == ActionType::kBackward;
+      const double g = weights && has_gradients.insert(e.action.stage).second ? gradients[e.action.stage] : 0.0;
+      const double k = e.action.type == ActionType::kBackwardWeight
+                           ? static_cast<double>(std::max<std::size_t>(1, e.action.micro_batches.size()))
+                           : 1.0;
+      added[e.action.stage][type].push_back((static_cast<double>(e.memory_after - e.memory_before) - g) / k);
+      rise[e.action.stage][type].push_back((static_cast<double>(e.memory_peak - e.memory_before) - g) / k);
+    }
+  }
+};
+
 // What run_config measures of one variant (one pipeline) over the measured steps.
 struct Measurements {
   std::unique_ptr<Pipeline> pipeline;
+  Variant variant;
   bool announced = false;
+  std::vector<double> peak_memory;  // per measured step: StepResult::peak_memory_bytes
+  MemorySamples memory;
   std::vector<std::vector<double>> f, i, w, b;  // per stage: F, I, W (per micro-batch), B durations in ms
   std::vector<std::vector<double>> r;           // per stage: recomputation inside I/B, ms (--recompute)
   std::vector<double> steps_ms, busy_ms, reduce_wait_ms;
@@ -231,34 +296,51 @@ RunResult summarize_run(Transport& world, ParallelGroups& groups, const Pipeline
                         BackwardMode mode, bool dp_overlap, double comm_ms, const Measurements& m);
 
 // Runs one configuration on this rank; every rank calls it with the same arguments, in the same order. One result
-// per entry of `announce` (false: fixed activation specs, true: shapes announced by the senders): the variants are
-// separate pipelines of identical models that take turns step by step, so that the machine's noise hits them alike
-// and their ratio is paired.
+// per entry of `variants` (fixed activation specs or shapes announced by the senders; a memory limit or none): the
+// variants are separate pipelines of identical models that take turns step by step, so that the machine's noise
+// hits them alike and their ratio is paired (the second against the first).
 // `world` holds every rank (dp · p); the pipeline runs on groups.pipeline(), and with dp > 1 averages its
 // gradients over groups.data_parallel() (overlapped with the rank's remaining actions when `dp_overlap`).
 // Per-pipeline measurements (costs, busy time, bubble, traces) are replica 0's; step times are taken between
 // barriers over the whole world. With dp == 1 the world is the pipeline and nothing changes.
 std::vector<RunResult> run_config(Transport& world, ParallelGroups& groups, const PipelineArgs& a,
                                   const std::string& name, BackwardMode mode, bool dp_overlap,
-                                  const std::vector<bool>& announce) {
+                                  const std::vector<Variant>& variant_list) {
   const Duration timeout{static_cast<int64_t>(a.timeout_s * 1000)};
   Transport& transport = groups.pipeline();
   const int p = transport.world_size(), me = transport.rank();
   Schedule schedule = resolve_schedule({name, a.schedule_file, a.chunks_per_rank}, p, a.microbatches, mode);
 
-  std::vector<Measurements> variants(announce.size());
+  std::vector<Measurements> variants(variant_list.size());
   const PipelineModelArgs model = a.model;
-  for (std::size_t k = 0; k < announce.size(); ++k) {
+  for (std::size_t k = 0; k < variant_list.size(); ++k) {
+    const Variant& vk = variant_list[k];
     PipelineOptions options;
     options.timeout = timeout;
     options.loss = model_loss(a.model);
-    if (!announce[k]) options.activation_spec = [model](int stage) { return model_activation_spec(model, stage); };
+    if (!vk.announced) options.activation_spec = [model](int stage) { return model_activation_spec(model, stage); };
     options.data_parallel.group = groups.data_parallel();
     options.data_parallel.overlap = dp_overlap;
-    variants[k].announced = announce[k];
+    options.record_memory = true;
+    options.memory_limit_bytes = vk.memory_limit;
+    variants[k].variant = vk;
+    variants[k].announced = vk.announced;
     std::vector<PipelineChunk> chunks = make_model_chunks(a.model, schedule, me);
     for (auto& chunk : chunks) chunk.recompute = a.recompute;
     variants[k].pipeline = std::make_unique<Pipeline>(schedule, std::move(chunks), transport, options);
+    // .grad bytes per stage, each tensor counted once on this rank (in its first stage: tied weights).
+    MemorySamples& ms = variants[k].memory;
+    ms.gradients.assign(schedule.num_stages, 0.0);
+    ms.added.resize(schedule.num_stages);
+    ms.rise.resize(schedule.num_stages);
+    std::set<const void*> counted;
+    for (int s : variants[k].pipeline->stage_indices()) {
+      std::vector<at::Tensor> fresh;
+      for (const auto& t : variants[k].pipeline->stage(s).parameters()) {
+        if (counted.insert(t.unsafeGetTensorImpl()).second) fresh.push_back(t);
+      }
+      ms.gradients[s] = gradient_bytes(fresh);
+    }
   }
   const std::vector<int64_t> act_shape = model_activation_spec(a.model, 0).shape;
   const Schedule& sched = variants[0].pipeline->schedule();
@@ -285,6 +367,8 @@ std::vector<RunResult> run_config(Transport& world, ParallelGroups& groups, cons
       v.steps_ms.push_back(ms);
       v.busy_ms.push_back(result.trace.busy_us() / 1000.0);
       v.reduce_wait_ms.push_back(result.reduce_wait_us / 1000.0);
+      v.peak_memory.push_back(static_cast<double>(result.peak_memory_bytes));
+      v.memory.add(result.trace);
       for (const auto& e : result.trace.events) {
         // I and B are recorded without their recomputation, which is recorded apart (the simulator adds it back).
         const double d = (e.end_us - e.start_us - e.recompute_us) / 1000.0;
@@ -309,16 +393,51 @@ std::vector<RunResult> run_config(Transport& world, ParallelGroups& groups, cons
   for (const Measurements& v : variants) {
     out.push_back(summarize_run(world, groups, a, name, mode, dp_overlap, comm_ms, v));
   }
-  // Announced against fixed shapes, paired: the median over measured steps of the ratio of the two variants'
-  // step times in that step (rank 0's times, as every reported step time).
-  if (announce == std::vector<bool>{false, true}) {
+  // The second variant against the first, paired: the median over measured steps of the ratio of the two
+  // variants' step times in that step (rank 0's times, as every reported step time).
+  if (variants.size() == 2) {
     std::vector<double> ratios;
     for (std::size_t k = 0; k < variants[0].steps_ms.size(); ++k) {
       ratios.push_back(variants[0].steps_ms[k] / variants[1].steps_ms[k]);
     }
-    out[1].announce_ratio = summarize(ratios).median;
+    (variant_list[1].announced ? out[1].announce_ratio : out[1].limit_ratio) = summarize(ratios).median;
   }
   return out;
+}
+
+// Tensor memory of one variant (see the header): the measured peak per pipeline rank, and the peak
+// simulate_peak_memory() predicts from the memory model measured in the same steps. Collective over the pipeline.
+void summarize_memory(Transport& transport, const Schedule& sched, const Measurements& m, Duration timeout,
+                      RunResult& r) {
+  const int p = transport.world_size(), me = transport.rank(), S = sched.num_stages;
+  auto med = [](const std::vector<double>& v) { return v.empty() ? 0.0 : summarize(v).median; };
+  constexpr int kPerStage = 2 * kNumActionTypes + 1;  // (added, rise) per action type, then gradient bytes
+  // Slots: [pipeline rank] measured peak, [pipeline rank] base, then kPerStage per stage (its owner fills them).
+  std::vector<double> mem(2 * static_cast<std::size_t>(p) + static_cast<std::size_t>(kPerStage) * S, 0.0);
+  mem[me] = m.peak_memory.empty() ? 0.0 : *std::max_element(m.peak_memory.begin(), m.peak_memory.end());
+  mem[p + me] = med(m.memory.base);
+  for (int s : sched.stages_of(me)) {
+    double* row = &mem[2 * static_cast<std::size_t>(p) + static_cast<std::size_t>(kPerStage) * s];
+    for (int t = 0; t < kNumActionTypes; ++t) {
+      row[2 * t] = med(m.memory.added[s][t]);
+      row[2 * t + 1] = med(m.memory.rise[s][t]);
+    }
+    row[2 * kNumActionTypes] = m.memory.gradients[s];
+  }
+  mem = sum_over_ranks(transport, mem, timeout);
+  MemoryModel model;
+  model.base.assign(mem.begin() + p, mem.begin() + 2 * p);
+  model.stages.resize(S);
+  model.gradients.resize(S);
+  for (int s = 0; s < S; ++s) {
+    const double* row = &mem[2 * static_cast<std::size_t>(p) + static_cast<std::size_t>(kPerStage) * s];
+    for (int t = 0; t < kNumActionTypes; ++t) model.stages[s][t] = {row[2 * t], row[2 * t + 1]};
+    model.gradients[s] = row[2 * kNumActionTypes];
+  }
+  r.peak_memory_per_rank.assign(mem.begin(), mem.begin() + p);
+  r.sim_peak_memory_per_rank = simulate_peak_memory(sched, model);
+  r.peak_memory = *std::max_element(r.peak_memory_per_rank.begin(), r.peak_memory_per_rank.end());
+  r.sim_peak_memory = *std::max_element(r.sim_peak_memory_per_rank.begin(), r.sim_peak_memory_per_rank.end());
 }
 
 // The results of one variant of run_config (one Measurements): per-stage costs, bubble, throughput, data-parallel waits, the
@@ -344,6 +463,7 @@ RunResult summarize_run(Transport& world, ParallelGroups& groups, const Pipeline
   r.dp = dp;
   r.dp_overlap = dp_overlap;
   r.announced = m.announced;
+  r.memory_limit = m.variant.memory_limit;
   r.comm_ms = comm_ms;
   // Share per-stage medians (the owner fills its stages), per-step busy times and step times.
   std::vector<double> local(kCosts * S + 2 * a.steps + p, 0.0);
@@ -412,6 +532,7 @@ RunResult summarize_run(Transport& world, ParallelGroups& groups, const Pipeline
     costs.backward_weight.assign(S, 0.0);
   }
   const SimulationResult sim = simulate(sched, costs);
+  summarize_memory(transport, sched, m, timeout, r);
   r.sim_step_ms = sim.step_time;
   r.sim_bubble = sim.bubble_fraction;
   r.peak_live = *std::max_element(sim.peak_live_micro_batches.begin(), sim.peak_live_micro_batches.end());
@@ -423,6 +544,7 @@ RunResult summarize_run(Transport& world, ParallelGroups& groups, const Pipeline
                                    mode == BackwardMode::kSplit ? "2bp" : "standard", p, a.microbatches);
     if (dp > 1) base += fmt::format("_dp{}_{}", dp, dp_overlap ? "overlap" : "nooverlap");
     if (m.announced) base += "_announced";
+    if (m.variant.memory_limit > 0) base += "_limited";
     std::ofstream(base + ".trace.json") << to_chrome_trace(traces);
     r.trace_files = {base + ".trace.json", base + ".svg"};
     std::ofstream(base + ".svg") << to_svg(traces, fmt::format("{} {} — p={} m={} v={}, last measured step", name,
@@ -500,7 +622,7 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
   out["results"] = Json::array();
   std::vector<std::vector<std::string>> rows{{"schedule", "mode", "p", "m", "v", "step ms", "p25-p75",
                                               tokens ? "tokens/s" : "samples/s", "speedup", "sim speedup", "bubble",
-                                              "sim ms", "sim err", "peak mbs"}};
+                                              "sim ms", "sim err", "peak mbs", "peak MiB", "sim MiB"}};
   const bool dp = a.dp > 1;  // dp = 1: the output of a pipeline without data parallelism, no dp fields
   if (dp) {
     rows[0].insert(rows[0].begin() + 2, "dp overlap");
@@ -513,20 +635,30 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
     rows[0].push_back("announce ratio");
     out["config"]["variable_seq"] = true;
   }
+  const bool limited = a.memory_limit_mb > 0;
+  if (limited) {
+    rows[0].insert(rows[0].begin() + 2, "limit MiB");
+    rows[0].push_back("limit ratio");
+    out["config"]["memory_limit_mb"] = a.memory_limit_mb;
+  }
+  out["config"]["memory_source"] = memory::source(c10::Device(c10::DeviceType::CPU));
   std::ofstream csv;
   if (!a.csv.empty()) {
     csv.open(a.csv);
     csv << "schedule,mode,p,m,v,tokens_per_s,step_ms_median,bubble_fraction,sim_step_ms,sim_error,"
-           "peak_live_microbatches,speedup_vs_standard,sim_speedup_vs_standard,peak_rss_bytes,samples_per_s";
+           "peak_live_microbatches,speedup_vs_standard,sim_speedup_vs_standard,peak_rss_bytes,samples_per_s,"
+           "peak_memory_bytes,sim_peak_memory_bytes";
     csv << (dp ? ",dp,dp_overlap,dp_exposed_ms,dp_reduce_bytes" : "");
-    csv << (a.variable_seq ? ",shapes,announce_ratio\n" : "\n");
+    csv << (a.variable_seq ? ",shapes,announce_ratio" : "");
+    csv << (limited ? ",memory_limit_bytes,limit_held,limit_ratio\n" : "\n");
   }
   for (const auto& r : results) {
     double speedup = 0, sim_speedup = 0;
     for (const auto& o : results) {
       const bool same = o.schedule == r.schedule && o.p == r.p && o.m == r.m && o.v == r.v &&
                         o.dp_overlap == r.dp_overlap;
-      if (same && o.announced == r.announced && o.mode == BackwardMode::kStandard) {
+      if (same && o.announced == r.announced && o.memory_limit == r.memory_limit &&
+          o.mode == BackwardMode::kStandard) {
         speedup = r.samples_per_s / o.samples_per_s;
         sim_speedup = o.sim_step_ms / r.sim_step_ms;
       }
@@ -544,6 +676,19 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
     j["sim_error"] = sim_error;
     j["peak_live_microbatches"] = r.peak_live;
     j["peak_rss_bytes"] = r.peak_rss;
+    j["peak_memory_bytes"] = r.peak_memory;
+    j["peak_memory_bytes_per_rank"] = r.peak_memory_per_rank;
+    if (r.memory_limit == 0) {  // the simulator does not model the W's a limit moves
+      j["sim_peak_memory_bytes"] = r.sim_peak_memory;
+      j["sim_memory_error"] = r.sim_peak_memory > 0 ? r.peak_memory / r.sim_peak_memory - 1.0 : 0.0;
+      j["sim_peak_memory_bytes_per_rank"] = r.sim_peak_memory_per_rank;
+    }
+    const bool held = r.peak_memory <= static_cast<double>(r.memory_limit);
+    if (r.memory_limit > 0) {
+      j["memory_limit_bytes"] = r.memory_limit;
+      j["limit_held"] = held;
+      if (r.limit_ratio > 0) j["limit_ratio"] = r.limit_ratio;
+    }
     j["communication_ms"] = r.comm_ms;
     j["costs_ms"] = {{"F", r.f_ms}, {"I", r.i_ms}, {"W", r.w_ms}, {"B", r.b_ms}};
     if (a.recompute) j["costs_ms"]["R"] = r.r_ms;
@@ -568,7 +713,8 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
                     fmt_num(tokens ? r.tokens_per_s : r.samples_per_s, tokens ? 0 : 1),
                     speedup > 0 ? fmt_num(speedup, 3) : "", speedup > 0 ? fmt_num(sim_speedup, 3) : "",
                     fmt_num(r.bubble, 3), fmt_num(r.sim_step_ms, 1), fmt_num(100 * sim_error, 1) + "%",
-                    std::to_string(r.peak_live)});
+                    std::to_string(r.peak_live), fmt_num(r.peak_memory / kMiB, 2),
+                    r.memory_limit == 0 ? fmt_num(r.sim_peak_memory / kMiB, 2) : ""});
     if (dp) {
       rows.back().insert(rows.back().begin() + 2, r.dp_overlap ? "on" : "off");
       rows.back().insert(rows.back().begin() + 2, std::to_string(r.dp));
@@ -578,11 +724,19 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
       rows.back().insert(rows.back().begin() + 2, r.announced ? "announced" : "fixed");
       rows.back().push_back(announce_ratio > 0 ? fmt_num(announce_ratio, 3) : "");
     }
+    if (limited) {
+      rows.back().insert(rows.back().begin() + 2,
+                         r.memory_limit > 0 ? fmt_num(static_cast<double>(r.memory_limit) / kMiB, 2) +
+                                                  (held ? "" : " (over)")
+                                            : "none");
+      rows.back().push_back(r.limit_ratio > 0 ? fmt_num(r.limit_ratio, 3) : "");
+    }
     if (csv) {
-      csv << fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}", r.schedule, mode_name(r.mode), r.p, r.m,
-                         r.v, tokens ? fmt::format("{}", r.tokens_per_s) : "", r.step_ms.median, r.bubble,
+      csv << fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}", r.schedule, mode_name(r.mode), r.p,
+                         r.m, r.v, tokens ? fmt::format("{}", r.tokens_per_s) : "", r.step_ms.median, r.bubble,
                          r.sim_step_ms, sim_error, r.peak_live, speedup > 0 ? fmt::format("{}", speedup) : "",
-                         speedup > 0 ? fmt::format("{}", sim_speedup) : "", r.peak_rss, r.samples_per_s);
+                         speedup > 0 ? fmt::format("{}", sim_speedup) : "", r.peak_rss, r.samples_per_s,
+                         r.peak_memory, r.memory_limit == 0 ? fmt::format("{}", r.sim_peak_memory) : "");
       if (dp) {
         csv << fmt::format(",{},{},{},{}", r.dp, r.dp_overlap ? "true" : "false", r.dp_exposed_ms,
                            r.dp_reduce_bytes);
@@ -590,6 +744,10 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
       if (a.variable_seq) {
         csv << fmt::format(",{},{}", r.announced ? "announced" : "fixed",
                            announce_ratio > 0 ? fmt::format("{}", announce_ratio) : "");
+      }
+      if (limited) {
+        csv << fmt::format(",{},{},{}", r.memory_limit, r.memory_limit > 0 ? (held ? "true" : "false") : "",
+                           r.limit_ratio > 0 ? fmt::format("{}", r.limit_ratio) : "");
       }
       csv << "\n";
     }
@@ -614,6 +772,8 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
 }
 
 void run_pipeline_bench(const PipelineArgs& a) {
+  // Before any model exists: tensor memory is counted per rank from here on (twobp/metrics/memory.h).
+  memory::count_cpu_allocations();
   at::set_num_threads(a.threads);
   std::vector<std::string> names = schedule_list(a.schedule);
   std::vector<BackwardMode> modes;
@@ -628,8 +788,11 @@ void run_pipeline_bench(const PipelineArgs& a) {
 
   // With data parallelism every configuration runs with the reductions overlapped, then without.
   const std::vector<bool> overlaps = a.dp > 1 ? std::vector<bool>{true, false} : std::vector<bool>{true};
-  // With --variable-seq every configuration runs with fixed specs and with shapes announced, in turn.
-  const std::vector<bool> announce = a.variable_seq ? std::vector<bool>{false, true} : std::vector<bool>{false};
+  // With --variable-seq every configuration runs with fixed specs and with shapes announced, in turn; with
+  // --memory-limit-mb without and with the limit.
+  std::vector<Variant> variants{Variant{}};
+  if (a.variable_seq) variants.push_back(Variant{true, 0});
+  if (a.memory_limit_mb > 0) variants.push_back(Variant{false, static_cast<int64_t>(a.memory_limit_mb * kMiB)});
   auto run_all = [&](Transport& t) {
     const Duration timeout{static_cast<int64_t>(a.timeout_s * 1000)};
     ParallelGroups groups(t, a.dp, timeout);  // UsageError unless dp divides the world size
@@ -641,9 +804,11 @@ void run_pipeline_bench(const PipelineArgs& a) {
             std::cerr << fmt::format("[pipeline] {} {} p={} m={}{}{} ...\n", name, mode_name(mode),
                                      groups.layout().pp, a.microbatches,
                                      a.dp > 1 ? fmt::format(" dp={} overlap={}", a.dp, overlap ? "on" : "off") : "",
-                                     a.variable_seq ? ", fixed specs and announced shapes in turn" : "");
+                                     a.variable_seq ? ", fixed specs and announced shapes in turn"
+                                     : a.memory_limit_mb > 0 ? ", without and with the memory limit in turn"
+                                                             : "");
           }
-          for (RunResult& r : run_config(t, groups, a, name, mode, overlap, announce)) results.push_back(std::move(r));
+          for (RunResult& r : run_config(t, groups, a, name, mode, overlap, variants)) results.push_back(std::move(r));
         }
       }
     }
@@ -732,6 +897,11 @@ void add_pipeline_command(CLI::App& app) {
   sub->add_flag("--variable-seq", a->variable_seq,
                "Also run every configuration with shapes announced by the senders (no activation spec: what "
                "sequence lengths that vary per step or micro-batch need), same data; reports announce_ratio");
+  sub->add_option("--memory-limit-mb", a->memory_limit_mb,
+                  "Also run every configuration with PipelineOptions::memory_limit_bytes = this many MiB of tensor "
+                  "memory per rank (memory-bounded 2BP); reports limit_held and limit_ratio")
+      ->check(CLI::PositiveNumber)
+      ->excludes("--variable-seq");
   sub->add_option("--json", a->json, "Write {\"config\", \"results\": [...]} here");
   sub->add_option("--csv", a->csv, "Write one CSV row per configuration here");
   sub->add_option("--trace-dir", a->trace_dir, "Write a Chrome trace and an SVG of the last step per configuration");

@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "runtime/boundary.h"
+#include "twobp/metrics/memory.h"
 #include "twobp/schedule/dependencies.h"
 #include "util/check.h"
 #include "util/format.h"
@@ -123,10 +124,16 @@ struct Executor::Step {
   std::size_t next_recv = 0;  // into recv_actions_
   std::size_t index = 0;      // of the action being executed
   std::vector<NamedTensors> input_mbs, target_mbs;
-  // Memory-bounded 2BP: per stage, micro-batches whose I ran and W did not, oldest first; and the W's run early.
-  std::map<int, std::deque<int>> pending_weight;
-  std::set<std::pair<int, int>> early_weight;  // (stage, micro-batch)
+  // Deferred W work: (stage, micro-batch) whose I ran and whose W did not, oldest first; and the W's that a memory
+  // bound ran early (the schedule's W then skips them).
+  std::deque<std::pair<int, int>> pending_weight;
+  std::set<std::pair<int, int>> early_weight;
+  std::set<int> weights_started;  // stages whose first W or B of the step ran (it allocates reset gradients)
   std::vector<at::Tensor> losses;  // on the device until the step ends
+  StepResult result;
+  Clock::time_point start;
+  DeviceTimeline* timeline = nullptr;
+  bool record_memory = false;
 
   std::string where(int rank, const Action& a) const { return fmt::format("rank {}: {}", rank, describe(a)); }
 };
@@ -135,6 +142,16 @@ Executor::Executor(const Schedule& schedule, int rank, std::map<int, Stage*> sta
                    ExecutorOptions options)
     : schedule_(schedule), rank_(rank), stages_(std::move(stages)), transport_(transport),
       options_(std::move(options)) {
+  TWOBP_CHECK(options_.memory_limit_bytes >= 0, UsageError,
+              "rank {}: the memory limit must be >= 0 bytes (0: no limit), got {}", rank_, options_.memory_limit_bytes);
+  if (options_.record_memory || options_.memory_limit_bytes > 0) {
+    TWOBP_CHECK(memory::measurable(transport_.device()), UsageError,
+                "rank {}: recording memory or bounding it in bytes needs the tensor memory of {}: {}", rank_,
+                transport_.device().str(),
+                transport_.device().is_cpu()
+                    ? "call twobp::memory::count_cpu_allocations() at the start of main(), before building the model"
+                    : "its allocator keeps no statistics");
+  }
   const auto& actions = schedule_.actions.at(rank_);
   for (std::size_t i = 0; i < actions.size(); ++i) {
     if (actions[i].type == ActionType::kRecvForward || actions[i].type == ActionType::kRecvBackward) {
@@ -205,16 +222,17 @@ void Executor::backward(Step& st, const Action& a) {
   NamedTensors grad_inputs =
       a.type == ActionType::kBackward ? s.backward(mb, grad_outputs) : s.backward_input(mb, grad_outputs);
   if (const ItemRef* made = travelling(deps.produces)) put(st.mailbox, *made, std::move(grad_inputs));
+  if (a.type != ActionType::kBackwardInput) return;
+  st.pending_weight.emplace_back(a.stage, mb);
+  // Bounded by count: this stage's oldest deferred W's run inside this I (their time counts in its event).
   const int limit = options_.max_pending_weight_micro_batches;
-  if (a.type == ActionType::kBackwardInput && limit > 0) {
-    auto& pending = st.pending_weight[a.stage];
-    pending.push_back(mb);
-    while (static_cast<int>(pending.size()) > limit) {
-      const int oldest = pending.front();
-      pending.pop_front();
-      s.backward_weight({oldest});
-      st.early_weight.insert({a.stage, oldest});
-    }
+  if (limit <= 0) return;
+  const auto of_stage = [&](const std::pair<int, int>& p) { return p.first == a.stage; };
+  while (std::count_if(st.pending_weight.begin(), st.pending_weight.end(), of_stage) > limit) {
+    const auto oldest = std::find_if(st.pending_weight.begin(), st.pending_weight.end(), of_stage);
+    const int oldest_mb = oldest->second;
+    st.pending_weight.erase(oldest);
+    run_weight_early(st, a.stage, oldest_mb);
   }
 }
 
@@ -223,11 +241,108 @@ void Executor::backward_weight(Step& st, const Action& a) {
   for (int mb : a.micro_batches) {
     if (st.early_weight.erase({a.stage, mb}) != 0) continue;
     mbs.push_back(mb);
-    auto& pending = st.pending_weight[a.stage];
-    pending.erase(std::remove(pending.begin(), pending.end(), mb), pending.end());
+    const auto it = std::find(st.pending_weight.begin(), st.pending_weight.end(), std::make_pair(a.stage, mb));
+    if (it != st.pending_weight.end()) st.pending_weight.erase(it);
   }
   stage(a).backward_weight(mbs,
                            options_.parameters_done ? options_.parameters_done(st.index) : autograd::ParametersDone());
+}
+
+// A deferred W run before the schedule's W of it (which then skips it): gradients are unchanged, since W only
+// ever runs after its I and accumulates into .grad in any order.
+void Executor::run_weight_early(Step& st, int stage_index, int micro_batch) {
+  stages_.at(stage_index)->backward_weight({micro_batch});
+  st.early_weight.insert({stage_index, micro_batch});
+  st.weights_started.insert(stage_index);
+}
+
+Executor::MemoryKey Executor::memory_key(const Step& st, ActionType type, int stage_index) {
+  const bool weights = type == ActionType::kBackwardWeight || type == ActionType::kBackward;
+  return {type, stage_index, weights && st.weights_started.count(stage_index) == 0};
+}
+
+// The most an action of this kind added while it ran (in this step or an earlier one); for a kind not seen yet,
+// the same type and stage with the other gradient flag (a W not seen as a later W of its stage yet is bounded by
+// that stage's first W, which also allocated the gradients), else the most any action added.
+int64_t Executor::expected_rise(const MemoryKey& key) const {
+  if (auto it = memory_rise_.find(key); it != memory_rise_.end()) return it->second;
+  const auto& [type, stage_index, first] = key;
+  if (auto it = memory_rise_.find({type, stage_index, !first}); it != memory_rise_.end()) return it->second;
+  int64_t rise = 0;
+  for (const auto& [k, r] : memory_rise_) rise = std::max(rise, r);
+  return rise;
+}
+
+// Bounded in bytes (ExecutorOptions::memory_limit_bytes): while `next` is expected not to fit, the oldest deferred
+// W runs, as an event of its own. A W is run only when its own expected rise is below next's: otherwise running it
+// would reach at least as high as letting `next` run (the limit is then beyond what moving W's can reach).
+void Executor::make_room(Step& st, const Action& next) {
+  const int64_t limit = options_.memory_limit_bytes;
+  if (limit <= 0) return;
+  const int64_t rise = expected_rise(memory_key(st, next.type, next.stage));
+  const c10::Device device = transport_.device();
+  while (!st.pending_weight.empty() && memory::allocated(device).current + rise > limit) {
+    const auto [oldest_stage, oldest_mb] = st.pending_weight.front();
+    if (expected_rise(memory_key(st, ActionType::kBackwardWeight, oldest_stage)) >= rise) return;
+    st.pending_weight.pop_front();
+    Action w;
+    w.type = ActionType::kBackwardWeight;
+    w.stage = oldest_stage;
+    w.micro_batches = {oldest_mb};
+    execute(st, w, /*scheduled=*/false);
+  }
+}
+
+// Runs one action -- of the rank's list (`scheduled`), or a W run early by make_room -- and records its trace
+// event (and memory); hooks run after scheduled actions only.
+void Executor::execute(Step& st, const Action& a, bool scheduled) {
+  using Handler = void (Executor::*)(Step&, const Action&);
+  static constexpr Handler kHandlers[] = {
+      &Executor::forward,          // kForward
+      &Executor::backward,         // kBackwardInput
+      &Executor::backward_weight,  // kBackwardWeight
+      &Executor::backward,         // kBackward
+      &Executor::send,             // kSendForward
+      &Executor::receive,          // kRecvForward
+      &Executor::send,             // kSendBackward
+      &Executor::receive,          // kRecvBackward
+  };
+  const c10::Device device = transport_.device();
+  const MemoryKey key = memory_key(st, a.type, a.stage);
+  int64_t before = -1;
+  if (st.record_memory) {
+    memory::reset_peak(device);
+    before = memory::allocated(device).current;
+  }
+  if (scheduled) {
+    const bool is_recv = a.type == ActionType::kRecvForward || a.type == ActionType::kRecvBackward;
+    prefetch(st, is_recv ? st.index : 0);
+  }
+  const Clock::time_point t0 = Clock::now();
+  st.timeline->begin_action();
+  if (scheduled) {
+    (this->*kHandlers[static_cast<int>(a.type)])(st, a);
+  } else {
+    run_weight_early(st, a.stage, a.micro_batches.at(0));
+  }
+  if (a.type == ActionType::kBackwardWeight || a.type == ActionType::kBackward) st.weights_started.insert(a.stage);
+  st.timeline->end_action();
+  TraceEvent event{rank_, a, std::chrono::duration<double, std::micro>(t0 - st.start).count(),
+                   detail::elapsed_us(st.start), is_compute(a.type) ? stage(a).take_recompute_us() : 0.0};
+  if (st.record_memory) {
+    const memory::Allocated now = memory::allocated(device);
+    event.memory_before = before;
+    event.memory_after = now.current;
+    event.memory_peak = now.peak;
+    st.result.peak_memory_bytes = std::max(st.result.peak_memory_bytes, now.peak);
+    int64_t& rise = memory_rise_[key];
+    rise = std::max(rise, now.peak - before);
+  }
+  st.result.trace.events.push_back(std::move(event));
+  if (scheduled && !hooks_.empty()) {
+    const ActionEvent e{rank_, &a, is_compute(a.type) ? &stage(a) : nullptr};
+    for (const auto& hook : hooks_) hook(e);
+  }
 }
 
 BoundarySpec Executor::fixed_spec(int boundary) const {
@@ -402,23 +517,14 @@ StepResult Executor::run(const NamedTensors& inputs, const NamedTensors& targets
 }
 
 StepResult Executor::run(const std::vector<NamedTensors>& inputs, const std::vector<NamedTensors>& targets) {
-  using Handler = void (Executor::*)(Step&, const Action&);
-  static constexpr Handler kHandlers[] = {
-      &Executor::forward,  // kForward
-      &Executor::backward,  // kBackwardInput
-      &Executor::backward_weight,  // kBackwardWeight
-      &Executor::backward,  // kBackward
-      &Executor::send,     // kSendForward
-      &Executor::receive,  // kRecvForward
-      &Executor::send,     // kSendBackward
-      &Executor::receive,  // kRecvBackward
-  };
   const int m = schedule_.num_micro_batches, last = schedule_.num_stages - 1;
   const auto& actions = schedule_.actions[rank_];
   Step st;
-  StepResult result;
-  const Clock::time_point start = Clock::now();
+  StepResult& result = st.result;
+  st.start = Clock::now();
   DeviceTimeline timeline(transport_.device());
+  st.timeline = &timeline;
+  st.record_memory = options_.record_memory || options_.memory_limit_bytes > 0;
 
   auto micro_batches = [&](const std::vector<NamedTensors>& given, int stage_index, const char* what) {
     TWOBP_CHECK(static_cast<int>(given.size()) == m, UsageError,
@@ -439,19 +545,8 @@ StepResult Executor::run(const std::vector<NamedTensors>& inputs, const std::vec
     }
     for (st.index = 0; st.index < actions.size(); ++st.index) {
       const Action& a = actions[st.index];
-      const bool is_recv = a.type == ActionType::kRecvForward || a.type == ActionType::kRecvBackward;
-      prefetch(st, is_recv ? st.index : 0);
-      const Clock::time_point t0 = Clock::now();
-      timeline.begin_action();
-      (this->*kHandlers[static_cast<int>(a.type)])(st, a);
-      timeline.end_action();
-      result.trace.events.push_back(
-          TraceEvent{rank_, a, std::chrono::duration<double, std::micro>(t0 - start).count(), detail::elapsed_us(start),
-                     is_compute(a.type) ? stage(a).take_recompute_us() : 0.0});
-      if (!hooks_.empty()) {
-        const ActionEvent event{rank_, &a, is_compute(a.type) ? &stage(a) : nullptr};
-        for (const auto& hook : hooks_) hook(event);
-      }
+      make_room(st, a);
+      execute(st, a, /*scheduled=*/true);
       // Completed sends are retired as we go so their buffers do not pile up over a long step.
       while (!st.sends.empty() && st.sends.front().completed()) st.sends.pop_front();
     }
@@ -479,9 +574,9 @@ StepResult Executor::run(const std::vector<NamedTensors>& inputs, const std::vec
     }
     throw;
   }
-  result.trace.step_us = detail::elapsed_us(start);
+  result.trace.step_us = detail::elapsed_us(st.start);
   timeline.apply(result.trace);
-  return result;
+  return std::move(result);
 }
 
 }  // namespace twobp

@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "twobp/error.h"
+#include "twobp/metrics/memory.h"
 #include "util/check.h"
 
 namespace twobp {
@@ -66,6 +67,7 @@ RankErrors run_rank_threads(const std::vector<Transport*>& transports, const Ran
   for (std::size_t r = 0; r < transports.size(); ++r) {
     threads.emplace_back([&, r] {
       try {
+        const memory::ScopedAccount account(static_cast<int>(r));  // CPU tensor memory counted per rank
         body(*transports[r]);
       } catch (...) {
         result.errors[r] = std::current_exception();

@@ -90,6 +90,8 @@ Pipeline::Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, std::sh
               "rank {}: PipelineOptions::max_pending_weight_micro_batches must be >= 0 (0: no limit), got {}", rank,
               options_.max_pending_weight_micro_batches);
   eo.max_pending_weight_micro_batches = options_.max_pending_weight_micro_batches;
+  eo.memory_limit_bytes = options_.memory_limit_bytes;
+  eo.record_memory = options_.record_memory;
   Transport* dp = options_.data_parallel.group;
   if (dp != nullptr && dp->world_size() > 1) {
     impl_->data_parallel = dp;

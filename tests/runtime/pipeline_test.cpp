@@ -281,6 +281,30 @@ TEST(PipelineSetup, ScheduleTheTransportCannotPairIsRefusedBeforeStepOne) {
   }
 }
 
+// This process never installs the CPU allocation counter, so memory in bytes cannot be recorded or bounded:
+// refused at construction, saying what to call, rather than reporting zeros or never bounding anything.
+TEST(PipelineSetup, MemoryInBytesWithoutTheCpuCounterIsRefused) {
+  auto schedule = make_schedule("1f1b", ScheduleOptions{2, 2, 1, BackwardMode::kSplit});
+  for (bool limit : {false, true}) {
+    auto transports = make_local_transports(2);
+    auto module = FastMlp(kDim);
+    std::vector<PipelineChunk> chunks{{0, module.ptr(), [raw = module.ptr()](const at::Tensor& x) { return raw->forward(x); }}};
+    PipelineOptions options = default_options();
+    if (limit) {
+      options.memory_limit_bytes = 1 << 20;
+    } else {
+      options.record_memory = true;
+    }
+    try {
+      Pipeline(schedule, std::move(chunks), std::move(transports[0]), options);
+      ADD_FAILURE() << "expected a UsageError";
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find("count_cpu_allocations()"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("rank 0"), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(PipelineSetup, ChunkOnTheWrongRankIsRejected) {
   auto schedule = make_schedule("1f1b", ScheduleOptions{2, 2, 1, BackwardMode::kSplit});
   auto transports = make_local_transports(2);

@@ -344,6 +344,75 @@ TEST(SimulateDataParallel, RejectsBadReductionCosts) {
   EXPECT_THROW(simulate(sc, c), UsageError);
 }
 
+// simulate_peak_memory with one unit of memory per live micro-batch (F adds 1; B, or W per micro-batch, frees it)
+// is the simulator's peak_live_micro_batches, for every schedule: two accounts of the same lifetimes.
+TEST(SimulatePeakMemory, UnitActivationsAreThePeakLiveMicroBatches) {
+  for (const auto& name : builtin_schedule_names()) {
+    for (BackwardMode mode : {BackwardMode::kStandard, BackwardMode::kSplit}) {
+      for (auto [p, m] : std::vector<std::pair<int, int>>{{2, 2}, {2, 5}, {3, 6}, {4, 8}, {4, 12}}) {
+        Schedule sc;
+        try {
+          sc = make_schedule(name, default_schedule_options(name, p, m, mode));
+        } catch (const ScheduleError&) {
+          continue;  // this shape is not one the schedule takes
+        }
+        MemoryModel model;
+        model.base.assign(sc.num_ranks, 0.0);
+        model.stages.resize(sc.num_stages);
+        for (auto& s : model.stages) {
+          s[static_cast<int>(ActionType::kForward)] = {1.0, 1.0};
+          s[static_cast<int>(ActionType::kBackward)] = {-1.0, 0.0};
+          s[static_cast<int>(ActionType::kBackwardWeight)] = {-1.0, 0.0};
+        }
+        const std::vector<double> peaks = simulate_peak_memory(sc, model);
+        const SimulationResult sim = simulate(sc, CostModel::uniform(sc.num_stages, 1.0, 1.0, 1.0));
+        for (int r = 0; r < sc.num_ranks; ++r) {
+          EXPECT_EQ(peaks[r], sim.peak_live_micro_batches[r]) << name << " p=" << p << " m=" << m << " rank " << r;
+        }
+      }
+    }
+  }
+}
+
+// By hand: 1F1B with 2BP, 2 ranks, 2 micro-batches; rank 1 runs F0 I0 F1 I1 W0 W1 (plus messages).
+TEST(SimulatePeakMemory, WalksEachRanksActionsInOrder) {
+  const Schedule sc = make("1f1b", 2, 2, BackwardMode::kSplit);
+  MemoryModel model;
+  model.base = {100.0, 50.0};
+  model.stages.resize(2);
+  for (auto& s : model.stages) {
+    s[static_cast<int>(ActionType::kForward)] = {10.0, 12.0};         // keeps 10, 2 more while it runs
+    s[static_cast<int>(ActionType::kBackwardInput)] = {-6.0, 3.0};    // frees 6 of the 10, works with 3
+    s[static_cast<int>(ActionType::kBackwardWeight)] = {-4.0, 1.0};   // frees the rest
+    s[static_cast<int>(ActionType::kRecvBackward)] = {0.5, 0.5};      // a gradient buffer
+    s[static_cast<int>(ActionType::kSendBackward)] = {-0.5, 0.0};
+  }
+  model.gradients = {0.0, 7.0};  // stage 1's first W allocates its .grad
+  const std::vector<double> peaks = simulate_peak_memory(sc, model);
+  // Rank 1 (the last stage: RECV_F costs nothing here, SEND_B frees a gradient buffer): levels
+  //   F0 50 -> 60 (peak 62); I0 -> 54 (peak 63); SEND_B -> 53.5; RECV_F/F1 -> 63.5 (peak 65.5); I1 -> 57.5
+  //   (peak 66.5); SEND_B -> 57; W0 -> 57 - 4 + 7 = 60 (peak 57 + 1 + 7 = 65); W1 -> 56.
+  EXPECT_DOUBLE_EQ(peaks[1], 66.5);
+  // Rank 0: F0 -> 110 (112); F1 -> 120 (122); RECV_B -> 120.5; I0 -> 114.5 (123.5); ... so the peak is 123.5.
+  EXPECT_DOUBLE_EQ(peaks[0], 123.5);
+}
+
+TEST(SimulatePeakMemory, RejectsModelsThatDoNotCoverTheSchedule) {
+  const Schedule sc = make("1f1b", 2, 2, BackwardMode::kSplit);
+  MemoryModel model;
+  model.base = {0.0};
+  model.stages.resize(2);
+  EXPECT_THROW(simulate_peak_memory(sc, model), UsageError);
+  model.base = {0.0, 0.0};
+  model.stages.resize(3);
+  EXPECT_THROW(simulate_peak_memory(sc, model), UsageError);
+  model.stages.resize(2);
+  model.gradients = {1.0};
+  EXPECT_THROW(simulate_peak_memory(sc, model), UsageError);
+  model.gradients.clear();
+  EXPECT_NO_THROW(simulate_peak_memory(sc, model));
+}
+
 TEST(Grid, RendersCells) {
   const Schedule sc = make("1f1b", 2, 2, BackwardMode::kSplit);
   const std::string grid = render_grid(sc);

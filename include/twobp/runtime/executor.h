@@ -8,6 +8,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <tuple>
 #include <vector>
 
 #include "twobp/schedule/dependencies.h"
@@ -27,6 +28,9 @@ struct StepResult {
   /// With data parallelism (PipelineOptions::data_parallel): microseconds step() waited, after this rank's last
   /// action, for the gradient reductions to finish -- their time left exposed on the critical path. 0 otherwise.
   double reduce_wait_us = 0.0;
+  /// With ExecutorOptions::record_memory: the most tensor memory this rank held during the step, in bytes
+  /// (twobp/metrics/memory.h; the max of the trace events' memory_peak). -1 when not recorded.
+  int64_t peak_memory_bytes = -1;
 };
 
 /// Passed to hooks after each action.
@@ -49,6 +53,18 @@ struct ExecutorOptions {
   /// schedule says). When an I would leave more, the oldest one's W runs right after that I (its time counts in
   /// the I's trace event), and the schedule's W skips it. Gradients are unchanged: W only ever runs after its I.
   int max_pending_weight_micro_batches = 0;
+  /// Records the rank's tensor memory around every action (TraceEvent::memory_*, StepResult::peak_memory_bytes).
+  /// Needs memory::measurable(transport.device()) (on CPU: memory::count_cpu_allocations() first).
+  bool record_memory = false;
+  /// Memory-bounded 2BP in bytes (0: no limit; implies record_memory). Before each action, while the rank's tensor
+  /// memory plus the most that kind of action added while it ran (kind: type, stage, and whether it is the stage's
+  /// first W or B of the step, which allocates gradients; measured in this step or an earlier one, and for a kind
+  /// not seen yet the most any action added) would exceed the limit, the rank's oldest deferred W (the
+  /// micro-batch whose I ran first) runs, as a W event of its own in the trace, and the schedule's W skips it --
+  /// unless that W is expected to rise at least as high itself. Only deferred W work can be moved: what the
+  /// schedule needs beyond that (activations, standard mode) is not bounded, and a step's first actions of each
+  /// kind have no measurement yet, so a first step may exceed it. Gradients are unchanged.
+  int64_t memory_limit_bytes = 0;
   /// Asked before each W with the action's index in the rank's list: a function for Stage::backward_weight to
   /// call with parameters whose gradient is final during that W, or null (data-parallel reduction uses it).
   std::function<autograd::ParametersDone(std::size_t action_index)> parameters_done;
@@ -101,6 +117,14 @@ class Executor {
   void backward_weight(Step& st, const Action& a);
   void send(Step& st, const Action& a);
   void receive(Step& st, const Action& a);
+  void execute(Step& st, const Action& a, bool scheduled);
+  void run_weight_early(Step& st, int stage, int micro_batch);
+  void make_room(Step& st, const Action& next);
+  // Memory-bounded 2BP: an action's kind for its expected rise -- (type, stage, whether it is the stage's first W
+  // or B of the step, which allocates gradients reset by zero_grad()).
+  using MemoryKey = std::tuple<ActionType, int, bool>;
+  static MemoryKey memory_key(const Step& st, ActionType type, int stage_index);
+  int64_t expected_rise(const MemoryKey& key) const;
   void prefetch(Step& st, std::size_t up_to_inclusive);
   void post_tensors(Step& st, std::size_t index);
   BoundarySpec fixed_spec(int boundary) const;
@@ -114,6 +138,8 @@ class Executor {
   ExecutorOptions options_;
   std::vector<Hook> hooks_;
   std::vector<std::size_t> recv_actions_;  // indices of RECV_* in this rank's action list
+  // Memory-bounded 2BP: per MemoryKey, the most tensor memory one such action added while it ran.
+  std::map<MemoryKey, int64_t> memory_rise_;
 };
 
 }  // namespace twobp

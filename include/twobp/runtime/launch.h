@@ -68,7 +68,8 @@ struct RankErrors {
 
 /// Runs body(*transports[r]) on one thread per transport and joins them all. With abort_on_error, a rank whose
 /// body throws aborts its transport with the error's message (its peers then fail fast). Never throws the bodies'
-/// errors: it returns them, for tests that look at every rank's.
+/// errors: it returns them, for tests that look at every rank's. Thread r's CPU tensor memory is counted in
+/// memory account r (twobp/metrics/memory.h).
 RankErrors run_rank_threads(const std::vector<Transport*>& transports, const RankBody& body,
                             bool abort_on_error = true);
 /// The same on transports owned by the caller (make_local_transports()).

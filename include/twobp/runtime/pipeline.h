@@ -54,6 +54,12 @@ struct PipelineOptions {
   /// Memory-bounded 2BP: at most this many micro-batches per stage wait for their W; an I that would leave more
   /// runs the oldest one's W at once (see ExecutorOptions::max_pending_weight_micro_batches). 0: no limit.
   int max_pending_weight_micro_batches = 0;
+  /// Memory-bounded 2BP in bytes of tensor memory per rank (see ExecutorOptions::memory_limit_bytes and
+  /// twobp/metrics/memory.h): before an action that would not fit, the rank's oldest deferred W's run. 0: no limit.
+  int64_t memory_limit_bytes = 0;
+  /// Record each rank's tensor memory around every action (TraceEvent::memory_*, StepResult::peak_memory_bytes);
+  /// on CPU, call memory::count_cpu_allocations() first. Implied by memory_limit_bytes.
+  bool record_memory = false;
   /// Data parallelism: the group of this stage's replicas and how gradients are averaged over it (see
   /// twobp/runtime/data_parallel.h). With a group of more than one rank, the constructor is collective over it,
   /// step() returns averaged gradients, and mean_loss() / check_gradients() cover every replica.

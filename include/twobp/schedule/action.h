@@ -20,6 +20,8 @@ enum class ActionType : std::uint8_t {
   kSendBackward,    ///< SEND_B: send the input gradient of `stage` to the rank owning stage - 1.
   kRecvBackward,    ///< RECV_B: receive the output gradient of `stage` from the rank owning stage + 1.
 };
+/// The number of action types (tables indexed by static_cast<int>(ActionType)).
+inline constexpr int kNumActionTypes = 8;
 
 /// One step of one rank's program. `stage` is the global stage index in [0, num_stages); a rank owning several
 /// chunks (interleaved, V schedules) owns several stages. `micro_batches` holds exactly one entry, except for

@@ -1,6 +1,7 @@
 #pragma once
 // Schedules as data: generators, text form, grid, validation and simulation.
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -229,5 +230,32 @@ struct SimulationResult {
 /// Throws UsageError when a cost vector the schedule needs has the wrong size, or a data_parallel_reduce entry is
 /// negative or not finite.
 SimulationResult simulate(const Schedule& schedule, const CostModel& costs);
+
+/// Tensor memory of one kind of action on one stage, in bytes, for simulate_peak_memory(): what one action leaves
+/// allocated when it ends (`added`; negative when it frees more than it allocates) and the most it adds while it
+/// runs (`rise`: its working memory plus what it keeps). For W both are per micro-batch of the action. In these
+/// terms a micro-batch's activations on a stage are F's `added`, and the (input, output gradient) pairs a deferred
+/// W keeps (2BP's extra memory) are −W's `added`.
+struct ActionMemory {
+  double added = 0.0;
+  double rise = 0.0;
+};
+
+/// What simulate_peak_memory() needs, in bytes (measured by `twobp_bench pipeline`, or estimated).
+struct MemoryModel {
+  /// Per rank: tensor memory held when a step starts (weights, optimizer state, caches).
+  std::vector<double> base;
+  /// Per stage: one ActionMemory per action type, indexed by static_cast<int>(ActionType).
+  std::vector<std::array<ActionMemory, kNumActionTypes>> stages;
+  /// Per stage: gradient bytes its first weight action of a step (W or B) allocates -- when gradients are reset to
+  /// undefined between steps, as Pipeline::zero_grad() does. Empty: none.
+  std::vector<double> gradients;
+};
+
+/// Peak tensor memory of each rank over one step of `schedule`: each rank walks its actions in order (a rank's
+/// memory changes only by its own actions), from base[r]; an action reaches level + rise and leaves level + added
+/// (× micro-batches for W; plus gradients[stage] for the stage's first W or B). Throws UsageError when `model`
+/// does not cover the schedule's ranks and stages.
+std::vector<double> simulate_peak_memory(const Schedule& schedule, const MemoryModel& model);
 
 }  // namespace twobp

@@ -1,6 +1,7 @@
 #pragma once
 // Timeline of what each rank did in a step: the raw material for bubble statistics and pictures.
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -21,6 +22,10 @@ struct TraceEvent {
   double end_us = 0.0;
   /// Activation recomputation: the part of this I or B spent re-running the forward first (host time), else 0.
   double recompute_us = 0.0;
+  /// Tensor memory of the rank in bytes (twobp/metrics/memory.h), when the pipeline records it
+  /// (PipelineOptions::record_memory), else -1: allocated before the action (including the receives it posts
+  /// ahead), after it, and the most while it ran.
+  int64_t memory_before = -1, memory_after = -1, memory_peak = -1;
 };
 
 struct Trace {
