@@ -7,6 +7,8 @@
 //   mpirun -n 8 llama_pipeline --dp 2 --device cuda ...                        # 2 replicas of a 4-rank pipeline
 //   llama_pipeline --pack --seq-len-warmup 10 --steps 50                       # packed documents, length warm-up
 //   llama_pipeline --recompute --schedule zb-h1                                # activation recomputation
+//   llama_pipeline --model 7b --stages 4 --schedule zb-v --dry-run --gpu-memory-gb 80   # will it fit?
+//   llama_pipeline --schedule zb-h2 --memory-limit-gb 0.5                      # memory-bounded 2BP
 //
 // Ranks: under an MPI launcher (detected by twobp::launched_by_mpi_launcher) in a build with MPI every process is
 // one rank (MpiEnvironment); under torchrun or srun -- or mpirun in a build without MPI -- the ranks come from the
@@ -57,6 +59,7 @@
 #include "twobp/config.h"
 #include "twobp/data.h"
 #include "twobp/error.h"
+#include "twobp/metrics/memory.h"
 #include "twobp/metrics/metrics.h"
 #include "twobp/models/llama.h"
 #include "twobp/runtime/launch.h"
@@ -105,6 +108,8 @@ struct Args {
   int stages = 2;
   int dp = 1;  // data-parallel replicas
   int max_pending_w = 0;  // memory-bounded 2BP: 0 = no limit
+  double memory_limit_gb = 0;  // memory-bounded 2BP in GiB of tensor memory per rank: 0 = no limit
+  double gpu_memory_gb = 0;    // dry run: say whether each rank fits this much (0: do not judge)
   bool pack = false;      // packed documents: positions and document mask cross every stage boundary
   int doc_separator = 10;  // the token that ends a document ('\n' for the byte-level corpus)
   int seq_len_warmup = 0;  // steps over which the sequence length grows to --seq-len (0: none)
@@ -116,6 +121,9 @@ struct Args {
   std::string json;
   uint64_t seed = 1234;
 };
+
+/// The training precision of the memory estimates (twobp::models::training_precision) for --dtype.
+std::string training_precision_name(const Args& a) { return a.dtype == "bf16" ? "bf16" : "fp32"; }
 
 /// Everything every rank agrees on before the first step.
 struct Plan {
@@ -203,7 +211,6 @@ nlohmann::json config_json(const Plan& p) {
 
 int dry_run(const Plan& p) {
   const auto& cfg = p.config;
-  const int64_t bytes = p.dtype == at::kBFloat16 ? 2 : 4;
   const int S = p.schedule.num_stages;
   // Simulated schedule with the partition's compute estimates (I and W each ~ one forward; B = I + W).
   twobp::CostModel costs;
@@ -215,59 +222,78 @@ int dry_run(const Plan& p) {
     costs.backward.push_back(2 * c);
   }
   const auto sim = twobp::simulate(p.schedule, costs);
+  // Memory: the formulas of twobp::models::memory_model walked through the schedule by
+  // twobp::simulate_peak_memory, as twobp_bench pipeline does with measured memory.
+  llm::MemoryPlanOptions mo;
+  mo.micro_batch_size = p.args.micro_batch_size;
+  mo.seq_len = p.seq_len;
+  mo.precision = llm::training_precision(training_precision_name(p.args));
+  mo.recompute = p.args.recompute;
+  const auto ranks = llm::estimate_memory(cfg, p.partition, p.schedule, mo);
+  const double gib = 1024.0 * 1024.0 * 1024.0;
+  const double budget = p.args.gpu_memory_gb * gib;
 
   nlohmann::json j = config_json(p);
   j["parameters"] = llm::parameter_count(cfg);
   j["simulated_bubble_fraction"] = sim.bubble_fraction;
-  j["activation_formula"] =
-      "per block and token (9*dim + 2*kv_dim + 4*ffn) elements; embedding dim; head 2*dim elements + (bytes+4)*vocab "
-      "bytes; memory_bytes = weights + grads + 2*weights (AdamW) + peak_live_micro_batches * max chunk activations "
-      "(twobp::metrics::training_memory_bytes)";
+  j["precision"] = mo.precision.name;
+  j["recompute"] = mo.recompute;
+  if (budget > 0) j["gpu_memory_gb"] = p.args.gpu_memory_gb;
+  j["memory_formula"] =
+      "twobp::models::memory_model + twobp::simulate_peak_memory: base = parameters x (compute + master + AdamW "
+      "bytes); per stage F keeps chunk_activation_bytes (recompute: the input), I keeps chunk_pending_weight_bytes "
+      "until W, the first W or B allocates the gradients; message buffers not counted";
   fmt::print("model {}: {} parameters ({:.3f} B), {} stages over {} ranks, schedule {} ({}), partition {} "
-             "(imbalance {:.3f})\n",
+             "(imbalance {:.3f}), precision {}{}, micro-batch {} x {} tokens, m = {}\n",
              cfg.name, llm::parameter_count(cfg), llm::parameter_count(cfg) / 1e9, S, p.world_size, p.schedule.name,
-             p.schedule.backward == twobp::BackwardMode::kSplit ? "2BP" : "fused backward", p.partition.layout(), p.partition.imbalance());
+             p.schedule.backward == twobp::BackwardMode::kSplit ? "2BP" : "fused backward", p.partition.layout(),
+             p.partition.imbalance(), mo.precision.name, mo.recompute ? ", recompute" : "", mo.micro_batch_size,
+             mo.seq_len, p.schedule.num_micro_batches);
   j["stages"] = nlohmann::json::array();
   for (int s = 0; s < S; ++s) {
     const auto& spec = p.partition.chunks[s];
-    const int64_t n = llm::chunk_parameter_count(cfg, spec);
-    const int64_t act = llm::chunk_activation_bytes(cfg, spec, p.args.micro_batch_size, p.seq_len, bytes);
-    j["stages"].push_back({{"stage", s},
-                           {"rank", p.schedule.stage_to_rank[s]},
-                           {"first_layer", spec.first_layer},
-                           {"end_layer", spec.end_layer},
-                           {"embedding", spec.has_embedding},
-                           {"head", spec.has_head},
-                           {"parameters", n},
-                           {"cost", p.partition.cost[s]},
-                           {"activation_bytes_per_micro_batch", act},
-                           {"memory_bytes", twobp::metrics::training_memory_bytes(n, bytes, 1, act)}});
+    const int64_t b = mo.precision.compute_bytes;
+    j["stages"].push_back(
+        {{"stage", s},
+         {"rank", p.schedule.stage_to_rank[s]},
+         {"first_layer", spec.first_layer},
+         {"end_layer", spec.end_layer},
+         {"embedding", spec.has_embedding},
+         {"head", spec.has_head},
+         {"parameters", llm::chunk_parameter_count(cfg, spec)},
+         {"cost", p.partition.cost[s]},
+         {"activation_bytes_per_micro_batch", llm::chunk_activation_bytes(cfg, spec, mo.micro_batch_size, mo.seq_len, b)},
+         {"pending_weight_bytes_per_micro_batch",
+          llm::chunk_pending_weight_bytes(cfg, spec, mo.micro_batch_size, mo.seq_len, b)}});
   }
   j["ranks"] = nlohmann::json::array();
+  bool all_fit = true;
   for (int r = 0; r < p.world_size; ++r) {
-    int64_t params = 0, act_max = 0;
-    for (int s : p.schedule.stages_of(r)) {
-      params += llm::chunk_parameter_count(cfg, p.partition.chunks[s]);
-      act_max = std::max(act_max, llm::chunk_activation_bytes(cfg, p.partition.chunks[s], p.args.micro_batch_size,
-                                                             p.seq_len, bytes));
-    }
-    const int peak = sim.peak_live_micro_batches[r];
-    const int64_t weights = params * bytes, grads = params * bytes, adam = 2 * params * bytes;
-    const int64_t activations = peak * act_max;
-    const int64_t total = twobp::metrics::training_memory_bytes(params, bytes, peak, act_max);
-    j["ranks"].push_back({{"rank", r},
-                          {"parameters", params},
-                          {"weights_bytes", weights},
-                          {"grads_bytes", grads},
-                          {"adamw_bytes", adam},
-                          {"peak_live_micro_batches", peak},
-                          {"activation_bytes", activations},
-                          {"memory_bytes", total}});
-    fmt::print("  rank {}: stages {}, {} parameters, weights {}, grads {}, AdamW {}, activations {} x {} = {}, "
-               "total {}\n",
-               r, fmt::join(p.schedule.stages_of(r), ","), params, human_bytes(weights), human_bytes(grads),
-               human_bytes(adam), peak, human_bytes(act_max), human_bytes(activations), human_bytes(total));
+    const auto& e = ranks[r];
+    const bool fits = budget <= 0 || e.total <= budget;
+    all_fit = all_fit && fits;
+    nlohmann::json row{{"rank", r},
+                       {"parameters", e.parameters},
+                       {"weights_bytes", e.weights},
+                       {"master_weights_bytes", e.master_weights},
+                       {"optimizer_bytes", e.optimizer},
+                       {"gradient_bytes", e.gradients},
+                       {"activation_bytes", e.activations},
+                       {"pending_weight_bytes", e.pending_weights},
+                       {"peak_live_micro_batches", sim.peak_live_micro_batches[r]},
+                       {"memory_bytes", e.total}};
+    if (budget > 0) row["fits"] = fits;
+    j["ranks"].push_back(row);
+    fmt::print("  rank {}: stages {}, {} parameters | weights {}, masters {}, AdamW {}, grads {} | activations {}, "
+               "pending W {} | total {}{}\n",
+               r, fmt::join(p.schedule.stages_of(r), ","), e.parameters, human_bytes(e.weights),
+               human_bytes(e.master_weights), human_bytes(e.optimizer), human_bytes(e.gradients),
+               human_bytes(e.activations), human_bytes(e.pending_weights), human_bytes(e.total),
+               budget > 0 ? (fits ? fmt::format(" (fits {:g} GiB)", p.args.gpu_memory_gb)
+                                  : fmt::format(" (DOES NOT FIT {:g} GiB)", p.args.gpu_memory_gb))
+                          : "");
   }
+  if (budget > 0) j["fits"] = all_fit;
   if (!p.args.json.empty()) write_json(p.args.json, j);
   return 0;
 }
@@ -280,6 +306,7 @@ struct StepRecord {
   double tokens_per_s;
   double grad_norm;
   double lr;
+  double peak_memory_bytes;  // max over the pipeline's ranks of StepResult::peak_memory_bytes
 };
 
 /// What rank 0 reports and the threads share.
@@ -358,6 +385,10 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
   }
   po.data_parallel.group = groups.data_parallel();
   po.max_pending_weight_micro_batches = a.max_pending_w;
+  // Tensor memory of the device the chunks compute on, recorded every step (and bounded with --memory-limit-gb).
+  po.record_memory = true;
+  po.memory_device = device;
+  po.memory_limit_bytes = static_cast<int64_t>(a.memory_limit_gb * 1024.0 * 1024.0 * 1024.0);
   twobp::Pipeline pipeline(p.schedule, std::move(chunks), transport, po);
 
   // Each tensor once: with tied embeddings the head chunk lists its table under two names, and AdamW would
@@ -406,17 +437,23 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
     optimizer.step();
     // The mean loss lives on the last stage's ranks; all-reduces bring the global batch's to everyone.
     const double loss = pipeline.mean_loss(result);
+    // Each pipeline rank's peak in its own slot; the sum over ranks then holds every rank's.
+    at::Tensor peaks = at::zeros({transport.world_size()}, at::kDouble).to(transport.device());
+    peaks[rank] = static_cast<double>(result.peak_memory_bytes);
+    transport.all_reduce_sum(peaks, timeout);
+    const double peak_memory = peaks.max().item<double>();
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - ts).count();
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double tokens_per_s = twobp::metrics::per_second(tokens_per_step, secs);
     if (reports) {
       const double remaining = elapsed / (step - start + 1) * (end - step - 1);
-      fmt::print("step {:>5}/{} | loss {:.4f} | grad norm {:.3f} | lr {:.2e} | {:.0f} tok/s | elapsed {:.1f}s | "
-                 "remaining {:.1f}s\n",
-                 step + 1, a.steps, loss, norm, lr, tokens_per_s, elapsed, remaining);
+      fmt::print("step {:>5}/{} | loss {:.4f} | grad norm {:.3f} | lr {:.2e} | {:.0f} tok/s | peak {:.1f} MiB | "
+                 "elapsed {:.1f}s | remaining {:.1f}s\n",
+                 step + 1, a.steps, loss, norm, lr, tokens_per_s, peak_memory / (1024.0 * 1024.0), elapsed,
+                 remaining);
       std::fflush(stdout);
       std::lock_guard<std::mutex> lock(shared.mutex);
-      shared.records.push_back({step, loss, tokens_per_s, norm, lr});
+      shared.records.push_back({step, loss, tokens_per_s, norm, lr, peak_memory});
     }
     if (!a.trace.empty() && step + 1 == end) {
       std::lock_guard<std::mutex> lock(shared.mutex);
@@ -441,10 +478,14 @@ void validate_args(const Args& a) {
   TWOBP_CHECK(!a.resume || !a.checkpoint_dir.empty(), twobp::UsageError, "--resume needs --checkpoint-dir");
   TWOBP_CHECK(a.timeout_s > 0, twobp::UsageError, "--timeout must be positive");
   TWOBP_CHECK(a.seq_len_warmup >= 0, twobp::UsageError, "--seq-len-warmup must be >= 0 (0: none)");
+  TWOBP_CHECK(a.memory_limit_gb >= 0 && a.gpu_memory_gb >= 0, twobp::UsageError,
+              "--memory-limit-gb and --gpu-memory-gb must be >= 0 (0: none)");
 }
 
 int run(Args args, int& argc, char**& argv) {
   validate_args(args);
+  // Before any model exists: CPU tensor memory is counted per rank from here on (twobp/metrics/memory.h).
+  twobp::memory::count_cpu_allocations();
   // Launch: MPI when an MPI launcher started us and MPI is built in; else the launcher's environment (torchrun,
   // srun, mpirun) with a TCPStore rendezvous; else ranks as threads.
   const bool mpi = TWOBP_HAVE_MPI && twobp::launched_by_mpi_launcher();
@@ -548,7 +589,7 @@ int run(Args args, int& argc, char**& argv) {
     j["steps"] = nlohmann::json::array();
     for (const auto& r : shared.records) {
       j["steps"].push_back({{"step", r.step}, {"loss", r.loss}, {"tokens_per_s", r.tokens_per_s},
-                            {"grad_norm", r.grad_norm}, {"lr", r.lr}});
+                            {"grad_norm", r.grad_norm}, {"lr", r.lr}, {"peak_memory_bytes", r.peak_memory_bytes}});
     }
     write_json(args.json, j);
   }
@@ -589,6 +630,12 @@ int main(int argc, char** argv) {
   app.add_option("--dp", a.dp, "Data-parallel replicas of the pipeline (world = dp x pipeline ranks)");
   app.add_option("--max-pending-w", a.max_pending_w,
                  "2BP: at most N micro-batches per stage wait for their W; older ones run early (0: no limit)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--memory-limit-gb", a.memory_limit_gb,
+                 "2BP: keep each rank's tensor memory under this many GiB by running deferred W's early (0: none)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--gpu-memory-gb", a.gpu_memory_gb,
+                 "With --dry-run: say whether each rank's estimated peak fits this many GiB")
       ->check(CLI::NonNegativeNumber);
   app.add_flag("--pack", a.pack,
                "Packed documents: attention stays within a document, positions restart per document (positions "

@@ -30,13 +30,6 @@ double memory_per_rank(double process_bytes, int ranks_in_process) {
   return process_bytes / static_cast<double>(std::max(1, ranks_in_process));
 }
 
-int64_t training_memory_bytes(int64_t parameters, int64_t bytes_per_element, int64_t live_micro_batches,
-                              int64_t activation_bytes_per_micro_batch) {
-  const int64_t weights = parameters * bytes_per_element;
-  return weights /* weights */ + weights /* gradients */ + 2 * weights /* AdamW moments */ +
-         live_micro_batches * activation_bytes_per_micro_batch;
-}
-
 double ring_all_reduce_seconds(double bytes, int ranks, double link_bytes_per_s, double latency_s) {
   if (ranks <= 1 || bytes <= 0.0) return 0.0;
   const double steps = 2.0 * (ranks - 1);  // reduce-scatter + all-gather, n - 1 steps each

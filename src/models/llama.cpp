@@ -12,6 +12,7 @@
 
 #include <fmt/ranges.h>
 
+#include "twobp/error.h"
 #include "util/check.h"
 
 namespace twobp::models {
@@ -431,6 +432,100 @@ int64_t chunk_activation_bytes(const LlamaConfig& c, const ChunkSpec& spec, int6
   int64_t bytes = elements * bytes_per_element;
   if (spec.has_head) bytes += tokens * (2 * c.dim * bytes_per_element + (bytes_per_element + 4) * c.vocab_size);
   return bytes;
+}
+
+int64_t chunk_pending_weight_bytes(const LlamaConfig& c, const ChunkSpec& spec, int64_t batch, int64_t seq_len,
+                                   int64_t bytes_per_element) {
+  const int64_t tokens = batch * seq_len;
+  int64_t bytes = spec.num_layers() * tokens * (10 * c.dim + 2 * c.kv_dim() + 3 * c.ffn_dim) * bytes_per_element;
+  if (spec.has_embedding) bytes += tokens * (8 + c.dim * bytes_per_element);
+  if (spec.has_head) bytes += tokens * (3 * c.dim + c.vocab_size) * bytes_per_element;
+  return bytes;
+}
+
+TrainingPrecision training_precision(const std::string& name) {
+  if (name == "fp32") return {name, 4, 0, 4, 8};
+  if (name == "bf16") return {name, 2, 0, 2, 4};
+  if (name == "bf16-mixed") return {name, 2, 4, 4, 8};
+  throw UsageError(fmt::format("unknown training precision '{}': expected fp32, bf16 or bf16-mixed", name));
+}
+
+namespace {
+
+// Bytes of a chunk's input for one micro-batch: token ids on the first chunk, else the hidden state.
+int64_t chunk_input_bytes(const LlamaConfig& c, const ChunkSpec& spec, int64_t batch, int64_t seq_len,
+                          int64_t bytes_per_element) {
+  return batch * seq_len * (spec.has_embedding ? 8 : c.dim * bytes_per_element);
+}
+
+twobp::MemoryModel make_memory_model(const LlamaConfig& c, const Partition& partition,
+                                     const twobp::Schedule& schedule, const MemoryPlanOptions& o,
+                                     bool pending_costs) {
+  TWOBP_CHECK(partition.num_chunks() == schedule.num_stages, UsageError,
+              "memory_model: the partition has {} chunks, the schedule {} stages", partition.num_chunks(),
+              schedule.num_stages);
+  const TrainingPrecision& pr = o.precision;
+  const int64_t b = pr.compute_bytes;
+  twobp::MemoryModel model;
+  model.base.assign(schedule.num_ranks, 0.0);
+  model.stages.resize(schedule.num_stages);
+  model.gradients.resize(schedule.num_stages);
+  for (int s = 0; s < schedule.num_stages; ++s) {
+    const ChunkSpec& spec = partition.chunks[s];
+    const double n = static_cast<double>(chunk_parameter_count(c, spec));
+    model.base[schedule.stage_to_rank[s]] += n * static_cast<double>(pr.compute_bytes + pr.master_bytes +
+                                                                       pr.optimizer_bytes);
+    model.gradients[s] = n * static_cast<double>(pr.gradient_bytes);
+    const double act = static_cast<double>(chunk_activation_bytes(c, spec, o.micro_batch_size, o.seq_len, b));
+    const double pend =
+        pending_costs ? static_cast<double>(chunk_pending_weight_bytes(c, spec, o.micro_batch_size, o.seq_len, b))
+                      : 0.0;
+    // With recomputation F keeps only the input; I and B re-run the forward first (rising to the activations).
+    const double kept = o.recompute ? static_cast<double>(chunk_input_bytes(c, spec, o.micro_batch_size, o.seq_len, b))
+                                    : act;
+    const double opens = o.recompute ? act - kept : 0.0;  // what I or B adds back before it starts
+    auto& m = model.stages[s];
+    m[static_cast<int>(twobp::ActionType::kForward)] = {kept, o.recompute ? act : kept};
+    m[static_cast<int>(twobp::ActionType::kBackwardInput)] = {pend - kept, opens};
+    m[static_cast<int>(twobp::ActionType::kBackwardWeight)] = {-pend, 0.0};
+    m[static_cast<int>(twobp::ActionType::kBackward)] = {-kept, opens};
+  }
+  return model;
+}
+
+}  // namespace
+
+twobp::MemoryModel memory_model(const LlamaConfig& config, const Partition& partition, const twobp::Schedule& schedule,
+                                const MemoryPlanOptions& options) {
+  return make_memory_model(config, partition, schedule, options, /*pending_costs=*/true);
+}
+
+std::vector<RankMemoryEstimate> estimate_memory(const LlamaConfig& c, const Partition& partition,
+                                                const twobp::Schedule& schedule, const MemoryPlanOptions& o) {
+  const auto total = twobp::simulate_peak_memory(schedule, make_memory_model(c, partition, schedule, o, true));
+  // The parts: the same walk over activations alone (no weights, state, gradients; W pairs free), then with the
+  // W pairs; the difference is what deferring W's adds at the peak.
+  auto activations_only = [&](bool pending) {
+    twobp::MemoryModel m = make_memory_model(c, partition, schedule, o, pending);
+    std::fill(m.base.begin(), m.base.end(), 0.0);
+    m.gradients.clear();
+    return twobp::simulate_peak_memory(schedule, m);
+  };
+  const auto live = activations_only(false), live_and_pending = activations_only(true);
+  std::vector<RankMemoryEstimate> out(schedule.num_ranks);
+  for (int r = 0; r < schedule.num_ranks; ++r) {
+    RankMemoryEstimate& e = out[r];
+    for (int s : schedule.stages_of(r)) e.parameters += chunk_parameter_count(c, partition.chunks[s]);
+    const double n = static_cast<double>(e.parameters);
+    e.weights = n * static_cast<double>(o.precision.compute_bytes);
+    e.master_weights = n * static_cast<double>(o.precision.master_bytes);
+    e.optimizer = n * static_cast<double>(o.precision.optimizer_bytes);
+    e.gradients = n * static_cast<double>(o.precision.gradient_bytes);
+    e.total = total[r];
+    e.activations = live[r];
+    e.pending_weights = std::max(0.0, live_and_pending[r] - live[r]);
+  }
+  return out;
 }
 
 }  // namespace twobp::models

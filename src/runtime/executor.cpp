@@ -145,10 +145,11 @@ Executor::Executor(const Schedule& schedule, int rank, std::map<int, Stage*> sta
   TWOBP_CHECK(options_.memory_limit_bytes >= 0, UsageError,
               "rank {}: the memory limit must be >= 0 bytes (0: no limit), got {}", rank_, options_.memory_limit_bytes);
   if (options_.record_memory || options_.memory_limit_bytes > 0) {
-    TWOBP_CHECK(memory::measurable(transport_.device()), UsageError,
+    const c10::Device device = memory_device();
+    TWOBP_CHECK(memory::measurable(device), UsageError,
                 "rank {}: recording memory or bounding it in bytes needs the tensor memory of {}: {}", rank_,
-                transport_.device().str(),
-                transport_.device().is_cpu()
+                device.str(),
+                device.is_cpu()
                     ? "call twobp::memory::count_cpu_allocations() at the start of main(), before building the model"
                     : "its allocator keeps no statistics");
   }
@@ -280,7 +281,7 @@ void Executor::make_room(Step& st, const Action& next) {
   const int64_t limit = options_.memory_limit_bytes;
   if (limit <= 0) return;
   const int64_t rise = expected_rise(memory_key(st, next.type, next.stage));
-  const c10::Device device = transport_.device();
+  const c10::Device device = memory_device();
   while (!st.pending_weight.empty() && memory::allocated(device).current + rise > limit) {
     const auto [oldest_stage, oldest_mb] = st.pending_weight.front();
     if (expected_rise(memory_key(st, ActionType::kBackwardWeight, oldest_stage)) >= rise) return;
@@ -307,7 +308,7 @@ void Executor::execute(Step& st, const Action& a, bool scheduled) {
       &Executor::send,             // kSendBackward
       &Executor::receive,          // kRecvBackward
   };
-  const c10::Device device = transport_.device();
+  const c10::Device device = memory_device();
   const MemoryKey key = memory_key(st, a.type, a.stage);
   int64_t before = -1;
   if (st.record_memory) {
@@ -344,6 +345,8 @@ void Executor::execute(Step& st, const Action& a, bool scheduled) {
     for (const auto& hook : hooks_) hook(e);
   }
 }
+
+c10::Device Executor::memory_device() const { return options_.memory_device.value_or(transport_.device()); }
 
 BoundarySpec Executor::fixed_spec(int boundary) const {
   if (options_.boundary_spec) return options_.boundary_spec(boundary);

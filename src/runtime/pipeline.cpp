@@ -92,6 +92,7 @@ Pipeline::Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, std::sh
   eo.max_pending_weight_micro_batches = options_.max_pending_weight_micro_batches;
   eo.memory_limit_bytes = options_.memory_limit_bytes;
   eo.record_memory = options_.record_memory;
+  eo.memory_device = options_.memory_device;
   Transport* dp = options_.data_parallel.group;
   if (dp != nullptr && dp->world_size() > 1) {
     impl_->data_parallel = dp;

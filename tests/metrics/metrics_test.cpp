@@ -32,12 +32,6 @@ TEST(Metrics, EfficiencyAndMemoryPerRank) {
   EXPECT_DOUBLE_EQ(metrics::memory_per_rank(4096.0, 0), 4096.0);
 }
 
-TEST(Metrics, TrainingMemory) {
-  // 1000 fp32 parameters: 4000 weights + 4000 grads + 8000 AdamW; 3 live micro-batches of 500 bytes.
-  EXPECT_EQ(metrics::training_memory_bytes(1000, 4, 3, 500), 17500);
-  EXPECT_EQ(metrics::training_memory_bytes(1000, 2, 0, 500), 8000);
-}
-
 TEST(Metrics, RingAllReduce) {
   // 8 ranks, 1 GB over 12.5 GB/s (100 Gbit/s) and 5 us per step: 2·7/8 · 0.08 s + 14 · 5 us = 0.14 + 0.00007.
   EXPECT_NEAR(metrics::ring_all_reduce_seconds(1e9, 8, 12.5e9, 5e-6), 0.14007, 1e-15);

@@ -90,6 +90,28 @@ TEST(LlamaPipeline, MaxPendingWeightKeepsTheLosses) {
                "--max-pending-w 1 vs unbounded, step ");
 }
 
+// The most tensor memory any rank held in steps 2.. of a run (the first step has no measurements to plan with).
+double later_peak_memory(const std::string& name) {
+  std::ifstream in(work_dir() + "/" + name + ".json");
+  const auto j = nlohmann::json::parse(in);
+  double peak = 0;
+  for (std::size_t k = 1; k < j.at("steps").size(); ++k) {
+    peak = std::max(peak, j.at("steps")[k].at("peak_memory_bytes").get<double>());
+  }
+  return peak;
+}
+
+// A memory limit in bytes runs W's early: the losses stay, the peak falls (1 MiB is below what the schedule
+// needs, so the run goes as low as moving W's can get).
+TEST(LlamaPipeline, MemoryLimitKeepsTheLossesAndLowersThePeak) {
+  const auto unbounded = train("limit_none", "--schedule zb-h2 --microbatches 8 --steps 3");
+  const auto bounded = train("limit_1mib", "--schedule zb-h2 --microbatches 8 --steps 3 --memory-limit-gb 0.0009765625");
+  expect_close(unbounded, bounded, 1e-5, "--memory-limit-gb vs unbounded, step ");
+  const double before = later_peak_memory("limit_none"), after = later_peak_memory("limit_1mib");
+  EXPECT_GT(before, 0.0);
+  EXPECT_LT(after, 0.95 * before) << "peak " << after << " bytes with the limit, " << before << " without";
+}
+
 // Activation recomputation changes what is kept between F and I, not the losses.
 TEST(LlamaPipeline, RecomputationKeepsTheLosses) {
   const auto kept = train("recompute_off", "--schedule zb-h1 --steps 3");
@@ -251,8 +273,8 @@ TEST(LlamaPipeline, MisuseFailsBeforeAnyStep) {
 
 TEST(LlamaPipeline, DryRunOf7bAllocatesNothing) {
   const auto json = work_dir() + "/dry.json";
-  const auto r = run("--model 7b --stages 4 --schedule zb-h1 --microbatches 8 --micro-batch-size 1 --dry-run --json " +
-                     json);
+  const auto r = run("--model 7b --stages 4 --schedule zb-h1 --microbatches 8 --micro-batch-size 1 --dry-run "
+                     "--gpu-memory-gb 80 --json " + json);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   std::ifstream in(json);
   const auto j = nlohmann::json::parse(in);
@@ -261,12 +283,20 @@ TEST(LlamaPipeline, DryRunOf7bAllocatesNothing) {
   int64_t sum = 0;
   for (const auto& s : j.at("stages")) {
     sum += s.at("parameters").get<int64_t>();
-    EXPECT_GT(s.at("memory_bytes").get<int64_t>(), 0);
+    EXPECT_GT(s.at("activation_bytes_per_micro_batch").get<int64_t>(),
+              s.at("pending_weight_bytes_per_micro_batch").get<int64_t>());
   }
   EXPECT_EQ(sum, j.at("parameters").get<int64_t>());
   // 6.74 B fp32 parameters need 16 bytes each for weights, grads and AdamW: ~27 GB per rank plus activations.
   for (const auto& rank : j.at("ranks")) {
     EXPECT_GT(rank.at("memory_bytes").get<double>(), 20e9);
+    EXPECT_GT(rank.at("activation_bytes").get<double>(), 0.0);
     EXPECT_GT(rank.at("peak_live_micro_batches").get<int>(), 0);
+    EXPECT_TRUE(rank.at("fits").get<bool>()) << rank.dump();
   }
+  EXPECT_TRUE(j.at("fits").get<bool>());
+  // On 16 GiB devices it does not fit, and the plan says so (still exit 0: a plan, not a failure).
+  const auto small = run("--model 7b --stages 4 --schedule zb-h1 --microbatches 8 --dry-run --gpu-memory-gb 16");
+  ASSERT_EQ(small.exit_code, 0) << small.output;
+  EXPECT_NE(small.output.find("DOES NOT FIT 16 GiB"), std::string::npos) << small.output;
 }

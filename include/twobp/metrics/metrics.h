@@ -31,11 +31,8 @@ double efficiency(double ideal_step, double step);
 /// resident set is split evenly over them; one rank per process keeps the whole).
 double memory_per_rank(double process_bytes, int ranks_in_process);
 
-/// Estimated training memory of a rank (or one stage) with AdamW, in bytes: weights + gradients + AdamW's two
-/// moments (4 · parameters · bytes_per_element) + live micro-batches · activation bytes of one micro-batch
-/// (the rank's peak_live_micro_batches from simulate(), and its largest chunk's activations).
-int64_t training_memory_bytes(int64_t parameters, int64_t bytes_per_element, int64_t live_micro_batches,
-                              int64_t activation_bytes_per_micro_batch);
+/// Peak tensor memory per rank is not a closed formula: simulate_peak_memory (twobp/schedule/schedule.h) walks a
+/// MemoryModel through the schedule -- measured (twobp_bench pipeline) or estimated (twobp::models::memory_model).
 
 /// Time of a ring all-reduce of `bytes` over `ranks` ranks, in seconds: the bandwidth/latency model of the ring
 /// algorithm NCCL and MPI use for large messages,

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "twobp/nn/modules.h"
+#include "twobp/schedule/schedule.h"
 #include "twobp/tensors.h"
 
 namespace twobp::models {
@@ -223,5 +224,54 @@ int64_t chunk_activation_bytes(const LlamaConfig& config, const ChunkSpec& spec,
                                int64_t bytes_per_element);
 /// Parameters of one chunk (embedding, blocks, final norm and head as present).
 int64_t chunk_parameter_count(const LlamaConfig& config, const ChunkSpec& spec);
+
+/// Bytes a micro-batch keeps on a chunk between its I and its W under 2BP: the fast-path layers' (input,
+/// grad_output) pairs (twobp::nn: Linear keeps x and dY, RMSNorm x̂ and dY, Embedding the ids and dY). Per block
+/// and token: RMSNorm x̂ and dY twice (4·d), the attention input shared by Wq, Wk, Wv (d) and their dY
+/// (d + 2·kv), Wo's input and dY (2·d), the MLP input shared by W1, W3 (d) and their dY (2·f), W2's input (f) and
+/// dY (d) = 10·d + 2·kv + 3·f elements. Embedding chunk: ids (8 bytes) and dY (d) per token. Head chunk: the final
+/// norm's x̂ and dY and the head's input (3·d) and dY (vocab) per token.
+int64_t chunk_pending_weight_bytes(const LlamaConfig& config, const ChunkSpec& spec, int64_t batch, int64_t seq_len,
+                                   int64_t bytes_per_element);
+
+/// How training keeps its tensors, for memory estimates: bytes per parameter of the weights the chunks compute
+/// with, of fp32 master weights (0: none), of gradients, and of AdamW's two moments together.
+struct TrainingPrecision {
+  std::string name;
+  int64_t compute_bytes = 4;
+  int64_t master_bytes = 0;
+  int64_t gradient_bytes = 4;
+  int64_t optimizer_bytes = 8;
+};
+/// "fp32" {4, 0, 4, 8}; "bf16" (everything in bfloat16) {2, 0, 2, 4}; "bf16-mixed" (bfloat16 compute, fp32
+/// masters, gradients and AdamW state) {2, 4, 4, 8}. Throws UsageError naming the known ones otherwise.
+TrainingPrecision training_precision(const std::string& name);
+
+/// What a dry run needs to estimate each rank's peak memory in training.
+struct MemoryPlanOptions {
+  int64_t micro_batch_size = 1;
+  int64_t seq_len = 0;
+  TrainingPrecision precision;
+  bool recompute = false;
+};
+
+/// Per rank: the estimate and its parts, in bytes.
+struct RankMemoryEstimate {
+  int64_t parameters = 0;
+  double weights = 0, master_weights = 0, optimizer = 0, gradients = 0;
+  double activations = 0;       ///< peak of the live activations alone (W's pairs costing nothing)
+  double pending_weights = 0;   ///< what the W's pairs add to that peak (2BP's deferred work)
+  double total = 0;             ///< simulate_peak_memory(schedule, memory_model(...)): everything at once
+};
+
+/// The twobp::MemoryModel of a LLaMa partition under `schedule` from the formulas above: base = weights + masters
+/// + AdamW state per rank; per stage F keeps its activations (with recompute only its input, re-running the forward
+/// in I or B), I frees them but the pending-W pairs, W frees those, B frees all; each stage's first W or B
+/// allocates its gradients. Message buffers are not counted.
+twobp::MemoryModel memory_model(const LlamaConfig& config, const Partition& partition, const twobp::Schedule& schedule,
+                                const MemoryPlanOptions& options);
+/// Each rank's estimate (simulate_peak_memory of the model above, with its parts).
+std::vector<RankMemoryEstimate> estimate_memory(const LlamaConfig& config, const Partition& partition,
+                                                const twobp::Schedule& schedule, const MemoryPlanOptions& options);
 
 }  // namespace twobp::models

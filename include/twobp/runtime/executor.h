@@ -8,6 +8,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -65,6 +66,9 @@ struct ExecutorOptions {
   /// schedule needs beyond that (activations, standard mode) is not bounded, and a step's first actions of each
   /// kind have no measurement yet, so a first step may exceed it. Gradients are unchanged.
   int64_t memory_limit_bytes = 0;
+  /// The device whose tensor memory is recorded and bounded; unset: the transport's. Set it when the chunks
+  /// compute on another device than the one activations travel on (e.g. CUDA chunks over a CPU transport).
+  std::optional<c10::Device> memory_device;
   /// Asked before each W with the action's index in the rank's list: a function for Stage::backward_weight to
   /// call with parameters whose gradient is final during that W, or null (data-parallel reduction uses it).
   std::function<autograd::ParametersDone(std::size_t action_index)> parameters_done;
@@ -125,6 +129,7 @@ class Executor {
   using MemoryKey = std::tuple<ActionType, int, bool>;
   static MemoryKey memory_key(const Step& st, ActionType type, int stage_index);
   int64_t expected_rise(const MemoryKey& key) const;
+  c10::Device memory_device() const;
   void prefetch(Step& st, std::size_t up_to_inclusive);
   void post_tensors(Step& st, std::size_t index);
   BoundarySpec fixed_spec(int boundary) const;

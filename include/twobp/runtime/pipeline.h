@@ -8,6 +8,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "twobp/runtime/data_parallel.h"
@@ -60,6 +61,8 @@ struct PipelineOptions {
   /// Record each rank's tensor memory around every action (TraceEvent::memory_*, StepResult::peak_memory_bytes);
   /// on CPU, call memory::count_cpu_allocations() first. Implied by memory_limit_bytes.
   bool record_memory = false;
+  /// The device whose memory is recorded and bounded (see ExecutorOptions::memory_device); unset: the transport's.
+  std::optional<c10::Device> memory_device;
   /// Data parallelism: the group of this stage's replicas and how gradients are averaged over it (see
   /// twobp/runtime/data_parallel.h). With a group of more than one rank, the constructor is collective over it,
   /// step() returns averaged gradients, and mean_loss() / check_gradients() cover every replica.
