@@ -27,8 +27,12 @@
 //
 // Devices and precision: --device cuda puts rank r's chunks on GPU (local rank mod device count). Activations cross
 // ranks through the transport's device (CPU for Local/MPI: each chunk's forward moves its input to the GPU and its
-// output back, differentiably). --dtype bf16 stores weights, gradients, activations and AdamW state in bfloat16
-// ("bf16 weights", not autocast); the loss is computed in float32. Meant for GPUs; it runs, slowly, on CPUs.
+// output back, differentiably). --dtype bf16 is mixed precision (twobp::MixedPrecisionOptions): the chunks
+// compute in bfloat16 and activations travel in bfloat16, while the optimizer steps float32 master weights whose
+// float32 gradients sum every micro-batch's; checkpoints hold the masters. --dtype bf16-pure keeps everything,
+// AdamW state included, in bfloat16. The loss is computed in float32 either way. Both mean the same on CPUs,
+// where bfloat16 matrix products are slower than float32 (use them there to try, not for speed). Mixed precision
+// does not combine with --dp yet (refused).
 //
 // Steps: --steps N is the length of the run and the horizon of the learning-rate schedule (linear warm-up for
 // --warmup-steps, then cosine decay to 10% of --lr at step N). --stop-after K ends the run after step K (and
@@ -123,7 +127,9 @@ struct Args {
 };
 
 /// The training precision of the memory estimates (twobp::models::training_precision) for --dtype.
-std::string training_precision_name(const Args& a) { return a.dtype == "bf16" ? "bf16" : "fp32"; }
+std::string training_precision_name(const Args& a) {
+  return a.dtype == "bf16" ? "bf16-mixed" : a.dtype == "bf16-pure" ? "bf16" : "fp32";
+}
 
 /// Everything every rank agrees on before the first step.
 struct Plan {
@@ -134,7 +140,8 @@ struct Plan {
   int64_t seq_len = 0;
   twobp::Schedule schedule;
   llm::Partition partition;
-  at::ScalarType dtype = at::kFloat;
+  at::ScalarType dtype = at::kFloat;  // what the chunks compute in (and activations travel in)
+  bool mixed_precision = false;       // bf16 compute with float32 masters (--dtype bf16)
   ck::CheckpointConfig checkpoint_config;
 };
 
@@ -150,7 +157,8 @@ Plan make_plan(const Args& args, int world_size) {
                                           args.microbatches,
                                           args.two_bp ? twobp::BackwardMode::kSplit : twobp::BackwardMode::kStandard);
   plan.partition = llm::make_partition(plan.config, plan.schedule.num_stages, plan.seq_len, args.partition);
-  plan.dtype = args.dtype == "bf16" ? at::kBFloat16 : at::kFloat;
+  plan.dtype = args.dtype == "fp32" ? at::kFloat : at::kBFloat16;
+  plan.mixed_precision = args.dtype == "bf16";
   plan.checkpoint_config = {{"model", args.model},
                             {"stages", std::to_string(plan.schedule.num_stages)},
                             {"world_size", std::to_string(world_size)},
@@ -336,7 +344,8 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
   const c10::Device wire = transport.device();
   for (int s : p.schedule.stages_of(rank)) {
     llm::LlamaChunk chunk(p.config, p.partition.chunks[s], a.seed);
-    chunk->to(device, p.dtype);
+    // Mixed precision: built in float32; the Pipeline keeps float32 masters and converts the chunk to bfloat16.
+    chunk->to(device, p.mixed_precision ? at::kFloat : p.dtype);
     for (auto& t : ck::module_tensors(*chunk)) named.push_back(t);
     for (auto& t : chunk->parameters()) params.push_back(t);
     const bool is_last = s == last;
@@ -389,11 +398,13 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
   po.record_memory = true;
   po.memory_device = device;
   po.memory_limit_bytes = static_cast<int64_t>(a.memory_limit_gb * 1024.0 * 1024.0 * 1024.0);
+  if (p.mixed_precision) po.mixed_precision.compute_dtype = at::kBFloat16;
   twobp::Pipeline pipeline(p.schedule, std::move(chunks), transport, po);
 
   // Each tensor once: with tied embeddings the head chunk lists its table under two names, and AdamW would
-  // step it twice.
-  params = twobp::unique_tensors(params);
+  // step it twice. With mixed precision the optimizer and the checkpoints hold the float32 masters.
+  params = pipeline.parameters();
+  for (auto& entry : named) entry.second = pipeline.master_weight(entry.second);
   torch::optim::AdamW optimizer(params, torch::optim::AdamWOptions(a.lr).betas({0.9, 0.95}).weight_decay(
                                             a.weight_decay));
   int start = 0;
@@ -478,6 +489,9 @@ void validate_args(const Args& a) {
   TWOBP_CHECK(!a.resume || !a.checkpoint_dir.empty(), twobp::UsageError, "--resume needs --checkpoint-dir");
   TWOBP_CHECK(a.timeout_s > 0, twobp::UsageError, "--timeout must be positive");
   TWOBP_CHECK(a.seq_len_warmup >= 0, twobp::UsageError, "--seq-len-warmup must be >= 0 (0: none)");
+  TWOBP_CHECK(a.dp == 1 || a.dtype != "bf16", twobp::UsageError,
+              "--dtype bf16 (mixed precision) does not combine with --dp {} yet; use --dtype bf16-pure or fp32 with "
+              "data parallelism", a.dp);
   TWOBP_CHECK(a.memory_limit_gb >= 0 && a.gpu_memory_gb >= 0, twobp::UsageError,
               "--memory-limit-gb and --gpu-memory-gb must be >= 0 (0: none)");
 }
@@ -619,7 +633,10 @@ int main(int argc, char** argv) {
   app.add_option("--weight-decay", a.weight_decay, "AdamW weight decay");
   app.add_option("--clip", a.clip, "Clip the global gradient norm to this value");
   app.add_option("--device", a.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
-  app.add_option("--dtype", a.dtype, "fp32 or bf16 (bf16 weights)")->check(CLI::IsMember({"fp32", "bf16"}));
+  app.add_option("--dtype", a.dtype,
+                 "fp32; bf16: mixed precision (bfloat16 compute, float32 master weights, gradients and AdamW state); "
+                 "bf16-pure: everything in bfloat16")
+      ->check(CLI::IsMember({"fp32", "bf16", "bf16-pure"}));
   app.add_option("--data", a.data, "Token file (see twobp/data.h); default: the built-in corpus, byte-level");
   app.add_option("--checkpoint-dir", a.checkpoint_dir, "Write a checkpoint here at the end (and every N steps)");
   app.add_option("--checkpoint-every", a.checkpoint_every, "Checkpoint every N steps");

@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "runtime/gradient_reducer.h"
+#include "runtime/master_weights.h"
 #include "util/check.h"
 
 namespace twobp {
@@ -30,6 +31,7 @@ void clip_to(const std::vector<at::Tensor>& params, double norm, double max_norm
 
 struct Pipeline::Impl {
   std::unique_ptr<Executor> executor;
+  std::unique_ptr<detail::MasterWeights> masters;    // mixed precision only
   std::unique_ptr<detail::GradientReducer> reducer;  // data parallelism only
   Transport* data_parallel = nullptr;                // the reducer's group
 };
@@ -49,6 +51,24 @@ Pipeline::Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, std::sh
   // would deliver tensors to the wrong buffers or hang; refuse it here with the offending action marked.
   validate(schedule_, transport_->pairing());
   const std::vector<int> mine = schedule_.stages_of(rank);
+  if (options_.mixed_precision.enabled()) {
+    const at::ScalarType dtype = options_.mixed_precision.compute_dtype;
+    TWOBP_CHECK(dtype == at::kBFloat16, UsageError,
+                "rank {}: mixed precision computes in bfloat16; {} is not supported{}", rank, c10::toString(dtype),
+                dtype == at::kHalf ? " (float16 needs dynamic loss scaling, which twobp does not have)" : "");
+    TWOBP_CHECK(options_.data_parallel.group == nullptr || options_.data_parallel.group->world_size() == 1,
+                UsageError,
+                "rank {}: mixed precision with data parallelism is not supported yet (the replicas would average "
+                "the bfloat16 compute gradients instead of the float32 masters'); use one of the two",
+                rank);
+    std::vector<std::shared_ptr<torch::nn::Module>> modules;
+    for (const auto& chunk : chunks) {
+      TWOBP_CHECK(chunk.module != nullptr, UsageError, "rank {}: the chunk of stage {} has no module", rank,
+                  chunk.stage);
+      modules.push_back(chunk.module);
+    }
+    impl_->masters = std::make_unique<detail::MasterWeights>(modules, dtype, rank);
+  }
   std::set<int> given;
   for (auto& chunk : chunks) {
     TWOBP_CHECK(std::find(mine.begin(), mine.end(), chunk.stage) != mine.end(), UsageError,
@@ -152,11 +172,24 @@ std::vector<at::Tensor> Pipeline::parameters() const {
   }
   // A weight tied between two chunks of this rank (zb-v puts the first and the last stage on rank 0) is one
   // parameter: counting it twice would double it in the norm and scale it twice when clipping.
+  if (impl_->masters) {
+    for (auto& p : params) p = impl_->masters->master_of(p);
+  }
   return unique_tensors(params);
+}
+
+at::Tensor Pipeline::master_weight(const at::Tensor& parameter) const {
+  return impl_->masters ? impl_->masters->master_of(parameter) : parameter;
 }
 
 void Pipeline::zero_grad() {
   for (auto& p : parameters()) p.mutable_grad().reset();
+  if (impl_->masters) {
+    // The compute parameters' .grad is moved out at every accumulation; reset it too after a failed step.
+    for (const auto& [s, st] : stages_) {
+      for (auto& p : st->parameters()) p.mutable_grad().reset();
+    }
+  }
 }
 
 GradientCheck Pipeline::check_gradients() {
@@ -166,7 +199,8 @@ GradientCheck Pipeline::check_gradients() {
   std::unordered_set<const c10::TensorImpl*> counted;
   for (const auto& [index, stage_ptr] : stages_) {
     bool bad = false;
-    for (const auto& p : stage_ptr->parameters()) {
+    for (const auto& compute : stage_ptr->parameters()) {
+      const at::Tensor p = master_weight(compute);
       if (!p.grad().defined() || !counted.insert(p.unsafeGetTensorImpl()).second) continue;
       // A sparse gradient may hold one index several times: coalesce (sum duplicates) before squaring.
       const at::Tensor g = p.grad().is_sparse() ? p.grad().coalesce() : p.grad();
@@ -216,18 +250,37 @@ double Pipeline::clip_grad_norm(double max_norm) {
   return norm;
 }
 
+namespace {
+
+// Mixed precision: the first stage's floating-point inputs in the compute dtype (ids and masks stay).
+NamedTensors in_compute_dtype(const NamedTensors& inputs, const MixedPrecisionOptions& mp) {
+  if (!mp.enabled()) return inputs;
+  NamedTensors out = inputs;
+  for (auto& e : out) {
+    if (e.tensor.defined() && e.tensor.is_floating_point()) e.tensor = e.tensor.to(mp.compute_dtype);
+  }
+  return out;
+}
+
+}  // namespace
+
 StepResult Pipeline::step(const NamedTensors& inputs, const NamedTensors& targets) {
-  return run_step([&] { return impl_->executor->run(inputs, targets); });
+  return run_step([&] { return impl_->executor->run(in_compute_dtype(inputs, options_.mixed_precision), targets); });
 }
 
 StepResult Pipeline::step(const std::vector<NamedTensors>& inputs, const std::vector<NamedTensors>& targets) {
-  return run_step([&] { return impl_->executor->run(inputs, targets); });
+  return run_step([&] {
+    std::vector<NamedTensors> cast;
+    for (const auto& mb : inputs) cast.push_back(in_compute_dtype(mb, options_.mixed_precision));
+    return impl_->executor->run(cast, targets);
+  });
 }
 
 StepResult Pipeline::run_step(const std::function<StepResult()>& run) {
   StepResult result;
   try {
     if (impl_->reducer) impl_->reducer->begin_step();
+    if (impl_->masters) impl_->masters->sync();  // what the optimizer did to the masters, for this step's compute
     result = run();
     if (impl_->reducer) result.reduce_wait_us = impl_->reducer->finish();
   } catch (const std::exception& e) {

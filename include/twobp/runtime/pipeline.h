@@ -30,6 +30,26 @@ struct PipelineChunk {
   bool recompute = false;
 };
 
+/// Mixed precision: the chunks compute in a lower precision, the optimizer steps float32 master weights.
+///
+/// With compute_dtype = kBFloat16 the Pipeline, at construction, copies every trainable parameter of its chunks
+/// (built in float32) into a float32 master and converts the chunks to bfloat16 (Module::to: buffers too).
+/// parameters() then returns the masters: give them to the optimizer; gradients, norms, clipping, the optimizer
+/// gate and zero_grad() all act on them. Each micro-batch's weight gradient (bfloat16, from autograd or W) is
+/// added to its master's float32 .grad as soon as it is accumulated (a post-accumulate-grad hook on the compute
+/// parameter), so gradients accumulate over micro-batches in float32; the compute parameters' .grad stays
+/// undefined. Every step() first copies the masters into the compute parameters (rounding once), and casts the
+/// floating-point inputs of the first stage to bfloat16. Activations (and so activation_spec dtypes) and the
+/// loss's input are bfloat16.
+/// Refused at construction, with a UsageError: a parameter that is not float32 or already has a post-accumulate
+/// hook, data parallelism (the replicas would reduce the compute gradients, not the masters'), and kHalf (fp16
+/// needs dynamic loss scaling, which twobp does not have: use bfloat16).
+struct MixedPrecisionOptions {
+  /// kFloat: off (the chunks train in whatever dtype they have). kBFloat16: on.
+  at::ScalarType compute_dtype = at::kFloat;
+  bool enabled() const { return compute_dtype != at::kFloat; }
+};
+
 struct PipelineOptions {
   /// Every blocking wait (receive, send completion, collectives) gives up after this long with an error naming
   /// the peer, the action and the micro-batch.
@@ -67,6 +87,8 @@ struct PipelineOptions {
   /// twobp/runtime/data_parallel.h). With a group of more than one rank, the constructor is collective over it,
   /// step() returns averaged gradients, and mean_loss() / check_gradients() cover every replica.
   DataParallelOptions data_parallel;
+  /// bfloat16 compute with float32 master weights (see MixedPrecisionOptions). Off by default.
+  MixedPrecisionOptions mixed_precision;
 };
 
 /// What to do when a step produced a NaN or Inf loss or gradient.
@@ -118,8 +140,12 @@ class Pipeline {
   /// The stages (chunks) this rank owns, by global stage index.
   Stage& stage(int index);
   std::vector<int> stage_indices() const;
-  /// Parameters of this rank's chunks.
+  /// Parameters of this rank's chunks, each tensor once; with mixed precision their float32 masters (what the
+  /// optimizer steps and checkpoints hold).
   std::vector<at::Tensor> parameters() const;
+  /// With mixed precision, the float32 master of one of the chunks' parameters; otherwise (or for a parameter
+  /// without one: frozen) the tensor itself.
+  at::Tensor master_weight(const at::Tensor& parameter) const;
   void zero_grad();
   /// Global gradient norm and the stages with non-finite gradients or losses (one all-reduce of
   /// num_stages + 1 numbers, and of the flags over the data-parallel group, so that every replica decides

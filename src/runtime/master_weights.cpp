@@ -1,0 +1,81 @@
+#include "runtime/master_weights.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include "twobp/error.h"
+#include "util/check.h"
+
+namespace twobp::detail {
+namespace {
+
+// Moves one accumulation of the compute parameter's .grad into the master's float32 .grad.
+struct MoveToMaster : torch::autograd::PostAccumulateGradHook {
+  explicit MoveToMaster(at::Tensor master) : master(std::move(master)) {}
+  void operator()(const torch::autograd::Variable& compute) override {
+    at::Tensor& g = const_cast<torch::autograd::Variable&>(compute).mutable_grad();
+    if (!g.defined()) return;
+    c10::AutoGradMode no_grad(false);
+    at::Tensor& mg = master.mutable_grad();
+    if (!mg.defined()) {
+      mg = g.to(at::kFloat);
+    } else {
+      mg = mg.is_sparse() && !g.is_sparse() ? mg + g.to(at::kFloat) : mg.add_(g.to(at::kFloat));
+    }
+    g.reset();
+  }
+  at::Tensor master;
+};
+
+}  // namespace
+
+MasterWeights::MasterWeights(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
+                             at::ScalarType compute_dtype, int rank) {
+  for (const auto& module : modules) {
+    for (const auto& item : module->named_parameters()) {
+      const at::Tensor& p = item.value();
+      if (!p.requires_grad() || by_compute_.count(p.unsafeGetTensorImpl()) != 0) continue;
+      TWOBP_CHECK(p.scalar_type() == at::kFloat, UsageError,
+                  "rank {}: mixed precision makes float32 masters of the chunks' parameters, but '{}' is {}: build "
+                  "the chunks in float32 (the pipeline converts them to {})",
+                  rank, item.key(), c10::toString(p.scalar_type()), c10::toString(compute_dtype));
+      TWOBP_CHECK(torch::autograd::impl::post_acc_grad_hooks(p) == nullptr, UsageError,
+                  "rank {}: parameter '{}' has a post-accumulate-grad hook; mixed precision needs that slot to move "
+                  "its gradients to the float32 master (register the hook on the master instead: "
+                  "Pipeline::master_weight)",
+                  rank, item.key());
+      Entry e;
+      e.compute = p;
+      e.master = p.detach().clone();
+      e.master.set_requires_grad(true);
+      by_compute_.emplace(p.unsafeGetTensorImpl(), entries_.size());
+      entries_.push_back(std::move(e));
+    }
+  }
+  for (const auto& module : modules) module->to(compute_dtype);
+  for (Entry& e : entries_) {
+    torch::autograd::impl::set_post_acc_grad_hooks(e.compute, std::make_unique<MoveToMaster>(e.master));
+  }
+}
+
+at::Tensor MasterWeights::master_of(const at::Tensor& t) const {
+  auto it = by_compute_.find(t.unsafeGetTensorImpl());
+  return it == by_compute_.end() ? t : entries_[it->second].master;
+}
+
+std::vector<at::Tensor> MasterWeights::masters() const {
+  std::vector<at::Tensor> out;
+  for (const Entry& e : entries_) out.push_back(e.master);
+  return out;
+}
+
+void MasterWeights::sync() {
+  // Every master, every step: an optimizer may write a master through .data(), which a version counter does not
+  // see, and a stale compute weight would be silently wrong. The copy costs one pass over the weights.
+  c10::AutoGradMode no_grad(false);
+  for (Entry& e : entries_) e.compute.detach().copy_(e.master);
+}
+
+}  // namespace twobp::detail

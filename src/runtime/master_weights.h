@@ -1,0 +1,43 @@
+#pragma once
+// Mixed precision for one rank's chunks (PipelineOptions::mixed_precision): float32 master weights behind
+// modules that compute in a lower precision. Internal to the Pipeline.
+//
+// At construction every trainable floating parameter gets a float32 master (a copy of its float32 value), then
+// the modules are converted to the compute dtype (Module::to: parameters keep their identity, buffers follow).
+// A post-accumulate-grad hook on each compute parameter adds the gradient autograd or W just accumulated (one
+// micro-batch's) to the master's float32 .grad and resets the compute .grad, so gradients accumulate over
+// micro-batches in float32 whatever the compute dtype. The optimizer steps the masters; sync() copies them back
+// into the compute parameters (rounding once) before every step.
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+namespace twobp::detail {
+
+class MasterWeights {
+ public:
+  /// `modules`: this rank's chunks; `rank` names errors. Throws UsageError for a trainable parameter that is not
+  /// float32, or that already has a post-accumulate-grad hook (there is one slot per tensor).
+  MasterWeights(const std::vector<std::shared_ptr<torch::nn::Module>>& modules, at::ScalarType compute_dtype,
+                int rank);
+
+  /// The float32 master of a compute parameter, or `t` itself when it has none (frozen, not floating).
+  at::Tensor master_of(const at::Tensor& t) const;
+  /// Copies every master into its compute parameter (no autograd).
+  void sync();
+  /// The masters, in parameter order.
+  std::vector<at::Tensor> masters() const;
+
+ private:
+  struct Entry {
+    at::Tensor compute, master;
+  };
+  std::vector<Entry> entries_;
+  std::unordered_map<const c10::TensorImpl*, std::size_t> by_compute_;
+};
+
+}  // namespace twobp::detail
