@@ -262,29 +262,36 @@ Executor::MemoryKey Executor::memory_key(const Step& st, ActionType type, int st
   return {type, stage_index, weights && st.weights_started.count(stage_index) == 0};
 }
 
-// The most an action of this kind added while it ran (in this step or an earlier one); for a kind not seen yet,
-// the same type and stage with the other gradient flag (a W not seen as a later W of its stage yet is bounded by
-// that stage's first W, which also allocated the gradients), else the most any action added.
-int64_t Executor::expected_rise(const MemoryKey& key) const {
-  if (auto it = memory_rise_.find(key); it != memory_rise_.end()) return it->second;
+// The most an action of this kind added (`table`: while it ran, or by its end) in this step or an earlier one;
+// for a kind not seen yet, the same type and stage with the other gradient flag (a W not seen as a later W of its
+// stage yet is bounded by that stage's first W, which also allocated the gradients), else the most of any kind.
+int64_t Executor::expected(const std::map<MemoryKey, int64_t>& table, const MemoryKey& key) {
+  if (auto it = table.find(key); it != table.end()) return it->second;
   const auto& [type, stage_index, first] = key;
-  if (auto it = memory_rise_.find({type, stage_index, !first}); it != memory_rise_.end()) return it->second;
-  int64_t rise = 0;
-  for (const auto& [k, r] : memory_rise_) rise = std::max(rise, r);
-  return rise;
+  if (auto it = table.find({type, stage_index, !first}); it != table.end()) return it->second;
+  int64_t most = 0;
+  for (const auto& [k, v] : table) most = std::max(most, v);
+  return most;
 }
 
-// Bounded in bytes (ExecutorOptions::memory_limit_bytes): while `next` is expected not to fit, the oldest deferred
-// W runs, as an event of its own. A W is run only when its own expected rise is below next's: otherwise running it
-// would reach at least as high as letting `next` run (the limit is then beyond what moving W's can reach).
+// Bounded in bytes (ExecutorOptions::memory_limit_bytes). Before `next`, the rank needs room for it and, after it,
+// for its oldest deferred W -- so that the W can still run later, when waiting longer would have piled up more
+// deferred work than fits. While either is expected not to fit, the oldest deferred W runs now (an event of its
+// own), provided that it fits itself or at least rises less than `next` would (otherwise running it would reach
+// as high as letting `next` run: the limit is then beyond what moving W's can reach).
 void Executor::make_room(Step& st, const Action& next) {
   const int64_t limit = options_.memory_limit_bytes;
   if (limit <= 0) return;
-  const int64_t rise = expected_rise(memory_key(st, next.type, next.stage));
+  const MemoryKey next_key = memory_key(st, next.type, next.stage);
+  const int64_t rise_next = expected(memory_rise_, next_key);
+  const int64_t added_next = std::max<int64_t>(0, expected(memory_added_, next_key));
   const c10::Device device = memory_device();
-  while (!st.pending_weight.empty() && memory::allocated(device).current + rise > limit) {
+  while (!st.pending_weight.empty()) {
     const auto [oldest_stage, oldest_mb] = st.pending_weight.front();
-    if (expected_rise(memory_key(st, ActionType::kBackwardWeight, oldest_stage)) >= rise) return;
+    const int64_t rise_w = expected(memory_rise_, memory_key(st, ActionType::kBackwardWeight, oldest_stage));
+    const int64_t current = memory::allocated(device).current;
+    if (current + std::max(rise_next, added_next + rise_w) <= limit) return;
+    if (current + rise_w > limit && rise_w >= rise_next) return;
     st.pending_weight.pop_front();
     Action w;
     w.type = ActionType::kBackwardWeight;
@@ -338,6 +345,8 @@ void Executor::execute(Step& st, const Action& a, bool scheduled) {
     st.result.peak_memory_bytes = std::max(st.result.peak_memory_bytes, now.peak);
     int64_t& rise = memory_rise_[key];
     rise = std::max(rise, now.peak - before);
+    auto [added, fresh] = memory_added_.try_emplace(key, now.current - before);
+    if (!fresh) added->second = std::max(added->second, now.current - before);
   }
   st.result.trace.events.push_back(std::move(event));
   if (scheduled && !hooks_.empty()) {

@@ -128,7 +128,7 @@ class Executor {
   // or B of the step, which allocates gradients reset by zero_grad()).
   using MemoryKey = std::tuple<ActionType, int, bool>;
   static MemoryKey memory_key(const Step& st, ActionType type, int stage_index);
-  int64_t expected_rise(const MemoryKey& key) const;
+  static int64_t expected(const std::map<MemoryKey, int64_t>& table, const MemoryKey& key);
   c10::Device memory_device() const;
   void prefetch(Step& st, std::size_t up_to_inclusive);
   void post_tensors(Step& st, std::size_t index);
@@ -143,8 +143,8 @@ class Executor {
   ExecutorOptions options_;
   std::vector<Hook> hooks_;
   std::vector<std::size_t> recv_actions_;  // indices of RECV_* in this rank's action list
-  // Memory-bounded 2BP: per MemoryKey, the most tensor memory one such action added while it ran.
-  std::map<MemoryKey, int64_t> memory_rise_;
+  // Memory-bounded 2BP: per MemoryKey, the most tensor memory one such action added while it ran, and by its end.
+  std::map<MemoryKey, int64_t> memory_rise_, memory_added_;
 };
 
 }  // namespace twobp
