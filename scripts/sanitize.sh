@@ -6,7 +6,8 @@
 #   asan  build-asan/, -fsanitize=address,undefined, the whole suite (unit, parity, mpi, bench; gpu tests skip
 #         themselves without a GPU).
 #   tsan  build-tsan/, -fsanitize=thread, only what runs several ranks as threads of one process: the Local
-#         transport tests, the pipeline, split-class, executor, run_ranks and data-parallel tests on threads (MPI ranks are separate processes, which
+#         transport tests, the pipeline, split-class, executor, run_ranks, data-parallel, memory (counter and limit)
+#         and mixed-precision tests on threads (MPI ranks are separate processes, which
 #         TSan cannot relate, and Open MPI is not instrumented).
 #
 # LibTorch, Open MPI and libgomp are not instrumented; the runtime options and the suppression files written
@@ -81,7 +82,8 @@ strict_init_order=1:check_initialization_order=1"
   # instrumented too, or its link fails on __asan_* symbols. CMake reads CXXFLAGS/LDFLAGS at its first configure.
   export CXXFLAGS="-fsanitize=$sanitize -fno-omit-frame-pointer" LDFLAGS="-fsanitize=$sanitize"
 else
-  targets=(transport_local_test pipeline_test pipeline_split_classes_test executor_test launch_test data_parallel_test)
+  targets=(transport_local_test pipeline_test pipeline_split_classes_test executor_test launch_test data_parallel_test
+           memory_test memory_limit_test mixed_precision_test)
   cmake --build "$build_dir" -j "$jobs" --target "${targets[@]}"
   # second_deadlock_stack: both stacks of a lock-order inversion. OMP_NUM_THREADS=1: LibTorch's intra-op pool
   # is libgomp, whose barriers TSan cannot see (every parallel_for would be reported); the ranks are our threads.
