@@ -23,4 +23,6 @@ void add_simulate_command(CLI::App& app);
 /// rule (check_schedules.cpp).
 void add_check_schedules_command(CLI::App& app);
 
+void add_plan_command(CLI::App& app);
+
 }  // namespace twobp::bench

@@ -19,6 +19,7 @@ int main(int argc, char** argv) {
   twobp::bench::add_pipeline_command(app);
   twobp::bench::add_simulate_command(app);
   twobp::bench::add_check_schedules_command(app);
+  twobp::bench::add_plan_command(app);
   try {
     app.parse(argc, argv);  // runs the chosen subcommand's callback
   } catch (const CLI::ParseError& e) {

@@ -283,7 +283,6 @@ struct MemorySamples {
 struct Measurements {
   std::unique_ptr<Pipeline> pipeline;
   Variant variant;
-  bool announced = false;
   std::vector<double> peak_memory;  // per measured step: StepResult::peak_memory_bytes
   MemorySamples memory;
   std::vector<std::vector<double>> f, i, w, b;  // per stage: F, I, W (per micro-batch), B durations in ms
@@ -324,7 +323,6 @@ std::vector<RunResult> run_config(Transport& world, ParallelGroups& groups, cons
     options.record_memory = true;
     options.memory_limit_bytes = vk.memory_limit;
     variants[k].variant = vk;
-    variants[k].announced = vk.announced;
     std::vector<PipelineChunk> chunks = make_model_chunks(a.model, schedule, me);
     for (auto& chunk : chunks) chunk.recompute = a.recompute;
     variants[k].pipeline = std::make_unique<Pipeline>(schedule, std::move(chunks), transport, options);
@@ -462,7 +460,7 @@ RunResult summarize_run(Transport& world, ParallelGroups& groups, const Pipeline
   r.v = sched.num_stages / sched.num_ranks;
   r.dp = dp;
   r.dp_overlap = dp_overlap;
-  r.announced = m.announced;
+  r.announced = m.variant.announced;
   r.memory_limit = m.variant.memory_limit;
   r.comm_ms = comm_ms;
   // Share per-stage medians (the owner fills its stages), per-step busy times and step times.
@@ -543,7 +541,7 @@ RunResult summarize_run(Transport& world, ParallelGroups& groups, const Pipeline
     std::string base = fmt::format("{}/{}_{}_p{}_m{}", a.trace_dir, name,
                                    mode == BackwardMode::kSplit ? "2bp" : "standard", p, a.microbatches);
     if (dp > 1) base += fmt::format("_dp{}_{}", dp, dp_overlap ? "overlap" : "nooverlap");
-    if (m.announced) base += "_announced";
+    if (m.variant.announced) base += "_announced";
     if (m.variant.memory_limit > 0) base += "_limited";
     std::ofstream(base + ".trace.json") << to_chrome_trace(traces);
     r.trace_files = {base + ".trace.json", base + ".svg"};
