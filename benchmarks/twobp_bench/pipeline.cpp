@@ -44,6 +44,13 @@
 //   limit_ratio             throughput with the limit / without, the median over measured steps of the paired
 //                           step-time ratio (as announce_ratio): the throughput the limit costs
 //
+// Energy (twobp/metrics/energy.h: NVML on GPUs, RAPL on CPUs where powercap is readable; --powercap-root):
+//   energy_j            joules per measured step, the whole job: Σ over measured steps of Σ over ranks of each
+//                       rank's share (one reader per node-wide meter), / steps; null when a rank's hardware has no
+//                       meter (config.energy_note says why), never 0 in its place
+//   j_per_token         energy_j / tokens per step (metrics::per_item; resnet: j_per_sample)
+//   energy_ratio        j_per_token(standard) / j_per_token(2bp), same pairing as speedup (2bp rows)
+//
 // Data parallelism (--dp N, default 1; N = 1 changes nothing and adds no fields): N replicas of a p-rank pipeline,
 // world = N · p, laid out by twobp::ParallelLayout (world rank r = pipeline rank r % p of replica r / p). --ranks
 // stays p: threads run N · p rank threads; under a launcher p = world size / N (UsageError unless N divides it).
@@ -92,6 +99,7 @@
 #include "commands.h"
 #include "pipeline_models.h"
 #include "twobp/config.h"
+#include "twobp/metrics/energy.h"
 #include "twobp/metrics/memory.h"
 #include "twobp/metrics/metrics.h"
 #include "twobp/runtime/launch.h"
@@ -124,6 +132,7 @@ struct PipelineArgs {
   bool variable_seq = false;  // also run every configuration with announced shapes (see the header)
   bool recompute = false;     // activation recomputation on every stage
   double memory_limit_mb = 0;  // > 0: also run every configuration under this memory limit (see the header)
+  std::string powercap_root = energy::EnergyOptions{}.powercap_root;
   std::string json, csv, trace_dir, chart;
 };
 
@@ -146,6 +155,7 @@ struct RunResult {
   double peak_memory = 0, sim_peak_memory = 0;
   int64_t memory_limit = 0;  // limited rows of --memory-limit-mb
   double limit_ratio = 0;
+  std::optional<double> energy_j;  // per step, the whole job (see the header); nullopt: not measured
   std::vector<double> f_ms, i_ms, w_ms, b_ms;  // per stage (I and B without their recomputation)
   std::vector<double> r_ms;                    // per stage: recomputation inside each I or B (--recompute)
   std::vector<std::string> trace_files;        // written by rank 0 under --trace-dir
@@ -288,6 +298,7 @@ struct Measurements {
   std::vector<std::vector<double>> f, i, w, b;  // per stage: F, I, W (per micro-batch), B durations in ms
   std::vector<std::vector<double>> r;           // per stage: recomputation inside I/B, ms (--recompute)
   std::vector<double> steps_ms, busy_ms, reduce_wait_ms;
+  std::optional<double> energy = 0.0;  // this rank's share over the measured steps; nullopt once a read failed
   Trace last;  // of the last measured step
 };
 
@@ -304,7 +315,7 @@ RunResult summarize_run(Transport& world, ParallelGroups& groups, const Pipeline
 // barriers over the whole world. With dp == 1 the world is the pipeline and nothing changes.
 std::vector<RunResult> run_config(Transport& world, ParallelGroups& groups, const PipelineArgs& a,
                                   const std::string& name, BackwardMode mode, bool dp_overlap,
-                                  const std::vector<Variant>& variant_list) {
+                                  const std::vector<Variant>& variant_list, energy::RankEnergy& rank_energy) {
   const Duration timeout{static_cast<int64_t>(a.timeout_s * 1000)};
   Transport& transport = groups.pipeline();
   const int p = transport.world_size(), me = transport.rank();
@@ -358,10 +369,13 @@ std::vector<RunResult> run_config(Transport& world, ParallelGroups& groups, cons
       pipeline.zero_grad();
       world.barrier(timeout);
       const auto t0 = std::chrono::steady_clock::now();
+      const std::optional<double> e0 = rank_energy.share();
       StepResult result = pipeline.step(inputs, targets);
       world.barrier(timeout);
       const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      const std::optional<double> e1 = rank_energy.share();
       if (step < a.warmup) continue;
+      v.energy = v.energy && e0 && e1 ? std::optional<double>(*v.energy + *e1 - *e0) : std::nullopt;
       v.steps_ms.push_back(ms);
       v.busy_ms.push_back(result.trace.busy_us() / 1000.0);
       v.reduce_wait_ms.push_back(result.reduce_wait_us / 1000.0);
@@ -491,6 +505,9 @@ RunResult summarize_run(Transport& world, ParallelGroups& groups, const Pipeline
       metrics::per_second(static_cast<double>(dp) * static_cast<double>(batch), r.step_ms.median / 1000.0);
   r.tokens_per_s = metrics::tokens_per_s(r.samples_per_s, tokens_per_sample(a.model));
   r.peak_rss = *std::max_element(total.begin() + kCosts * S + 2 * a.steps, total.end());
+  if (const std::optional<double> joules = energy::job_energy(world, m.energy, timeout)) {
+    r.energy_j = *joules / a.steps;
+  }
   if (dp > 1) {
     // Every world rank's reduction wait of every measured step (one slot each), then the slowest rank per step.
     // Slots: [step k][world rank] waits, then [pipeline rank] gradient bytes of replica 0's ranks.
@@ -601,7 +618,8 @@ void write_chart(const PipelineArgs& a, const std::vector<RunResult>& results, b
   std::ofstream(a.chart) << bar_chart_svg(title, tokens ? "tokens/s" : "samples/s", {"standard", "2BP"}, groups);
 }
 
-void report(const PipelineArgs& a, const std::vector<RunResult>& results, const std::string& transport_name) {
+void report(const PipelineArgs& a, const std::vector<RunResult>& results, const std::string& transport_name,
+            const std::string& energy_source, const std::string& energy_note) {
   const bool tokens = tokens_per_sample(a.model) > 0;  // resnet: samples/s
   const auto& m = a.model;
   Json out;
@@ -645,13 +663,29 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
     csv.open(a.csv);
     csv << "schedule,mode,p,m,v,tokens_per_s,step_ms_median,bubble_fraction,sim_step_ms,sim_error,"
            "peak_live_microbatches,speedup_vs_standard,sim_speedup_vs_standard,peak_rss_bytes,samples_per_s,"
-           "peak_memory_bytes,sim_peak_memory_bytes";
+           "peak_memory_bytes,sim_peak_memory_bytes,energy_j,j_per_item";
     csv << (dp ? ",dp,dp_overlap,dp_exposed_ms,dp_reduce_bytes" : "");
     csv << (a.variable_seq ? ",shapes,announce_ratio" : "");
     csv << (limited ? ",memory_limit_bytes,limit_held,limit_ratio\n" : "\n");
   }
+  // Energy per token (resnet: per sample) of a result; nullopt when not measured.
+  auto per_item = [&](const RunResult& r) -> std::optional<double> {
+    if (!r.energy_j) return std::nullopt;
+    const double samples = static_cast<double>(r.dp) * r.m * static_cast<double>(m.micro_batch_size);
+    return metrics::per_item(*r.energy_j, tokens ? samples * static_cast<double>(tokens_per_sample(m)) : samples);
+  };
+  const bool energy = std::any_of(results.begin(), results.end(), [](const RunResult& r) { return r.energy_j; });
+  out["config"]["energy_source"] = energy_source.empty() ? Json(nullptr) : Json(energy_source);
+  if (!energy) {
+    out["config"]["energy_note"] =
+        energy_note.empty() ? "a rank other than 0 has no energy meter for its hardware" : energy_note;
+  } else {
+    rows[0].push_back(tokens ? "J/token" : "J/sample");
+    rows[0].push_back("J ratio");
+  }
   for (const auto& r : results) {
     double speedup = 0, sim_speedup = 0;
+    std::optional<double> energy_ratio;
     for (const auto& o : results) {
       const bool same = o.schedule == r.schedule && o.p == r.p && o.m == r.m && o.v == r.v &&
                         o.dp_overlap == r.dp_overlap;
@@ -659,8 +693,12 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
           o.mode == BackwardMode::kStandard) {
         speedup = r.samples_per_s / o.samples_per_s;
         sim_speedup = o.sim_step_ms / r.sim_step_ms;
+        if (r.mode == BackwardMode::kSplit && per_item(r) && per_item(o) && *per_item(r) > 0) {
+          energy_ratio = *per_item(o) / *per_item(r);
+        }
       }
     }
+    const std::optional<double> j_per_item = per_item(r);
     const double announce_ratio = r.announce_ratio;
     const double sim_error = r.step_ms.median / r.sim_step_ms - 1.0;
     Json j{{"schedule", r.schedule}, {"mode", mode_name(r.mode)}, {"p", r.p}, {"m", r.m}, {"v", r.v}};
@@ -704,6 +742,9 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
       j["speedup_vs_standard"] = speedup;
       j["sim_speedup_vs_standard"] = sim_speedup;
     }
+    j["energy_j"] = r.energy_j ? Json(*r.energy_j) : Json(nullptr);
+    j[tokens ? "j_per_token" : "j_per_sample"] = j_per_item ? Json(*j_per_item) : Json(nullptr);
+    if (energy_ratio) j["energy_ratio"] = *energy_ratio;
     if (!r.trace_files.empty()) j["trace_files"] = r.trace_files;
     out["results"].push_back(j);
     rows.push_back({r.schedule, mode_name(r.mode), std::to_string(r.p), std::to_string(r.m), std::to_string(r.v),
@@ -729,12 +770,18 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
                                             : "none");
       rows.back().push_back(r.limit_ratio > 0 ? fmt_num(r.limit_ratio, 3) : "");
     }
+    if (energy) {
+      rows.back().push_back(j_per_item ? fmt::format("{:.4g}", *j_per_item) : "?");
+      rows.back().push_back(energy_ratio ? fmt_num(*energy_ratio, 3) : "");
+    }
     if (csv) {
       csv << fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}", r.schedule, mode_name(r.mode), r.p,
                          r.m, r.v, tokens ? fmt::format("{}", r.tokens_per_s) : "", r.step_ms.median, r.bubble,
                          r.sim_step_ms, sim_error, r.peak_live, speedup > 0 ? fmt::format("{}", speedup) : "",
                          speedup > 0 ? fmt::format("{}", sim_speedup) : "", r.peak_rss, r.samples_per_s,
                          r.peak_memory, r.memory_limit == 0 ? fmt::format("{}", r.sim_peak_memory) : "");
+      csv << fmt::format(",{},{}", r.energy_j ? fmt::format("{}", *r.energy_j) : "",
+                         j_per_item ? fmt::format("{}", *j_per_item) : "");
       if (dp) {
         csv << fmt::format(",{},{},{},{}", r.dp, r.dp_overlap ? "true" : "false", r.dp_exposed_ms,
                            r.dp_reduce_bytes);
@@ -789,11 +836,19 @@ void run_pipeline_bench(const PipelineArgs& a) {
   // With --variable-seq every configuration runs with fixed specs and with shapes announced, in turn; with
   // --memory-limit-mb without and with the limit.
   std::vector<Variant> variants{Variant{}};
+  std::string energy_source, energy_note;  // rank 0's meter ("nvml", "rapl", ""), and why it has none
   if (a.variable_seq) variants.push_back(Variant{true, 0});
   if (a.memory_limit_mb > 0) variants.push_back(Variant{false, static_cast<int64_t>(a.memory_limit_mb * kMiB)});
   auto run_all = [&](Transport& t) {
     const Duration timeout{static_cast<int64_t>(a.timeout_s * 1000)};
     ParallelGroups groups(t, a.dp, timeout);  // UsageError unless dp divides the world size
+    energy::EnergyOptions eo;
+    eo.powercap_root = a.powercap_root;
+    energy::RankEnergy rank_energy(t.device(), energy::first_rank_on_node(t), eo);
+    if (t.rank() == 0) {
+      energy_source = rank_energy.source();
+      energy_note = rank_energy.note();
+    }
     std::vector<RunResult> results;
     for (const auto& name : names) {
       for (BackwardMode mode : modes) {
@@ -806,7 +861,9 @@ void run_pipeline_bench(const PipelineArgs& a) {
                                      : a.memory_limit_mb > 0 ? ", without and with the memory limit in turn"
                                                              : "");
           }
-          for (RunResult& r : run_config(t, groups, a, name, mode, overlap, variants)) results.push_back(std::move(r));
+          for (RunResult& r : run_config(t, groups, a, name, mode, overlap, variants, rank_energy)) {
+            results.push_back(std::move(r));
+          }
         }
       }
     }
@@ -834,7 +891,7 @@ void run_pipeline_bench(const PipelineArgs& a) {
       transport_name = t.name();
     }
   });
-  if (!transport_name.empty()) report(a, results, transport_name);  // this process ran rank 0
+  if (!transport_name.empty()) report(a, results, transport_name, energy_source, energy_note);  // this process ran rank 0
 }
 
 }  // namespace
@@ -890,6 +947,9 @@ void add_pipeline_command(CLI::App& app) {
   sub->add_option("--warmup", a->warmup, "Unmeasured steps first")->capture_default_str();
   sub->add_option("--threads", a->threads, "at::set_num_threads (per process)")->capture_default_str();
   sub->add_option("--timeout", a->timeout_s, "Seconds any wait may block")->capture_default_str();
+  sub->add_option("--powercap-root", a->powercap_root,
+                  "Where RAPL's powercap zones are (energy on CPUs; another root for tests or containers)")
+      ->capture_default_str();
   sub->add_flag("--recompute", a->recompute,
                "Activation recomputation on every stage: F keeps only its inputs, each I/B re-runs the forward");
   sub->add_flag("--variable-seq", a->variable_seq,

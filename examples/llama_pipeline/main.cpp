@@ -39,6 +39,10 @@
 // checkpoints it when --checkpoint-dir is given); a later --resume continues to N with identical losses, because the
 // batch of step s depends only on (--seed, s) and the checkpoint holds the weights and the AdamW state.
 //
+// Energy: every step's joules (the whole job's: NVML per GPU, RAPL per node where powercap is readable;
+// twobp/metrics/energy.h) and joules per token go to the progress line and the JSON ("energy_j", "j_per_token";
+// null, with "energy_note" saying why, where the hardware has no readable counter).
+//
 // Sequences: --pack treats the token --doc-separator as the end of a document; attention stays within a document,
 // rotary positions restart at each one, and no target predicts across documents. Positions and document ids cross
 // every stage boundary beside the hidden state (twobp::NamedTensors, without gradients); the loss mask reaches the
@@ -63,6 +67,7 @@
 #include "twobp/config.h"
 #include "twobp/data.h"
 #include "twobp/error.h"
+#include "twobp/metrics/energy.h"
 #include "twobp/metrics/memory.h"
 #include "twobp/metrics/metrics.h"
 #include "twobp/models/llama.h"
@@ -123,6 +128,7 @@ struct Args {
   std::string partition;
   bool dry_run = false;
   std::string json;
+  std::string powercap_root = twobp::energy::EnergyOptions{}.powercap_root;  // RAPL zones (energy on CPUs)
   uint64_t seed = 1234;
 };
 
@@ -315,6 +321,8 @@ struct StepRecord {
   double grad_norm;
   double lr;
   double peak_memory_bytes;  // max over the pipeline's ranks of StepResult::peak_memory_bytes
+  std::optional<double> energy_j;  // the whole job's, this step (twobp/metrics/energy.h); nullopt: not measured
+  std::optional<double> j_per_token;
 };
 
 /// What rank 0 reports and the threads share.
@@ -323,6 +331,7 @@ struct Shared {
   std::vector<StepRecord> records;
   std::vector<twobp::Trace> traces;  // last step, per rank (threads mode)
   int64_t resumed_from = 0;
+  std::string energy_source, energy_note;  // rank 0's meter ("nvml", "rapl" or ""), and why it has none
 };
 
 void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, const std::vector<uint16_t>& tokens,
@@ -421,9 +430,19 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
   const bool owns_first = p.schedule.stage_to_rank[0] == rank;
   const bool owns_last = p.schedule.stage_to_rank[last] == rank;
   const auto t0 = std::chrono::steady_clock::now();
+  // Energy of the device the chunks compute on (NVML) or of the node's CPUs (RAPL), summed over the job.
+  twobp::energy::EnergyOptions energy_options;
+  energy_options.powercap_root = a.powercap_root;
+  twobp::energy::RankEnergy rank_energy(device, twobp::energy::first_rank_on_node(world), energy_options);
+  if (reports) {
+    std::lock_guard<std::mutex> lock(shared.mutex);
+    shared.energy_source = rank_energy.source();
+    shared.energy_note = rank_energy.note();
+  }
 
   for (int step = start; step < end; ++step) {
     const auto ts = std::chrono::steady_clock::now();
+    const std::optional<double> e0 = rank_energy.share();
     const double lr = learning_rate(a, step);
     for (auto& group : optimizer.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
     pipeline.zero_grad();
@@ -453,18 +472,23 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
     peaks[rank] = static_cast<double>(result.peak_memory_bytes);
     transport.all_reduce_sum(peaks, timeout);
     const double peak_memory = peaks.max().item<double>();
+    const std::optional<double> e1 = rank_energy.share();
+    const std::optional<double> energy_j = twobp::energy::job_energy(
+        world, e0 && e1 ? std::optional<double>(*e1 - *e0) : std::nullopt, timeout);
+    std::optional<double> j_per_token;
+    if (energy_j) j_per_token = twobp::metrics::per_item(*energy_j, tokens_per_step);
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - ts).count();
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double tokens_per_s = twobp::metrics::per_second(tokens_per_step, secs);
     if (reports) {
       const double remaining = elapsed / (step - start + 1) * (end - step - 1);
       fmt::print("step {:>5}/{} | loss {:.4f} | grad norm {:.3f} | lr {:.2e} | {:.0f} tok/s | peak {:.1f} MiB | "
-                 "elapsed {:.1f}s | remaining {:.1f}s\n",
-                 step + 1, a.steps, loss, norm, lr, tokens_per_s, peak_memory / (1024.0 * 1024.0), elapsed,
-                 remaining);
+                 "{}elapsed {:.1f}s | remaining {:.1f}s\n",
+                 step + 1, a.steps, loss, norm, lr, tokens_per_s, peak_memory / (1024.0 * 1024.0),
+                 j_per_token ? fmt::format("{:.3g} J/tok | ", *j_per_token) : "", elapsed, remaining);
       std::fflush(stdout);
       std::lock_guard<std::mutex> lock(shared.mutex);
-      shared.records.push_back({step, loss, tokens_per_s, norm, lr, peak_memory});
+      shared.records.push_back({step, loss, tokens_per_s, norm, lr, peak_memory, energy_j, j_per_token});
     }
     if (!a.trace.empty() && step + 1 == end) {
       std::lock_guard<std::mutex> lock(shared.mutex);
@@ -600,10 +624,14 @@ int run(Args args, int& argc, char**& argv) {
   if (!args.json.empty()) {
     nlohmann::json j = config_json(plan);
     j["resumed_from"] = shared.resumed_from;
+    j["energy_source"] = shared.energy_source.empty() ? nlohmann::json(nullptr) : nlohmann::json(shared.energy_source);
+    if (!shared.energy_note.empty()) j["energy_note"] = shared.energy_note;
+    auto optional_json = [](const std::optional<double>& x) { return x ? nlohmann::json(*x) : nlohmann::json(nullptr); };
     j["steps"] = nlohmann::json::array();
     for (const auto& r : shared.records) {
       j["steps"].push_back({{"step", r.step}, {"loss", r.loss}, {"tokens_per_s", r.tokens_per_s},
-                            {"grad_norm", r.grad_norm}, {"lr", r.lr}, {"peak_memory_bytes", r.peak_memory_bytes}});
+                            {"grad_norm", r.grad_norm}, {"lr", r.lr}, {"peak_memory_bytes", r.peak_memory_bytes},
+                            {"energy_j", optional_json(r.energy_j)}, {"j_per_token", optional_json(r.j_per_token)}});
     }
     write_json(args.json, j);
   }
@@ -668,6 +696,9 @@ int main(int argc, char** argv) {
   app.add_option("--partition", a.partition, "Blocks per chunk, e.g. 3,3,2,0 (default: balanced by compute)");
   app.add_flag("--dry-run", a.dry_run, "Print sizes and memory estimates without allocating the model");
   app.add_option("--json", a.json, "Write the per-step losses (or the dry-run plan) as JSON");
+  app.add_option("--powercap-root", a.powercap_root,
+                 "Where RAPL's powercap zones are (energy per step on CPUs; another root for tests or containers)")
+      ->capture_default_str();
   app.add_option("--seed", a.seed, "Seed of the weights and the data order");
   CLI11_PARSE(app, argc, argv);
   try {

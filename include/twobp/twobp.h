@@ -20,6 +20,7 @@
 #include "twobp/schedule/dependencies.h"
 #include "twobp/schedule/schedule.h"
 
+#include "twobp/metrics/energy.h"
 #include "twobp/metrics/memory.h"
 #include "twobp/metrics/metrics.h"
 #include "twobp/runtime/data_parallel.h"

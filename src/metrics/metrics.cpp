@@ -20,6 +20,8 @@ double bubble_fraction(double total_busy, int ranks, double step) {
 
 double per_second(double items, double seconds) { return seconds > 0.0 ? items / seconds : 0.0; }
 
+double per_item(double amount, double items) { return items > 0.0 ? amount / items : 0.0; }
+
 double tokens_per_s(double samples_per_s, int64_t tokens_per_sample) {
   return samples_per_s * static_cast<double>(tokens_per_sample);
 }

@@ -20,6 +20,8 @@ TEST(Metrics, BubbleFractionIsIdleOverRanksTimesStep) {
 TEST(Metrics, Throughput) {
   EXPECT_DOUBLE_EQ(metrics::per_second(64.0, 0.5), 128.0);
   EXPECT_DOUBLE_EQ(metrics::per_second(64.0, 0.0), 0.0);
+  EXPECT_DOUBLE_EQ(metrics::per_item(3.0, 1536.0), 3.0 / 1536.0);  // joules per token
+  EXPECT_DOUBLE_EQ(metrics::per_item(3.0, 0.0), 0.0);
   EXPECT_DOUBLE_EQ(metrics::tokens_per_s(128.0, 256), 32768.0);
   EXPECT_DOUBLE_EQ(metrics::tokens_per_s(128.0, 0), 0.0);  // resnet: no tokens
 }

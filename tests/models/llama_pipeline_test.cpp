@@ -4,7 +4,10 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <thread>
 #include <sys/stat.h>
 
 #include <cstdio>
@@ -132,6 +135,51 @@ TEST(LlamaPipeline, RecomputationKeepsTheLosses) {
                "--recompute vs without, step ");
   expect_close(kept, train("recompute_fused", "--schedule zb-h1 --steps 3 --recompute --no-2bp"), 1e-4,
                "--recompute --no-2bp vs without, step ");
+}
+
+// Energy per step and per token (twobp/metrics/energy.h) on a RAPL zone whose counter a thread of this test
+// advances while the example runs: every step has energy_j > 0 and j_per_token = energy_j / tokens per step
+// (4 micro-batches x 2 sequences x 32 tokens); without RAPL both are null and energy_note says why.
+TEST(LlamaPipeline, EnergyPerStepAndToken) {
+  const std::string root = work_dir() + "/powercap", zone = root + "/intel-rapl:0";
+  ::mkdir(root.c_str(), 0755);
+  ::mkdir(zone.c_str(), 0755);
+  std::ofstream(zone + "/name") << "package-0\n";
+  std::ofstream(zone + "/max_energy_range_uj") << "1000000000000\n";
+  std::ofstream(zone + "/energy_uj") << "0\n";
+  std::atomic<bool> stop{false};
+  std::thread writer([&] {
+    for (uint64_t uj = 0; !stop; uj += 100000) {  // 0.1 J per millisecond: 100 W
+      std::ofstream(zone + "/energy_uj.new") << uj << "\n";
+      std::rename((zone + "/energy_uj.new").c_str(), (zone + "/energy_uj").c_str());  // readers see whole values
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  });
+  const auto measured = run(kBase + "--schedule 1f1b --steps 3 --powercap-root " + root + " --json " + work_dir() +
+                            "/energy.json");
+  stop = true;
+  writer.join();
+  ASSERT_EQ(measured.exit_code, 0) << measured.output;
+  EXPECT_NE(measured.output.find("J/tok"), std::string::npos) << measured.output;
+  std::ifstream in(work_dir() + "/energy.json");
+  const auto j = nlohmann::json::parse(in);
+  EXPECT_EQ(j.at("energy_source"), "rapl");
+  ASSERT_EQ(j.at("steps").size(), 3u);
+  for (const auto& s : j.at("steps")) {
+    ASSERT_TRUE(s.at("energy_j").is_number()) << s;
+    EXPECT_GT(s.at("energy_j").get<double>(), 0.0) << s;
+    EXPECT_DOUBLE_EQ(s.at("j_per_token").get<double>(), s.at("energy_j").get<double>() / (4 * 2 * 32)) << s;
+  }
+
+  const auto unmeasured = run(kBase + "--schedule 1f1b --steps 1 --powercap-root " + root + "/nowhere --json " +
+                              work_dir() + "/no_energy.json");
+  ASSERT_EQ(unmeasured.exit_code, 0) << unmeasured.output;
+  std::ifstream in2(work_dir() + "/no_energy.json");
+  const auto k = nlohmann::json::parse(in2);
+  EXPECT_TRUE(k.at("energy_source").is_null());
+  EXPECT_NE(k.at("energy_note").get<std::string>().find("no RAPL"), std::string::npos) << k;
+  EXPECT_TRUE(k.at("steps")[0].at("energy_j").is_null());
+  EXPECT_TRUE(k.at("steps")[0].at("j_per_token").is_null());
 }
 
 TEST(LlamaPipeline, SchedulesAgree) {

@@ -20,6 +20,9 @@ double bubble_fraction(double total_busy, int ranks, double step);
 /// Throughput: `items` (samples, tokens) per second of `seconds`; 0 when no time passed.
 double per_second(double items, double seconds);
 
+/// An amount per item: energy per token (joules / tokens per step), per sample, ...; 0 when there are no items.
+double per_item(double amount, double items);
+
 /// tokens/s = samples/s · tokens per sample (the sequence length); 0 for models without tokens (tokens_per_sample 0).
 double tokens_per_s(double samples_per_s, int64_t tokens_per_sample);
 
