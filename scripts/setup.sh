@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Installs what twobp needs and is missing; safe to run any number of times. Sourced by the other scripts.
 #   Debian packages: compiler, CMake, Ninja, Open MPI, GoogleTest, Google Benchmark, CLI11, nlohmann/json, ccache
-#   PyPI: torch (LibTorch's headers, libraries and CMake config ship in the wheel)
+#   PyPI: torch (LibTorch's headers, libraries and CMake config ship in the wheel), reframe-hpc (the ReFrame checks
+#         of benchmarks/reframe; ctest loads them and writes their Slurm job scripts, it does not run them)
 set -euo pipefail
 
 # LibTorch 2.11.0: its default PyPI build is for CUDA 13.0, the toolkit on our machines, so the NCCL transport
 # compiles and links against the same CUDA and NCCL that LibTorch loads; it is also the version on the GPU image.
 TWOBP_TORCH_VERSION="${TWOBP_TORCH_VERSION:-2.11.0}"
+TWOBP_REFRAME_VERSION="${TWOBP_REFRAME_VERSION:-4.10.4}"
 # ccache: hash paths relative to the checkout (and ignore the build directory in -g builds), so that another clone
 # of the same tree (CI's, a worktree's) reuses the cache. Harmless where ccache is not installed.
 export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$PWD}"
@@ -39,6 +41,11 @@ twobp_setup() {
       >/dev/null 2>&1; then
     echo "twobp setup: installing torch==$TWOBP_TORCH_VERSION from PyPI (LibTorch for C++)"
     "$PYTHON" -m pip install -q "torch==$TWOBP_TORCH_VERSION"
+  fi
+  if ! "$PYTHON" -c "import reframe, sys; sys.exit(0 if reframe.VERSION == '$TWOBP_REFRAME_VERSION' else 1)" \
+      >/dev/null 2>&1; then
+    echo "twobp setup: installing reframe-hpc==$TWOBP_REFRAME_VERSION from PyPI (benchmarks/reframe)"
+    "$PYTHON" -m pip install -q "reframe-hpc==$TWOBP_REFRAME_VERSION"
   fi
 }
 
