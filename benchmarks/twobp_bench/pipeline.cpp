@@ -674,7 +674,7 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
     const double samples = static_cast<double>(r.dp) * r.m * static_cast<double>(m.micro_batch_size);
     return metrics::per_item(*r.energy_j, tokens ? samples * static_cast<double>(tokens_per_sample(m)) : samples);
   };
-  const bool energy = std::any_of(results.begin(), results.end(), [](const RunResult& r) { return r.energy_j; });
+  const bool energy = std::any_of(results.begin(), results.end(), [](const RunResult& r) { return r.energy_j.has_value(); });
   out["config"]["energy_source"] = energy_source.empty() ? Json(nullptr) : Json(energy_source);
   if (!energy) {
     out["config"]["energy_note"] =
