@@ -674,7 +674,8 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
     const double samples = static_cast<double>(r.dp) * r.m * static_cast<double>(m.micro_batch_size);
     return metrics::per_item(*r.energy_j, tokens ? samples * static_cast<double>(tokens_per_sample(m)) : samples);
   };
-  const bool energy = std::any_of(results.begin(), results.end(), [](const RunResult& r) { return r.energy_j.has_value(); });
+  const bool energy =
+      std::any_of(results.begin(), results.end(), [](const RunResult& r) { return r.energy_j.has_value(); });
   out["config"]["energy_source"] = energy_source.empty() ? Json(nullptr) : Json(energy_source);
   if (!energy) {
     out["config"]["energy_note"] =
@@ -891,7 +892,8 @@ void run_pipeline_bench(const PipelineArgs& a) {
       transport_name = t.name();
     }
   });
-  if (!transport_name.empty()) report(a, results, transport_name, energy_source, energy_note);  // this process ran rank 0
+  // This process ran rank 0.
+  if (!transport_name.empty()) report(a, results, transport_name, energy_source, energy_note);
 }
 
 }  // namespace
