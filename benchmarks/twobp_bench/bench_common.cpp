@@ -156,4 +156,26 @@ std::string fmt_num(double value, int digits) {
   return buf;
 }
 
+const char* mode_name(BackwardMode mode) { return mode == BackwardMode::kSplit ? "2bp" : "standard"; }
+
+std::vector<std::string> name_list(const std::string& value, const std::vector<std::string>& known,
+                                   const std::string& what) {
+  if (value == "all") return known;
+  std::vector<std::string> names;
+  std::size_t start = 0;
+  while (start <= value.size()) {
+    const std::size_t comma = std::min(value.find(',', start), value.size());
+    const std::string name = value.substr(start, comma - start);
+    if (std::find(known.begin(), known.end(), name) == known.end()) {
+      std::string list;
+      for (const auto& k : known) list += (list.empty() ? "" : ", ") + k;
+      throw std::invalid_argument("unknown " + what + " '" + name + "': expected all, or one or more " +
+                                  "(comma-separated) of " + list);
+    }
+    names.push_back(name);
+    start = comma + 1;
+  }
+  return names;
+}
+
 }  // namespace twobp::bench

@@ -10,6 +10,8 @@
 #include <utility>
 #include <vector>
 
+#include "twobp/schedule/schedule.h"  // BackwardMode (no torch)
+
 namespace twobp::bench {
 
 using Json = nlohmann::ordered_json;  // keeps keys in insertion order: readable files
@@ -72,5 +74,13 @@ std::vector<std::string> check_numbers(const Json& json, const std::vector<std::
 void print_table(std::ostream& os, const std::vector<std::vector<std::string>>& rows);
 /// `value` with `digits` decimals.
 std::string fmt_num(double value, int digits = 2);
+
+/// "standard" or "2bp": how every twobp_bench output names a backward mode.
+const char* mode_name(BackwardMode mode);
+
+/// A command-line list of names: "all" (every `known` name) or names of `known` separated by commas, in the given
+/// order. Throws std::invalid_argument naming the unknown one, `what` it should be ("schedule") and the known ones.
+std::vector<std::string> name_list(const std::string& value, const std::vector<std::string>& known,
+                                   const std::string& what);
 
 }  // namespace twobp::bench

@@ -43,7 +43,7 @@ int run_check(const CheckArgs& a) {
           const ScheduleOptions so = default_schedule_options(name, p, m, mode);
           Json r;
           r["schedule"] = name;
-          r["mode"] = mode == BackwardMode::kSplit ? "2bp" : "standard";
+          r["mode"] = mode_name(mode);
           r["p"] = p;
           r["m"] = m;
           try {

@@ -23,6 +23,8 @@ void add_simulate_command(CLI::App& app);
 /// rule (check_schedules.cpp).
 void add_check_schedules_command(CLI::App& app);
 
+/// `plan`: ranks schedule, mode, v, m, recomputation and dp x pp for a LLaMa-like model on N ranks by simulated
+/// throughput among the candidates that fit in memory; estimated or measured costs (plan.cpp).
 void add_plan_command(CLI::App& app);
 
 }  // namespace twobp::bench

@@ -556,7 +556,7 @@ RunResult summarize_run(Transport& world, ParallelGroups& groups, const Pipeline
   if (world.rank() == 0 && !a.trace_dir.empty()) {
     make_directories(a.trace_dir);
     std::string base = fmt::format("{}/{}_{}_p{}_m{}", a.trace_dir, name,
-                                   mode == BackwardMode::kSplit ? "2bp" : "standard", p, a.microbatches);
+                                   mode_name(mode), p, a.microbatches);
     if (dp > 1) base += fmt::format("_dp{}_{}", dp, dp_overlap ? "overlap" : "nooverlap");
     if (m.variant.announced) base += "_announced";
     if (m.variant.memory_limit > 0) base += "_limited";
@@ -569,29 +569,10 @@ RunResult summarize_run(Transport& world, ParallelGroups& groups, const Pipeline
   return r;
 }
 
-// "all", one registered schedule, or several separated by commas; throws std::invalid_argument naming an unknown
-// one and the registered ones.
+// "all", one registered schedule, or several separated by commas (name_list).
 std::vector<std::string> schedule_list(const std::string& value) {
-  const std::vector<std::string> known = schedule_names();
-  if (value == "all") return known;
-  std::vector<std::string> names;
-  std::size_t start = 0;
-  while (start <= value.size()) {
-    const std::size_t comma = std::min(value.find(',', start), value.size());
-    const std::string name = value.substr(start, comma - start);
-    if (std::find(known.begin(), known.end(), name) == known.end()) {
-      std::string list;
-      for (const auto& k : known) list += (list.empty() ? "" : ", ") + k;
-      throw std::invalid_argument(
-          fmt::format("unknown schedule '{}': expected all, or one or more (comma-separated) of {}", name, list));
-    }
-    names.push_back(name);
-    start = comma + 1;
-  }
-  return names;
+  return name_list(value, schedule_names(), "schedule");
 }
-
-const char* mode_name(BackwardMode m) { return m == BackwardMode::kSplit ? "2bp" : "standard"; }
 
 // "2BP ×1.234" labels and tokens/s (or samples/s) bars per schedule.
 void write_chart(const PipelineArgs& a, const std::vector<RunResult>& results, bool tokens) {

@@ -91,6 +91,8 @@ struct Candidate {
   bool fits = true;
 };
 
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
 double sum(const std::vector<double>& v) { return std::accumulate(v.begin(), v.end(), 0.0); }
 
 std::vector<double> numbers_of(const Json& j, const char* key) {
@@ -139,19 +141,23 @@ Rates measured_rates(const Json& doc, const std::string& path) {
     throw std::runtime_error(path + ": the planner models LLaMa-like stacks; this benchmark ran --model " +
                              cfg.value("model", std::string()));
   }
-  const Json* split = nullptr;
-  const Json* standard = nullptr;
-  for (const auto& r : doc.at("results")) {
-    if (r.value("dp", 1) != 1 || r.contains("memory_limit_bytes") || r.value("shapes", "fixed") != "fixed") continue;
-    if (r.value("mode", "") == "2bp" && split == nullptr) split = &r;
-  }
-  if (split == nullptr) throw std::runtime_error(path + ": no 2bp result (run `twobp_bench pipeline --mode both`)");
-  for (const auto& r : doc.at("results")) {
-    if (r.value("mode", "") == "standard" && r.value("schedule", "") == (*split)["schedule"] &&
-        r.value("p", 0) == (*split)["p"] && r.value("dp", 1) == 1 && !r.contains("memory_limit_bytes")) {
-      standard = &r;
+  // The first result of `mode` run plainly (no data parallelism, memory limit or announced shapes), of the same
+  // schedule and p as `like` when given.
+  auto first_plain = [&](const char* mode, const Json* like) -> const Json* {
+    for (const auto& r : doc.at("results")) {
+      if (r.value("dp", 1) != 1 || r.contains("memory_limit_bytes") || r.value("shapes", "fixed") != "fixed" ||
+          r.value("mode", "") != mode) {
+        continue;
+      }
+      if (like == nullptr || (r.value("schedule", "") == (*like)["schedule"] && r.value("p", 0) == (*like)["p"])) {
+        return &r;
+      }
     }
-  }
+    return nullptr;
+  };
+  const Json* split = first_plain("2bp", nullptr);
+  if (split == nullptr) throw std::runtime_error(path + ": no 2bp result (run `twobp_bench pipeline --mode both`)");
+  const Json* standard = first_plain("standard", split);
   PlanArgs measured_args;
   const llm::LlamaConfig c = config_of(measured_args, &cfg);
   const int64_t seq = cfg.at("seq").get<int64_t>(), mbs = cfg.at("micro_batch_size").get<int64_t>();
@@ -177,22 +183,6 @@ Rates measured_rates(const Json& doc, const std::string& path) {
   return r;
 }
 
-std::vector<std::string> list_of(const std::string& value, const std::vector<std::string>& all, const char* what) {
-  if (value == "all") return all;
-  std::vector<std::string> out;
-  std::size_t start = 0;
-  while (start <= value.size()) {
-    const std::size_t comma = std::min(value.find(',', start), value.size());
-    const std::string name = value.substr(start, comma - start);
-    if (std::find(all.begin(), all.end(), name) == all.end()) {
-      throw std::invalid_argument(fmt::format("unknown {} '{}'", what, name));
-    }
-    out.push_back(name);
-    start = comma + 1;
-  }
-  return out;
-}
-
 // The example's --dtype for a training precision.
 std::string example_dtype(const std::string& precision) {
   return precision == "bf16-mixed" ? "bf16" : precision == "bf16" ? "bf16-pure" : "fp32";
@@ -215,7 +205,7 @@ std::vector<std::string> bench_args(const llm::LlamaConfig& c, int64_t seq, int6
                                 "--dp", std::to_string(k.dp),
                                 "--schedule", k.schedule,
                                 "--chunks-per-rank", std::to_string(k.v),
-                                "--mode", k.mode == BackwardMode::kSplit ? "2bp" : "standard",
+                                "--mode", mode_name(k.mode),
                                 "--microbatches", std::to_string(k.m),
                                 "--micro-batch-size", std::to_string(mbs),
                                 "--dim", std::to_string(c.dim),
@@ -244,25 +234,25 @@ void run_plan(const PlanArgs& a) {
   const int64_t seq = a.seq > 0 ? a.seq : config.max_seq_len;
   const int64_t global_batch = a.global_batch > 0 ? a.global_batch : 8 * a.ranks * a.micro_batch_size;
   const llm::TrainingPrecision precision = llm::training_precision(a.precision);
+  const double link_bytes_per_s = a.link_gbps * 1e9 / 8;
   Rates rates;
   if (measured_config != nullptr) {
     rates = measured_rates(measured_doc, a.costs_json);
   } else {
     if (!(a.tflops > 0)) throw std::invalid_argument("--tflops must be > 0");
     rates.ms_per_flop = 1e3 / (a.tflops * 1e12);
-    rates.comm_ms_per_byte = 1e3 / (a.link_gbps * 1e9 / 8);
+    rates.comm_ms_per_byte = 1e3 / link_bytes_per_s;
     rates.comm_latency_ms = a.link_latency_us * 1e-3;
     rates.source = fmt::format("estimated: {} TFLOP/s per device, I = W = F, B = 2F, links {} Gb/s + {} us", a.tflops,
                                a.link_gbps, a.link_latency_us);
   }
-  const double link_bytes_per_s = a.link_gbps * 1e9 / 8;
   const double block_ms = llm::block_forward_flops(config, seq) * static_cast<double>(a.micro_batch_size) *
                           rates.ms_per_flop;
   const double comm_ms =
       activation_bytes(config, a.micro_batch_size, seq, precision.compute_bytes) * rates.comm_ms_per_byte +
       rates.comm_latency_ms;
 
-  const std::vector<std::string> schedules = list_of(a.schedule, schedule_names(), "schedule");
+  const std::vector<std::string> schedules = name_list(a.schedule, schedule_names(), "schedule");
   std::vector<BackwardMode> modes;
   if (a.mode != "2bp") modes.push_back(BackwardMode::kStandard);
   if (a.mode != "standard") modes.push_back(BackwardMode::kSplit);
@@ -328,9 +318,11 @@ void run_plan(const PlanArgs& a) {
           mo.seq_len = seq;
           mo.precision = precision;
           mo.recompute = recompute;
-          for (const auto& e : llm::estimate_memory(config, partition, schedule, mo)) k.memory_per_rank.push_back(e.total);
+          for (const auto& e : llm::estimate_memory(config, partition, schedule, mo)) {
+            k.memory_per_rank.push_back(e.total);
+          }
           k.peak_memory = *std::max_element(k.memory_per_rank.begin(), k.memory_per_rank.end());
-          k.fits = a.gpu_memory_gb <= 0 || k.peak_memory <= a.gpu_memory_gb * 1024.0 * 1024.0 * 1024.0;
+          k.fits = a.gpu_memory_gb <= 0 || k.peak_memory <= a.gpu_memory_gb * kGiB;
           candidates.push_back(std::move(k));
         }
       }
@@ -347,7 +339,6 @@ void run_plan(const PlanArgs& a) {
     return x.peak_memory < y.peak_memory;
   });
 
-  const double gib = 1024.0 * 1024.0 * 1024.0;
   std::cout << fmt::format("plan: model {} ({:.3g} B parameters), {} ranks, global batch {} x {} tokens, "
                            "precision {}, memory per device {}\n  costs {}\n",
                            config.name, static_cast<double>(llm::parameter_count(config)) / 1e9, a.ranks,
@@ -366,14 +357,14 @@ void run_plan(const PlanArgs& a) {
   for (std::size_t i = 0; i < candidates.size(); ++i) {
     const Candidate& k = candidates[i];
     if (static_cast<int>(i) < a.top) {
-      rows.push_back({std::to_string(i + 1), k.schedule, k.mode == BackwardMode::kSplit ? "2bp" : "standard",
+      rows.push_back({std::to_string(i + 1), k.schedule, mode_name(k.mode),
                       std::to_string(k.v), std::to_string(k.m), k.recompute ? "yes" : "no",
                       fmt::format("{} x {}", k.dp, k.pp), fmt_num(k.tokens_per_s, 0), fmt_num(k.step_ms, 1),
-                      fmt_num(k.bubble, 3), fmt_num(k.peak_memory / gib, 2), k.fits ? "yes" : "no"});
+                      fmt_num(k.bubble, 3), fmt_num(k.peak_memory / kGiB, 2), k.fits ? "yes" : "no"});
     }
     out["candidates"].push_back({{"rank", i + 1},
                                  {"schedule", k.schedule},
-                                 {"mode", k.mode == BackwardMode::kSplit ? "2bp" : "standard"},
+                                 {"mode", mode_name(k.mode)},
                                  {"v", k.v},
                                  {"m", k.m},
                                  {"recompute", k.recompute},

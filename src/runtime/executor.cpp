@@ -345,6 +345,7 @@ void Executor::execute(Step& st, const Action& a, bool scheduled) {
     st.result.peak_memory_bytes = std::max(st.result.peak_memory_bytes, now.peak);
     int64_t& rise = memory_rise_[key];
     rise = std::max(rise, now.peak - before);
+    // What an action leaves behind may be negative (it can free more than it allocates), so no 0 default here.
     auto [added, fresh] = memory_added_.try_emplace(key, now.current - before);
     if (!fresh) added->second = std::max(added->second, now.current - before);
   }
