@@ -624,9 +624,10 @@ int run(Args args, int& argc, char**& argv) {
   if (!args.json.empty()) {
     nlohmann::json j = config_json(plan);
     j["resumed_from"] = shared.resumed_from;
-    j["energy_source"] = shared.energy_source.empty() ? nlohmann::json(nullptr) : nlohmann::json(shared.energy_source);
+    auto optional_json = [](const std::optional<double>& x) { return x ? nlohmann::json(*x) : nlohmann::json(); };
+    j["energy_source"] = nullptr;  // no meter on rank 0
+    if (!shared.energy_source.empty()) j["energy_source"] = shared.energy_source;
     if (!shared.energy_note.empty()) j["energy_note"] = shared.energy_note;
-    auto optional_json = [](const std::optional<double>& x) { return x ? nlohmann::json(*x) : nlohmann::json(nullptr); };
     j["steps"] = nlohmann::json::array();
     for (const auto& r : shared.records) {
       j["steps"].push_back({{"step", r.step}, {"loss", r.loss}, {"tokens_per_s", r.tokens_per_s},

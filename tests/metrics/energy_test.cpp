@@ -43,7 +43,9 @@ class PowercapTree : public ::testing::Test {
     write(dir + "/energy_uj", std::to_string(z.energy));
     write(dir + "/max_energy_range_uj", std::to_string(z.range));
   }
-  void set_energy(const std::string& zone, uint64_t uj) { write(root_ + "/" + zone + "/energy_uj", std::to_string(uj)); }
+  void set_energy(const std::string& zone, uint64_t uj) {
+    write(root_ + "/" + zone + "/energy_uj", std::to_string(uj));
+  }
   // A machine with two packages, DRAM zones, a core zone, psys and an MMIO copy of package 0.
   void add_machine() {
     add({"intel-rapl:0", "package-0", 1000, 1000000});
