@@ -11,14 +11,18 @@
 // multi-chunk schedule on a one-rank pipeline (pp = 1), which only cuts the same work into more actions.
 //
 // Prediction per candidate (one place each, all in twobp):
-//   costs      per stage F = partition cost (in blocks, the head's share included: models::make_partition)
-//              · block_ms, block_ms = models::block_forward_flops(config, seq) · micro-batch-size / FLOP rate;
-//              I = ratio_I · F, W = ratio_W · F, B = ratio_B · F, recompute R = F (CostModel::recompute)
-//   FLOP rate  estimated: --tflops (sustained per device), ratios I = W = 1, B = 2; measured (--costs-json, a
-//              `twobp_bench pipeline` JSON with a 2bp result): the rate its blocks ran at (Σ F / Σ partition cost
-//              of its own model and partition), its Σ I / Σ F, Σ W / Σ F, Σ B / Σ F (standard result; else I + W)
-//              and its measured communication, scaled by activation bytes
-//   messages   estimated: activation bytes / (--link-gbps) + --link-latency-us
+//   costs      per chunk and action type X in {F, I, W, B}, affine in what the chunk holds:
+//                X(chunk) = a_X + b_X · blocks + e_X · [embedding] + h_X · [head]      (ChunkCost), recompute R = F
+//              estimated: b_F = models::block_forward_flops(config, seq) · micro-batch-size / (--tflops),
+//              h_F = models::head_cost_in_blocks · b_F, a = e = 0; I = W = F, B = 2F
+//              measured (--costs-json, a `twobp_bench pipeline` JSON): a, b, e, h of each X fitted by least squares
+//              over the chunks of its plain results (F from every mode, I and W from 2bp, B from standard, else
+//              B = I + W), which needs two chunk shapes per end (e.g. a v = 1 and a v = 2 schedule); with one
+//              shape, F at its FLOP shares (b_F = Σ F / Σ (blocks + head share)) and I, W, B at their Σ ratios
+//              to F. Carried to another model, seq or micro-batch size: b and h by their FLOPs, e by tokens · dim
+//              (the embedding's output), a unchanged.
+//   messages   estimated: activation bytes / (--link-gbps) + --link-latency-us; measured: the first 2bp result's
+//              communication_ms per byte of its activation, times the planned activation's bytes
 //   dp         each stage's gradients (parameters · gradient bytes of --precision) all-reduced over dp ranks:
 //              metrics::ring_all_reduce_seconds on --link-gbps, overlapped with the rank's remaining work
 //   step       twobp::simulate(schedule, costs).step_time; tokens_per_s = global batch · seq / step
@@ -28,13 +32,17 @@
 // candidate with its prediction, the example command line that runs it on GPUs, and the `twobp_bench pipeline`
 // arguments that measure it here (used by the planner check test).
 
+#include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
+#include <array>
 #include <iostream>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -52,8 +60,7 @@ namespace llm = twobp::models;
 
 struct PlanArgs {
   std::string model = "7b";
-  // Custom dimensions (override the preset's when > 0).
-  int64_t dim = 0, layers = 0, heads = 0, kv_heads = 0, ffn = 0, vocab = 0;
+  llm::LlamaDims dims;  // custom sizes (override the preset's or the measured model's when > 0)
   int ranks = 4;
   double gpu_memory_gb = 0;
   int64_t seq = 0;  // 0: the model's max_seq_len
@@ -72,11 +79,28 @@ struct PlanArgs {
   std::string json;
 };
 
-// How fast blocks run and what the backward actions cost relative to F.
+// One action type's cost on a chunk, affine in what the chunk holds (ms):
+//   cost = per_action + per_block · blocks + embedding · [holds the embedding] + head · [holds the head]
+struct ChunkCost {
+  double per_action = 0, per_block = 0, embedding = 0, head = 0;
+
+  double of(const llm::ChunkSpec& c) const {
+    return per_action + per_block * c.num_layers() + (c.has_embedding ? embedding : 0.0) + (c.has_head ? head : 0.0);
+  }
+  ChunkCost scaled(double k) const { return {k * per_action, k * per_block, k * embedding, k * head}; }
+  std::string str() const {
+    return fmt::format("{:.3g} + {:.3g}/block + {:.3g} embedding + {:.3g} head", per_action, per_block, embedding,
+                       head);
+  }
+  Json json() const { return {{"per_action", per_action}, {"per_block", per_block}, {"embedding", embedding},
+                              {"head", head}}; }
+};
+
+// What the actions and messages cost on the planned model.
 struct Rates {
   std::string source;
-  double ms_per_flop = 0;
-  double ratio_i = 1, ratio_w = 1, ratio_b = 2;
+  std::string model = "estimated";  // "estimated", "fitted" (measured, per chunk) or "flop_shares" (measured)
+  ChunkCost F, I, W, B;
   double comm_ms_per_byte = 0, comm_latency_ms = 0;
 };
 
@@ -93,8 +117,6 @@ struct Candidate {
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
-double sum(const std::vector<double>& v) { return std::accumulate(v.begin(), v.end(), 0.0); }
-
 std::vector<double> numbers_of(const Json& j, const char* key) {
   std::vector<double> out;
   if (j.contains(key)) {
@@ -104,30 +126,20 @@ std::vector<double> numbers_of(const Json& j, const char* key) {
 }
 
 llm::LlamaConfig config_of(const PlanArgs& a, const Json* measured_config) {
+  if (measured_config == nullptr) return llm::with_dims(llm::config_by_name(a.model), a.dims);
+  // The measured benchmark's own model (twobp_bench pipeline --model llama).
+  const Json& j = *measured_config;
   llm::LlamaConfig c;
-  if (measured_config != nullptr && a.dim == 0) {
-    // The measured benchmark's own model (twobp_bench pipeline --model llama).
-    const Json& j = *measured_config;
-    c.name = "measured";
-    c.dim = j.at("dim").get<int64_t>();
-    c.n_layers = j.at("layers").get<int>();
-    c.n_heads = j.at("heads").get<int>();
-    c.n_kv_heads = j.at("kv_heads").get<int>();
-    c.ffn_dim = j.at("ffn").get<int64_t>();
-    c.vocab_size = j.at("vocab").get<int64_t>();
-    c.max_seq_len = j.at("seq").get<int64_t>();
-  } else {
-    c = llm::config_by_name(a.model);
-  }
-  if (a.dim > 0) c.dim = a.dim;
-  if (a.layers > 0) c.n_layers = static_cast<int>(a.layers);
-  if (a.heads > 0) c.n_heads = static_cast<int>(a.heads);
-  if (a.kv_heads > 0) c.n_kv_heads = static_cast<int>(a.kv_heads);
-  if (a.ffn > 0) c.ffn_dim = a.ffn;
-  if (a.vocab > 0) c.vocab_size = a.vocab;
-  if (a.dim > 0 || a.layers > 0) c.name = "custom";
+  c.name = "measured";
+  c.dim = j.at("dim").get<int64_t>();
+  c.n_layers = j.at("layers").get<int>();
+  c.n_heads = j.at("heads").get<int>();
+  c.n_kv_heads = j.at("kv_heads").get<int>();
+  c.ffn_dim = j.at("ffn").get<int64_t>();
+  c.vocab_size = j.at("vocab").get<int64_t>();
+  c.max_seq_len = j.at("seq").get<int64_t>();
   c.validate();
-  return c;
+  return llm::with_dims(c, a.dims);
 }
 
 // Bytes of one activation message (a micro-batch's hidden state) in the compute dtype.
@@ -135,52 +147,125 @@ double activation_bytes(const llm::LlamaConfig& c, int64_t mbs, int64_t seq, int
   return static_cast<double>(mbs * seq * c.dim * bytes);
 }
 
-Rates measured_rates(const Json& doc, const std::string& path) {
+// The FLOP-share model of one action type: per_block = ms per block, the head at its FLOP share of a block, no
+// per-action or embedding term (what estimated costs use, and measured ones with too few chunk shapes to fit).
+ChunkCost flop_shares(const llm::LlamaConfig& c, int64_t seq, double block_ms) {
+  return {0.0, block_ms, 0.0, llm::head_cost_in_blocks(c, seq) * block_ms};
+}
+
+// One action type's measured costs: a row (1, blocks, embedding?, head?) and a cost (ms) per chunk.
+struct Samples {
+  std::vector<std::array<double, 4>> rows;
+  std::vector<double> ms;
+
+  void add(const llm::ChunkSpec& c, double cost) {
+    rows.push_back({1.0, static_cast<double>(c.num_layers()), c.has_embedding ? 1.0 : 0.0, c.has_head ? 1.0 : 0.0});
+    ms.push_back(cost);
+  }
+  double total() const { return std::accumulate(ms.begin(), ms.end(), 0.0); }
+
+  // Least squares of the four terms of ChunkCost (at::linalg_lstsq), when the chunk shapes determine all four
+  // (full column rank: e.g. the chunks of one v = 1 and one v = 2 pipeline); nullopt otherwise.
+  std::optional<ChunkCost> fit() const {
+    if (rows.size() < 4) return std::nullopt;
+    std::vector<double> flat;
+    for (const auto& r : rows) flat.insert(flat.end(), r.begin(), r.end());
+    const at::Tensor a = at::tensor(flat, at::kDouble).view({static_cast<int64_t>(rows.size()), 4});
+    if (at::linalg_matrix_rank(a).item<int64_t>() < 4) return std::nullopt;
+    const at::Tensor b = at::tensor(ms, at::kDouble).view({-1, 1});
+    const at::Tensor x = std::get<0>(at::linalg_lstsq(a, b, std::nullopt, "gelsd")).flatten();
+    return ChunkCost{x[0].item<double>(), x[1].item<double>(), x[2].item<double>(), x[3].item<double>()};
+  }
+};
+
+// Costs measured by `twobp_bench pipeline` (`doc`, read from `path`) on its own model, fitted per action type
+// over the chunks of every plain result (no data parallelism, memory limit or announced shapes): F from every
+// mode, I and W from 2bp results, B from standard ones (else I + W). With chunk shapes of one kind only (a single
+// v = 1 pipeline cannot tell the head from the per-action cost), F falls back to its FLOP shares at the measured
+// rate and I, W, B to their ratios to F.
+Rates measured_rates(const Json& doc, const std::string& path, llm::LlamaConfig* measured_config,
+                     int64_t* measured_seq, int64_t* measured_mbs) {
   const Json& cfg = doc.at("config");
   if (cfg.value("model", "llama") != "llama") {
     throw std::runtime_error(path + ": the planner models LLaMa-like stacks; this benchmark ran --model " +
                              cfg.value("model", std::string()));
   }
-  // The first result of `mode` run plainly (no data parallelism, memory limit or announced shapes), of the same
-  // schedule and p as `like` when given.
-  auto first_plain = [&](const char* mode, const Json* like) -> const Json* {
-    for (const auto& r : doc.at("results")) {
-      if (r.value("dp", 1) != 1 || r.contains("memory_limit_bytes") || r.value("shapes", "fixed") != "fixed" ||
-          r.value("mode", "") != mode) {
-        continue;
-      }
-      if (like == nullptr || (r.value("schedule", "") == (*like)["schedule"] && r.value("p", 0) == (*like)["p"])) {
-        return &r;
-      }
-    }
-    return nullptr;
-  };
-  const Json* split = first_plain("2bp", nullptr);
-  if (split == nullptr) throw std::runtime_error(path + ": no 2bp result (run `twobp_bench pipeline --mode both`)");
-  const Json* standard = first_plain("standard", split);
   PlanArgs measured_args;
   const llm::LlamaConfig c = config_of(measured_args, &cfg);
   const int64_t seq = cfg.at("seq").get<int64_t>(), mbs = cfg.at("micro_batch_size").get<int64_t>();
-  const int stages = (*split)["p"].get<int>() * (*split)["v"].get<int>();
-  const auto partition = llm::make_partition(c, stages, seq);
-  const std::vector<double> F = numbers_of((*split)["costs_ms"], "F"), I = numbers_of((*split)["costs_ms"], "I"),
-                            W = numbers_of((*split)["costs_ms"], "W");
-  const double units = sum(partition.cost);
-  if (sum(F) <= 0 || units <= 0) throw std::runtime_error(path + ": the 2bp result has no forward costs");
-  Rates r;
-  r.ms_per_flop = sum(F) / units / (llm::block_forward_flops(c, seq) * static_cast<double>(mbs));
-  r.ratio_i = sum(I) / sum(F);
-  r.ratio_w = sum(W) / sum(F);
-  const std::vector<double> B = standard ? numbers_of((*standard)["costs_ms"], "B") : std::vector<double>{};
-  r.ratio_b = sum(B) > 0 ? sum(B) / sum(F) : r.ratio_i + r.ratio_w;
+  Samples F, I, W, B;
+  double f_split = 0, f_standard = 0;  // F summed over the 2bp and over the standard results (for the ratios)
+  std::vector<std::string> used;
+  double comm_ms = -1;
+  for (const auto& r : doc.at("results")) {
+    if (r.value("dp", 1) != 1 || r.contains("memory_limit_bytes") || r.value("shapes", "fixed") != "fixed") continue;
+    const std::string mode = r.value("mode", "");
+    const int stages = r.at("p").get<int>() * r.at("v").get<int>();
+    const auto partition = llm::make_partition(c, stages, seq);
+    const Json& costs = r.at("costs_ms");
+    auto take = [&](Samples& into, const char* key) {
+      const std::vector<double> x = numbers_of(costs, key);
+      for (int s = 0; s < stages && s < static_cast<int>(x.size()); ++s) into.add(partition.chunks[s], x[s]);
+    };
+    const double f_before = F.total();
+    take(F, "F");
+    (mode == "2bp" ? f_split : f_standard) += F.total() - f_before;
+    if (mode == "2bp") {
+      take(I, "I");
+      take(W, "W");
+      if (comm_ms < 0) comm_ms = r.at("communication_ms").get<double>();
+    } else {
+      take(B, "B");
+    }
+    used.push_back(fmt::format("{} {} p={} v={}", r.value("schedule", ""), mode, r.at("p").get<int>(),
+                               r.at("v").get<int>()));
+  }
+  if (comm_ms < 0) throw std::runtime_error(path + ": no 2bp result (run `twobp_bench pipeline --mode both`)");
+  if (F.total() <= 0) throw std::runtime_error(path + ": the results have no forward costs");
+  Rates rates;
+  std::string how;
+  if (auto f = F.fit(), i = I.fit(), w = W.fit(); f && i && w) {
+    rates.F = *f;
+    rates.I = *i;
+    rates.W = *w;
+    const std::optional<ChunkCost> b = B.fit();
+    rates.B = b ? *b
+                : ChunkCost{i->per_action + w->per_action, i->per_block + w->per_block, i->embedding + w->embedding,
+                            i->head + w->head};
+    rates.model = "fitted";
+    how = fmt::format("fitted per chunk: F {}; I {}; W {}; B {}", rates.F.str(), rates.I.str(), rates.W.str(),
+                      rates.B.str());
+  } else {
+    double units = 0;
+    for (const auto& row : F.rows) units += row[1] + row[3] * llm::head_cost_in_blocks(c, seq);
+    rates.F = flop_shares(c, seq, F.total() / units);
+    const double ratio_i = I.total() / f_split, ratio_w = W.total() / f_split;
+    rates.I = rates.F.scaled(ratio_i);
+    rates.W = rates.F.scaled(ratio_w);
+    rates.B = rates.F.scaled(B.total() > 0 && f_standard > 0 ? B.total() / f_standard : ratio_i + ratio_w);
+    rates.model = "flop_shares";
+    how = fmt::format("FLOP shares (one chunk shape: measure a v = 2 schedule too to fit per-action and head "
+                      "costs): {:.3g} ms per block, I/F {:.3f}, W/F {:.3f}, B/F {:.3f}",
+                      rates.F.per_block, ratio_i, ratio_w, rates.B.per_block / rates.F.per_block);
+  }
   // The measured message time, per byte of the measured activation (its latency is not separable).
-  r.comm_ms_per_byte = (*split)["communication_ms"].get<double>() / activation_bytes(c, mbs, seq, 4);
-  r.source = fmt::format("measured: {} ({} 2bp p={} v={}): {:.3g} ms per block-forward GFLOP, I/F {:.3f}, W/F "
-                         "{:.3f}, B/F {:.3f}{}",
-                         path, (*split)["schedule"].get<std::string>(), (*split)["p"].get<int>(),
-                         (*split)["v"].get<int>(), r.ms_per_flop * 1e9, r.ratio_i, r.ratio_w, r.ratio_b,
-                         standard ? "" : " (B = I + W: no standard result)");
-  return r;
+  rates.comm_ms_per_byte = comm_ms / activation_bytes(c, mbs, seq, 4);
+  rates.source = fmt::format("measured: {} ({}): {}", path, fmt::join(used, ", "), how);
+  *measured_config = c;
+  *measured_seq = seq;
+  *measured_mbs = mbs;
+  return rates;
+}
+
+// Measured costs carried to another model, sequence length or micro-batch size: block and head terms by their
+// FLOPs, the embedding by its output elements, the per-action term unchanged.
+ChunkCost carried(const ChunkCost& k, const llm::LlamaConfig& from, int64_t from_seq, int64_t from_mbs,
+                  const llm::LlamaConfig& to, int64_t to_seq, int64_t to_mbs) {
+  const double batch = static_cast<double>(to_mbs) / static_cast<double>(from_mbs);
+  return {k.per_action,
+          k.per_block * batch * llm::block_forward_flops(to, to_seq) / llm::block_forward_flops(from, from_seq),
+          k.embedding * batch * static_cast<double>(to_seq * to.dim) / static_cast<double>(from_seq * from.dim),
+          k.head * batch * llm::head_forward_flops(to, to_seq) / llm::head_forward_flops(from, from_seq)};
 }
 
 // The example's --dtype for a training precision.
@@ -188,14 +273,28 @@ std::string example_dtype(const std::string& precision) {
   return precision == "bf16-mixed" ? "bf16" : precision == "bf16" ? "bf16-pure" : "fp32";
 }
 
+// The example's model options for `c`: its preset, or a preset's options and every size (the presets differ
+// only in sizes).
+std::string example_model(const llm::LlamaConfig& c) {
+  for (const auto& name : llm::config_names()) {
+    const llm::LlamaConfig preset = llm::config_by_name(name);
+    if (preset.dim == c.dim && preset.n_layers == c.n_layers && preset.n_heads == c.n_heads &&
+        preset.n_kv_heads == c.n_kv_heads && preset.ffn_dim == c.ffn_dim && preset.vocab_size == c.vocab_size) {
+      return "--model " + name;
+    }
+  }
+  return fmt::format("--model {} --dim {} --layers {} --heads {} --kv-heads {} --ffn {} --vocab {}",
+                     llm::config_names().front(), c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.ffn_dim,
+                     c.vocab_size);
+}
+
 std::string example_command(const PlanArgs& a, const llm::LlamaConfig& c, int64_t seq, const Candidate& k) {
-  const std::string model = c.name == "custom" || c.name == "measured" ? "<no preset: custom dimensions>" : c.name;
-  return fmt::format("torchrun --nproc-per-node {} --no-python build/examples/llama_pipeline --model {} --device cuda "
+  return fmt::format("torchrun --nproc-per-node {} --no-python build/examples/llama_pipeline {} --device cuda "
                      "--dtype {} --schedule {} --chunks-per-rank {} --microbatches {} --micro-batch-size {} "
                      "--seq-len {}{}{}{}",
-                     a.ranks, model, example_dtype(a.precision), k.schedule, k.v, k.m, a.micro_batch_size, seq,
-                     k.dp > 1 ? fmt::format(" --dp {}", k.dp) : "", k.mode == BackwardMode::kSplit ? "" : " --no-2bp",
-                     k.recompute ? " --recompute" : "");
+                     a.ranks, example_model(c), example_dtype(a.precision), k.schedule, k.v, k.m,
+                     a.micro_batch_size, seq, k.dp > 1 ? fmt::format(" --dp {}", k.dp) : "",
+                     k.mode == BackwardMode::kSplit ? "" : " --no-2bp", k.recompute ? " --recompute" : "");
 }
 
 // `twobp_bench pipeline` arguments that measure candidate k on this machine (ranks as threads).
@@ -237,17 +336,25 @@ void run_plan(const PlanArgs& a) {
   const double link_bytes_per_s = a.link_gbps * 1e9 / 8;
   Rates rates;
   if (measured_config != nullptr) {
-    rates = measured_rates(measured_doc, a.costs_json);
+    llm::LlamaConfig from;
+    int64_t from_seq = 0, from_mbs = 0;
+    rates = measured_rates(measured_doc, a.costs_json, &from, &from_seq, &from_mbs);
+    for (ChunkCost* k : {&rates.F, &rates.I, &rates.W, &rates.B}) {
+      *k = carried(*k, from, from_seq, from_mbs, config, seq, a.micro_batch_size);
+    }
   } else {
     if (!(a.tflops > 0)) throw std::invalid_argument("--tflops must be > 0");
-    rates.ms_per_flop = 1e3 / (a.tflops * 1e12);
+    rates.F = flop_shares(config, seq,
+                          llm::block_forward_flops(config, seq) * static_cast<double>(a.micro_batch_size) * 1e3 /
+                              (a.tflops * 1e12));
+    rates.I = rates.F;
+    rates.W = rates.F;
+    rates.B = rates.F.scaled(2.0);
     rates.comm_ms_per_byte = 1e3 / link_bytes_per_s;
     rates.comm_latency_ms = a.link_latency_us * 1e-3;
     rates.source = fmt::format("estimated: {} TFLOP/s per device, I = W = F, B = 2F, links {} Gb/s + {} us", a.tflops,
                                a.link_gbps, a.link_latency_us);
   }
-  const double block_ms = llm::block_forward_flops(config, seq) * static_cast<double>(a.micro_batch_size) *
-                          rates.ms_per_flop;
   const double comm_ms =
       activation_bytes(config, a.micro_batch_size, seq, precision.compute_bytes) * rates.comm_ms_per_byte +
       rates.comm_latency_ms;
@@ -287,11 +394,13 @@ void run_plan(const PlanArgs& a) {
           CostModel costs;
           costs.communication = comm_ms;
           for (int s = 0; s < schedule.num_stages; ++s) {
-            const double f = std::max(1e-9, partition.cost[s] * block_ms);
+            // A fitted term may be negative (noise); no action is free.
+            auto cost = [&](const ChunkCost& k) { return std::max(1e-9, k.of(partition.chunks[s])); };
+            const double f = cost(rates.F);
             costs.forward.push_back(f);
-            costs.backward_input.push_back(mode == BackwardMode::kSplit ? rates.ratio_i * f : 0.0);
-            costs.backward_weight.push_back(mode == BackwardMode::kSplit ? rates.ratio_w * f : 0.0);
-            costs.backward.push_back(rates.ratio_b * f);
+            costs.backward_input.push_back(mode == BackwardMode::kSplit ? cost(rates.I) : 0.0);
+            costs.backward_weight.push_back(mode == BackwardMode::kSplit ? cost(rates.W) : 0.0);
+            costs.backward.push_back(cost(rates.B));
             if (recompute) costs.recompute.push_back(f);
             if (dp > 1) {
               const double bytes = static_cast<double>(llm::chunk_parameter_count(config, partition.chunks[s]) *
@@ -353,6 +462,9 @@ void run_plan(const PlanArgs& a) {
                    {"micro_batch_size", a.micro_batch_size}, {"global_batch", global_batch},
                    {"precision", precision.name}, {"gpu_memory_gb", a.gpu_memory_gb},
                    {"costs", rates.source},     {"skipped_shapes", skipped}};
+  // The per-chunk cost terms (ms) the predictions used, on the planned model.
+  out["config"]["cost_model"] = {{"kind", rates.model}, {"F", rates.F.json()}, {"I", rates.I.json()},
+                                 {"W", rates.W.json()}, {"B", rates.B.json()}};
   out["candidates"] = Json::array();
   for (std::size_t i = 0; i < candidates.size(); ++i) {
     const Candidate& k = candidates[i];
@@ -402,12 +514,12 @@ void add_plan_command(CLI::App& app) {
       "plan", "Rank schedule, mode, v, m, recomputation and dp x pp for a model on N ranks by predicted throughput");
   sub->add_option("--model", a->model, "LLaMa preset (tiny, small, 1b, 7b)")->capture_default_str()
       ->check(CLI::IsMember(llm::config_names()));
-  sub->add_option("--dim", a->dim, "Custom width (overrides the preset's; with --layers etc.)");
-  sub->add_option("--layers", a->layers, "Custom number of blocks");
-  sub->add_option("--heads", a->heads, "Custom attention heads");
-  sub->add_option("--kv-heads", a->kv_heads, "Custom key/value heads");
-  sub->add_option("--ffn", a->ffn, "Custom MLP width");
-  sub->add_option("--vocab", a->vocab, "Custom vocabulary");
+  sub->add_option("--dim", a->dims.dim, "Custom width (replaces the preset's or the measured model's)");
+  sub->add_option("--layers", a->dims.layers, "Custom number of blocks");
+  sub->add_option("--heads", a->dims.heads, "Custom attention heads");
+  sub->add_option("--kv-heads", a->dims.kv_heads, "Custom key/value heads");
+  sub->add_option("--ffn", a->dims.ffn, "Custom MLP width");
+  sub->add_option("--vocab", a->dims.vocab, "Custom vocabulary");
   sub->add_option("--ranks", a->ranks, "Ranks (GPUs)")->capture_default_str();
   sub->add_option("--gpu-memory-gb", a->gpu_memory_gb, "Memory per device in GiB (0: do not filter)")
       ->capture_default_str();
@@ -419,7 +531,8 @@ void add_plan_command(CLI::App& app) {
   sub->add_option("--tflops", a->tflops, "Estimated costs: sustained TFLOP/s per device")->capture_default_str();
   sub->add_option("--costs-json", a->costs_json,
                   "Measured costs: a `twobp_bench pipeline --mode both` JSON from the target machine (its model "
-                  "is planned unless --model dimensions are given)")
+                  "is planned, with any --dim ... sizes replacing its own; measure a v = 2 schedule too, e.g. "
+                  "--schedule 1f1b,interleaved-1f1b, to fit per-action and head costs)")
       ->check(CLI::ExistingFile);
   sub->add_option("--link-gbps", a->link_gbps, "Link bandwidth per rank, Gb/s (messages and data-parallel rings)")
       ->capture_default_str();

@@ -95,6 +95,7 @@ namespace {
 
 struct Args {
   std::string model = "tiny";
+  llm::LlamaDims dims;  // sizes replacing the preset's (--dim ... --vocab)
   std::string schedule = "1f1b";
   bool two_bp = true;
   int microbatches = 4;
@@ -157,7 +158,7 @@ Plan make_plan(const Args& args, int world_size) {
   plan.args = args;
   plan.world_size = world_size;
   plan.dp = args.dp;
-  plan.config = llm::config_by_name(args.model);
+  plan.config = llm::with_dims(llm::config_by_name(args.model), args.dims);
   plan.seq_len = args.seq_len > 0 ? args.seq_len : plan.config.max_seq_len;
   plan.schedule = twobp::resolve_schedule({args.schedule, args.schedule_file, args.chunks_per_rank}, world_size,
                                           args.microbatches,
@@ -165,13 +166,18 @@ Plan make_plan(const Args& args, int world_size) {
   plan.partition = llm::make_partition(plan.config, plan.schedule.num_stages, plan.seq_len, args.partition);
   plan.dtype = args.dtype == "fp32" ? at::kFloat : at::kBFloat16;
   plan.mixed_precision = args.dtype == "bf16";
-  plan.checkpoint_config = {{"model", args.model},
+  plan.checkpoint_config = {{"model", plan.config.name},
                             {"stages", std::to_string(plan.schedule.num_stages)},
                             {"world_size", std::to_string(world_size)},
                             {"schedule", plan.schedule.name},
                             {"partition", plan.partition.layout()},
                             {"dtype", args.dtype},
                             {"seed", std::to_string(args.seed)}};
+  if (args.dims.any()) {  // a custom model: its sizes are part of what a checkpoint belongs to
+    const auto& c = plan.config;
+    plan.checkpoint_config["sizes"] = fmt::format("dim {} layers {} heads {} kv_heads {} ffn {} vocab {}", c.dim,
+                                                  c.n_layers, c.n_heads, c.n_kv_heads, c.ffn_dim, c.vocab_size);
+  }
   return plan;
 }
 
@@ -201,7 +207,13 @@ void write_json(const std::string& path, const nlohmann::json& j) {
 
 nlohmann::json config_json(const Plan& p) {
   const Args& a = p.args;
-  return {{"model", a.model},
+  return {{"model", p.config.name},
+          {"dim", p.config.dim},
+          {"layers", p.config.n_layers},
+          {"heads", p.config.n_heads},
+          {"kv_heads", p.config.n_kv_heads},
+          {"ffn", p.config.ffn_dim},
+          {"vocab", p.config.vocab_size},
           {"schedule", p.schedule.name},
           {"schedule_file", a.schedule_file},
           {"2bp", p.schedule.backward == twobp::BackwardMode::kSplit},
@@ -548,6 +560,10 @@ int run(Args args, int& argc, char**& argv) {
           ? twobp::data::ByteTokenizer::encode(twobp::data::builtin_corpus())
           : twobp::data::read_token_file(args.data, static_cast<uint32_t>(std::min<int64_t>(plan.config.vocab_size,
                                                                                             65536)));
+  TWOBP_CHECK(!args.data.empty() || plan.config.vocab_size >= twobp::data::ByteTokenizer::kVocabSize,
+              twobp::UsageError, "--vocab {}: the built-in corpus is byte-level and needs a vocabulary of at least {} "
+              "tokens; give --vocab {} or more, or --data with a token file", plan.config.vocab_size,
+              twobp::data::ByteTokenizer::kVocabSize, twobp::data::ByteTokenizer::kVocabSize);
   TWOBP_CHECK(static_cast<int64_t>(tokens.size()) > plan.seq_len, twobp::UsageError,
               "{} has {} tokens, fewer than one sequence of --seq-len {} + 1",
               args.data.empty() ? "the built-in corpus" : args.data, tokens.size(), plan.seq_len);
@@ -647,6 +663,12 @@ int main(int argc, char** argv) {
   // A repeated option takes its last value, so scripts can append overrides to a common command line.
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.add_option("--model", a.model, "Model configuration")->check(CLI::IsMember(llm::config_names()));
+  app.add_option("--dim", a.dims.dim, "Width replacing the model's (with --layers ... --vocab: a custom model)");
+  app.add_option("--layers", a.dims.layers, "Blocks replacing the model's");
+  app.add_option("--heads", a.dims.heads, "Attention heads replacing the model's");
+  app.add_option("--kv-heads", a.dims.kv_heads, "Key/value heads replacing the model's");
+  app.add_option("--ffn", a.dims.ffn, "MLP width replacing the model's");
+  app.add_option("--vocab", a.dims.vocab, "Vocabulary replacing the model's (the built-in corpus needs >= 256)");
   app.add_option("--schedule", a.schedule, "Pipeline schedule")->check(CLI::IsMember(twobp::schedule_names()));
   app.add_option("--schedule-file", a.schedule_file,
                  "A schedule in twobp's text form (dump_schedule); overrides --schedule, keeps its own 2BP mode")

@@ -110,6 +110,19 @@ LlamaConfig config_by_name(std::string_view name) {
   throw UsageError(fmt::format("unknown model '{}': known models are {}", name, fmt::join(config_names(), ", ")));
 }
 
+LlamaConfig with_dims(LlamaConfig c, const LlamaDims& d) {
+  if (!d.any()) return c;
+  if (d.dim > 0) c.dim = d.dim;
+  if (d.layers > 0) c.n_layers = d.layers;
+  if (d.heads > 0) c.n_heads = d.heads;
+  if (d.kv_heads > 0) c.n_kv_heads = d.kv_heads;
+  if (d.ffn > 0) c.ffn_dim = d.ffn;
+  if (d.vocab > 0) c.vocab_size = d.vocab;
+  c.name += "-custom";
+  c.validate();
+  return c;
+}
+
 int64_t block_parameter_count(const LlamaConfig& c) {
   const int64_t attention = c.dim * c.dim * 2 + c.dim * c.kv_dim() * 2;  // Wq, Wo; Wk, Wv
   const int64_t mlp = 3 * c.dim * c.ffn_dim;

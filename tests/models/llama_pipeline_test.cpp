@@ -328,6 +328,47 @@ TEST(LlamaPipeline, DataParallelCheckpointResumesWithAnotherDp) {
   EXPECT_EQ(r.exit_code, 2) << r.output;
 }
 
+// --dim ... --vocab replace the preset's sizes (the command lines `twobp_bench plan` prints for a measured model):
+// the run trains that model, says so in its JSON, and its checkpoints belong to those sizes only.
+TEST(LlamaPipeline, CustomSizesTrainThatModel) {
+  const std::string sizes = "--dim 48 --layers 3 --heads 3 --kv-heads 1 --ffn 96 --vocab 300 ";
+  const auto ckpt = work_dir() + "/ckpt_custom";
+  const auto json = work_dir() + "/custom.json";
+  auto r = run(kBase + sizes + "--steps 2 --checkpoint-dir " + ckpt + " --json " + json);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::ifstream in(json);
+  const auto j = nlohmann::json::parse(in);
+  EXPECT_EQ(j.at("model"), "tiny-custom");
+  EXPECT_EQ(j.at("dim"), 48);
+  EXPECT_EQ(j.at("layers"), 3);
+  EXPECT_EQ(j.at("kv_heads"), 1);
+  EXPECT_EQ(j.at("vocab"), 300);
+  // (3·48² + 2·48·16 weights in attention, 3·48·96 in the MLP, 2·48 norms) per block, 300·48 twice, 48.
+  EXPECT_EQ(j.at("parameters"), 3 * (2 * 48 * 48 + 2 * 48 * 16 + 3 * 48 * 96 + 2 * 48) + 2 * 300 * 48 + 48);
+  const auto losses = losses_of(json);
+  ASSERT_EQ(losses.size(), 2u);
+  EXPECT_NEAR(losses[0], std::log(300.0), 0.5);
+
+  // Resuming with other sizes is refused before any step, naming them.
+  r = run(kBase + "--dim 48 --layers 3 --heads 3 --kv-heads 1 --ffn 128 --vocab 300 --steps 3 --resume "
+          "--checkpoint-dir " + ckpt);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("ffn 96"), std::string::npos) << r.output;
+  // ... and so is resuming it as the preset.
+  r = run(kBase + "--steps 3 --resume --checkpoint-dir " + ckpt);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("tiny-custom"), std::string::npos) << r.output;
+
+  // Sizes that do not fit together, and a vocabulary below the byte-level corpus, fail before any step.
+  r = run(kBase + "--dim 50 --heads 3 --steps 1");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("not divisible by n_heads 3"), std::string::npos) << r.output;
+  r = run(kBase + "--vocab 100 --steps 1");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("--vocab 100"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("loss"), std::string::npos) << r.output;
+}
+
 TEST(LlamaPipeline, MisuseFailsBeforeAnyStep) {
   auto r = run(kBase + "--stages 8 --steps 1");  // 8 chunks for 4 blocks
   EXPECT_EQ(r.exit_code, 2) << r.output;

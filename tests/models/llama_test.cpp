@@ -42,6 +42,36 @@ TEST(LlamaConfig, UnknownNameListsKnownOnes) {
   }
 }
 
+TEST(LlamaConfig, WithDimsReplacesOnlyTheGivenSizes) {
+  const auto tiny = llm::config_by_name("tiny");
+  const auto same = llm::with_dims(tiny, {});
+  EXPECT_EQ(same.name, "tiny");
+  EXPECT_EQ(same.dim, tiny.dim);
+  llm::LlamaDims d;
+  d.dim = 96;
+  d.vocab = 1000;
+  const auto c = llm::with_dims(tiny, d);
+  EXPECT_EQ(c.name, "tiny-custom");
+  EXPECT_EQ(c.dim, 96);
+  EXPECT_EQ(c.vocab_size, 1000);
+  EXPECT_EQ(c.n_layers, tiny.n_layers);
+  EXPECT_EQ(c.n_heads, tiny.n_heads);
+  EXPECT_EQ(c.n_kv_heads, tiny.n_kv_heads);
+  EXPECT_EQ(c.ffn_dim, tiny.ffn_dim);
+  EXPECT_EQ(c.max_seq_len, tiny.max_seq_len);
+  // Inconsistent sizes are refused, naming the field: 4 kv heads do not divide 6 heads.
+  d = {};
+  d.heads = 6;
+  d.dim = 96;
+  d.kv_heads = 4;
+  try {
+    llm::with_dims(tiny, d);
+    FAIL() << "expected UsageError";
+  } catch (const twobp::UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("n_kv_heads 4"), std::string::npos) << e.what();
+  }
+}
+
 TEST(LlamaConfig, AnalyticCountMatchesBuiltModel) {
   for (const char* name : {"tiny", "small"}) {
     const auto c = llm::config_by_name(name);

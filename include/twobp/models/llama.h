@@ -56,6 +56,17 @@ std::vector<std::string> config_names();
 /// Throws UsageError listing the known names when `name` is not one of them.
 LlamaConfig config_by_name(std::string_view name);
 
+/// Sizes that replace a configuration's own where > 0 (the `--dim --layers --heads --kv-heads --ffn --vocab`
+/// options of llama_pipeline and `twobp_bench plan`).
+struct LlamaDims {
+  int64_t dim = 0, layers = 0, heads = 0, kv_heads = 0, ffn = 0, vocab = 0;
+  bool any() const { return dim > 0 || layers > 0 || heads > 0 || kv_heads > 0 || ffn > 0 || vocab > 0; }
+};
+
+/// `base` with the sizes `dims` gives; named "<base>-custom" when it gives any. Throws UsageError (validate())
+/// when the result is inconsistent, e.g. a --dim its heads do not divide.
+LlamaConfig with_dims(LlamaConfig base, const LlamaDims& dims);
+
 // ---- Analytic sizes (no allocation) ----
 
 /// Parameters of one decoder block: 2 norms, Wq, Wk, Wv, Wo and the three MLP matrices.
