@@ -26,8 +26,6 @@ double tokens_per_s(double samples_per_s, int64_t tokens_per_sample) {
   return samples_per_s * static_cast<double>(tokens_per_sample);
 }
 
-double efficiency(double ideal_step, double step) { return step > 0.0 ? ideal_step / step : 0.0; }
-
 double memory_per_rank(double process_bytes, int ranks_in_process) {
   return process_bytes / static_cast<double>(std::max(1, ranks_in_process));
 }

@@ -26,9 +26,7 @@ TEST(Metrics, Throughput) {
   EXPECT_DOUBLE_EQ(metrics::tokens_per_s(128.0, 0), 0.0);  // resnet: no tokens
 }
 
-TEST(Metrics, EfficiencyAndMemoryPerRank) {
-  EXPECT_DOUBLE_EQ(metrics::efficiency(7.0, 10.0), 0.7);
-  EXPECT_DOUBLE_EQ(metrics::efficiency(7.0, 0.0), 0.0);
+TEST(Metrics, MemoryPerRank) {
   EXPECT_DOUBLE_EQ(metrics::memory_per_rank(4096.0, 4), 1024.0);
   EXPECT_DOUBLE_EQ(metrics::memory_per_rank(4096.0, 1), 4096.0);
   EXPECT_DOUBLE_EQ(metrics::memory_per_rank(4096.0, 0), 4096.0);

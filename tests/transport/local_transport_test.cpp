@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "twobp/error.h"
+#include "twobp/runtime/launch.h"
 #include "twobp/transport/local.h"
 #include "twobp/transport/mpi.h"
 #include "transport/group_cases.h"
@@ -23,23 +24,10 @@ namespace {
 using namespace std::chrono_literals;
 constexpr Duration kLong{10000};
 
-/// Runs fn(rank, transport) on one thread per rank; rethrows the first failure on the calling thread.
+/// Runs fn(rank, transport) on one thread per rank (twobp::run_rank_threads, without aborting the peers of a rank
+/// that throws: some tests let one rank fail on purpose); rethrows the root cause on the calling thread.
 void run_ranks(std::vector<std::unique_ptr<Transport>>& ts, const std::function<void(int, Transport&)>& fn) {
-  std::vector<std::thread> threads;
-  std::vector<std::exception_ptr> errors(ts.size());
-  for (std::size_t r = 0; r < ts.size(); ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        fn(static_cast<int>(r), *ts[r]);
-      } catch (...) {
-        errors[r] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
+  run_rank_threads(ts, [&](Transport& t) { fn(t.rank(), t); }, /*abort_on_error=*/false).rethrow_root_cause();
 }
 
 P2POptions op(int peer, std::int64_t tag, std::string label = "") { return P2POptions{peer, tag, std::move(label)}; }
@@ -316,28 +304,6 @@ TEST(LocalTransport, ManyThreadsPingPong) {
     t.all_reduce_sum(total, kLong);
     EXPECT_EQ(total.item<float>(), 4.0f);
   });
-}
-
-TEST(Launcher, DetectsMpiEnvironmentVariables) {
-  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMI_RANK", "PMIX_RANK", "MPI_LOCALNRANKS",
-                           "SLURM_NTASKS", "SLURM_PROCID", "SLURM_STEP_ID"}) {
-    unsetenv(name);
-  }
-  EXPECT_FALSE(launched_by_mpi_launcher());
-  setenv("SLURM_NTASKS", "4", 1);
-  EXPECT_FALSE(launched_by_mpi_launcher()) << "an salloc shell is not an MPI launch";
-  setenv("SLURM_PROCID", "0", 1);
-  setenv("SLURM_STEP_ID", "0", 1);
-  EXPECT_TRUE(launched_by_mpi_launcher());
-  unsetenv("SLURM_NTASKS");
-  unsetenv("SLURM_PROCID");
-  unsetenv("SLURM_STEP_ID");
-  setenv("OMPI_COMM_WORLD_SIZE", "2", 1);
-  EXPECT_TRUE(launched_by_mpi_launcher());
-  unsetenv("OMPI_COMM_WORLD_SIZE");
-  setenv("PMIX_RANK", "0", 1);
-  EXPECT_TRUE(launched_by_mpi_launcher());
-  unsetenv("PMIX_RANK");
 }
 
 // In-order pairing (LocalOptions::pairing = kInOrderPerChannel) behaves like NCCL: messages are matched in posting

@@ -17,6 +17,7 @@
 #include "twobp/error.h"
 #include "twobp/runtime/pipeline.h"
 #include "twobp/transport/launch.h"
+#include "twobp/transport/mpi.h"
 #include "twobp/transport/store.h"
 
 namespace twobp {
@@ -79,6 +80,28 @@ TEST(LaunchEnv, SlurmOpenMpiPmiAndNone) {
   EXPECT_EQ(p->launcher, "pmi");
   EXPECT_EQ(p->world_size, 3);
   EXPECT_FALSE(launch_env_from({{"HOME", "/root"}}));
+}
+
+// MPI launchers, from the same table launch_env_from() reads; on this process's environment too.
+TEST(LaunchEnv, MpiLauncherDetection) {
+  EXPECT_FALSE(mpi_launcher_in({{"HOME", "/root"}}));
+  EXPECT_FALSE(mpi_launcher_in({{"RANK", "0"}, {"WORLD_SIZE", "2"}})) << "torchrun is no MPI launcher";
+  EXPECT_FALSE(mpi_launcher_in({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "4"}})) << "an salloc shell is no launch";
+  EXPECT_TRUE(mpi_launcher_in({{"SLURM_PROCID", "0"}, {"SLURM_STEP_ID", "0"}, {"SLURM_NTASKS", "4"}}));
+  EXPECT_TRUE(mpi_launcher_in({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"}}));
+  EXPECT_TRUE(mpi_launcher_in({{"PMI_RANK", "0"}, {"PMI_SIZE", "3"}}));
+  EXPECT_TRUE(mpi_launcher_in({{"PMIX_RANK", "0"}})) << "a PMIx server sets no world size variable";
+  EXPECT_TRUE(mpi_launcher_in({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"OMPI_COMM_WORLD_RANK", "0"}}))
+      << "torchrun's variables do not hide mpirun's";
+  EXPECT_FALSE(mpi_launcher_in({{"OMPI_COMM_WORLD_RANK", ""}})) << "an empty variable is unset";
+
+  for (const char* name : {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID", "SLURM_STEP_ID"}) {
+    unsetenv(name);
+  }
+  EXPECT_FALSE(launched_by_mpi_launcher());
+  setenv("PMIX_RANK", "0", 1);
+  EXPECT_TRUE(launched_by_mpi_launcher());
+  unsetenv("PMIX_RANK");
 }
 
 TEST(LaunchEnv, BadValuesNameTheVariable) {

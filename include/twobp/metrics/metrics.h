@@ -26,10 +26,6 @@ double per_item(double amount, double items);
 /// tokens/s = samples/s · tokens per sample (the sequence length); 0 for models without tokens (tokens_per_sample 0).
 double tokens_per_s(double samples_per_s, int64_t tokens_per_sample);
 
-/// Efficiency against the ideal: ideal step time / measured step time (1 = no bubble nor overhead; the ideal of a
-/// pipeline is the compute of one rank, Σ busy / p). 0 when the measured step took no time.
-double efficiency(double ideal_step, double step);
-
 /// Memory per rank: a process's bytes over the ranks it holds (ranks as threads share one process, so its peak
 /// resident set is split evenly over them; one rank per process keeps the whole).
 double memory_per_rank(double process_bytes, int ranks_in_process);

@@ -34,6 +34,12 @@ std::optional<LaunchEnv> launch_env_from(const std::map<std::string, std::string
 /// launch_env_from() on this process's environment.
 std::optional<LaunchEnv> launch_env();
 
+/// Whether `env` is that of a process an MPI launcher started: srun (SLURM_PROCID with SLURM_STEP_ID), Open MPI's
+/// mpirun (OMPI_COMM_WORLD_RANK), MPICH/Hydra or Intel MPI (PMI_RANK), or a PMIx server (PMIX_RANK) -- whatever
+/// else is set (torchrun's RANK does not hide them). launched_by_mpi_launcher() (transport/mpi.h) asks it of this
+/// process. The variables are those launch_env_from() reads, from one table.
+bool mpi_launcher_in(const std::map<std::string, std::string>& env);
+
 /// The CUDA device of a rank: local_rank when the node's ranks see several devices (one each), 0 when each rank
 /// sees exactly one (CUDA_VISIBLE_DEVICES set per rank, Slurm's --gpus-per-task). Throws UsageError when there
 /// is no device, or when local_size > device_count > 1 (two ranks would share a device by accident).

@@ -13,9 +13,9 @@
 
 namespace twobp {
 
-/// True when this process was started by an MPI launcher (mpirun/mpiexec of Open MPI or MPICH/Hydra, srun):
-/// looks at OMPI_COMM_WORLD_SIZE, PMI_SIZE, PMI_RANK, PMIX_RANK, MPI_LOCALNRANKS, and SLURM_NTASKS together with
-/// SLURM_PROCID and SLURM_STEP_ID (set by srun; SLURM_NTASKS alone is also set in a plain `salloc` shell).
+/// True when this process was started by an MPI launcher (mpirun/mpiexec of Open MPI or MPICH/Hydra, srun, a PMIx
+/// server): mpi_launcher_in() (twobp/transport/launch.h, which lists the variables) on this process's environment.
+/// A plain `salloc` shell is not one (it has SLURM_NTASKS and SLURM_PROCID but no SLURM_STEP_ID).
 bool launched_by_mpi_launcher();
 
 #if TWOBP_HAVE_MPI
