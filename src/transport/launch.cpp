@@ -90,7 +90,10 @@ bool mpi_launcher_in(const Env& env) {
 std::optional<LaunchEnv> launch_env_from(const Env& env) {
   const Launcher* k = nullptr;
   for (const Launcher& candidate : kLaunchers) {
-    if (started_by(env, candidate) && find(env, candidate.world_size)) {
+    if (!started_by(env, candidate)) continue;
+    // An MPI launcher's rank without its world size is a broken environment (number() says which variable is
+    // missing); a lone RANK is a common name for other things, so torchrun needs WORLD_SIZE as well.
+    if (find(env, candidate.world_size) || candidate.mpi) {
       k = &candidate;
       break;
     }

@@ -118,6 +118,14 @@ TEST(LaunchEnv, BadValuesNameTheVariable) {
   } catch (const UsageError& e) {
     EXPECT_NE(std::string(e.what()).find("WORLD_SIZE='two'"), std::string::npos) << e.what();
   }
+  // An MPI launcher's rank without its world size is a broken launch, not a plain process.
+  try {
+    launch_env_from({{"OMPI_COMM_WORLD_RANK", "1"}});
+    ADD_FAILURE() << "expected UsageError";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("OMPI_COMM_WORLD_SIZE is not set"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(launch_env_from({{"RANK", "1"}})) << "a lone RANK is not torchrun";
 }
 
 TEST(LaunchEnv, CudaDeviceChoice) {
