@@ -178,23 +178,35 @@ struct Samples {
   }
 };
 
+// Measured costs carried to another model, sequence length or micro-batch size: block and head terms by their
+// FLOPs, the embedding by its output elements, the per-action term unchanged.
+ChunkCost carried(const ChunkCost& k, const llm::LlamaConfig& from, int64_t from_seq, int64_t from_mbs,
+                  const llm::LlamaConfig& to, int64_t to_seq, int64_t to_mbs) {
+  const double batch = static_cast<double>(to_mbs) / static_cast<double>(from_mbs);
+  return {k.per_action,
+          k.per_block * batch * llm::block_forward_flops(to, to_seq) / llm::block_forward_flops(from, from_seq),
+          k.embedding * batch * static_cast<double>(to_seq * to.dim) / static_cast<double>(from_seq * from.dim),
+          k.head * batch * llm::head_forward_flops(to, to_seq) / llm::head_forward_flops(from, from_seq)};
+}
+
 // Costs measured by `twobp_bench pipeline` (`doc`, read from `path`) on its own model, fitted per action type
 // over the chunks of every plain result (no data parallelism, memory limit or announced shapes): F from every
 // mode, I and W from 2bp results, B from standard ones (else I + W). With chunk shapes of one kind only (a single
 // v = 1 pipeline cannot tell the head from the per-action cost), F falls back to its FLOP shares at the measured
-// rate and I, W, B to their ratios to F.
-Rates measured_rates(const Json& doc, const std::string& path, llm::LlamaConfig* measured_config,
-                     int64_t* measured_seq, int64_t* measured_mbs) {
+// rate and I, W, B to their ratios to F. The costs are then carried() to the planned model `to` at `to_seq` and
+// `to_mbs` sequences per micro-batch.
+Rates measured_rates(const Json& doc, const std::string& path, const llm::LlamaConfig& to, int64_t to_seq,
+                     int64_t to_mbs) {
   const Json& cfg = doc.at("config");
   if (cfg.value("model", "llama") != "llama") {
     throw std::runtime_error(path + ": the planner models LLaMa-like stacks; this benchmark ran --model " +
                              cfg.value("model", std::string()));
   }
-  PlanArgs measured_args;
-  const llm::LlamaConfig c = config_of(measured_args, &cfg);
+  const llm::LlamaConfig c = config_of(PlanArgs{}, &cfg);
   const int64_t seq = cfg.at("seq").get<int64_t>(), mbs = cfg.at("micro_batch_size").get<int64_t>();
   Samples F, I, W, B;
   double f_split = 0, f_standard = 0;  // F summed over the 2bp and over the standard results (for the ratios)
+  double f_units = 0;                  // Σ partition cost (blocks + head share) of the chunks behind F
   std::vector<std::string> used;
   double comm_ms = -1;
   for (const auto& r : doc.at("results")) {
@@ -203,13 +215,16 @@ Rates measured_rates(const Json& doc, const std::string& path, llm::LlamaConfig*
     const int stages = r.at("p").get<int>() * r.at("v").get<int>();
     const auto partition = llm::make_partition(c, stages, seq);
     const Json& costs = r.at("costs_ms");
-    auto take = [&](Samples& into, const char* key) {
+    auto take = [&](Samples& into, const char* key) {  // returns how many chunks it took
       const std::vector<double> x = numbers_of(costs, key);
-      for (int s = 0; s < stages && s < static_cast<int>(x.size()); ++s) into.add(partition.chunks[s], x[s]);
+      const int n = std::min(stages, static_cast<int>(x.size()));
+      for (int s = 0; s < n; ++s) into.add(partition.chunks[s], x[s]);
+      return n;
     };
     const double f_before = F.total();
-    take(F, "F");
+    const int f_chunks = take(F, "F");
     (mode == "2bp" ? f_split : f_standard) += F.total() - f_before;
+    for (int s = 0; s < f_chunks; ++s) f_units += partition.cost[s];
     if (mode == "2bp") {
       take(I, "I");
       take(W, "W");
@@ -236,9 +251,7 @@ Rates measured_rates(const Json& doc, const std::string& path, llm::LlamaConfig*
     how = fmt::format("fitted per chunk: F {}; I {}; W {}; B {}", rates.F.str(), rates.I.str(), rates.W.str(),
                       rates.B.str());
   } else {
-    double units = 0;
-    for (const auto& row : F.rows) units += row[1] + row[3] * llm::head_cost_in_blocks(c, seq);
-    rates.F = flop_shares(c, seq, F.total() / units);
+    rates.F = flop_shares(c, seq, F.total() / f_units);
     const double ratio_i = I.total() / f_split, ratio_w = W.total() / f_split;
     rates.I = rates.F.scaled(ratio_i);
     rates.W = rates.F.scaled(ratio_w);
@@ -251,21 +264,8 @@ Rates measured_rates(const Json& doc, const std::string& path, llm::LlamaConfig*
   // The measured message time, per byte of the measured activation (its latency is not separable).
   rates.comm_ms_per_byte = comm_ms / activation_bytes(c, mbs, seq, 4);
   rates.source = fmt::format("measured: {} ({}): {}", path, fmt::join(used, ", "), how);
-  *measured_config = c;
-  *measured_seq = seq;
-  *measured_mbs = mbs;
+  for (ChunkCost* k : {&rates.F, &rates.I, &rates.W, &rates.B}) *k = carried(*k, c, seq, mbs, to, to_seq, to_mbs);
   return rates;
-}
-
-// Measured costs carried to another model, sequence length or micro-batch size: block and head terms by their
-// FLOPs, the embedding by its output elements, the per-action term unchanged.
-ChunkCost carried(const ChunkCost& k, const llm::LlamaConfig& from, int64_t from_seq, int64_t from_mbs,
-                  const llm::LlamaConfig& to, int64_t to_seq, int64_t to_mbs) {
-  const double batch = static_cast<double>(to_mbs) / static_cast<double>(from_mbs);
-  return {k.per_action,
-          k.per_block * batch * llm::block_forward_flops(to, to_seq) / llm::block_forward_flops(from, from_seq),
-          k.embedding * batch * static_cast<double>(to_seq * to.dim) / static_cast<double>(from_seq * from.dim),
-          k.head * batch * llm::head_forward_flops(to, to_seq) / llm::head_forward_flops(from, from_seq)};
 }
 
 // The example's --dtype for a training precision.
@@ -336,12 +336,7 @@ void run_plan(const PlanArgs& a) {
   const double link_bytes_per_s = a.link_gbps * 1e9 / 8;
   Rates rates;
   if (measured_config != nullptr) {
-    llm::LlamaConfig from;
-    int64_t from_seq = 0, from_mbs = 0;
-    rates = measured_rates(measured_doc, a.costs_json, &from, &from_seq, &from_mbs);
-    for (ChunkCost* k : {&rates.F, &rates.I, &rates.W, &rates.B}) {
-      *k = carried(*k, from, from_seq, from_mbs, config, seq, a.micro_batch_size);
-    }
+    rates = measured_rates(measured_doc, a.costs_json, config, seq, a.micro_batch_size);
   } else {
     if (!(a.tflops > 0)) throw std::invalid_argument("--tflops must be > 0");
     rates.F = flop_shares(config, seq,

@@ -289,7 +289,6 @@ struct Rejected {
   std::string reason;
 };
 
-
 int chunks_for(const SimulateArgs& a, const std::string& schedule) {
   return a.chunks_per_rank > 0 ? a.chunks_per_rank : schedule_info(schedule).default_chunks_per_rank;
 }
