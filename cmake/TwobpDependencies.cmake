@@ -2,17 +2,10 @@
 # without MPI the library still runs several stages in one process (LocalTransport); without CUDA/NCCL the
 # GPU transport is left out.
 
-if(NOT Torch_DIR AND NOT CMAKE_PREFIX_PATH MATCHES "torch")
-  find_package(Python3 COMPONENTS Interpreter QUIET)
-  if(Python3_FOUND)
-    execute_process(COMMAND ${Python3_EXECUTABLE} -c "import torch.utils; print(torch.utils.cmake_prefix_path)"
-                    OUTPUT_VARIABLE _twobp_torch_prefix OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
-    if(_twobp_torch_prefix)
-      list(APPEND CMAKE_PREFIX_PATH "${_twobp_torch_prefix}")
-    endif()
-  endif()
-endif()
-find_package(Torch REQUIRED)
+# LibTorch: find_package(Torch), or its CPU libraries alone where the wheel is a CUDA build and no CUDA toolkit
+# exists (cmake/TwobpTorch.cmake says when and why).
+include(TwobpTorch)
+twobp_find_torch()
 get_filename_component(TWOBP_TORCH_ROOT "${TORCH_INSTALL_PREFIX}" ABSOLUTE)
 
 # fmt: LibTorch ships fmt's headers; we use them header-only so that exactly one fmt version is in every
@@ -79,4 +72,4 @@ if(TWOBP_HAVE_NCCL)
   list(APPEND TWOBP_BUILT_COMPONENTS NCCL)
 endif()
 
-message(STATUS "twobp: torch ${Torch_VERSION}, MPI ${TWOBP_HAVE_MPI}, NCCL ${TWOBP_HAVE_NCCL}, fmt ${TWOBP_FMT_INCLUDE_DIR}")
+message(STATUS "twobp: torch ${Torch_VERSION} (${TWOBP_TORCH_IMPORT}), MPI ${TWOBP_HAVE_MPI}, NCCL ${TWOBP_HAVE_NCCL}, fmt ${TWOBP_FMT_INCLUDE_DIR}")

@@ -40,7 +40,9 @@ if [[ "$mode" == asan ]]; then
   mpi_flags=("-DTWOBP_MPIEXEC_FLAGS=-x;ASAN_OPTIONS=detect_leaks=1:fast_unwind_on_malloc=0:malloc_context_size=30:\
 protect_shadow_gap=0:detect_odr_violation=0")
 fi
+twobp_use_venv
 cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1" \
+      -DPython3_EXECUTABLE="$TWOBP_VENV/bin/python" \
       "-DTWOBP_SANITIZE=$sanitize" "${mpi_flags[@]}" "${launcher[@]}" ${TWOBP_CMAKE_ARGS:-}
 
 write_suppressions() {

@@ -29,10 +29,17 @@ namespace twobp {
 namespace detail {
 struct SplitPlan;
 
-/// The random state of the default CPU generator (and the CUDA generator of a CUDA device), to replay a forward.
+/// The states of some generators, to replay a forward (restore) or to tell whether anything drew from them.
 struct RngState {
-  static RngState capture(c10::Device device, const std::vector<at::Generator>& extra = {});
+  /// LibTorch's process-wide default generators a forward on `device` may draw from: the CPU one, and the
+  /// device's own for a CUDA device.
+  static std::vector<at::Generator> defaults(c10::Device device);
+  static RngState capture(const std::vector<at::Generator>& generators);
+  /// The current states of the same generators.
+  RngState now() const;
   void restore() const;
+  /// Whether every generator is in the state `other` recorded for it (same generators, same order).
+  bool same_as(const RngState& other) const;
   std::vector<std::pair<at::Generator, at::Tensor>> states;
 };
 }  // namespace detail
@@ -122,8 +129,17 @@ struct StageOptions {
   /// gradients of another forward.
   bool recompute = false;
   /// Generators the forward draws from besides the default CPU (and the device's CUDA) generator, e.g. a module's
-  /// own dropout generator: replayed like the defaults when recomputing.
+  /// own dropout generator: replayed like the defaults when recomputing. Each must belong to this stage alone.
   std::vector<at::Generator> replay_generators;
+  /// The seed of the stage's random streams: every forward runs in a StageRandomScope keyed by (seed, stage_index,
+  /// micro-batch, pass), where stage_generator() and nn::Dropout draw (twobp/random.h).
+  uint64_t seed = 0;
+  /// Other threads of this process run stages at the same time (ranks as threads; the Pipeline sets it from
+  /// Transport::ranks_share_process()). LibTorch's default generators are then shared with them, so a forward
+  /// that draws from one -- or during which another thread did -- is refused with a UsageError (draw from
+  /// stage_generator() / nn::Dropout, or run ranks as processes), and recomputation neither captures nor restores
+  /// them (it replays the stage's own streams and replay_generators).
+  bool ranks_share_process = false;
 };
 
 /// `tensors` without repeats, by tensor identity, in first-seen order. Module::parameters() lists a tensor once
@@ -211,13 +227,16 @@ class Stage {
     std::unique_ptr<detail::SplitPlan> plan;  // general-path stage-2 work, after backward_input
     // Recomputation: F's random state and targets, until the forward was re-run.
     bool recompute_pending = false;
+    int64_t pass = 0;  // forwards of this micro-batch before this one: the key of its random streams
     detail::RngState rng;
     NamedTensors targets;
     NamedTensors forwarded;  // F's outputs (detached), to check the re-run against
   };
 
-  NamedTensors run_forward(int micro_batch, const NamedTensors& inputs, const NamedTensors& targets);
+  NamedTensors run_forward(int micro_batch, int64_t pass, const NamedTensors& inputs, const NamedTensors& targets);
   void recompute(int micro_batch, MicroBatch& state);
+  // What recomputation captures and replays besides the stage's own streams (see StageOptions).
+  std::vector<at::Generator> replayed_generators() const;
   void check_recomputed(int micro_batch, const MicroBatch& state) const;
   c10::Device device() const;
 
@@ -241,6 +260,7 @@ class Stage {
   StageOptions options_;
   autograd::WeightGradStore store_;
   std::map<int, MicroBatch> micro_batches_;
+  std::map<int, int64_t> passes_;  // per micro-batch index: forwards run so far (F's, not recomputations)
   double recompute_us_ = 0.0;
 };
 

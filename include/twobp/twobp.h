@@ -13,6 +13,7 @@
 #include "twobp/nn.h"
 #include "twobp/nn/functional.h"
 #include "twobp/nn/modules.h"
+#include "twobp/random.h"
 #include "twobp/stage.h"
 #include "twobp/tensors.h"
 

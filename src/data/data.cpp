@@ -7,6 +7,7 @@
 #include <cstring>
 #include <fstream>
 
+#include "util/hash.h"
 #include "util/check.h"
 
 namespace twobp::data {
@@ -29,12 +30,7 @@ void put_le(std::string& out, T value) {
   for (std::size_t i = 0; i < sizeof(T); ++i) out.push_back(static_cast<char>((value >> (8 * i)) & 0xff));
 }
 
-uint64_t mix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
+using twobp::detail::mix64;
 
 }  // namespace
 

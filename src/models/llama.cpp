@@ -13,6 +13,7 @@
 #include <fmt/ranges.h>
 
 #include "twobp/error.h"
+#include "util/hash.h"
 #include "util/check.h"
 
 namespace twobp::models {
@@ -43,13 +44,7 @@ const std::vector<LlamaConfig>& named_configs() {
   return configs;
 }
 
-// splitmix64 finaliser: mixes the seed with a name hash into a well-spread generator seed.
-uint64_t mix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
+using twobp::detail::mix64;
 
 uint64_t fnv1a(std::string_view s) {
   uint64_t h = 0xcbf29ce484222325ULL;

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "twobp/random.h"
 #include "util/check.h"
 
 namespace twobp::nn::functional {
@@ -254,6 +255,20 @@ void rms_norm_weight_grad(const at::Tensor& weight, c10::ArrayRef<autograd::Weig
   // Reduce in float32 for reduced-precision activations, like the forward normalisation.
   const auto type = compute_type(xh);
   autograd::accumulate_grad(weight, (g.to(type) * xh.to(type)).sum(0));
+}
+
+at::Tensor dropout(const at::Tensor& input, double p, bool training) {
+  TWOBP_CHECK(p >= 0.0 && p <= 1.0, UsageError, "twobp::nn::functional::dropout: p must be in [0, 1], got {}", p);
+  if (!training || p == 0.0) return input;
+  if (p == 1.0) return input * 0;
+  at::Tensor keep = at::empty_like(input);
+  const at::Generator generator = stage_generator(input.device());
+  if (generator.defined()) {
+    keep.bernoulli_(1.0 - p, generator);
+  } else {
+    keep.bernoulli_(1.0 - p);
+  }
+  return input * keep.div_(1.0 - p);
 }
 
 }  // namespace twobp::nn::functional

@@ -5,6 +5,7 @@
 
 #include <cmath>
 
+#include "twobp/error.h"
 #include "twobp/nn/functional.h"
 
 namespace twobp::nn {
@@ -60,5 +61,15 @@ at::Tensor RMSNormImpl::forward(const at::Tensor& input) {
 void RMSNormImpl::accumulate_weight_grad(c10::ArrayRef<autograd::WeightGradItem> items) const {
   functional::rms_norm_weight_grad(weight, items);
 }
+
+DropoutImpl::DropoutImpl(const DropoutOptions& options_) : options(options_) { reset(); }
+
+void DropoutImpl::reset() {
+  if (!(options.p() >= 0.0 && options.p() <= 1.0)) {
+    throw UsageError("twobp::nn::Dropout: p must be in [0, 1], got " + std::to_string(options.p()));
+  }
+}
+
+at::Tensor DropoutImpl::forward(const at::Tensor& input) { return functional::dropout(input, options.p(), is_training()); }
 
 }  // namespace twobp::nn

@@ -498,6 +498,43 @@ void Executor::prefetch(Step& st, std::size_t up_to_inclusive) {
   }
 }
 
+namespace {
+
+// The rows (size of dimension 0, the dimension batches are split along) that every tensor of `batch` has; -1 when
+// it has no tensor of dimension >= 1. Tensors that disagree would be split into pieces of different sizes, which
+// broadcasting can then combine silently (a mask of 1 row against activations of 2): refused, naming them all.
+int64_t common_rows(const NamedTensors& batch, const std::string& what) {
+  int64_t rows = -1;
+  bool agree = true;
+  for (const auto& [name, t] : batch) {
+    if (!t.defined() || t.dim() == 0) continue;
+    if (rows < 0) rows = t.size(0);
+    agree = agree && t.size(0) == rows;
+  }
+  if (!agree) {
+    std::string sizes;
+    for (const auto& [name, t] : batch) {
+      if (!t.defined() || t.dim() == 0) continue;
+      sizes += fmt::format("{}'{}': {}", sizes.empty() ? "" : ", ", name, t.size(0));
+    }
+    throw UsageError(fmt::format("{}: the tensors disagree on their number of rows (dimension 0, along which a "
+                                 "batch is split into micro-batches): {}; give every tensor one row per sample",
+                                 what, sizes));
+  }
+  return rows;
+}
+
+// Inputs and targets of one (micro-)batch, when this rank holds both the first and the last stage: one row each
+// per sample.
+void check_inputs_match_targets(const NamedTensors& inputs, const NamedTensors& targets, const std::string& what) {
+  const int64_t in = common_rows(inputs, what + "'s inputs"), out = common_rows(targets, what + "'s targets");
+  TWOBP_CHECK(in < 0 || out < 0 || in == out, UsageError,
+              "{}: the inputs have {} rows ({{{}}}) and the targets {} ({{{}}}); they must describe the same samples",
+              what, in, inputs.describe(), out, targets.describe());
+}
+
+}  // namespace
+
 StepResult Executor::run(const NamedTensors& inputs, const NamedTensors& targets) {
   const int m = schedule_.num_micro_batches, last = schedule_.num_stages - 1;
   auto split_batch = [&](const NamedTensors& batch, int stage_index, const char* what) {
@@ -505,6 +542,7 @@ StepResult Executor::run(const NamedTensors& inputs, const NamedTensors& targets
     if (out.empty()) return out;
     TWOBP_CHECK(!batch.empty(), UsageError, "rank {}: owns stage {} and needs the {} of the batch, got none", rank_,
                 stage_index, what);
+    common_rows(batch, fmt::format("rank {} stage {}: the batch's {}", rank_, stage_index, what));
     for (const auto& [name, t] : batch) {
       TWOBP_CHECK(t.defined() && t.dim() > 0 && t.size(0) % m == 0, UsageError,
                   "rank {}: {} '{}' with {} samples cannot be split into {} micro-batches of equal size; pass the "
@@ -517,6 +555,9 @@ StepResult Executor::run(const NamedTensors& inputs, const NamedTensors& targets
   };
   std::vector<NamedTensors> input_mbs, target_mbs;
   try {
+    if (stages_.count(0) && stages_.count(last)) {
+      check_inputs_match_targets(inputs, targets, fmt::format("rank {}: the batch", rank_));
+    }
     input_mbs = split_batch(inputs, 0, "inputs");
     target_mbs = split_batch(targets, last, "targets");
   } catch (const std::exception& e) {
@@ -546,6 +587,7 @@ StepResult Executor::run(const std::vector<NamedTensors>& inputs, const std::vec
     for (int k = 0; k < m; ++k) {
       TWOBP_CHECK(!given[k].empty(), UsageError, "rank {}: stage {} micro-batch {}: no {} given", rank_, stage_index,
                   k, what);
+      common_rows(given[k], fmt::format("rank {} stage {} micro-batch {}: the {}", rank_, stage_index, k, what));
     }
     return given;
   };
@@ -555,6 +597,11 @@ StepResult Executor::run(const std::vector<NamedTensors>& inputs, const std::vec
     if (stages_.count(last)) {
       st.target_mbs = micro_batches(targets, last, "targets");
       st.losses.resize(m);
+    }
+    if (stages_.count(0) && stages_.count(last)) {
+      for (int k = 0; k < m; ++k) {
+        check_inputs_match_targets(st.input_mbs[k], st.target_mbs[k], fmt::format("rank {} micro-batch {}", rank_, k));
+      }
     }
     for (st.index = 0; st.index < actions.size(); ++st.index) {
       const Action& a = actions[st.index];

@@ -34,6 +34,7 @@ struct Pipeline::Impl {
   std::unique_ptr<detail::MasterWeights> masters;    // mixed precision only
   std::unique_ptr<detail::GradientReducer> reducer;  // data parallelism only
   Transport* data_parallel = nullptr;                // the reducer's group
+  bool started = false;                              // a first step began (see run_step)
 };
 
 Pipeline::Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, std::shared_ptr<Transport> transport,
@@ -83,6 +84,11 @@ Pipeline::Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, std::sh
     so.rank = rank;
     so.batch_weight_grads = options_.batch_weight_grads;
     so.recompute = chunk.recompute;
+    so.replay_generators = chunk.replay_generators;
+    so.seed = options_.seed;
+    so.ranks_share_process = transport_->ranks_share_process() ||
+                             (options_.data_parallel.group != nullptr &&
+                              options_.data_parallel.group->ranks_share_process());
     if (chunk.stage == schedule_.num_stages - 1) {
       TWOBP_CHECK(static_cast<bool>(options_.loss), UsageError,
                   "rank {}: stage {} is the last stage and needs PipelineOptions::loss", rank, chunk.stage);
@@ -279,6 +285,21 @@ StepResult Pipeline::step(const std::vector<NamedTensors>& inputs, const std::ve
 StepResult Pipeline::run_step(const std::function<StepResult()>& run) {
   StepResult result;
   try {
+    if (!impl_->started && (transport_->ranks_share_process() ||
+                            (impl_->data_parallel != nullptr && impl_->data_parallel->ranks_share_process()))) {
+      // SYNC POINT, once: ranks as threads start their first forward only when every rank thread got here, i.e.
+      // has built its chunks. Building modules draws from LibTorch's default generator (their default
+      // initialisation); a forward running meanwhile on another thread would see that generator move and be
+      // refused (Stage: ranks_share_process), although its own draws are fine.
+      try {
+        transport_->barrier(options_.timeout);
+        if (impl_->data_parallel != nullptr) impl_->data_parallel->barrier(options_.timeout);
+      } catch (const TimeoutError& e) {
+        throw TimeoutError(fmt::format("rank {}: the first step starts when every rank thread has reached it, "
+                                       "before micro-batch 0 of any stage: {}", rank(), e.what()));
+      }
+    }
+    impl_->started = true;
     if (impl_->reducer) impl_->reducer->begin_step();
     if (impl_->masters) impl_->masters->sync();  // what the optimizer did to the masters, for this step's compute
     result = run();

@@ -1,11 +1,14 @@
 #include "twobp/stage.h"
 
+#include "twobp/random.h"
+
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/nn/module.h>
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 
 #include <chrono>
 #include <mutex>
@@ -83,9 +86,23 @@ NamedTensors Stage::forward(int micro_batch, const NamedTensors& inputs, const N
     const bool input_grad = options_.stage_index > 0 && tensor.is_floating_point() && tensor.requires_grad();
     state.inputs.add(name, input_grad ? tensor.detach().requires_grad_(true) : tensor.detach());
   }
-  // Recomputation replays the forward with the random state it starts from (dropout draws the same mask).
-  if (options_.recompute) state.rng = detail::RngState::capture(device(), options_.replay_generators);
-  NamedTensors outputs = run_forward(micro_batch, state.inputs, targets);
+  state.pass = passes_[micro_batch]++;
+  // Recomputation replays the forward with the random state it starts from (dropout draws the same mask): the
+  // stage's own streams by their key (run_forward), the replay generators -- and, with one rank per process, the
+  // default generators -- by their captured state.
+  if (options_.recompute) state.rng = detail::RngState::capture(replayed_generators());
+  // Ranks as threads: LibTorch's default generators are shared with the other ranks' threads, and draws from them
+  // interleave differently in every run. Nothing silently irreproducible: refuse a forward that drew from one.
+  detail::RngState defaults_before;
+  if (options_.ranks_share_process) defaults_before = detail::RngState::capture(detail::RngState::defaults(device()));
+  NamedTensors outputs = run_forward(micro_batch, state.pass, state.inputs, targets);
+  TWOBP_CHECK(!options_.ranks_share_process || defaults_before.now().same_as(defaults_before), UsageError,
+              "{}: LibTorch's default random generator was drawn from during this forward (by the forward itself, "
+              "e.g. torch::nn::Dropout or torch::rand, or by another thread of this process), while the ranks run as "
+              "threads of one process: their draws interleave differently in every run, so results would not be "
+              "reproducible. Draw from the stage's own generator instead (twobp::nn::Dropout, "
+              "twobp::stage_generator(); twobp/random.h), or run one rank per process (mpirun, torchrun)",
+              where(micro_batch));
   bool any_gradient = false;
   for (const auto& entry : outputs) any_gradient = any_gradient || entry.tensor.requires_grad();
   TWOBP_CHECK(any_gradient, UsageError,
@@ -107,9 +124,18 @@ NamedTensors Stage::forward(int micro_batch, const NamedTensors& inputs, const N
   return detached;
 }
 
-NamedTensors Stage::run_forward(int micro_batch, const NamedTensors& inputs, const NamedTensors& targets) {
+std::vector<at::Generator> Stage::replayed_generators() const {
+  std::vector<at::Generator> generators;
+  if (!options_.ranks_share_process) generators = detail::RngState::defaults(device());
+  generators.insert(generators.end(), options_.replay_generators.begin(), options_.replay_generators.end());
+  return generators;
+}
+
+NamedTensors Stage::run_forward(int micro_batch, int64_t pass, const NamedTensors& inputs,
+                                const NamedTensors& targets) {
   const bool last = static_cast<bool>(options_.loss);
   c10::AutoGradMode grad_mode(true);
+  StageRandomScope random(options_.seed, options_.stage_index, micro_batch, pass);
   autograd::RecordingScope scope(store_, micro_batch);
   NamedTensors fn_inputs = inputs;
   if (last && forward_.takes_named_tensors()) {
@@ -153,18 +179,23 @@ void Stage::recompute(int micro_batch, MicroBatch& state) {
   const auto t0 = std::chrono::steady_clock::now();
   // Replay with F's random state, then continue the random stream where it was; buffers (BatchNorm running
   // statistics) are put back, so that they are updated once per micro-batch, by F, as without recomputation.
-  const detail::RngState now = detail::RngState::capture(device(), options_.replay_generators);
+  const detail::RngState now = state.rng.now();
   state.rng.restore();
   std::vector<at::Tensor> buffers = module_->buffers(), saved;
   for (const auto& b : buffers) saved.push_back(b.clone());
   try {
-    state.outputs = run_forward(micro_batch, state.inputs, state.targets);
+    state.outputs = run_forward(micro_batch, state.pass, state.inputs, state.targets);
   } catch (...) {
     now.restore();
     throw;
   }
   {
-    c10::AutoGradMode no_grad(false);
+    // Below autograd's in-place tracking: the values go back, the version counters stay. The replayed graph saved
+    // some buffers for its backward (batch_norm saves the running statistics); a tracked copy_ would bump their
+    // versions and that backward would refuse them as "modified by an inplace operation". The gradients do not
+    // depend on it: in training mode batch_norm's backward reads the batch statistics it saved, not the running
+    // ones; in eval mode the forward leaves the buffers as they were, and the values put back are the same.
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
     for (std::size_t k = 0; k < buffers.size(); ++k) buffers[k].copy_(saved[k]);
   }
   now.restore();
@@ -214,16 +245,26 @@ c10::Device Stage::device() const {
 
 namespace detail {
 
-RngState RngState::capture(c10::Device device, const std::vector<at::Generator>& extra) {
-  RngState s;
+std::vector<at::Generator> RngState::defaults(c10::Device device) {
   std::vector<at::Generator> generators{at::detail::getDefaultCPUGenerator()};
   if (!device.is_cpu()) generators.push_back(at::globalContext().defaultGenerator(device));
-  generators.insert(generators.end(), extra.begin(), extra.end());
-  for (auto& g : generators) {
+  return generators;
+}
+
+RngState RngState::capture(const std::vector<at::Generator>& generators) {
+  RngState s;
+  for (const auto& generator : generators) {
+    at::Generator g = generator;
     std::lock_guard<std::mutex> lock(g.mutex());
     s.states.emplace_back(g, g.get_state());
   }
   return s;
+}
+
+RngState RngState::now() const {
+  std::vector<at::Generator> generators;
+  for (const auto& [generator, state] : states) generators.push_back(generator);
+  return capture(generators);
 }
 
 void RngState::restore() const {
@@ -232,6 +273,14 @@ void RngState::restore() const {
     std::lock_guard<std::mutex> lock(g.mutex());
     g.set_state(state);
   }
+}
+
+bool RngState::same_as(const RngState& other) const {
+  if (states.size() != other.states.size()) return false;
+  for (std::size_t k = 0; k < states.size(); ++k) {
+    if (states[k].first != other.states[k].first || !at::equal(states[k].second, other.states[k].second)) return false;
+  }
+  return true;
 }
 
 }  // namespace detail

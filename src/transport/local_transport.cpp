@@ -80,13 +80,16 @@ struct LocalFamily {
   std::atomic<bool> aborted{false};
   std::string abort_who;  // "rank 2", or "rank 0 (group color 1, rank 2 in the parent)"
   std::string abort_reason;
+  int ranks = 0;  // of the LocalTransportGroup the family started from: the rank threads of this process
 };
 
 struct LocalGroupState {
   LocalGroupState(int world_size, LocalOptions opts, std::vector<std::string> member_names = {},
                   std::shared_ptr<LocalFamily> fam = nullptr)
       : world(world_size), options(std::move(opts)), names(default_names(world_size, std::move(member_names))),
-        wakeup(world_size), family(fam ? std::move(fam) : std::make_shared<LocalFamily>()) {}
+        wakeup(world_size), family(fam ? std::move(fam) : std::make_shared<LocalFamily>()) {
+    if (family->ranks == 0) family->ranks = world_size;
+  }
 
   static std::vector<std::string> default_names(int world, std::vector<std::string> names) {
     if (names.empty()) {
@@ -289,6 +292,8 @@ LocalTransport::LocalTransport(std::shared_ptr<detail::LocalGroupState> state, i
 LocalTransport::~LocalTransport() = default;
 
 int LocalTransport::world_size() const { return state_->world; }
+
+bool LocalTransport::ranks_share_process() const { return state_->family->ranks > 1; }
 
 c10::Device LocalTransport::device() const {
   const auto& devices = state_->options.devices;

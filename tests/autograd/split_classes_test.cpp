@@ -4,6 +4,9 @@
 // cannot run exactly are rejected on the first micro-batch with a UsageError that says what to do instead.
 
 #include <gtest/gtest.h>
+
+#include <atomic>
+#include <thread>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/torch.h>
 
@@ -17,6 +20,7 @@
 #include "common/split_cases.h"
 #include "common/test_models.h"
 #include "twobp/error.h"
+#include "twobp/random.h"
 #include "twobp/stage.h"
 
 namespace twobp::testing {
@@ -78,7 +82,12 @@ void run_class(const std::function<std::shared_ptr<CaseModule>()>& make, Mode mo
     for (int mb = 0; mb < kMicroBatches; ++mb) {
       torch::Tensor x = in.input(mb);
       if (in.stage_index > 0) x = x.detach().requires_grad_(true);
-      auto loss = mse(reference->forward(x), in.target(mb));
+      torch::Tensor out;
+      {
+        StageRandomScope random(/*seed=*/0, in.stage_index, mb, /*pass=*/step);  // as the Stage's forward
+        out = reference->forward(x);
+      }
+      auto loss = mse(out, in.target(mb));
       (loss * scale).backward();
       ref_losses.push_back(loss.detach());
       ref_input_grads.push_back(in.stage_index > 0 ? x.grad() : torch::Tensor());
@@ -502,6 +511,71 @@ TEST(StageParameters, EachTensorOnceByIdentity) {
   auto module = std::make_shared<RegisteredTwice>(kDim);
   Stage stage(module, [&](const at::Tensor& x) { return module->forward(x); }, StageOptions{});
   EXPECT_EQ(stage.parameters().size(), 4u);
+}
+
+}  // namespace
+}  // namespace twobp::testing
+
+namespace twobp::testing {
+namespace {
+
+// A StageDropout stage as rank threads have it (ranks_share_process), built from a fixed seed.
+struct DropoutStage {
+  DropoutStage() {
+    torch::manual_seed(11);
+    module = std::make_shared<StageDropout>(kDim);
+    StageOptions options = random_stage_options(false);
+    options.ranks_share_process = true;
+    auto raw = module;
+    stage = std::make_unique<Stage>(module, [raw](const at::Tensor& x) { return raw->forward(x); }, options);
+  }
+  // `forwards` F + B of one micro-batch each; the losses.
+  std::vector<double> run(int forwards) {
+    std::vector<double> losses;
+    for (int k = 0; k < forwards; ++k) {
+      const int mb = k % kMicroBatches;
+      losses.push_back(stage->forward(mb, activation(mb, 1), activation(mb, 2)).item<double>());
+      stage->backward(mb);
+    }
+    return losses;
+  }
+  std::shared_ptr<StageDropout> module;
+  std::unique_ptr<Stage> stage;
+};
+
+// Two threads with a Stage each, as ranks as threads have: one draws dropout masks (nn::Dropout, its stage's own
+// stream), the other recomputes its forwards. The recomputation saves and restores no process-wide generator, so
+// the first thread's losses are bitwise those it computes alone, in each of 20 runs. (Before, the recomputing
+// stage restored LibTorch's default generator under the other thread's draws: 3-5 of 5 runs differed.)
+TEST(StageThreads, RecomputationOnOneThreadLeavesAnotherThreadsDrawsAlone) {
+  Float64Default f64;
+  const std::vector<double> alone = DropoutStage().run(100);
+  for (int run = 0; run < 20; ++run) {
+    DropoutStage mine;
+    torch::manual_seed(12);
+    auto other_module = std::make_shared<TorchDropout>();
+    other_module->dropout->eval();  // draws nothing; every forward is recomputed
+    StageOptions options = random_stage_options(true);
+    options.ranks_share_process = true;
+    Stage other(other_module, [other_module](const at::Tensor& x) { return other_module->forward(x); }, options);
+    std::atomic<bool> done{false};
+    std::exception_ptr error;
+    std::thread thread([&] {
+      try {
+        for (int k = 0; !done && k < 100000; ++k) {
+          other.forward(0, activation(0, 1), activation(0, 2));
+          other.backward(0);
+        }
+      } catch (...) {
+        error = std::current_exception();
+      }
+    });
+    const std::vector<double> together = mine.run(100);
+    done = true;
+    thread.join();
+    if (error) std::rethrow_exception(error);
+    ASSERT_EQ(together, alone) << "run " << run;
+  }
 }
 
 }  // namespace

@@ -177,6 +177,44 @@ struct Dropped : CaseModule {
   twobp::nn::Linear fast{nullptr};
 };
 
+/// Dropout drawing from the stage's own generator (twobp::nn::Dropout, twobp/random.h): the reference draws the
+/// same masks by opening the same StageRandomScope around each chunk's forward.
+struct StageDropout : CaseModule {
+  explicit StageDropout(int64_t dim) {
+    general = register_module("general", torch::nn::Linear(dim, dim));
+    drop = register_module("drop", twobp::nn::Dropout(0.4));
+    fast = register_module("fast", twobp::nn::Linear(dim, dim));
+  }
+  torch::Tensor forward(const torch::Tensor& x) override { return fast(drop(torch::tanh(general(x)))) + x; }
+  torch::nn::Linear general{nullptr};
+  twobp::nn::Dropout drop{nullptr};
+  twobp::nn::Linear fast{nullptr};
+};
+
+/// Modules whose forward updates buffers in place: BatchNorm1d and InstanceNorm1d with running statistics (the
+/// kernels update them; batch_norm saves them for its backward), and a counter a forward increments.
+struct Normalized : CaseModule {
+  explicit Normalized(int64_t dim) {
+    batch_norm = register_module("batch_norm", torch::nn::BatchNorm1d(dim));
+    instance_norm = register_module(
+        "instance_norm", torch::nn::InstanceNorm1d(torch::nn::InstanceNorm1dOptions(dim).affine(true).track_running_stats(true)));
+    fast = register_module("fast", twobp::nn::Linear(dim, dim));
+    forwards = register_buffer("forwards", torch::zeros({1}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) override {  // x: [batch, seq, dim]; the norms want [batch, dim, seq]
+    {
+      torch::NoGradGuard no_grad;
+      forwards.add_(1);
+    }
+    auto h = batch_norm(fast(x).transpose(1, 2));
+    return instance_norm(h).transpose(1, 2) + x;
+  }
+  torch::nn::BatchNorm1d batch_norm{nullptr};
+  torch::nn::InstanceNorm1d instance_norm{nullptr};
+  twobp::nn::Linear fast{nullptr};
+  torch::Tensor forwards;
+};
+
 /// In-place update of a view of an activation with a parameter operand: a CopySlices node on the split's frontier
 /// (its edges and its wrapped function's are cut alike).
 struct InPlaceViewWithParameter : CaseModule {
@@ -281,6 +319,8 @@ inline std::vector<ModuleClass> supported_module_classes() {
       {"TorchZoo", [](int64_t d) { return std::make_shared<TorchZoo>(d); }},
       {"SharedAcrossPaths", [](int64_t d) { return std::make_shared<SharedAcrossPaths>(d); }},
       {"FastHooked", [](int64_t d) { return std::make_shared<FastHooked>(d); }},
+      {"StageDropout", [](int64_t d) { return std::make_shared<StageDropout>(d); }},
+      {"Normalized", [](int64_t d) { return std::make_shared<Normalized>(d); }},
   };
 }
 

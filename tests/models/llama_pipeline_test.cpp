@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -115,16 +116,33 @@ TEST(LlamaPipeline, MemoryLimitKeepsTheLossesAndLowersThePeak) {
   EXPECT_LT(after, 0.95 * before) << "peak " << after << " bytes with the limit, " << before << " without";
 }
 
-// Mixed precision (--dtype bf16: bfloat16 compute, float32 masters and gradient sums) trains like float32: the
-// loss after 100 steps within 2 % (measured 2026-12-01 on the default tiny run: 2.261 vs 2.276, 0.7 %; everything
-// in bfloat16, --dtype bf16-pure, gave 2.336, 2.6 % off).
+// The mean of the last `n` losses of a run: one step's loss scatters with its batch, a tail mean much less.
+double tail_mean(const std::vector<double>& losses, std::size_t n) {
+  n = std::min(n, losses.size());
+  double sum = 0;
+  for (std::size_t k = losses.size() - n; k < losses.size(); ++k) sum += losses[k];
+  return n ? sum / static_cast<double>(n) : 0.0;
+}
+
+// Mixed precision (--dtype bf16: bfloat16 compute, float32 masters and gradient sums) trains like float32. What
+// it computes per step is checked exactly elsewhere (tests/runtime/mixed_precision_test.cpp: one step's master
+// gradients and updates against float32 at the same weights); this checks the trajectory, in a form that does not
+// depend on which CPU kernels ran. A float32 run's loss after 100 steps itself differs by ~5 % between kernel sets
+// (ATEN_CPU_CAPABILITY), so one loss after a long trajectory is no criterion: instead the mean of the last 10
+// losses of the mixed run must be within 10 % of what float32 gained over those 100 steps (its first loss minus
+// its tail mean, ~3.25 here). Measured 2026-12-02 (Intel Xeon with AVX-512): gap / gain = 0.97 % (avx512),
+// 0.54 % (avx2), 0.54 % (default), while the last step alone differed by 0.13 %, 1.17 %, 1.20 %; a mixed run that
+// stops learning or diverges misses the band by far.
 TEST(LlamaPipeline, MixedPrecisionTracksFloat32Over100Steps) {
   const auto fp32 = train("mixed_ref_fp32", "--schedule 1f1b --steps 100");
   const auto mixed = train("mixed_bf16", "--schedule 1f1b --steps 100 --dtype bf16");
   ASSERT_EQ(fp32.size(), 100u);
   ASSERT_EQ(mixed.size(), 100u);
-  EXPECT_LT(fp32.back(), fp32.front() - 1.0) << "the run must learn for the comparison to mean something";
-  EXPECT_NEAR(mixed.back(), fp32.back(), 0.02 * fp32.back());
+  const double fp32_tail = tail_mean(fp32, 10), mixed_tail = tail_mean(mixed, 10);
+  const double gain = fp32.front() - fp32_tail;
+  EXPECT_GT(gain, 1.0) << "the run must learn for the comparison to mean something";
+  EXPECT_NEAR(mixed_tail, fp32_tail, 0.1 * gain)
+      << "tail means: mixed " << mixed_tail << ", float32 " << fp32_tail << "; float32 gained " << gain;
   EXPECT_NE(mixed.back(), fp32.back()) << "--dtype bf16 must compute in bfloat16";
 }
 

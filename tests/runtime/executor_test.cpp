@@ -120,5 +120,57 @@ TEST(Executor, ItemConsumedBeforeItIsProducedIsAScheduleErrorNamingTheAction) {
   for (auto& [s, stage] : rank.stages) EXPECT_EQ(stage->live_micro_batches(), 0u) << "stage " << s;
 }
 
+// A batch whose tensors disagree on their rows (dimension 0, along which it is split) would be split into pieces
+// that broadcast against each other -- training on wrong data. Refused before any action, naming the tensors and
+// their sizes: inputs, targets, inputs against targets (this rank holds the first and the last stage), in the
+// whole-batch and in the per-micro-batch form.
+TEST(Executor, BatchesWhoseTensorsDisagreeOnRowsAreRefused) {
+  Float64Default f;
+  Schedule sc;
+  sc.name = "one-rank";
+  sc.num_ranks = 1;
+  sc.num_stages = 2;
+  sc.num_micro_batches = 2;
+  sc.backward = BackwardMode::kStandard;
+  sc.stage_to_rank = {0, 0};
+  sc.actions.resize(1);
+  for (int mb = 0; mb < 2; ++mb) {
+    for (const Action& a : {Action{ActionType::kForward, 0, {mb}}, Action{ActionType::kForward, 1, {mb}},
+                            Action{ActionType::kBackward, 1, {mb}}, Action{ActionType::kBackward, 0, {mb}}}) {
+      sc.actions[0].push_back(a);
+    }
+  }
+  std::vector<std::shared_ptr<torch::nn::Module>> modules{make_chunk(0), make_chunk(1)};
+  Rank rank = stages_of(sc, 0, modules);
+  auto transports = make_local_transports(1);
+  Executor executor(sc, 0, rank.stages, *transports[0], executor_options());
+  const int64_t rows = 2 * kMicroBatchSize;
+  auto x = [](int64_t n) { return torch::randn({n, kDim}); };
+  expect_error<UsageError>(
+      [&] { executor.run(NamedTensors{{"x", x(rows)}, {"mask", torch::ones({rows / 2})}}, x(rows)); },
+      {"rank 0", "inputs", "disagree", "rows", "'x': " + std::to_string(rows), "'mask': " + std::to_string(rows / 2)});
+  expect_error<UsageError>(
+      [&] { executor.run(x(rows), NamedTensors{{"y", x(rows)}, {"weight", torch::ones({2 * rows})}}); },
+      {"rank 0", "targets", "'y': " + std::to_string(rows), "'weight': " + std::to_string(2 * rows)});
+  expect_error<UsageError>([&] { executor.run(x(rows), x(rows / 2)); },
+                           {"rank 0", "inputs have " + std::to_string(rows) + " rows", "targets " + std::to_string(rows / 2)});
+  const std::vector<NamedTensors> targets{NamedTensors(x(kMicroBatchSize)), NamedTensors(x(kMicroBatchSize))};
+  expect_error<UsageError>(
+      [&] {
+        executor.run(std::vector<NamedTensors>{NamedTensors(x(kMicroBatchSize)),
+                                               NamedTensors{{"x", x(kMicroBatchSize)}, {"mask", torch::ones({1})}}},
+                     targets);
+      },
+      {"rank 0", "micro-batch 1", "inputs", "'mask': 1"});
+  expect_error<UsageError>(
+      [&] {
+        executor.run(std::vector<NamedTensors>{NamedTensors(x(kMicroBatchSize)), NamedTensors(x(kMicroBatchSize))},
+                     std::vector<NamedTensors>{NamedTensors(x(kMicroBatchSize + 1)), NamedTensors(x(kMicroBatchSize))});
+      },
+      {"rank 0 micro-batch 0", "inputs have " + std::to_string(kMicroBatchSize) + " rows",
+       "targets " + std::to_string(kMicroBatchSize + 1)});
+  for (auto& [s, stage] : rank.stages) EXPECT_EQ(stage->live_micro_batches(), 0u) << "stage " << s;
+}
+
 }  // namespace
 }  // namespace twobp::testing

@@ -11,6 +11,8 @@
 #include "common/split_cases.h"
 #include "common/test_models.h"
 #include "twobp/runtime/launch.h"
+#include "twobp/error.h"
+#include "twobp/random.h"
 #include "twobp/runtime/pipeline.h"
 #include "twobp/transport/local.h"
 
@@ -44,7 +46,8 @@ struct PipelineRun {
 
 PipelineRun run_pipeline(const Schedule& schedule, const ChunkFactory& make, const torch::Tensor& inputs,
                          const torch::Tensor& targets, PipelineOptions options,
-                         std::function<void(Pipeline&)> after_steps = nullptr) {
+                         std::function<void(Pipeline&)> after_steps = nullptr,
+                         std::function<bool(int stage)> recompute = nullptr) {
   PipelineRun run;
   run.chunks.resize(schedule.num_stages);
   for (int s = 0; s < schedule.num_stages; ++s) run.chunks[s] = build(make, s);
@@ -54,7 +57,8 @@ PipelineRun run_pipeline(const Schedule& schedule, const ChunkFactory& make, con
     std::vector<PipelineChunk> chunks;
     for (int s : schedule.stages_of(r)) {
       auto* raw = run.chunks[s].get();
-      chunks.push_back({s, run.chunks[s], [raw](const at::Tensor& x) { return raw->forward(x); }});
+      chunks.push_back({s, run.chunks[s], [raw](const at::Tensor& x) { return raw->forward(x); },
+                        recompute && recompute(s)});
     }
     pipelines.push_back(std::make_unique<Pipeline>(schedule, std::move(chunks),
                                                    std::shared_ptr<Transport>(std::move(transports[r])), options));
@@ -93,7 +97,10 @@ Reference run_reference(int stages, const ChunkFactory& make, const torch::Tenso
     ref.losses.emplace_back();
     for (int mb = 0; mb < kMicroBatches; ++mb) {
       torch::Tensor h = xs[mb];
-      for (auto& chunk : ref.chunks) h = chunk->forward(h);
+      for (int s = 0; s < stages; ++s) {
+        StageRandomScope random(/*seed=*/0, s, mb, /*pass=*/step);  // the stage's own random stream, as in F
+        h = ref.chunks[s]->forward(h);
+      }
       auto loss = mse(h, ys[mb]);
       (loss / kMicroBatches).backward();
       ref.losses.back().push_back(loss.item<double>());
@@ -229,6 +236,112 @@ std::vector<ScheduleMode> schedule_modes() {
 
 INSTANTIATE_TEST_SUITE_P(Schedules, PipelineSplitCases, ::testing::ValuesIn(schedule_modes()),
                          [](const auto& info) { return test_name("", info.param.schedule, info.param.mode); });
+
+// Whether two runs computed bitwise the same: losses, and every stage's gradients and buffers.
+bool bitwise_equal(const PipelineRun& a, const PipelineRun& b) {
+  if (a.losses != b.losses) return false;
+  for (std::size_t s = 0; s < a.chunks.size(); ++s) {
+    auto pa = a.chunks[s]->parameters(), pb = b.chunks[s]->parameters();
+    for (std::size_t k = 0; k < pa.size(); ++k) {
+      if (pa[k].grad().defined() != pb[k].grad().defined()) return false;
+      if (pa[k].grad().defined() && !at::equal(pa[k].grad(), pb[k].grad())) return false;
+    }
+    auto ba = a.chunks[s]->buffers(), bb = b.chunks[s]->buffers();
+    for (std::size_t k = 0; k < ba.size(); ++k) {
+      if (!at::equal(ba[k], bb[k])) return false;
+    }
+  }
+  return true;
+}
+
+// Ranks as threads draw dropout masks from their stages' own streams (twobp/random.h): 20 runs of each setup --
+// recomputation on no stage, on the odd stages, on every stage -- give bitwise the same losses, gradients and
+// buffers, equal to the single-process loss.backward() reference. (Before, with torch::nn::Dropout, the rank
+// threads' draws from LibTorch's one generator interleaved differently in 5-7 of 7 runs, and recomputation,
+// which saved and restored that generator, changed other ranks' masks in 1-7 of 12; such forwards are now
+// refused, see below.) Stages alternate dropout and BatchNorm/InstanceNorm (buffers updated in forward).
+TEST(RankThreads, DropoutIsReproducibleAndExactWithAndWithoutRecomputation) {
+  Float64Default f;
+  ChunkFactory make = [](int s) -> std::shared_ptr<CaseModule> {
+    if (s % 2 == 0) return std::make_shared<StageDropout>(kDim);
+    return std::make_shared<Normalized>(kDim);
+  };
+  torch::manual_seed(1);
+  auto inputs = torch::randn({kMicroBatches * kMbs, kSeq, kDim});
+  auto targets = torch::randn({kMicroBatches * kMbs, kSeq, kDim});
+  const std::vector<std::pair<std::string, std::function<bool(int)>>> recomputes = {
+      {"none", [](int) { return false; }}, {"odd stages", [](int s) { return s % 2 == 1; }},
+      {"every stage", [](int) { return true; }}};
+  for (const auto& [name, mode] : std::vector<std::pair<std::string, BackwardMode>>{
+           {"1f1b", BackwardMode::kSplit}, {"zb-v", BackwardMode::kSplit}, {"interleaved-1f1b", BackwardMode::kStandard}}) {
+    const Schedule schedule = schedule_for(name, mode);
+    Reference ref = run_reference(schedule.num_stages, make, inputs, targets);
+    for (const auto& [where, recompute] : recomputes) {
+      SCOPED_TRACE(name + ", recomputation on " + where);
+      PipelineRun first;
+      for (int run_index = 0; run_index < 20; ++run_index) {
+        PipelineRun run = run_pipeline(schedule, make, inputs, targets, options(), nullptr, recompute);
+        rethrow_any(run);
+        if (run_index == 0) {
+          for (int s = 0; s < schedule.num_stages; ++s) {
+            const std::string mismatch = compare_modules(*run.chunks[s], *ref.chunks[s], 1e-10);
+            EXPECT_TRUE(mismatch.empty()) << "stage " << s << ": " << mismatch;
+          }
+          first = std::move(run);
+          continue;
+        }
+        ASSERT_TRUE(bitwise_equal(run, first)) << "run " << run_index << " differs from the first";
+      }
+    }
+  }
+}
+
+/// torch::nn::Dropout draws from LibTorch's process-wide generator.
+struct TorchDropout : CaseModule {
+  explicit TorchDropout(int64_t dim) {
+    fast = register_module("fast", twobp::nn::Linear(dim, dim));
+    drop = register_module("drop", torch::nn::Dropout(0.4));
+  }
+  torch::Tensor forward(const torch::Tensor& x) override { return drop(fast(x)) + x; }
+  twobp::nn::Linear fast{nullptr};
+  torch::nn::Dropout drop{nullptr};
+};
+
+// Ranks as threads: a forward drawing from LibTorch's default generator is refused on its first micro-batch,
+// naming rank, stage and micro-batch and what to use instead -- with and without recomputation. One rank alone in
+// its process may draw from it (the rank's draws are then in schedule order).
+TEST(RankThreads, DefaultGeneratorDrawsAreRefusedWhenRanksShareTheProcess) {
+  Float64Default f;
+  torch::manual_seed(1);
+  auto inputs = torch::randn({kMicroBatches * kMbs, kSeq, kDim});
+  auto targets = torch::randn({kMicroBatches * kMbs, kSeq, kDim});
+  ChunkFactory make = [](int s) -> std::shared_ptr<CaseModule> {
+    if (s == 1) return std::make_shared<TorchDropout>(kDim);
+    return std::make_shared<StageDropout>(kDim);
+  };
+  for (bool recompute : {false, true}) {
+    SCOPED_TRACE(recompute ? "with recomputation" : "without recomputation");
+    const Schedule schedule = schedule_for("1f1b", BackwardMode::kSplit);
+    PipelineRun run = run_pipeline(schedule, make, inputs, targets, options(), nullptr,
+                                   [recompute](int) { return recompute; });
+    const int owner = schedule.stage_to_rank[1];
+    ASSERT_TRUE(run.errors[owner] != nullptr) << "rank " << owner << " ran torch::nn::Dropout without an error";
+    try {
+      std::rethrow_exception(run.errors[owner]);
+    } catch (const UsageError& e) {
+      const std::string what = e.what();
+      for (const char* part : {"rank 1 stage 1 micro-batch 0", "default random generator", "twobp::nn::Dropout",
+                               "one rank per process"}) {
+        EXPECT_NE(what.find(part), std::string::npos) << "missing '" << part << "' in: " << what;
+      }
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "expected a UsageError, got: " << e.what();
+    }
+  }
+  const Schedule alone = make_schedule("1f1b", default_schedule_options("1f1b", 1, kMicroBatches, BackwardMode::kSplit));
+  ChunkFactory torch_dropout = [](int) -> std::shared_ptr<CaseModule> { return std::make_shared<TorchDropout>(kDim); };
+  rethrow_any(run_pipeline(alone, torch_dropout, inputs, targets, options(), nullptr, [](int) { return true; }));
+}
 
 torch::Tensor dense(const torch::Tensor& t) { return t.is_sparse() ? t.to_dense() : t; }
 

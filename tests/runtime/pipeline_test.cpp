@@ -238,7 +238,8 @@ TEST_F(PipelineFailures, PeerThatNeverSendsTimesOut) {
   ASSERT_TRUE(runs[0].error);
   const std::string what = error_message(runs[0].error);
   EXPECT_TRUE(is_a<TimeoutError>(runs[0].error)) << what;
-  EXPECT_NE(what.find("rank 1"), std::string::npos) << what;
+  // Ranks as threads meet before their first step (Pipeline::run_step): the silent peer is named there.
+  EXPECT_TRUE(what.find("rank 1") != std::string::npos || what.find("rank(s) 1") != std::string::npos) << what;
   EXPECT_NE(what.find("micro-batch"), std::string::npos) << what;
 }
 

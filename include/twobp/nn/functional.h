@@ -24,6 +24,12 @@ at::Tensor embedding(const at::Tensor& ids, const at::Tensor& weight, const auto
 at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps,
                     const autograd::WeightGradKernel& kernel);
 
+/// Dropout (training: each element zeroed with probability p, the rest scaled by 1 / (1 - p); otherwise the
+/// input). The mask is drawn from the running stage's generator (twobp::stage_generator(), twobp/random.h): the
+/// same masks whether ranks are threads or processes, under any schedule, and again when a forward is recomputed.
+/// Outside a stage forward it draws from LibTorch's default generator, like torch::nn::functional::dropout.
+at::Tensor dropout(const at::Tensor& input, double p, bool training);
+
 /// How a weight-gradient kernel reduces several queued items (micro-batches).
 enum class Batching {
   kAuto,         ///< concatenate on CUDA when each item is small (< 4096 rows), else one GEMM per item

@@ -83,4 +83,22 @@ class RMSNormImpl : public torch::nn::Cloneable<RMSNormImpl>, public autograd::W
 };
 TORCH_MODULE(RMSNorm);
 
+struct DropoutOptions {
+  /* implicit */ DropoutOptions(double p = 0.5) : p_(p) {}  // NOLINT(google-explicit-constructor)
+  TORCH_ARG(double, p);
+};
+
+/// Dropout for pipeline stages: functional::dropout in training mode, the identity in eval mode. Use it instead
+/// of torch::nn::Dropout, which draws from the process-wide default generator (refused when ranks are threads of
+/// one process; see twobp/random.h). Has no parameters: nothing for W.
+class DropoutImpl : public torch::nn::Cloneable<DropoutImpl> {
+ public:
+  explicit DropoutImpl(const DropoutOptions& options = {});
+  void reset() override;
+  at::Tensor forward(const at::Tensor& input);
+
+  DropoutOptions options;
+};
+TORCH_MODULE(Dropout);
+
 }  // namespace twobp::nn

@@ -28,6 +28,9 @@ struct PipelineChunk {
   /// Activation recomputation for this stage (StageOptions::recompute): F keeps only its inputs, I or B re-runs
   /// the forward first.
   bool recompute = false;
+  /// Generators of this chunk's own that its forward draws from, replayed when recomputing
+  /// (StageOptions::replay_generators). Not needed for twobp::stage_generator() / nn::Dropout.
+  std::vector<at::Generator> replay_generators = {};
 };
 
 /// Mixed precision: the chunks compute in a lower precision, the optimizer steps float32 master weights.
@@ -54,6 +57,10 @@ struct PipelineOptions {
   /// Every blocking wait (receive, send completion, collectives) gives up after this long with an error naming
   /// the peer, the action and the micro-batch.
   Duration timeout = std::chrono::minutes(5);
+  /// The seed of the stages' random streams (StageOptions::seed, twobp/random.h): with the same seed, a forward
+  /// that draws from twobp::stage_generator() (nn::Dropout) draws the same numbers on every run, whether ranks
+  /// are threads or processes, under every schedule, 2BP or fused.
+  uint64_t seed = 0;
   /// Fixed shapes of the stage boundaries, optional: output of `stage` for one micro-batch (= input of
   /// stage + 1), asked only for boundaries that cross ranks (so it need not cover the last stage). With a spec,
   /// receivers allocate from it and post their receives ahead, and every sent tensor is checked against it, so a

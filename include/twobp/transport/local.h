@@ -72,6 +72,8 @@ class LocalTransport final : public Transport {
   c10::Device device() const override;
   std::string name() const override;
   Pairing pairing() const override;
+  /// True when the LocalTransportGroup this transport comes from (through any splits) has several ranks.
+  bool ranks_share_process() const override;
 
   std::unique_ptr<Work> isend(const at::Tensor& tensor, const P2POptions& options) override;
   std::unique_ptr<Work> irecv(at::Tensor& buffer, const P2POptions& options) override;

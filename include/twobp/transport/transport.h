@@ -58,6 +58,10 @@ class Transport {
   /// How this transport pairs a receive with a send (see Pairing). A Pipeline refuses, before its first step, a
   /// schedule that this rule cannot pair (validate(schedule, pairing())).
   virtual Pairing pairing() const = 0;
+  /// Whether other ranks of this job run as threads of this process (the Local transport): they then share its
+  /// process-wide state -- LibTorch's default random generators above all -- and a Pipeline refuses what would
+  /// make their results depend on how the threads interleave (twobp/random.h).
+  virtual bool ranks_share_process() const { return false; }
 
   /// Sends `tensor` (contiguous) to options.peer. The tensor must not be modified until wait() returned.
   virtual std::unique_ptr<Work> isend(const at::Tensor& tensor, const P2POptions& options) = 0;
