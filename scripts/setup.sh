@@ -32,7 +32,8 @@ export CCACHE_NOHASHDIR="${CCACHE_NOHASHDIR:-true}"
 twobp_torch_kind() {
   local kind="${TWOBP_TORCH_KIND:-auto}"
   if [[ "$kind" == auto ]]; then
-    if command -v nvcc >/dev/null 2>&1; then kind=cuda; else kind=cpu; fi
+    # A working nvcc, not just a name on PATH (a link into a toolkit that is gone).
+    if nvcc --version >/dev/null 2>&1; then kind=cuda; else kind=cpu; fi
   fi
   case "$kind" in
     cuda|cpu) echo "$kind" ;;
