@@ -76,8 +76,7 @@ function(_twobp_import_torch_cpu root)
   endif()
   # libtorch_cpu's CUDA runtime dependencies, from the nvidia-* wheels next to torch.
   get_filename_component(site "${root}/.." ABSOLUTE)
-  file(GLOB cuda_lib_dirs LIST_DIRECTORIES true "${site}/nvidia/*/lib" "${site}/nvidia/cuda_runtime/lib"
-                                                "${site}/nvidia/cuda_cupti/lib")
+  file(GLOB cuda_lib_dirs LIST_DIRECTORIES true "${site}/nvidia/*/lib")  # cu13/lib, or cuda_runtime/lib (cu12)
   foreach(lib cudart cupti)
     find_file(_twobp_${lib} NAMES lib${lib}.so.13 lib${lib}.so.12 HINTS ${cuda_lib_dirs} NO_DEFAULT_PATH NO_CACHE)
     if(NOT _twobp_${lib})

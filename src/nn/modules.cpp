@@ -5,8 +5,8 @@
 
 #include <cmath>
 
-#include "twobp/error.h"
 #include "twobp/nn/functional.h"
+#include "util/check.h"
 
 namespace twobp::nn {
 
@@ -65,9 +65,9 @@ void RMSNormImpl::accumulate_weight_grad(c10::ArrayRef<autograd::WeightGradItem>
 DropoutImpl::DropoutImpl(const DropoutOptions& options_) : options(options_) { reset(); }
 
 void DropoutImpl::reset() {
-  if (!(options.p() >= 0.0 && options.p() <= 1.0)) {
-    throw UsageError("twobp::nn::Dropout: p must be in [0, 1], got " + std::to_string(options.p()));
-  }
+  // At construction, not only at the first forward in training mode.
+  TWOBP_CHECK(options.p() >= 0.0 && options.p() <= 1.0, UsageError, "twobp::nn::Dropout: p must be in [0, 1], got {}",
+              options.p());
 }
 
 at::Tensor DropoutImpl::forward(const at::Tensor& input) { return functional::dropout(input, options.p(), is_training()); }

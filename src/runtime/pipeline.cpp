@@ -34,6 +34,7 @@ struct Pipeline::Impl {
   std::unique_ptr<detail::MasterWeights> masters;    // mixed precision only
   std::unique_ptr<detail::GradientReducer> reducer;  // data parallelism only
   Transport* data_parallel = nullptr;                // the reducer's group
+  bool ranks_share_process = false;                  // some peer (pipeline or replica) is a thread of this process
   bool started = false;                              // a first step began (see run_step)
 };
 
@@ -70,6 +71,10 @@ Pipeline::Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, std::sh
     }
     impl_->masters = std::make_unique<detail::MasterWeights>(modules, dtype, rank);
   }
+  // Ranks as threads of this process (pipeline peers or replicas) share LibTorch's default generators.
+  impl_->ranks_share_process = transport_->ranks_share_process() ||
+                               (options_.data_parallel.group != nullptr &&
+                                options_.data_parallel.group->ranks_share_process());
   std::set<int> given;
   for (auto& chunk : chunks) {
     TWOBP_CHECK(std::find(mine.begin(), mine.end(), chunk.stage) != mine.end(), UsageError,
@@ -86,9 +91,7 @@ Pipeline::Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, std::sh
     so.recompute = chunk.recompute;
     so.replay_generators = chunk.replay_generators;
     so.seed = options_.seed;
-    so.ranks_share_process = transport_->ranks_share_process() ||
-                             (options_.data_parallel.group != nullptr &&
-                              options_.data_parallel.group->ranks_share_process());
+    so.ranks_share_process = impl_->ranks_share_process;
     if (chunk.stage == schedule_.num_stages - 1) {
       TWOBP_CHECK(static_cast<bool>(options_.loss), UsageError,
                   "rank {}: stage {} is the last stage and needs PipelineOptions::loss", rank, chunk.stage);
@@ -285,8 +288,7 @@ StepResult Pipeline::step(const std::vector<NamedTensors>& inputs, const std::ve
 StepResult Pipeline::run_step(const std::function<StepResult()>& run) {
   StepResult result;
   try {
-    if (!impl_->started && (transport_->ranks_share_process() ||
-                            (impl_->data_parallel != nullptr && impl_->data_parallel->ranks_share_process()))) {
+    if (!impl_->started && impl_->ranks_share_process) {
       // SYNC POINT, once: ranks as threads start their first forward only when every rank thread got here, i.e.
       // has built its chunks. Building modules draws from LibTorch's default generator (their default
       // initialisation); a forward running meanwhile on another thread would see that generator move and be

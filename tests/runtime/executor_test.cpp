@@ -126,20 +126,9 @@ TEST(Executor, ItemConsumedBeforeItIsProducedIsAScheduleErrorNamingTheAction) {
 // whole-batch and in the per-micro-batch form.
 TEST(Executor, BatchesWhoseTensorsDisagreeOnRowsAreRefused) {
   Float64Default f;
-  Schedule sc;
-  sc.name = "one-rank";
-  sc.num_ranks = 1;
-  sc.num_stages = 2;
-  sc.num_micro_batches = 2;
-  sc.backward = BackwardMode::kStandard;
-  sc.stage_to_rank = {0, 0};
-  sc.actions.resize(1);
-  for (int mb = 0; mb < 2; ++mb) {
-    for (const Action& a : {Action{ActionType::kForward, 0, {mb}}, Action{ActionType::kForward, 1, {mb}},
-                            Action{ActionType::kBackward, 1, {mb}}, Action{ActionType::kBackward, 0, {mb}}}) {
-      sc.actions[0].push_back(a);
-    }
-  }
+  // One rank holding both stages: it checks inputs, targets and the two against each other.
+  const Schedule sc = make_schedule("interleaved-1f1b", {/*ranks=*/1, /*micro_batches=*/2, /*chunks_per_rank=*/2,
+                                                         BackwardMode::kStandard});
   std::vector<std::shared_ptr<torch::nn::Module>> modules{make_chunk(0), make_chunk(1)};
   Rank rank = stages_of(sc, 0, modules);
   auto transports = make_local_transports(1);
