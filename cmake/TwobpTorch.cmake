@@ -104,6 +104,7 @@ function(_twobp_import_torch_cpu root)
     INTERFACE_LINK_OPTIONS "LINKER:-rpath,${cudart_dir},-rpath,${cupti_dir},-rpath-link,${cudart_dir},-rpath-link,${cupti_dir}")
   set(Torch_FOUND TRUE PARENT_SCOPE)
   set(TORCH_INSTALL_PREFIX "${root}" PARENT_SCOPE)
+  set(Torch_DIR "${root}/share/cmake/Torch" PARENT_SCOPE)  # where LibTorch's config is, as find_package sets it
   file(STRINGS "${root}/version.py" version REGEX "^__version__")
   string(REGEX REPLACE "^__version__ *= *'([^'+]*).*" "\\1" version "${version}")
   set(Torch_VERSION "${version}" PARENT_SCOPE)
