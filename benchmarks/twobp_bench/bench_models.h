@@ -7,8 +7,11 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <utility>
 
 #include "twobp/nn.h"
 
@@ -65,12 +68,29 @@ struct Rotary {
   /// x: [batch, heads, seq, head_dim]
   torch::Tensor apply(const torch::Tensor& x) const {
     const int64_t seq = x.size(2), half = x.size(3) / 2;
-    // The tables are not module buffers (they are shared by all blocks): follow x's device and dtype here.
-    auto c = cos.narrow(0, 0, seq).to(x.options()), s = sin.narrow(0, 0, seq).to(x.options());
+    const auto& [cos_x, sin_x] = tables(x);
+    auto c = cos_x.narrow(0, 0, seq), s = sin_x.narrow(0, 0, seq);
     auto x1 = x.narrow(-1, 0, half), x2 = x.narrow(-1, half, half);
     return torch::cat({x1 * c - x2 * s, x1 * s + x2 * c}, -1);
   }
   torch::Tensor cos, sin;
+
+ private:
+  /// The tables in x's device and dtype, converted once and kept. WHY: they are not module buffers (all blocks
+  /// share them), and converting the CPU tables in every call would copy them to the GPU -- a host sync -- four
+  /// times per block and skew the stage timings.
+  const std::pair<torch::Tensor, torch::Tensor>& tables(const torch::Tensor& x) const {
+    const std::string key = x.device().str() + "/" + c10::toString(x.scalar_type());
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = converted_.find(key);
+    if (it == converted_.end()) {
+      torch::NoGradGuard no_grad;
+      it = converted_.emplace(key, std::make_pair(cos.to(x.options()), sin.to(x.options()))).first;
+    }
+    return it->second;
+  }
+  mutable std::mutex mutex_;
+  mutable std::map<std::string, std::pair<torch::Tensor, torch::Tensor>> converted_;
 };
 
 /// LLaMa decoder block: RMSNorm, rotary causal grouped-query attention (SDPA), RMSNorm, SwiGLU MLP.

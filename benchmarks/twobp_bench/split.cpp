@@ -41,6 +41,7 @@
 #include <algorithm>
 #include <functional>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <numeric>
 #include <string>
@@ -113,14 +114,54 @@ class PathBench {
   }
 
   // GPU work is asynchronous: each timed phase ends with a device synchronisation, so a phase's time is its own.
+  // On a GPU each phase also records the allocator's peak above what was allocated when it began (see memory).
   template <typename Fn>
   double timed(Fn&& fn) {
-    return time_ms(
+#if TWOBP_HAVE_NCCL
+    std::int64_t base = 0;
+    if (cuda_) {
+      const auto before = c10::cuda::CUDACachingAllocator::getDeviceStats(0);
+      base = before.allocated_bytes[0].current;
+      run_peak_bytes() = std::max(run_peak_bytes(), before.allocated_bytes[0].peak);
+      c10::cuda::CUDACachingAllocator::resetPeakStats(0);
+    }
+#endif
+    const double ms = time_ms(
         [&] {
           fn();
           if (cuda_) torch::cuda::synchronize();
         },
         clock_);
+#if TWOBP_HAVE_NCCL
+    if (cuda_) {
+      const std::int64_t peak = c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocated_bytes[0].peak;
+      run_peak_bytes() = std::max(run_peak_bytes(), peak);
+      peak_above_start_ = std::max(peak_above_start_, peak - base);
+    }
+#endif
+    return ms;
+  }
+
+  /// The peak bytes allocated on GPU 0 over the whole run (all paths), kept across the per-phase resets above.
+  static std::int64_t& run_peak_bytes() {
+    static std::int64_t peak = 0;
+    return peak;
+  }
+
+  /// F, I and W of micro-batch 0 once, untimed: the output, the input gradient (if any) and every weight
+  /// gradient by name, in float32 -- to compare the paths, which start from the same weights and data.
+  std::map<std::string, at::Tensor> values() {
+    module_->zero_grad(/*set_to_none=*/true);
+    std::map<std::string, at::Tensor> v;
+    v["output"] = stage_->forward(0, input_).detach().to(at::kFloat);
+    const at::Tensor grad_input = stage_->backward_input(0, grad_output_);
+    if (grad_input.defined()) v["input gradient"] = grad_input.to(at::kFloat);
+    stage_->backward_weight({0});
+    for (const auto& item : module_->named_parameters()) {
+      if (item.value().grad().defined()) v[item.key() + ".grad"] = item.value().grad().to(at::kFloat);
+    }
+    module_->zero_grad(/*set_to_none=*/true);
+    return v;
   }
 
   void split(bool record) {
@@ -194,6 +235,9 @@ class PathBench {
       r["fused_tflops"] = 2.0 * gemm / (b * 1e9);
     }
     r["spread"] = samples_.spread();
+    // The largest transient footprint of one phase (F, I, W, B or a batched W): bytes allocated at its peak
+    // above those allocated when it began -- activations and gradients, not the weights of the paths.
+    if (cuda_) r["peak_above_phase_start_bytes"] = peak_above_start_;
     return r;
   }
 
@@ -219,7 +263,41 @@ class PathBench {
 
  private:
   double pending_i_ = -1, pending_w_ = -1, pending_b_ = -1;
+  std::int64_t peak_above_start_ = 0;
 };
+
+/// The fast path against the general one on the same weights and data: the largest relative difference (norm of
+/// the difference over norm of the general path's value) over the output, the input gradient and every weight
+/// gradient. The two compute the same function with other kernels, so they agree to the dtype's rounding:
+/// within 3e-2 in bfloat16 (2^-8 per rounding, accumulated over the blocks), 1e-4 in float32.
+Json compare_paths(PathBench& fast, PathBench& general, at::ScalarType dtype) {
+  const auto a = fast.values(), b = general.values();
+  const double tolerance = dtype == at::kBFloat16 ? 3e-2 : 1e-4;
+  double worst = 0.0;
+  std::string worst_name;
+  int compared = 0;
+  std::vector<std::string> missing;
+  for (const auto& [name, value] : b) {
+    auto it = a.find(name);
+    if (it == a.end() || it->second.sizes() != value.sizes()) {
+      missing.push_back(name);
+      continue;
+    }
+    const double scale = value.norm().item<double>();
+    const double diff = (it->second - value).norm().item<double>() / (scale > 0 ? scale : 1.0);
+    ++compared;
+    if (!(diff <= worst)) {  // NaN counts as the worst
+      worst = diff;
+      worst_name = name;
+    }
+  }
+  return Json{{"compared", compared},
+              {"max_relative_difference", worst},
+              {"worst", worst_name},
+              {"tolerance", tolerance},
+              {"not_compared", missing},
+              {"ok", compared > 0 && missing.empty() && worst <= tolerance}};
+}
 
 template <typename L>
 std::unique_ptr<PathBench> make_llama(const std::string& name, const SplitConfig& c, const at::Tensor& input) {
@@ -327,13 +405,13 @@ void run_split(const SplitConfig& c) {
 
   Json out;
   for (const auto& path : paths) out[path->name()] = path->result();
+  out["fast_vs_general"] = compare_paths(*paths[0], *paths[1], tensor_options(c).dtype().toScalarType());
   Json config = config_json(cfg);
 #if TWOBP_HAVE_NCCL
   if (c.device == "cuda") {
     // Peak bytes held by live tensors on GPU 0 over the whole run (all paths' weights, activations, gradients).
     const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(0);
-    config["peak_allocated_bytes"] = stats.allocated_bytes[0].peak;
-    config["peak_reserved_bytes"] = stats.reserved_bytes[0].peak;
+    config["peak_allocated_bytes"] = std::max(PathBench::run_peak_bytes(), stats.allocated_bytes[0].peak);
   }
 #endif
   config["load_average_start"] = load_start;
@@ -363,6 +441,11 @@ void run_split(const SplitConfig& c) {
             << ", batch " << c.batch << ", " << c.threads << " threads, " << c.clock << " clock, median of " << c.repeats
             << " (load " << fmt_num(load_start) << " -> " << fmt_num(load_average()) << ")\n";
   print_table(std::cout, rows);
+  const Json& agree = out["fast_vs_general"];
+  std::cout << "fast vs general path: max relative difference " << fmt_num(agree["max_relative_difference"].get<double>(), 3)
+            << " over " << agree["compared"].get<int>() << " values (" << agree["worst"].get<std::string>()
+            << "), tolerance " << agree["tolerance"].get<double>() << ": " << (agree["ok"].get<bool>() ? "ok" : "DIFFER")
+            << "\n";
 
   if (c.json.empty()) return;
   write_json(c.json, out);
@@ -370,7 +453,10 @@ void run_split(const SplitConfig& c) {
   if (c.check) {
     // Re-read the file as a consumer would and check every headline number.
     const Json back = read_json(c.json);
-    const auto problems = check_numbers(back, required_keys(back), /*positive=*/true);
+    auto problems = check_numbers(back, required_keys(back), /*positive=*/true);
+    if (!back.value("fast_vs_general", Json::object()).value("ok", false)) {
+      problems.push_back("fast_vs_general: the fast and general paths disagree beyond their tolerance");
+    }
     for (const auto& p : problems) std::cerr << "check failed: " << c.json << ": " << p << "\n";
     if (!problems.empty()) throw CLI::RuntimeError(2);
     std::cout << "check: " << required_keys(back).size() << " keys present and positive\n";

@@ -31,8 +31,8 @@
 // compute in bfloat16 and activations travel in bfloat16, while the optimizer steps float32 master weights whose
 // float32 gradients sum every micro-batch's; checkpoints hold the masters. --dtype bf16-pure keeps everything,
 // AdamW state included, in bfloat16. The loss is computed in float32 either way. Both mean the same on CPUs,
-// where bfloat16 matrix products are slower than float32 (use them there to try, not for speed). Mixed precision
-// does not combine with --dp yet (refused).
+// where bfloat16 matrix products are slower than float32 (use them there to try, not for speed). With --dp the
+// replicas average the masters' float32 gradients.
 //
 // Steps: --steps N is the length of the run and the horizon of the learning-rate schedule (linear warm-up for
 // --warmup-steps, then cosine decay to 10% of --lr at step N). --stop-after K ends the run after step K (and
@@ -416,7 +416,13 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
   po.data_parallel.group = groups.data_parallel();
   po.max_pending_weight_micro_batches = a.max_pending_w;
   // Tensor memory of the device the chunks compute on, recorded every step (and bounded with --memory-limit-gb).
-  po.record_memory = true;
+  // Not where rank threads share a GPU: its allocator statistics are the whole process's (the Pipeline refuses).
+  const bool shared_device = !device.is_cpu() && transport.ranks_sharing_device() > 1;
+  TWOBP_CHECK(!shared_device || a.memory_limit_gb <= 0, twobp::UsageError,
+              "--memory-limit-gb: {} rank threads share {}, whose memory statistics are the whole process's; run one "
+              "rank per GPU (fewer --stages, or a launcher)",
+              transport.ranks_sharing_device(), device.str());
+  po.record_memory = !shared_device;
   po.memory_device = device;
   po.memory_limit_bytes = static_cast<int64_t>(a.memory_limit_gb * 1024.0 * 1024.0 * 1024.0);
   if (p.mixed_precision) po.mixed_precision.compute_dtype = at::kBFloat16;
@@ -445,6 +451,7 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
   // Energy of the device the chunks compute on (NVML) or of the node's CPUs (RAPL), summed over the job.
   twobp::energy::EnergyOptions energy_options;
   energy_options.powercap_root = a.powercap_root;
+  energy_options.ranks_sharing_device = device.is_cpu() ? 1 : transport.ranks_sharing_device();
   twobp::energy::RankEnergy rank_energy(device, twobp::energy::first_rank_on_node(world), energy_options);
   if (reports) {
     std::lock_guard<std::mutex> lock(shared.mutex);
@@ -480,7 +487,7 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
     // The mean loss lives on the last stage's ranks; all-reduces bring the global batch's to everyone.
     const double loss = pipeline.mean_loss(result);
     // Each pipeline rank's peak in its own slot; the sum over ranks then holds every rank's.
-    at::Tensor peaks = at::zeros({transport.world_size()}, at::kDouble).to(transport.device());
+    at::Tensor peaks = at::zeros({transport.world_size()}, at::kDouble);  // host values, reduced on the host
     peaks[rank] = static_cast<double>(result.peak_memory_bytes);
     transport.all_reduce_sum(peaks, timeout);
     const double peak_memory = peaks.max().item<double>();
@@ -494,9 +501,11 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
     const double tokens_per_s = twobp::metrics::per_second(tokens_per_step, secs);
     if (reports) {
       const double remaining = elapsed / (step - start + 1) * (end - step - 1);
-      fmt::print("step {:>5}/{} | loss {:.4f} | grad norm {:.3f} | lr {:.2e} | {:.0f} tok/s | peak {:.1f} MiB | "
+      fmt::print("step {:>5}/{} | loss {:.4f} | grad norm {:.3f} | lr {:.2e} | {:.0f} tok/s | peak {} | "
                  "{}elapsed {:.1f}s | remaining {:.1f}s\n",
-                 step + 1, a.steps, loss, norm, lr, tokens_per_s, peak_memory / (1024.0 * 1024.0),
+                 step + 1, a.steps, loss, norm, lr, tokens_per_s,
+                 peak_memory < 0 ? std::string("n/a (rank threads share the GPU)")
+                                 : fmt::format("{:.1f} MiB", peak_memory / (1024.0 * 1024.0)),
                  j_per_token ? fmt::format("{:.3g} J/tok | ", *j_per_token) : "", elapsed, remaining);
       std::fflush(stdout);
       std::lock_guard<std::mutex> lock(shared.mutex);
@@ -525,9 +534,6 @@ void validate_args(const Args& a) {
   TWOBP_CHECK(!a.resume || !a.checkpoint_dir.empty(), twobp::UsageError, "--resume needs --checkpoint-dir");
   TWOBP_CHECK(a.timeout_s > 0, twobp::UsageError, "--timeout must be positive");
   TWOBP_CHECK(a.seq_len_warmup >= 0, twobp::UsageError, "--seq-len-warmup must be >= 0 (0: none)");
-  TWOBP_CHECK(a.dp == 1 || a.dtype != "bf16", twobp::UsageError,
-              "--dtype bf16 (mixed precision) does not combine with --dp {} yet; use --dtype bf16-pure or fp32 with "
-              "data parallelism", a.dp);
   TWOBP_CHECK(a.memory_limit_gb >= 0 && a.gpu_memory_gb >= 0, twobp::UsageError,
               "--memory-limit-gb and --gpu-memory-gb must be >= 0 (0: none)");
 }
@@ -598,6 +604,10 @@ int run(Args args, int& argc, char**& argv) {
   // through the TCPStore that rank 0 serves (slow; meant for trying the launch, not for speed). Threads: Local.
   twobp::RunRanksOptions launch_options;
   launch_options.thread_ranks = world;
+  // Thread ranks on GPUs: rank r's messages stay on its GPU (r mod the device count), like its chunks.
+  if (cuda && !processes) {
+    for (int r = 0; r < world; ++r) launch_options.local.devices.emplace_back(c10::kCUDA, r % gpus);
+  }
   launch_options.process_transport = [&](const twobp::LaunchEnv& l) -> std::shared_ptr<twobp::Transport> {
 #if TWOBP_HAVE_MPI
     if (mpi) {

@@ -52,4 +52,26 @@ class IOError : public Error {
   using Error::Error;
 };
 
+/// Mixed into an error that a rank raises because ANOTHER rank failed first and aborted the job's transports:
+/// Pipeline::step re-raises the peer's abort with the root cause's type (PeerError<NumericalError> for a peer's
+/// non-finite gradient, ...), so that every rank reports the same type; what() names the rank that raised it and
+/// its message. Catch the type as usual; test for this base to tell a consequence from the cause.
+class RaisedOnAnotherRank {
+ public:
+  explicit RaisedOnAnotherRank(int root_rank) : root_rank_(root_rank) {}
+  virtual ~RaisedOnAnotherRank() = default;
+  /// The rank that raised the original error (numbered in the transport through which it aborted).
+  int root_rank() const { return root_rank_; }
+
+ private:
+  int root_rank_;
+};
+
+/// E (a twobp error type) raised on this rank for another rank's failure; see RaisedOnAnotherRank.
+template <class E>
+class PeerError final : public E, public RaisedOnAnotherRank {
+ public:
+  PeerError(const std::string& what, int root_rank) : E(what), RaisedOnAnotherRank(root_rank) {}
+};
+
 }  // namespace twobp

@@ -181,6 +181,15 @@ class Stage {
   /// One-tensor form: on stages after the first, a floating-point input always gets a gradient.
   at::Tensor forward(int micro_batch, const at::Tensor& input, const at::Tensor& target = {});
 
+  /// Evaluation: the forward of one micro-batch (and on the last stage its loss) without autograd, keeping
+  /// nothing -- no graph, no micro-batch state, no gradient touched -- so it may run between training steps
+  /// whatever the step left. Returns the outputs as forward() does (the loss, named "loss", on the last stage),
+  /// none requiring grad. The module runs in whatever train/eval mode it is in (Pipeline::evaluate switches
+  /// to eval()). Its random draws come from the stage's streams under the evaluation key (pass -1): the same
+  /// numbers in every evaluation, none taken from a training forward's. Draws from LibTorch's default generator
+  /// are refused when ranks share the process, as in forward().
+  NamedTensors evaluate(int micro_batch, const NamedTensors& inputs, const NamedTensors& targets);
+
   /// 2BP stage 1: the gradients w.r.t. the stage inputs, to be sent upstream. `grad_outputs` names a gradient for
   /// outputs that carry one (matching its shape and dtype); an output it omits, or names with an undefined
   /// tensor, contributes nothing -- as a tensor the rest of the model does not use. On the last stage (scalar
@@ -234,10 +243,20 @@ class Stage {
   };
 
   NamedTensors run_forward(int micro_batch, int64_t pass, const NamedTensors& inputs, const NamedTensors& targets);
+  // The user's forward (targets added for a NamedTensors forward on the last stage) and, on the last stage, the
+  // loss; in whatever grad mode and scopes the caller set.
+  NamedTensors call_forward(int micro_batch, const NamedTensors& inputs, const NamedTensors& targets);
+  // Runs `body` (a forward); with ranks sharing the process, refuses it if LibTorch's default generator moved.
+  NamedTensors refusing_default_draws(int micro_batch, const std::function<NamedTensors()>& body);
   void recompute(int micro_batch, MicroBatch& state);
   // What recomputation captures and replays besides the stage's own streams (see StageOptions).
   std::vector<at::Generator> replayed_generators() const;
-  void check_recomputed(int micro_batch, const MicroBatch& state) const;
+  // Queues the comparison of the re-run's outputs with F's (computed where they live, read later).
+  void check_recomputed(int micro_batch, const MicroBatch& state);
+  // Reads the queued comparisons in one copy and raises for the first that failed. Called when no micro-batch
+  // waits for its recomputation any more (at the latest: the step's last I or B), so a step with recomputation
+  // synchronizes with the device for it once, not twice per output and micro-batch.
+  void verify_recomputed();
   c10::Device device() const;
 
   MicroBatch& lookup(int micro_batch, const char* action);
@@ -262,6 +281,13 @@ class Stage {
   std::map<int, MicroBatch> micro_batches_;
   std::map<int, int64_t> passes_;  // per micro-batch index: forwards run so far (F's, not recomputations)
   double recompute_us_ = 0.0;
+  struct RecomputeCheck {
+    int micro_batch;
+    std::string name;
+    double tolerance;   // relative; 0 for integer outputs (any difference fails)
+    at::Tensor errors;  // [norm of the difference, norm of F's output], float64, on the outputs' device
+  };
+  std::vector<RecomputeCheck> recompute_checks_;
 };
 
 }  // namespace twobp

@@ -17,6 +17,7 @@
 
 #include "twobp/transport/launch.h"
 #include "twobp/transport/transport.h"
+#include "util/check.h"
 
 namespace twobp::energy {
 namespace {
@@ -269,16 +270,21 @@ RankEnergy::RankEnergy(c10::Device device, bool first_on_node, const EnergyOptio
   OpenedMeter opened = open_meter(device, options);
   meter_ = std::move(opened.meter);
   note_ = std::move(opened.note);
+  TWOBP_CHECK(options.ranks_sharing_device >= 1, UsageError,
+              "EnergyOptions::ranks_sharing_device must be >= 1, got {}", options.ranks_sharing_device);
   if (meter_) {
     counts_ = !meter_->node_wide() || first_on_node;
     covered_ = !counts_;
+    // A node-wide meter is read by one rank already; a per-device one by every rank on the device.
+    if (!meter_->node_wide()) fraction_ = 1.0 / options.ranks_sharing_device;
   }
 }
 
 std::optional<double> RankEnergy::share() {
   if (covered_) return 0.0;
   if (!counts_) return std::nullopt;
-  return meter_->joules();
+  const std::optional<double> j = meter_->joules();
+  return j ? std::optional<double>(*j * fraction_) : std::nullopt;
 }
 
 std::string RankEnergy::source() const { return meter_ ? meter_->source() : ""; }
@@ -291,9 +297,8 @@ bool first_rank_on_node(const Transport& t) {
 }
 
 std::optional<double> job_energy(Transport& t, std::optional<double> share, std::chrono::milliseconds timeout) {
-  at::Tensor x = at::tensor({share.value_or(0.0), share ? 0.0 : 1.0}, at::kDouble).to(t.device());
+  at::Tensor x = at::tensor({share.value_or(0.0), share ? 0.0 : 1.0}, at::kDouble);  // host values
   t.all_reduce_sum(x, timeout);
-  x = x.cpu();
   if (x[1].item<double>() > 0) return std::nullopt;
   return x[0].item<double>();
 }

@@ -15,6 +15,7 @@
 #include "twobp/metrics/memory.h"
 #include "twobp/schedule/dependencies.h"
 #include "util/check.h"
+#include "util/failure.h"
 #include "util/format.h"
 #include "util/time.h"
 
@@ -146,6 +147,17 @@ Executor::Executor(const Schedule& schedule, int rank, std::map<int, Stage*> sta
               "rank {}: the memory limit must be >= 0 bytes (0: no limit), got {}", rank_, options_.memory_limit_bytes);
   if (options_.record_memory || options_.memory_limit_bytes > 0) {
     const c10::Device device = memory_device();
+    // A device's allocator statistics are per process: rank threads on one device would read (and reset the
+    // peak of) each other's bytes. The CPU counter keeps an account per rank thread instead.
+    const bool shared = transport_.ranks_share_process() && !device.is_cpu() &&
+                        (device != transport_.device() || transport_.ranks_sharing_device() > 1);
+    TWOBP_CHECK(!shared, UsageError,
+                "rank {}: recording memory or bounding it in bytes on {}: {} rank threads of this process compute "
+                "on that device, and its allocator statistics are the whole process's; run one rank per process "
+                "(mpirun, torchrun), give each rank thread a device of its own (LocalOptions::devices), or turn "
+                "record_memory and memory_limit_bytes off",
+                rank_, device.str(),
+                device != transport_.device() ? std::string("several") : std::to_string(transport_.ranks_sharing_device()));
     TWOBP_CHECK(memory::measurable(device), UsageError,
                 "rank {}: recording memory or bounding it in bytes needs the tensor memory of {}: {}", rank_,
                 device.str(),
@@ -155,6 +167,11 @@ Executor::Executor(const Schedule& schedule, int rank, std::map<int, Stage*> sta
   }
   const auto& actions = schedule_.actions.at(rank_);
   for (std::size_t i = 0; i < actions.size(); ++i) {
+    const ActionType t = actions[i].type;
+    TWOBP_CHECK(!options_.evaluate || t == ActionType::kForward || t == ActionType::kSendForward ||
+                    t == ActionType::kRecvForward,
+                ScheduleError, "rank {}: evaluation runs forward actions only, but schedule '{}' has {} (use "
+                "forward_only())", rank_, schedule_.name, describe(actions[i]));
     if (actions[i].type == ActionType::kRecvForward || actions[i].type == ActionType::kRecvBackward) {
       recv_actions_.push_back(i);
     }
@@ -205,7 +222,8 @@ void Executor::forward(Step& st, const Action& a) {
   const ActionDependencies deps = dependencies(a, schedule_.num_stages);
   const ItemRef* in = travelling(deps.needs);
   NamedTensors input = in == nullptr ? st.input_mbs.at(mb) : take(st, *in, a);
-  NamedTensors out = stage(a).forward(mb, input, a.stage == last ? st.target_mbs.at(mb) : NamedTensors());
+  const NamedTensors& target = a.stage == last ? st.target_mbs.at(mb) : NamedTensors();
+  NamedTensors out = options_.evaluate ? stage(a).evaluate(mb, input, target) : stage(a).forward(mb, input, target);
   if (const ItemRef* made = travelling(deps.produces)) {
     put(st.mailbox, *made, std::move(out));
   } else {
@@ -390,7 +408,9 @@ void Executor::send(Step& st, const Action& a) {
     for (std::size_t i = 0; same && i < spec.size(); ++i) {
       const at::Tensor& x = t.entry(i).tensor;
       same = t.entry(i).name == spec[i].name && x.defined() && x.sizes().vec() == spec[i].shape &&
-             x.scalar_type() == spec[i].dtype && (!fwd || gradient[i] == spec[i].carries_gradient());
+             x.scalar_type() == spec[i].dtype &&
+             // Evaluation computes no gradient: whether an activation would carry one in training is moot.
+             (!fwd || options_.evaluate || gradient[i] == spec[i].carries_gradient());
     }
     for (std::size_t i = 0; !fwd && i < t.size() && i < spec.size(); ++i) {
       TWOBP_CHECK(t.entry(i).tensor.defined(), UsageError,
@@ -562,9 +582,11 @@ StepResult Executor::run(const NamedTensors& inputs, const NamedTensors& targets
     target_mbs = split_batch(targets, last, "targets");
   } catch (const std::exception& e) {
     try {
-      transport_.abort(fmt::format("rank {} failed: {}", rank_, e.what()));
+      transport_.abort(detail::failure_reason(rank_, e));
     } catch (...) {
     }
+    // A peer's abort arrives as TransportError: re-raise it with the root cause's type (util/failure.h).
+    if (std::exception_ptr root = detail::as_root_type(e)) std::rethrow_exception(root);
     throw;
   }
   return run(input_mbs, target_mbs);
@@ -629,9 +651,11 @@ StepResult Executor::run(const std::vector<NamedTensors>& inputs, const std::vec
     st = Step{};
     // Tell every peer now: they would otherwise wait for their timeout on messages this rank will never send.
     try {
-      transport_.abort(fmt::format("rank {} failed: {}", rank_, e.what()));
+      transport_.abort(detail::failure_reason(rank_, e));
     } catch (...) {
     }
+    // A peer's abort arrives as TransportError: re-raise it with the root cause's type (util/failure.h).
+    if (std::exception_ptr root = detail::as_root_type(e)) std::rethrow_exception(root);
     throw;
   }
   result.trace.step_us = detail::elapsed_us(st.start);

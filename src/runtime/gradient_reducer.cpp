@@ -19,7 +19,7 @@ bool makes_weight_grads(ActionType t) { return t == ActionType::kBackward || t =
 }  // namespace
 
 GradientReducer::GradientReducer(const Schedule& schedule, int rank, const std::map<int, Stage*>& stages,
-                                 DataParallelOptions options, Duration timeout)
+                                 DataParallelOptions options, Duration timeout, const GradientHolder& holder)
     : rank_(rank), options_(options), timeout_(timeout), dp_(options.group->world_size()), stages_(stages) {
   // WHY no early start on a blocking transport: a reduction started inside the action stream would block there
   // until the other replicas reach it, coupling their pipelines; with skew in opposite directions two replicas
@@ -57,8 +57,9 @@ GradientReducer::GradientReducer(const Schedule& schedule, int rank, const std::
     const std::size_t first_of_stage = buckets_.size();  // the stage's first bucket (if any) gets this index
     const auto params = stages.at(index)->parameters();
     for (auto it = params.rbegin(); it != params.rend(); ++it) {
-      const at::Tensor& p = *it;
-      if (!p.requires_grad() || owner.at(p.unsafeGetTensorImpl()) != index) continue;
+      const at::Tensor& param = *it;
+      if (!param.requires_grad() || owner.at(param.unsafeGetTensorImpl()) != index) continue;
+      const at::Tensor p = holder ? holder(param) : param;
       const auto key = std::make_pair(p.scalar_type(), p.device().str());
       auto found = open.find(key);
       const bool first = found != open.end() && found->second == first_of_stage;
@@ -70,7 +71,7 @@ GradientReducer::GradientReducer(const Schedule& schedule, int rank, const std::
         found = open.insert_or_assign(key, buckets_.size() - 1).first;
       }
       Bucket& b = buckets_[found->second];
-      slot_[p.unsafeGetTensorImpl()] = {found->second, b.params.size()};
+      slot_[param.unsafeGetTensorImpl()] = {found->second, b.params.size()};
       b.params.push_back(p);
       b.numel += p.numel();
       signature[0] += 1;
@@ -169,10 +170,9 @@ void GradientReducer::start(std::size_t index) {
   c10::AutoGradMode no_grad(false);
   // [gradients..., one flag per parameter]: the flags count the replicas whose gradient is defined, so that
   // "undefined everywhere" stays undefined and "defined somewhere" becomes defined everywhere.
-  std::vector<at::Tensor> pieces;
-  pieces.reserve(b.params.size() + 1);
-  std::vector<double> flags;
-  const auto& p0 = b.params.front();
+  std::vector<at::Tensor> pieces, flags;
+  pieces.reserve(2 * b.params.size());
+  flags.reserve(b.params.size());
   for (const auto& p : b.params) {
     const at::Tensor& g = p.grad();
     TWOBP_CHECK(!g.defined() || !g.is_sparse(), UsageError,
@@ -181,9 +181,10 @@ void GradientReducer::start(std::size_t index) {
                 rank_, b.stage, describe_shape(p.sizes(), p.scalar_type()));
     pieces.push_back(g.defined() ? g.reshape({-1}).to(p.scalar_type())
                                  : at::zeros({p.numel()}, p.options().requires_grad(false)));
-    flags.push_back(g.defined() ? 1.0 : 0.0);
+    // Written on the device (a fill each): a host vector copied over would synchronize with the compute stream.
+    flags.push_back(at::full({1}, g.defined() ? 1.0 : 0.0, p.options().requires_grad(false)));
   }
-  pieces.push_back(at::tensor(flags, at::kDouble).to(p0.device(), p0.scalar_type()));
+  pieces.insert(pieces.end(), flags.begin(), flags.end());
   InFlight f;
   f.bucket = index;
   f.flat = at::cat(pieces);
@@ -191,13 +192,9 @@ void GradientReducer::start(std::size_t index) {
   in_flight_.push_back(std::move(f));
 }
 
-void GradientReducer::write_back(InFlight& f) {
+void GradientReducer::write_back(InFlight& f, const double* defined) {
   Bucket& b = buckets_[f.bucket];
   c10::AutoGradMode no_grad(false);
-  f.flat.div_(dp_);  // the sum over replicas -> the mean (each replica's gradient is of its own mean loss)
-  // SYNC POINT (GPU): one small copy per bucket to learn which gradients are defined anywhere.
-  const at::Tensor flags = f.flat.narrow(0, b.numel, static_cast<std::int64_t>(b.params.size())).to(at::kDouble).cpu();
-  const double* defined = flags.data_ptr<double>();
   std::int64_t offset = 0;
   for (std::size_t k = 0; k < b.params.size(); ++k) {
     at::Tensor& p = b.params[k];
@@ -217,9 +214,26 @@ double GradientReducer::finish() {
   const Clock::time_point t0 = Clock::now();
   for (const auto& [action, stage] : last_weight_action_) mark_stage_final(stage);
   start_ready();
-  for (auto& f : in_flight_) {
-    f.work->wait(timeout_);
-    write_back(f);
+  std::vector<at::Tensor> flags;
+  {
+    c10::AutoGradMode no_grad(false);
+    for (auto& f : in_flight_) {
+      f.work->wait(timeout_);
+      // The sum over replicas -> the mean (each replica's gradient is of its own mean loss); flags too.
+      f.flat.div_(dp_);
+      const Bucket& b = buckets_[f.bucket];
+      flags.push_back(f.flat.narrow(0, b.numel, static_cast<std::int64_t>(b.params.size())).to(at::kDouble));
+    }
+  }
+  if (!in_flight_.empty()) {
+    // SYNC POINT (documented: one per step with data parallelism): which gradients are defined on any replica,
+    // for every bucket in one copy.
+    const at::Tensor defined = at::cat(flags).to(at::kCPU).contiguous();
+    const double* d = defined.data_ptr<double>();
+    for (auto& f : in_flight_) {
+      write_back(f, d);
+      d += buckets_[f.bucket].params.size();
+    }
   }
   reset();
   check_buffers();

@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -18,10 +19,16 @@ namespace twobp::detail {
 
 class GradientReducer {
  public:
-  /// `stages`: this rank's chunks, by global index; `rank`: this rank in the pipeline (schedule) group.
-  /// Collective over the data-parallel group (checks that the replicas agree on the parameters).
+  /// The tensor whose .grad holds a parameter's gradient for the step: the parameter itself, or with mixed
+  /// precision its float32 master (the compute parameter's .grad is moved there at every accumulation).
+  using GradientHolder = std::function<at::Tensor(const at::Tensor& parameter)>;
+
+  /// `stages`: this rank's chunks, by global index; `rank`: this rank in the pipeline (schedule) group; `holder`:
+  /// see GradientHolder (null: the parameters themselves). Buckets are formed by the holders' dtype, so mixed
+  /// precision reduces float32 gradients. Collective over the data-parallel group (checks that the replicas
+  /// agree on the parameters).
   GradientReducer(const Schedule& schedule, int rank, const std::map<int, Stage*>& stages,
-                  DataParallelOptions options, Duration timeout);
+                  DataParallelOptions options, Duration timeout, const GradientHolder& holder = nullptr);
   ~GradientReducer();
 
   /// Before a step: remembers the buffers' versions (see finish()).
@@ -42,7 +49,7 @@ class GradientReducer {
  private:
   struct Bucket {
     int stage = 0;                   // the chunk whose last weight action starts it
-    std::vector<at::Tensor> params;  // one dtype and device
+    std::vector<at::Tensor> params;  // the gradient holders (see GradientHolder); one dtype and device
     std::int64_t numel = 0;          // of the gradients (the flat buffer has params.size() more: the flags)
   };
   struct InFlight {
@@ -65,7 +72,9 @@ class GradientReducer {
   void start_ready();
   void start(std::size_t bucket);
   void check_buffers() const;
-  void write_back(InFlight& f);
+  /// Writes the bucket's means into the parameters' .grad; `defined[k]` is its k-th parameter's flag (non-zero:
+  /// defined on some replica).
+  void write_back(InFlight& f, const double* defined);
 
   int rank_;
   DataParallelOptions options_;
@@ -73,7 +82,8 @@ class GradientReducer {
   int dp_;
   std::vector<Bucket> buckets_;
   std::map<std::size_t, int> last_weight_action_;  // action index -> the stage it completes
-  std::map<const c10::TensorImpl*, std::pair<std::size_t, std::size_t>> slot_;  // parameter -> (bucket, index)
+  // Parameter (the compute tensor that W reports final) -> (bucket, index of its holder).
+  std::map<const c10::TensorImpl*, std::pair<std::size_t, std::size_t>> slot_;
   // Per step:
   std::vector<std::vector<bool>> final_;  // by bucket, by parameter
   std::vector<std::size_t> pending_;      // by bucket: parameters not final yet

@@ -2,26 +2,42 @@
 
 #include "twobp/runtime/launch.h"
 
+#include <fmt/format.h>
+
 #include <thread>
 
 #include "twobp/error.h"
 #include "twobp/metrics/memory.h"
 #include "util/check.h"
+#include "util/failure.h"
 
 namespace twobp {
 namespace {
 
-/// A rank's error that another rank's failure explains: the TransportError of a peer's abort, or a TimeoutError
-/// while waiting for a peer that will never come.
+/// A rank's error that another rank's failure explains: the TransportError of a peer's abort (or its re-raise with
+/// the root cause's type), or a TimeoutError while waiting for a peer that will never come.
 bool is_consequence(const std::exception_ptr& e) {
   try {
     std::rethrow_exception(e);
+  } catch (const RaisedOnAnotherRank&) {
+    return true;
   } catch (const TransportError&) {
     return true;
   } catch (const TimeoutError&) {
     return true;
   } catch (...) {
     return false;
+  }
+}
+
+/// The abort reason for a rank's error: its rank and type travel to the peers (util/failure.h).
+std::string reason_of(int rank, const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return detail::failure_reason(rank, x);
+  } catch (...) {
+    return fmt::format("rank {} failed: unknown exception", rank);
   }
 }
 
@@ -71,7 +87,7 @@ RankErrors run_rank_threads(const std::vector<Transport*>& transports, const Ran
         body(*transports[r]);
       } catch (...) {
         result.errors[r] = std::current_exception();
-        if (abort_on_error) transports[r]->abort(error_message(result.errors[r]));
+        if (abort_on_error) transports[r]->abort(reason_of(static_cast<int>(r), result.errors[r]));
       }
     });
   }
@@ -97,7 +113,7 @@ void run_ranks(const RunRanksOptions& options, const RankBody& body) {
       body(*transport);
     } catch (...) {
       // Peers fail fast, naming this rank (under MPI the job ends here).
-      transport->abort(fmt::format("rank {}: {}", launch->rank, error_message(std::current_exception())));
+      transport->abort(reason_of(launch->rank, std::current_exception()));
       throw;
     }
     return;

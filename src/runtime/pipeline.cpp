@@ -6,13 +6,16 @@
 #include <torch/nn/module.h>
 
 #include <cmath>
+#include <map>
 #include <set>
+#include <string>
 #include <unordered_set>
 #include <utility>
 
 #include "runtime/gradient_reducer.h"
 #include "runtime/master_weights.h"
 #include "util/check.h"
+#include "util/failure.h"
 
 namespace twobp {
 namespace {
@@ -31,6 +34,9 @@ void clip_to(const std::vector<at::Tensor>& params, double norm, double max_norm
 
 struct Pipeline::Impl {
   std::unique_ptr<Executor> executor;
+  ExecutorOptions executor_options;                  // the training executor's (the evaluator derives from them)
+  std::unique_ptr<Schedule> eval_schedule;           // forward_only(schedule), on the first evaluate()
+  std::unique_ptr<Executor> evaluator;
   std::unique_ptr<detail::MasterWeights> masters;    // mixed precision only
   std::unique_ptr<detail::GradientReducer> reducer;  // data parallelism only
   Transport* data_parallel = nullptr;                // the reducer's group
@@ -58,11 +64,6 @@ Pipeline::Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, std::sh
     TWOBP_CHECK(dtype == at::kBFloat16, UsageError,
                 "rank {}: mixed precision computes in bfloat16; {} is not supported{}", rank, c10::toString(dtype),
                 dtype == at::kHalf ? " (float16 needs dynamic loss scaling, which twobp does not have)" : "");
-    TWOBP_CHECK(options_.data_parallel.group == nullptr || options_.data_parallel.group->world_size() == 1,
-                UsageError,
-                "rank {}: mixed precision with data parallelism is not supported yet (the replicas would average "
-                "the bfloat16 compute gradients instead of the float32 masters'); use one of the two",
-                rank);
     std::vector<std::shared_ptr<torch::nn::Module>> modules;
     for (const auto& chunk : chunks) {
       TWOBP_CHECK(chunk.module != nullptr, UsageError, "rank {}: the chunk of stage {} has no module", rank,
@@ -126,12 +127,17 @@ Pipeline::Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, std::sh
   if (dp != nullptr && dp->world_size() > 1) {
     impl_->data_parallel = dp;
     try {
+      // With mixed precision the replicas reduce the float32 masters' gradients (see MixedPrecisionOptions).
+      detail::GradientReducer::GradientHolder holder;
+      if (impl_->masters) {
+        holder = [masters = impl_->masters.get()](const at::Tensor& p) { return masters->master_of(p); };
+      }
       impl_->reducer = std::make_unique<detail::GradientReducer>(schedule_, rank, stages, options_.data_parallel,
-                                                                 options_.timeout);
+                                                                 options_.timeout, holder);
     } catch (const std::exception& e) {
       // Replicas that disagree fail here together, but this rank's pipeline peers may already be waiting in
       // step() for it: tell them now rather than at their timeout.
-      const std::string reason = fmt::format("rank {} failed: {}", rank, e.what());
+      const std::string reason = detail::failure_reason(rank, e);
       for (Transport* t : {transport_.get(), dp}) {
         try {
           t->abort(reason);
@@ -146,6 +152,7 @@ Pipeline::Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, std::sh
       return reducer->parameters_done(index);
     };
   }
+  impl_->executor_options = eo;
   impl_->executor = std::make_unique<Executor>(schedule_, rank, std::move(stages), *transport_, std::move(eo));
   if (impl_->reducer) {
     // First hook: a bucket starts right after its stage's last weight action, before any user hook runs.
@@ -202,27 +209,60 @@ void Pipeline::zero_grad() {
 }
 
 GradientCheck Pipeline::check_gradients() {
-  // [sum of squares, then one non-finite flag per stage]: one all-reduce gives every rank the same verdict.
-  std::vector<double> local(schedule_.num_stages + 1, 0.0);
+  // Per stage of this rank: the sum of squares of its gradients, computed where they live (one fused norm per
+  // (device, dtype) group, accumulated in float32 for 16- and 32-bit gradients and float64 for float64, as
+  // torch.nn.utils.clip_grad_norm_ does), then ONE copy of those few numbers to the host. A non-finite sum marks
+  // the stage; so does a gradient whose squares overflow the accumulation (|g| above ~1e19 in float32).
+  std::vector<at::Tensor> stage_sq;  // one 0-dim float64 tensor per stage of this rank, on the stage's device
   // Each parameter is counted once, in the first of this rank's stages that lists it.
   std::unordered_set<const c10::TensorImpl*> counted;
-  for (const auto& [index, stage_ptr] : stages_) {
-    bool bad = false;
-    for (const auto& compute : stage_ptr->parameters()) {
-      const at::Tensor p = master_weight(compute);
-      if (!p.grad().defined() || !counted.insert(p.unsafeGetTensorImpl()).second) continue;
-      // A sparse gradient may hold one index several times: coalesce (sum duplicates) before squaring.
-      const at::Tensor g = p.grad().is_sparse() ? p.grad().coalesce() : p.grad();
-      const double sq = g.to(at::kDouble).pow(2).sum().item<double>();
-      if (!std::isfinite(sq)) bad = true;
-      local[0] += sq;
+  {
+    c10::AutoGradMode no_grad(false);
+    for (const auto& [index, stage_ptr] : stages_) {
+      std::map<std::pair<std::string, at::ScalarType>, std::vector<at::Tensor>> groups;
+      c10::Device device(c10::kCPU);  // where this stage's gradients are (no gradient: the host)
+      for (const auto& compute : stage_ptr->parameters()) {
+        const at::Tensor p = master_weight(compute);
+        if (!p.grad().defined() || !counted.insert(p.unsafeGetTensorImpl()).second) continue;
+        // A sparse gradient may hold one index several times: coalesce (sum duplicates) before squaring.
+        at::Tensor g = p.grad().is_sparse() ? p.grad().coalesce().values() : p.grad();
+        const at::ScalarType acc = g.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+        device = g.device();
+        groups[{g.device().str(), acc}].push_back(std::move(g));
+      }
+      at::Tensor sq = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device));
+      for (const auto& [key, grads] : groups) {
+        const std::vector<at::Tensor> norms = at::_foreach_norm(grads, 2, key.second);
+        sq = sq + at::stack(norms).to(device, at::kDouble).pow(2).sum();
+      }
+      stage_sq.push_back(sq);
     }
+  }
+  // SYNC POINT (documented: one per step): the per-stage sums reach the host together (one copy per device;
+  // a rank's stages normally share one).
+  std::map<std::string, std::vector<std::int64_t>> by_device;
+  for (std::size_t k = 0; k < stage_sq.size(); ++k) by_device[stage_sq[k].device().str()].push_back(k);
+  std::vector<double> host_sq(stage_sq.size(), 0.0);
+  for (const auto& [device, ks] : by_device) {
+    std::vector<at::Tensor> part;
+    for (auto k : ks) part.push_back(stage_sq[k]);
+    const at::Tensor values = at::stack(part).to(at::kCPU).contiguous();
+    for (std::size_t j = 0; j < ks.size(); ++j) host_sq[ks[j]] = values.data_ptr<double>()[j];
+  }
+  // [sum of squares, then one non-finite flag per stage]: one all-reduce gives every rank the same verdict. On
+  // the CPU: every transport reduces host tensors (no device round trip for a handful of numbers).
+  at::Tensor total = at::zeros({schedule_.num_stages + 1}, at::kDouble);
+  double* local = total.data_ptr<double>();
+  std::size_t k = 0;
+  for (const auto& [index, stage_ptr] : stages_) {
+    const double sq = host_sq[k++];
+    bool bad = !std::isfinite(sq);
     if (index == schedule_.num_stages - 1) {
       for (double l : last_losses_) bad = bad || !std::isfinite(l);
     }
+    local[0] += sq;
     local[index + 1] = bad ? 1.0 : 0.0;
   }
-  at::Tensor total = at::tensor(local, at::TensorOptions().dtype(at::kDouble)).to(transport_->device());
   transport_->all_reduce_sum(total, options_.timeout);
   if (impl_->data_parallel != nullptr) {
     // The flags over the replicas too (the norm is already the same on every replica: gradients are averaged).
@@ -230,7 +270,6 @@ GradientCheck Pipeline::check_gradients() {
     impl_->data_parallel->all_reduce_sum(flags, options_.timeout);
     total.narrow(0, 1, schedule_.num_stages).copy_(flags);
   }
-  total = total.cpu();
   GradientCheck check;
   check.norm = std::sqrt(total[0].item<double>());
   for (int s = 0; s < schedule_.num_stages; ++s) {
@@ -240,7 +279,14 @@ GradientCheck Pipeline::check_gradients() {
 }
 
 bool Pipeline::ready_for_optimizer(int step, NonFinitePolicy policy, double max_norm) {
-  const GradientCheck check = check_gradients();
+  GradientCheck check;
+  try {
+    check = check_gradients();
+  } catch (const std::exception& e) {
+    // A peer that failed before this collective aborted it: report its error's type, as step() does.
+    if (std::exception_ptr root = detail::as_root_type(e)) std::rethrow_exception(root);
+    throw;
+  }
   if (!check.finite()) {
     TWOBP_CHECK(policy != NonFinitePolicy::kStop, NumericalError,
                 "rank {}: step {}: non-finite loss or gradient in stage(s) {}; no optimizer step was taken", rank(),
@@ -285,23 +331,27 @@ StepResult Pipeline::step(const std::vector<NamedTensors>& inputs, const std::ve
   });
 }
 
+void Pipeline::start_once() {
+  if (!impl_->started && impl_->ranks_share_process) {
+    // SYNC POINT, once: ranks as threads start their first forward only when every rank thread got here, i.e.
+    // has built its chunks. Building modules draws from LibTorch's default generator (their default
+    // initialisation); a forward running meanwhile on another thread would see that generator move and be
+    // refused (Stage: ranks_share_process), although its own draws are fine.
+    try {
+      transport_->barrier(options_.timeout);
+      if (impl_->data_parallel != nullptr) impl_->data_parallel->barrier(options_.timeout);
+    } catch (const TimeoutError& e) {
+      throw TimeoutError(fmt::format("rank {}: the first step starts when every rank thread has reached it, "
+                                     "before micro-batch 0 of any stage: {}", rank(), e.what()));
+    }
+  }
+  impl_->started = true;
+}
+
 StepResult Pipeline::run_step(const std::function<StepResult()>& run) {
   StepResult result;
   try {
-    if (!impl_->started && impl_->ranks_share_process) {
-      // SYNC POINT, once: ranks as threads start their first forward only when every rank thread got here, i.e.
-      // has built its chunks. Building modules draws from LibTorch's default generator (their default
-      // initialisation); a forward running meanwhile on another thread would see that generator move and be
-      // refused (Stage: ranks_share_process), although its own draws are fine.
-      try {
-        transport_->barrier(options_.timeout);
-        if (impl_->data_parallel != nullptr) impl_->data_parallel->barrier(options_.timeout);
-      } catch (const TimeoutError& e) {
-        throw TimeoutError(fmt::format("rank {}: the first step starts when every rank thread has reached it, "
-                                       "before micro-batch 0 of any stage: {}", rank(), e.what()));
-      }
-    }
-    impl_->started = true;
+    start_once();
     if (impl_->reducer) impl_->reducer->begin_step();
     if (impl_->masters) impl_->masters->sync();  // what the optimizer did to the masters, for this step's compute
     result = run();
@@ -312,7 +362,7 @@ StepResult Pipeline::run_step(const std::function<StepResult()>& run) {
       // The other replicas would otherwise wait for this one's reductions, and (for an error after the last
       // action, e.g. a refused buffer) this replica's other ranks for its next step, until their timeouts. The
       // executor already aborted the pipeline transport for an error inside an action; a second abort is a no-op.
-      const std::string reason = fmt::format("rank {} failed: {}", rank(), e.what());
+      const std::string reason = detail::failure_reason(rank(), e);
       for (Transport* t : {impl_->data_parallel, transport_.get()}) {
         try {
           t->abort(reason);
@@ -320,10 +370,90 @@ StepResult Pipeline::run_step(const std::function<StepResult()>& run) {
         }
       }
     }
+    if (std::exception_ptr root = detail::as_root_type(e)) std::rethrow_exception(root);
     throw;
   }
   last_losses_ = result.losses;
   return result;
+}
+
+namespace {
+
+// Puts modules in eval() mode until destroyed, then restores every submodule's own train/eval flag (parents
+// first: Module::train() recurses, and a child's restore must come after its parent's).
+class EvalMode {
+ public:
+  explicit EvalMode(const std::vector<torch::nn::Module*>& roots) {
+    for (torch::nn::Module* root : roots) {
+      saved_.emplace_back(root, root->is_training());
+      for (const auto& m : root->modules(/*include_self=*/false)) saved_.emplace_back(m.get(), m->is_training());
+    }
+    for (torch::nn::Module* root : roots) root->eval();
+  }
+  ~EvalMode() {
+    for (auto& [m, training] : saved_) m->train(training);
+  }
+  EvalMode(const EvalMode&) = delete;
+  EvalMode& operator=(const EvalMode&) = delete;
+
+ private:
+  std::vector<std::pair<torch::nn::Module*, bool>> saved_;
+};
+
+}  // namespace
+
+double Pipeline::evaluate(const NamedTensors& inputs, const NamedTensors& targets) {
+  return run_evaluation(
+      [&](Executor& e) { return e.run(in_compute_dtype(inputs, options_.mixed_precision), targets); });
+}
+
+double Pipeline::evaluate(const std::vector<NamedTensors>& inputs, const std::vector<NamedTensors>& targets) {
+  return run_evaluation([&](Executor& e) {
+    std::vector<NamedTensors> cast;
+    for (const auto& mb : inputs) cast.push_back(in_compute_dtype(mb, options_.mixed_precision));
+    return e.run(cast, targets);
+  });
+}
+
+double Pipeline::run_evaluation(const std::function<StepResult(Executor&)>& run) {
+  try {
+    if (!impl_->evaluator) {
+      // The training executor's settings without what only training needs: memory bounds act on deferred W's,
+      // and no gradient is reduced.
+      ExecutorOptions eo = impl_->executor_options;
+      eo.evaluate = true;
+      eo.parameters_done = nullptr;
+      eo.max_pending_weight_micro_batches = 0;
+      eo.memory_limit_bytes = 0;
+      eo.record_memory = false;
+      std::map<int, Stage*> stages;
+      for (auto& [index, stage] : stages_) stages.emplace(index, stage.get());
+      impl_->eval_schedule = std::make_unique<Schedule>(forward_only(schedule_));
+      impl_->evaluator = std::make_unique<Executor>(*impl_->eval_schedule, rank(), std::move(stages), *transport_,
+                                                    std::move(eo));
+    }
+    start_once();
+    if (impl_->masters) impl_->masters->sync();  // the optimizer's latest masters, as a step would compute with
+    std::vector<torch::nn::Module*> modules;
+    for (auto& [index, stage] : stages_) modules.push_back(&stage->module());
+    StepResult result;
+    {
+      EvalMode eval(modules);
+      result = run(*impl_->evaluator);
+    }
+    return mean_loss(result);
+  } catch (const std::exception& e) {
+    // The executor aborted the pipeline transport for an error inside an action; the other replicas would wait
+    // in mean_loss's reduction until their timeout.
+    if (impl_->data_parallel != nullptr) {
+      try {
+        impl_->data_parallel->abort(detail::failure_reason(rank(), e));
+      } catch (...) {
+      }
+    }
+    if (std::exception_ptr root = detail::as_root_type(e)) std::rethrow_exception(root);
+    throw;
+  }
 }
 
 void Pipeline::add_hook(Executor::Hook hook) { impl_->executor->add_hook(std::move(hook)); }
@@ -332,13 +462,13 @@ double Pipeline::mean_loss(const StepResult& result) {
   // Only the last stage's rank has losses; one all-reduce gives every rank their mean.
   double local = 0.0;
   for (double l : result.losses) local += l / static_cast<double>(result.losses.size());
-  at::Tensor t = at::tensor({local}, at::TensorOptions().dtype(at::kDouble)).to(transport_->device());
+  at::Tensor t = at::tensor({local}, at::TensorOptions().dtype(at::kDouble));  // host values: reduced on the host
   transport_->all_reduce_sum(t, options_.timeout);
   if (impl_->data_parallel != nullptr) {
     impl_->data_parallel->all_reduce_sum(t, options_.timeout);
     t.div_(impl_->data_parallel->world_size());
   }
-  return t.cpu().item<double>();
+  return t.item<double>();
 }
 
 }  // namespace twobp

@@ -18,6 +18,19 @@ std::vector<int> Schedule::stages_of(int rank) const {
   return stages;
 }
 
+Schedule forward_only(Schedule schedule) {
+  for (auto& list : schedule.actions) {
+    list.erase(std::remove_if(list.begin(), list.end(),
+                              [](const Action& a) {
+                                return a.type != ActionType::kForward && a.type != ActionType::kSendForward &&
+                                       a.type != ActionType::kRecvForward;
+                              }),
+               list.end());
+  }
+  schedule.name += " (forward only)";
+  return schedule;
+}
+
 Schedule add_communication(Schedule schedule) {
   const int num_stages = schedule.num_stages;
   TWOBP_CHECK(static_cast<int>(schedule.stage_to_rank.size()) == num_stages, ScheduleError,

@@ -91,18 +91,8 @@ NamedTensors Stage::forward(int micro_batch, const NamedTensors& inputs, const N
   // stage's own streams by their key (run_forward), the replay generators -- and, with one rank per process, the
   // default generators -- by their captured state.
   if (options_.recompute) state.rng = detail::RngState::capture(replayed_generators());
-  // Ranks as threads: LibTorch's default generators are shared with the other ranks' threads, and draws from them
-  // interleave differently in every run. Nothing silently irreproducible: refuse a forward that drew from one.
-  detail::RngState defaults_before;
-  if (options_.ranks_share_process) defaults_before = detail::RngState::capture(detail::RngState::defaults(device()));
-  NamedTensors outputs = run_forward(micro_batch, state.pass, state.inputs, targets);
-  TWOBP_CHECK(!options_.ranks_share_process || defaults_before.now().same_as(defaults_before), UsageError,
-              "{}: LibTorch's default random generator was drawn from during this forward (by the forward itself, "
-              "e.g. torch::nn::Dropout or torch::rand, or by another thread of this process), while the ranks run as "
-              "threads of one process: their draws interleave differently in every run, so results would not be "
-              "reproducible. Draw from the stage's own generator instead (twobp::nn::Dropout, "
-              "twobp::stage_generator(); twobp/random.h), or run one rank per process (mpirun, torchrun)",
-              where(micro_batch));
+  NamedTensors outputs = refusing_default_draws(
+      micro_batch, [&] { return run_forward(micro_batch, state.pass, state.inputs, targets); });
   bool any_gradient = false;
   for (const auto& entry : outputs) any_gradient = any_gradient || entry.tensor.requires_grad();
   TWOBP_CHECK(any_gradient, UsageError,
@@ -124,6 +114,38 @@ NamedTensors Stage::forward(int micro_batch, const NamedTensors& inputs, const N
   return detached;
 }
 
+NamedTensors Stage::refusing_default_draws(int micro_batch, const std::function<NamedTensors()>& body) {
+  // Ranks as threads: LibTorch's default generators are shared with the other ranks' threads, and draws from them
+  // interleave differently in every run. Nothing silently irreproducible: refuse a forward that drew from one.
+  if (!options_.ranks_share_process) return body();
+  const detail::RngState before = detail::RngState::capture(detail::RngState::defaults(device()));
+  NamedTensors outputs = body();
+  TWOBP_CHECK(before.now().same_as(before), UsageError,
+              "{}: LibTorch's default random generator was drawn from during this forward (by the forward itself, "
+              "e.g. torch::nn::Dropout or torch::rand, or by another thread of this process), while the ranks run as "
+              "threads of one process: their draws interleave differently in every run, so results would not be "
+              "reproducible. Draw from the stage's own generator instead (twobp::nn::Dropout, "
+              "twobp::stage_generator(); twobp/random.h), or run one rank per process (mpirun, torchrun)",
+              where(micro_batch));
+  return outputs;
+}
+
+NamedTensors Stage::evaluate(int micro_batch, const NamedTensors& inputs, const NamedTensors& targets) {
+  TWOBP_CHECK(!inputs.empty(), UsageError, "{}: evaluation got no input tensor", where(micro_batch));
+  NamedTensors detached;
+  for (const auto& [name, tensor] : inputs) {
+    TWOBP_CHECK(tensor.defined(), UsageError, "{}: evaluation got an undefined input tensor '{}'", where(micro_batch),
+                name);
+    detached.add(name, tensor.detach());
+  }
+  return refusing_default_draws(micro_batch, [&] {
+    // No graph: GradMode off also sends the fast-path layers down their plain ATen path (nothing is recorded).
+    c10::AutoGradMode no_grad(false);
+    StageRandomScope random(options_.seed, options_.stage_index, micro_batch, /*pass=*/-1);
+    return call_forward(micro_batch, detached, targets);
+  });
+}
+
 std::vector<at::Generator> Stage::replayed_generators() const {
   std::vector<at::Generator> generators;
   if (!options_.ranks_share_process) generators = detail::RngState::defaults(device());
@@ -133,10 +155,20 @@ std::vector<at::Generator> Stage::replayed_generators() const {
 
 NamedTensors Stage::run_forward(int micro_batch, int64_t pass, const NamedTensors& inputs,
                                 const NamedTensors& targets) {
-  const bool last = static_cast<bool>(options_.loss);
   c10::AutoGradMode grad_mode(true);
   StageRandomScope random(options_.seed, options_.stage_index, micro_batch, pass);
   autograd::RecordingScope scope(store_, micro_batch);
+  NamedTensors outputs = call_forward(micro_batch, inputs, targets);
+  for (auto& [name, tensor] : outputs) {
+    // An output that is a leaf (an input passed through, a parameter) gets a node of its own, so that its
+    // gradient reaches the leaf through the graph like any other output's.
+    if (tensor.requires_grad() && tensor.grad_fn() == nullptr) tensor = tensor.view_as(tensor);
+  }
+  return outputs;
+}
+
+NamedTensors Stage::call_forward(int micro_batch, const NamedTensors& inputs, const NamedTensors& targets) {
+  const bool last = static_cast<bool>(options_.loss);
   NamedTensors fn_inputs = inputs;
   if (last && forward_.takes_named_tensors()) {
     for (const auto& [name, tensor] : targets) {
@@ -164,12 +196,9 @@ NamedTensors Stage::run_forward(int micro_batch, int64_t pass, const NamedTensor
                 where(micro_batch), shape_of(loss));
     outputs = NamedTensors{{"loss", loss}};
   }
-  for (auto& [name, tensor] : outputs) {
+  for (const auto& [name, tensor] : outputs) {
     TWOBP_CHECK(tensor.defined(), UsageError, "{}: the forward returned an undefined tensor '{}'", where(micro_batch),
                 name);
-    // An output that is a leaf (an input passed through, a parameter) gets a node of its own, so that its
-    // gradient reaches the leaf through the graph like any other output's.
-    if (tensor.requires_grad() && tensor.grad_fn() == nullptr) tensor = tensor.view_as(tensor);
   }
   return outputs;
 }
@@ -203,32 +232,56 @@ void Stage::recompute(int micro_batch, MicroBatch& state) {
   state.targets = NamedTensors();
   state.forwarded = NamedTensors();
   state.recompute_pending = false;
+  verify_recomputed();
   recompute_us_ += std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
 }
 
-void Stage::check_recomputed(int micro_batch, const MicroBatch& state) const {
+void Stage::check_recomputed(int micro_batch, const MicroBatch& state) {
   // Reproducible forwards give the same outputs up to the order of floating-point sums (nondeterministic GPU
   // kernels): a relative difference of a few units of the dtype's precision. A mask drawn anew, or any other
   // change of what the forward computes, differs by much more.
+  c10::AutoGradMode no_grad(false);
   for (std::size_t k = 0; k < state.outputs.size(); ++k) {
     const auto& [name, again] = state.outputs.entry(k);
     const at::Tensor& first = state.forwarded.entry(k).tensor;
     if (again.numel() == 0) continue;
+    RecomputeCheck check{micro_batch, name.empty() ? std::string("output") : name, 0.0, {}};
     if (!again.is_floating_point()) {
-      TWOBP_CHECK(at::equal(again.detach(), first), UsageError,
-                  "{}: the recomputed forward returned another '{}' than F did", where(micro_batch), name);
-      continue;
+      const at::Tensor differs = at::ne(again.detach(), first).any().to(at::kDouble);
+      check.errors = at::stack({differs, at::zeros_like(differs)});
+    } else {
+      const at::Tensor a = again.detach().to(at::kDouble), f = first.to(at::kDouble);
+      check.errors = at::stack({(a - f).norm(), f.norm()});
+      const std::size_t bytes = c10::elementSize(again.scalar_type());
+      check.tolerance = bytes <= 2 ? 5e-2 : bytes == 4 ? 1e-3 : 1e-6;  // bf16/fp16, fp32, fp64
     }
-    const double scale = first.detach().to(at::kDouble).norm().item<double>();
-    const double diff = (again.detach().to(at::kDouble) - first.to(at::kDouble)).norm().item<double>();
-    const std::size_t bytes = c10::elementSize(again.scalar_type());
-    const double tolerance = bytes <= 2 ? 5e-2 : bytes == 4 ? 1e-3 : 1e-6;  // bf16/fp16, fp32, fp64
-    TWOBP_CHECK(diff <= tolerance * scale + 1e-12, UsageError,
+    recompute_checks_.push_back(std::move(check));
+  }
+}
+
+void Stage::verify_recomputed() {
+  if (recompute_checks_.empty()) return;
+  for (const auto& [mb, state] : micro_batches_) {
+    if (state.recompute_pending) return;  // more to come: read them together
+  }
+  std::vector<RecomputeCheck> checks = std::move(recompute_checks_);
+  recompute_checks_.clear();
+  std::vector<at::Tensor> errors;
+  for (const auto& c : checks) errors.push_back(c.errors.to(at::kCPU));  // no-op on the CPU
+  // SYNC POINT (recomputation only): the comparisons of every re-run since the last read, in one copy on a GPU.
+  const at::Tensor host = at::stack(errors).contiguous();
+  const double* e = host.data_ptr<double>();
+  for (std::size_t k = 0; k < checks.size(); ++k) {
+    const double diff = e[2 * k], scale = e[2 * k + 1];
+    const RecomputeCheck& c = checks[k];
+    TWOBP_CHECK(diff <= c.tolerance * scale + 1e-12, UsageError,
                 "{}: with StageOptions::recompute the forward ran again before I/B and returned another '{}' "
-                "(relative difference {:.3g}): it draws from a generator that is not replayed (list it in "
-                "StageOptions::replay_generators) or is otherwise not reproducible; or turn recomputation off for "
-                "this stage",
-                where(micro_batch), name.empty() ? std::string("output") : name, scale > 0 ? diff / scale : diff);
+                "({}): it draws from a generator that is not replayed (list it in "
+                "StageOptions::replay_generators or PipelineChunk::replay_generators) or is otherwise not "
+                "reproducible; or turn recomputation off for this stage",
+                where(c.micro_batch), c.name,
+                c.tolerance == 0.0 ? std::string("integer values differ")
+                                   : fmt::format("relative difference {:.3g}", scale > 0 ? diff / scale : diff));
   }
 }
 
@@ -466,6 +519,7 @@ at::Tensor Stage::single_gradient(int micro_batch, const SingleCall& call, const
 void Stage::reset() {
   micro_batches_.clear();
   recompute_us_ = 0.0;
+  recompute_checks_.clear();
   store_.clear();
 }
 

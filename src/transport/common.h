@@ -50,14 +50,16 @@ inline void check_p2p_args(const char* what, int rank, int world_size, const at:
 }
 
 /// Sleeps between polls of a non-blocking completion test. Starts by yielding (a message between threads or
-/// processes on one node usually lands within microseconds) and backs off to `max_sleep` so that a long wait
-/// does not burn a core the compute threads need.
+/// processes on one node usually lands within microseconds) -- 16 times, or for `spin_for` when that is longer --
+/// and backs off to `max_sleep` so that a long wait does not burn a core the compute threads need.
 class Backoff {
  public:
-  explicit Backoff(std::chrono::microseconds max_sleep = std::chrono::microseconds(1000)) : max_(max_sleep) {}
+  explicit Backoff(std::chrono::microseconds max_sleep = std::chrono::microseconds(1000),
+                   std::chrono::microseconds spin_for = std::chrono::microseconds(0))
+      : max_(max_sleep), spin_until_(Clock::now() + spin_for) {}
 
   void pause() {
-    if (spins_ < 16) {
+    if (spins_ < 16 || Clock::now() < spin_until_) {
       ++spins_;
       std::this_thread::yield();
       return;
@@ -68,6 +70,7 @@ class Backoff {
 
  private:
   std::chrono::microseconds max_;
+  Clock::time_point spin_until_;
   std::chrono::microseconds sleep_{1};
   int spins_ = 0;
 };

@@ -5,6 +5,8 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/Event.h>
+
+#include <algorithm>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <fmt/format.h>
 
@@ -81,6 +83,7 @@ struct LocalFamily {
   std::string abort_who;  // "rank 2", or "rank 0 (group color 1, rank 2 in the parent)"
   std::string abort_reason;
   int ranks = 0;  // of the LocalTransportGroup the family started from: the rank threads of this process
+  std::vector<c10::Device> devices;  // of those ranks, by rank (from its LocalOptions::devices)
 };
 
 struct LocalGroupState {
@@ -88,7 +91,13 @@ struct LocalGroupState {
                   std::shared_ptr<LocalFamily> fam = nullptr)
       : world(world_size), options(std::move(opts)), names(default_names(world_size, std::move(member_names))),
         wakeup(world_size), family(fam ? std::move(fam) : std::make_shared<LocalFamily>()) {
-    if (family->ranks == 0) family->ranks = world_size;
+    if (family->ranks == 0) {
+      family->ranks = world_size;
+      for (int r = 0; r < world_size; ++r) {
+        const auto& d = options.devices;
+        family->devices.push_back(d.empty() ? c10::Device(c10::kCPU) : d.size() == 1 ? d.front() : d[r]);
+      }
+    }
   }
 
   static std::vector<std::string> default_names(int world, std::vector<std::string> names) {
@@ -294,6 +303,11 @@ LocalTransport::~LocalTransport() = default;
 int LocalTransport::world_size() const { return state_->world; }
 
 bool LocalTransport::ranks_share_process() const { return state_->family->ranks > 1; }
+
+int LocalTransport::ranks_sharing_device() const {
+  const auto& all = state_->family->devices;
+  return std::max<int>(1, static_cast<int>(std::count(all.begin(), all.end(), device())));
+}
 
 c10::Device LocalTransport::device() const {
   const auto& devices = state_->options.devices;

@@ -105,8 +105,12 @@ struct Channel {
     TWOBP_NCCL_CHECK(ncclCommGetAsyncError(comm, &state));
     if (state == ncclInProgress) return false;
     if (state != ncclSuccess) {
+      // NCCL's own sentence ("Duplicate GPU detected", "socket connect failed ...") says far more than the code;
+      // read it before the abort frees the communicator.
+      const std::string detail = ncclGetLastError(comm);
       abort_comm();
-      raise<TransportError>("rank {}: {}: {} failed: {}", rank, what, name(), ncclGetErrorString(state));
+      raise<TransportError>("rank {}: {}: {} failed: {}{}{} (NCCL_DEBUG=WARN prints NCCL's log)", rank, what,
+                            name(), ncclGetErrorString(state), detail.empty() ? "" : ": ", detail);
     }
     if (unsettled) {
       TWOBP_CUDA_CHECK(cudaEventRecord(unsettled->done, stream));
@@ -149,7 +153,8 @@ struct NcclTransport::Impl {
   NcclOptions options;              // as given to the constructor; split() derives the group's from them
   std::vector<std::pair<int, int>> all_links;
   std::map<detail::ChannelKey, detail::Channel> mine;  // the channels this rank is an end of
-  /// The communicator of every rank, for all_reduce_sum_async (gradient buckets); created by the first one.
+  /// The communicator of every rank, for all_reduce_sum_async (gradient buckets); created and warmed up by the
+  /// constructor when NcclOptions::collective.
   std::unique_ptr<detail::Channel> collective;
   std::int64_t async_reductions = 0;
 
@@ -205,8 +210,9 @@ struct NcclTransport::Impl {
     if (collective) collective->abort_comm();
   }
 
-  /// Creates `collective` (collective over every rank: the first all_reduce_sum_async of each rank gets here).
-  void create_collective(Duration timeout);
+  /// Creates `collective` (a communicator of every rank) and runs one all-reduce on it, so that its connections
+  /// are made now, while every rank is in the constructor, not in the middle of a step.
+  void create_collective(Clock::time_point deadline, Duration init_timeout);
 
   /// Broadcasts rank 0's bytes over the host transport: an all-reduce of int64 values in which only rank 0
   /// contributes (exact, and it needs nothing from the host but all_reduce_sum).
@@ -321,6 +327,7 @@ void NcclTransport::Impl::init(const NcclOptions& options) {
       TWOBP_CUDA_CHECK(cudaStreamCreateWithFlags(&ch.stream, cudaStreamNonBlocking));
     }
     warm_up(deadline, options.init_timeout);
+    if (options.collective) create_collective(deadline, options.init_timeout);
   } catch (...) {
     // A half-created set of communicators cannot be finalized politely: abort them all.
     abort_all();
@@ -328,15 +335,14 @@ void NcclTransport::Impl::init(const NcclOptions& options) {
   }
 }
 
-void NcclTransport::Impl::create_collective(Duration timeout) {
-  const auto deadline = detail::deadline_after(timeout);
+void NcclTransport::Impl::create_collective(Clock::time_point deadline, Duration init_timeout) {
   std::vector<std::uint8_t> id_bytes(sizeof(ncclUniqueId), 0);
   if (rank == 0) {
     ncclUniqueId id;
     TWOBP_NCCL_CHECK(ncclGetUniqueId(&id));
     std::memcpy(id_bytes.data(), &id, sizeof(id));
   }
-  id_bytes = broadcast(id_bytes, timeout);
+  id_bytes = broadcast(id_bytes, detail::remaining(deadline));
   ncclUniqueId id;
   std::memcpy(&id, id_bytes.data(), sizeof(id));
   auto ch = std::make_unique<detail::Channel>();
@@ -347,9 +353,37 @@ void NcclTransport::Impl::create_collective(Duration timeout) {
   config.blocking = 0;  // a missing rank makes us time out instead of hang
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   TWOBP_NCCL_CHECK(ncclCommInitRankConfig(&ch->comm, world, id, rank, &config));
-  ch->settle(rank, detail::remaining(deadline), "creating the collective communicator");
-  TWOBP_CUDA_CHECK(cudaStreamCreateWithFlags(&ch->stream, cudaStreamNonBlocking));
-  collective = std::move(ch);
+  collective = std::move(ch);  // owned from here on: abort_all() reaches it if anything below fails
+  collective->settle(rank, detail::remaining(deadline), "creating the collective communicator");
+  TWOBP_CUDA_CHECK(cudaStreamCreateWithFlags(&collective->stream, cudaStreamNonBlocking));
+  // Warm-up: one element summed over every rank connects the communicator now (NCCL connects lazily).
+  at::Tensor one = at::ones({1}, at::TensorOptions().dtype(at::kFloat).device(c10::Device(c10::kCUDA, device)));
+  cudaEvent_t ready = nullptr;
+  TWOBP_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+  TWOBP_CUDA_CHECK(cudaEventRecord(
+      ready, c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream()));
+  TWOBP_CUDA_CHECK(cudaStreamWaitEvent(collective->stream, ready, 0));
+  cudaEventDestroy(ready);
+  TWOBP_NCCL_CHECK(ncclAllReduce(one.data_ptr(), one.data_ptr(), 1, ncclFloat32, ncclSum, collective->comm,
+                                 collective->stream));
+  collective->settle(rank, detail::remaining(deadline), "warming up the collective communicator");
+  detail::Backoff backoff;
+  for (;;) {
+    const cudaError_t q = cudaStreamQuery(collective->stream);
+    if (q == cudaSuccess) break;
+    TWOBP_CHECK(q == cudaErrorNotReady, TransportError, "rank {}: warming up the collective communicator: {}", rank,
+                cudaGetErrorString(q));
+    collective->settled(rank, "warming up the collective communicator");  // raises on an asynchronous NCCL error
+    if (Clock::now() >= deadline) {
+      detail::raise<TimeoutError>("rank {}: NcclTransport setup: the warm-up all-reduce over all {} ranks did not "
+                                  "finish within {} ms (did every rank construct its NcclTransport?)",
+                                  rank, world, init_timeout.count());
+    }
+    backoff.pause();
+  }
+  const float sum = one.item<float>();  // SYNC POINT, once at construction: the stream is idle already
+  TWOBP_CHECK(sum == static_cast<float>(world), TransportError,
+              "rank {}: the warm-up all-reduce over {} ranks gave {} instead of {}", rank, world, sum, world);
 }
 
 void NcclTransport::Impl::warm_up(Clock::time_point deadline, Duration init_timeout) {
@@ -420,7 +454,11 @@ class NcclWork final : public Work {
   void wait(Duration timeout) override {
     if (finished_) return;
     const auto deadline = deadline_after(timeout);
-    Backoff backoff;
+    // WHY spin first and sleep at most 50 us: the host of a GPU rank has nothing else to do while it waits, and
+    // every microsecond between the transfer's end and the next enqueue is a gap on the GPU. (Waiting on the
+    // stream instead, with a watchdog thread for the timeout, as PyTorch's ProcessGroupNCCL does, is not done:
+    // it needs a GPU to test.)
+    Backoff backoff(std::chrono::microseconds(50), std::chrono::microseconds(2000));
     while (!poll()) {
       if (Clock::now() >= deadline) {
         // The peer never posted the matching operation (or died): abort this channel's communicator so that
@@ -567,6 +605,10 @@ void NcclTransport::all_reduce_sum(at::Tensor& tensor, Duration timeout) {
   // WHY over the host transport on a CPU copy: this is for a handful of scalars (loss, gradient norm). The
   // device-to-host copy synchronizes with the compute stream that produced the values; a world NCCL
   // communicator would cost memory and setup time on every rank for no measurable gain.
+  if (tensor.is_cpu() && tensor.is_contiguous()) {  // host values (losses, norms): no copies at all
+    impl_->host->all_reduce_sum(tensor, timeout);
+    return;
+  }
   at::Tensor cpu = tensor.to(c10::kCPU).contiguous();
   impl_->host->all_reduce_sum(cpu, timeout);
   tensor.copy_(cpu);
@@ -592,7 +634,10 @@ std::unique_ptr<Work> NcclTransport::all_reduce_sum_async(at::Tensor& tensor, Du
   const std::string what = fmt::format("all_reduce_sum_async #{}", im.async_reductions++);
   // WHY a communicator of every rank (unlike all_reduce_sum): gradient buckets are large and reduced while the
   // pipeline runs; staying on the GPU, on a stream of their own, is what lets them overlap compute.
-  if (!im.collective) im.create_collective(timeout);
+  TWOBP_CHECK(im.collective != nullptr, UsageError,
+              "rank {}: {}: this NcclTransport was built with NcclOptions::collective = false; build it with true "
+              "(the default) to reduce gradient buckets on the GPU",
+              im.rank, what);
   detail::Channel& ch = *im.collective;
   ch.settle(im.rank, timeout, what);
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(im.device));

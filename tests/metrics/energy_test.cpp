@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common/temp_files.h"
+#include "twobp/error.h"
 #include "twobp/runtime/launch.h"
 #include "twobp/transport/launch.h"
 #include "twobp/transport/local.h"
@@ -170,6 +171,21 @@ TEST_F(NvmlTest, MapsCudaDevicesThroughCudaVisibleDevices) {
   energy::EnergyOptions o = fake();
   o.nvml_uuid = "GPU-fake-0";
   EXPECT_EQ(energy::open_nvml(0, o).meter->scope(), "GPU 0 (GPU-fake-0)");
+}
+
+// Rank threads on one GPU each read its meter: each counts 1/n of it, so the job's sum counts the GPU once.
+TEST_F(NvmlTest, RanksSharingAGpuEachCountTheirFraction) {
+  ::unsetenv("CUDA_VISIBLE_DEVICES");
+  energy::EnergyOptions two = fake();
+  two.ranks_sharing_device = 2;
+  energy::RankEnergy alone(c10::Device(c10::kCUDA, 1), /*first_on_node=*/true, fake());
+  energy::RankEnergy half(c10::Device(c10::kCUDA, 1), /*first_on_node=*/false, two);
+  const double a0 = *alone.share(), a1 = *alone.share();
+  const double h0 = *half.share(), h1 = *half.share();
+  EXPECT_DOUBLE_EQ(a1 - a0, 1.5);   // the stand-in advances 1500 mJ per read
+  EXPECT_DOUBLE_EQ(h1 - h0, 0.75);  // half of it
+  two.ranks_sharing_device = 0;
+  EXPECT_THROW({ energy::RankEnergy bad(c10::Device(c10::kCUDA, 1), true, two); }, UsageError);
 }
 
 TEST_F(NvmlTest, NoMeterWithAReason) {

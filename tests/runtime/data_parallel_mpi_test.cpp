@@ -1,7 +1,8 @@
 // Data x pipeline parity through real processes: under `mpiexec -n 2` (dp = 2 x pp = 1) and `-n 4` (dp = 2 x
 // pp = 2), MPI transport, asynchronous gradient reductions; every built-in schedule x {standard, 2BP}, with and
-// without overlap. Each rank checks its own chunks and losses against the single-process reference on the global
-// batch (common/dp_cases.h), which every rank computes (it is small).
+// without overlap, and with mixed precision (bfloat16 compute, the float32 masters' gradients averaged). Each rank
+// checks its own chunks and losses against the single-process reference on the global batch (common/dp_cases.h),
+// which every rank computes (it is small).
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -23,13 +24,7 @@ struct Case {
   bool overlap;
 };
 
-class MpiDataPipelineParity : public ::testing::TestWithParam<Case> {
- protected:
-  Float64Default float64_;
-};
-
-TEST_P(MpiDataPipelineParity, EveryReplicaHasTheGlobalBatchGradients) {
-  const Case c = GetParam();
+void run_case(const Case& c, dp::Precision precision) {
   auto& env = *mpitest::g_mpi;
   const int dp = 2, pp = env.world_size() / dp;
   ASSERT_EQ(env.world_size() % dp, 0) << "run under mpiexec -n 2 or -n 4";
@@ -40,12 +35,28 @@ TEST_P(MpiDataPipelineParity, EveryReplicaHasTheGlobalBatchGradients) {
     GTEST_SKIP() << "schedule rejects this shape: " << e.what();  // same decision on every rank
   }
   const dp::GlobalBatch batch = dp::global_batch(dp);
-  const dp::Reference ref = dp::reference(schedule.num_stages, batch);
+  const dp::Reference ref = dp::reference(schedule.num_stages, batch, precision);
   dp::RankRun run;
-  run.chunks = dp::chunks_of(schedule, env.rank() % pp);
+  run.chunks = dp::chunks_of(schedule, env.rank() % pp, precision);
   MpiTransport world(env);
-  dp::run_rank(world, dp, schedule, c.overlap, batch, run);
-  dp::expect_matches(run, ref, "world rank " + std::to_string(env.rank()));
+  dp::run_rank(world, dp, schedule, c.overlap, batch, run, precision);
+  dp::expect_matches(run, ref, "world rank " + std::to_string(env.rank()), precision);
+}
+
+class MpiDataPipelineParity : public ::testing::TestWithParam<Case> {
+ protected:
+  Float64Default float64_;
+};
+
+TEST_P(MpiDataPipelineParity, EveryReplicaHasTheGlobalBatchGradients) {
+  run_case(GetParam(), dp::Precision::kDefault);
+}
+
+// Float32 default dtype: mixed precision builds its masters from float32 chunks.
+class MpiMixedDataPipelineParity : public ::testing::TestWithParam<Case> {};
+
+TEST_P(MpiMixedDataPipelineParity, MastersHaveTheGlobalBatchGradients) {
+  run_case(GetParam(), dp::Precision::kMixedBf16);
 }
 
 std::vector<Case> cases() {
@@ -58,12 +69,23 @@ std::vector<Case> cases() {
   return out;
 }
 
-INSTANTIATE_TEST_SUITE_P(Schedules, MpiDataPipelineParity, ::testing::ValuesIn(cases()), [](const auto& info) {
+std::string case_name(const ::testing::TestParamInfo<Case>& info) {
   std::string n = info.param.schedule + "_" + (info.param.mode == BackwardMode::kSplit ? "2bp" : "standard") +
                   (info.param.overlap ? "" : "_no_overlap");
   std::replace_if(n.begin(), n.end(), [](char ch) { return !std::isalnum(static_cast<unsigned char>(ch)); }, '_');
   return n;
-});
+}
+
+std::vector<Case> mixed_cases() {
+  std::vector<Case> out;
+  for (const auto& c : cases()) {
+    if (c.overlap) out.push_back(c);
+  }
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Schedules, MpiDataPipelineParity, ::testing::ValuesIn(cases()), case_name);
+INSTANTIATE_TEST_SUITE_P(Schedules, MpiMixedDataPipelineParity, ::testing::ValuesIn(mixed_cases()), case_name);
 
 }  // namespace
 }  // namespace twobp::testing

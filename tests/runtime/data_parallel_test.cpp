@@ -110,6 +110,50 @@ INSTANTIATE_TEST_SUITE_P(Schedules, DataPipelineParity, ::testing::ValuesIn(dp_c
   return n;
 });
 
+// Mixed precision x data parallelism: the replicas average the float32 masters' gradients; every built-in schedule
+// x mode against one process's bfloat16 computation on the global batch (float32 default dtype: the chunks must be
+// built in float32).
+class MixedDataPipelineParity : public ::testing::TestWithParam<DpCase> {};
+
+TEST_P(MixedDataPipelineParity, MastersHaveTheGlobalBatchGradients) {
+  const DpCase c = GetParam();
+  Schedule schedule;
+  try {
+    schedule = dp::replica_schedule(c.schedule, c.mode, c.pp);
+  } catch (const ScheduleError& e) {
+    GTEST_SKIP() << "schedule rejects this shape: " << e.what();
+  }
+  const dp::GlobalBatch batch = dp::global_batch(c.dp);
+  const dp::Reference ref = dp::reference(schedule.num_stages, batch, dp::Precision::kMixedBf16);
+  std::vector<dp::RankRun> runs(c.dp * c.pp);
+  for (int r = 0; r < c.dp * c.pp; ++r) runs[r].chunks = dp::chunks_of(schedule, r % c.pp, dp::Precision::kMixedBf16);
+  auto world = make_local_transports(c.dp * c.pp);
+  run_rank_threads(world, [&](Transport& t) {
+    dp::run_rank(t, c.dp, schedule, c.overlap, batch, runs[t.rank()], dp::Precision::kMixedBf16);
+  }).rethrow_root_cause();
+  for (int r = 0; r < c.dp * c.pp; ++r) {
+    dp::expect_matches(runs[r], ref, "world rank " + std::to_string(r), dp::Precision::kMixedBf16);
+  }
+}
+
+std::vector<DpCase> mixed_dp_cases() {
+  std::vector<DpCase> out;
+  for (const auto& s : builtin_schedule_names()) {
+    for (BackwardMode m : {BackwardMode::kStandard, BackwardMode::kSplit}) out.push_back({s, m, 2, 2, true});
+  }
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Schedules, MixedDataPipelineParity, ::testing::ValuesIn(mixed_dp_cases()),
+                         [](const auto& info) {
+                           const DpCase& c = info.param;
+                           std::string n = c.schedule + "_" + (c.mode == BackwardMode::kSplit ? "2bp" : "standard");
+                           std::replace_if(n.begin(), n.end(),
+                                           [](char ch) { return !std::isalnum(static_cast<unsigned char>(ch)); },
+                                           '_');
+                           return n;
+                         });
+
 // A dp=2 x pp=2 job of one 1F1B step on 4 threads: `make(replica, stage)` builds the chunks, `targets_of` may
 // change a replica's targets, `after` runs on every rank after the step. Returns every rank's error.
 struct Job {
@@ -148,6 +192,41 @@ RankErrors run_job(const Job& job) {
     const StepResult result = pipeline.step(mine.inputs, targets);
     if (job.after) job.after(pipeline, result, t.rank());
   });
+}
+
+// One rank of a dp 2 x pp 2 job fails after its step with a twobp error; the others are then in the gradient
+// check's collectives, which its abort ends. Every rank must report the root cause's type (not TransportError),
+// the others marked as raised on another rank, naming rank 3 -- for each error type.
+TEST(DataParallel, EveryRankReportsTheRootCausesType) {
+  Float64Default f;
+  auto check = [](auto error, const char* type) {
+    using E = decltype(error);
+    Job job;
+    job.after = [](Pipeline& pipeline, const StepResult&, int world_rank) {
+      if (world_rank == 3) throw E("rank 3: injected failure");
+      pipeline.ready_for_optimizer(0, NonFinitePolicy::kStop);
+    };
+    const RankErrors errors = run_job(job);
+    for (int r = 0; r < 4; ++r) {
+      ASSERT_TRUE(errors.errors[r]) << type << ": rank " << r << " returned";
+      const std::string what = error_message(errors.errors[r]);
+      bool same_type = false, consequence = false;
+      try {
+        std::rethrow_exception(errors.errors[r]);
+      } catch (const E& e) {
+        same_type = true;
+        consequence = dynamic_cast<const RaisedOnAnotherRank*>(&e) != nullptr;
+      } catch (...) {
+      }
+      EXPECT_TRUE(same_type) << type << ": rank " << r << ": " << what;
+      EXPECT_EQ(consequence, r != 3) << type << ": rank " << r << ": " << what;
+      EXPECT_NE(what.find("injected failure"), std::string::npos) << type << ": rank " << r << ": " << what;
+    }
+    expect_error<E>([&] { errors.rethrow_root_cause(); }, {"rank 3: injected failure"});
+  };
+  check(NumericalError(""), "NumericalError");
+  check(UsageError(""), "UsageError");
+  check(IOError(""), "IOError");
 }
 
 TEST(DataParallel, RefusesReplicasWithDifferentParameters) {

@@ -120,6 +120,33 @@ TEST(Executor, ItemConsumedBeforeItIsProducedIsAScheduleErrorNamingTheAction) {
   for (auto& [s, stage] : rank.stages) EXPECT_EQ(stage->live_micro_batches(), 0u) << "stage " << s;
 }
 
+// Rank threads that compute on one non-CPU device share its allocator statistics (per process): recording memory
+// there would report, and reset the peak of, each other's bytes. Refused at construction, before any device is
+// touched (so this runs without one); a device of its own per rank thread is accepted as far as this check goes.
+TEST(Executor, MemoryRecordingOnADeviceSharedByRankThreadsIsRefused) {
+  Float64Default f;
+  const Schedule sc = make_schedule("1f1b", default_schedule_options("1f1b", 2, 2, BackwardMode::kStandard));
+  ExecutorOptions options = executor_options();
+  options.record_memory = true;
+  LocalOptions shared;
+  shared.devices = {c10::Device(c10::kCUDA, 0)};
+  auto transports = make_local_transports(2, shared);
+  expect_error<UsageError>([&] { Executor e(sc, 0, std::map<int, Stage*>{}, *transports[0], options); },
+                           {"rank 0", "cuda:0", "2 rank threads", "one rank per process", "LocalOptions::devices"});
+  options.record_memory = false;
+  options.memory_limit_bytes = 1 << 20;
+  expect_error<UsageError>([&] { Executor e(sc, 1, std::map<int, Stage*>{}, *transports[1], options); }, {"rank 1", "2 rank threads"});
+  // The chunks compute on a device that is not the transport's: whether other rank threads share it is unknown.
+  options.memory_device = c10::Device(c10::kCUDA, 1);
+  auto on_cpu = make_local_transports(2);
+  expect_error<UsageError>([&] { Executor e(sc, 0, std::map<int, Stage*>{}, *on_cpu[0], options); }, {"cuda:1", "several rank threads"});
+  LocalOptions own;
+  own.devices = {c10::Device(c10::kCUDA, 0), c10::Device(c10::kCUDA, 1)};
+  auto separate = make_local_transports(2, own);
+  EXPECT_EQ(separate[0]->ranks_sharing_device(), 1);
+  EXPECT_EQ(transports[0]->ranks_sharing_device(), 2);
+}
+
 // A batch whose tensors disagree on their rows (dimension 0, along which it is split) would be split into pieces
 // that broadcast against each other -- training on wrong data. Refused before any action, naming the tensors and
 // their sizes: inputs, targets, inputs against targets (this rank holds the first and the last stage), in the

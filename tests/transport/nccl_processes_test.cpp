@@ -7,9 +7,11 @@
 //
 // Covers: construction (communicators + warm-up), a ring exchange on both channels, one pipeline step of every
 // built-in schedule (zb-v included) in both modes against a single-process reference, and a timeout that aborts
-// the channel; and (4 processes) transport groups. Skips with the reason without a CUDA device.
+// the channel; a 64 MiB bfloat16 exchange, a slow producer and a bucket all-reduce beside a pending receive; and
+// (4 processes) transport groups. Skips with the reason without a CUDA device.
 
 #include <ATen/ATen.h>
+#include <ATen/cuda/Sleep.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -39,6 +41,16 @@ std::vector<std::string> one_gpu_env(int rank) {
 TEST(NcclProcesses, TwoRanksOnOneGpu) {
   if (c10::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device (this test needs one GPU)";
   const auto codes = testing::run_processes("NcclRank.Run", "nccl", 2, std::chrono::seconds(150), one_gpu_env);
+  ASSERT_EQ(codes.size(), 2u);
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << " (its output is above)";
+}
+
+// Streams and sizes: a 64 MiB bfloat16 exchange, a send whose tensor is produced by a deliberately slow kernel
+// (a missing stream wait would send the old contents), and the collective communicator reducing a bucket while a
+// receive is pending on a point-to-point channel. Written without a GPU at hand: not yet run.
+TEST(NcclProcesses, TwoRanksStreamsAndCollectives) {
+  if (c10::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device (this test needs one GPU)";
+  const auto codes = testing::run_processes("NcclRank.Run", "nccl_streams", 2, std::chrono::seconds(150), one_gpu_env);
   ASSERT_EQ(codes.size(), 2u);
   for (int r = 0; r < 2; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << " (its output is above)";
 }
@@ -76,6 +88,68 @@ void ring(NcclTransport& t) {
   at::Tensor x = at::full({2}, static_cast<float>(me + 1), opts);
   t.all_reduce_sum(x, kLong);
   EXPECT_TRUE(at::equal(x.cpu(), at::full({2}, 3.0f)));
+  t.barrier(kLong);
+}
+
+// 64 MiB of bfloat16 each way on channel 0; values are small integers, exact in bfloat16.
+void large_exchange(NcclTransport& t) {
+  const int me = t.rank(), peer = 1 - me;
+  const std::int64_t n = 32 * 1024 * 1024;  // 2 bytes each
+  auto opts = at::TensorOptions().device(t.device());
+  auto pattern = [&](int who) { return at::arange(n, opts.dtype(at::kLong)).add(who).remainder(251).to(at::kBFloat16); };
+  at::Tensor in = at::empty({n}, opts.dtype(at::kBFloat16));
+  at::Tensor out = pattern(me);
+  auto r = t.irecv(in, {peer, 0, "RECV 64 MiB"});
+  auto s = t.isend(out, {peer, 0, "SEND 64 MiB"});
+  s->wait(kLong);
+  r->wait(kLong);
+  EXPECT_TRUE(at::equal(in, pattern(peer))) << "rank " << me << ": the 64 MiB bfloat16 message arrived changed";
+}
+
+// The sender's tensor is written by a kernel queued after ~100 ms of GPU sleep on the compute stream; the send is
+// posted at once. Only the transport's stream wait (channel stream after the compute stream) makes it send the
+// new values; the receiver reads them on its compute stream right after wait().
+void slow_producer(NcclTransport& t) {
+  const int me = t.rank();
+  const std::int64_t n = 4 * 1024 * 1024;
+  auto opts = at::TensorOptions().device(t.device()).dtype(at::kFloat);
+  if (me == 0) {
+    at::Tensor out = at::zeros({n}, opts);
+    at::cuda::sleep(200 * 1000 * 1000);  // ~0.1 s of clock cycles on the current stream
+    out.fill_(7.0f);
+    auto s = t.isend(out, {1, 0, "SEND slow producer"});
+    s->wait(kLong);
+  } else {
+    at::Tensor in = at::zeros({n}, opts);
+    auto r = t.irecv(in, {0, 0, "RECV slow producer"});
+    r->wait(kLong);
+    EXPECT_EQ(in.to(at::kDouble).sum().item<double>(), 7.0 * static_cast<double>(n))
+        << "the receiver got the sender's tensor before its producing kernel ran";
+  }
+}
+
+// Rank 0 posts a receive on channel 1 that rank 1 satisfies only after the reduction: the collective
+// communicator (created at construction) must progress while that receive's kernel waits on its own stream.
+void all_reduce_with_pending_receive(NcclTransport& t) {
+  const int me = t.rank();
+  auto opts = at::TensorOptions().device(t.device()).dtype(at::kFloat);
+  at::Tensor pending = at::zeros({1024}, opts);
+  P2POptions channel1{1 - me, 0, "RECV after the all-reduce"};
+  channel1.channel = 1;
+  std::unique_ptr<Work> r;
+  if (me == 0) r = t.irecv(pending, channel1);
+  at::Tensor bucket = at::full({4 * 1024 * 1024}, static_cast<float>(me + 1), opts);  // 16 MiB
+  auto reduced = t.all_reduce_sum_async(bucket, kLong);
+  reduced->wait(kLong);
+  EXPECT_EQ(bucket.min().item<float>(), 3.0f);
+  EXPECT_EQ(bucket.max().item<float>(), 3.0f);
+  if (me == 1) {
+    at::Tensor out = at::full({1024}, 5.0f, opts);
+    t.isend(out, channel1)->wait(kLong);
+  } else {
+    r->wait(kLong);
+    EXPECT_EQ(pending.sum().item<float>(), 5.0f * 1024);
+  }
   t.barrier(kLong);
 }
 
@@ -154,6 +228,12 @@ TEST(NcclRank, Run) {
   if (std::string(scenario) == "nccl_groups") {
     testing::check_groups(*t, testing::GroupLayout::kByParity, kLong);
     testing::check_groups(*t, testing::GroupLayout::kByHalf, kLong);
+    return;
+  }
+  if (std::string(scenario) == "nccl_streams") {
+    large_exchange(*t);
+    slow_producer(*t);
+    all_reduce_with_pending_receive(*t);
     return;
   }
   ring(*t);

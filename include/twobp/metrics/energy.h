@@ -59,6 +59,9 @@ struct EnergyOptions {
   std::string nvml_library = "libnvidia-ml.so.1";
   /// The GPU's NVML UUID ("GPU-..."); empty: found from the CUDA device index (see the top of this file).
   std::string nvml_uuid;
+  /// Ranks that compute on this rank's device and each read its per-device meter (Transport::ranks_sharing_device,
+  /// e.g. rank threads on one GPU): each contributes 1/n of the reading, so that the job's sum counts the GPU once.
+  int ranks_sharing_device = 1;
 };
 
 /// A meter, or none (null) and why.
@@ -94,6 +97,7 @@ class RankEnergy {
   std::string note_;
   bool counts_ = false;  // meter_ is read by this rank
   bool covered_ = false;  // this rank's hardware is measured by another rank's node-wide meter
+  double fraction_ = 1.0;  // of the reading that is this rank's (EnergyOptions::ranks_sharing_device)
 };
 
 /// Whether this rank of the job's world `t` is the first of its node: LOCAL_RANK (or the launcher's equivalent,

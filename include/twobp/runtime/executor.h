@@ -72,6 +72,9 @@ struct ExecutorOptions {
   /// Asked before each W with the action's index in the rank's list: a function for Stage::backward_weight to
   /// call with parameters whose gradient is final during that W, or null (data-parallel reduction uses it).
   std::function<autograd::ParametersDone(std::size_t action_index)> parameters_done;
+  /// Evaluation: every F runs Stage::evaluate (no graph, nothing kept). The schedule must then hold forward
+  /// actions only (forward_only()); a backward action is a ScheduleError.
+  bool evaluate = false;
 };
 
 /// Interprets `schedule.actions[rank]` for one step at a time.

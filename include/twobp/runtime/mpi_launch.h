@@ -1,6 +1,11 @@
 #pragma once
 // run_ranks over MPI: header-only, so that only programs linking twobp::mpi (where MpiTransport lives) compile it;
-// the core library never calls MPI.
+// the core library never calls MPI. Empty in a build without MPI (TWOBP_HAVE_MPI == 0), so that a program may include
+// it unconditionally and guard only its calls.
+
+#include "twobp/config.h"
+
+#if TWOBP_HAVE_MPI
 
 #include <memory>
 
@@ -26,3 +31,5 @@ inline LaunchEnv mpi_launch_env(const MpiEnvironment& env) {
 }
 
 }  // namespace twobp
+
+#endif  // TWOBP_HAVE_MPI

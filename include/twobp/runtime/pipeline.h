@@ -44,9 +44,12 @@ struct PipelineChunk {
 /// undefined. Every step() first copies the masters into the compute parameters (rounding once), and casts the
 /// floating-point inputs of the first stage to bfloat16. Activations (and so activation_spec dtypes) and the
 /// loss's input are bfloat16.
+/// With data parallelism the replicas average the masters' float32 gradients (buckets of float32). WHY float32
+/// and not bfloat16 buckets: a bfloat16 sum over replicas rounds each partial sum to 8 significant bits, and the
+/// masters' gradients already exist in float32; the cost is twice the bytes of a bfloat16 reduction, hidden in W
+/// like any bucket (Megatron-LM reduces its float32 main gradients by default for the same reason).
 /// Refused at construction, with a UsageError: a parameter that is not float32 or already has a post-accumulate
-/// hook, data parallelism (the replicas would reduce the compute gradients, not the masters'), and kHalf (fp16
-/// needs dynamic loss scaling, which twobp does not have: use bfloat16).
+/// hook, and kHalf (fp16 needs dynamic loss scaling, which twobp does not have: use bfloat16).
 struct MixedPrecisionOptions {
   /// kFloat: off (the chunks train in whatever dtype they have). kBFloat16: on.
   at::ScalarType compute_dtype = at::kFloat;
@@ -135,6 +138,18 @@ class Pipeline {
   /// each micro-batch's loss still counts 1/num_micro_batches). One entry per micro-batch where needed (see the
   /// class comment), empty vectors elsewhere.
   StepResult step(const std::vector<NamedTensors>& inputs, const std::vector<NamedTensors>& targets);
+  /// Evaluation, collective over the pipeline (and the data-parallel group): a forward-only pass of a batch
+  /// through the pipeline, returning on every rank the mean loss over its micro-batches and the replicas (the
+  /// global batch's mean loss for a loss that is a mean over equal micro-batches). Inputs and targets as for
+  /// step(), with the schedule's number of micro-batches; the schedule's forward actions in its order
+  /// (forward_only()), so every schedule, placement and transport that trains also evaluates. Keeps no graph and
+  /// touches no gradient, so it may run between step() and the optimizer; the chunks run in eval() mode for its
+  /// duration (dropout off, BatchNorm on its running statistics), their train/eval flags restored afterwards.
+  /// With mixed precision the masters are copied into the chunks first, as step() does. Not counted in the
+  /// hooks, mean_loss() or the optimizer gate.
+  double evaluate(const NamedTensors& inputs, const NamedTensors& targets);
+  /// Evaluation over micro-batches given one by one (see the step() overload).
+  double evaluate(const std::vector<NamedTensors>& inputs, const std::vector<NamedTensors>& targets);
   /// Runs `hook` after every action of every step (see Executor::add_hook).
   void add_hook(Executor::Hook hook);
   /// The mean over micro-batches (and replicas) of the last step's losses, on every rank (collective: one
@@ -172,6 +187,8 @@ class Pipeline {
  private:
   struct Impl;
   StepResult run_step(const std::function<StepResult()>& run);
+  double run_evaluation(const std::function<StepResult(Executor&)>& run);
+  void start_once();
   Schedule schedule_;
   std::shared_ptr<Transport> transport_;
   PipelineOptions options_;

@@ -102,6 +102,12 @@ Schedule make_schedule(std::string_view name, const ScheduleOptions& options);
 /// compute order. Generators call it; user schedules written with compute actions only may call it too.
 Schedule add_communication(Schedule schedule);
 
+/// The forward half of `schedule` (evaluation): each rank's F, SEND_F and RECV_F in their order, every backward
+/// action and gradient message dropped. It cannot deadlock where `schedule` does not: every kept wait waits for
+/// a kept action that came no later in the original run, and each channel's messages keep their order, so it
+/// pairs wherever `schedule` pairs. Same name (with " (forward only)"), placement and micro-batches.
+Schedule forward_only(Schedule schedule);
+
 /// For a communication action of `schedule`: the rank at the other end of the link (the owner of stage + 1 for
 /// SEND_F and RECV_B, of stage - 1 for RECV_F and SEND_B). Throws ScheduleError for compute actions or when the
 /// neighbouring stage does not exist.

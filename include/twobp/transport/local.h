@@ -74,6 +74,8 @@ class LocalTransport final : public Transport {
   Pairing pairing() const override;
   /// True when the LocalTransportGroup this transport comes from (through any splits) has several ranks.
   bool ranks_share_process() const override;
+  /// The rank threads of the LocalTransportGroup the family started from whose device is this rank's device.
+  int ranks_sharing_device() const override;
 
   std::unique_ptr<Work> isend(const at::Tensor& tensor, const P2POptions& options) override;
   std::unique_ptr<Work> irecv(at::Tensor& buffer, const P2POptions& options) override;

@@ -37,7 +37,12 @@ struct NcclOptions {
   /// message kind of a schedule its own communicator (see message_channel), which is what makes every built-in
   /// schedule pair correctly under NCCL's in-order rule.
   int channels = kNumMessageChannels;
-  /// Bound on the collective construction (id broadcast, communicator setup and the warm-up exchange).
+  /// Create (and warm up) a communicator of every rank for all_reduce_sum_async (data-parallel gradient
+  /// buckets) in the constructor. WHY at construction: created lazily, it would be set up in the middle of a
+  /// step, while this rank's receives may occupy the GPU and the other ranks are busy elsewhere. Costs one
+  /// communicator's memory per rank; false for a transport that never reduces buckets.
+  bool collective = true;
+  /// Bound on the collective construction (id broadcast, communicator setup and the warm-up exchanges).
   Duration init_timeout{120000};
 };
 
@@ -64,9 +69,11 @@ struct NcclOptions {
 ///  - NCCL transfers carry no header: shapes cannot be checked against the sender's. A mismatch is undefined
 ///    (typically a TimeoutError); check pipelines with LocalTransport (in-order mode) or MpiTransport first.
 ///  - all_reduce_sum copies the tensor to the CPU and sums over the host transport (meant for small tensors:
-///    losses, norms). all_reduce_sum_async (gradient buckets) stays on the GPU: the first call creates a
-///    communicator of every rank with a stream of its own (ncclAllReduce, waited like a receive). NOT YET RUN ON
-///    A GPU. barrier is the host's; it does not synchronize the GPU.
+///    losses, norms). all_reduce_sum_async (gradient buckets) stays on the GPU: a communicator of every rank with
+///    a stream of its own, created and warmed up by the constructor (NcclOptions::collective), ncclAllReduce
+///    waited like a receive. NOT YET RUN ON A GPU.
+///  - Errors: an NCCL failure carries NCCL's own last error text (ncclGetLastError); NCCL_DEBUG=WARN prints
+///    NCCL's log. barrier is the host's; it does not synchronize the GPU.
 ///  - abort() aborts every NCCL communicator, then the host transport (under MPI: THE WHOLE JOB DIES).
 ///
 /// Threading: use the transport from one thread. The constructor makes `device` the calling thread's

@@ -62,6 +62,11 @@ class Transport {
   /// process-wide state -- LibTorch's default random generators above all -- and a Pipeline refuses what would
   /// make their results depend on how the threads interleave (twobp/random.h).
   virtual bool ranks_share_process() const { return false; }
+  /// How many ranks of this process compute on device() (this one included). Above 1, the device's process-wide
+  /// counters -- the caching allocator's statistics, a GPU's energy meter -- are every such rank's at once: memory
+  /// recording on such a device is refused, and energy is divided among them. Ranks in other processes are not
+  /// counted (a process has allocator statistics of its own; their energy readings are not divided).
+  virtual int ranks_sharing_device() const { return 1; }
 
   /// Sends `tensor` (contiguous) to options.peer. The tensor must not be modified until wait() returned.
   virtual std::unique_ptr<Work> isend(const at::Tensor& tensor, const P2POptions& options) = 0;
@@ -71,7 +76,8 @@ class Transport {
   virtual std::unique_ptr<Work> irecv(at::Tensor& buffer, const P2POptions& options) = 0;
 
   /// Sums `tensor` element-wise across all ranks in place. Any size and dtype the transport can add (losses and
-  /// norms as well as whole gradient buckets), on device(). Every rank must call it in the same order, with the
+  /// norms as well as whole gradient buckets), on device() -- or on the CPU, which every transport accepts (host
+  /// values such as losses and norms need no device round trip). Every rank must call it in the same order, with the
   /// same shape and dtype. Blocks at most `timeout`. Reduction order: each implementation documents it (Local and
   /// Store sum in rank order and are bitwise reproducible; MPI leaves the order to the MPI library).
   virtual void all_reduce_sum(at::Tensor& tensor, Duration timeout) = 0;

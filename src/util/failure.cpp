@@ -1,0 +1,57 @@
+#include "util/failure.h"
+
+#include <fmt/format.h>
+
+#include <regex>
+
+#include "twobp/error.h"
+
+namespace twobp::detail {
+namespace {
+
+// The most derived twobp type first (ScheduleError is a UsageError).
+const char* type_name(const std::exception& e) {
+  if (dynamic_cast<const ScheduleError*>(&e) != nullptr) return "ScheduleError";
+  if (dynamic_cast<const UsageError*>(&e) != nullptr) return "UsageError";
+  if (dynamic_cast<const NumericalError*>(&e) != nullptr) return "NumericalError";
+  if (dynamic_cast<const TimeoutError*>(&e) != nullptr) return "TimeoutError";
+  if (dynamic_cast<const TransportError*>(&e) != nullptr) return "TransportError";
+  if (dynamic_cast<const IOError*>(&e) != nullptr) return "IOError";
+  if (dynamic_cast<const Error*>(&e) != nullptr) return "Error";
+  return "exception";
+}
+
+template <class E>
+std::exception_ptr peer(const std::string& what, int rank) {
+  return std::make_exception_ptr(PeerError<E>(what, rank));
+}
+
+}  // namespace
+
+std::string failure_reason(int rank, const std::exception& e) {
+  // A re-raised peer error already quotes its root's reason: passing it on unchanged keeps that rank as the root.
+  if (dynamic_cast<const RaisedOnAnotherRank*>(&e) != nullptr) return e.what();
+  return fmt::format("rank {} failed ({}): {}", rank, type_name(e), e.what());
+}
+
+std::exception_ptr as_root_type(const std::exception& e) {
+  if (dynamic_cast<const TransportError*>(&e) == nullptr || dynamic_cast<const RaisedOnAnotherRank*>(&e) != nullptr) {
+    return nullptr;
+  }
+  // A rank that failed only because of another one quotes that one's reason after its own (as TransportError):
+  // the first reason of a type other than TransportError is the root's.
+  static const std::regex reason(R"(rank (\d+) failed \((\w+)\): )");
+  const std::string what = e.what();
+  for (auto it = std::sregex_iterator(what.begin(), what.end(), reason); it != std::sregex_iterator(); ++it) {
+    const int rank = std::stoi((*it)[1].str());
+    const std::string type = (*it)[2].str();
+    if (type == "ScheduleError") return peer<ScheduleError>(what, rank);
+    if (type == "UsageError") return peer<UsageError>(what, rank);
+    if (type == "NumericalError") return peer<NumericalError>(what, rank);
+    if (type == "TimeoutError") return peer<TimeoutError>(what, rank);
+    if (type == "IOError") return peer<IOError>(what, rank);
+  }
+  return nullptr;  // a transport failure, or not one of ours: TransportError says it already
+}
+
+}  // namespace twobp::detail

@@ -1,0 +1,196 @@
+#!/usr/bin/env python3
+"""Runs scripts/gpu_check.sh --dry-run on this CPU machine and checks what it leaves in its output directory.
+
+usage: check_gpu_check.py dry-run|injected SCRIPT CPU_BUILD WORK_DIR
+
+  dry-run   the plain dry run (deadline 200 s): exit 0, "gpu": false, every piece passed or was skipped with a
+            reason (the gpu tests skip without a GPU), the measurements and the summary's stage costs present,
+            exactly the 8 expected files
+  injected  the dry run with GPU_CHECK_INJECT="env:tools:hang,measure:split_seq16:fail" and a 150 s deadline: exit 1,
+            env:tools recorded as timeout (its process group killed, SIGTERM ignored so SIGKILL was needed),
+            measure:split_seq16 as fail, measure:simulate_seq16 skipped because of it, every other piece passed or
+            was skipped with a reason, the summary written and the run ended before its deadline
+
+Either fails when summary.json is missing, unreadable or wrong. After checking the real summary, the checker also
+checks itself: broken copies of that summary (no pieces, an unknown status, "gpu": true, ...) must be rejected.
+"""
+
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+STATUSES = {"pass", "fail", "timeout", "skipped"}
+FILES = {"summary.json", "check.log", "build.log", "tests.log", "split_seq16.json", "split_seq32.json",
+         "simulate_seq16.json", "simulate_seq32.json"}
+DEADLINE = {"dry-run": 200, "injected": 150}
+INJECT = "env:tools:hang,measure:split_seq16:fail"
+
+
+def validate(mode, s, files, rc, wall):
+    """Problems of one run: its summary s, the files of its output directory {name: bytes}, its exit code and
+    wall time."""
+    bad = []
+
+    def need(cond, msg):
+        if not cond:
+            bad.append(msg)
+        return cond
+
+    if not need(isinstance(s, dict), "summary.json is not an object"):
+        return bad
+    need(s.get("gpu") is False, '"gpu" is %r, not false' % s.get("gpu"))
+    need(s.get("mode") == "dry-run", '"mode" is %r' % s.get("mode"))
+    need(len(files) <= 8, "%d files in the output directory (at most 8): %s" % (len(files), sorted(files)))
+    need(all(size <= 16 << 20 for size in files.values()), "a file over 16 MiB: %s" % files)
+    need("summary.json" in files, "no summary.json among the files")
+    pieces = s.get("pieces")
+    if not need(isinstance(pieces, list) and pieces, '"pieces" is missing or empty'):
+        return bad
+    by_name = {}
+    for p in pieces:
+        if not need(isinstance(p, dict) and isinstance(p.get("name"), str) and p["name"], "a piece without a name: %r"
+                    % (p,)):
+            continue
+        name = p["name"]
+        need(name not in by_name, "piece %s recorded twice" % name)
+        by_name[name] = p
+        need(p.get("status") in STATUSES, "piece %s: status %r" % (name, p.get("status")))
+        need(isinstance(p.get("seconds"), (int, float)) and not isinstance(p.get("seconds"), bool)
+             and p["seconds"] >= 0, "piece %s: seconds %r" % (name, p.get("seconds")))
+        need(isinstance(p.get("detail"), str), "piece %s: detail %r" % (name, p.get("detail")))
+        if p.get("status") == "skipped":
+            need(bool(p.get("detail")), "piece %s skipped without a reason" % name)
+    deadline, total = s.get("deadline_s"), s.get("total_s")
+    need(deadline == DEADLINE[mode], "deadline_s %r, expected %r" % (deadline, DEADLINE[mode]))
+    need(isinstance(total, (int, float)) and isinstance(deadline, (int, float)) and total < deadline,
+         "total_s %r is not under deadline_s %r" % (total, deadline))
+    need(s.get("ended_before_deadline") is True, "ended_before_deadline is %r" % s.get("ended_before_deadline"))
+    need(wall < DEADLINE[mode] + 15, "the run took %.0f s, deadline %d s" % (wall, DEADLINE[mode]))
+    env = s.get("test_env") or {}
+    need(env.get("NCCL_DEBUG") and env.get("NCCL_DEBUG_SUBSYS") and "NCCL_MNNVL_ENABLE" in env,
+         "test_env lacks the NCCL settings: %r" % env)
+    need(isinstance(s.get("gpu_tests"), dict) and s["gpu_tests"], "gpu_tests is empty")
+    for name in ("env:torch", "third_party", "configure", "targets", "discover", "build:library", "build:twobp_bench",
+                 "measure:split_seq32", "measure:simulate_seq32", "summary"):
+        need(by_name.get(name, {}).get("status") == "pass", "piece %s: %s" % (name, by_name.get(name)))
+    tests = [p for n, p in by_name.items() if n.startswith("test:")]
+    need(tests, "no test: piece")
+    for p in tests:
+        need(p.get("status") in ("pass", "skipped"), "piece %s: %s %s" % (p["name"], p.get("status"), p.get("detail")))
+    need(any(n.startswith("list:") for n in by_name), "no list: piece")
+    costs = (s.get("stage_costs") or {}).get("seq32") or {}
+    need(isinstance(costs.get("forward_ms"), (int, float)) and costs["forward_ms"] > 0,
+         "stage_costs.seq32.forward_ms: %r" % costs.get("forward_ms"))
+    need(bool(costs.get("simulated_4gpu_m8_speedup_2bp_over_standard")), "no simulated speedups for seq32")
+
+    if mode == "dry-run":
+        need(rc == 0, "exit code %r, expected 0" % rc)
+        need(s.get("ok") is True and not s.get("not_ok"), "ok %r, not_ok %r" % (s.get("ok"), s.get("not_ok")))
+        need(set(files) == FILES, "files %s, expected %s" % (sorted(files), sorted(FILES)))
+        for name in ("measure:split_seq16", "measure:simulate_seq16"):
+            need(by_name.get(name, {}).get("status") == "pass", "piece %s: %s" % (name, by_name.get(name)))
+        need("seq16" in (s.get("stage_costs") or {}), "no stage_costs.seq16")
+        for p in pieces:
+            need(p.get("status") in ("pass", "skipped"), "piece %s: %s" % (p.get("name"), p.get("status")))
+    else:
+        need(rc == 1, "exit code %r, expected 1" % rc)
+        need(s.get("ok") is False, "ok is %r with an injected failure" % s.get("ok"))
+        need(s.get("inject") == INJECT, "inject %r" % s.get("inject"))
+        hang = by_name.get("env:tools", {})
+        need(hang.get("status") == "timeout" and hang.get("injected") == "hang", "env:tools: %s" % hang)
+        need(hang.get("group_cleaned") is True, "env:tools: its process group was not cleaned up: %s" % hang)
+        need("SIGKILL" in hang.get("detail", ""), "env:tools: the group ignores SIGTERM, yet no SIGKILL: %s" % hang)
+        fail = by_name.get("measure:split_seq16", {})
+        need(fail.get("status") == "fail" and fail.get("injected") == "fail", "measure:split_seq16: %s" % fail)
+        dep = by_name.get("measure:simulate_seq16", {})
+        need(dep.get("status") == "skipped" and "measure:split_seq16" in dep.get("detail", ""),
+             "measure:simulate_seq16: %s" % dep)
+        need(sorted(s.get("not_ok") or []) == ["env:tools", "measure:split_seq16"], "not_ok %r" % s.get("not_ok"))
+        for p in pieces:
+            if p.get("name") not in ("env:tools", "measure:split_seq16"):
+                need(p.get("status") in ("pass", "skipped"), "piece %s: %s %s" % (p.get("name"), p.get("status"),
+                                                                                 p.get("detail")))
+    return bad
+
+
+def self_test(mode, s, files, rc, wall):
+    """The checker must be able to fail: each broken copy of a good summary is rejected."""
+    def broken(fn):
+        c = copy.deepcopy(s)
+        fn(c)
+        return c
+
+    cases = {
+        "no pieces": broken(lambda c: c.pop("pieces")),
+        "gpu true": broken(lambda c: c.update(gpu=True)),
+        "unknown status": broken(lambda c: c["pieces"][0].update(status="passed")),
+        "no seconds": broken(lambda c: c["pieces"][-1].pop("seconds")),
+        "after the deadline": broken(lambda c: c.update(total_s=c["deadline_s"] + 1)),
+        "configure failed": broken(lambda c: [p.update(status="fail") for p in c["pieces"] if p["name"] == "configure"]),
+        "skipped without reason": broken(lambda c: [p.update(status="skipped", detail="") for p in c["pieces"]
+                                                    if p["name"].startswith("test:")]),
+        "no stage costs": broken(lambda c: c.update(stage_costs={})),
+    }
+    problems = []
+    for what, c in cases.items():
+        if not validate(mode, c, files, rc, wall):
+            problems.append("self-test: a summary with '%s' was accepted" % what)
+    if not validate(mode, s, dict(files, **{"extra%d.log" % i: 1 for i in range(3)}), rc, wall):
+        problems.append("self-test: 11 files were accepted")
+    if not validate(mode, s, files, 0 if rc else 1, wall):
+        problems.append("self-test: the wrong exit code was accepted")
+    if not validate(mode, None, files, rc, wall):
+        problems.append("self-test: a missing summary was accepted")
+    return problems
+
+
+def main():
+    if len(sys.argv) != 5 or sys.argv[1] not in DEADLINE:
+        sys.exit(__doc__)
+    mode, script, cpu_build, work = sys.argv[1:]
+    shutil.rmtree(work, ignore_errors=True)
+    out = os.path.join(work, "out")
+    os.makedirs(work)
+    env = dict(os.environ, GPU_CHECK_CPU_BUILD=cpu_build, GPU_CHECK_DEADLINE=str(DEADLINE[mode]))
+    env.pop("GPU_CHECK_BUILD_DIR", None)
+    env.pop("GPU_CHECK_INJECT", None)
+    env.setdefault("PYTHON", sys.executable)
+    if mode == "injected":
+        env.update(GPU_CHECK_INJECT=INJECT, GPU_CHECK_MAX_PIECE_SECONDS="90")
+    start = time.monotonic()
+    try:
+        rc = subprocess.run(["bash", script, "--dry-run", out], env=env, timeout=DEADLINE[mode] + 60).returncode
+    except subprocess.TimeoutExpired:
+        rc = "killed after %d s" % (DEADLINE[mode] + 60)
+    wall = time.monotonic() - start
+    print("check_gpu_check: %s: exit %s after %.1f s" % (mode, rc, wall))
+    files = {n: os.path.getsize(os.path.join(out, n)) for n in os.listdir(out)} if os.path.isdir(out) else {}
+    try:
+        with open(os.path.join(out, "summary.json")) as f:
+            summary = json.load(f)
+    except (OSError, ValueError) as e:
+        print("check_gpu_check: FAILED: no readable summary.json: %s" % e)
+        return 1
+    problems = validate(mode, summary, files, rc, wall)
+    leftovers = [n for n in os.listdir(work) if n.startswith("build-gpu-dry.")]
+    if leftovers:
+        problems.append("the dry run's build directory was left behind: %s" % leftovers)
+    if not problems:
+        problems = self_test(mode, summary, files, rc, wall)
+    for p in summary.get("pieces", []) if isinstance(summary, dict) else []:
+        print("  %-72s %-7s %6.1f s  %s" % (p.get("name"), p.get("status"), p.get("seconds") or 0,
+                                           str(p.get("detail"))[:100]))
+    if problems:
+        print("check_gpu_check: FAILED:\n  " + "\n  ".join(problems))
+        return 1
+    print("check_gpu_check: %s OK (%d pieces, %d files, %.1f s of a %d s deadline)" % (
+        mode, len(summary["pieces"]), len(files), summary["total_s"], summary["deadline_s"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
