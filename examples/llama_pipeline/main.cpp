@@ -39,6 +39,11 @@
 // checkpoints it when --checkpoint-dir is given); a later --resume continues to N with identical losses, because the
 // batch of step s depends only on (--seed, s) and the checkpoint holds the weights and the AdamW state.
 //
+// Evaluation: --eval-every N holds out the corpus's last --eval-fraction (never trained on) and, every N steps and
+// after the last, runs --eval-batches global batches of it through twobp::Pipeline::evaluate (forward only, the
+// chunks in eval mode): the validation loss and perplexity go to the progress line and the JSON ("eval_loss",
+// "eval_perplexity" on evaluated steps).
+//
 // Energy: every step's joules (the whole job's: NVML per GPU, RAPL per node where powercap is readable;
 // twobp/metrics/energy.h) and joules per token go to the progress line and the JSON ("energy_j", "j_per_token";
 // null, with "energy_note" saying why, where the hardware has no readable counter).
@@ -131,6 +136,9 @@ struct Args {
   std::string json;
   std::string powercap_root = twobp::energy::EnergyOptions{}.powercap_root;  // RAPL zones (energy on CPUs)
   uint64_t seed = 1234;
+  int eval_every = 0;          // evaluate on the held-out split every N steps (0: never)
+  int eval_batches = 2;        // global batches per evaluation
+  double eval_fraction = 0.1;  // the corpus's tail held out for evaluation when --eval-every > 0
 };
 
 /// The training precision of the memory estimates (twobp::models::training_precision) for --dtype.
@@ -335,6 +343,7 @@ struct StepRecord {
   double peak_memory_bytes;  // max over the pipeline's ranks of StepResult::peak_memory_bytes
   std::optional<double> energy_j;  // the whole job's, this step (twobp/metrics/energy.h); nullopt: not measured
   std::optional<double> j_per_token;
+  std::optional<double> eval_loss;  // the held-out split's mean loss after this step's update, when evaluated
 };
 
 /// What rank 0 reports and the threads share.
@@ -346,8 +355,30 @@ struct Shared {
   std::string energy_source, energy_note;  // rank 0's meter ("nvml", "rapl" or ""), and why it has none
 };
 
+/// The model inputs and targets of this rank for one replica's share of a global batch (empty where the rank owns
+/// neither end of the pipeline).
+struct RankBatch {
+  twobp::NamedTensors inputs, targets;
+};
+
+RankBatch rank_batch(const Args& a, const twobp::data::Batch& batch, int64_t share, int64_t rows, int64_t len,
+                     bool owns_first, bool owns_last) {
+  const at::Tensor ids = batch.inputs.narrow(0, share, rows).narrow(1, 0, len);
+  const at::Tensor next = batch.targets.narrow(0, share, rows).narrow(1, 0, len);
+  RankBatch out;
+  if (a.pack) {
+    if (owns_first) out.inputs = llm::packed_inputs(ids, a.doc_separator);
+    if (owns_last) out.targets = llm::packed_targets(ids, next, a.doc_separator);
+  } else {
+    if (owns_first) out.inputs = twobp::NamedTensors(ids);
+    if (owns_last) out.targets = twobp::NamedTensors(next);
+  }
+  return out;
+}
+
+/// `tokens`: the training split; `held_out`: the evaluation split (empty without --eval-every).
 void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, const std::vector<uint16_t>& tokens,
-                Shared& shared) {
+                const std::vector<uint16_t>& held_out, Shared& shared) {
   const Args& a = p.args;
   const auto timeout = twobp::Duration(static_cast<int64_t>(a.timeout_s * 1000));
   // The pipeline of this rank's replica, and the group of the same stages in every replica (dp > 1).
@@ -444,6 +475,9 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
   // One global batch per step, the same for every --dp; replica d trains on its d-th share.
   const int64_t replica_batch = a.microbatches * mbs;
   twobp::data::BatchSampler sampler(tokens, seq, p.dp * replica_batch, a.seed);
+  // Evaluation: the same --eval-batches global batches of the held-out split every time, full length.
+  std::optional<twobp::data::BatchSampler> eval_sampler;
+  if (a.eval_every > 0) eval_sampler.emplace(held_out, seq, p.dp * replica_batch, a.seed);
   const int end = a.stop_after > 0 ? std::min(a.stop_after, a.steps) : a.steps;
   const bool owns_first = p.schedule.stage_to_rank[0] == rank;
   const bool owns_last = p.schedule.stage_to_rank[last] == rank;
@@ -469,23 +503,23 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
     // batch of a step still depends only on (--seed, step).
     const int64_t len = twobp::data::warmup_seq_len(seq, step, a.seq_len_warmup);
     const double tokens_per_step = static_cast<double>(p.dp * replica_batch * len);
-    const auto batch = sampler.batch(step);
     const int64_t share = groups.replica() * replica_batch;
-    const at::Tensor ids = batch.inputs.narrow(0, share, replica_batch).narrow(1, 0, len);
-    const at::Tensor next = batch.targets.narrow(0, share, replica_batch).narrow(1, 0, len);
-    twobp::NamedTensors inputs, targets;
-    if (a.pack) {
-      if (owns_first) inputs = llm::packed_inputs(ids, a.doc_separator);
-      if (owns_last) targets = llm::packed_targets(ids, next, a.doc_separator);
-    } else {
-      if (owns_first) inputs = twobp::NamedTensors(ids);
-      if (owns_last) targets = twobp::NamedTensors(next);
-    }
-    auto result = pipeline.step(inputs, targets);
+    const RankBatch batch = rank_batch(a, sampler.batch(step), share, replica_batch, len, owns_first, owns_last);
+    auto result = pipeline.step(batch.inputs, batch.targets);
     const double norm = pipeline.clip_grad_norm(a.clip);
     optimizer.step();
     // The mean loss lives on the last stage's ranks; all-reduces bring the global batch's to everyone.
     const double loss = pipeline.mean_loss(result);
+    // Held-out loss of the updated weights (Pipeline::evaluate: forward only, the chunks in eval mode).
+    std::optional<double> eval_loss;
+    if (eval_sampler && ((step + 1) % a.eval_every == 0 || step + 1 == end)) {
+      double sum = 0.0;
+      for (int k = 0; k < a.eval_batches; ++k) {
+        const RankBatch held = rank_batch(a, eval_sampler->batch(k), share, replica_batch, seq, owns_first, owns_last);
+        sum += pipeline.evaluate(held.inputs, held.targets);
+      }
+      eval_loss = sum / a.eval_batches;
+    }
     // Each pipeline rank's peak in its own slot; the sum over ranks then holds every rank's.
     at::Tensor peaks = at::zeros({transport.world_size()}, at::kDouble);  // host values, reduced on the host
     peaks[rank] = static_cast<double>(result.peak_memory_bytes);
@@ -501,15 +535,17 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
     const double tokens_per_s = twobp::metrics::per_second(tokens_per_step, secs);
     if (reports) {
       const double remaining = elapsed / (step - start + 1) * (end - step - 1);
-      fmt::print("step {:>5}/{} | loss {:.4f} | grad norm {:.3f} | lr {:.2e} | {:.0f} tok/s | peak {} | "
+      fmt::print("step {:>5}/{} | loss {:.4f} | {}grad norm {:.3f} | lr {:.2e} | {:.0f} tok/s | peak {} | "
                  "{}elapsed {:.1f}s | remaining {:.1f}s\n",
-                 step + 1, a.steps, loss, norm, lr, tokens_per_s,
+                 step + 1, a.steps, loss,
+                 eval_loss ? fmt::format("val loss {:.4f} (ppl {:.2f}) | ", *eval_loss, std::exp(*eval_loss)) : "",
+                 norm, lr, tokens_per_s,
                  peak_memory < 0 ? std::string("n/a (rank threads share the GPU)")
                                  : fmt::format("{:.1f} MiB", peak_memory / (1024.0 * 1024.0)),
                  j_per_token ? fmt::format("{:.3g} J/tok | ", *j_per_token) : "", elapsed, remaining);
       std::fflush(stdout);
       std::lock_guard<std::mutex> lock(shared.mutex);
-      shared.records.push_back({step, loss, tokens_per_s, norm, lr, peak_memory, energy_j, j_per_token});
+      shared.records.push_back({step, loss, tokens_per_s, norm, lr, peak_memory, energy_j, j_per_token, eval_loss});
     }
     if (!a.trace.empty() && step + 1 == end) {
       std::lock_guard<std::mutex> lock(shared.mutex);
@@ -536,6 +572,11 @@ void validate_args(const Args& a) {
   TWOBP_CHECK(a.seq_len_warmup >= 0, twobp::UsageError, "--seq-len-warmup must be >= 0 (0: none)");
   TWOBP_CHECK(a.memory_limit_gb >= 0 && a.gpu_memory_gb >= 0, twobp::UsageError,
               "--memory-limit-gb and --gpu-memory-gb must be >= 0 (0: none)");
+  TWOBP_CHECK(a.eval_every >= 0 && a.eval_batches >= 1, twobp::UsageError,
+              "--eval-every must be >= 0 (0: no evaluation) and --eval-batches >= 1, got {} and {}", a.eval_every,
+              a.eval_batches);
+  TWOBP_CHECK(a.eval_fraction > 0 && a.eval_fraction < 1, twobp::UsageError,
+              "--eval-fraction must be in (0, 1), got {}", a.eval_fraction);
 }
 
 int run(Args args, int& argc, char**& argv) {
@@ -570,9 +611,21 @@ int run(Args args, int& argc, char**& argv) {
               twobp::UsageError, "--vocab {}: the built-in corpus is byte-level and needs a vocabulary of at least {} "
               "tokens; give --vocab {} or more, or --data with a token file", plan.config.vocab_size,
               twobp::data::ByteTokenizer::kVocabSize, twobp::data::ByteTokenizer::kVocabSize);
+  // --eval-every: the corpus's last --eval-fraction is held out (never trained on) for evaluation.
+  std::vector<uint16_t> held_out;
+  if (args.eval_every > 0) {
+    const auto held = static_cast<std::size_t>(static_cast<double>(tokens.size()) * args.eval_fraction);
+    held_out.assign(tokens.end() - static_cast<std::ptrdiff_t>(held), tokens.end());
+    tokens.resize(tokens.size() - held);
+    TWOBP_CHECK(static_cast<int64_t>(held_out.size()) > plan.seq_len, twobp::UsageError,
+                "--eval-fraction {} of {} holds out {} tokens, fewer than one sequence of --seq-len {} + 1; raise it "
+                "or shorten --seq-len", args.eval_fraction, args.data.empty() ? "the built-in corpus" : args.data,
+                held_out.size(), plan.seq_len);
+  }
   TWOBP_CHECK(static_cast<int64_t>(tokens.size()) > plan.seq_len, twobp::UsageError,
-              "{} has {} tokens, fewer than one sequence of --seq-len {} + 1",
-              args.data.empty() ? "the built-in corpus" : args.data, tokens.size(), plan.seq_len);
+              "{} has {} tokens{}, fewer than one sequence of --seq-len {} + 1",
+              args.data.empty() ? "the built-in corpus" : args.data, tokens.size(),
+              args.eval_every > 0 ? " left for training" : "", plan.seq_len);
   if (args.resume) {
     const auto manifest = ck::read_manifest(args.checkpoint_dir);
     ck::check_config(args.checkpoint_dir, manifest, plan.checkpoint_config, layout.pp);
@@ -638,7 +691,7 @@ int run(Args args, int& argc, char**& argv) {
     const c10::Device device = transport.device().is_cuda() ? transport.device()
                                : cuda && !processes ? c10::Device(c10::kCUDA, transport.rank() % gpus)
                                       : c10::Device(c10::kCPU);
-    train_rank(plan, transport, device, tokens, shared);
+    train_rank(plan, transport, device, tokens, held_out, shared);
   });
 
   if (my_rank != 0) return 0;
@@ -655,10 +708,19 @@ int run(Args args, int& argc, char**& argv) {
     if (!shared.energy_source.empty()) j["energy_source"] = shared.energy_source;
     if (!shared.energy_note.empty()) j["energy_note"] = shared.energy_note;
     j["steps"] = nlohmann::json::array();
+    if (args.eval_every > 0) {
+      j["eval"] = {{"every", args.eval_every}, {"batches", args.eval_batches}, {"fraction", args.eval_fraction},
+                   {"held_out_tokens", held_out.size()}};
+    }
     for (const auto& r : shared.records) {
-      j["steps"].push_back({{"step", r.step}, {"loss", r.loss}, {"tokens_per_s", r.tokens_per_s},
-                            {"grad_norm", r.grad_norm}, {"lr", r.lr}, {"peak_memory_bytes", r.peak_memory_bytes},
-                            {"energy_j", optional_json(r.energy_j)}, {"j_per_token", optional_json(r.j_per_token)}});
+      nlohmann::json step{{"step", r.step}, {"loss", r.loss}, {"tokens_per_s", r.tokens_per_s},
+                          {"grad_norm", r.grad_norm}, {"lr", r.lr}, {"peak_memory_bytes", r.peak_memory_bytes},
+                          {"energy_j", optional_json(r.energy_j)}, {"j_per_token", optional_json(r.j_per_token)}};
+      if (r.eval_loss) {
+        step["eval_loss"] = *r.eval_loss;
+        step["eval_perplexity"] = std::exp(*r.eval_loss);
+      }
+      j["steps"].push_back(step);
     }
     write_json(args.json, j);
   }
@@ -733,6 +795,10 @@ int main(int argc, char** argv) {
                  "Where RAPL's powercap zones are (energy per step on CPUs; another root for tests or containers)")
       ->capture_default_str();
   app.add_option("--seed", a.seed, "Seed of the weights and the data order");
+  app.add_option("--eval-every", a.eval_every,
+                 "Evaluate the held-out split every N steps and after the last (0: never; holds out --eval-fraction)");
+  app.add_option("--eval-batches", a.eval_batches, "Global batches per evaluation (the same ones every time)");
+  app.add_option("--eval-fraction", a.eval_fraction, "The corpus's tail held out for evaluation (default 0.1)");
   CLI11_PARSE(app, argc, argv);
   try {
     return run(a, argc, argv);

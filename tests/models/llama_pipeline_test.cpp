@@ -295,6 +295,48 @@ TEST(LlamaPipeline, MixedPrecisionResumeReproducesUninterruptedRun) {
   expect_close({full[2], full[3]}, second, 1e-6, "after resuming, step ");
 }
 
+// Evaluation on the held-out split (--eval-every): on every evaluated step and the last only, finite, and the
+// same for one pipeline of 8 micro-batches as for two replicas of 4 (the same global batches, forward only) and for
+// fused backward as for 2BP; the training losses change as the corpus loses its held-out tail.
+TEST(LlamaPipeline, EvaluationOfTheHeldOutSplit) {
+  const auto read = [](const std::string& name, const std::string& extra) {
+    const auto json = work_dir() + "/" + name + ".json";
+    const auto r = run(kBase + extra + " --json " + json);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    std::vector<std::pair<int, double>> evaluated;  // (step, eval_loss)
+    if (r.exit_code != 0) return evaluated;
+    EXPECT_NE(r.output.find("val loss"), std::string::npos) << r.output;
+    std::ifstream in(json);
+    const auto j = nlohmann::json::parse(in);
+    EXPECT_EQ(j.at("eval").at("every").get<int>(), 2);
+    for (const auto& s : j.at("steps")) {
+      if (!s.contains("eval_loss")) continue;
+      const double loss = s.at("eval_loss").get<double>();
+      EXPECT_TRUE(std::isfinite(loss));
+      EXPECT_NEAR(s.at("eval_perplexity").get<double>(), std::exp(loss), 1e-9 * std::exp(loss));
+      evaluated.emplace_back(s.at("step").get<int>(), loss);
+    }
+    return evaluated;
+  };
+  const std::string eval = " --schedule 1f1b --steps 5 --eval-every 2 --eval-batches 2";
+  const auto one = read("eval_dp1", eval + " --dp 1 --microbatches 8");
+  ASSERT_EQ(one.size(), 3u);  // after steps 2 and 4, and after the last (5)
+  EXPECT_EQ(one[0].first, 1);
+  EXPECT_EQ(one[1].first, 3);
+  EXPECT_EQ(one[2].first, 4);
+  const auto two = read("eval_dp2", eval + " --dp 2 --microbatches 4");
+  const auto fused = read("eval_fused", eval + " --dp 1 --microbatches 8 --no-2bp");
+  ASSERT_EQ(two.size(), one.size());
+  ASSERT_EQ(fused.size(), one.size());
+  for (std::size_t k = 0; k < one.size(); ++k) {
+    EXPECT_NEAR(two[k].second, one[k].second, 1e-4 * one[k].second) << "dp 2 vs dp 1, evaluation " << k;
+    EXPECT_NEAR(fused[k].second, one[k].second, 1e-4 * one[k].second) << "fused vs 2BP, evaluation " << k;
+  }
+  const auto r = run(kBase + "--steps 1 --eval-every 1 --eval-fraction 1.5");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("--eval-fraction"), std::string::npos) << r.output;
+}
+
 // Mixed precision with data parallelism: two replicas of 4 micro-batches train as one of 8 (the replicas average
 // the masters' float32 gradients, which differ from one replica's only in float32 summation order).
 TEST(LlamaPipeline, MixedPrecisionDataParallelMatchesOneReplica) {
