@@ -23,7 +23,8 @@
 // (twobp::ParallelLayout: a replica's stages are adjacent ranks, so they share a node). Every step reads one
 // global batch of D * --microbatches * --micro-batch-size sequences; replica d trains on the d-th share of it, and
 // gradients are averaged over the replicas (overlapped with W), so losses match a single pipeline with D times
-// the micro-batches. Checkpoints hold one copy per stage (replica 0 writes) and resume with any D.
+// the micro-batches. Checkpoints hold one copy per stage (replica 0 writes) under global tensor names, and resume
+// with any D and any pipeline layout (--stages, --schedule, --chunks-per-rank, --partition).
 //
 // Devices and precision: --device cuda puts rank r's chunks on GPU (local rank mod device count). Activations cross
 // ranks through the transport's device (CPU for Local/MPI: each chunk's forward moves its input to the GPU and its
@@ -157,7 +158,10 @@ struct Plan {
   llm::Partition partition;
   at::ScalarType dtype = at::kFloat;  // what the chunks compute in (and activations travel in)
   bool mixed_precision = false;       // bf16 compute with float32 masters (--dtype bf16)
+  // What a checkpoint must match to be resumed (the model and its training), and the layout it was written with
+  // (recorded, not checked: checkpoints load by global tensor name into any pp, dp, schedule and partition).
   ck::CheckpointConfig checkpoint_config;
+  ck::CheckpointConfig checkpoint_layout;
 };
 
 /// `world_size`: the pipeline ranks of one replica.
@@ -174,13 +178,11 @@ Plan make_plan(const Args& args, int world_size) {
   plan.partition = llm::make_partition(plan.config, plan.schedule.num_stages, plan.seq_len, args.partition);
   plan.dtype = args.dtype == "fp32" ? at::kFloat : at::kBFloat16;
   plan.mixed_precision = args.dtype == "bf16";
-  plan.checkpoint_config = {{"model", plan.config.name},
-                            {"stages", std::to_string(plan.schedule.num_stages)},
+  plan.checkpoint_config = {{"model", plan.config.name}, {"dtype", args.dtype}, {"seed", std::to_string(args.seed)}};
+  plan.checkpoint_layout = {{"stages", std::to_string(plan.schedule.num_stages)},
                             {"world_size", std::to_string(world_size)},
                             {"schedule", plan.schedule.name},
-                            {"partition", plan.partition.layout()},
-                            {"dtype", args.dtype},
-                            {"seed", std::to_string(args.seed)}};
+                            {"partition", plan.partition.layout()}};
   if (args.dims.any()) {  // a custom model: its sizes are part of what a checkpoint belongs to
     const auto& c = plan.config;
     plan.checkpoint_config["sizes"] = fmt::format("dim {} layers {} heads {} kv_heads {} ffn {} vocab {}", c.dim,
@@ -467,7 +469,9 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
                                             a.weight_decay));
   int start = 0;
   if (a.resume) {
-    auto loaded = ck::load_checkpoint(a.checkpoint_dir, p.checkpoint_config, rank, p.world_size, replicas);
+    // By global name: the parameters of this rank's chunks, wherever the checkpoint's layout had them.
+    auto loaded = ck::load_checkpoint_by_name(a.checkpoint_dir, p.checkpoint_config, ck::state_of(named),
+                                              fmt::format("rank {} (replica {})", rank, groups.replica()));
     ck::restore(loaded.tensors, named, &optimizer);
     start = static_cast<int>(loaded.step);
     if (reports) shared.resumed_from = start;
@@ -556,7 +560,9 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
       ck::NamedTensors state = named;
       auto opt = ck::adamw_state_tensors(optimizer, named);
       state.insert(state.end(), opt.begin(), opt.end());
-      ck::save_checkpoint(a.checkpoint_dir, step + 1, p.checkpoint_config, state, transport, timeout, replicas);
+      ck::CheckpointConfig config = p.checkpoint_config;
+      config.insert(p.checkpoint_layout.begin(), p.checkpoint_layout.end());
+      ck::save_checkpoint(a.checkpoint_dir, step + 1, config, state, transport, timeout, replicas);
       if (reports) fmt::print("checkpoint of step {} written to {}\n", step + 1, a.checkpoint_dir);
     }
   }
@@ -628,7 +634,7 @@ int run(Args args, int& argc, char**& argv) {
               args.eval_every > 0 ? " left for training" : "", plan.seq_len);
   if (args.resume) {
     const auto manifest = ck::read_manifest(args.checkpoint_dir);
-    ck::check_config(args.checkpoint_dir, manifest, plan.checkpoint_config, layout.pp);
+    ck::check_config(args.checkpoint_dir, manifest, plan.checkpoint_config);  // any layout: loaded by name
   }
   bool cuda = args.device == "cuda";
   TWOBP_CHECK(!cuda || torch::cuda::is_available(), twobp::UsageError,

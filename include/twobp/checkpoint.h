@@ -7,7 +7,9 @@
 // hold identical parameters and optimizer state, so a checkpoint is replica-independent: it holds one copy per
 // stage, written by replica 0 only (DataParallelCheckpoint), and any replica loads the shard of its pipeline rank.
 // Hence "rank" below always means the pipeline rank (0 .. pp-1), never the world rank; the number of shards is pp.
-// A checkpoint written with dp = D resumes with any number of replicas (dp may change between runs); pp may not.
+// A checkpoint written with dp = D resumes with any number of replicas (dp may change between runs). pp may not
+// change under load_checkpoint (by rank); load_checkpoint_by_name loads into any layout (pp, dp, chunks per rank,
+// partition), when the tensors carry global names (a parameter's name does not depend on which chunk holds it).
 //
 // Directory layout (one checkpoint directory holds the latest complete checkpoint):
 //   DIR/manifest.json                     the commit record, written last (temp file, fsync, rename, fsync DIR)
@@ -37,6 +39,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <utility>
@@ -108,6 +111,8 @@ Manifest read_manifest(const std::string& dir);
 /// or when the manifest's pipeline world size (pp, its number of shards) differs from `world_size`, this run's
 /// pipeline world size (pp, not dp x pp). The manifest's dp is not compared: any number of replicas may resume.
 void check_config(const std::string& dir, const Manifest& manifest, const CheckpointConfig& expected, int world_size);
+/// The configuration only (any pipeline world size): for checkpoints loaded by name.
+void check_config(const std::string& dir, const Manifest& manifest, const CheckpointConfig& expected);
 
 /// Reads and verifies (size, CRC-32, format) the shard of `rank`. Throws IOError naming the file and what failed.
 NamedTensors read_shard(const std::string& dir, const Manifest& manifest, int rank);
@@ -154,6 +159,21 @@ struct LoadedCheckpoint {
 /// UsageError naming both, the directory and this rank.
 LoadedCheckpoint load_checkpoint(const std::string& dir, const CheckpointConfig& expected, int rank, int world_size,
                                  const DataParallelCheckpoint& data_parallel = {});
+
+/// Layout-independent load: every tensor for which `wanted(name)` holds, from whichever shards hold it, after
+/// checking the configuration (not the pipeline world size: the checkpoint may come from any pp, dp, partition).
+/// Names must be global -- the same whichever chunk, stage or rank holds the tensor -- as a model whose chunks name
+/// their layers by global index gives them (twobp::models::LlamaChunk). Reads each shard's names by seeking past
+/// its data, then reads (and verifies: size, CRC-32, format) only the shards holding a wanted tensor. Purely
+/// local. `who` names this rank in errors. IOError for a name held by two shards or a damaged shard; a wanted
+/// name that no shard holds is left for restore() to report (naming it).
+LoadedCheckpoint load_checkpoint_by_name(const std::string& dir, const CheckpointConfig& expected,
+                                         const std::function<bool(const std::string&)>& wanted,
+                                         const std::string& who);
+
+/// The predicate of the tensors restore() takes for `params`: their names and their optimizer state's
+/// ("optim.<name>.<field>", adamw_state_tensors). For load_checkpoint_by_name.
+std::function<bool(const std::string&)> state_of(const NamedTensors& params);
 
 // ---- Module and optimizer state ----
 

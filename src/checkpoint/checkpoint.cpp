@@ -8,6 +8,7 @@
 #include <torch/optim/adamw.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cerrno>
 #include <cstring>
@@ -283,7 +284,7 @@ Manifest read_manifest(const std::string& dir) {
   return m;
 }
 
-void check_config(const std::string& dir, const Manifest& manifest, const CheckpointConfig& expected, int world_size) {
+void check_config(const std::string& dir, const Manifest& manifest, const CheckpointConfig& expected) {
   for (const auto& [key, value] : expected) {
     auto it = manifest.config.find(key);
     TWOBP_CHECK(it != manifest.config.end(), UsageError,
@@ -293,6 +294,10 @@ void check_config(const std::string& dir, const Manifest& manifest, const Checkp
                 "checkpoint {} was written for {}={}, but this run has {}={}: it belongs to another configuration",
                 dir, key, it->second, key, value);
   }
+}
+
+void check_config(const std::string& dir, const Manifest& manifest, const CheckpointConfig& expected, int world_size) {
+  check_config(dir, manifest, expected);
   // dp is deliberately not compared: every replica holds the same state, so any number of replicas can resume.
   TWOBP_CHECK(manifest.world_size == world_size, UsageError,
               "checkpoint {} was written by a pipeline of pp={} ranks (one shard per pipeline rank; dp={} replicas), "
@@ -405,6 +410,92 @@ LoadedCheckpoint load_checkpoint(const std::string& dir, const CheckpointConfig&
   }
   // Any replica reads the shard of its pipeline rank: the shards do not depend on the replica.
   return {m.step, read_shard(dir, m, rank)};
+}
+
+namespace {
+
+// The tensor names of a shard, in file order, read by seeking past the data (no CRC: read_shard verifies the
+// shards actually loaded). IOError for a file too short for what it declares.
+std::vector<std::string> shard_tensor_names(const std::string& dir, const ShardInfo& info) {
+  const std::string path = join(dir, info.file);
+  std::ifstream in(path, std::ios::binary);
+  TWOBP_CHECK(in.is_open(), IOError, "checkpoint: cannot open shard {}", path);
+  const uint64_t size = info.bytes;
+  uint64_t pos = 0;
+  auto bytes = [&](std::size_t n, const char* what) {
+    TWOBP_CHECK(n <= size - pos, IOError, "checkpoint shard {}: truncated {} at offset {}", path, what, pos);
+    std::string out(n, '\0');
+    in.read(out.data(), static_cast<std::streamsize>(n));
+    TWOBP_CHECK(in.good(), IOError, "checkpoint shard {}: reading {} at offset {} failed", path, what, pos);
+    pos += n;
+    return out;
+  };
+  auto le = [&](std::size_t n, const char* what) {
+    const std::string b = bytes(n, what);
+    uint64_t v = 0;
+    for (std::size_t i = 0; i < n; ++i) v |= static_cast<uint64_t>(static_cast<unsigned char>(b[i])) << (8 * i);
+    return v;
+  };
+  TWOBP_CHECK(bytes(sizeof(kMagic), "magic") == std::string(kMagic, sizeof(kMagic)), IOError,
+              "checkpoint shard {}: bad magic at offset 0", path);
+  TWOBP_CHECK(le(4, "version") == kShardVersion, IOError, "checkpoint shard {}: unknown version at offset 8", path);
+  const uint64_t count = le(4, "tensor count");
+  std::vector<std::string> names;
+  for (uint64_t i = 0; i < count; ++i) {
+    const uint64_t name_len = le(4, "name length");
+    names.push_back(bytes(name_len, "name"));
+    le(1, "dtype");
+    const uint64_t ndim = le(4, "ndim");
+    TWOBP_CHECK(ndim <= (size - pos) / 8, IOError, "checkpoint shard {}: truncated dims at offset {}", path, pos);
+    for (uint64_t d = 0; d < ndim; ++d) le(8, "dims");
+    const uint64_t nbytes = le(8, "byte count");
+    TWOBP_CHECK(nbytes <= size - pos, IOError, "checkpoint shard {}: tensor '{}' declares {} bytes at offset {}, "
+                "{} left", path, names.back(), nbytes, pos, size - pos);
+    in.seekg(static_cast<std::streamoff>(nbytes), std::ios::cur);
+    pos += nbytes;
+  }
+  return names;
+}
+
+}  // namespace
+
+LoadedCheckpoint load_checkpoint_by_name(const std::string& dir, const CheckpointConfig& expected,
+                                         const std::function<bool(const std::string&)>& wanted,
+                                         const std::string& who) {
+  const Manifest m = read_manifest(dir);
+  try {
+    check_config(dir, m, expected);
+  } catch (const UsageError& e) {
+    throw UsageError(fmt::format("{}: {}", who, e.what()));
+  }
+  LoadedCheckpoint out;
+  out.step = m.step;
+  std::map<std::string, int> found;  // name -> the shard it came from
+  for (const auto& info : m.shards) {
+    const std::vector<std::string> names = shard_tensor_names(dir, info);
+    if (std::none_of(names.begin(), names.end(), wanted)) continue;
+    for (auto& [name, t] : read_shard(dir, m, info.rank)) {
+      if (!wanted(name)) continue;
+      const auto [it, fresh] = found.emplace(name, info.rank);
+      TWOBP_CHECK(fresh, IOError, "{}: checkpoint {} holds tensor '{}' in the shards of ranks {} and {}; a checkpoint "
+                  "loaded by name needs each name once (global names, as module_tensors of chunks named by global "
+                  "layer give them)", who, dir, name, it->second, info.rank);
+      out.tensors.emplace_back(name, std::move(t));
+    }
+  }
+  return out;
+}
+
+std::function<bool(const std::string&)> state_of(const NamedTensors& params) {
+  std::set<std::string> names;
+  for (const auto& [name, t] : params) names.insert(name);
+  return [names = std::move(names)](const std::string& tensor) {
+    if (names.count(tensor) != 0) return true;
+    // "optim.<name>.<field>" (adamw_state_tensors): <name> may itself contain dots, <field> does not.
+    if (tensor.rfind("optim.", 0) != 0) return false;
+    const std::size_t dot = tensor.rfind('.');
+    return dot > 6 && names.count(tensor.substr(6, dot - 6)) != 0;
+  };
 }
 
 NamedTensors module_tensors(const torch::nn::Module& module, const std::string& prefix) {

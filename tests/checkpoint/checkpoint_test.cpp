@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <thread>
@@ -437,4 +438,105 @@ TEST(DataParallelCheckpoint, ManifestWithoutDpReadsAsOneReplica) {
   write_json(path, j);
   EXPECT_THROW(ck::read_manifest(dir), twobp::IOError);
   remove_tree(parent_dir(dir));
+}
+
+namespace {
+
+// The ranks of a `stages`-chunk partition of the tiny model (each chunk names its blocks by global layer).
+std::vector<Rank> make_layout(int stages, const std::string& partition, uint64_t seed) {
+  const auto c = llm::config_by_name("tiny");
+  const auto part = llm::make_partition(c, stages, 64, partition);
+  std::vector<Rank> ranks;
+  for (int r = 0; r < stages; ++r) ranks.emplace_back(c, part.chunks[r], seed);
+  return ranks;
+}
+
+}  // namespace
+
+// A checkpoint of 2 ranks loads by name into 4 ranks (a block each) and into 1 rank (everything): every tensor and
+// its optimizer state is where the new layout needs it, bit for bit, and training continues identically.
+TEST(LoadByName, AnyLayoutGetsItsTensorsWhereverTheyWere) {
+  const auto dir = fresh_dir("by_name");
+  auto ranks = make_ranks(1);
+  for (int s = 0; s < 2; ++s)
+    for (auto& r : ranks) r.train_step(s);
+  save_both(dir, 2, ranks, config_for("tiny"));
+  std::map<std::string, at::Tensor> saved;
+  for (const auto& r : ranks) {
+    for (const auto& [name, t] : r.state()) saved.emplace(name, t);
+  }
+  for (const auto& [stages, partition] : std::vector<std::pair<int, std::string>>{{4, "1,1,1,1"}, {1, "4"}}) {
+    SCOPED_TRACE(std::to_string(stages) + " ranks");
+    auto other = make_layout(stages, partition, 99);  // other weights, no optimizer state
+    std::size_t seen = 0;
+    for (int r = 0; r < stages; ++r) {
+      // The layout keys of the manifest (stages, partition) are not compared: only what is expected.
+      auto loaded = ck::load_checkpoint_by_name(dir, {{"model", "tiny"}}, ck::state_of(other[r].params),
+                                                "rank " + std::to_string(r));
+      EXPECT_EQ(loaded.step, 2);
+      ck::restore(loaded.tensors, other[r].params, other[r].optimizer.get());
+      for (const auto& [name, t] : other[r].state()) {
+        ASSERT_TRUE(saved.count(name)) << name;
+        EXPECT_TRUE(torch::equal(t, saved.at(name))) << name;
+        ++seen;
+      }
+    }
+    EXPECT_EQ(seen, saved.size()) << "every saved tensor lands on exactly one rank";
+  }
+  remove_tree(parent_dir(dir));
+}
+
+// Only the shards holding a wanted tensor are read (and verified): a damaged shard fails exactly the loads that
+// need it, naming it. A checkpoint holding one name in two shards is refused, naming both.
+TEST(LoadByName, ReadsAndVerifiesTheShardsItNeeds) {
+  const auto dir = fresh_dir("by_name_corrupt");
+  auto ranks = make_ranks(1);
+  save_both(dir, 1, ranks, config_for("tiny"));
+  const auto shard = dir + "/shard-step1-rank1.bin";
+  {
+    std::fstream f(shard, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(file_size(shard) - 8));  // inside the last tensor's data
+    f.put('\x5a');
+  }
+  auto first = make_layout(2, "2,2", 7);
+  EXPECT_NO_THROW(ck::load_checkpoint_by_name(dir, {}, ck::state_of(first[0].params), "rank 0"));
+  try {
+    ck::load_checkpoint_by_name(dir, {}, ck::state_of(first[1].params), "rank 1");
+    FAIL() << "expected IOError";
+  } catch (const twobp::IOError& e) {
+    EXPECT_NE(std::string(e.what()).find("CRC-32 mismatch"), std::string::npos) << e.what();
+  }
+  // A configuration mismatch names this rank.
+  try {
+    ck::load_checkpoint_by_name(dir, {{"model", "7b"}}, ck::state_of(first[0].params), "rank 0 (replica 1)");
+    FAIL() << "expected UsageError";
+  } catch (const twobp::UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 0 (replica 1)"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("model=tiny"), std::string::npos) << e.what();
+  }
+  remove_tree(parent_dir(dir));
+
+  const auto twice = fresh_dir("by_name_twice");
+  std::vector<Rank> same = make_layout(2, "2,2", 3);
+  same[1] = std::move(make_layout(2, "2,2", 3)[0]);  // both ranks hold stage 0's tensors
+  save_both(twice, 1, same, config_for("tiny"));
+  try {
+    ck::load_checkpoint_by_name(twice, {}, ck::state_of(same[0].params), "rank 0");
+    FAIL() << "expected IOError";
+  } catch (const twobp::IOError& e) {
+    EXPECT_NE(std::string(e.what()).find("ranks 0 and 1"), std::string::npos) << e.what();
+  }
+  remove_tree(parent_dir(twice));
+}
+
+TEST(LoadByName, StateOfMatchesParametersAndTheirOptimizerState) {
+  const ck::NamedTensors params = {{"layers.1.wq.weight", at::Tensor()}, {"embed.weight", at::Tensor()}};
+  const auto wanted = ck::state_of(params);
+  EXPECT_TRUE(wanted("layers.1.wq.weight"));
+  EXPECT_TRUE(wanted("optim.layers.1.wq.weight.exp_avg_sq"));
+  EXPECT_TRUE(wanted("optim.embed.weight.step"));
+  EXPECT_FALSE(wanted("layers.1.wk.weight"));
+  EXPECT_FALSE(wanted("optim.layers.1.wq.exp_avg"));
+  EXPECT_FALSE(wanted("optim.layers.1.wq.weight"));  // "optim.<name>" without a field
+  EXPECT_FALSE(wanted("layers.1.wq.weight.exp_avg"));
 }

@@ -358,11 +358,39 @@ TEST(LlamaPipeline, ResumeReproducesUninterruptedRun) {
   expect_close({full[0], full[1]}, first, 1e-6, "before the checkpoint, step ");
   expect_close({full[2], full[3]}, second, 1e-5, "after resuming, step ");
 
-  // A checkpoint of another configuration is refused before any step.
-  const auto r = run(kBase + "--schedule gpipe --steps 4 --resume --checkpoint-dir " + ckpt);
+  // A checkpoint of another training configuration is refused before any step.
+  const auto r = run(kBase + "--schedule 1f1b --dtype bf16 --steps 4 --resume --checkpoint-dir " + ckpt);
   EXPECT_EQ(r.exit_code, 2) << r.output;
-  EXPECT_NE(r.output.find("schedule=1f1b"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("dtype=fp32"), std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("loss"), std::string::npos) << r.output;
+}
+
+// Checkpoints hold tensors under global names, so a run resumes under another layout -- pp, dp, schedule,
+// chunks per rank -- with the losses of the uninterrupted run (same global batch: dp x micro-batches fixed).
+TEST(LlamaPipeline, CheckpointResumesUnderAnotherLayout) {
+  const auto full = train("layout_full", "--schedule 1f1b --steps 4");
+  ASSERT_EQ(full.size(), 4u);
+  const auto from_pp2 = work_dir() + "/ckpt_layout_pp2";
+  const auto first = train("layout_first", "--schedule 1f1b --steps 4 --stop-after 2 --checkpoint-dir " + from_pp2);
+  expect_close({full[0], full[1]}, first, 1e-6, "pp 2 before the checkpoint, step ");
+  const std::vector<std::pair<std::string, std::string>> layouts = {
+      {"pp4", "--stages 4 --schedule zb-h1"},
+      {"pp1", "--stages 1 --schedule 1f1b"},
+      {"pp2_v2", "--stages 2 --schedule interleaved-1f1b --chunks-per-rank 2"},
+      {"pp1_dp2", "--stages 1 --dp 2 --microbatches 2 --schedule gpipe"},
+  };
+  for (const auto& [name, layout] : layouts) {
+    // Each resume writes its own checkpoint at the end: resume from a copy.
+    const auto dir = work_dir() + "/ckpt_layout_" + name;
+    ASSERT_EQ(std::system(("rm -rf " + dir + " && cp -r " + from_pp2 + " " + dir).c_str()), 0);
+    const auto second = train("layout_" + name, layout + " --steps 4 --resume --checkpoint-dir " + dir);
+    expect_close({full[2], full[3]}, second, 1e-5, "resumed as " + name + ", step ");
+  }
+  // And back: a checkpoint written by 4 ranks (one block each) resumes on 2.
+  const auto from_pp4 = work_dir() + "/ckpt_layout_pp4_source";
+  train("layout_pp4_first", "--stages 4 --schedule 1f1b --steps 4 --stop-after 2 --checkpoint-dir " + from_pp4);
+  const auto back = train("layout_pp4_to_pp2", "--schedule zb-v --steps 4 --resume --checkpoint-dir " + from_pp4);
+  expect_close({full[2], full[3]}, back, 1e-5, "pp 4 resumed as pp 2 (zb-v), step ");
 }
 
 // Two replicas of a 2-rank pipeline (4 threads) on 4 micro-batches each train like one pipeline on 8: the same
