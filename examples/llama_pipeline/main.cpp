@@ -40,6 +40,11 @@
 // checkpoints it when --checkpoint-dir is given); a later --resume continues to N with identical losses, because the
 // batch of step s depends only on (--seed, s) and the checkpoint holds the weights and the AdamW state.
 //
+// Optimizer: AdamW (betas 0.9, 0.95), over the float32 masters with --dtype bf16. --zero 1 shards its state over
+// the --dp replicas (twobp::ShardedOptimizer, ZeRO-1): each replica steps its share and broadcasts the updated
+// parameters; the JSON's "optimizer_state_bytes" is the most any rank held (measured after the last step).
+// Checkpoints gather the whole state and any --zero / --dp resumes from them.
+//
 // Evaluation: --eval-every N holds out the corpus's last --eval-fraction (never trained on) and, every N steps and
 // after the last, runs --eval-batches global batches of it through twobp::Pipeline::evaluate (forward only, the
 // chunks in eval mode): the validation loss and perplexity go to the progress line and the JSON ("eval_loss",
@@ -80,6 +85,7 @@
 #include "twobp/runtime/launch.h"
 #include "twobp/runtime/mpi_launch.h"
 #include "twobp/runtime/pipeline.h"
+#include "twobp/runtime/sharded_optimizer.h"
 #include "twobp/schedule/schedule.h"
 #include "twobp/trace/trace.h"
 #include "twobp/transport/launch.h"
@@ -137,6 +143,7 @@ struct Args {
   std::string json;
   std::string powercap_root = twobp::energy::EnergyOptions{}.powercap_root;  // RAPL zones (energy on CPUs)
   uint64_t seed = 1234;
+  int zero = 0;                // 1: AdamW state sharded over the data-parallel replicas (ZeRO-1)
   int eval_every = 0;          // evaluate on the held-out split every N steps (0: never)
   int eval_batches = 2;        // global batches per evaluation
   double eval_fraction = 0.1;  // the corpus's tail held out for evaluation when --eval-every > 0
@@ -265,6 +272,7 @@ int dry_run(const Plan& p) {
   mo.seq_len = p.seq_len;
   mo.precision = llm::training_precision(training_precision_name(p.args));
   mo.recompute = p.args.recompute;
+  mo.optimizer_shards = p.args.zero == 1 ? p.dp : 1;
   const auto ranks = llm::estimate_memory(cfg, p.partition, p.schedule, mo);
   const double gib = 1024.0 * 1024.0 * 1024.0;
   const double budget = p.args.gpu_memory_gb * gib;
@@ -348,6 +356,56 @@ struct StepRecord {
   std::optional<double> eval_loss;  // the held-out split's mean loss after this step's update, when evaluated
 };
 
+/// AdamW over this rank's parameters: plain, or with --zero 1 sharded over the replicas (twobp::ShardedOptimizer).
+class Optimizer {
+ public:
+  Optimizer(std::vector<at::Tensor> params, const torch::optim::AdamWOptions& options, twobp::Transport* replicas,
+            bool shard, twobp::Duration timeout) {
+    if (shard) {
+      sharded_ = std::make_unique<twobp::ShardedOptimizer>(
+          std::move(params), replicas,
+          [options](std::vector<at::Tensor> owned) -> std::unique_ptr<torch::optim::Optimizer> {
+            return std::make_unique<torch::optim::AdamW>(std::move(owned), options);
+          },
+          timeout);
+    } else {
+      plain_ = std::make_unique<torch::optim::AdamW>(std::move(params), options);
+    }
+  }
+  void set_lr(double lr) {
+    torch::optim::Optimizer* o = plain_ ? plain_.get() : sharded_->local();
+    if (o == nullptr) return;  // a replica that owns no parameter
+    for (auto& group : o->param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+  }
+  void step() { plain_ ? (void)plain_->step() : sharded_->step(); }
+  /// Every parameter's state as a checkpoint holds it (collective over the replicas when sharded).
+  ck::NamedTensors state(const ck::NamedTensors& named) {
+    return plain_ ? ck::adamw_state_tensors(*plain_, named) : sharded_->gathered_adamw_state(named);
+  }
+  /// Weights and this rank's share of the state from a checkpoint holding every parameter's.
+  void restore(const ck::NamedTensors& loaded, const ck::NamedTensors& named) {
+    if (plain_) return ck::restore(loaded, named, plain_.get());
+    ck::restore(loaded, named, nullptr);
+    sharded_->restore_adamw_state(loaded, named);
+  }
+  /// Bytes of the optimizer state this rank holds.
+  int64_t state_bytes() const {
+    if (sharded_) return sharded_->state_bytes();
+    int64_t bytes = 0;
+    for (const auto& [key, s] : plain_->state()) {
+      const auto& a = static_cast<const torch::optim::AdamWParamState&>(*s);
+      for (const at::Tensor& t : {a.exp_avg(), a.exp_avg_sq(), a.max_exp_avg_sq()}) {
+        if (t.defined()) bytes += static_cast<int64_t>(t.numel() * t.element_size());
+      }
+    }
+    return bytes;
+  }
+
+ private:
+  std::unique_ptr<torch::optim::AdamW> plain_;
+  std::unique_ptr<twobp::ShardedOptimizer> sharded_;
+};
+
 /// What rank 0 reports and the threads share.
 struct Shared {
   std::mutex mutex;
@@ -355,6 +413,7 @@ struct Shared {
   std::vector<twobp::Trace> traces;  // last step, per rank (threads mode)
   int64_t resumed_from = 0;
   std::string energy_source, energy_note;  // rank 0's meter ("nvml", "rapl" or ""), and why it has none
+  std::vector<double> optimizer_state_bytes;  // by world rank, after the last step
 };
 
 /// The model inputs and targets of this rank for one replica's share of a global batch (empty where the rank owns
@@ -465,14 +524,14 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
   // step it twice. With mixed precision the optimizer and the checkpoints hold the float32 masters.
   params = pipeline.parameters();
   for (auto& entry : named) entry.second = pipeline.master_weight(entry.second);
-  torch::optim::AdamW optimizer(params, torch::optim::AdamWOptions(a.lr).betas({0.9, 0.95}).weight_decay(
-                                            a.weight_decay));
+  Optimizer optimizer(params, torch::optim::AdamWOptions(a.lr).betas({0.9, 0.95}).weight_decay(a.weight_decay),
+                      groups.data_parallel(), a.zero == 1, timeout);
   int start = 0;
   if (a.resume) {
     // By global name: the parameters of this rank's chunks, wherever the checkpoint's layout had them.
     auto loaded = ck::load_checkpoint_by_name(a.checkpoint_dir, p.checkpoint_config, ck::state_of(named),
                                               fmt::format("rank {} (replica {})", rank, groups.replica()));
-    ck::restore(loaded.tensors, named, &optimizer);
+    optimizer.restore(loaded.tensors, named);
     start = static_cast<int>(loaded.step);
     if (reports) shared.resumed_from = start;
   }
@@ -501,7 +560,7 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
     const auto ts = std::chrono::steady_clock::now();
     const std::optional<double> e0 = rank_energy.share();
     const double lr = learning_rate(a, step);
-    for (auto& group : optimizer.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+    optimizer.set_lr(lr);
     pipeline.zero_grad();
     // The step's sequence length (shorter during --seq-len-warmup): a prefix of the full-length windows, so the
     // batch of a step still depends only on (--seed, step).
@@ -558,7 +617,7 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
     const bool periodic = a.checkpoint_every > 0 && (step + 1) % a.checkpoint_every == 0;
     if (!a.checkpoint_dir.empty() && (periodic || step + 1 == end)) {
       ck::NamedTensors state = named;
-      auto opt = ck::adamw_state_tensors(optimizer, named);
+      auto opt = optimizer.state(named);
       state.insert(state.end(), opt.begin(), opt.end());
       ck::CheckpointConfig config = p.checkpoint_config;
       config.insert(p.checkpoint_layout.begin(), p.checkpoint_layout.end());
@@ -566,9 +625,21 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
       if (reports) fmt::print("checkpoint of step {} written to {}\n", step + 1, a.checkpoint_dir);
     }
   }
+  // The optimizer state each rank holds (with --zero 1, its share), every world rank's in its slot.
+  at::Tensor state_bytes = at::zeros({world.world_size()}, at::kDouble);  // host values, reduced on the host
+  state_bytes[world.rank()] = static_cast<double>(optimizer.state_bytes());
+  world.all_reduce_sum(state_bytes, timeout);
+  if (reports) {
+    std::lock_guard<std::mutex> lock(shared.mutex);
+    const double* b = state_bytes.data_ptr<double>();
+    shared.optimizer_state_bytes.assign(b, b + state_bytes.numel());
+  }
 }
 
 void validate_args(const Args& a) {
+  TWOBP_CHECK(a.zero == 0 || a.zero == 1, twobp::UsageError,
+              "--zero must be 0 (each replica holds all optimizer state) or 1 (sharded over the replicas), got {}",
+              a.zero);
   TWOBP_CHECK(a.microbatches >= 1 && a.micro_batch_size >= 1 && a.steps >= 1 && a.stages >= 1 && a.dp >= 1 &&
                   a.chunks_per_rank >= 0,
               twobp::UsageError, "--microbatches, --micro-batch-size, --steps, --stages and --dp must be positive, "
@@ -709,6 +780,13 @@ int run(Args args, int& argc, char**& argv) {
   if (!args.json.empty()) {
     nlohmann::json j = config_json(plan);
     j["resumed_from"] = shared.resumed_from;
+    j["zero"] = args.zero;
+    // Measured: the bytes of AdamW state each rank held after the last step (its max, and every world rank's).
+    j["optimizer_state_bytes"] = shared.optimizer_state_bytes.empty()
+                                     ? nlohmann::json()
+                                     : nlohmann::json(*std::max_element(shared.optimizer_state_bytes.begin(),
+                                                                        shared.optimizer_state_bytes.end()));
+    j["optimizer_state_bytes_per_rank"] = shared.optimizer_state_bytes;
     auto optional_json = [](const std::optional<double>& x) { return x ? nlohmann::json(*x) : nlohmann::json(); };
     j["energy_source"] = nullptr;  // no meter on rank 0
     if (!shared.energy_source.empty()) j["energy_source"] = shared.energy_source;
@@ -801,6 +879,7 @@ int main(int argc, char** argv) {
                  "Where RAPL's powercap zones are (energy per step on CPUs; another root for tests or containers)")
       ->capture_default_str();
   app.add_option("--seed", a.seed, "Seed of the weights and the data order");
+  app.add_option("--zero", a.zero, "1: shard the AdamW state over the --dp replicas (ZeRO-1); 0: do not");
   app.add_option("--eval-every", a.eval_every,
                  "Evaluate the held-out split every N steps and after the last (0: never; holds out --eval-fraction)");
   app.add_option("--eval-batches", a.eval_batches, "Global batches per evaluation (the same ones every time)");

@@ -181,6 +181,11 @@ std::function<bool(const std::string&)> state_of(const NamedTensors& params);
 /// appear once, under the first name.
 NamedTensors module_tensors(const torch::nn::Module& module, const std::string& prefix = {});
 
+/// The prefix of optimizer state names, and the name of one field of a parameter's state: "optim.<name>.<field>"
+/// (the one rule every reader and writer of optimizer state uses).
+inline constexpr const char* kOptimizerPrefix = "optim.";
+std::string optimizer_state_name(const std::string& parameter, const std::string& field);
+
 /// AdamW state of `params` (name -> parameter), as "optim.<name>.exp_avg", ".exp_avg_sq", ".step" (int64 scalar)
 /// and ".max_exp_avg_sq" when amsgrad. Parameters the optimizer has not stepped yet have no entries.
 NamedTensors adamw_state_tensors(const torch::optim::AdamW& optimizer, const NamedTensors& params);

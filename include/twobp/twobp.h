@@ -29,6 +29,7 @@
 #include "twobp/runtime/launch.h"
 #include "twobp/runtime/mpi_launch.h"
 #include "twobp/runtime/pipeline.h"
+#include "twobp/runtime/sharded_optimizer.h"
 #include "twobp/trace/trace.h"
 
 #include "twobp/transport/launch.h"

@@ -491,11 +491,16 @@ std::function<bool(const std::string&)> state_of(const NamedTensors& params) {
   for (const auto& [name, t] : params) names.insert(name);
   return [names = std::move(names)](const std::string& tensor) {
     if (names.count(tensor) != 0) return true;
-    // "optim.<name>.<field>" (adamw_state_tensors): <name> may itself contain dots, <field> does not.
-    if (tensor.rfind("optim.", 0) != 0) return false;
+    // optimizer_state_name(name, field): <name> may itself contain dots, <field> does not.
+    const std::size_t prefix = std::strlen(kOptimizerPrefix);
+    if (tensor.rfind(kOptimizerPrefix, 0) != 0) return false;
     const std::size_t dot = tensor.rfind('.');
-    return dot > 6 && names.count(tensor.substr(6, dot - 6)) != 0;
+    return dot > prefix && names.count(tensor.substr(prefix, dot - prefix)) != 0;
   };
+}
+
+std::string optimizer_state_name(const std::string& parameter, const std::string& field) {
+  return kOptimizerPrefix + parameter + "." + field;
 }
 
 NamedTensors module_tensors(const torch::nn::Module& module, const std::string& prefix) {
@@ -517,10 +522,10 @@ NamedTensors adamw_state_tensors(const torch::optim::AdamW& optimizer, const Nam
     auto it = state.find(p.unsafeGetTensorImpl());
     if (it == state.end()) continue;
     const auto& s = static_cast<const torch::optim::AdamWParamState&>(*it->second);
-    out.emplace_back("optim." + name + ".step", at::scalar_tensor(s.step(), at::kLong));
-    out.emplace_back("optim." + name + ".exp_avg", s.exp_avg());
-    out.emplace_back("optim." + name + ".exp_avg_sq", s.exp_avg_sq());
-    if (s.max_exp_avg_sq().defined()) out.emplace_back("optim." + name + ".max_exp_avg_sq", s.max_exp_avg_sq());
+    out.emplace_back(optimizer_state_name(name, "step"), at::scalar_tensor(s.step(), at::kLong));
+    out.emplace_back(optimizer_state_name(name, "exp_avg"), s.exp_avg());
+    out.emplace_back(optimizer_state_name(name, "exp_avg_sq"), s.exp_avg_sq());
+    if (s.max_exp_avg_sq().defined()) out.emplace_back(optimizer_state_name(name, "max_exp_avg_sq"), s.max_exp_avg_sq());
   }
   return out;
 }
@@ -550,20 +555,20 @@ void restore(const NamedTensors& loaded, const NamedTensors& params, torch::opti
                 c10::toString(src->scalar_type()), c10::toString(p.scalar_type()));
     p.copy_(*src);
     if (optimizer == nullptr) continue;
-    const at::Tensor* step = find("optim." + name + ".step");
+    const at::Tensor* step = find(optimizer_state_name(name, "step"));
     if (step == nullptr) continue;
-    const at::Tensor* m1 = find("optim." + name + ".exp_avg");
-    const at::Tensor* m2 = find("optim." + name + ".exp_avg_sq");
+    const at::Tensor* m1 = find(optimizer_state_name(name, "exp_avg"));
+    const at::Tensor* m2 = find(optimizer_state_name(name, "exp_avg_sq"));
     TWOBP_CHECK(m1 && m2, UsageError, "checkpoint: optimizer state of '{}' is incomplete", name);
     auto s = std::make_unique<torch::optim::AdamWParamState>();
     s->step(step->item<int64_t>());
     s->exp_avg(like(*m1, p));
     s->exp_avg_sq(like(*m2, p));
-    if (const at::Tensor* m3 = find("optim." + name + ".max_exp_avg_sq")) s->max_exp_avg_sq(like(*m3, p));
+    if (const at::Tensor* m3 = find(optimizer_state_name(name, "max_exp_avg_sq"))) s->max_exp_avg_sq(like(*m3, p));
     optimizer->state()[p.unsafeGetTensorImpl()] = std::move(s);
   }
   for (const auto& [name, t] : loaded) {
-    if (optimizer == nullptr && name.rfind("optim.", 0) == 0) continue;  // optimizer state not wanted
+    if (optimizer == nullptr && name.rfind(kOptimizerPrefix, 0) == 0) continue;  // optimizer state not wanted
     TWOBP_CHECK(used.count(name), UsageError,
                 "checkpoint: tensor '{}' in the checkpoint matches no parameter of this rank (another partition?)",
                 name);

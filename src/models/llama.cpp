@@ -466,6 +466,13 @@ int64_t chunk_input_bytes(const LlamaConfig& c, const ChunkSpec& spec, int64_t b
   return batch * seq_len * (spec.has_embedding ? 8 : c.dim * bytes_per_element);
 }
 
+// AdamW state per parameter on one rank: all of it, or its share when sharded over the replicas.
+double optimizer_bytes_per_parameter(const MemoryPlanOptions& o) {
+  TWOBP_CHECK(o.optimizer_shards >= 1, UsageError, "memory plan: optimizer_shards must be >= 1, got {}",
+              o.optimizer_shards);
+  return static_cast<double>(o.precision.optimizer_bytes) / o.optimizer_shards;
+}
+
 twobp::MemoryModel make_memory_model(const LlamaConfig& c, const Partition& partition,
                                      const twobp::Schedule& schedule, const MemoryPlanOptions& o,
                                      bool pending_costs) {
@@ -481,8 +488,8 @@ twobp::MemoryModel make_memory_model(const LlamaConfig& c, const Partition& part
   for (int s = 0; s < schedule.num_stages; ++s) {
     const ChunkSpec& spec = partition.chunks[s];
     const double n = static_cast<double>(chunk_parameter_count(c, spec));
-    model.base[schedule.stage_to_rank[s]] += n * static_cast<double>(pr.compute_bytes + pr.master_bytes +
-                                                                       pr.optimizer_bytes);
+    model.base[schedule.stage_to_rank[s]] += n * (static_cast<double>(pr.compute_bytes + pr.master_bytes) +
+                                                  optimizer_bytes_per_parameter(o));
     model.gradients[s] = n * static_cast<double>(pr.gradient_bytes);
     const double act = static_cast<double>(chunk_activation_bytes(c, spec, o.micro_batch_size, o.seq_len, b));
     const double pend =
@@ -527,7 +534,7 @@ std::vector<RankMemoryEstimate> estimate_memory(const LlamaConfig& c, const Part
     const double n = static_cast<double>(e.parameters);
     e.weights = n * static_cast<double>(o.precision.compute_bytes);
     e.master_weights = n * static_cast<double>(o.precision.master_bytes);
-    e.optimizer = n * static_cast<double>(o.precision.optimizer_bytes);
+    e.optimizer = n * optimizer_bytes_per_parameter(o);
     e.gradients = n * static_cast<double>(o.precision.gradient_bytes);
     e.total = total[r];
     e.activations = live[r];

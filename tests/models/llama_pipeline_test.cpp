@@ -337,6 +337,48 @@ TEST(LlamaPipeline, EvaluationOfTheHeldOutSplit) {
   EXPECT_NE(r.output.find("--eval-fraction"), std::string::npos) << r.output;
 }
 
+// --zero 1 (AdamW state sharded over the replicas) trains as --zero 0 with each rank holding about half the state,
+// with mixed precision too; a --zero 1 checkpoint holds the whole state and resumes without sharding, on one
+// replica, with the losses of the uninterrupted run.
+TEST(LlamaPipeline, ShardedOptimizerStateTrainsAlikeWithHalfTheBytes) {
+  const auto read = [](const std::string& name, const std::string& extra) {
+    const auto json = work_dir() + "/" + name + ".json";
+    const auto r = run(kBase + extra + " --json " + json);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    std::ifstream in(json);
+    return r.exit_code == 0 ? nlohmann::json::parse(in) : nlohmann::json();
+  };
+  for (const std::string dtype : {"fp32", "bf16"}) {
+    SCOPED_TRACE(dtype);
+    const std::string common = " --schedule zb-h1 --dp 2 --microbatches 4 --steps 3 --dtype " + dtype;
+    const auto full = read("zero0_" + dtype, common + " --zero 0");
+    const auto sharded = read("zero1_" + dtype, common + " --zero 1");
+    ASSERT_FALSE(full.is_null());
+    ASSERT_FALSE(sharded.is_null());
+    ASSERT_EQ(full.at("steps").size(), 3u);
+    for (std::size_t k = 0; k < 3; ++k) {
+      const double a = full.at("steps")[k].at("loss").get<double>(), b = sharded.at("steps")[k].at("loss").get<double>();
+      EXPECT_NEAR(a, b, 1e-6 * a) << "step " << k;
+    }
+    const double whole = full.at("optimizer_state_bytes").get<double>();
+    const double share = sharded.at("optimizer_state_bytes").get<double>();
+    EXPECT_GT(whole, 0.0);
+    EXPECT_GT(share, 0.4 * whole);
+    EXPECT_LT(share, 0.6 * whole);
+  }
+  const auto ckpt = work_dir() + "/ckpt_zero";
+  const auto uninterrupted = train("zero_full", "--schedule 1f1b --dp 1 --microbatches 8 --steps 4");
+  train("zero_first", "--schedule 1f1b --dp 2 --microbatches 4 --zero 1 --steps 4 --stop-after 2 --checkpoint-dir " +
+                          ckpt);
+  const auto resumed = train("zero_second", "--schedule 1f1b --dp 1 --microbatches 8 --steps 4 --resume "
+                                            "--checkpoint-dir " + ckpt);
+  ASSERT_EQ(uninterrupted.size(), 4u);
+  expect_close({uninterrupted[2], uninterrupted[3]}, resumed, 1e-4, "--zero 1 checkpoint resumed unsharded, step ");
+  const auto r = run(kBase + "--steps 1 --zero 2");
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("--zero"), std::string::npos) << r.output;
+}
+
 // Mixed precision with data parallelism: two replicas of 4 micro-batches train as one of 8 (the replicas average
 // the masters' float32 gradients, which differ from one replica's only in float32 summation order).
 TEST(LlamaPipeline, MixedPrecisionDataParallelMatchesOneReplica) {

@@ -264,6 +264,9 @@ struct MemoryPlanOptions {
   int64_t seq_len = 0;
   TrainingPrecision precision;
   bool recompute = false;
+  /// Replicas the optimizer state is sharded over (twobp::ShardedOptimizer, ZeRO-1): each rank holds 1/n of it
+  /// (an even split; the greedy split by whole tensors is within one tensor of it). 1: not sharded.
+  int optimizer_shards = 1;
 };
 
 /// Per rank: the estimate and its parts, in bytes.
