@@ -86,6 +86,7 @@
 #include "twobp/runtime/mpi_launch.h"
 #include "twobp/runtime/pipeline.h"
 #include "twobp/runtime/sharded_optimizer.h"
+#include "twobp/schedule/pytorch_csv.h"
 #include "twobp/schedule/schedule.h"
 #include "twobp/trace/trace.h"
 #include "twobp/transport/launch.h"
@@ -138,6 +139,7 @@ struct Args {
   bool recompute = false;  // activation recomputation on every chunk
   int chunks_per_rank = 0;  // 0: the schedule's default
   std::string schedule_file;
+  std::string dump_schedule;  // write the run's schedule here (.csv: PyTorch's compute_only form) and go on
   std::string partition;
   bool dry_run = false;
   std::string json;
@@ -676,6 +678,15 @@ int run(Args args, int& argc, char**& argv) {
 #endif
   const twobp::ParallelLayout layout = twobp::ParallelLayout::of(world, args.dp);  // dp must divide the world
   const Plan plan = make_plan(args, layout.pp);  // model, schedule and partition errors surface here
+  if (!args.dump_schedule.empty() && my_rank == 0) {
+    const bool csv = args.dump_schedule.size() >= 4 &&
+                     args.dump_schedule.compare(args.dump_schedule.size() - 4, 4, ".csv") == 0;
+    std::ofstream out(args.dump_schedule);
+    out << (csv ? twobp::to_pytorch_csv(plan.schedule) : twobp::dump_schedule(plan.schedule));
+    out.close();
+    TWOBP_CHECK(out.good(), twobp::IOError, "--dump-schedule: cannot write {}", args.dump_schedule);
+    fmt::print("schedule {} written to {}\n", plan.schedule.name, args.dump_schedule);
+  }
   if (args.dry_run) return my_rank == 0 ? dry_run(plan) : 0;
 
   // Everything that can be checked before a step is checked here, on every rank.
@@ -827,8 +838,11 @@ int main(int argc, char** argv) {
   app.add_option("--vocab", a.dims.vocab, "Vocabulary replacing the model's (the built-in corpus needs >= 256)");
   app.add_option("--schedule", a.schedule, "Pipeline schedule")->check(CLI::IsMember(twobp::schedule_names()));
   app.add_option("--schedule-file", a.schedule_file,
-                 "A schedule in twobp's text form (dump_schedule); overrides --schedule, keeps its own 2BP mode")
+                 "A schedule file: twobp's text form, or PyTorch's compute_only CSV (*.csv); overrides --schedule, "
+                 "keeps its own 2BP mode")
       ->check(CLI::ExistingFile);
+  app.add_option("--dump-schedule", a.dump_schedule,
+                 "Write the run's schedule to this file (*.csv: PyTorch's compute_only form; else twobp's text form)");
   app.add_flag("--2bp,!--no-2bp", a.two_bp, "Split the backward into I and W (2BP); --no-2bp: fused backward");
   app.add_option("--microbatches", a.microbatches, "Micro-batches per step");
   app.add_option("--micro-batch-size", a.micro_batch_size, "Sequences per micro-batch");

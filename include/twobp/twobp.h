@@ -30,6 +30,7 @@
 #include "twobp/runtime/mpi_launch.h"
 #include "twobp/runtime/pipeline.h"
 #include "twobp/runtime/sharded_optimizer.h"
+#include "twobp/schedule/pytorch_csv.h"
 #include "twobp/trace/trace.h"
 
 #include "twobp/transport/launch.h"

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "twobp/schedule/pytorch_csv.h"
 #include "twobp/schedule/schedule.h"
 #include "util/check.h"
 
@@ -234,7 +235,9 @@ Schedule load_schedule_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   TWOBP_CHECK(in.good(), IOError, "cannot read schedule file '{}'", path);
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const bool csv = path.size() >= 4 && path.compare(path.size() - 4, 4, ".csv") == 0;
   try {
+    if (csv) return from_pytorch_csv(text);
     return load_schedule(text);
   } catch (const ScheduleError& e) {
     detail::raise<ScheduleError>("schedule file '{}': {}", path, e.what());

@@ -58,13 +58,12 @@ class Validator {
     }
   }
 
-  // Right backward mode, right rank, and communication only where a stage boundary crosses ranks.
+  // Right backward mode, right rank, and communication only where a stage boundary crosses ranks. A split
+  // schedule may still fuse the backward of some micro-batches (DualPipeV's B's beside its I/W's): each (stage,
+  // micro-batch) is then backpropagated by either B or I and W (check_each_once).
   void check_kinds_and_ranks() const {
     const bool split = sc_.backward == BackwardMode::kSplit;
     for_each([&](Where w, const Action& a) {
-      if (split && a.type == ActionType::kBackward) {
-        fail(w, "a split-backward schedule must use I and W, found a fused B");
-      }
       if (!split && (a.type == ActionType::kBackwardInput || a.type == ActionType::kBackwardWeight)) {
         fail(w, fmt::format("a standard-backward schedule must use B, found {}", to_string(a.type)));
       }
@@ -131,11 +130,19 @@ class Validator {
           fail_missing(fmt::format("missing {} for stage {} micro-batch {}: expected exactly one, on rank {}",
                                    split ? "I" : "B", s, mb, owner(s)));
         }
-        if (split && seen[kW][key(s, mb)].rank < 0) {
+        const Where backward = seen[kBwd][key(s, mb)];
+        const bool fused = backward.rank >= 0 && at(backward).type == ActionType::kBackward;
+        const Where weight = seen[kW][key(s, mb)];
+        if (split && !fused && weight.rank < 0) {
           fail_missing(
               fmt::format("missing W for stage {} micro-batch {}: expected exactly one W covering it, on "
                           "rank {}",
                           s, mb, owner(s)));
+        }
+        if (fused && weight.rank >= 0) {
+          fail(weight, fmt::format("W of stage {} micro-batch {}, whose backward is the fused B of action #{}: a "
+                                   "micro-batch is backpropagated by B, or by I and W",
+                                   s, mb, backward.index));
         }
       }
     }
@@ -186,28 +193,17 @@ class Validator {
   }
 
   // Orderings each rank can check on its own: every item an action needs (dependencies(), the one table of action
-  // meaning) is made available on its rank by an earlier action; micro-batches in increasing order per stage and
-  // action kind (the transport matches messages of a link in order).
+  // meaning) is made available on its rank by an earlier action. Micro-batches may go in any order (PyTorch's
+  // looped BFS runs its backward from the last one): messages are matched by tag, and on in-order transports
+  // check_in_order_pairing() requires both ends of a channel to agree.
   void check_local_order() const {
     constexpr std::size_t kItems = 4;
     for (int r = 0; r < sc_.num_ranks; ++r) {
       std::vector<bool> available(kItems * n_);
       auto slot = [&](const ItemRef& it) { return static_cast<std::size_t>(it.item) * n_ + key(it.stage, it.micro_batch); };
-      std::vector<std::vector<int>> last_mb(8, std::vector<int>(S_, -1));
       for (std::size_t i = 0; i < sc_.actions[r].size(); ++i) {
         const Where w{r, i};
         const Action& a = sc_.actions[r][i];
-        const int s = a.stage;
-        const int mb = a.micro_batches.front();
-        if (a.type != ActionType::kBackwardWeight) {
-          int& last = last_mb[static_cast<int>(a.type)][s];
-          if (mb <= last) {
-            fail(w, fmt::format("{} of stage {} runs micro-batch {} after micro-batch {}: expected increasing "
-                                "micro-batch order per stage (messages are matched in order)",
-                                to_string(a.type), s, mb, last));
-          }
-          last = mb;
-        }
         const ActionDependencies deps = dependencies(a, S_);
         for (const ItemRef& need : deps.needs) {
           if (available[slot(need)]) continue;

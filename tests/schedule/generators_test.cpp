@@ -141,7 +141,8 @@ TEST(Generators, WideSweepValidates) {
   }
 }
 
-// Micro-batches go in increasing order per stage for F and for I/B; the transport relies on it.
+// The built-in generators run micro-batches in increasing order per stage for F and for I/B (a property of theirs:
+// validate() accepts any order, which PyTorch's looped BFS uses).
 TEST(Generators, IncreasingMicroBatchOrderPerStage) {
   for (const std::string& name : builtin_schedule_names()) {
     const ScheduleOptions o = default_schedule_options(name, 4, 8, BackwardMode::kSplit);

@@ -146,13 +146,14 @@ int message_channel(const Action& action, MessagePart part = {});
 std::string dump_schedule(const Schedule& schedule);
 /// Parses the text form; throws ScheduleError naming the line number and what was expected.
 Schedule load_schedule(std::string_view text);
-/// load_schedule() of a file's contents; IOError when it cannot be read, ScheduleError naming the file otherwise.
+/// load_schedule() of a file's contents -- or, for a name ending in ".csv", from_pytorch_csv()
+/// (twobp/schedule/pytorch_csv.h); IOError when it cannot be read, ScheduleError naming the file otherwise.
 Schedule load_schedule_file(const std::string& path);
 
 /// What a program's --schedule, --schedule-file and --chunks-per-rank options say, resolved in one place.
 struct ScheduleChoice {
   std::string name = "1f1b";  ///< a registered schedule (used when `file` is empty)
-  std::string file;           ///< a schedule in the text form (dump_schedule); wins over `name`
+  std::string file;           ///< a schedule file (text form, or PyTorch's CSV: load_schedule_file); wins over `name`
   int chunks_per_rank = 0;    ///< 0: the schedule's default
 };
 

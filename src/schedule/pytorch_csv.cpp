@@ -1,0 +1,162 @@
+// PyTorch's compute_only schedule CSV (see twobp/schedule/pytorch_csv.h).
+
+#include "twobp/schedule/pytorch_csv.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <charconv>
+#include <map>
+#include <optional>
+#include <vector>
+
+#include "util/check.h"
+
+namespace twobp {
+namespace {
+
+constexpr std::string_view kOverlap = "OVERLAP_F_B";
+
+char letter(ActionType t) {
+  switch (t) {
+    case ActionType::kForward: return 'F';
+    case ActionType::kBackwardInput: return 'I';
+    case ActionType::kBackwardWeight: return 'W';
+    case ActionType::kBackward: return 'B';
+    default: return '?';
+  }
+}
+
+std::string_view trim(std::string_view s) {
+  const auto first = s.find_first_not_of(" \t\r\"");
+  if (first == std::string_view::npos) return {};
+  const auto last = s.find_last_not_of(" \t\r\"");
+  return s.substr(first, last - first + 1);
+}
+
+std::optional<int> number(std::string_view s) {
+  int value = 0;
+  const auto [ptr, ec] = std::from_chars(s.data(), s.data() + s.size(), value);
+  if (s.empty() || ec != std::errc() || ptr != s.data() + s.size() || value < 0) return std::nullopt;
+  return value;
+}
+
+// One "<stage><F|I|W|B><micro-batch>" cell, or nullopt when it is not of that form.
+std::optional<Action> simple(std::string_view cell) {
+  const auto type_at = cell.find_first_not_of("0123456789");
+  if (type_at == std::string_view::npos || type_at == 0 || type_at + 1 >= cell.size()) return std::nullopt;
+  const auto stage = number(cell.substr(0, type_at));
+  const auto mb = number(cell.substr(type_at + 1));
+  if (!stage || !mb) return std::nullopt;
+  switch (cell[type_at]) {
+    case 'F': return Action{ActionType::kForward, *stage, {*mb}};
+    case 'I': return Action{ActionType::kBackwardInput, *stage, {*mb}};
+    case 'W': return Action{ActionType::kBackwardWeight, *stage, {*mb}};
+    case 'B': return Action{ActionType::kBackward, *stage, {*mb}};
+    default: return std::nullopt;
+  }
+}
+
+}  // namespace
+
+std::string to_pytorch_csv(const Schedule& schedule) {
+  std::string out;
+  for (const auto& actions : schedule.actions) {
+    std::vector<std::string> cells;
+    for (const Action& a : actions) {
+      if (!is_compute(a.type)) continue;
+      for (int mb : a.micro_batches) cells.push_back(fmt::format("{}{}{}", a.stage, letter(a.type), mb));
+    }
+    out += fmt::format("{}\n", fmt::join(cells, ","));
+  }
+  return out;
+}
+
+Schedule from_pytorch_csv(std::string_view csv, const PytorchCsvOptions& options) {
+  Schedule s;
+  s.name = options.name;
+  std::map<int, int> owner;  // stage -> rank
+  int max_mb = -1;
+  bool split = false;
+  std::size_t begin = 0;
+  int rank = 0;
+  while (begin < csv.size()) {
+    auto end = csv.find('\n', begin);
+    if (end == std::string_view::npos) end = csv.size();
+    const std::string_view line = csv.substr(begin, end - begin);
+    begin = end + 1;
+    if (trim(line).empty() && begin >= csv.size()) break;  // the file's last newline
+    std::vector<Action> actions;
+    std::size_t cell_begin = 0;
+    int column = 0;
+    auto add = [&](Action a, std::string_view cell) {
+      const auto [it, fresh] = owner.emplace(a.stage, rank);
+      TWOBP_CHECK(it->second == rank, ScheduleError,
+                  "PyTorch CSV row {} (rank {}), cell {} '{}': stage {} is already in the row of rank {}; every "
+                  "stage runs on one rank",
+                  rank + 1, rank, column + 1, cell, a.stage, it->second);
+      max_mb = std::max(max_mb, a.micro_batches[0]);
+      split = split || a.type == ActionType::kBackwardInput || a.type == ActionType::kBackwardWeight;
+      Action* prev = actions.empty() ? nullptr : &actions.back();
+      if (options.merge_weight_runs && a.type == ActionType::kBackwardWeight && prev != nullptr &&
+          prev->type == ActionType::kBackwardWeight && prev->stage == a.stage) {
+        prev->micro_batches.push_back(a.micro_batches[0]);
+      } else {
+        actions.push_back(std::move(a));
+      }
+    };
+    while (cell_begin <= line.size()) {
+      auto cell_end = line.find(',', cell_begin);
+      if (cell_end == std::string_view::npos) cell_end = line.size();
+      const std::string_view cell = trim(line.substr(cell_begin, cell_end - cell_begin));
+      cell_begin = cell_end + 1;
+      if (!cell.empty()) {
+        if (cell.front() == '(' && cell.size() > kOverlap.size() + 2 &&
+            cell.substr(cell.size() - kOverlap.size()) == kOverlap && cell[cell.size() - kOverlap.size() - 1] == ')') {
+          // An overlapped F and B: their parts, in order.
+          const std::string_view inner = cell.substr(1, cell.size() - kOverlap.size() - 2);
+          std::size_t p = 0;
+          while (p <= inner.size()) {
+            auto q = inner.find(';', p);
+            if (q == std::string_view::npos) q = inner.size();
+            const std::string_view part = trim(inner.substr(p, q - p));
+            p = q + 1;
+            const auto a = simple(part);
+            TWOBP_CHECK(a.has_value(), ScheduleError,
+                        "PyTorch CSV row {} (rank {}), cell {} '{}': '{}' is not '<stage><F|I|W|B><micro-batch>'",
+                        rank + 1, rank, column + 1, cell, part);
+            add(*a, cell);
+          }
+        } else {
+          const auto a = simple(cell);
+          TWOBP_CHECK(a.has_value(), ScheduleError,
+                      "PyTorch CSV row {} (rank {}), cell {} '{}': expected a compute action "
+                      "'<stage><F|I|W|B><micro-batch>' (e.g. 2F0) or an empty cell; communication and resharding "
+                      "actions (SEND_F, UNSHARD, ...) belong to the compute_comms form: dump the compute_only one",
+                      rank + 1, rank, column + 1, cell);
+          add(*a, cell);
+        }
+      }
+      ++column;
+      if (cell_end == line.size()) break;
+    }
+    s.actions.push_back(std::move(actions));
+    ++rank;
+  }
+  TWOBP_CHECK(!owner.empty(), ScheduleError, "PyTorch CSV: no action in {} row(s)", rank);
+  s.num_ranks = rank;
+  s.num_stages = owner.rbegin()->first + 1;
+  s.num_micro_batches = max_mb + 1;
+  s.backward = split ? BackwardMode::kSplit : BackwardMode::kStandard;
+  for (int stage = 0; stage < s.num_stages; ++stage) {
+    const auto it = owner.find(stage);
+    TWOBP_CHECK(it != owner.end(), ScheduleError,
+                "PyTorch CSV: stage {} appears in no row, but stage {} does (stages are numbered from 0 without gaps)",
+                stage, s.num_stages - 1);
+    s.stage_to_rank.push_back(it->second);
+  }
+  return add_communication(std::move(s));
+}
+
+}  // namespace twobp
