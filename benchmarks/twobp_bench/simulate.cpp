@@ -51,7 +51,7 @@
 //   dp_exposed_ms            SimulationResult::data_parallel_exposed: max over ranks of how far the all-reduces
 //                            pushed the rank's step end past its last action (0: fully hidden)
 //   generate_ms, simulate_ms wall time this tool spent generating+validating and simulating the schedule
-// Shapes a schedule rejects (e.g. interleaved-1f1b needs m to be a multiple of p) are listed with the reason.
+// Shapes a schedule rejects (e.g. interleaved-1f1b with p = 4, m = 9) are listed with the reason.
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>

@@ -1,4 +1,4 @@
-// Built-in schedule generators: gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, zb-v.
+// Built-in schedule generators: gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, zb-v, looped-bfs.
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -231,31 +231,43 @@ Schedule one_f_one_b(const ScheduleOptions& o) {
 
 // ---- interleaved-1f1b (Megatron-LM's virtual pipeline) -----------------------------------------------------------
 
+// The order of virtual micro-batches: groups of g micro-batches, each group through chunk 0, then chunk 1, ...
+// (Megatron-LM's get_schedule_table). Entry k: (micro-batch, chunk) of the k-th forward; the k-th backward takes
+// the same micro-batch through the chunks in reverse.
+std::vector<std::pair<int, int>> interleaved_table(int m, int v, int g) {
+  std::vector<std::pair<int, int>> table;
+  for (int first = 0; first < m; first += g) {
+    for (int chunk = 0; chunk < v; ++chunk) {
+      for (int mb = first; mb < first + g; ++mb) table.emplace_back(mb, chunk);
+    }
+  }
+  return table;
+}
+
+// Megatron-LM's interleaved 1F1B with PyTorch's relaxation of m % p == 0 (ScheduleInterleaved1F1B): the
+// micro-batches run in rounds = max(1, m / p) groups of g = m / rounds (so g >= p, or g = m < p), which needs
+// rounds to divide m; the warm-up is 2 (p - 1 - rank) + (v - 1) g forwards.
 Schedule interleaved(const ScheduleOptions& o) {
   check_basic("interleaved-1f1b", o);
   const int p = o.ranks, m = o.micro_batches, v = o.chunks_per_rank;
   TWOBP_CHECK(v >= 1, ScheduleError, "interleaved-1f1b: expected chunks_per_rank >= 1, got {}", v);
-  TWOBP_CHECK(m % p == 0, ScheduleError,
-              "interleaved-1f1b needs the number of micro-batches to be a multiple of the number of ranks "
-              "(Megatron-LM's rule): got micro_batches={} and ranks={}",
-              m, p);
+  const int rounds = std::max(1, m / p);
+  TWOBP_CHECK(m % rounds == 0, ScheduleError,
+              "interleaved-1f1b runs the micro-batches in max(1, m / p) = {} equal groups, which needs m to be a "
+              "multiple of {}: got micro_batches={} and ranks={} (e.g. use {} or {} micro-batches)",
+              rounds, rounds, m, p, m / rounds * rounds, (m / rounds + 1) * rounds);
+  const int g = m / rounds;
   std::vector<int> placement(static_cast<std::size_t>(p) * v);
   for (int s = 0; s < p * v; ++s) placement[s] = s % p;
   Schedule sc = empty_schedule("interleaved-1f1b", p, std::move(placement), m, o.backward);
   const ActionType bwd = o.backward == BackwardMode::kSplit ? ActionType::kBackwardInput : ActionType::kBackward;
   const int total = m * v;
+  const auto table = interleaved_table(m, v, g);
   RankTasks main(p);
   for (int r = 0; r < p; ++r) {
-    // Micro-step k covers p micro-batches of one chunk before moving to the next chunk (Megatron's grouping).
-    auto forward = [&](int k) {
-      const int chunk = (k / p) % v;
-      return Task{ActionType::kForward, chunk * p + r, (k / (p * v)) * p + k % p};
-    };
-    auto backward = [&](int k) {
-      const int chunk = v - 1 - (k / p) % v;
-      return Task{bwd, chunk * p + r, (k / (p * v)) * p + k % p};
-    };
-    const int warmup = std::min((p - r - 1) * 2 + (v - 1) * p, total);
+    auto forward = [&](int k) { return Task{ActionType::kForward, table[k].second * p + r, table[k].first}; };
+    auto backward = [&](int k) { return Task{bwd, (v - 1 - table[k].second) * p + r, table[k].first}; };
+    const int warmup = std::min((p - r - 1) * 2 + (v - 1) * g, total);
     for (int k = 0; k < warmup; ++k) main[r].push_back(forward(k));
     for (int k = 0; k < total - warmup; ++k) {
       main[r].push_back(forward(warmup + k));
@@ -264,6 +276,36 @@ Schedule interleaved(const ScheduleOptions& o) {
     for (int k = total - warmup; k < total; ++k) main[r].push_back(backward(k));
   }
   return from_main_order(std::move(sc), main);
+}
+
+// ---- looped-bfs (PyTorch's ScheduleLoopedBFS) ----------------------------------------------------------------------
+
+// Breadth first over v looped chunks (stage s on rank s % p): each rank runs its chunks' forwards in chunk order,
+// every micro-batch of a chunk before the next chunk, then their backwards in reverse chunk order, each chunk's
+// micro-batches from the last one (PyTorch's order, so the two write the same CSV). 2BP: I's where the B's were,
+// then one batched W per stage in the order its I's ended.
+Schedule looped_bfs(const ScheduleOptions& o) {
+  check_basic("looped-bfs", o);
+  const int p = o.ranks, m = o.micro_batches, v = o.chunks_per_rank;
+  TWOBP_CHECK(v >= 1, ScheduleError, "looped-bfs: expected chunks_per_rank >= 1, got {}", v);
+  std::vector<int> placement(static_cast<std::size_t>(p) * v);
+  for (int s = 0; s < p * v; ++s) placement[s] = s % p;
+  Schedule sc = empty_schedule("looped-bfs", p, std::move(placement), m, o.backward);
+  std::vector<std::vector<Action>> order(p);
+  for (int r = 0; r < p; ++r) {
+    for (int chunk = 0; chunk < v; ++chunk) {
+      for (int mb = 0; mb < m; ++mb) order[r].push_back(Action{ActionType::kForward, chunk * p + r, {mb}});
+    }
+    std::deque<std::pair<int, int>> pending;
+    for (int chunk = v - 1; chunk >= 0; --chunk) {
+      for (int mb = m - 1; mb >= 0; --mb) {
+        order[r].push_back(Action{ActionType::kBackwardInput, chunk * p + r, {mb}});
+        pending.emplace_back(chunk * p + r, mb);
+      }
+    }
+    append_batched_weights(order[r], pending);
+  }
+  return finish(std::move(sc), std::move(order));
 }
 
 // ---- zb-h1 / zb-h2 -----------------------------------------------------------------------------------------------
@@ -428,11 +470,14 @@ struct Registry {
   Registry() {
     entries.push_back(builtin("gpipe", gpipe, 1, "all F, then all B (or I, then one batched W)"));
     entries.push_back(builtin("1f1b", one_f_one_b, 1, "one F one B after a warm-up of p - rank forwards"));
-    entries.push_back(builtin("interleaved-1f1b", interleaved, 2, "1F1B over v chunks per rank (m % p == 0)"));
+    entries.push_back(builtin("interleaved-1f1b", interleaved, 2, "1F1B over v chunks per rank (m in max(1, m/p) equal groups)"));
     entries.push_back(builtin("zb-h1", zb_h1, 1, "zero bubble H1: 1F1B memory, W fills the cool-down"));
     entries.push_back(builtin("zb-h2", zb_h2, 1, "zero bubble H2: more warm-up forwards, no bubble"));
     entries.push_back(builtin("zb-v", zb_v, 2, "zero bubble V: two chunks per rank in a V"));
+    entries.push_back(builtin("looped-bfs", looped_bfs, 2, "breadth first over v looped chunks (PyTorch's LoopedBFS)"));
+    builtins = entries.size();
   }
+  std::size_t builtins = 0;  // the first entries, in the order above
 };
 
 Registry& registry() {
@@ -479,7 +524,11 @@ ScheduleInfo schedule_info(std::string_view name) {
 }
 
 std::vector<std::string> builtin_schedule_names() {
-  return {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v"};
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  std::vector<std::string> names;
+  for (std::size_t k = 0; k < r.builtins; ++k) names.push_back(r.entries[k].name);
+  return names;
 }
 
 std::unique_ptr<ScheduleGenerator> make_schedule_generator(std::string_view name) { return schedule_info(name).make(); }

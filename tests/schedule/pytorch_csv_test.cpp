@@ -144,6 +144,17 @@ INSTANTIATE_TEST_SUITE_P(Generated, PytorchSchedules, ::testing::ValuesIn(csv_fi
   return n;
 });
 
+// twobp's looped-bfs writes the CSV PyTorch's ScheduleLoopedBFS writes (standard mode: PyTorch's has no 2BP form).
+TEST(PytorchCsv, LoopedBfsIsPytorchs) {
+  for (const auto& [p, m] : std::vector<std::pair<int, int>>{{2, 4}, {4, 6}}) {
+    std::ifstream in(kDir + "/ScheduleLoopedBFS_p" + std::to_string(p) + "_m" + std::to_string(m) + ".csv");
+    std::stringstream theirs;
+    theirs << in.rdbuf();
+    const Schedule ours = make_schedule("looped-bfs", ScheduleOptions{p, m, 2, BackwardMode::kStandard});
+    EXPECT_EQ(to_pytorch_csv(ours), to_pytorch_csv(from_pytorch_csv(theirs.str()))) << "p=" << p << " m=" << m;
+  }
+}
+
 TEST(PytorchCsv, TheGeneratedFilesAreThere) { EXPECT_EQ(csv_files().size(), 10u) << kDir; }
 
 void expect_refused(const std::string& csv, const std::string& words) {

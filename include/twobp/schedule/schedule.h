@@ -53,14 +53,18 @@ class ScheduleGenerator {
   virtual Schedule generate(const ScheduleOptions& options) const = 0;
 };
 
-/// Built-in names: "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v".
+/// Built-in names: "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "looped-bfs".
 ///
 /// Placement and requirements (p = ranks, m = micro-batches, v = chunks_per_rank; all need p >= 1, m >= 1):
 /// - gpipe, 1f1b, zb-h1, zb-h2: one stage per rank (v must be 1), stage s on rank s; any m.
-/// - interleaved-1f1b: p * v stages, stage s on rank s % p; m must be a multiple of p (Megatron-LM's rule).
+/// - interleaved-1f1b: p * v stages, stage s on rank s % p; the micro-batches run in max(1, m / p) equal groups
+///   through the chunks, so that count must divide m (PyTorch's relaxation of Megatron-LM's m % p == 0).
 /// - zb-v: always 2 stages per rank (v must be 2; 1, the default, is read as 2), stage s on rank s for s < p and
 ///   on rank 2p-1-s otherwise; any m (below 2p - 1 the V is not full and the bubble is not removed).
-/// On every stage F's, and likewise I/B's, run in increasing micro-batch order.
+/// - looped-bfs: p * v stages, stage s on rank s % p (v = 2 by default); any m. Each rank runs all forwards of
+///   its chunk 0, then of chunk 1, ..., then the backwards chunk by chunk in reverse, micro-batches from the last
+///   (PyTorch's ScheduleLoopedBFS; its backward order is the exception to the increasing order below).
+/// On every stage F's, and likewise I/B's, run in increasing micro-batch order (looped-bfs's backwards excepted).
 ///
 /// Backward modes: kStandard uses B. kSplit (2BP) for gpipe/1f1b/interleaved puts I where B was; in the cool-down
 /// (after a rank's last F) a W of the oldest pending micro-batch fills each slot where the rank would idle under
