@@ -69,6 +69,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <fstream>
 #include <iostream>
 #include <mutex>
@@ -146,6 +147,7 @@ struct Args {
   std::string powercap_root = twobp::energy::EnergyOptions{}.powercap_root;  // RAPL zones (energy on CPUs)
   uint64_t seed = 1234;
   int zero = 0;                // 1: AdamW state sharded over the data-parallel replicas (ZeRO-1)
+  std::string on_nonfinite = "stop";  // a NaN/Inf loss or gradient: stop (error) or skip the update
   int eval_every = 0;          // evaluate on the held-out split every N steps (0: never)
   int eval_batches = 2;        // global batches per evaluation
   double eval_fraction = 0.1;  // the corpus's tail held out for evaluation when --eval-every > 0
@@ -221,6 +223,7 @@ std::string human_bytes(double b) {
 void write_json(const std::string& path, const nlohmann::json& j) {
   std::ofstream out(path);
   out << j.dump(2) << "\n";
+  out.close();
   if (!out.good()) throw twobp::IOError(fmt::format("cannot write JSON output {}", path));
 }
 
@@ -356,6 +359,7 @@ struct StepRecord {
   std::optional<double> energy_j;  // the whole job's, this step (twobp/metrics/energy.h); nullopt: not measured
   std::optional<double> j_per_token;
   std::optional<double> eval_loss;  // the held-out split's mean loss after this step's update, when evaluated
+  bool skipped = false;             // --on-nonfinite skip dropped this step's update
 };
 
 /// AdamW over this rank's parameters: plain, or with --zero 1 sharded over the replicas (twobp::ShardedOptimizer).
@@ -571,8 +575,13 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
     const int64_t share = groups.replica() * replica_batch;
     const RankBatch batch = rank_batch(a, sampler.batch(step), share, replica_batch, len, owns_first, owns_last);
     auto result = pipeline.step(batch.inputs, batch.targets);
-    const double norm = pipeline.clip_grad_norm(a.clip);
-    optimizer.step();
+    // The gate: no optimizer step on a NaN or Inf loss or gradient (--on-nonfinite stop: NumericalError naming the
+    // step and stages; skip: this step's update is dropped on every rank), gradients clipped to --clip (0: not).
+    const bool updated = pipeline.ready_for_optimizer(
+        step + 1, a.on_nonfinite == "skip" ? twobp::NonFinitePolicy::kSkipStep : twobp::NonFinitePolicy::kStop,
+        a.clip);
+    if (updated) optimizer.step();
+    const double norm = pipeline.last_gradient_check().norm;
     // The mean loss lives on the last stage's ranks; all-reduces bring the global batch's to everyone.
     const double loss = pipeline.mean_loss(result);
     // Held-out loss of the updated weights (Pipeline::evaluate: forward only, the chunks in eval mode).
@@ -600,9 +609,9 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
     const double tokens_per_s = twobp::metrics::per_second(tokens_per_step, secs);
     if (reports) {
       const double remaining = elapsed / (step - start + 1) * (end - step - 1);
-      fmt::print("step {:>5}/{} | loss {:.4f} | {}grad norm {:.3f} | lr {:.2e} | {:.0f} tok/s | peak {} | "
+      fmt::print("step {:>5}/{} | loss {:.4f} | {}{}grad norm {:.3f} | lr {:.2e} | {:.0f} tok/s | peak {} | "
                  "{}elapsed {:.1f}s | remaining {:.1f}s\n",
-                 step + 1, a.steps, loss,
+                 step + 1, a.steps, loss, updated ? "" : "update skipped (non-finite) | ",
                  eval_loss ? fmt::format("val loss {:.4f} (ppl {:.2f}) | ", *eval_loss, std::exp(*eval_loss)) : "",
                  norm, lr, tokens_per_s,
                  peak_memory < 0 ? std::string("n/a (rank threads share the GPU)")
@@ -610,7 +619,8 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
                  j_per_token ? fmt::format("{:.3g} J/tok | ", *j_per_token) : "", elapsed, remaining);
       std::fflush(stdout);
       std::lock_guard<std::mutex> lock(shared.mutex);
-      shared.records.push_back({step, loss, tokens_per_s, norm, lr, peak_memory, energy_j, j_per_token, eval_loss});
+      shared.records.push_back(
+          {step, loss, tokens_per_s, norm, lr, peak_memory, energy_j, j_per_token, eval_loss, !updated});
     }
     if (!a.trace.empty() && step + 1 == end) {
       std::lock_guard<std::mutex> lock(shared.mutex);
@@ -638,7 +648,38 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
   }
 }
 
+/// `value` is finite and in [lo, hi]; otherwise a UsageError naming the option, the value and the range.
+void check_range(const char* option, double value, double lo, double hi, const char* meaning = "") {
+  TWOBP_CHECK(std::isfinite(value) && value >= lo && value <= hi, twobp::UsageError, "{} must be in [{:g}, {:g}]{}, got {:g}",
+              option, lo, hi, meaning, value);
+}
+
+/// An output file can be written: checked before the run, so that a bad path fails at once and not after it.
+void check_writable(const char* option, const std::string& path) {
+  if (path.empty()) return;
+  const bool existed = std::ifstream(path).good();
+  const bool ok = std::ofstream(path, std::ios::app).good();
+  if (ok && !existed) std::remove(path.c_str());
+  TWOBP_CHECK(ok, twobp::UsageError, "{} {}: cannot write there (no such directory, or no permission)", option, path);
+}
+
 void validate_args(const Args& a) {
+  check_range("--lr", a.lr, 0, 1e3);
+  TWOBP_CHECK(a.lr > 0, twobp::UsageError, "--lr must be positive, got {:g}", a.lr);
+  check_range("--weight-decay", a.weight_decay, 0, 1e3);
+  check_range("--clip", a.clip, 0, 1e30, " (0: no clipping)");
+  check_range("--timeout", a.timeout_s, 1e-3, 1e7, " seconds");
+  check_range("--memory-limit-gb", a.memory_limit_gb, 0, 1e6, " (0: none)");
+  check_range("--gpu-memory-gb", a.gpu_memory_gb, 0, 1e6, " (0: none)");
+  TWOBP_CHECK(a.warmup_steps >= -1 && a.stop_after >= 0 && a.checkpoint_every >= 0 && a.max_pending_w >= 0 &&
+                  a.seq_len >= 0 && a.doc_separator >= 0,
+              twobp::UsageError, "--warmup-steps must be >= -1 (-1: steps / 10); --stop-after, --checkpoint-every, "
+              "--max-pending-w, --seq-len and --doc-separator >= 0 (0: the default or none)");
+  TWOBP_CHECK(a.on_nonfinite == "stop" || a.on_nonfinite == "skip", twobp::UsageError,
+              "--on-nonfinite must be stop or skip, got {}", a.on_nonfinite);
+  check_writable("--json", a.json);
+  check_writable("--trace", a.trace);
+  check_writable("--dump-schedule", a.dump_schedule);
   TWOBP_CHECK(a.zero == 0 || a.zero == 1, twobp::UsageError,
               "--zero must be 0 (each replica holds all optimizer state) or 1 (sharded over the replicas), got {}",
               a.zero);
@@ -784,8 +825,10 @@ int run(Args args, int& argc, char**& argv) {
 
   if (my_rank != 0) return 0;
   if (!args.trace.empty()) {
-    std::ofstream(args.trace) << twobp::to_chrome_trace(processes ? std::vector<twobp::Trace>{shared.traces[0]}
-                                                           : shared.traces);
+    std::ofstream out(args.trace);
+    out << twobp::to_chrome_trace(processes ? std::vector<twobp::Trace>{shared.traces[0]} : shared.traces);
+    out.close();
+    TWOBP_CHECK(out.good(), twobp::IOError, "--trace: writing {} failed", args.trace);
     fmt::print("trace of the last step written to {}\n", args.trace);
   }
   if (!args.json.empty()) {
@@ -811,6 +854,7 @@ int run(Args args, int& argc, char**& argv) {
       nlohmann::json step{{"step", r.step}, {"loss", r.loss}, {"tokens_per_s", r.tokens_per_s},
                           {"grad_norm", r.grad_norm}, {"lr", r.lr}, {"peak_memory_bytes", r.peak_memory_bytes},
                           {"energy_j", optional_json(r.energy_j)}, {"j_per_token", optional_json(r.j_per_token)}};
+      if (r.skipped) step["skipped"] = true;
       if (r.eval_loss) {
         step["eval_loss"] = *r.eval_loss;
         step["eval_perplexity"] = std::exp(*r.eval_loss);
@@ -852,7 +896,7 @@ int main(int argc, char** argv) {
   app.add_option("--warmup-steps", a.warmup_steps, "Linear warm-up steps (default: steps / 10)");
   app.add_option("--lr", a.lr, "Peak learning rate (AdamW, cosine decay to 10%)");
   app.add_option("--weight-decay", a.weight_decay, "AdamW weight decay");
-  app.add_option("--clip", a.clip, "Clip the global gradient norm to this value");
+  app.add_option("--clip", a.clip, "Clip the global gradient norm to this value (0: no clipping)");
   app.add_option("--device", a.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
   app.add_option("--dtype", a.dtype,
                  "fp32; bf16: mixed precision (bfloat16 compute, float32 master weights, gradients and AdamW state); "
@@ -867,14 +911,11 @@ int main(int argc, char** argv) {
   app.add_option("--stages", a.stages, "Pipeline ranks per replica as threads when not under a launcher");
   app.add_option("--dp", a.dp, "Data-parallel replicas of the pipeline (world = dp x pipeline ranks)");
   app.add_option("--max-pending-w", a.max_pending_w,
-                 "2BP: at most N micro-batches per stage wait for their W; older ones run early (0: no limit)")
-      ->check(CLI::NonNegativeNumber);
+                 "2BP: at most N micro-batches per stage wait for their W; older ones run early (0: no limit)");
   app.add_option("--memory-limit-gb", a.memory_limit_gb,
-                 "2BP: keep each rank's tensor memory under this many GiB by running deferred W's early (0: none)")
-      ->check(CLI::NonNegativeNumber);
+                 "2BP: keep each rank's tensor memory under this many GiB by running deferred W's early (0: none)");
   app.add_option("--gpu-memory-gb", a.gpu_memory_gb,
-                 "With --dry-run: say whether each rank's estimated peak fits this many GiB")
-      ->check(CLI::NonNegativeNumber);
+                 "With --dry-run: say whether each rank's estimated peak fits this many GiB");
   app.add_flag("--pack", a.pack,
                "Packed documents: attention stays within a document, positions restart per document (positions "
                "and document ids cross every stage boundary)");
@@ -893,6 +934,8 @@ int main(int argc, char** argv) {
                  "Where RAPL's powercap zones are (energy per step on CPUs; another root for tests or containers)")
       ->capture_default_str();
   app.add_option("--seed", a.seed, "Seed of the weights and the data order");
+  app.add_option("--on-nonfinite", a.on_nonfinite,
+                 "A NaN or Inf loss or gradient: stop (error naming the step and stages) or skip that update");
   app.add_option("--zero", a.zero, "1: shard the AdamW state over the --dp replicas (ZeRO-1); 0: do not");
   app.add_option("--eval-every", a.eval_every,
                  "Evaluate the held-out split every N steps and after the last (0: never; holds out --eval-fraction)");

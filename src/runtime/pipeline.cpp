@@ -275,6 +275,7 @@ GradientCheck Pipeline::check_gradients() {
   for (int s = 0; s < schedule_.num_stages; ++s) {
     if (total[s + 1].item<double>() != 0.0) check.non_finite_stages.push_back(s);
   }
+  last_check_ = check;
   return check;
 }
 

@@ -379,6 +379,40 @@ TEST(LlamaPipeline, ShardedOptimizerStateTrainsAlikeWithHalfTheBytes) {
   EXPECT_NE(r.output.find("--zero"), std::string::npos) << r.output;
 }
 
+// Nothing silently wrong from the command line: values outside their range are refused before the run, naming the
+// option; an unwritable output is refused before the run, not reported as written after it; a learning rate that
+// drives the model to NaN stops with an error naming the step (or, with --on-nonfinite skip, drops those updates
+// and says so) instead of training on and exiting 0.
+TEST(LlamaPipeline, BadNumbersAndOutputsAreRefusedAndNonFiniteStepsGated) {
+  for (const std::string bad : {"--lr inf", "--lr -1", "--lr nan", "--clip -1", "--timeout inf", "--timeout 0",
+                                "--weight-decay -0.1", "--warmup-steps -5", "--memory-limit-gb inf",
+                                "--on-nonfinite maybe"}) {
+    const auto r = run(kBase + "--steps 1 " + bad);
+    EXPECT_EQ(r.exit_code, 2) << bad << ": " << r.output;
+    EXPECT_NE(r.output.find(bad.substr(0, bad.find(' '))), std::string::npos) << bad << ": " << r.output;
+    EXPECT_EQ(r.output.find("step "), std::string::npos) << bad << ": trained anyway";
+  }
+  for (const std::string out : {"--json", "--trace", "--dump-schedule"}) {
+    const auto r = run(kBase + "--steps 1 " + out + " /nonexistent-dir/x");
+    EXPECT_EQ(r.exit_code, 2) << out << ": " << r.output;
+    EXPECT_NE(r.output.find("cannot write there"), std::string::npos) << out << ": " << r.output;
+    EXPECT_EQ(r.output.find("written"), std::string::npos) << out << ": " << r.output;
+  }
+  // --lr 1000 without clipping overflows the tiny model within a few steps (measured: step 6).
+  const auto stop = run(kBase + "--steps 8 --lr 1000 --clip 0");
+  EXPECT_NE(stop.exit_code, 0) << stop.output;
+  EXPECT_NE(stop.output.find("non-finite loss or gradient"), std::string::npos) << stop.output;
+  const auto json = work_dir() + "/skip.json";
+  const auto skip = run(kBase + "--steps 8 --lr 1000 --clip 0 --on-nonfinite skip --json " + json);
+  EXPECT_EQ(skip.exit_code, 0) << skip.output;
+  EXPECT_NE(skip.output.find("update skipped (non-finite)"), std::string::npos) << skip.output;
+  std::ifstream in(json);
+  const auto j = nlohmann::json::parse(in);
+  int skipped = 0;
+  for (const auto& s : j.at("steps")) skipped += s.value("skipped", false) ? 1 : 0;
+  EXPECT_GT(skipped, 0);
+}
+
 // Mixed precision with data parallelism: two replicas of 4 micro-batches train as one of 8 (the replicas average
 // the masters' float32 gradients, which differ from one replica's only in float32 summation order).
 TEST(LlamaPipeline, MixedPrecisionDataParallelMatchesOneReplica) {

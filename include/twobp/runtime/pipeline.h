@@ -183,6 +183,9 @@ class Pipeline {
   /// false, on every rank alike, so no optimizer ever steps on NaN or Inf.
   bool ready_for_optimizer(int step, NonFinitePolicy policy, double max_norm = 0.0);
   int skipped_steps() const { return skipped_steps_; }
+  /// What the last ready_for_optimizer() (or check_gradients()) found: the norm before clipping, the stages with
+  /// non-finite values. Default-constructed before the first.
+  const GradientCheck& last_gradient_check() const { return last_check_; }
 
  private:
   struct Impl;
@@ -196,6 +199,7 @@ class Pipeline {
   std::unique_ptr<Impl> impl_;
   std::vector<double> last_losses_;
   int skipped_steps_ = 0;
+  GradientCheck last_check_;
 };
 
 }  // namespace twobp
