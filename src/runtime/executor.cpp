@@ -238,8 +238,20 @@ void Executor::backward(Step& st, const Action& a) {
   // The last stage starts from its loss (an empty set: Stage seeds it); the others from the received gradients.
   const NamedTensors grad_outputs = in == nullptr ? NamedTensors() : take(st, *in, a);
   Stage& s = stage(a);
-  NamedTensors grad_inputs =
-      a.type == ActionType::kBackward ? s.backward(mb, grad_outputs) : s.backward_input(mb, grad_outputs);
+  // The stage's last B of the step under overlapped data parallelism: run as I and W back to back (the same
+  // gradients, tested by the parity suite), so that W reports each layer's parameters final as it produces them
+  // and their buckets start during this B -- as DDP's hooks start them during backward -- instead of after it.
+  // Standard mode is then compared with its best data-parallel overlap, not with a handicapped one.
+  const autograd::ParametersDone done = a.type == ActionType::kBackward && options_.parameters_done
+                                            ? options_.parameters_done(st.index)
+                                            : autograd::ParametersDone();
+  NamedTensors grad_inputs;
+  if (done) {
+    grad_inputs = s.backward_input(mb, grad_outputs);
+    s.backward_weight({mb}, done);
+  } else {
+    grad_inputs = a.type == ActionType::kBackward ? s.backward(mb, grad_outputs) : s.backward_input(mb, grad_outputs);
+  }
   if (const ItemRef* made = travelling(deps.produces)) put(st.mailbox, *made, std::move(grad_inputs));
   if (a.type != ActionType::kBackwardInput) return;
   st.pending_weight.emplace_back(a.stage, mb);

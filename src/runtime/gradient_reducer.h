@@ -33,8 +33,9 @@ class GradientReducer {
 
   /// Before a step: remembers the buffers' versions (see finish()).
   void begin_step();
-  /// For the W at `index` of this rank's list: when it is its stage's last weight action, the function that
-  /// marks parameters final as the W produces them (Stage::backward_weight's `done`); null otherwise.
+  /// For the W or B at `index` of this rank's list: when it is its stage's last weight action, the function that
+  /// marks parameters final as it produces them (Stage::backward_weight's `done`; the Executor runs such a B as
+  /// I and W); null otherwise.
   autograd::ParametersDone parameters_done(std::size_t index);
   /// After action `index` of this rank's list: every parameter of a stage whose last weight action it was is
   /// final; starts the buckets that are ready.

@@ -81,8 +81,10 @@ class ParallelGroups {
 /// When: each stage's parameters are reduced in buckets of about `bucket_bytes` (the first `first_bucket_bytes`;
 /// one dtype per bucket, the
 /// stage's parameters in reverse order of registration, as backward produces them), started asynchronously
-/// right after the stage's last weight-producing action of the step (its last W in 2BP, its last B otherwise),
-/// so that the reduction overlaps the rank's remaining actions and bubbles; a tensor shared by two chunks of a
+/// as soon as all their parameters are final: during the stage's last weight-producing action of the step (its
+/// last W in 2BP; its last B otherwise, which then runs as I and W back to back so that the fast-path layers
+/// report their parameters as they finish, the role DDP's hooks play), the rest right after it, so that the
+/// reduction overlaps the rank's remaining work and bubbles; a tensor shared by two chunks of a
 /// rank is reduced once, after the later one. Pipeline::step() then waits for every bucket before it returns,
 /// so the optimizer gate and the optimizer see reduced gradients; the time it waited is
 /// StepResult::reduce_wait_us (the reduction time left exposed on the critical path).

@@ -69,8 +69,9 @@ struct ExecutorOptions {
   /// The device whose tensor memory is recorded and bounded; unset: the transport's. Set it when the chunks
   /// compute on another device than the one activations travel on (e.g. CUDA chunks over a CPU transport).
   std::optional<c10::Device> memory_device;
-  /// Asked before each W with the action's index in the rank's list: a function for Stage::backward_weight to
-  /// call with parameters whose gradient is final during that W, or null (data-parallel reduction uses it).
+  /// Asked before each W and B with the action's index in the rank's list: a function for Stage::backward_weight
+  /// to call with parameters whose gradient is final during that action, or null (data-parallel reduction uses
+  /// it). A B given one runs as I and W back to back, so that its W can report them (the same gradients).
   std::function<autograd::ParametersDone(std::size_t action_index)> parameters_done;
   /// Evaluation: every F runs Stage::evaluate (no graph, nothing kept). The schedule must then hold forward
   /// actions only (forward_only()); a backward action is a ScheduleError.
