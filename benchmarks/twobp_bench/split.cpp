@@ -442,10 +442,10 @@ void run_split(const SplitConfig& c) {
             << " (load " << fmt_num(load_start) << " -> " << fmt_num(load_average()) << ")\n";
   print_table(std::cout, rows);
   const Json& agree = out["fast_vs_general"];
-  std::cout << "fast vs general path: max relative difference " << fmt_num(agree["max_relative_difference"].get<double>(), 3)
-            << " over " << agree["compared"].get<int>() << " values (" << agree["worst"].get<std::string>()
-            << "), tolerance " << agree["tolerance"].get<double>() << ": " << (agree["ok"].get<bool>() ? "ok" : "DIFFER")
-            << "\n";
+  std::cout << "fast vs general path: max relative difference "
+            << fmt_num(agree["max_relative_difference"].get<double>(), 3) << " over " << agree["compared"].get<int>()
+            << " values (" << agree["worst"].get<std::string>() << "), tolerance "
+            << agree["tolerance"].get<double>() << ": " << (agree["ok"].get<bool>() ? "ok" : "DIFFER") << "\n";
 
   if (c.json.empty()) return;
   write_json(c.json, out);

@@ -650,8 +650,8 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
 
 /// `value` is finite and in [lo, hi]; otherwise a UsageError naming the option, the value and the range.
 void check_range(const char* option, double value, double lo, double hi, const char* meaning = "") {
-  TWOBP_CHECK(std::isfinite(value) && value >= lo && value <= hi, twobp::UsageError, "{} must be in [{:g}, {:g}]{}, got {:g}",
-              option, lo, hi, meaning, value);
+  TWOBP_CHECK(std::isfinite(value) && value >= lo && value <= hi, twobp::UsageError,
+              "{} must be in [{:g}, {:g}]{}, got {:g}", option, lo, hi, meaning, value);
 }
 
 /// An output file can be written: checked before the run, so that a bad path fails at once and not after it.

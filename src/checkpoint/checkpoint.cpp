@@ -525,7 +525,9 @@ NamedTensors adamw_state_tensors(const torch::optim::AdamW& optimizer, const Nam
     out.emplace_back(optimizer_state_name(name, "step"), at::scalar_tensor(s.step(), at::kLong));
     out.emplace_back(optimizer_state_name(name, "exp_avg"), s.exp_avg());
     out.emplace_back(optimizer_state_name(name, "exp_avg_sq"), s.exp_avg_sq());
-    if (s.max_exp_avg_sq().defined()) out.emplace_back(optimizer_state_name(name, "max_exp_avg_sq"), s.max_exp_avg_sq());
+    if (s.max_exp_avg_sq().defined()) {
+      out.emplace_back(optimizer_state_name(name, "max_exp_avg_sq"), s.max_exp_avg_sq());
+    }
   }
   return out;
 }

@@ -157,7 +157,8 @@ Executor::Executor(const Schedule& schedule, int rank, std::map<int, Stage*> sta
                 "(mpirun, torchrun), give each rank thread a device of its own (LocalOptions::devices), or turn "
                 "record_memory and memory_limit_bytes off",
                 rank_, device.str(),
-                device != transport_.device() ? std::string("several") : std::to_string(transport_.ranks_sharing_device()));
+                device != transport_.device() ? std::string("several")
+                                              : std::to_string(transport_.ranks_sharing_device()));
     TWOBP_CHECK(memory::measurable(device), UsageError,
                 "rank {}: recording memory or bounding it in bytes needs the tensor memory of {}: {}", rank_,
                 device.str(),

@@ -470,7 +470,8 @@ struct Registry {
   Registry() {
     entries.push_back(builtin("gpipe", gpipe, 1, "all F, then all B (or I, then one batched W)"));
     entries.push_back(builtin("1f1b", one_f_one_b, 1, "one F one B after a warm-up of p - rank forwards"));
-    entries.push_back(builtin("interleaved-1f1b", interleaved, 2, "1F1B over v chunks per rank (m in max(1, m/p) equal groups)"));
+    entries.push_back(
+        builtin("interleaved-1f1b", interleaved, 2, "1F1B over v chunks per rank (m in max(1, m/p) equal groups)"));
     entries.push_back(builtin("zb-h1", zb_h1, 1, "zero bubble H1: 1F1B memory, W fills the cool-down"));
     entries.push_back(builtin("zb-h2", zb_h2, 1, "zero bubble H2: more warm-up forwards, no bubble"));
     entries.push_back(builtin("zb-v", zb_v, 2, "zero bubble V: two chunks per rank in a V"));

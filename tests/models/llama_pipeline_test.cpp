@@ -357,7 +357,8 @@ TEST(LlamaPipeline, ShardedOptimizerStateTrainsAlikeWithHalfTheBytes) {
     ASSERT_FALSE(sharded.is_null());
     ASSERT_EQ(full.at("steps").size(), 3u);
     for (std::size_t k = 0; k < 3; ++k) {
-      const double a = full.at("steps")[k].at("loss").get<double>(), b = sharded.at("steps")[k].at("loss").get<double>();
+      const double a = full.at("steps")[k].at("loss").get<double>();
+      const double b = sharded.at("steps")[k].at("loss").get<double>();
       EXPECT_NEAR(a, b, 1e-6 * a) << "step " << k;
     }
     const double whole = full.at("optimizer_state_bytes").get<double>();

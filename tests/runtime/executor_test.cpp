@@ -135,11 +135,13 @@ TEST(Executor, MemoryRecordingOnADeviceSharedByRankThreadsIsRefused) {
                            {"rank 0", "cuda:0", "2 rank threads", "one rank per process", "LocalOptions::devices"});
   options.record_memory = false;
   options.memory_limit_bytes = 1 << 20;
-  expect_error<UsageError>([&] { Executor e(sc, 1, std::map<int, Stage*>{}, *transports[1], options); }, {"rank 1", "2 rank threads"});
+  expect_error<UsageError>([&] { Executor e(sc, 1, std::map<int, Stage*>{}, *transports[1], options); },
+                           {"rank 1", "2 rank threads"});
   // The chunks compute on a device that is not the transport's: whether other rank threads share it is unknown.
   options.memory_device = c10::Device(c10::kCUDA, 1);
   auto on_cpu = make_local_transports(2);
-  expect_error<UsageError>([&] { Executor e(sc, 0, std::map<int, Stage*>{}, *on_cpu[0], options); }, {"cuda:1", "several rank threads"});
+  expect_error<UsageError>([&] { Executor e(sc, 0, std::map<int, Stage*>{}, *on_cpu[0], options); },
+                           {"cuda:1", "several rank threads"});
   LocalOptions own;
   own.devices = {c10::Device(c10::kCUDA, 0), c10::Device(c10::kCUDA, 1)};
   auto separate = make_local_transports(2, own);

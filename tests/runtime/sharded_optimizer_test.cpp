@@ -80,7 +80,9 @@ std::vector<RankOutcome> run_job(Optim optim, bool mixed, bool check_restore = f
     Pipeline pipeline(schedule, {{s, modules[w], [raw, s](const at::Tensor& x) { return run_stage(*raw, s, x); }}},
                       groups.pipeline(), o);
     ck::NamedTensors named;
-    for (const auto& item : modules[w]->named_parameters()) named.emplace_back(item.key(), pipeline.master_weight(item.value()));
+    for (const auto& item : modules[w]->named_parameters()) {
+      named.emplace_back(item.key(), pipeline.master_weight(item.value()));
+    }
     const auto options = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
     auto make = [&](std::vector<at::Tensor> owned) -> std::unique_ptr<torch::optim::Optimizer> {
       return std::make_unique<torch::optim::AdamW>(std::move(owned), options);

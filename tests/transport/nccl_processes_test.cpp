@@ -96,7 +96,9 @@ void large_exchange(NcclTransport& t) {
   const int me = t.rank(), peer = 1 - me;
   const std::int64_t n = 32 * 1024 * 1024;  // 2 bytes each
   auto opts = at::TensorOptions().device(t.device());
-  auto pattern = [&](int who) { return at::arange(n, opts.dtype(at::kLong)).add(who).remainder(251).to(at::kBFloat16); };
+  auto pattern = [&](int who) {
+    return at::arange(n, opts.dtype(at::kLong)).add(who).remainder(251).to(at::kBFloat16);
+  };
   at::Tensor in = at::empty({n}, opts.dtype(at::kBFloat16));
   at::Tensor out = pattern(me);
   auto r = t.irecv(in, {peer, 0, "RECV 64 MiB"});
