@@ -57,7 +57,8 @@ class ShardedOptimizer {
   int owner_of(const at::Tensor& param) const;
   int replica() const { return replica_; }
   int replicas() const { return replicas_; }
-  /// Bytes of this replica's optimizer state (every defined tensor of the local optimizer's per-parameter state).
+  /// Bytes of this replica's optimizer state: the moment tensors of AdamW and Adam, the momentum of SGD (the
+  /// optimizers it knows; UsageError for another's state). 0 when it owns nothing or nothing was stepped yet.
   int64_t state_bytes() const;
 
   /// Checkpoints (AdamW only): the state of every named parameter on every replica, as
