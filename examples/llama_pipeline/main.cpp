@@ -362,54 +362,35 @@ struct StepRecord {
   bool skipped = false;             // --on-nonfinite skip dropped this step's update
 };
 
-/// AdamW over this rank's parameters: plain, or with --zero 1 sharded over the replicas (twobp::ShardedOptimizer).
+/// AdamW over this rank's parameters: a ShardedOptimizer over the replicas with --zero 1, over this rank alone
+/// (no group: it owns every parameter, a plain AdamW) otherwise, so both go through one code path.
 class Optimizer {
  public:
   Optimizer(std::vector<at::Tensor> params, const torch::optim::AdamWOptions& options, twobp::Transport* replicas,
-            bool shard, twobp::Duration timeout) {
-    if (shard) {
-      sharded_ = std::make_unique<twobp::ShardedOptimizer>(
-          std::move(params), replicas,
-          [options](std::vector<at::Tensor> owned) -> std::unique_ptr<torch::optim::Optimizer> {
-            return std::make_unique<torch::optim::AdamW>(std::move(owned), options);
-          },
-          timeout);
-    } else {
-      plain_ = std::make_unique<torch::optim::AdamW>(std::move(params), options);
-    }
-  }
+            bool shard, twobp::Duration timeout)
+      : adamw_(std::move(params), shard ? replicas : nullptr,
+               [options](std::vector<at::Tensor> owned) -> std::unique_ptr<torch::optim::Optimizer> {
+                 return std::make_unique<torch::optim::AdamW>(std::move(owned), options);
+               },
+               timeout) {}
   void set_lr(double lr) {
-    torch::optim::Optimizer* o = plain_ ? plain_.get() : sharded_->local();
+    torch::optim::Optimizer* o = adamw_.local();
     if (o == nullptr) return;  // a replica that owns no parameter
     for (auto& group : o->param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
   }
-  void step() { plain_ ? (void)plain_->step() : sharded_->step(); }
+  void step() { adamw_.step(); }
   /// Every parameter's state as a checkpoint holds it (collective over the replicas when sharded).
-  ck::NamedTensors state(const ck::NamedTensors& named) {
-    return plain_ ? ck::adamw_state_tensors(*plain_, named) : sharded_->gathered_adamw_state(named);
-  }
+  ck::NamedTensors state(const ck::NamedTensors& named) { return adamw_.gathered_adamw_state(named); }
   /// Weights and this rank's share of the state from a checkpoint holding every parameter's.
   void restore(const ck::NamedTensors& loaded, const ck::NamedTensors& named) {
-    if (plain_) return ck::restore(loaded, named, plain_.get());
     ck::restore(loaded, named, nullptr);
-    sharded_->restore_adamw_state(loaded, named);
+    adamw_.restore_adamw_state(loaded, named);
   }
   /// Bytes of the optimizer state this rank holds.
-  int64_t state_bytes() const {
-    if (sharded_) return sharded_->state_bytes();
-    int64_t bytes = 0;
-    for (const auto& [key, s] : plain_->state()) {
-      const auto& a = static_cast<const torch::optim::AdamWParamState&>(*s);
-      for (const at::Tensor& t : {a.exp_avg(), a.exp_avg_sq(), a.max_exp_avg_sq()}) {
-        if (t.defined()) bytes += static_cast<int64_t>(t.numel() * t.element_size());
-      }
-    }
-    return bytes;
-  }
+  int64_t state_bytes() const { return adamw_.state_bytes(); }
 
  private:
-  std::unique_ptr<torch::optim::AdamW> plain_;
-  std::unique_ptr<twobp::ShardedOptimizer> sharded_;
+  twobp::ShardedOptimizer adamw_;
 };
 
 /// What rank 0 reports and the threads share.

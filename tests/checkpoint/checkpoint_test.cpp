@@ -81,12 +81,22 @@ void save_both(const std::string& dir, int64_t step, std::vector<Rank>& ranks, c
       .rethrow_root_cause();
 }
 
-std::vector<Rank> make_ranks(uint64_t seed) {
+// The ranks of a `stages`-chunk partition of the tiny model (each chunk names its blocks by global layer).
+std::vector<Rank> make_layout(int stages, const std::string& partition, uint64_t seed) {
   const auto c = llm::config_by_name("tiny");
-  const auto part = llm::make_partition(c, 2, 64, "2,2");
+  const auto part = llm::make_partition(c, stages, 64, partition);
   std::vector<Rank> ranks;
-  for (int r = 0; r < 2; ++r) ranks.emplace_back(c, part.chunks[r], seed);
+  for (int r = 0; r < stages; ++r) ranks.emplace_back(c, part.chunks[r], seed);
   return ranks;
+}
+
+std::vector<Rank> make_ranks(uint64_t seed) { return make_layout(2, "2,2", seed); }
+
+// Damages one byte of a file in place.
+void overwrite_byte(const std::string& path, int64_t offset) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekp(static_cast<std::streamoff>(offset));
+  f.put('\x5a');
 }
 
 void expect_equal_state(const Rank& a, const Rank& b) {
@@ -136,11 +146,7 @@ TEST(Checkpoint, CorruptShardFailsChecksum) {
   save_both(dir, 1, ranks, config_for("tiny"));
   const auto shard = dir + "/shard-step1-rank1.bin";
   ASSERT_TRUE(file_exists(shard));
-  {
-    std::fstream f(shard, std::ios::in | std::ios::out | std::ios::binary);
-    f.seekp(static_cast<std::streamoff>(file_size(shard) / 2));
-    f.put('\x5a');
-  }
+  overwrite_byte(shard, file_size(shard) / 2);
   EXPECT_NO_THROW(ck::load_checkpoint(dir, config_for("tiny"), 0, 2));
   try {
     ck::load_checkpoint(dir, config_for("tiny"), 1, 2);
@@ -440,18 +446,6 @@ TEST(DataParallelCheckpoint, ManifestWithoutDpReadsAsOneReplica) {
   remove_tree(parent_dir(dir));
 }
 
-namespace {
-
-// The ranks of a `stages`-chunk partition of the tiny model (each chunk names its blocks by global layer).
-std::vector<Rank> make_layout(int stages, const std::string& partition, uint64_t seed) {
-  const auto c = llm::config_by_name("tiny");
-  const auto part = llm::make_partition(c, stages, 64, partition);
-  std::vector<Rank> ranks;
-  for (int r = 0; r < stages; ++r) ranks.emplace_back(c, part.chunks[r], seed);
-  return ranks;
-}
-
-}  // namespace
 
 // A checkpoint of 2 ranks loads by name into 4 ranks (a block each) and into 1 rank (everything): every tensor and
 // its optimizer state is where the new layout needs it, bit for bit, and training continues identically.
@@ -493,11 +487,7 @@ TEST(LoadByName, ReadsAndVerifiesTheShardsItNeeds) {
   auto ranks = make_ranks(1);
   save_both(dir, 1, ranks, config_for("tiny"));
   const auto shard = dir + "/shard-step1-rank1.bin";
-  {
-    std::fstream f(shard, std::ios::in | std::ios::out | std::ios::binary);
-    f.seekp(static_cast<std::streamoff>(file_size(shard) - 8));  // inside the last tensor's data
-    f.put('\x5a');
-  }
+  overwrite_byte(shard, file_size(shard) - 8);  // inside the last tensor's data
   auto first = make_layout(2, "2,2", 7);
   EXPECT_NO_THROW(ck::load_checkpoint_by_name(dir, {}, ck::state_of(first[0].params), "rank 0"));
   try {

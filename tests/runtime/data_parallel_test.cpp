@@ -68,8 +68,8 @@ class DataPipelineParity : public ::testing::TestWithParam<DpCase> {
   Float64Default float64_;
 };
 
-TEST_P(DataPipelineParity, EveryReplicaHasTheGlobalBatchGradients) {
-  const DpCase c = GetParam();
+// One dp x pp job on threads against one process on the global batch (common/dp_cases.h).
+void expect_parity(const DpCase& c, dp::Precision precision) {
   Schedule schedule;
   try {
     schedule = dp::replica_schedule(c.schedule, c.mode, c.pp);
@@ -77,16 +77,20 @@ TEST_P(DataPipelineParity, EveryReplicaHasTheGlobalBatchGradients) {
     GTEST_SKIP() << "schedule rejects this shape: " << e.what();
   }
   const dp::GlobalBatch batch = dp::global_batch(c.dp);
-  const dp::Reference ref = dp::reference(schedule.num_stages, batch);
+  const dp::Reference ref = dp::reference(schedule.num_stages, batch, precision);
   // Chunks are built on this thread (torch::manual_seed is process-wide), then trained by one thread per rank.
   std::vector<dp::RankRun> runs(c.dp * c.pp);
-  for (int r = 0; r < c.dp * c.pp; ++r) runs[r].chunks = dp::chunks_of(schedule, r % c.pp);
+  for (int r = 0; r < c.dp * c.pp; ++r) runs[r].chunks = dp::chunks_of(schedule, r % c.pp, precision);
   auto world = make_local_transports(c.dp * c.pp);
   run_rank_threads(world, [&](Transport& t) {
-    dp::run_rank(t, c.dp, schedule, c.overlap, batch, runs[t.rank()]);
+    dp::run_rank(t, c.dp, schedule, c.overlap, batch, runs[t.rank()], precision);
   }).rethrow_root_cause();
-  for (int r = 0; r < c.dp * c.pp; ++r) dp::expect_matches(runs[r], ref, "world rank " + std::to_string(r));
+  for (int r = 0; r < c.dp * c.pp; ++r) {
+    dp::expect_matches(runs[r], ref, "world rank " + std::to_string(r), precision);
+  }
 }
+
+TEST_P(DataPipelineParity, EveryReplicaHasTheGlobalBatchGradients) { expect_parity(GetParam(), dp::Precision::kDefault); }
 
 std::vector<DpCase> dp_cases() {
   std::vector<DpCase> out;
@@ -116,24 +120,7 @@ INSTANTIATE_TEST_SUITE_P(Schedules, DataPipelineParity, ::testing::ValuesIn(dp_c
 class MixedDataPipelineParity : public ::testing::TestWithParam<DpCase> {};
 
 TEST_P(MixedDataPipelineParity, MastersHaveTheGlobalBatchGradients) {
-  const DpCase c = GetParam();
-  Schedule schedule;
-  try {
-    schedule = dp::replica_schedule(c.schedule, c.mode, c.pp);
-  } catch (const ScheduleError& e) {
-    GTEST_SKIP() << "schedule rejects this shape: " << e.what();
-  }
-  const dp::GlobalBatch batch = dp::global_batch(c.dp);
-  const dp::Reference ref = dp::reference(schedule.num_stages, batch, dp::Precision::kMixedBf16);
-  std::vector<dp::RankRun> runs(c.dp * c.pp);
-  for (int r = 0; r < c.dp * c.pp; ++r) runs[r].chunks = dp::chunks_of(schedule, r % c.pp, dp::Precision::kMixedBf16);
-  auto world = make_local_transports(c.dp * c.pp);
-  run_rank_threads(world, [&](Transport& t) {
-    dp::run_rank(t, c.dp, schedule, c.overlap, batch, runs[t.rank()], dp::Precision::kMixedBf16);
-  }).rethrow_root_cause();
-  for (int r = 0; r < c.dp * c.pp; ++r) {
-    dp::expect_matches(runs[r], ref, "world rank " + std::to_string(r), dp::Precision::kMixedBf16);
-  }
+  expect_parity(GetParam(), dp::Precision::kMixedBf16);
 }
 
 std::vector<DpCase> mixed_dp_cases() {
