@@ -2,8 +2,8 @@
 //
 //   twobp_bench check-schedules --transport nccl --json out.json
 //
-// For every built-in schedule x {standard, 2bp} x p in {2, 3, 4, 8} x m in {p, 2p, 3p} (v = 2 for
-// interleaved-1f1b and zb-v), it generates the schedule and validates it against the transport's pairing rule
+// For every built-in schedule x {standard, 2bp} x p in {2, 3, 4, 8} x m in {p, 2p, 3p} (v = the
+// schedule's default), it generates the schedule and validates it against the transport's pairing rule
 // (twobp::pairing_of(transport)): for "nccl" and "local-in-order" that includes "on every channel the sender posts
 // its messages in the order the receiver posts its receives". Output: {"transport", "pairing", "results":
 // [{"schedule","mode","p","m","ok"[,"error"]}]} and a table; the exit status is 1 unless every case is ok.

@@ -907,7 +907,7 @@ void add_pipeline_command(CLI::App& app) {
       ->capture_default_str()->check(CLI::PositiveNumber);
   sub->add_option("--microbatches", a->microbatches, "Micro-batches per step")->capture_default_str()
       ->check(CLI::PositiveNumber);
-  sub->add_option("--chunks-per-rank", a->chunks_per_rank, "v (default: the schedule's: 2 for interleaved-1f1b and zb-v, "
+  sub->add_option("--chunks-per-rank", a->chunks_per_rank, "v (default: the schedule's: 2 for the looped and V schedules, "
                   "else 1)");
   sub->add_option("--model", a->model.model, "llama (fast path), bert or resnet (general autograd-graph split)")
       ->check(CLI::IsMember(pipeline_model_names()))->capture_default_str();

@@ -483,7 +483,7 @@ void add_simulate_command(CLI::App& app) {
   sub->add_option("--microbatches", a->microbatches, "m: micro-batches per step")->capture_default_str()
       ->check(CLI::Range(1, 256));
   sub->add_option("--chunks-per-rank", a->chunks_per_rank,
-                  "v for every schedule (default: the schedule's: 2 for interleaved-1f1b and zb-v, else 1); chunk "
+                  "v for every schedule (default: the schedule's: 2 for the looped and V schedules, else 1); chunk "
                   "cost = cost / v")
       ->check(CLI::Range(0, 16));
   std::vector<std::string> schedules = schedule_names();

@@ -60,8 +60,18 @@ ActionDependencies dependencies(const Action& a, int num_stages) {
 Action local_producer(const ItemRef& item, int rank, const Schedule& schedule) {
   const bool owned = item.stage >= 0 && item.stage < static_cast<int>(schedule.stage_to_rank.size()) &&
                      schedule.stage_to_rank[item.stage] == rank;
-  const ActionType backward =
-      schedule.backward == BackwardMode::kSplit ? ActionType::kBackwardInput : ActionType::kBackward;
+  // The backward the schedule holds for this (stage, micro-batch): split schedules may fuse some (DualPipeV runs B
+  // in its steady state and I/W only where they fill a bubble); by the mode when it holds neither.
+  ActionType backward = schedule.backward == BackwardMode::kSplit ? ActionType::kBackwardInput : ActionType::kBackward;
+  if (owned && item.item == Item::kInputGrad && rank >= 0 && rank < static_cast<int>(schedule.actions.size())) {
+    for (const Action& a : schedule.actions[rank]) {
+      if ((a.type == ActionType::kBackwardInput || a.type == ActionType::kBackward) && a.stage == item.stage &&
+          a.micro_batches.size() == 1 && a.micro_batches[0] == item.micro_batch) {
+        backward = a.type;
+        break;
+      }
+    }
+  }
   switch (item.item) {
     case Item::kActivation:
       return owned ? Action{ActionType::kForward, item.stage, {item.micro_batch}}

@@ -1,9 +1,11 @@
-// Built-in schedule generators: gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, zb-v, looped-bfs.
+// Built-in schedule generators: gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, zb-v, looped-bfs, interleaved-zb,
+// dualpipev, v-half, v-min.
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <array>
 #include <deque>
 #include <functional>
 #include <map>
@@ -244,22 +246,33 @@ std::vector<std::pair<int, int>> interleaved_table(int m, int v, int g) {
   return table;
 }
 
-// Megatron-LM's interleaved 1F1B with PyTorch's relaxation of m % p == 0 (ScheduleInterleaved1F1B): the
+// The micro-batch groups of the interleaved schedules (PyTorch's relaxation of Megatron-LM's m % p == 0): the
 // micro-batches run in rounds = max(1, m / p) groups of g = m / rounds (so g >= p, or g = m < p), which needs
-// rounds to divide m; the warm-up is 2 (p - 1 - rank) + (v - 1) g forwards.
-Schedule interleaved(const ScheduleOptions& o) {
-  check_basic("interleaved-1f1b", o);
+// rounds to divide m. Returns g.
+int interleaved_group_size(std::string_view name, const ScheduleOptions& o) {
   const int p = o.ranks, m = o.micro_batches, v = o.chunks_per_rank;
-  TWOBP_CHECK(v >= 1, ScheduleError, "interleaved-1f1b: expected chunks_per_rank >= 1, got {}", v);
+  TWOBP_CHECK(v >= 1, ScheduleError, "{}: expected chunks_per_rank >= 1, got {}", name, v);
   const int rounds = std::max(1, m / p);
   TWOBP_CHECK(m % rounds == 0, ScheduleError,
-              "interleaved-1f1b runs the micro-batches in max(1, m / p) = {} equal groups, which needs m to be a "
-              "multiple of {}: got micro_batches={} and ranks={} (e.g. use {} or {} micro-batches)",
-              rounds, rounds, m, p, m / rounds * rounds, (m / rounds + 1) * rounds);
-  const int g = m / rounds;
+              "{} runs the micro-batches in max(1, m / p) = {} equal groups, which needs m to be a multiple of {}: "
+              "got micro_batches={} and ranks={} (e.g. use {} or {} micro-batches)",
+              name, rounds, rounds, m, p, m / rounds * rounds, (m / rounds + 1) * rounds);
+  return m / rounds;
+}
+
+std::vector<int> looped_placement(int p, int v) {
   std::vector<int> placement(static_cast<std::size_t>(p) * v);
   for (int s = 0; s < p * v; ++s) placement[s] = s % p;
-  Schedule sc = empty_schedule("interleaved-1f1b", p, std::move(placement), m, o.backward);
+  return placement;
+}
+
+// Megatron-LM's interleaved 1F1B in groups of g (interleaved_group_size; PyTorch's ScheduleInterleaved1F1B): the
+// warm-up is 2 (p - 1 - rank) + (v - 1) g forwards.
+Schedule interleaved(const ScheduleOptions& o) {
+  check_basic("interleaved-1f1b", o);
+  const int g = interleaved_group_size("interleaved-1f1b", o);
+  const int p = o.ranks, m = o.micro_batches, v = o.chunks_per_rank;
+  Schedule sc = empty_schedule("interleaved-1f1b", p, looped_placement(p, v), m, o.backward);
   const ActionType bwd = o.backward == BackwardMode::kSplit ? ActionType::kBackwardInput : ActionType::kBackward;
   const int total = m * v;
   const auto table = interleaved_table(m, v, g);
@@ -278,6 +291,46 @@ Schedule interleaved(const ScheduleOptions& o) {
   return from_main_order(std::move(sc), main);
 }
 
+// ---- interleaved-zb (PyTorch's ScheduleInterleavedZeroBubble: the zero-bubble paper's ZB1P over v chunks) ----------
+
+// The interleaved order of F's and I's in groups of g, with a warm-up of only (p - 1 - rank) + (v - 1) g forwards
+// (one per hop from the last rank instead of 1F1B's two: the W's fill the slots that second forward filled), and
+// ZB-H1's W placement: rank r runs the W of its k-th backward right after its (k + r)-th I, the last r + 1 W's close
+// the step. Any v >= 1 (zb-v is the V-shaped v = 2 variant); the split form is PyTorch's action for action.
+Schedule interleaved_zb(const ScheduleOptions& o) {
+  check_basic("interleaved-zb", o);
+  const int g = interleaved_group_size("interleaved-zb", o);
+  const int p = o.ranks, m = o.micro_batches, v = o.chunks_per_rank;
+  Schedule sc = empty_schedule("interleaved-zb", p, looped_placement(p, v), m, o.backward);
+  const int total = m * v;
+  const auto table = interleaved_table(m, v, g);
+  std::vector<std::vector<Action>> order(p);
+  for (int r = 0; r < p; ++r) {
+    auto& out = order[r];
+    auto forward = [&](int k) { out.push_back(Action{ActionType::kForward, table[k].second * p + r, {table[k].first}}); };
+    auto backward_stage = [&](int k) { return (v - 1 - table[k].second) * p + r; };
+    int weights = 0;
+    auto backward = [&](int k) {
+      out.push_back(Action{ActionType::kBackwardInput, backward_stage(k), {table[k].first}});
+      if (k >= r) {
+        out.push_back(Action{ActionType::kBackwardWeight, backward_stage(weights), {table[weights].first}});
+        ++weights;
+      }
+    };
+    const int warmup = std::min((p - r - 1) + (v - 1) * g, total);
+    for (int k = 0; k < warmup; ++k) forward(k);
+    for (int k = 0; k < total - warmup; ++k) {
+      forward(warmup + k);
+      backward(k);
+    }
+    for (int k = total - warmup; k < total; ++k) backward(k);
+    for (; weights < total; ++weights) {
+      out.push_back(Action{ActionType::kBackwardWeight, backward_stage(weights), {table[weights].first}});
+    }
+  }
+  return finish(std::move(sc), std::move(order));
+}
+
 // ---- looped-bfs (PyTorch's ScheduleLoopedBFS) ----------------------------------------------------------------------
 
 // Breadth first over v looped chunks (stage s on rank s % p): each rank runs its chunks' forwards in chunk order,
@@ -288,9 +341,7 @@ Schedule looped_bfs(const ScheduleOptions& o) {
   check_basic("looped-bfs", o);
   const int p = o.ranks, m = o.micro_batches, v = o.chunks_per_rank;
   TWOBP_CHECK(v >= 1, ScheduleError, "looped-bfs: expected chunks_per_rank >= 1, got {}", v);
-  std::vector<int> placement(static_cast<std::size_t>(p) * v);
-  for (int s = 0; s < p * v; ++s) placement[s] = s % p;
-  Schedule sc = empty_schedule("looped-bfs", p, std::move(placement), m, o.backward);
+  Schedule sc = empty_schedule("looped-bfs", p, looped_placement(p, v), m, o.backward);
   std::vector<std::vector<Action>> order(p);
   for (int r = 0; r < p; ++r) {
     for (int chunk = 0; chunk < v; ++chunk) {
@@ -383,6 +434,18 @@ Schedule zb_h2(const ScheduleOptions& o) {
   return finish(std::move(sc), std::move(order));
 }
 
+// ---- V placement (zb-v, dualpipev, v-half, v-min) -----------------------------------------------------------------
+
+// Two chunks per rank in a V: stage s on rank s for s < p, on rank 2p-1-s otherwise (rank r holds r and 2p-1-r).
+std::vector<int> v_placement(std::string_view name, const ScheduleOptions& o) {
+  TWOBP_CHECK(o.chunks_per_rank == 1 || o.chunks_per_rank == 2, ScheduleError,
+              "{} always places 2 stages per rank: expected chunks_per_rank=2, got {}", name, o.chunks_per_rank);
+  const int p = o.ranks;
+  std::vector<int> placement(2 * static_cast<std::size_t>(p));
+  for (int s = 0; s < 2 * p; ++s) placement[s] = s < p ? s : 2 * p - 1 - s;
+  return placement;
+}
+
 // ---- zb-v --------------------------------------------------------------------------------------------------------
 
 // ZB-V (Qi et al., section 6): two chunks per rank in a V, rank r holding stages r and 2p-1-r. The order is the
@@ -390,13 +453,9 @@ Schedule zb_h2(const ScheduleOptions& o) {
 // missing micro-batches are dropped, which only removes dependencies and so keeps the order deadlock-free.
 Schedule zb_v(const ScheduleOptions& o) {
   check_basic("zb-v", o);
-  TWOBP_CHECK(o.chunks_per_rank == 1 || o.chunks_per_rank == 2, ScheduleError,
-              "zb-v always places 2 stages per rank: expected chunks_per_rank=2, got {}", o.chunks_per_rank);
   const int p = o.ranks, m = o.micro_batches;
   const int S = 2 * p;
-  std::vector<int> placement(S);
-  for (int s = 0; s < S; ++s) placement[s] = s < p ? s : 2 * p - 1 - s;
-  Schedule sc = empty_schedule("zb-v", p, std::move(placement), m, o.backward);
+  Schedule sc = empty_schedule("zb-v", p, v_placement("zb-v", o), m, o.backward);
   const int n = std::max(2 * p - 1, m);
   std::vector<std::vector<Action>> order(p);
   for (int r = 0; r < p; ++r) {
@@ -439,6 +498,155 @@ Schedule zb_v(const ScheduleOptions& o) {
   return finish(std::move(sc), std::move(order));
 }
 
+// ---- dualpipev (DeepSeek's DualPipeV; PyTorch's ScheduleDualPipeV) -------------------------------------------------
+
+// DualPipe "cut in half" (DeepSeek-V3, arXiv 2412.19437; the order of deepseek-ai/DualPipe's dualpipev.py, which
+// PyTorch's ScheduleDualPipeV reproduces): V placement, rank r holding stages r (chunk 0) and 2p-1-r (chunk 1).
+// After a warm-up, the steady state pairs one micro-batch's F with another's fused B (F0 B1, then F1 B0: the pairs
+// DualPipe overlaps so that one's communication hides under the other's compute); the I/W split is used only where
+// a bubble would be -- at the V's turn (I1 W1 F1) and in the tail, where the deferred W's (oldest first) fill the
+// cool-down. Written for n = max(m, 2p) micro-batches (DualPipeV needs m >= 2p); for smaller m the actions of the
+// missing micro-batches are dropped, which only removes dependencies (the pipeline is then not full).
+// Split form: DualPipeV's own mix of B and I/W. Standard form: the same order with every W dropped and I as B.
+Schedule dualpipev(const ScheduleOptions& o) {
+  check_basic("dualpipev", o);
+  const int p = o.ranks, m = o.micro_batches;
+  Schedule sc = empty_schedule("dualpipev", p, v_placement("dualpipev", o), m, o.backward);
+  const int n = std::max(m, 2 * p);
+  for (int r = 0; r < p; ++r) {
+    const int c0 = r, c1 = 2 * p - 1 - r;
+    std::map<int, int> next_f, next_b;       // per stage: the next micro-batch of its F, of its I/B
+    std::deque<std::pair<int, int>> weights;  // deferred W's (stage, micro-batch), oldest first
+    auto& out = sc.actions[r];
+    auto emit = [&](ActionType type, int stage, int mb) {
+      if (mb < m) out.push_back(Action{type, stage, {mb}});
+    };
+    auto forward = [&](int stage) { emit(ActionType::kForward, stage, next_f[stage]++); };
+    auto backward = [&](int stage, bool split) {
+      const int mb = next_b[stage]++;
+      emit(split ? ActionType::kBackwardInput : ActionType::kBackward, stage, mb);
+      if (split) weights.emplace_back(stage, mb);
+    };
+    auto weight = [&] {
+      if (weights.empty()) return;
+      emit(ActionType::kBackwardWeight, weights.front().first, weights.front().second);
+      weights.pop_front();
+    };
+    for (int k = 0; k < 2 * (p - r - 1); ++k) forward(c0);  // 1: F0
+    for (int k = 0; k < r + 1; ++k) {                          // 2: F0 F1
+      forward(c0);
+      forward(c1);
+    }
+    for (int k = 0; k < p - r - 1; ++k) {  // 3: I1 W1 F1
+      backward(c1, true);
+      weight();
+      forward(c1);
+    }
+    for (int k = 0; k < n - 2 * p + r + 1; ++k) {  // 4: (F0 B1) (F1 B0), the steady state
+      forward(c0);
+      backward(c1, false);
+      forward(c1);
+      backward(c0, false);
+    }
+    for (int k = 0; k < p - r - 1; ++k) {  // 5: B1 (F1 B0)
+      backward(c1, false);
+      forward(c1);
+      backward(c0, false);
+    }
+    bool split = false;  // 6: B1 B0, switching to I's halfway (rank parity decides which chunk switches first)
+    for (int k = 0; k < r + 1; ++k) {
+      if (k == (r + 1) / 2 && r % 2 == 1) split = true;
+      backward(c1, split);
+      if (k == (r + 1) / 2 && r % 2 == 0) split = true;
+      backward(c0, split);
+    }
+    for (int k = 0; k < p - r - 1; ++k) {  // 7: W I0
+      weight();
+      backward(c0, split);
+    }
+    while (!weights.empty()) weight();  // 8: the remaining W's
+  }
+  auto order = std::move(sc.actions);
+  return finish(std::move(sc), std::move(order));
+}
+
+// ---- v-half / v-min (controllable activation memory, Qi et al., arXiv 2405.15362) ---------------------------------
+
+// The paper's V schedules are built from a repeating block: on rank r, micro-batch j runs F of chunk 0, F of chunk
+// 1, I of chunk 1 and I of chunk 0 at fixed offsets plus 6 j (six unit slots per micro-batch and rank: 2 F, 2 I,
+// 2 W), and the W's fill the two free slots of every block, oldest first (chunk 1's before chunk 0's). The offsets
+// fix how long a micro-batch's chunk-0 activations wait for their I, and so the activation memory:
+// - v-half: F0 at 2r, F1 at 3p - r - 2, I1 at 3p + d + 2r - 1, I0 at 6p + d - r - 2 (d = 3 for even p, else 0):
+//   about p + 1 chunk activations per rank, half of 1F1B's 2p (1F1B's rank 0 holds p micro-batches of a stage
+//   twice as deep), with 1F1B's bubble or less;
+// - v-min: F0 at r, F1 at 2p - r - 1, I1 at 2p + d + r, I0 at 4p + d - r - 1 (d = 2 when 3 divides p, else 0):
+//   about 2p / 3 + 1, a third of 1F1B's, with a larger bubble.
+// The offsets are the authors' (their repository's stable patterns); each rank's order is the blocks' time order,
+// and the W's left at the end of the step become one batched W per stage. The authors additionally "squeeze" the
+// warm-up and cool-down by moving actions into earlier free slots that keep the memory peak; that pass is not done
+// here (the runtime and simulate() start every action as soon as its inputs are there, in this order).
+using VBlock = std::array<long, 4>;  // times of F0, F1, I1, I0 for micro-batch 0
+
+Schedule patterned_v(std::string_view name, const ScheduleOptions& o, const std::function<VBlock(int)>& block) {
+  check_basic(name, o);
+  const int p = o.ranks, m = o.micro_batches;
+  Schedule sc = empty_schedule(std::string(name), p, v_placement(name, o), m, o.backward);
+  std::vector<std::vector<Action>> order(p);
+  for (int r = 0; r < p; ++r) {
+    const std::array<int, 2> stage{r, 2 * p - 1 - r};
+    const VBlock base = block(r);
+    struct Slot {
+      long time;
+      int kind;  // 0: F0, 1: F1, 2: I1, 3: I0
+      int mb;
+    };
+    std::vector<Slot> slots;
+    for (int kind = 0; kind < 4; ++kind) {
+      for (int mb = 0; mb < m; ++mb) slots.push_back({base[kind] + 6L * mb, kind, mb});
+    }
+    std::sort(slots.begin(), slots.end(),
+              [](const Slot& a, const Slot& b) { return a.time != b.time ? a.time < b.time : a.kind < b.kind; });
+    std::array<std::deque<int>, 2> waiting;  // per chunk: micro-batches whose I ran and whose W has not
+    auto& out = order[r];
+    long t = 0;
+    for (const Slot& slot : slots) {
+      for (; t < slot.time; ++t) {  // a free slot: the oldest W, chunk 1's first
+        for (int c : {1, 0}) {
+          if (waiting[c].empty()) continue;
+          out.push_back(Action{ActionType::kBackwardWeight, stage[c], {waiting[c].front()}});
+          waiting[c].pop_front();
+          break;
+        }
+      }
+      const int chunk = slot.kind == 0 || slot.kind == 3 ? 0 : 1;
+      const bool forward = slot.kind < 2;
+      out.push_back(Action{forward ? ActionType::kForward : ActionType::kBackwardInput, stage[chunk], {slot.mb}});
+      if (!forward) waiting[chunk].push_back(slot.mb);
+      t = slot.time + 1;
+    }
+    std::deque<std::pair<int, int>> rest;
+    for (int c : {1, 0}) {
+      for (int mb : waiting[c]) rest.emplace_back(stage[c], mb);
+    }
+    append_batched_weights(out, rest);
+  }
+  return finish(std::move(sc), std::move(order));
+}
+
+Schedule v_half(const ScheduleOptions& o) {
+  const long p = o.ranks, d = p % 2 == 0 ? 3 : 0;
+  return patterned_v("v-half", o, [p, d](int r) {
+    return VBlock{2L * r, 3 * p - r - 2, 3 * p + d + 2L * r - 1, 6 * p + d - r - 2};
+  });
+}
+
+Schedule v_min(const ScheduleOptions& o) {
+  const long p = o.ranks, d = p % 3 == 0 ? 2 : 0;
+  return patterned_v("v-min", o, [p, d](int r) {
+    return VBlock{static_cast<long>(r), 2 * p - r - 1, 2 * p + d + r, 4 * p + d - r - 1};
+  });
+}
+
 // ---- registry ----------------------------------------------------------------------------------------------------
 
 class FunctionGenerator : public ScheduleGenerator {
@@ -476,6 +684,11 @@ struct Registry {
     entries.push_back(builtin("zb-h2", zb_h2, 1, "zero bubble H2: more warm-up forwards, no bubble"));
     entries.push_back(builtin("zb-v", zb_v, 2, "zero bubble V: two chunks per rank in a V"));
     entries.push_back(builtin("looped-bfs", looped_bfs, 2, "breadth first over v looped chunks (PyTorch's LoopedBFS)"));
+    entries.push_back(
+        builtin("interleaved-zb", interleaved_zb, 2, "zero bubble over v looped chunks (PyTorch's InterleavedZeroBubble)"));
+    entries.push_back(builtin("dualpipev", dualpipev, 2, "DeepSeek's DualPipeV: V, F of one micro-batch beside B of another"));
+    entries.push_back(builtin("v-half", v_half, 2, "V with about half of 1F1B's activation memory"));
+    entries.push_back(builtin("v-min", v_min, 2, "V with about a third of 1F1B's activation memory"));
     builtins = entries.size();
   }
   std::size_t builtins = 0;  // the first entries, in the order above

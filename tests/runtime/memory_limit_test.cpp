@@ -2,6 +2,8 @@
 // memory-bounded 2BP by bytes (PipelineOptions::memory_limit_bytes), ranks as threads, float64.
 // A process of its own: it installs the CPU allocation counter (twobp::memory::count_cpu_allocations).
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -158,6 +160,7 @@ Schedule defer_weights_to_end(Schedule schedule) {
 // the second step on; W's run early to keep it; losses and gradients equal the unbounded run's.
 TEST_F(MemoryLimit, HoldsOnEveryScheduleAndKeepsGradients) {
   int configurations = 0, binding = 0;
+  std::vector<std::string> loose;  // configurations where the limit would not bind
   for (const auto& name : builtin_schedule_names()) {
     for (auto [p, m] : std::vector<std::pair<int, int>>{{2, 8}, {4, 8}}) {
       SCOPED_TRACE(name + " p=" + std::to_string(p) + " m=" + std::to_string(m));
@@ -182,7 +185,11 @@ TEST_F(MemoryLimit, HoldsOnEveryScheduleAndKeepsGradients) {
       // peers' timing (a send's buffer lives until the receiver took it; up to 4 of them were seen): binding
       // means a gap of more than 10 boundary tensors, so the limit is 5 of them away from either peak.
       ++configurations;
-      if (hi - lo <= 10 * kRows * kWide * static_cast<int64_t>(sizeof(double))) continue;
+      if (hi - lo <= 10 * kRows * kWide * static_cast<int64_t>(sizeof(double))) {
+        loose.push_back(fmt::format("{} p={} m={} (gap {} tensors)", name, p, m,
+                                    (hi - lo) / (kRows * kWide * static_cast<int64_t>(sizeof(double)))));
+        continue;
+      }
       ++binding;
       const int64_t limit = lo + (hi - lo) / 2;
 
@@ -221,8 +228,14 @@ TEST_F(MemoryLimit, HoldsOnEveryScheduleAndKeepsGradients) {
     }
   }
   // Measured: every schedule that runs forwards after its first I binds at both shapes (gaps of 15 to 54 tensors),
-  // except zb-h2 at p = 4 (8.5: its warm-up already holds most micro-batches); GPipe never does (7).
-  EXPECT_GE(binding, configurations - 3) << binding << " of " << configurations << " configurations bind";
+  // except zb-h2 at p = 4 (8.5: its warm-up already holds most micro-batches); GPipe never does (7), nor DualPipeV
+  // (-1 and 9: its steady state fuses B, so only the tail's few W's can be deferred).
+  EXPECT_GE(binding, configurations - 5) << binding << " of " << configurations << " configurations bind; not: "
+                                         << fmt::format("{}", fmt::join(loose, "; "));
+  for (const std::string& c : loose) {
+    EXPECT_TRUE(c.rfind("gpipe ", 0) == 0 || c.rfind("dualpipev ", 0) == 0 || c.rfind("zb-h2 p=4", 0) == 0)
+        << "the limit does not bind on " << c;
+  }
 }
 
 TEST_F(MemoryLimit, NegativeLimitIsRefused) {

@@ -78,7 +78,15 @@ TEST(Generators, PlacementFollowsTheContract) {
   o.micro_batches = 8;
   o.chunks_per_rank = 2;
   EXPECT_EQ(make_schedule("interleaved-1f1b", o).stage_to_rank, (std::vector<int>{0, 1, 2, 3, 0, 1, 2, 3}));
-  EXPECT_EQ(make_schedule("zb-v", o).stage_to_rank, (std::vector<int>{0, 1, 2, 3, 3, 2, 1, 0}));
+  EXPECT_EQ(make_schedule("interleaved-zb", o).stage_to_rank, (std::vector<int>{0, 1, 2, 3, 0, 1, 2, 3}));
+  for (const char* name : {"zb-v", "dualpipev", "v-half", "v-min"}) {
+    EXPECT_EQ(make_schedule(name, o).stage_to_rank, (std::vector<int>{0, 1, 2, 3, 3, 2, 1, 0})) << name;
+  }
+  o.chunks_per_rank = 3;
+  for (const char* name : {"zb-v", "dualpipev", "v-half", "v-min"}) {
+    EXPECT_THROW(make_schedule(name, o), ScheduleError) << name << " places exactly 2 chunks per rank";
+  }
+  EXPECT_EQ(make_schedule("interleaved-zb", o).num_stages, 12);
   o.chunks_per_rank = 1;
   for (const char* name : {"gpipe", "1f1b", "zb-h1", "zb-h2"}) {
     EXPECT_EQ(make_schedule(name, o).stage_to_rank, (std::vector<int>{0, 1, 2, 3})) << name;

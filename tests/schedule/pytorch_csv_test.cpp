@@ -155,6 +155,24 @@ TEST(PytorchCsv, LoopedBfsIsPytorchs) {
   }
 }
 
+// twobp's interleaved-zb and dualpipev (2BP form) write the CSVs PyTorch's ScheduleInterleavedZeroBubble and
+// ScheduleDualPipeV write, action for action (DualPipeV's overlapped pairs as their F and B, in order).
+TEST(PytorchCsv, InterleavedZeroBubbleAndDualPipeVArePytorchs) {
+  for (const auto& [ours_name, theirs_name] :
+       std::vector<std::pair<std::string, std::string>>{{"interleaved-zb", "ScheduleInterleavedZeroBubble"},
+                                                        {"dualpipev", "ScheduleDualPipeV"}}) {
+    for (const auto& [p, m] : std::vector<std::pair<int, int>>{{2, 4}, {4, 8}}) {
+      std::ifstream in(kDir + "/" + theirs_name + "_p" + std::to_string(p) + "_m" + std::to_string(m) + ".csv");
+      ASSERT_TRUE(in) << theirs_name;
+      std::stringstream theirs;
+      theirs << in.rdbuf();
+      const Schedule ours = make_schedule(ours_name, ScheduleOptions{p, m, 2, BackwardMode::kSplit});
+      EXPECT_EQ(to_pytorch_csv(ours), to_pytorch_csv(from_pytorch_csv(theirs.str())))
+          << ours_name << " p=" << p << " m=" << m;
+    }
+  }
+}
+
 TEST(PytorchCsv, TheGeneratedFilesAreThere) { EXPECT_EQ(csv_files().size(), 10u) << kDir; }
 
 void expect_refused(const std::string& csv, const std::string& words) {

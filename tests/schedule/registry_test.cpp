@@ -26,7 +26,8 @@ TEST(ScheduleRegistry, BuiltinsComeFirstWithTheirDefaults) {
   EXPECT_TRUE(std::equal(builtins.begin(), builtins.end(), names.begin()));
   for (const auto& name : builtins) {
     const int v = schedule_info(name).default_chunks_per_rank;
-    EXPECT_EQ(v, name == "interleaved-1f1b" || name == "zb-v" || name == "looped-bfs" ? 2 : 1) << name;
+    const bool one_chunk = name == "gpipe" || name == "1f1b" || name == "zb-h1" || name == "zb-h2";
+    EXPECT_EQ(v, one_chunk ? 1 : 2) << name;
     EXPECT_EQ(default_schedule_options(name, 3, 6, BackwardMode::kSplit).chunks_per_rank, v) << name;
     EXPECT_FALSE(schedule_info(name).summary.empty()) << name;
   }

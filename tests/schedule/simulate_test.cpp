@@ -129,6 +129,91 @@ TEST(Simulate, PeakLiveMicroBatches) {
   }
 }
 
+// The most (stage, micro-batch) activations rank `r` holds between their F and the backward that frees
+// `freed_by` (I: the part the controllable-memory paper bounds; W or B: everything, what simulate() counts), from
+// the rank's action order alone (memory changes only by a rank's own actions).
+int peak_held(const Schedule& sc, int r, bool until_weight) {
+  int held = 0, peak = 0;
+  for (const Action& a : sc.actions[r]) {
+    if (a.type == ActionType::kForward) peak = std::max(peak, ++held);
+    const bool frees = until_weight ? a.type == ActionType::kBackwardWeight || a.type == ActionType::kBackward
+                                    : a.type == ActionType::kBackwardInput || a.type == ActionType::kBackward;
+    if (frees) held -= static_cast<int>(a.micro_batches.size());
+  }
+  return peak;
+}
+
+// V-Half and V-Min (arXiv 2405.15362) bound a rank's activations: 1F1B on the same model (p stages of twice the
+// layers) holds up to 2p chunk activations on rank 0; V-Half about half (p + 2), V-Min about a third
+// (2 floor((p + 3) / 3)), counted to the I; the W's that follow keep at most two more. For every p and m, split and
+// standard, and against zb-v (2p) wherever the bound is below it.
+TEST(Simulate, VHalfAndVMinBoundActivationMemory) {
+  for (int p = 2; p <= 8; ++p) {
+    for (int m : {1, p, 2 * p, 3 * p + 1}) {
+      for (BackwardMode mode : {BackwardMode::kSplit, BackwardMode::kStandard}) {
+        const std::string what = "p=" + std::to_string(p) + " m=" + std::to_string(m);
+        const Schedule half = make("v-half", p, m, mode, 2);
+        const Schedule min = make("v-min", p, m, mode, 2);
+        const Schedule zbv = make("zb-v", p, m, mode, 2);
+        const auto unit = CostModel::uniform(2 * p, 1.0, 1.0, 1.0);
+        const auto sim_half = simulate(half, unit), sim_min = simulate(min, unit), sim_zbv = simulate(zbv, unit);
+        const int half_bound = p + 2, min_bound = 2 * ((p + 3) / 3);
+        int zbv_peak = 0, half_peak = 0, min_peak = 0;
+        for (int r = 0; r < p; ++r) {
+          EXPECT_LE(peak_held(half, r, false), half_bound) << what << " rank " << r;
+          EXPECT_LE(peak_held(min, r, false), min_bound) << what << " rank " << r;
+          EXPECT_LE(sim_half.peak_live_micro_batches[r], half_bound + 2) << what << " rank " << r;
+          EXPECT_LE(sim_min.peak_live_micro_batches[r], min_bound + 2) << what << " rank " << r;
+          EXPECT_EQ(sim_half.peak_live_micro_batches[r], peak_held(half, r, true)) << what << " rank " << r;
+          zbv_peak = std::max(zbv_peak, sim_zbv.peak_live_micro_batches[r]);
+          half_peak = std::max(half_peak, sim_half.peak_live_micro_batches[r]);
+          min_peak = std::max(min_peak, sim_min.peak_live_micro_batches[r]);
+        }
+        if (m >= 2 * p && p >= 6) {
+          EXPECT_LT(half_peak, zbv_peak) << what;
+          EXPECT_LT(min_peak, half_peak) << what;
+        }
+      }
+    }
+  }
+}
+
+// interleaved-zb (ZB1P over v looped chunks) fills interleaved 1F1B's bubble with W's as 2BP's cool-down W's do,
+// while holding fewer activations: never slower than interleaved-1f1b's 2BP form under F = I = W, never more
+// memory; and its standard form is interleaved 1F1B with a shorter warm-up.
+TEST(Simulate, InterleavedZeroBubbleMatchesInterleaved2bpWithLessMemory) {
+  for (int p : {2, 3, 4}) {
+    for (int v : {2, 3}) {
+      for (int m : {p, 2 * p, 4 * p}) {
+        const std::string what = "p=" + std::to_string(p) + " v=" + std::to_string(v) + " m=" + std::to_string(m);
+        const auto unit = CostModel::uniform(p * v, 1.0, 1.0, 1.0);
+        const auto zb = simulate(make("interleaved-zb", p, m, BackwardMode::kSplit, v), unit);
+        const auto il = simulate(make("interleaved-1f1b", p, m, BackwardMode::kSplit, v), unit);
+        EXPECT_LE(zb.step_time, il.step_time + 1e-9) << what;
+        for (int r = 0; r < p; ++r) {
+          EXPECT_LE(zb.peak_live_micro_batches[r], il.peak_live_micro_batches[r]) << what << " rank " << r;
+        }
+      }
+    }
+  }
+}
+
+// DualPipeV with a full pipeline (m >= 2p): the split form is as short as zb-v's under F = I = W (both reach the
+// ramp-only bubble), and the standard form (B's where DualPipeV fuses) is no slower than zb-v's standard form.
+TEST(Simulate, DualPipeVIsNearZeroBubble) {
+  for (int p : {2, 3, 4, 8}) {
+    for (int m : {2 * p, 4 * p}) {
+      const std::string what = "p=" + std::to_string(p) + " m=" + std::to_string(m);
+      const auto unit = CostModel::uniform(2 * p, 1.0, 1.0, 1.0);
+      for (BackwardMode mode : {BackwardMode::kSplit, BackwardMode::kStandard}) {
+        const auto d = simulate(make("dualpipev", p, m, mode, 2), unit);
+        const auto z = simulate(make("zb-v", p, m, mode, 2), unit);
+        EXPECT_LE(d.step_time, z.step_time + 1e-9) << what;
+      }
+    }
+  }
+}
+
 TEST(Simulate, CommunicationLatencyAndEvents) {
   const Schedule sc = make("1f1b", 2, 1, BackwardMode::kStandard);
   CostModel c = CostModel::uniform(2, 1.0, 1.0, 1.0, 0.5);

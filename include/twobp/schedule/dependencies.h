@@ -52,7 +52,8 @@ ActionDependencies dependencies(const Action& action, int num_stages);
 
 /// The action that makes `item` available on `rank`: the producing compute action when `rank` owns the item's
 /// stage, otherwise the receive that brings it there (RECV_F of stage + 1 for an activation, RECV_B of stage - 1
-/// for an input gradient). A backward is named I or B after the schedule's mode.
+/// for an input gradient). A backward is the I or B the rank's list holds for that stage and micro-batch (split
+/// schedules may fuse some), else named after the schedule's mode.
 Action local_producer(const ItemRef& item, int rank, const Schedule& schedule);
 
 /// "the activation of stage 1 micro-batch 2"; used in error messages.

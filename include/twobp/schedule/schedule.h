@@ -53,7 +53,8 @@ class ScheduleGenerator {
   virtual Schedule generate(const ScheduleOptions& options) const = 0;
 };
 
-/// Built-in names: "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "looped-bfs".
+/// Built-in names: "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "looped-bfs", "interleaved-zb",
+/// "dualpipev", "v-half", "v-min".
 ///
 /// Placement and requirements (p = ranks, m = micro-batches, v = chunks_per_rank; all need p >= 1, m >= 1):
 /// - gpipe, 1f1b, zb-h1, zb-h2: one stage per rank (v must be 1), stage s on rank s; any m.
@@ -64,13 +65,21 @@ class ScheduleGenerator {
 /// - looped-bfs: p * v stages, stage s on rank s % p (v = 2 by default); any m. Each rank runs all forwards of
 ///   its chunk 0, then of chunk 1, ..., then the backwards chunk by chunk in reverse, micro-batches from the last
 ///   (PyTorch's ScheduleLoopedBFS; its backward order is the exception to the increasing order below).
+/// - interleaved-zb: p * v stages, stage s on rank s % p (v = 2 by default); m in max(1, m / p) equal groups as
+///   interleaved-1f1b. PyTorch's ScheduleInterleavedZeroBubble (the zero-bubble paper's ZB1P over v chunks).
+/// - dualpipev, v-half, v-min: zb-v's V placement (v must be 2; 1 is read as 2); any m. dualpipev is DeepSeek's
+///   DualPipeV (PyTorch's ScheduleDualPipeV), written for max(m, 2p) micro-batches with the missing ones dropped
+///   as zb-v does. v-half / v-min are the controllable-memory paper's V schedules (arXiv 2405.15362): about p + 2
+///   and 2 floor((p + 3) / 3) stage activations per rank from F to I, against 1F1B's 2p chunk activations.
 /// On every stage F's, and likewise I/B's, run in increasing micro-batch order (looped-bfs's backwards excepted).
 ///
 /// Backward modes: kStandard uses B. kSplit (2BP) for gpipe/1f1b/interleaved puts I where B was; in the cool-down
 /// (after a rank's last F) a W of the oldest pending micro-batch fills each slot where the rank would idle under
 /// F = I = W = 1, and the W's still pending after the rank's last I become one batched W per stage (gpipe: all F,
 /// all I, one batched W). zb-h1/zb-h2/zb-v use the zero-bubble papers' I/W placement in split mode and the same
-/// order with W dropped and I turned into B in standard mode.
+/// order with W dropped and I turned into B in standard mode; so do interleaved-zb (PyTorch's order in split mode),
+/// v-half and v-min. dualpipev's split form is DualPipeV's own mix: B's in the steady state (the F/B pairs DualPipe
+/// overlaps), I and W only at the V's turn and in the tail; its standard form has every backward fused.
 std::vector<std::string> builtin_schedule_names();
 
 /// A named schedule and its defaults. The registry of these is the single source of schedule names: every CLI's
@@ -78,7 +87,7 @@ std::vector<std::string> builtin_schedule_names();
 struct ScheduleInfo {
   std::string name;
   std::function<std::unique_ptr<ScheduleGenerator>()> make;
-  /// v used when the caller does not choose one (interleaved-1f1b and zb-v: 2, the others: 1).
+  /// v used when the caller does not choose one (gpipe, 1f1b, zb-h1, zb-h2: 1; the looped and V schedules: 2).
   int default_chunks_per_rank = 1;
   std::string summary;  ///< one line for listings and --help
 };
