@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
 """Peer benchmark: PyTorch's own ``torch.distributed.pipelining`` against twobp on the same LLaMa-like model.
 
-One command runs both sides, one schedule after the other (never at the same time):
+One command runs both sides, one schedule after the other (never at the same time), in interleaved rounds: for each
+schedule torch, twobp, torch, twobp, ... (--rounds, default 3), so that a noisy minute hits one round of both
+sides, not one side; each side's number is the median over the rounds of its per-round median step time, with
+the spread (lowest and highest round) beside it:
 
-    python3 benchmarks/peer/torch_pipelining.py [--schedules gpipe,1f1b,...] [--json OUT]
+    python3 benchmarks/peer/torch_pipelining.py [--schedules gpipe,1f1b,...] [--rounds 3] [--json OUT]
 
 Torch side: 2 ranks (``torch.multiprocessing``, spawn), gloo backend, CPU, float32, ``torch.set_num_threads(1)`` per
 rank. A fresh pair of processes (and process group) per schedule, so a schedule that fails or hangs cannot take the
@@ -18,11 +21,14 @@ Schedule mapping (torch class -> twobp schedule, stages per rank v, placement):
     gpipe             ScheduleGPipe                  -> gpipe             v=1
     1f1b              Schedule1F1B                   -> 1f1b              v=1
     interleaved-1f1b  ScheduleInterleaved1F1B        -> interleaved-1f1b  v=2, loop placement (stage s on rank s % p)
-    interleaved-zb    ScheduleInterleavedZeroBubble  -> interleaved-1f1b  v=2, loop placement. twobp has no
-                      interleaved zero-bubble schedule; its interleaved-1f1b in --mode 2bp is the same placement with
-                      the backward split into I and W, W's filling the cool-down bubbles (its zb-h1 is the single-
-                      chunk ZB-H1, shown for reference in the row "zb-h1 (ref)", which has no torch counterpart).
+    interleaved-zb    ScheduleInterleavedZeroBubble  -> interleaved-zb    v=2, loop placement (twobp's 2BP form is
+                      torch's order action for action; its standard form fuses each I and W into B)
+    looped-bfs        ScheduleLoopedBFS              -> looped-bfs        v=2, loop placement
     zb-v              ScheduleZBVZeroBubble          -> zb-v              v=2, V placement (rank r: stages r, 2p-1-r)
+    dualpipev         ScheduleDualPipeV              -> dualpipev         v=2, V placement (needs m >= 2p on torch;
+                      twobp's 2BP form is torch's order with each OVERLAP_F_B run as its F then its B, as torch
+                      does without an overlap callback)
+    zb-h1 (ref)       (none)                         -> zb-h1             twobp-only single-chunk ZB-H1
 
 Notes on what is and is not identical:
   * The model is a PyTorch transcription of twobp's models::LlamaChunk (include/twobp/models/llama.h,
@@ -63,10 +69,12 @@ SCHEDULES = {
     "gpipe": ("ScheduleGPipe", 1, "loop", "gpipe"),
     "1f1b": ("Schedule1F1B", 1, "loop", "1f1b"),
     "interleaved-1f1b": ("ScheduleInterleaved1F1B", 2, "loop", "interleaved-1f1b"),
-    "interleaved-zb": ("ScheduleInterleavedZeroBubble", 2, "loop", "interleaved-1f1b"),
+    "interleaved-zb": ("ScheduleInterleavedZeroBubble", 2, "loop", "interleaved-zb"),
+    "looped-bfs": ("ScheduleLoopedBFS", 2, "loop", "looped-bfs"),
     "zb-v": ("ScheduleZBVZeroBubble", 2, "v", "zb-v"),
+    "dualpipev": ("ScheduleDualPipeV", 2, "v", "dualpipev"),
 }
-DEFAULT_SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zb-v"]
+DEFAULT_SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "looped-bfs", "zb-v", "dualpipev"]
 REFERENCE_ONLY = {"zb-h1"}  # twobp-only reference rows (no torch counterpart)
 
 
@@ -433,8 +441,12 @@ def main():
     ap.add_argument("--no-patch-self-p2p", dest="patch_self_p2p", action="store_false",
                     help="run torch's pipelining unpatched (ScheduleZBVZeroBubble then fails on gloo: its stage "
                          "warm-up sends to its own rank)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="interleaved rounds per schedule (torch, twobp, torch, twobp, ...); medians over rounds")
     ap.add_argument("--json", help="write every number here")
     a = ap.parse_args()
+    if a.rounds < 1:
+        ap.error("--rounds must be at least 1")
 
     names = [s.strip() for s in a.schedules.split(",") if s.strip()]
     for n in names:
@@ -458,9 +470,8 @@ def main():
         layouts[v] = counts
         print(f"partition over {2 * v} stages (balanced by compute, as twobp make_partition): "
               f"{','.join(map(str, counts))} blocks")
-    print("mapping: interleaved-zb = torch ScheduleInterleavedZeroBubble (v=2, loop placement) vs twobp "
-          "interleaved-1f1b (v=2, loop placement; in 2bp mode I/W split, W fills the bubbles); "
-          "zb-v = ScheduleZBVZeroBubble vs twobp zb-v (V placement); zb-h1 (ref) = twobp-only single-chunk ZB-H1")
+    print("mapping: name for name (torch Schedule<Name> vs twobp <name>, same v and placement); zb-h1 (ref) = "
+          f"twobp-only single-chunk ZB-H1; {a.rounds} interleaved rounds per schedule (torch, twobp, ...)")
     sys.stdout.flush()
 
     results = {"config": {k: getattr(a, k) for k in ("microbatches", "dim", "layers", "heads", "kv_heads", "ffn",
@@ -468,61 +479,86 @@ def main():
                                                      "threads")},
                "torch_version": torch.__version__, "load_average_start": list(load),
                "partitions": {f"{2 * v}_stages": c for v, c in layouts.items()}, "rows": []}
-    twobp_cache = {}
     rows = [["schedule", "torch class", "twobp schedule", "torch tok/s", "twobp std tok/s", "twobp 2bp tok/s",
-             "2bp/torch", "torch ms", "torch cpu ms r0/r1", "twobp std ms", "twobp 2bp ms"]]
+             "std/torch", "2bp/torch", "torch ms (lo-hi)", "twobp std ms (lo-hi)", "twobp 2bp ms (lo-hi)",
+             "torch cpu ms r0/r1"]]
     errors = []
+    tokens = a.microbatches * a.micro_batch_size * a.seq
+
+    def over_rounds(values):
+        """Median and spread of the per-round median step times (ms); None when no round succeeded."""
+        values = [x for x in values if x is not None]
+        if not values:
+            return None
+        return {"median": statistics.median(values), "low": min(values), "high": max(values), "rounds": values}
+
+    def ms_cell(summary):
+        if summary is None:
+            return "-"
+        return f"{fmt(summary['median'], 1)} ({fmt(summary['low'], 0)}-{fmt(summary['high'], 0)})"
+
     for n in names:
         if n in REFERENCE_ONLY:
             cls, v, twobp_name = "(none)", 1, n
         else:
             cls, v, _, twobp_name = SCHEDULES[n]
-        print(f"[{n}] ...", file=sys.stderr, flush=True)
-        t_res = None
-        if n in SCHEDULES and not a.no_torch:
-            t_res = run_torch(a, n, layouts[v])
-            if not t_res["ok"]:
-                errors.append((n, "torch", t_res["error"], t_res.get("traceback")))
-        b_res = None
-        if not a.no_twobp:
-            if twobp_name not in twobp_cache:
-                twobp_cache[twobp_name] = run_twobp(a, twobp_name)
-            b_res = twobp_cache[twobp_name]
-            if not b_res["ok"] and (n, "twobp") not in [(e[0], e[1]) for e in errors]:
-                errors.append((n, "twobp", b_res["error"], None))
-        t_tok = t_res["tokens_per_s"] if t_res and t_res["ok"] else None
-        modes = b_res["modes"] if b_res and b_res["ok"] else {}
-        std_tok = modes.get("standard", {}).get("tokens_per_s")
-        bp_tok = modes.get("2bp", {}).get("tokens_per_s")
+        torch_rounds, twobp_rounds = [], []
+        for k in range(a.rounds):
+            print(f"[{n}] round {k + 1}/{a.rounds} ...", file=sys.stderr, flush=True)
+            if n in SCHEDULES and not a.no_torch:
+                t_res = run_torch(a, n, layouts[v])
+                torch_rounds.append(t_res)
+                if not t_res["ok"]:
+                    errors.append((n, f"torch round {k + 1}", t_res["error"], t_res.get("traceback")))
+            if not a.no_twobp:
+                b_res = run_twobp(a, twobp_name)
+                twobp_rounds.append(b_res)
+                if not b_res["ok"]:
+                    errors.append((n, f"twobp round {k + 1}", b_res["error"], None))
+        t_ok = [r for r in torch_rounds if r["ok"]]
+        t_ms = over_rounds([r["step_ms_median"] for r in t_ok])
+        mode_ms = {mode: over_rounds([r["modes"].get(mode, {}).get("step_ms_median") for r in twobp_rounds if r["ok"]])
+                   for mode in ("standard", "2bp")}
+        t_tok = tokens / (t_ms["median"] / 1000.0) if t_ms else None
+        std_tok = tokens / (mode_ms["standard"]["median"] / 1000.0) if mode_ms["standard"] else None
+        bp_tok = tokens / (mode_ms["2bp"]["median"] / 1000.0) if mode_ms["2bp"] else None
+        std_ratio = std_tok / t_tok if (std_tok and t_tok) else None
         ratio = bp_tok / t_tok if (bp_tok and t_tok) else None
-        label = n + (" (ref)" if n in REFERENCE_ONLY else "") + ("*" if n == "zb-v" and a.patch_self_p2p else "")
+        label = n + (" (ref)" if n in REFERENCE_ONLY else "") + ("*" if v == 2 and SCHEDULES.get(n, ("", 0, ""))[2] == "v"
+                                                                   and a.patch_self_p2p else "")
         t_cell = fmt(t_tok) if t_tok else ("n/a" if n in REFERENCE_ONLY or a.no_torch else "FAILED")
+        cpu = [statistics.median(c) for c in zip(*[r["cpu_ms_median_per_rank"] for r in t_ok])] if t_ok else None
         rows.append([label, cls, f"{twobp_name} v={v}", t_cell, fmt(std_tok), fmt(bp_tok),
-                     "-" if ratio is None else f"{ratio:.2f}x",
-                     fmt(t_res["step_ms_median"], 1) if t_tok else "-",
-                     "/".join(fmt(c) for c in t_res["cpu_ms_median_per_rank"]) if t_tok else "-",
-                     fmt(modes.get("standard", {}).get("step_ms_median"), 1),
-                     fmt(modes.get("2bp", {}).get("step_ms_median"), 1)])
+                     "-" if std_ratio is None else f"{std_ratio:.2f}x", "-" if ratio is None else f"{ratio:.2f}x",
+                     ms_cell(t_ms), ms_cell(mode_ms["standard"]), ms_cell(mode_ms["2bp"]),
+                     "/".join(fmt(c) for c in cpu) if cpu else "-"])
         results["rows"].append({"schedule": n, "torch_class": cls, "twobp_schedule": twobp_name,
-                                "stages_per_rank": v, "torch": t_res, "twobp": b_res,
-                                "ratio_twobp_2bp_over_torch": ratio})
+                                "stages_per_rank": v, "torch_step_ms": t_ms, "twobp_step_ms": mode_ms,
+                                "torch_rounds": torch_rounds, "twobp_rounds": twobp_rounds,
+                                "ratio_twobp_standard_over_torch": std_ratio, "ratio_twobp_2bp_over_torch": ratio})
         print(f"[{n}] torch {fmt(t_tok)} tok/s, twobp std {fmt(std_tok)}, 2bp {fmt(bp_tok)}", file=sys.stderr,
               flush=True)
 
+    shared = [r for r in results["rows"] if r["ratio_twobp_standard_over_torch"]]
+    if shared:
+        gm = math.exp(sum(math.log(r["ratio_twobp_standard_over_torch"]) for r in shared) / len(shared))
+        results["geomean_twobp_standard_over_torch"] = gm
     load_end = os.getloadavg()
     results["load_average_end"] = list(load_end)
     print()
     print_table(rows)
     print(f"load average at the end: {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f}")
-    print("tok/s = m * micro-batch size * seq / median step time (rank 0, barrier to barrier, no optimizer step); "
-          "2bp/torch = twobp 2bp tok/s / torch tok/s.")
+    print("tok/s = m * micro-batch size * seq / step time, the median over the rounds of each round's median step "
+          "(rank 0, barrier to barrier, no optimizer step); (lo-hi) = the lowest and highest round; std/torch and "
+          "2bp/torch = twobp tok/s / torch tok/s.")
+    if "geomean_twobp_standard_over_torch" in results:
+        print(f"geometric mean of std/torch over the {len(shared)} shared schedules: "
+              f"{results['geomean_twobp_standard_over_torch']:.3f}")
     print("torch cpu ms r0/r1 = median CPU time of each torch rank's process per step: compute the rank did; the "
           "rest of 'torch ms' it waited (pipeline bubbles, communication, or the OS scheduler on a busy machine).")
-    print("interleaved-zb: twobp has no interleaved zero-bubble schedule; compared with twobp interleaved-1f1b "
-          "(same v=2 loop placement; its 2bp mode splits I/W and runs W's in the cool-down bubbles).")
-    if "zb-v" in names and a.patch_self_p2p:
-        print("zb-v*: stock torch 2.11 ScheduleZBVZeroBubble fails on gloo (its stage warm-up posts a send/recv to "
-              "its own rank, stages 1 and 2 both on rank 1); run with those self-addressed warm-up ops dropped "
+    if any(SCHEDULES.get(n, ("", 0, ""))[2] == "v" for n in names) and a.patch_self_p2p:
+        print("*: V placement. Stock torch 2.11 fails on gloo there (a stage's warm-up posts a send/recv to its own "
+              "rank, stages 1 and 2 both on rank 1); run with those self-addressed warm-up ops dropped "
               "(--no-patch-self-p2p to see the stock failure). The schedule's step is unchanged.")
     for n, side, err, tb in errors:
         print(f"ERROR [{n}] {side}: {err}")

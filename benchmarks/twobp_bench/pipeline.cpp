@@ -55,10 +55,17 @@
 // world = N · p, laid out by twobp::ParallelLayout (world rank r = pipeline rank r % p of replica r / p). --ranks
 // stays p: threads run N · p rank threads; under a launcher p = world size / N (UsageError unless N divides it).
 // Replica k trains on the synthetic batch of seed 7 + k. With N > 1 each configuration runs with
-// DataParallelOptions::overlap true and false, and
+// three settings of DataParallelOptions -- overlap with the buckets started during the last weight action
+// ("during_backward": 2BP's last W, standard mode's last B run as I and W, as DDP's hooks do), overlap with standard
+// mode's buckets started only after its last B ("after_backward", standard mode only: the weaker baseline), and no
+// overlap ("after_step") -- and
 //   samples_per_s       counts the global batch: N · m · micro_batch_size / (step_ms_median / 1000)
-//   speedup             pairs rows with the same dp_overlap
-//   dp, dp_overlap      N, and the overlap setting of that run
+//   speedup             pairs rows with the same dp_overlap against the standard row with its buckets started
+//                       during backward (the best standard run); on an "after_backward" row it is that row's
+//                       throughput over the "during_backward" one's: what starting during B gained
+//   speedup_vs_standard_after_backward   2BP rows with overlap: against the "after_backward" standard row
+//   dp, dp_overlap      N, and the overlap setting of that run; dp_buckets: during_backward | after_backward |
+//                       after_step
 //   dp_exposed_ms       median over steps of metrics::exposed_wait (max over all N · p ranks) of
 //                       StepResult::reduce_wait_us / 1000: reduction time left on the critical path
 //   dp_reduce_bytes     gradient bytes one replica reduces per step (Σ over its ranks' parameters)
@@ -136,6 +143,15 @@ struct PipelineArgs {
   std::string json, csv, trace_dir, chart;
 };
 
+// When a data-parallel run starts its gradient buckets (DataParallelOptions::overlap, start_during_backward).
+struct DpBuckets {
+  bool overlap = true;
+  bool during_backward = true;
+  const char* name() const {
+    return !overlap ? "after_step" : during_backward ? "during_backward" : "after_backward";
+  }
+};
+
 struct RunResult {
   std::string schedule;
   BackwardMode mode;
@@ -147,6 +163,7 @@ struct RunResult {
   // Data parallelism (dp > 1 only; see the header comment).
   int dp = 1;
   bool dp_overlap = true;
+  bool dp_after_backward = false;  // standard mode: buckets started after the stage's last B
   bool announced = false;  // shapes announced by senders (no activation spec)
   double announce_ratio = 0;  // announced rows of --variable-seq: see the header
   double dp_exposed_ms = 0, dp_reduce_bytes = 0;
@@ -160,6 +177,10 @@ struct RunResult {
   std::vector<double> r_ms;                    // per stage: recomputation inside each I or B (--recompute)
   std::vector<std::string> trace_files;        // written by rank 0 under --trace-dir
 };
+
+const char* dp_buckets_name(const RunResult& r) {
+  return DpBuckets{r.dp_overlap, !r.dp_after_backward}.name();
+}
 
 // mkdir -p. POSIX rather than std::filesystem: libtorch exports its own copies of std::filesystem symbols, which
 // interpose on the standard library's in our binaries (seen crashing in remove_all).
@@ -303,18 +324,18 @@ struct Measurements {
 };
 
 RunResult summarize_run(Transport& world, ParallelGroups& groups, const PipelineArgs& a, const std::string& name,
-                        BackwardMode mode, bool dp_overlap, double comm_ms, const Measurements& m);
+                        BackwardMode mode, const DpBuckets& buckets, double comm_ms, const Measurements& m);
 
 // Runs one configuration on this rank; every rank calls it with the same arguments, in the same order. One result
 // per entry of `variants` (fixed activation specs or shapes announced by the senders; a memory limit or none): the
 // variants are separate pipelines of identical models that take turns step by step, so that the machine's noise
 // hits them alike and their ratio is paired (the second against the first).
 // `world` holds every rank (dp · p); the pipeline runs on groups.pipeline(), and with dp > 1 averages its
-// gradients over groups.data_parallel() (overlapped with the rank's remaining actions when `dp_overlap`).
+// gradients over groups.data_parallel() (when the buckets start: `buckets`).
 // Per-pipeline measurements (costs, busy time, bubble, traces) are replica 0's; step times are taken between
 // barriers over the whole world. With dp == 1 the world is the pipeline and nothing changes.
 std::vector<RunResult> run_config(Transport& world, ParallelGroups& groups, const PipelineArgs& a,
-                                  const std::string& name, BackwardMode mode, bool dp_overlap,
+                                  const std::string& name, BackwardMode mode, const DpBuckets& buckets,
                                   const std::vector<Variant>& variant_list, energy::RankEnergy& rank_energy) {
   const Duration timeout{static_cast<int64_t>(a.timeout_s * 1000)};
   Transport& transport = groups.pipeline();
@@ -330,7 +351,8 @@ std::vector<RunResult> run_config(Transport& world, ParallelGroups& groups, cons
     options.loss = model_loss(a.model);
     if (!vk.announced) options.activation_spec = [model](int stage) { return model_activation_spec(model, stage); };
     options.data_parallel.group = groups.data_parallel();
-    options.data_parallel.overlap = dp_overlap;
+    options.data_parallel.overlap = buckets.overlap;
+    options.data_parallel.start_during_backward = buckets.during_backward;
     options.record_memory = true;
     options.memory_limit_bytes = vk.memory_limit;
     variants[k].variant = vk;
@@ -403,7 +425,7 @@ std::vector<RunResult> run_config(Transport& world, ParallelGroups& groups, cons
 
   std::vector<RunResult> out;
   for (const Measurements& v : variants) {
-    out.push_back(summarize_run(world, groups, a, name, mode, dp_overlap, comm_ms, v));
+    out.push_back(summarize_run(world, groups, a, name, mode, buckets, comm_ms, v));
   }
   // The second variant against the first, paired: the median over measured steps of the ratio of the two
   // variants' step times in that step (rank 0's times, as every reported step time).
@@ -456,7 +478,7 @@ void summarize_memory(Transport& transport, const Schedule& sched, const Measure
 // simulation of the measured costs and (rank 0, --trace-dir) the trace of the last measured step. Collective
 // over the world, like run_config.
 RunResult summarize_run(Transport& world, ParallelGroups& groups, const PipelineArgs& a, const std::string& name,
-                        BackwardMode mode, bool dp_overlap, double comm_ms, const Measurements& m) {
+                        BackwardMode mode, const DpBuckets& buckets, double comm_ms, const Measurements& m) {
   Pipeline& pipeline = *m.pipeline;
   const Duration timeout{static_cast<int64_t>(a.timeout_s * 1000)};
   Transport& transport = groups.pipeline();
@@ -473,7 +495,8 @@ RunResult summarize_run(Transport& world, ParallelGroups& groups, const Pipeline
   r.m = a.microbatches;
   r.v = sched.num_stages / sched.num_ranks;
   r.dp = dp;
-  r.dp_overlap = dp_overlap;
+  r.dp_overlap = buckets.overlap;
+  r.dp_after_backward = buckets.overlap && !buckets.during_backward;
   r.announced = m.variant.announced;
   r.memory_limit = m.variant.memory_limit;
   r.comm_ms = comm_ms;
@@ -557,7 +580,7 @@ RunResult summarize_run(Transport& world, ParallelGroups& groups, const Pipeline
     make_directories(a.trace_dir);
     std::string base = fmt::format("{}/{}_{}_p{}_m{}", a.trace_dir, name,
                                    mode_name(mode), p, a.microbatches);
-    if (dp > 1) base += fmt::format("_dp{}_{}", dp, dp_overlap ? "overlap" : "nooverlap");
+    if (dp > 1) base += fmt::format("_dp{}_{}", dp, r.dp_overlap ? (r.dp_after_backward ? "overlap_after_b" : "overlap") : "nooverlap");
     if (m.variant.announced) base += "_announced";
     if (m.variant.memory_limit > 0) base += "_limited";
     std::ofstream(base + ".trace.json") << to_chrome_trace(traces);
@@ -581,7 +604,7 @@ void write_chart(const PipelineArgs& a, const std::vector<RunResult>& results, b
   for (const auto& r : results) {
     p = r.p;
     std::string name = fmt::format("{} (v={})", r.schedule, r.v);
-    if (r.dp > 1) name += r.dp_overlap ? " dp overlap" : " dp no overlap";
+    if (r.dp > 1) name += r.dp_overlap ? (r.dp_after_backward ? " dp overlap after B" : " dp overlap") : " dp no overlap";
     if (r.announced) name += " announced";
     auto it = std::find_if(groups.begin(), groups.end(), [&](const BarGroup& g) { return g.name == name; });
     if (it == groups.end()) {
@@ -645,7 +668,7 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
     csv << "schedule,mode,p,m,v,tokens_per_s,step_ms_median,bubble_fraction,sim_step_ms,sim_error,"
            "peak_live_microbatches,speedup_vs_standard,sim_speedup_vs_standard,peak_rss_bytes,samples_per_s,"
            "peak_memory_bytes,sim_peak_memory_bytes,energy_j,j_per_item";
-    csv << (dp ? ",dp,dp_overlap,dp_exposed_ms,dp_reduce_bytes" : "");
+    csv << (dp ? ",dp,dp_overlap,dp_exposed_ms,dp_reduce_bytes,dp_buckets" : "");
     csv << (a.variable_seq ? ",shapes,announce_ratio" : "");
     csv << (limited ? ",memory_limit_bytes,limit_held,limit_ratio\n" : "\n");
   }
@@ -666,13 +689,16 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
     rows[0].push_back("J ratio");
   }
   for (const auto& r : results) {
-    double speedup = 0, sim_speedup = 0;
+    double speedup = 0, sim_speedup = 0, speedup_after_backward = 0;
     std::optional<double> energy_ratio;
     for (const auto& o : results) {
       const bool same = o.schedule == r.schedule && o.p == r.p && o.m == r.m && o.v == r.v &&
-                        o.dp_overlap == r.dp_overlap;
-      if (same && o.announced == r.announced && o.memory_limit == r.memory_limit &&
-          o.mode == BackwardMode::kStandard) {
+                        o.dp_overlap == r.dp_overlap && o.announced == r.announced &&
+                        o.memory_limit == r.memory_limit && o.mode == BackwardMode::kStandard;
+      if (same && o.dp_after_backward && r.mode == BackwardMode::kSplit) {
+        speedup_after_backward = r.samples_per_s / o.samples_per_s;
+      }
+      if (same && !o.dp_after_backward) {
         speedup = r.samples_per_s / o.samples_per_s;
         sim_speedup = o.sim_step_ms / r.sim_step_ms;
         if (r.mode == BackwardMode::kSplit && per_item(r) && per_item(o) && *per_item(r) > 0) {
@@ -713,6 +739,7 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
     if (dp) {
       j["dp"] = r.dp;
       j["dp_overlap"] = r.dp_overlap;
+      j["dp_buckets"] = dp_buckets_name(r);
       j["dp_exposed_ms"] = r.dp_exposed_ms;
       j["dp_reduce_bytes"] = r.dp_reduce_bytes;
     }
@@ -724,6 +751,7 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
       j["speedup_vs_standard"] = speedup;
       j["sim_speedup_vs_standard"] = sim_speedup;
     }
+    if (speedup_after_backward > 0) j["speedup_vs_standard_after_backward"] = speedup_after_backward;
     j["energy_j"] = r.energy_j ? Json(*r.energy_j) : Json(nullptr);
     j[tokens ? "j_per_token" : "j_per_sample"] = j_per_item ? Json(*j_per_item) : Json(nullptr);
     if (energy_ratio) j["energy_ratio"] = *energy_ratio;
@@ -737,7 +765,7 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
                     std::to_string(r.peak_live), fmt_num(r.peak_memory / kMiB, 2),
                     r.memory_limit == 0 ? fmt_num(r.sim_peak_memory / kMiB, 2) : ""});
     if (dp) {
-      rows.back().insert(rows.back().begin() + 2, r.dp_overlap ? "on" : "off");
+      rows.back().insert(rows.back().begin() + 2, r.dp_overlap ? (r.dp_after_backward ? "on, after B" : "on") : "off");
       rows.back().insert(rows.back().begin() + 2, std::to_string(r.dp));
       rows.back().push_back(fmt_num(r.dp_exposed_ms, 2));
     }
@@ -765,8 +793,8 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
       csv << fmt::format(",{},{}", r.energy_j ? fmt::format("{}", *r.energy_j) : "",
                          j_per_item ? fmt::format("{}", *j_per_item) : "");
       if (dp) {
-        csv << fmt::format(",{},{},{},{}", r.dp, r.dp_overlap ? "true" : "false", r.dp_exposed_ms,
-                           r.dp_reduce_bytes);
+        csv << fmt::format(",{},{},{},{},{}", r.dp, r.dp_overlap ? "true" : "false", r.dp_exposed_ms,
+                           r.dp_reduce_bytes, dp_buckets_name(r));
       }
       if (a.variable_seq) {
         csv << fmt::format(",{},{}", r.announced ? "announced" : "fixed",
@@ -813,8 +841,15 @@ void run_pipeline_bench(const PipelineArgs& a) {
     modes = {s.backward};
   }
 
-  // With data parallelism every configuration runs with the reductions overlapped, then without.
-  const std::vector<bool> overlaps = a.dp > 1 ? std::vector<bool>{true, false} : std::vector<bool>{true};
+  // With data parallelism every configuration runs with the reductions overlapped (standard mode: with its buckets
+  // started during its last B, then after it), then without.
+  auto bucket_settings = [&](BackwardMode mode) {
+    if (a.dp <= 1) return std::vector<DpBuckets>{DpBuckets{}};
+    std::vector<DpBuckets> out{DpBuckets{true, true}};
+    if (mode == BackwardMode::kStandard) out.push_back(DpBuckets{true, false});
+    out.push_back(DpBuckets{false, true});
+    return out;
+  };
   // With --variable-seq every configuration runs with fixed specs and with shapes announced, in turn; with
   // --memory-limit-mb without and with the limit.
   std::vector<Variant> variants{Variant{}};
@@ -834,16 +869,16 @@ void run_pipeline_bench(const PipelineArgs& a) {
     std::vector<RunResult> results;
     for (const auto& name : names) {
       for (BackwardMode mode : modes) {
-        for (bool overlap : overlaps) {
+        for (const DpBuckets& buckets : bucket_settings(mode)) {
           if (t.rank() == 0) {
             std::cerr << fmt::format("[pipeline] {} {} p={} m={}{}{} ...\n", name, mode_name(mode),
                                      groups.layout().pp, a.microbatches,
-                                     a.dp > 1 ? fmt::format(" dp={} overlap={}", a.dp, overlap ? "on" : "off") : "",
+                                     a.dp > 1 ? fmt::format(" dp={} buckets={}", a.dp, buckets.name()) : "",
                                      a.variable_seq ? ", fixed specs and announced shapes in turn"
                                      : a.memory_limit_mb > 0 ? ", without and with the memory limit in turn"
                                                              : "");
           }
-          for (RunResult& r : run_config(t, groups, a, name, mode, overlap, variants, rank_energy)) {
+          for (RunResult& r : run_config(t, groups, a, name, mode, buckets, variants, rank_energy)) {
             results.push_back(std::move(r));
           }
         }

@@ -148,7 +148,11 @@ Pipeline::Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, std::sh
     }
   }
   if (impl_->reducer) {
-    eo.parameters_done = [reducer = impl_->reducer.get()](std::size_t index) {
+    const bool during_b = options_.data_parallel.start_during_backward;
+    const std::vector<Action>* actions = &schedule_.actions[rank];
+    eo.parameters_done = [reducer = impl_->reducer.get(), during_b, actions](std::size_t index) {
+      // A B given no callback runs fused and its stage's buckets start after it (after_action below).
+      if (!during_b && (*actions)[index].type == ActionType::kBackward) return autograd::ParametersDone();
       return reducer->parameters_done(index);
     };
   }

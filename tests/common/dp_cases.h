@@ -171,7 +171,7 @@ struct RankRun {
 };
 
 inline void run_rank(Transport& world, int dp, const Schedule& schedule, bool overlap, const GlobalBatch& batch,
-                     RankRun& out, Precision precision = Precision::kDefault) {
+                     RankRun& out, Precision precision = Precision::kDefault, bool start_during_backward = true) {
   const bool mixed = precision == Precision::kMixedBf16;
   ParallelGroups groups(world, dp, std::chrono::seconds(60));
   out.replica = groups.replica();
@@ -187,6 +187,7 @@ inline void run_rank(Transport& world, int dp, const Schedule& schedule, bool ov
   o.activation_spec = [dtype](int) { return TensorSpec{{kMbs, kSeq, kDim}, dtype}; };
   o.data_parallel.group = groups.data_parallel();
   o.data_parallel.overlap = overlap;
+  o.data_parallel.start_during_backward = start_during_backward;
   o.data_parallel.bucket_bytes = 256;  // several buckets per chunk
   if (mixed) o.mixed_precision.compute_dtype = at::kBFloat16;
   Pipeline pipeline(schedule, std::move(chunks), groups.pipeline(), o);

@@ -1,6 +1,6 @@
 // Data x pipeline parity through real processes: under `mpiexec -n 2` (dp = 2 x pp = 1) and `-n 4` (dp = 2 x
 // pp = 2), MPI transport, asynchronous gradient reductions; every built-in schedule x {standard, 2BP}, with and
-// without overlap, and with mixed precision (bfloat16 compute, the float32 masters' gradients averaged). Each rank
+// without overlap (standard mode also with its buckets started after the last B), and with mixed precision (bfloat16 compute, the float32 masters' gradients averaged). Each rank
 // checks its own chunks and losses against the single-process reference on the global batch (common/dp_cases.h),
 // which every rank computes (it is small).
 
@@ -22,6 +22,7 @@ struct Case {
   std::string schedule;
   BackwardMode mode;
   bool overlap;
+  bool start_during_backward = true;  // false: standard mode's buckets start after the stage's last B
 };
 
 void run_case(const Case& c, dp::Precision precision) {
@@ -39,7 +40,7 @@ void run_case(const Case& c, dp::Precision precision) {
   dp::RankRun run;
   run.chunks = dp::chunks_of(schedule, env.rank() % pp, precision);
   MpiTransport world(env);
-  dp::run_rank(world, dp, schedule, c.overlap, batch, run, precision);
+  dp::run_rank(world, dp, schedule, c.overlap, batch, run, precision, c.start_during_backward);
   dp::expect_matches(run, ref, "world rank " + std::to_string(env.rank()), precision);
 }
 
@@ -64,6 +65,7 @@ std::vector<Case> cases() {
   for (const auto& s : builtin_schedule_names()) {
     for (BackwardMode m : {BackwardMode::kStandard, BackwardMode::kSplit}) {
       for (bool overlap : {true, false}) out.push_back({s, m, overlap});
+      if (m == BackwardMode::kStandard) out.push_back({s, m, true, false});
     }
   }
   return out;
@@ -71,7 +73,7 @@ std::vector<Case> cases() {
 
 std::string case_name(const ::testing::TestParamInfo<Case>& info) {
   std::string n = info.param.schedule + "_" + (info.param.mode == BackwardMode::kSplit ? "2bp" : "standard") +
-                  (info.param.overlap ? "" : "_no_overlap");
+                  (info.param.overlap ? "" : "_no_overlap") + (info.param.start_during_backward ? "" : "_after_b");
   std::replace_if(n.begin(), n.end(), [](char ch) { return !std::isalnum(static_cast<unsigned char>(ch)); }, '_');
   return n;
 }
@@ -79,7 +81,7 @@ std::string case_name(const ::testing::TestParamInfo<Case>& info) {
 std::vector<Case> mixed_cases() {
   std::vector<Case> out;
   for (const auto& c : cases()) {
-    if (c.overlap) out.push_back(c);
+    if (c.overlap && c.start_during_backward) out.push_back(c);
   }
   return out;
 }

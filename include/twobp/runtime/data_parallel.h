@@ -105,6 +105,11 @@ struct DataParallelOptions {
   /// bucket: a small bucket starts reducing while the rest of the W still runs.
   std::int64_t first_bucket_bytes = 1LL << 20;
   bool overlap = true;
+  /// Standard mode with `overlap`: start a stage's buckets during its last B (run as I and W back to back, the
+  /// role DDP's hooks play; the default) or, false, only once that B is over -- the weaker baseline, kept so that
+  /// `twobp_bench pipeline --dp N` can report what the early start gains. No effect on 2BP (its W reports each
+  /// layer as it finishes either way) or without `overlap`.
+  bool start_during_backward = true;
 };
 
 }  // namespace twobp
