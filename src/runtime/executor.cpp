@@ -5,7 +5,10 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <fmt/ranges.h>
 
+#include <ATen/ThreadLocalState.h>
+
 #include <algorithm>
+#include <atomic>
 #include <deque>
 #include <set>
 #include <tuple>
@@ -72,8 +75,11 @@ class DeviceTimeline {
   void begin_action() {
     if (enabled_) begin_ = record();
   }
-  void end_action() {
-    if (enabled_) actions_.emplace_back(std::move(begin_), record());
+  // `count` actions ran between begin_action() and now (an overlapped pair: both get its span).
+  void end_action(int count = 1) {
+    if (!enabled_) return;
+    std::shared_ptr<c10::Event> begin = std::move(begin_), end = record();
+    for (int k = 0; k < count; ++k) actions_.emplace_back(begin, end);
   }
   // SYNC POINT: once per step, after everything was enqueued, to turn the events into the device timeline.
   void apply(Trace& trace) {
@@ -87,15 +93,15 @@ class DeviceTimeline {
   }
 
  private:
-  std::unique_ptr<c10::Event> record() {
-    auto e = std::make_unique<c10::Event>(device_.type(), c10::EventFlag::BACKEND_DEFAULT);
+  std::shared_ptr<c10::Event> record() {
+    auto e = std::make_shared<c10::Event>(device_.type(), c10::EventFlag::BACKEND_DEFAULT);
     e->record(c10::impl::getDeviceGuardImpl(device_.type())->getStream(device_));
     return e;
   }
   c10::Device device_;
   bool enabled_;
-  std::unique_ptr<c10::Event> step_, begin_;
-  std::vector<std::pair<std::unique_ptr<c10::Event>, std::unique_ptr<c10::Event>>> actions_;
+  std::shared_ptr<c10::Event> step_, begin_;
+  std::vector<std::pair<std::shared_ptr<c10::Event>, std::shared_ptr<c10::Event>>> actions_;
 };
 
 }  // namespace
@@ -145,6 +151,21 @@ Executor::Executor(const Schedule& schedule, int rank, std::map<int, Stage*> sta
       options_(std::move(options)) {
   TWOBP_CHECK(options_.memory_limit_bytes >= 0, UsageError,
               "rank {}: the memory limit must be >= 0 bytes (0: no limit), got {}", rank_, options_.memory_limit_bytes);
+  const auto& rank_actions = schedule_.actions.at(rank_);
+  if (options_.overlap_forward_backward) {
+    TWOBP_CHECK(!options_.record_memory && options_.memory_limit_bytes == 0, UsageError,
+                "rank {}: overlap_forward_backward runs two actions at once, whose memory cannot be told apart: turn "
+                "record_memory and memory_limit_bytes off, or run the pairs in order (no overlap hook)",
+                rank_);
+    for (std::size_t i = 0; i < rank_actions.size(); ++i) {
+      const bool next_is_compute = i + 1 < rank_actions.size() && is_compute(rank_actions[i + 1].type);
+      TWOBP_CHECK(!rank_actions[i].overlapped_with_next || next_is_compute, UsageError,
+                  "rank {}: {} opens an overlapped pair, but its B does not follow directly: with "
+                  "overlap_forward_backward the schedule must be in the for_overlapped_pairs() layout (Pipeline "
+                  "converts it)",
+                  rank_, describe(rank_actions[i]));
+    }
+  }
   if (options_.record_memory || options_.memory_limit_bytes > 0) {
     const c10::Device device = memory_device();
     // A device's allocator statistics are per process: rank threads on one device would read (and reset the
@@ -217,55 +238,97 @@ NamedTensors Executor::take(Step& st, const ItemRef& it, const Action& a) {
   return t;
 }
 
-// The items each handler takes and puts come from dependencies(), the one table of action meaning.
-void Executor::forward(Step& st, const Action& a) {
-  const int mb = a.micro_batches[0], last = schedule_.num_stages - 1;
-  const ActionDependencies deps = dependencies(a, schedule_.num_stages);
-  const ItemRef* in = travelling(deps.needs);
-  NamedTensors input = in == nullptr ? st.input_mbs.at(mb) : take(st, *in, a);
-  const NamedTensors& target = a.stage == last ? st.target_mbs.at(mb) : NamedTensors();
-  NamedTensors out = options_.evaluate ? stage(a).evaluate(mb, input, target) : stage(a).forward(mb, input, target);
-  if (const ItemRef* made = travelling(deps.produces)) {
-    put(st.mailbox, *made, std::move(out));
-  } else {
-    st.losses[mb] = out.entry(0).tensor.reshape({1});  // the last stage's output is its loss
-  }
-}
+// An F, I or B split in three, so that an overlapped pair can run two computations at once: prepare() takes the
+// inputs out of the mailbox and finish() stores the outputs (the executor's thread, which owns the step's state);
+// compute() runs the stage and touches nothing but the stage and the Part (any thread).
+struct Executor::Part {
+  const Action* action = nullptr;
+  Stage* stage = nullptr;
+  NamedTensors input;                // F: the stage input; I/B: the output gradients
+  NamedTensors target;               // F of the last stage
+  autograd::ParametersDone done;     // B: run as I and W, reporting parameters final (data parallelism)
+  NamedTensors output;               // F: activation or loss; I/B: input gradients
+};
 
-void Executor::backward(Step& st, const Action& a) {
+// The items each part takes and puts come from dependencies(), the one table of action meaning.
+Executor::Part Executor::prepare(Step& st, const Action& a, bool allow_parameters_done) {
+  Part p;
+  p.action = &a;
+  p.stage = &stage(a);
   const int mb = a.micro_batches[0];
   const ActionDependencies deps = dependencies(a, schedule_.num_stages);
   const ItemRef* in = travelling(deps.needs);
+  if (a.type == ActionType::kForward) {
+    p.input = in == nullptr ? st.input_mbs.at(mb) : take(st, *in, a);
+    if (a.stage == schedule_.num_stages - 1) p.target = st.target_mbs.at(mb);
+    return p;
+  }
   // The last stage starts from its loss (an empty set: Stage seeds it); the others from the received gradients.
-  const NamedTensors grad_outputs = in == nullptr ? NamedTensors() : take(st, *in, a);
-  Stage& s = stage(a);
+  if (in != nullptr) p.input = take(st, *in, a);
   // The stage's last B of the step under overlapped data parallelism: run as I and W back to back (the same
   // gradients, tested by the parity suite), so that W reports each layer's parameters final as it produces them
   // and their buckets start during this B -- as DDP's hooks start them during backward -- instead of after it.
-  // Standard mode is then compared with its best data-parallel overlap, not with a handicapped one.
-  const autograd::ParametersDone done = a.type == ActionType::kBackward && options_.parameters_done
-                                            ? options_.parameters_done(st.index)
-                                            : autograd::ParametersDone();
-  NamedTensors grad_inputs;
-  if (done) {
-    grad_inputs = s.backward_input(mb, grad_outputs);
-    s.backward_weight({mb}, done);
-  } else {
-    grad_inputs = a.type == ActionType::kBackward ? s.backward(mb, grad_outputs) : s.backward_input(mb, grad_outputs);
+  // Standard mode is then compared with its best data-parallel overlap, not with a handicapped one. Not inside an
+  // overlapped pair (allow_parameters_done false): the callback starts collectives, which must come from the
+  // executor's thread; the buckets then start right after the pair.
+  if (a.type == ActionType::kBackward && allow_parameters_done && options_.parameters_done) {
+    p.done = options_.parameters_done(st.index);
   }
-  if (const ItemRef* made = travelling(deps.produces)) put(st.mailbox, *made, std::move(grad_inputs));
+  return p;
+}
+
+void Executor::compute(Part& p) const {
+  const Action& a = *p.action;
+  const int mb = a.micro_batches[0];
+  Stage& s = *p.stage;
+  switch (a.type) {
+    case ActionType::kForward:
+      p.output = options_.evaluate ? s.evaluate(mb, p.input, p.target) : s.forward(mb, p.input, p.target);
+      return;
+    case ActionType::kBackward:
+      if (p.done) {
+        p.output = s.backward_input(mb, p.input);
+        s.backward_weight({mb}, p.done);
+      } else {
+        p.output = s.backward(mb, p.input);
+      }
+      return;
+    case ActionType::kBackwardInput:
+      p.output = s.backward_input(mb, p.input);
+      return;
+    default:
+      detail::raise<ScheduleError>("rank {}: {} is not an F, I or B", rank_, describe(a));
+  }
+}
+
+void Executor::finish(Step& st, Part& p) {
+  const Action& a = *p.action;
+  const int mb = a.micro_batches[0];
+  const ActionDependencies deps = dependencies(a, schedule_.num_stages);
+  const ItemRef* made = travelling(deps.produces);
+  if (made != nullptr) {
+    put(st.mailbox, *made, std::move(p.output));
+  } else if (a.type == ActionType::kForward) {
+    st.losses[mb] = p.output.entry(0).tensor.reshape({1});  // the last stage's output is its loss
+  }
   if (a.type != ActionType::kBackwardInput) return;
   st.pending_weight.emplace_back(a.stage, mb);
   // Bounded by count: this stage's oldest deferred W's run inside this I (their time counts in its event).
   const int limit = options_.max_pending_weight_micro_batches;
   if (limit <= 0) return;
-  const auto of_stage = [&](const std::pair<int, int>& p) { return p.first == a.stage; };
+  const auto of_stage = [&](const std::pair<int, int>& q) { return q.first == a.stage; };
   while (std::count_if(st.pending_weight.begin(), st.pending_weight.end(), of_stage) > limit) {
     const auto oldest = std::find_if(st.pending_weight.begin(), st.pending_weight.end(), of_stage);
     const int oldest_mb = oldest->second;
     st.pending_weight.erase(oldest);
     run_weight_early(st, a.stage, oldest_mb);
   }
+}
+
+void Executor::forward_or_backward(Step& st, const Action& a) {
+  Part p = prepare(st, a, /*allow_parameters_done=*/true);
+  compute(p);
+  finish(st, p);
 }
 
 void Executor::backward_weight(Step& st, const Action& a) {
@@ -337,14 +400,14 @@ void Executor::make_room(Step& st, const Action& next) {
 void Executor::execute(Step& st, const Action& a, bool scheduled) {
   using Handler = void (Executor::*)(Step&, const Action&);
   static constexpr Handler kHandlers[] = {
-      &Executor::forward,          // kForward
-      &Executor::backward,         // kBackwardInput
-      &Executor::backward_weight,  // kBackwardWeight
-      &Executor::backward,         // kBackward
-      &Executor::send,             // kSendForward
-      &Executor::receive,          // kRecvForward
-      &Executor::send,             // kSendBackward
-      &Executor::receive,          // kRecvBackward
+      &Executor::forward_or_backward,  // kForward
+      &Executor::forward_or_backward,  // kBackwardInput
+      &Executor::backward_weight,      // kBackwardWeight
+      &Executor::forward_or_backward,  // kBackward
+      &Executor::send,                 // kSendForward
+      &Executor::receive,              // kRecvForward
+      &Executor::send,                 // kSendBackward
+      &Executor::receive,              // kRecvBackward
   };
   const c10::Device device = memory_device();
   const MemoryKey key = memory_key(st, a.type, a.stage);
@@ -383,6 +446,48 @@ void Executor::execute(Step& st, const Action& a, bool scheduled) {
   st.result.trace.events.push_back(std::move(event));
   if (scheduled && !hooks_.empty()) {
     const ActionEvent e{rank_, &a, is_compute(a.type) ? &stage(a) : nullptr};
+    for (const auto& hook : hooks_) hook(e);
+  }
+}
+
+// An overlapped pair handed to ExecutorOptions::overlap_forward_backward: both parts' inputs are taken first (the
+// for_overlapped_pairs layout put their receives before the F), the two computations go to the hook, both outputs
+// are stored once it returns; each part gets a trace event spanning the pair, then the hooks run for each.
+void Executor::execute_pair(Step& st, const Action& f, const Action& b) {
+  prefetch(st, 0);
+  Part pf = prepare(st, f, /*allow_parameters_done=*/false);
+  Part pb = prepare(st, b, /*allow_parameters_done=*/false);
+  const Clock::time_point t0 = Clock::now();
+  st.timeline->begin_action();
+  const at::ThreadLocalState state;  // grad mode, autocast, ... of this thread, for a hook that uses others
+  std::atomic<int> ran_f{0}, ran_b{0};
+  const std::function<void()> run_f = [&] {
+    ++ran_f;
+    at::ThreadLocalStateGuard guard(state);
+    compute(pf);
+  };
+  const std::function<void()> run_b = [&] {
+    ++ran_b;
+    at::ThreadLocalStateGuard guard(state);
+    compute(pb);
+  };
+  options_.overlap_forward_backward(f, b, run_f, run_b);
+  TWOBP_CHECK(ran_f.load() == 1 && ran_b.load() == 1, UsageError,
+              "{}: the overlap hook must run each part of the pair exactly once; it ran the F {} and the {} {} "
+              "times",
+              st.where(rank_, f), ran_f.load(), to_string(b.type), ran_b.load());
+  st.timeline->end_action(2);
+  finish(st, pf);
+  finish(st, pb);
+  if (b.type == ActionType::kBackward) st.weights_started.insert(b.stage);
+  const double start_us = std::chrono::duration<double, std::micro>(t0 - st.start).count();
+  const double end_us = detail::elapsed_us(st.start);
+  for (Part* part : {&pf, &pb}) {
+    st.result.trace.events.push_back(
+        TraceEvent{rank_, *part->action, start_us, end_us, part->stage->take_recompute_us()});
+  }
+  for (Part* part : {&pf, &pb}) {
+    const ActionEvent e{rank_, part->action, part->stage};
     for (const auto& hook : hooks_) hook(e);
   }
 }
@@ -640,8 +745,13 @@ StepResult Executor::run(const std::vector<NamedTensors>& inputs, const std::vec
     }
     for (st.index = 0; st.index < actions.size(); ++st.index) {
       const Action& a = actions[st.index];
-      make_room(st, a);
-      execute(st, a, /*scheduled=*/true);
+      if (a.overlapped_with_next && options_.overlap_forward_backward) {
+        execute_pair(st, a, actions[st.index + 1]);  // the constructor checked that the B is next
+        ++st.index;
+      } else {
+        make_room(st, a);
+        execute(st, a, /*scheduled=*/true);
+      }
       // Completed sends are retired as we go so their buffers do not pile up over a long step.
       while (!st.sends.empty() && st.sends.front().completed()) st.sends.pop_front();
     }

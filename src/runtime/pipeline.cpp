@@ -55,6 +55,8 @@ Pipeline::Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, std::sh
   TWOBP_CHECK(transport_->world_size() == schedule_.num_ranks, UsageError,
               "rank {}: schedule '{}' is for {} ranks, but the transport has {}", rank, schedule_.name,
               schedule_.num_ranks, transport_->world_size());
+  // Overlapped pairs run at once need both parts' inputs before the F and send both outputs after the B.
+  if (options_.overlap_forward_backward) schedule_ = for_overlapped_pairs(std::move(schedule_));
   // Before step 1: a schedule the transport cannot pair (e.g. NCCL, which pairs in posting order per channel)
   // would deliver tensors to the wrong buffers or hang; refuse it here with the offending action marked.
   validate(schedule_, transport_->pairing());
@@ -123,6 +125,7 @@ Pipeline::Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, std::sh
   eo.memory_limit_bytes = options_.memory_limit_bytes;
   eo.record_memory = options_.record_memory;
   eo.memory_device = options_.memory_device;
+  eo.overlap_forward_backward = options_.overlap_forward_backward;
   Transport* dp = options_.data_parallel.group;
   if (dp != nullptr && dp->world_size() > 1) {
     impl_->data_parallel = dp;

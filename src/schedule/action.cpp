@@ -28,8 +28,9 @@ const char* to_string(ActionType type) {
 }
 
 std::string describe(const Action& action) {
-  return fmt::format("{} stage {} micro-batch{} {}", to_string(action.type), action.stage,
-                     action.micro_batches.size() > 1 ? "es" : "", fmt::join(action.micro_batches, ","));
+  return fmt::format("{} stage {} micro-batch{} {}{}", to_string(action.type), action.stage,
+                     action.micro_batches.size() > 1 ? "es" : "", fmt::join(action.micro_batches, ","),
+                     action.overlapped_with_next ? " (overlapped with the next action)" : "");
 }
 
 }  // namespace twobp

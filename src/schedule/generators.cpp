@@ -503,7 +503,8 @@ Schedule zb_v(const ScheduleOptions& o) {
 // DualPipe "cut in half" (DeepSeek-V3, arXiv 2412.19437; the order of deepseek-ai/DualPipe's dualpipev.py, which
 // PyTorch's ScheduleDualPipeV reproduces): V placement, rank r holding stages r (chunk 0) and 2p-1-r (chunk 1).
 // After a warm-up, the steady state pairs one micro-batch's F with another's fused B (F0 B1, then F1 B0: the pairs
-// DualPipe overlaps so that one's communication hides under the other's compute); the I/W split is used only where
+// DualPipe overlaps so that one's communication hides under the other's compute; here overlapped pairs,
+// Action::overlapped_with_next, which the Executor runs in order unless a hook overlaps them); the I/W split is used only where
 // a bubble would be -- at the V's turn (I1 W1 F1) and in the tail, where the deferred W's (oldest first) fill the
 // cool-down. Written for n = max(m, 2p) micro-batches (DualPipeV needs m >= 2p); for smaller m the actions of the
 // missing micro-batches are dropped, which only removes dependencies (the pipeline is then not full).
@@ -532,6 +533,15 @@ Schedule dualpipev(const ScheduleOptions& o) {
       emit(ActionType::kBackwardWeight, weights.front().first, weights.front().second);
       weights.pop_front();
     };
+    // F of one stage beside the fused B of the other: an overlapped pair (Action::overlapped_with_next) when both
+    // micro-batches exist, else whichever does.
+    auto overlapped = [&](int f_stage, int b_stage) {
+      const std::size_t at = out.size();
+      forward(f_stage);
+      const bool have_f = out.size() > at;
+      backward(b_stage, false);
+      if (have_f && out.size() == at + 2) out[at].overlapped_with_next = true;
+    };
     for (int k = 0; k < 2 * (p - r - 1); ++k) forward(c0);  // 1: F0
     for (int k = 0; k < r + 1; ++k) {                          // 2: F0 F1
       forward(c0);
@@ -543,15 +553,17 @@ Schedule dualpipev(const ScheduleOptions& o) {
       forward(c1);
     }
     for (int k = 0; k < n - 2 * p + r + 1; ++k) {  // 4: (F0 B1) (F1 B0), the steady state
-      forward(c0);
-      backward(c1, false);
-      forward(c1);
-      backward(c0, false);
+      if (k == 0 && r == p - 1) {  // the turn of the V: not overlapped, which shortens the bubble (DualPipeV's note)
+        forward(c0);
+        backward(c1, false);
+      } else {
+        overlapped(c0, c1);
+      }
+      overlapped(c1, c0);
     }
     for (int k = 0; k < p - r - 1; ++k) {  // 5: B1 (F1 B0)
       backward(c1, false);
-      forward(c1);
-      backward(c0, false);
+      overlapped(c1, c0);
     }
     bool split = false;  // 6: B1 B0, switching to I's halfway (rank parity decides which chunk switches first)
     for (int k = 0; k < r + 1; ++k) {

@@ -64,9 +64,18 @@ std::string to_pytorch_csv(const Schedule& schedule) {
   std::string out;
   for (const auto& actions : schedule.actions) {
     std::vector<std::string> cells;
+    bool open_pair = false;  // the previous compute action opened an overlapped pair
     for (const Action& a : actions) {
       if (!is_compute(a.type)) continue;
-      for (int mb : a.micro_batches) cells.push_back(fmt::format("{}{}{}", a.stage, letter(a.type), mb));
+      for (int mb : a.micro_batches) {
+        const std::string cell = fmt::format("{}{}{}", a.stage, letter(a.type), mb);
+        if (open_pair) {
+          cells.back() = fmt::format("({};{}){}", cells.back(), cell, kOverlap);
+        } else {
+          cells.push_back(cell);
+        }
+      }
+      open_pair = a.overlapped_with_next;
     }
     out += fmt::format("{}\n", fmt::join(cells, ","));
   }
@@ -114,8 +123,10 @@ Schedule from_pytorch_csv(std::string_view csv, const PytorchCsvOptions& options
       if (!cell.empty()) {
         if (cell.front() == '(' && cell.size() > kOverlap.size() + 2 &&
             cell.substr(cell.size() - kOverlap.size()) == kOverlap && cell[cell.size() - kOverlap.size() - 1] == ')') {
-          // An overlapped F and B: their parts, in order.
+          // An overlapped F and B: their parts, in order; an F followed by the B or I of another stage becomes a
+          // twobp overlapped pair (Action::overlapped_with_next), anything else plain actions in that order.
           const std::string_view inner = cell.substr(1, cell.size() - kOverlap.size() - 2);
+          std::vector<Action> parts;
           std::size_t p = 0;
           while (p <= inner.size()) {
             auto q = inner.find(';', p);
@@ -126,8 +137,14 @@ Schedule from_pytorch_csv(std::string_view csv, const PytorchCsvOptions& options
             TWOBP_CHECK(a.has_value(), ScheduleError,
                         "PyTorch CSV row {} (rank {}), cell {} '{}': '{}' is not '<stage><F|I|W|B><micro-batch>'",
                         rank + 1, rank, column + 1, cell, part);
-            add(*a, cell);
+            parts.push_back(*a);
           }
+          if (parts.size() == 2 && parts[0].type == ActionType::kForward &&
+              (parts[1].type == ActionType::kBackward || parts[1].type == ActionType::kBackwardInput) &&
+              parts[0].stage != parts[1].stage) {
+            parts[0].overlapped_with_next = true;
+          }
+          for (Action& a : parts) add(std::move(a), cell);
         } else {
           const auto a = simple(cell);
           TWOBP_CHECK(a.has_value(), ScheduleError,

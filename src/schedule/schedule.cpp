@@ -26,8 +26,46 @@ Schedule forward_only(Schedule schedule) {
                                        a.type != ActionType::kRecvForward;
                               }),
                list.end());
+    for (Action& a : list) a.overlapped_with_next = false;  // its B is gone
   }
   schedule.name += " (forward only)";
+  return schedule;
+}
+
+namespace {
+
+// For an overlapped pair opened at `list[i]`: the index of its second part (the next compute action), or npos.
+std::size_t partner_of(const std::vector<Action>& list, std::size_t i) {
+  for (std::size_t k = i + 1; k < list.size(); ++k) {
+    if (is_compute(list[k].type)) return k;
+  }
+  return std::string::npos;
+}
+
+}  // namespace
+
+Schedule for_overlapped_pairs(Schedule schedule) {
+  for (auto& list : schedule.actions) {
+    std::vector<Action> out;
+    for (std::size_t i = 0; i < list.size(); ++i) {
+      const std::size_t j = list[i].overlapped_with_next ? partner_of(list, i) : std::string::npos;
+      if (j == std::string::npos) {
+        out.push_back(list[i]);
+        continue;
+      }
+      // Between the parts: the F's sends and the B's receives (validate() allows nothing else there).
+      for (std::size_t k = i + 1; k < j; ++k) {
+        if (list[k].type == ActionType::kRecvForward || list[k].type == ActionType::kRecvBackward) out.push_back(list[k]);
+      }
+      out.push_back(list[i]);
+      out.push_back(list[j]);
+      for (std::size_t k = i + 1; k < j; ++k) {
+        if (list[k].type == ActionType::kSendForward || list[k].type == ActionType::kSendBackward) out.push_back(list[k]);
+      }
+      i = j;
+    }
+    list = std::move(out);
+  }
   return schedule;
 }
 
@@ -40,14 +78,15 @@ Schedule add_communication(Schedule schedule) {
   // Existing communication is dropped and rebuilt, so calling this twice (or on a loaded schedule that already
   // has some) cannot duplicate messages.
   for (int r = 0; r < static_cast<int>(schedule.actions.size()); ++r) {
-    std::vector<Action> out;
+    std::vector<Action> compute;
     for (const Action& a : schedule.actions[r]) {
       if (!is_compute(a.type)) continue;
       TWOBP_CHECK(a.stage >= 0 && a.stage < num_stages && !a.micro_batches.empty(), ScheduleError,
                   "add_communication: rank {}: {} has no valid stage or micro-batch", r, describe(a));
-      const int s = a.stage;
-      const int mb = a.micro_batches.front();
-      // Receives go immediately before their consumer; the executor posts them early on its own.
+      compute.push_back(a);
+    }
+    auto receives = [&](const Action& a, std::vector<Action>& out) {
+      const int s = a.stage, mb = a.micro_batches.front();
       if (a.type == ActionType::kForward && s > 0 && owner(s - 1) != owner(s)) {
         out.push_back(Action{ActionType::kRecvForward, s, {mb}});
       }
@@ -55,14 +94,25 @@ Schedule add_communication(Schedule schedule) {
       if (is_backward && s + 1 < num_stages && owner(s + 1) != owner(s)) {
         out.push_back(Action{ActionType::kRecvBackward, s, {mb}});
       }
-      out.push_back(a);
-      // Sends go right after their producer so the data leaves as early as possible.
+    };
+    auto sends = [&](const Action& a, std::vector<Action>& out) {
+      const int s = a.stage, mb = a.micro_batches.front();
       if (a.type == ActionType::kForward && s + 1 < num_stages && owner(s + 1) != owner(s)) {
         out.push_back(Action{ActionType::kSendForward, s, {mb}});
       }
+      const bool is_backward = a.type == ActionType::kBackwardInput || a.type == ActionType::kBackward;
       if (is_backward && s > 0 && owner(s - 1) != owner(s)) {
         out.push_back(Action{ActionType::kSendBackward, s, {mb}});
       }
+    };
+    // Receives go immediately before their consumer (the executor posts them early on its own), sends right
+    // after their producer so the data leaves as early as possible -- also inside an overlapped pair, which then
+    // runs as two ordinary actions; for_overlapped_pairs() moves them around the pair for running it at once.
+    std::vector<Action> out;
+    for (const Action& a : compute) {
+      receives(a, out);
+      out.push_back(a);
+      sends(a, out);
     }
     schedule.actions[r] = std::move(out);
   }

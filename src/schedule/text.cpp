@@ -1,4 +1,5 @@
-// The text form of a schedule: one header line, then one "rank <r>: <ACTION> <stage> <mb>[,<mb>...]" per action.
+// The text form of a schedule: one header line, then one "rank <r>: <ACTION> <stage> <mb>[,<mb>...]" per action,
+// followed by " overlap" on the F of an overlapped F&B pair (Action::overlapped_with_next).
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -21,7 +22,8 @@ namespace {
 
 constexpr std::string_view kMagic = "twobp-schedule";
 constexpr std::string_view kVersion = "v1";
-constexpr std::string_view kActionSyntax = "'rank <r>: <ACTION> <stage> <mb>[,<mb>...]'";
+constexpr std::string_view kActionSyntax = "'rank <r>: <ACTION> <stage> <mb>[,<mb>...] [overlap]'";
+constexpr std::string_view kOverlap = "overlap";
 
 std::string_view trim(std::string_view s) {
   const auto first = s.find_first_not_of(" \t\r");
@@ -179,7 +181,8 @@ class Parser {
 
   void parse_action(std::string_view content) {
     const auto t = tokens(content);
-    if (t.size() != 5 || t[0] != "rank" || t[1].size() < 2 || t[1].back() != ':') {
+    if ((t.size() != 5 && !(t.size() == 6 && t[5] == kOverlap)) || t[0] != "rank" || t[1].size() < 2 ||
+        t[1].back() != ':') {
       fail("expected an action line {}", kActionSyntax);
     }
     const int rank = number(t[1].substr(0, t[1].size() - 1), "the rank");
@@ -199,6 +202,11 @@ class Parser {
     }
     if (a.type != ActionType::kBackwardWeight && a.micro_batches.size() != 1) {
       fail("{} takes exactly one micro-batch; only W may list several", t[2]);
+    }
+    a.overlapped_with_next = t.size() == 6;
+    if (a.overlapped_with_next && a.type != ActionType::kForward) {
+      fail("only an F opens an overlapped pair ('{}' marks the F whose next action is the B or I it overlaps)",
+           kOverlap);
     }
     schedule_.actions[rank].push_back(std::move(a));
   }
@@ -223,7 +231,8 @@ std::string dump_schedule(const Schedule& schedule) {
       schedule.backward == BackwardMode::kSplit ? "split" : "standard", fmt::join(schedule.stage_to_rank, ","));
   for (std::size_t r = 0; r < schedule.actions.size(); ++r) {
     for (const Action& a : schedule.actions[r]) {
-      out += fmt::format("rank {}: {} {} {}\n", r, to_string(a.type), a.stage, fmt::join(a.micro_batches, ","));
+      out += fmt::format("rank {}: {} {} {}{}\n", r, to_string(a.type), a.stage, fmt::join(a.micro_batches, ","),
+                         a.overlapped_with_next ? " overlap" : "");
     }
   }
   return out;

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <map>
 #include <string>
 #include <tuple>
@@ -30,6 +31,7 @@ class Validator {
   void run(Pairing pairing) {
     detail::check_plausible_size(sc_);
     check_kinds_and_ranks();
+    check_overlapped_pairs();
     check_counts();
     check_matching();
     check_local_order();
@@ -77,6 +79,40 @@ class Validator {
           fail(w, fmt::format("stages {} and {} are both on rank {}: expected no communication (the tensors are "
                               "handed over locally)",
                               a.stage, peer, w.rank));
+        }
+      }
+    });
+  }
+
+  // An overlapped pair (Action::overlapped_with_next) is an F whose next compute action on the rank is the B or I
+  // of another stage (the parts share no stage state when they run at once), with nothing between them but the
+  // F's sends and the B's receives -- what for_overlapped_pairs() moves around the pair (validate() checks that
+  // layout too: both parts' inputs before the F, their outputs after the B).
+  void check_overlapped_pairs() const {
+    for_each([&](Where w, const Action& a) {
+      if (!a.overlapped_with_next) return;
+      if (a.type != ActionType::kForward) fail(w, "only an F may open an overlapped pair (overlapped_with_next)");
+      const auto& list = sc_.actions[w.rank];
+      std::size_t j = w.index + 1;
+      while (j < list.size() && !is_compute(list[j].type)) ++j;
+      if (j == list.size()) fail(w, "an overlapped pair needs a second part (a B or I) after its F; none follows");
+      const Action& b = list[j];
+      if (b.type != ActionType::kBackward && b.type != ActionType::kBackwardInput) {
+        fail(w, fmt::format("an overlapped pair is an F and the B or I that follows it, found {}", describe(b)));
+      }
+      if (b.stage == a.stage) {
+        fail(w, fmt::format("the two parts of an overlapped pair must be on different stages (they may run at the "
+                            "same time), but {} is on stage {} too",
+                            describe(b), a.stage));
+      }
+      for (std::size_t k = w.index + 1; k < j; ++k) {
+        const Action& c = list[k];
+        const bool f_send = c.type == ActionType::kSendForward && c.stage == a.stage && c.micro_batches == a.micro_batches;
+        const bool b_recv = c.type == ActionType::kRecvBackward && c.stage == b.stage && c.micro_batches == b.micro_batches;
+        if (!f_send && !b_recv) {
+          fail(w, fmt::format("between the parts of an overlapped pair only the F's sends and the B's receives may "
+                              "come, found {}",
+                              describe(c)));
         }
       }
     });
@@ -290,6 +326,18 @@ class Validator {
 void validate(const Schedule& schedule, Pairing pairing) {
   detail::check_structure(schedule);
   Validator(schedule).run(pairing);
+  const bool pairs = std::any_of(schedule.actions.begin(), schedule.actions.end(), [](const auto& list) {
+    return std::any_of(list.begin(), list.end(), [](const Action& a) { return a.overlapped_with_next; });
+  });
+  if (!pairs) return;
+  // The same schedule as a runtime that overlaps the pairs runs it (ExecutorOptions::overlap_forward_backward).
+  try {
+    Validator(for_overlapped_pairs(schedule)).run(pairing);
+  } catch (const ScheduleError& e) {
+    detail::raise<ScheduleError>("schedule '{}' is valid run in order, but not with its overlapped pairs run at once "
+                                 "(for_overlapped_pairs: both parts' receives before the F, sends after the B): {}",
+                                 schedule.name, e.what());
+  }
 }
 
 }  // namespace twobp

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "common/overlap_hook.h"
 #include "common/split_cases.h"
 #include "twobp/runtime/data_parallel.h"
 #include "twobp/runtime/pipeline.h"
@@ -171,7 +172,8 @@ struct RankRun {
 };
 
 inline void run_rank(Transport& world, int dp, const Schedule& schedule, bool overlap, const GlobalBatch& batch,
-                     RankRun& out, Precision precision = Precision::kDefault, bool start_during_backward = true) {
+                     RankRun& out, Precision precision = Precision::kDefault, bool start_during_backward = true,
+                     bool overlap_pairs = false) {
   const bool mixed = precision == Precision::kMixedBf16;
   ParallelGroups groups(world, dp, std::chrono::seconds(60));
   out.replica = groups.replica();
@@ -188,6 +190,8 @@ inline void run_rank(Transport& world, int dp, const Schedule& schedule, bool ov
   o.data_parallel.group = groups.data_parallel();
   o.data_parallel.overlap = overlap;
   o.data_parallel.start_during_backward = start_during_backward;
+  std::atomic<int> overlap_calls{0};
+  if (overlap_pairs) o.overlap_forward_backward = concurrent_overlap(overlap_calls);
   o.data_parallel.bucket_bytes = 256;  // several buckets per chunk
   if (mixed) o.mixed_precision.compute_dtype = at::kBFloat16;
   Pipeline pipeline(schedule, std::move(chunks), groups.pipeline(), o);
@@ -196,6 +200,13 @@ inline void run_rank(Transport& world, int dp, const Schedule& schedule, bool ov
     StepResult result = pipeline.step(mine.inputs, mine.targets);
     if (!result.losses.empty()) out.losses.push_back(result.losses);
     if (dp > 1) EXPECT_GE(result.reduce_wait_us, 0.0);
+  }
+  // Every rank of the schedules this is used with (dualpipev) has pairs; each ran through the hook once a step.
+  if (overlap_pairs) {
+    int mine = 0;
+    for (const Action& a : pipeline.schedule().actions[groups.pipeline_rank()]) mine += a.overlapped_with_next;
+    EXPECT_GT(mine, 0);
+    EXPECT_EQ(overlap_calls.load(), mine * kSteps);
   }
   // Evaluation between the last step and the (absent) optimizer: it must leave the gradients as they are (checked
   // by expect_matches afterwards) and give every rank the global batch's mean loss.

@@ -4,8 +4,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <atomic>
 #include <exception>
 
+#include "common/overlap_hook.h"
 #include "common/pairing_schedule.h"
 #include "common/pipeline_fixtures.h"
 #include "twobp/error.h"
@@ -78,6 +80,7 @@ struct ParityCase {
   Pairing pairing = Pairing::kByTag;  // of the Local transport: kInOrderPerChannel pairs like NCCL
   int max_pending_weight = 0;          // memory-bounded 2BP (PipelineOptions::max_pending_weight_micro_batches)
   bool recompute = false;              // activation recomputation on every stage (PipelineChunk::recompute)
+  bool overlap = false;  // PipelineOptions::overlap_forward_backward: each pair's F on a thread of its own beside its B
 };
 
 class PipelineParity : public ::testing::TestWithParam<ParityCase> {
@@ -102,6 +105,8 @@ TEST_P(PipelineParity, LossesAndGradientsMatchSingleProcess) {
   transport_options.pairing = c.pairing;
   PipelineOptions options = default_options();
   options.max_pending_weight_micro_batches = c.max_pending_weight;
+  std::atomic<int> overlap_calls{0};
+  if (c.overlap) options.overlap_forward_backward = concurrent_overlap(overlap_calls);
   // With a limit, no stage may hold more deferred W's than it after any action.
   auto check_limit = [&](int, Pipeline& p) {
     if (c.max_pending_weight == 0) return;
@@ -124,6 +129,8 @@ TEST_P(PipelineParity, LossesAndGradientsMatchSingleProcess) {
       EXPECT_EQ(e.recompute_us > 0, c.recompute && opens) << describe(e.action);
     }
   }
+  // Every pair went through the hook, once (all ranks are threads of this process).
+  if (c.overlap) EXPECT_EQ(overlap_calls.load(), overlapped_pairs(schedule));
   const int last_rank = schedule.stage_to_rank.back();
   ASSERT_EQ(runs[last_rank].result.losses.size(), static_cast<std::size_t>(c.m));
   for (int mb = 0; mb < c.m; ++mb) {
@@ -157,6 +164,18 @@ std::vector<ParityCase> all_cases() {
         }
         // Activation recomputation on every stage.
         if (m == 2 * p) cases.push_back({name, mode, p, m, Pairing::kByTag, 0, true});
+        // Overlapped F&B pairs run at once (schedules that have them at this shape), by tag and in order.
+        Schedule sc;
+        try {
+          sc = make_schedule(name, default_schedule_options(name, p, m, mode));
+        } catch (const ScheduleError&) {
+          continue;
+        }
+        if (overlapped_pairs(sc) == 0) continue;
+        for (Pairing pairing : {Pairing::kByTag, Pairing::kInOrderPerChannel}) {
+          cases.push_back({name, mode, p, m, pairing, 0, false, true});
+        }
+        if (mode == BackwardMode::kSplit) cases.push_back({name, mode, p, m, Pairing::kByTag, 1, false, true});
       }
     }
   }
@@ -169,7 +188,7 @@ INSTANTIATE_TEST_SUITE_P(AllSchedules, PipelineParity, ::testing::ValuesIn(all_c
                   (info.param.pairing == Pairing::kByTag ? "" : "_in_order") +
                   (info.param.max_pending_weight > 0 ? "_pending_w" + std::to_string(info.param.max_pending_weight)
                                                      : std::string()) +
-                  (info.param.recompute ? "_recompute" : "");
+                  (info.param.recompute ? "_recompute" : "") + (info.param.overlap ? "_overlapped" : "");
   for (auto& ch : n) {
     if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
   }
@@ -213,6 +232,45 @@ TEST_F(PipelineFailures, ActivationOfUnexpectedShapeNamesBothStages) {
   EXPECT_TRUE(is_a<RaisedOnAnotherRank>(runs[1].error)) << error_message(runs[1].error);
   EXPECT_FALSE(is_a<RaisedOnAnotherRank>(runs[0].error)) << error_message(runs[0].error);
   EXPECT_NE(error_message(runs[1].error).find("rank 0"), std::string::npos) << error_message(runs[1].error);
+}
+
+// An overlap hook must run both parts of every pair exactly once; one that skips the B fails the step on the
+// first pair with a UsageError (on every rank: the others with the root cause's type), instead of a step whose
+// gradients silently lack that B.
+TEST_F(PipelineFailures, OverlapHookThatSkipsAPartIsRefused) {
+  const Schedule schedule = make_schedule("dualpipev", ScheduleOptions{2, 4, 2, BackwardMode::kStandard});
+  ASSERT_GT(overlapped_pairs(schedule), 0);
+  auto inputs = torch::randn({4 * kMicroBatchSize, kDim}), targets = torch::randn({4 * kMicroBatchSize, kDim});
+  auto options = default_options();
+  options.overlap_forward_backward = [](const Action&, const Action&, const std::function<void()>& run_forward,
+                                        const std::function<void()>&) { run_forward(); };
+  auto runs = run_pipeline(schedule, inputs, targets, options);
+  bool named = false;
+  for (const auto& run : runs) {
+    ASSERT_TRUE(run.error != nullptr);
+    EXPECT_TRUE(is_a<UsageError>(run.error)) << error_message(run.error);
+    named = named || error_message(run.error).find("exactly once") != std::string::npos;
+  }
+  EXPECT_TRUE(named);
+}
+
+// Overlapped parts share one time span: their memory cannot be recorded or bounded per action.
+TEST_F(PipelineFailures, OverlapHookWithMemoryRecordingIsRefusedAtConstruction) {
+  const Schedule schedule = make_schedule("dualpipev", ScheduleOptions{2, 4, 2, BackwardMode::kStandard});
+  auto options = default_options();
+  options.record_memory = true;
+  options.overlap_forward_backward = [](const Action&, const Action&, const std::function<void()>& f,
+                                        const std::function<void()>& b) {
+    f();
+    b();
+  };
+  auto inputs = torch::randn({4 * kMicroBatchSize, kDim}), targets = torch::randn({4 * kMicroBatchSize, kDim});
+  try {
+    run_pipeline(schedule, inputs, targets, options);
+    FAIL() << "expected UsageError";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("record_memory and memory_limit_bytes off"), std::string::npos) << e.what();
+  }
 }
 
 TEST_F(PipelineFailures, RankThatThrowsMakesPeersFailNamingIt) {

@@ -178,6 +178,98 @@ TEST(Validate, SimulateReportsDeadlockToo) {
 }
 
 // Pairing: a schedule valid for by-tag transports, whose activation channel 0 -> 1 is posted in different orders.
+// Overlapped F&B pairs (Action::overlapped_with_next): dualpipev's are valid as generated and in the layout that
+// runs them at once (for_overlapped_pairs: the B's receives before the F, the F's sends after the B).
+TEST(ValidateOverlappedPairs, DualPipeVPairsAndTheirRunAtOnceLayout) {
+  for (BackwardMode mode : {BackwardMode::kStandard, BackwardMode::kSplit}) {
+    const Schedule sc = make_schedule("dualpipev", ScheduleOptions{4, 8, 2, mode});
+    const Schedule at_once = for_overlapped_pairs(sc);
+    int pairs = 0;
+    for (int r = 0; r < sc.num_ranks; ++r) {
+      const auto& list = at_once.actions[r];
+      ASSERT_EQ(list.size(), sc.actions[r].size());
+      for (std::size_t i = 0; i < list.size(); ++i) {
+        if (!list[i].overlapped_with_next) continue;
+        ++pairs;
+        ASSERT_LT(i + 1, list.size());
+        EXPECT_EQ(list[i].type, F);
+        EXPECT_TRUE(list[i + 1].type == B || list[i + 1].type == I) << describe(list[i + 1]);
+        EXPECT_NE(list[i + 1].stage, list[i].stage);
+      }
+    }
+    EXPECT_GT(pairs, 0);
+    EXPECT_NO_THROW(validate(sc, Pairing::kInOrderPerChannel));
+    EXPECT_NO_THROW(validate(at_once, Pairing::kInOrderPerChannel));
+    EXPECT_EQ(for_overlapped_pairs(at_once).actions, at_once.actions) << "the layout is its own fixed point";
+    EXPECT_EQ(load_schedule(dump_schedule(sc)).actions, sc.actions) << "the text form keeps the pairs";
+  }
+}
+
+TEST(ValidateOverlappedPairs, MalformedPairsAreRefused) {
+  const Schedule sc = make_schedule("dualpipev", ScheduleOptions{2, 4, 2, BackwardMode::kStandard});
+  auto first_pair = [](const std::vector<Action>& list) {
+    for (std::size_t i = 0; i < list.size(); ++i) {
+      if (list[i].overlapped_with_next) return i;
+    }
+    return list.size();
+  };
+  const std::size_t at = first_pair(sc.actions[0]);
+  ASSERT_LT(at, sc.actions[0].size());
+  {
+    Schedule bad = sc;  // the flag on the B instead
+    bad.actions[0][at].overlapped_with_next = false;
+    std::size_t j = at + 1;
+    while (!is_compute(bad.actions[0][j].type)) ++j;
+    bad.actions[0][j].overlapped_with_next = true;
+    expect_rejected(bad, {"only an F may open an overlapped pair"});
+  }
+  {
+    Schedule bad = sc;  // something else between the parts: a gradient send of rank 0's stage 3
+    bad.actions[0].insert(bad.actions[0].begin() + static_cast<long>(at) + 1, act(SB, 3, {0}));
+    expect_rejected(bad, {"between the parts of an overlapped pair"});
+  }
+  {
+    Schedule bad = sc;  // an F whose next compute action is another F
+    for (std::size_t i = 0; i + 1 < bad.actions[0].size(); ++i) {
+      if (bad.actions[0][i].type == F && bad.actions[0][i + 1].type == F) {
+        bad.actions[0][i].overlapped_with_next = true;
+        break;
+      }
+    }
+    expect_rejected(bad, {"is an F and the B or I that follows it"});
+  }
+  // Both parts on one stage.
+  Schedule same = one_rank({act(F, 0, {0}), act(F, 0, {1}), act(B, 0, {0}), act(B, 0, {1})}, 2,
+                           BackwardMode::kStandard);
+  same.actions[0][1].overlapped_with_next = true;
+  expect_rejected(same, {"different stages"});
+}
+
+// Valid in order, a deadlock at once: 4 stages looped over 2 ranks, rank 0 pairs F of stage 2 micro-batch 1 with B
+// of stage 0 micro-batch 0; rank 1 sends that B's gradient only after the F's activation arrived, which the pair,
+// run at once, would send only after that gradient arrived. validate() names the layout that fails.
+TEST(ValidateOverlappedPairs, APairThatWouldDeadlockWhenRunAtOnceIsRefused) {
+  Schedule sc;
+  sc.name = "pair-deadlock";
+  sc.num_ranks = 2;
+  sc.num_stages = 4;
+  sc.num_micro_batches = 2;
+  sc.backward = BackwardMode::kStandard;
+  sc.stage_to_rank = {0, 1, 0, 1};
+  sc.actions = {{act(F, 0, {0}), act(SF, 0, {0}), act(F, 0, {1}), act(SF, 0, {1}), act(RF, 2, {0}), act(F, 2, {0}),
+                 act(SF, 2, {0}), act(RB, 2, {0}), act(B, 2, {0}), act(SB, 2, {0}), act(RF, 2, {1}), act(F, 2, {1}),
+                 act(SF, 2, {1}), act(RB, 0, {0}), act(B, 0, {0}), act(RB, 2, {1}), act(B, 2, {1}), act(SB, 2, {1}),
+                 act(RB, 0, {1}), act(B, 0, {1})},
+                {act(RF, 1, {0}), act(F, 1, {0}), act(SF, 1, {0}), act(RF, 1, {1}), act(F, 1, {1}), act(SF, 1, {1}),
+                 act(RF, 3, {0}), act(F, 3, {0}), act(B, 3, {0}), act(SB, 3, {0}), act(RF, 3, {1}), act(F, 3, {1}),
+                 act(RB, 1, {0}), act(B, 1, {0}), act(SB, 1, {0}), act(B, 3, {1}), act(SB, 3, {1}), act(RB, 1, {1}),
+                 act(B, 1, {1}), act(SB, 1, {1})}};
+  EXPECT_NO_THROW(validate(sc));
+  sc.actions[0][11].overlapped_with_next = true;  // F stage 2 micro-batch 1, beside B stage 0 micro-batch 0
+  ASSERT_EQ(sc.actions[0][11], (Action{F, 2, {1}, true}));
+  expect_rejected(sc, {"valid run in order, but not with its overlapped pairs run at once", "deadlock"});
+}
+
 TEST(ValidatePairing, InOrderTransportsRejectDifferentPostingOrders) {
   const Schedule sc = testing::breadth_first_vs_depth_first();
   EXPECT_NO_THROW(validate(sc, Pairing::kByTag));

@@ -76,6 +76,17 @@ struct ExecutorOptions {
   /// Evaluation: every F runs Stage::evaluate (no graph, nothing kept). The schedule must then hold forward
   /// actions only (forward_only()); a backward action is a ScheduleError.
   bool evaluate = false;
+  /// Runs the schedule's overlapped F&B pairs (Action::overlapped_with_next) at once. Called with the pair's two
+  /// actions and two closures, the F's and the B's (or I's) computation, whose inputs the executor has already
+  /// taken and whose outputs it stores once the hook returns; the hook must call each exactly once, one after the
+  /// other in either order or concurrently on two threads or streams (each closure carries the calling thread's
+  /// LibTorch state: grad mode, autocast, ...). The schedule must be in for_overlapped_pairs() layout (the
+  /// Pipeline converts it). Inside a pair, a data-parallel stage's buckets start after the pair rather than during
+  /// its B. Not combined with record_memory or memory_limit_bytes (the parts' memory cannot be told apart). Null
+  /// (the default): the parts run as two ordinary actions, in order.
+  std::function<void(const Action& forward, const Action& backward, const std::function<void()>& run_forward,
+                     const std::function<void()>& run_backward)>
+      overlap_forward_backward;
 };
 
 /// Interprets `schedule.actions[rank]` for one step at a time.
@@ -120,8 +131,12 @@ class Executor {
 
  private:
   struct Step;
-  void forward(Step& st, const Action& a);
-  void backward(Step& st, const Action& a);
+  struct Part;
+  Part prepare(Step& st, const Action& a, bool allow_parameters_done);
+  void compute(Part& part) const;
+  void finish(Step& st, Part& part);
+  void forward_or_backward(Step& st, const Action& a);
+  void execute_pair(Step& st, const Action& forward, const Action& backward);
   void backward_weight(Step& st, const Action& a);
   void send(Step& st, const Action& a);
   void receive(Step& st, const Action& a);

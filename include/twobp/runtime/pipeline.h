@@ -93,6 +93,10 @@ struct PipelineOptions {
   bool record_memory = false;
   /// The device whose memory is recorded and bounded (see ExecutorOptions::memory_device); unset: the transport's.
   std::optional<c10::Device> memory_device;
+  /// Runs the schedule's overlapped F&B pairs (Action::overlapped_with_next: dualpipev's, PyTorch's OVERLAP_F_B)
+  /// at once: see ExecutorOptions::overlap_forward_backward. The pipeline then runs the schedule in its
+  /// for_overlapped_pairs() layout. Null: the pairs run in order.
+  decltype(ExecutorOptions::overlap_forward_backward) overlap_forward_backward;
   /// Data parallelism: the group of this stage's replicas and how gradients are averaged over it (see
   /// twobp/runtime/data_parallel.h). With a group of more than one rank, the constructor is collective over it,
   /// step() returns averaged gradients, and mean_loss() / check_gradients() cover every replica.

@@ -30,9 +30,17 @@ struct Action {
   ActionType type = ActionType::kForward;
   int stage = 0;
   std::vector<int> micro_batches;
+  /// An overlapped F&B pair (DualPipe's overlapped_forward_backward, PyTorch's OVERLAP_F_B): set on an F whose
+  /// next action in the rank's list is the B (or I) of another stage, which the two may then run at the same time
+  /// -- one micro-batch's compute hiding another's communication, or two streams sharing a GPU. Each part keeps its
+  /// own meaning (dependencies()); the pair only adds that both parts' inputs are there before the F starts and
+  /// their outputs are sent after the B ends (add_communication places them so, validate() checks the pair). The
+  /// Executor runs the parts one after the other unless ExecutorOptions::overlap_forward_backward takes them.
+  bool overlapped_with_next = false;
 
   friend bool operator==(const Action& a, const Action& b) {
-    return a.type == b.type && a.stage == b.stage && a.micro_batches == b.micro_batches;
+    return a.type == b.type && a.stage == b.stage && a.micro_batches == b.micro_batches &&
+           a.overlapped_with_next == b.overlapped_with_next;
   }
   friend bool operator!=(const Action& a, const Action& b) { return !(a == b); }
 };

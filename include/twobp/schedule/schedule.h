@@ -78,8 +78,9 @@ class ScheduleGenerator {
 /// F = I = W = 1, and the W's still pending after the rank's last I become one batched W per stage (gpipe: all F,
 /// all I, one batched W). zb-h1/zb-h2/zb-v use the zero-bubble papers' I/W placement in split mode and the same
 /// order with W dropped and I turned into B in standard mode; so do interleaved-zb (PyTorch's order in split mode),
-/// v-half and v-min. dualpipev's split form is DualPipeV's own mix: B's in the steady state (the F/B pairs DualPipe
-/// overlaps), I and W only at the V's turn and in the tail; its standard form has every backward fused.
+/// v-half and v-min. dualpipev's split form is DualPipeV's own mix: B's in the steady state, each beside the F of
+/// another micro-batch as an overlapped pair (Action::overlapped_with_next), I and W only at the V's turn and in
+/// the tail; its standard form has every backward fused and keeps the pairs.
 std::vector<std::string> builtin_schedule_names();
 
 /// A named schedule and its defaults. The registry of these is the single source of schedule names: every CLI's
@@ -120,6 +121,12 @@ Schedule add_communication(Schedule schedule);
 /// a kept action that came no later in the original run, and each channel's messages keep their order, so it
 /// pairs wherever `schedule` pairs. Same name (with " (forward only)"), placement and micro-batches.
 Schedule forward_only(Schedule schedule);
+
+/// The layout in which a runtime runs `schedule`'s overlapped F&B pairs (Action::overlapped_with_next) at once:
+/// each pair's receives (those between its parts: the B's) move before its F, its sends (the F's) after its B.
+/// Unchanged where there are no pairs. validate() checks this layout as well as the given one, and the Pipeline
+/// runs it when PipelineOptions::overlap_forward_backward is set.
+Schedule for_overlapped_pairs(Schedule schedule);
 
 /// For a communication action of `schedule`: the rank at the other end of the link (the owner of stage + 1 for
 /// SEND_F and RECV_B, of stage - 1 for RECV_F and SEND_B). Throws ScheduleError for compute actions or when the
