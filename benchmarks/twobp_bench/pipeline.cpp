@@ -580,7 +580,10 @@ RunResult summarize_run(Transport& world, ParallelGroups& groups, const Pipeline
     make_directories(a.trace_dir);
     std::string base = fmt::format("{}/{}_{}_p{}_m{}", a.trace_dir, name,
                                    mode_name(mode), p, a.microbatches);
-    if (dp > 1) base += fmt::format("_dp{}_{}", dp, r.dp_overlap ? (r.dp_after_backward ? "overlap_after_b" : "overlap") : "nooverlap");
+    if (dp > 1) {
+      base += fmt::format("_dp{}_{}", dp,
+                          r.dp_overlap ? (r.dp_after_backward ? "overlap_after_b" : "overlap") : "nooverlap");
+    }
     if (m.variant.announced) base += "_announced";
     if (m.variant.memory_limit > 0) base += "_limited";
     std::ofstream(base + ".trace.json") << to_chrome_trace(traces);
@@ -604,7 +607,9 @@ void write_chart(const PipelineArgs& a, const std::vector<RunResult>& results, b
   for (const auto& r : results) {
     p = r.p;
     std::string name = fmt::format("{} (v={})", r.schedule, r.v);
-    if (r.dp > 1) name += r.dp_overlap ? (r.dp_after_backward ? " dp overlap after B" : " dp overlap") : " dp no overlap";
+    if (r.dp > 1) {
+      name += r.dp_overlap ? (r.dp_after_backward ? " dp overlap after B" : " dp overlap") : " dp no overlap";
+    }
     if (r.announced) name += " announced";
     auto it = std::find_if(groups.begin(), groups.end(), [&](const BarGroup& g) { return g.name == name; });
     if (it == groups.end()) {
@@ -942,8 +947,8 @@ void add_pipeline_command(CLI::App& app) {
       ->capture_default_str()->check(CLI::PositiveNumber);
   sub->add_option("--microbatches", a->microbatches, "Micro-batches per step")->capture_default_str()
       ->check(CLI::PositiveNumber);
-  sub->add_option("--chunks-per-rank", a->chunks_per_rank, "v (default: the schedule's: 2 for the looped and V schedules, "
-                  "else 1)");
+  sub->add_option("--chunks-per-rank", a->chunks_per_rank,
+                  "v (default: the schedule's: 2 for the looped and V schedules, else 1)");
   sub->add_option("--model", a->model.model, "llama (fast path), bert or resnet (general autograd-graph split)")
       ->check(CLI::IsMember(pipeline_model_names()))->capture_default_str();
   sub->add_option("--dim", a->model.dim, "Model width (llama, bert)")->capture_default_str();

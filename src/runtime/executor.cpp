@@ -1,11 +1,10 @@
 #include "twobp/runtime/executor.h"
 
 #include <ATen/ATen.h>
+#include <ATen/ThreadLocalState.h>
 #include <c10/core/Event.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <fmt/ranges.h>
-
-#include <ATen/ThreadLocalState.h>
 
 #include <algorithm>
 #include <atomic>

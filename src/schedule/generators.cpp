@@ -307,7 +307,9 @@ Schedule interleaved_zb(const ScheduleOptions& o) {
   std::vector<std::vector<Action>> order(p);
   for (int r = 0; r < p; ++r) {
     auto& out = order[r];
-    auto forward = [&](int k) { out.push_back(Action{ActionType::kForward, table[k].second * p + r, {table[k].first}}); };
+    auto forward = [&](int k) {
+      out.push_back(Action{ActionType::kForward, table[k].second * p + r, {table[k].first}});
+    };
     auto backward_stage = [&](int k) { return (v - 1 - table[k].second) * p + r; };
     int weights = 0;
     auto backward = [&](int k) {
@@ -501,14 +503,14 @@ Schedule zb_v(const ScheduleOptions& o) {
 // ---- dualpipev (DeepSeek's DualPipeV; PyTorch's ScheduleDualPipeV) -------------------------------------------------
 
 // DualPipe "cut in half" (DeepSeek-V3, arXiv 2412.19437; the order of deepseek-ai/DualPipe's dualpipev.py, which
-// PyTorch's ScheduleDualPipeV reproduces): V placement, rank r holding stages r (chunk 0) and 2p-1-r (chunk 1).
-// After a warm-up, the steady state pairs one micro-batch's F with another's fused B (F0 B1, then F1 B0: the pairs
-// DualPipe overlaps so that one's communication hides under the other's compute; here overlapped pairs,
-// Action::overlapped_with_next, which the Executor runs in order unless a hook overlaps them); the I/W split is used only where
-// a bubble would be -- at the V's turn (I1 W1 F1) and in the tail, where the deferred W's (oldest first) fill the
-// cool-down. Written for n = max(m, 2p) micro-batches (DualPipeV needs m >= 2p); for smaller m the actions of the
-// missing micro-batches are dropped, which only removes dependencies (the pipeline is then not full).
-// Split form: DualPipeV's own mix of B and I/W. Standard form: the same order with every W dropped and I as B.
+// PyTorch's ScheduleDualPipeV reproduces): V placement, rank r holding stages r (chunk 0) and 2p-1-r (chunk 1). After
+// a warm-up, the steady state pairs one micro-batch's F with another's fused B (F0 B1, then F1 B0: the pairs DualPipe
+// overlaps so that one's communication hides under the other's compute; here overlapped pairs,
+// Action::overlapped_with_next, which the Executor runs in order unless a hook overlaps them); the I/W split is used
+// only where a bubble would be -- at the V's turn (I1 W1 F1) and in the tail, where the deferred W's (oldest first)
+// fill the cool-down. Written for n = max(m, 2p) micro-batches (DualPipeV needs m >= 2p); for smaller m the actions
+// of the missing micro-batches are dropped, which only removes dependencies (the pipeline is then not full). Split
+// form: DualPipeV's own mix of B and I/W. Standard form: the same order with every W dropped and I as B.
 Schedule dualpipev(const ScheduleOptions& o) {
   check_basic("dualpipev", o);
   const int p = o.ranks, m = o.micro_batches;
@@ -697,8 +699,10 @@ struct Registry {
     entries.push_back(builtin("zb-v", zb_v, 2, "zero bubble V: two chunks per rank in a V"));
     entries.push_back(builtin("looped-bfs", looped_bfs, 2, "breadth first over v looped chunks (PyTorch's LoopedBFS)"));
     entries.push_back(
-        builtin("interleaved-zb", interleaved_zb, 2, "zero bubble over v looped chunks (PyTorch's InterleavedZeroBubble)"));
-    entries.push_back(builtin("dualpipev", dualpipev, 2, "DeepSeek's DualPipeV: V, F of one micro-batch beside B of another"));
+        builtin("interleaved-zb", interleaved_zb, 2,
+                "zero bubble over v looped chunks (PyTorch's InterleavedZeroBubble)"));
+    entries.push_back(
+        builtin("dualpipev", dualpipev, 2, "DeepSeek's DualPipeV: V, F of one micro-batch beside B of another"));
     entries.push_back(builtin("v-half", v_half, 2, "V with about half of 1F1B's activation memory"));
     entries.push_back(builtin("v-min", v_min, 2, "V with about a third of 1F1B's activation memory"));
     builtins = entries.size();

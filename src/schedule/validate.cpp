@@ -107,8 +107,10 @@ class Validator {
       }
       for (std::size_t k = w.index + 1; k < j; ++k) {
         const Action& c = list[k];
-        const bool f_send = c.type == ActionType::kSendForward && c.stage == a.stage && c.micro_batches == a.micro_batches;
-        const bool b_recv = c.type == ActionType::kRecvBackward && c.stage == b.stage && c.micro_batches == b.micro_batches;
+        const bool f_send =
+            c.type == ActionType::kSendForward && c.stage == a.stage && c.micro_batches == a.micro_batches;
+        const bool b_recv =
+            c.type == ActionType::kRecvBackward && c.stage == b.stage && c.micro_batches == b.micro_batches;
         if (!f_send && !b_recv) {
           fail(w, fmt::format("between the parts of an overlapped pair only the F's sends and the B's receives may "
                               "come, found {}",

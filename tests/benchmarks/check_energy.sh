@@ -22,7 +22,10 @@ echo 0 > "$zone/energy_uj"
 writer=$!
 trap 'kill $writer 2>/dev/null || true' EXIT
 model=(--dim 64 --layers 2 --heads 2 --kv-heads 2 --ffn 128 --vocab 64 --seq 16 --micro-batch-size 2)
-"$bench" pipeline --ranks 2 --schedule 1f1b --mode both --microbatches 4 --steps 5 --warmup 1 "${model[@]}" \
+# 20 measured steps (tens of ms): long enough that the writer, a few ms per update, advances the counter within
+# them even when a parallel ctest starves it for a while (with 5 steps the test failed once under ctest -j2, on
+# 2026-12-03; its output was not kept, a starved writer is the likely cause).
+"$bench" pipeline --ranks 2 --schedule 1f1b --mode both --microbatches 4 --steps 20 --warmup 1 "${model[@]}" \
   --powercap-root "$work/powercap" --json "$work/measured.json" > "$work/measured.log"
 kill $writer
 "$bench" pipeline --ranks 2 --schedule 1f1b --mode both --microbatches 4 --steps 2 --warmup 1 "${model[@]}" \

@@ -1,8 +1,9 @@
-// Data x pipeline parity through real processes: under `mpiexec -n 2` (dp = 2 x pp = 1) and `-n 4` (dp = 2 x
-// pp = 2), MPI transport, asynchronous gradient reductions; every built-in schedule x {standard, 2BP}, with and
-// without overlap (standard mode also with its buckets started after the last B), and with mixed precision (bfloat16 compute, the float32 masters' gradients averaged). Each rank
-// checks its own chunks and losses against the single-process reference on the global batch (common/dp_cases.h),
-// which every rank computes (it is small).
+// Data x pipeline parity through real processes: under `mpiexec -n 2` (dp = 2 x pp = 1) and `-n 4` (dp = 2 x pp = 2),
+// MPI transport, asynchronous gradient reductions; every built-in schedule x {standard, 2BP}, with and without
+// overlap (standard mode also with its buckets started after the last B; dualpipev also with its overlapped pairs run
+// at once), and with mixed precision (bfloat16 compute, the float32 masters' gradients averaged). Each rank checks
+// its own chunks and losses against the single-process reference on the global batch (common/dp_cases.h), which every
+// rank computes (it is small).
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>

@@ -6,8 +6,9 @@
 // (forward), I (input gradient), W (weight gradient) or B (fused backward), e.g. "2F0,2I0,2W0"; an empty cell is an
 // idle time slot (skipped); "(<action>;<action>)OVERLAP_F_B" is one F and one B that a runtime may overlap
 // (DualPipeV): imported as an overlapped pair (Action::overlapped_with_next) when it is an F and the B or I of
-// another stage, otherwise as its parts in order; written back the same way. twobp adds the communication (add_communication) and infers the
-// placement (the rank whose row holds a stage), the stage count and the micro-batch count.
+// another stage, otherwise as its parts in order; written back the same way. twobp adds the communication
+// (add_communication) and infers the placement (the rank whose row holds a stage), the stage count and the
+// micro-batch count.
 //
 // A twobp W over several micro-batches is written as one W cell per micro-batch (PyTorch's W takes one); reading,
 // `merge_weight_runs` turns consecutive W cells of one stage back into one batched W (the same gradients, fewer
