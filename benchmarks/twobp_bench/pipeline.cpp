@@ -170,6 +170,9 @@ struct RunResult {
   // Tensor memory (see the header): per pipeline rank, and the maxima over ranks.
   std::vector<double> peak_memory_per_rank, sim_peak_memory_per_rank;
   double peak_memory = 0, sim_peak_memory = 0;
+  // Per rank: what the step added at its peak beyond the memory held when it started and the gradients it
+  // allocates (activations, deferred-W state, working memory): peak - base - gradient bytes, measured and simulated.
+  std::vector<double> step_peak_per_rank, sim_step_peak_per_rank;
   int64_t memory_limit = 0;  // limited rows of --memory-limit-mb
   double limit_ratio = 0;
   std::optional<double> energy_j;  // per step, the whole job (see the header); nullopt: not measured
@@ -472,6 +475,12 @@ void summarize_memory(Transport& transport, const Schedule& sched, const Measure
   r.sim_peak_memory_per_rank = simulate_peak_memory(sched, model);
   r.peak_memory = *std::max_element(r.peak_memory_per_rank.begin(), r.peak_memory_per_rank.end());
   r.sim_peak_memory = *std::max_element(r.sim_peak_memory_per_rank.begin(), r.sim_peak_memory_per_rank.end());
+  for (int rank = 0; rank < p; ++rank) {
+    double fixed = model.base[rank];
+    for (int s : sched.stages_of(rank)) fixed += model.gradients[s];
+    r.step_peak_per_rank.push_back(r.peak_memory_per_rank[rank] - fixed);
+    r.sim_step_peak_per_rank.push_back(r.sim_peak_memory_per_rank[rank] - fixed);
+  }
 }
 
 // The results of one variant of run_config (one Measurements): per-stage costs, bubble, throughput, data-parallel waits, the
@@ -727,10 +736,12 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
     j["peak_rss_bytes"] = r.peak_rss;
     j["peak_memory_bytes"] = r.peak_memory;
     j["peak_memory_bytes_per_rank"] = r.peak_memory_per_rank;
+    j["step_peak_bytes_per_rank"] = r.step_peak_per_rank;
     if (r.memory_limit == 0) {  // the simulator does not model the W's a limit moves
       j["sim_peak_memory_bytes"] = r.sim_peak_memory;
       j["sim_memory_error"] = r.sim_peak_memory > 0 ? r.peak_memory / r.sim_peak_memory - 1.0 : 0.0;
       j["sim_peak_memory_bytes_per_rank"] = r.sim_peak_memory_per_rank;
+      j["sim_step_peak_bytes_per_rank"] = r.sim_step_peak_per_rank;
     }
     const bool held = r.peak_memory <= static_cast<double>(r.memory_limit);
     if (r.memory_limit > 0) {

@@ -1,6 +1,6 @@
 # cmake -DJSON=file [-DMAX_ERROR=0.15] [-DLIMITED=ON] [-DMIN_RESULTS=n] -P check_memory_json.cmake
 # Checks the tensor-memory fields of `twobp_bench pipeline`: every result has peak_memory_bytes > 0 and a per-rank
-# list of them; every result without a memory limit has sim_peak_memory_bytes > 0 and, with MAX_ERROR,
+# list of them, and step_peak_bytes_per_rank of the same length, each below its rank's peak; every result without a memory limit has sim_peak_memory_bytes > 0 and, with MAX_ERROR,
 # |sim_memory_error| <= MAX_ERROR; with LIMITED every configuration also ran with a limit, whose rows carry
 # memory_limit_bytes > 0, a boolean limit_held and a limit_ratio > 0. Fails naming every violation.
 include(${CMAKE_CURRENT_LIST_DIR}/read_json_object.cmake)
@@ -26,6 +26,20 @@ foreach(i RANGE ${_last})
   string(JSON _ranks ERROR_VARIABLE _err LENGTH "${_doc}" results ${i} peak_memory_bytes_per_rank)
   if(_err OR _ranks EQUAL 0)
     list(APPEND _problems "${_name}: peak_memory_bytes_per_rank missing or empty")
+  else()
+    string(JSON _steps ERROR_VARIABLE _err LENGTH "${_doc}" results ${i} step_peak_bytes_per_rank)
+    if(_err OR NOT _steps EQUAL _ranks)
+      list(APPEND _problems "${_name}: step_peak_bytes_per_rank missing or not one entry per rank")
+    else()
+      math(EXPR _last_rank "${_ranks} - 1")
+      foreach(k RANGE ${_last_rank})
+        string(JSON _rank_peak GET "${_doc}" results ${i} peak_memory_bytes_per_rank ${k})
+        string(JSON _rank_step GET "${_doc}" results ${i} step_peak_bytes_per_rank ${k})
+        if(NOT _rank_step LESS _rank_peak)
+          list(APPEND _problems "${_name}: rank ${k}'s step peak ${_rank_step} is not below its peak ${_rank_peak}")
+        endif()
+      endforeach()
+    endif()
   endif()
   string(JSON _limit ERROR_VARIABLE _no_limit GET "${_doc}" results ${i} memory_limit_bytes)
   if(_no_limit)
