@@ -93,6 +93,14 @@ void write_json(const std::string& path, const Json& json) {
   if (!out) throw std::runtime_error("failed writing " + path);
 }
 
+void write_text(const std::string& path, const std::string& text) {
+  std::ofstream out(path);
+  if (!out) throw std::runtime_error("cannot open " + path + " for writing");
+  out << text;
+  out.close();
+  if (out.fail()) throw std::runtime_error("failed writing " + path);
+}
+
 Json read_json(const std::string& path) {
   std::ifstream in(path);
   if (!in) throw std::runtime_error("cannot open " + path);

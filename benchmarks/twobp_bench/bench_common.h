@@ -64,6 +64,8 @@ class Series {
 double load_average();
 
 void write_json(const std::string& path, const Json& json);
+/// Writes `text` to `path`; throws naming the file when it cannot be opened or written (never a silent "wrote").
+void write_text(const std::string& path, const std::string& text);
 Json read_json(const std::string& path);
 
 /// Checks that every `paths` entry ("a/b/c" = json["a"]["b"]["c"]) exists in `json` and is a finite number

@@ -102,6 +102,7 @@
 #include <stdexcept>
 
 #include "bench_common.h"
+#include "cli_checks.h"
 #include "chart.h"
 #include "commands.h"
 #include "pipeline_models.h"
@@ -595,11 +596,11 @@ RunResult summarize_run(Transport& world, ParallelGroups& groups, const Pipeline
     }
     if (m.variant.announced) base += "_announced";
     if (m.variant.memory_limit > 0) base += "_limited";
-    std::ofstream(base + ".trace.json") << to_chrome_trace(traces);
+    write_text(base + ".trace.json", to_chrome_trace(traces));
     r.trace_files = {base + ".trace.json", base + ".svg"};
-    std::ofstream(base + ".svg") << to_svg(traces, fmt::format("{} {} — p={} m={} v={}, last measured step", name,
+    write_text(base + ".svg", to_svg(traces, fmt::format("{} {} — p={} m={} v={}, last measured step", name,
                                                                mode == BackwardMode::kSplit ? "2BP" : "standard", p,
-                                                               a.microbatches, r.v));
+                                                               a.microbatches, r.v)));
   }
   return r;
 }
@@ -633,7 +634,7 @@ void write_chart(const PipelineArgs& a, const std::vector<RunResult>& results, b
   std::string title = fmt::format("twobp pipeline throughput: {} model, p={}, m={}, micro-batch {}", a.model.model, p,
                                   a.microbatches, a.model.micro_batch_size);
   if (a.dp > 1) title += fmt::format(", dp={} (global batch)", a.dp);
-  std::ofstream(a.chart) << bar_chart_svg(title, tokens ? "tokens/s" : "samples/s", {"standard", "2BP"}, groups);
+  write_text(a.chart, bar_chart_svg(title, tokens ? "tokens/s" : "samples/s", {"standard", "2BP"}, groups));
 }
 
 void report(const PipelineArgs& a, const std::vector<RunResult>& results, const std::string& transport_name,
@@ -679,6 +680,7 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
   std::ofstream csv;
   if (!a.csv.empty()) {
     csv.open(a.csv);
+    if (!csv) throw std::runtime_error("cannot open " + a.csv + " for writing");
     csv << "schedule,mode,p,m,v,tokens_per_s,step_ms_median,bubble_fraction,sim_step_ms,sim_error,"
            "peak_live_microbatches,speedup_vs_standard,sim_speedup_vs_standard,peak_rss_bytes,samples_per_s,"
            "peak_memory_bytes,sim_peak_memory_bytes,energy_j,j_per_item";
@@ -828,7 +830,11 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
     write_json(a.json, out);
     std::cout << "wrote " << a.json << "\n";
   }
-  if (!a.csv.empty()) std::cout << "wrote " << a.csv << "\n";
+  if (!a.csv.empty()) {
+    csv.close();
+    if (csv.fail()) throw std::runtime_error("failed writing " + a.csv);
+    std::cout << "wrote " << a.csv << "\n";
+  }
   if (!a.chart.empty()) {
     write_chart(a, results, tokens);
     std::cout << "wrote " << a.chart << " (throughput chart)\n";
@@ -951,36 +957,40 @@ void add_pipeline_command(CLI::App& app) {
   sub->add_option("--ranks", a->ranks,
                   "Pipeline ranks p; ranks run as dp x p threads (ignored under mpirun: one rank per process, "
                   "p = world size / dp)")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()->check(number_in(1, kMaxRanks));
   sub->add_option("--dp", a->dp,
                   "Data-parallel replicas of the pipeline (world = dp x p; each configuration then runs with the "
                   "gradient reductions overlapped and not)")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()->check(number_in(1, kMaxRanks));
   sub->add_option("--microbatches", a->microbatches, "Micro-batches per step")->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(number_in(1, kMaxCount));
   sub->add_option("--chunks-per-rank", a->chunks_per_rank,
-                  "v (default: the schedule's: 2 for the looped and V schedules, else 1)");
+                  "v (default: the schedule's: 2 for the looped and V schedules, else 1)")
+      ->check(number_in(0, 64, " (0: the schedule's default)"));
   sub->add_option("--model", a->model.model, "llama (fast path), bert or resnet (general autograd-graph split)")
       ->check(CLI::IsMember(pipeline_model_names()))->capture_default_str();
-  sub->add_option("--dim", a->model.dim, "Model width (llama, bert)")->capture_default_str();
+  sub->add_option("--dim", a->model.dim, "Model width (llama, bert)")->capture_default_str()->check(number_in(1, kMaxCount));
   sub->add_option("--layers", a->model.layers, "Blocks over all stages (decoder, encoder or residual blocks)")
-      ->capture_default_str();
-  sub->add_option("--heads", a->model.heads, "Attention heads (llama, bert)")->capture_default_str();
-  sub->add_option("--kv-heads", a->model.kv_heads, "Key/value heads (llama)")->capture_default_str();
-  sub->add_option("--ffn", a->model.ffn, "MLP hidden width (llama: SwiGLU, bert: GELU)")->capture_default_str();
-  sub->add_option("--vocab", a->model.vocab, "Vocabulary (llama, bert)")->capture_default_str();
-  sub->add_option("--seq", a->model.seq, "Tokens per sequence (llama, bert)")->capture_default_str();
+      ->capture_default_str()->check(number_in(1, kMaxCount));
+  sub->add_option("--heads", a->model.heads, "Attention heads (llama, bert)")->capture_default_str()->check(number_in(1, kMaxCount));
+  sub->add_option("--kv-heads", a->model.kv_heads, "Key/value heads (llama)")->capture_default_str()->check(number_in(1, kMaxCount));
+  sub->add_option("--ffn", a->model.ffn, "MLP hidden width (llama: SwiGLU, bert: GELU)")->capture_default_str()->check(number_in(1, kMaxCount));
+  sub->add_option("--vocab", a->model.vocab, "Vocabulary (llama, bert)")->capture_default_str()->check(number_in(1, kMaxCount));
+  sub->add_option("--seq", a->model.seq, "Tokens per sequence (llama, bert)")->capture_default_str()->check(number_in(1, kMaxCount));
   sub->add_option("--channels", a->model.channels, "Conv channels of every residual block (resnet)")
-      ->capture_default_str();
-  sub->add_option("--image-size", a->model.image_size, "Input height = width (resnet)")->capture_default_str();
-  sub->add_option("--in-channels", a->model.in_channels, "Input image channels (resnet)")->capture_default_str();
-  sub->add_option("--classes", a->model.classes, "Classes of the head (resnet)")->capture_default_str();
+      ->capture_default_str()->check(number_in(1, kMaxCount));
+  sub->add_option("--image-size", a->model.image_size, "Input height = width (resnet)")->capture_default_str()->check(number_in(1, kMaxCount));
+  sub->add_option("--in-channels", a->model.in_channels, "Input image channels (resnet)")->capture_default_str()->check(number_in(1, kMaxCount));
+  sub->add_option("--classes", a->model.classes, "Classes of the head (resnet)")->capture_default_str()->check(number_in(1, kMaxCount));
   sub->add_option("--micro-batch-size", a->model.micro_batch_size, "Samples (sequences or images) per micro-batch")
-      ->capture_default_str()->check(CLI::PositiveNumber);
-  sub->add_option("--steps", a->steps, "Measured steps")->capture_default_str()->check(CLI::PositiveNumber);
-  sub->add_option("--warmup", a->warmup, "Unmeasured steps first")->capture_default_str();
-  sub->add_option("--threads", a->threads, "at::set_num_threads (per process)")->capture_default_str();
-  sub->add_option("--timeout", a->timeout_s, "Seconds any wait may block")->capture_default_str();
+      ->capture_default_str()->check(number_in(1, kMaxCount));
+  sub->add_option("--steps", a->steps, "Measured steps")->capture_default_str()->check(number_in(1, kMaxCount));
+  sub->add_option("--warmup", a->warmup, "Unmeasured steps first")->capture_default_str()
+      ->check(number_in(0, kMaxCount));
+  sub->add_option("--threads", a->threads, "at::set_num_threads (per process)")->capture_default_str()
+      ->check(number_in(1, kMaxRanks));
+  sub->add_option("--timeout", a->timeout_s, "Seconds any wait may block")->capture_default_str()
+      ->check(number_in(1e-3, 1e7));
   sub->add_option("--powercap-root", a->powercap_root,
                   "Where RAPL's powercap zones are (energy on CPUs; another root for tests or containers)")
       ->capture_default_str();
@@ -992,12 +1002,14 @@ void add_pipeline_command(CLI::App& app) {
   sub->add_option("--memory-limit-mb", a->memory_limit_mb,
                   "Also run every configuration with PipelineOptions::memory_limit_bytes = this many MiB of tensor "
                   "memory per rank (memory-bounded 2BP); reports limit_held and limit_ratio")
-      ->check(CLI::PositiveNumber)
+      ->check(number_in(1e-6, 1e9))
       ->excludes("--variable-seq");
-  sub->add_option("--json", a->json, "Write {\"config\", \"results\": [...]} here");
-  sub->add_option("--csv", a->csv, "Write one CSV row per configuration here");
-  sub->add_option("--trace-dir", a->trace_dir, "Write a Chrome trace and an SVG of the last step per configuration");
-  sub->add_option("--chart", a->chart, "Write an SVG bar chart of the throughput, standard vs 2BP per schedule");
+  sub->add_option("--json", a->json, "Write {\"config\", \"results\": [...]} here")->check(writable_file());
+  sub->add_option("--csv", a->csv, "Write one CSV row per configuration here")->check(writable_file());
+  sub->add_option("--trace-dir", a->trace_dir, "Write a Chrome trace and an SVG of the last step per configuration")
+      ->check(writable_directory());
+  sub->add_option("--chart", a->chart, "Write an SVG bar chart of the throughput, standard vs 2BP per schedule")
+      ->check(writable_file());
   sub->callback([a] { run_pipeline_bench(*a); });
 }
 

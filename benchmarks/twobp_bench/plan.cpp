@@ -48,6 +48,7 @@
 #include <vector>
 
 #include "bench_common.h"
+#include "cli_checks.h"
 #include "commands.h"
 #include "twobp/metrics/metrics.h"
 #include "twobp/models/llama.h"
@@ -509,39 +510,44 @@ void add_plan_command(CLI::App& app) {
       "plan", "Rank schedule, mode, v, m, recomputation and dp x pp for a model on N ranks by predicted throughput");
   sub->add_option("--model", a->model, "LLaMa preset (tiny, small, 1b, 7b)")->capture_default_str()
       ->check(CLI::IsMember(llm::config_names()));
-  sub->add_option("--dim", a->dims.dim, "Custom width (replaces the preset's or the measured model's)");
-  sub->add_option("--layers", a->dims.layers, "Custom number of blocks");
-  sub->add_option("--heads", a->dims.heads, "Custom attention heads");
-  sub->add_option("--kv-heads", a->dims.kv_heads, "Custom key/value heads");
-  sub->add_option("--ffn", a->dims.ffn, "Custom MLP width");
-  sub->add_option("--vocab", a->dims.vocab, "Custom vocabulary");
-  sub->add_option("--ranks", a->ranks, "Ranks (GPUs)")->capture_default_str();
+  sub->add_option("--dim", a->dims.dim, "Custom width (replaces the preset's or the measured model's)")
+      ->check(number_in(1, kMaxCount));
+  sub->add_option("--layers", a->dims.layers, "Custom number of blocks")->check(number_in(1, kMaxCount));
+  sub->add_option("--heads", a->dims.heads, "Custom attention heads")->check(number_in(1, kMaxCount));
+  sub->add_option("--kv-heads", a->dims.kv_heads, "Custom key/value heads")->check(number_in(1, kMaxCount));
+  sub->add_option("--ffn", a->dims.ffn, "Custom MLP width")->check(number_in(1, kMaxCount));
+  sub->add_option("--vocab", a->dims.vocab, "Custom vocabulary")->check(number_in(1, kMaxCount));
+  sub->add_option("--ranks", a->ranks, "Ranks (GPUs)")->capture_default_str()->check(number_in(1, 65536));
   sub->add_option("--gpu-memory-gb", a->gpu_memory_gb, "Memory per device in GiB (0: do not filter)")
-      ->capture_default_str();
-  sub->add_option("--seq", a->seq, "Tokens per sequence (default: the model's)");
-  sub->add_option("--micro-batch-size", a->micro_batch_size, "Sequences per micro-batch")->capture_default_str();
-  sub->add_option("--global-batch", a->global_batch, "Sequences per step (default 8 x ranks x micro-batch size)");
+      ->capture_default_str()->check(number_in(0, 1e6, " (0: do not filter)"));
+  sub->add_option("--seq", a->seq, "Tokens per sequence (default: the model's)")->check(number_in(1, kMaxCount));
+  sub->add_option("--micro-batch-size", a->micro_batch_size, "Sequences per micro-batch")->capture_default_str()
+      ->check(number_in(1, kMaxCount));
+  sub->add_option("--global-batch", a->global_batch, "Sequences per step (default 8 x ranks x micro-batch size)")
+      ->check(number_in(1, 1e9));
   sub->add_option("--precision", a->precision, "fp32, bf16 (everything) or bf16-mixed (fp32 masters)")
       ->check(CLI::IsMember({"fp32", "bf16", "bf16-mixed"}))->capture_default_str();
-  sub->add_option("--tflops", a->tflops, "Estimated costs: sustained TFLOP/s per device")->capture_default_str();
+  sub->add_option("--tflops", a->tflops, "Estimated costs: sustained TFLOP/s per device")->capture_default_str()
+      ->check(number_in(1e-6, 1e6));
   sub->add_option("--costs-json", a->costs_json,
                   "Measured costs: a `twobp_bench pipeline --mode both` JSON from the target machine (its model "
                   "is planned, with any --dim ... sizes replacing its own; measure a v = 2 schedule too, e.g. "
                   "--schedule 1f1b,interleaved-1f1b, to fit per-action and head costs)")
       ->check(CLI::ExistingFile);
   sub->add_option("--link-gbps", a->link_gbps, "Link bandwidth per rank, Gb/s (messages and data-parallel rings)")
-      ->capture_default_str();
+      ->capture_default_str()->check(number_in(1e-3, 1e6));
   sub->add_option("--link-latency-us", a->link_latency_us, "Per message / ring step latency, us")
-      ->capture_default_str();
+      ->capture_default_str()->check(number_in(0, 1e9));
   sub->add_option("--schedule", a->schedule, "Schedules to consider: all, or a comma-separated list")
       ->capture_default_str();
   sub->add_option("--mode", a->mode, "standard, 2bp or both")->check(CLI::IsMember({"standard", "2bp", "both"}))
       ->capture_default_str();
   sub->add_option("--recompute", a->recompute, "Activation recomputation: off, on or both")
       ->check(CLI::IsMember({"off", "on", "both"}))->capture_default_str();
-  sub->add_option("--top", a->top, "Rows printed")->capture_default_str();
-  sub->add_option("--max-dp", a->max_dp, "Consider data-parallel degrees up to this (default: --ranks)");
-  sub->add_option("--json", a->json, "Write {config, candidates (ranked), best} here");
+  sub->add_option("--top", a->top, "Rows printed")->capture_default_str()->check(number_in(1, kMaxCount));
+  sub->add_option("--max-dp", a->max_dp, "Consider data-parallel degrees up to this (default: --ranks)")
+      ->check(number_in(1, 65536));
+  sub->add_option("--json", a->json, "Write {config, candidates (ranked), best} here")->check(writable_file());
   sub->callback([a] { run_plan(*a); });
 }
 
