@@ -102,8 +102,8 @@
 #include <stdexcept>
 
 #include "bench_common.h"
-#include "cli_checks.h"
 #include "chart.h"
+#include "cli_checks.h"
 #include "commands.h"
 #include "pipeline_models.h"
 #include "twobp/config.h"
@@ -598,9 +598,9 @@ RunResult summarize_run(Transport& world, ParallelGroups& groups, const Pipeline
     if (m.variant.memory_limit > 0) base += "_limited";
     write_text(base + ".trace.json", to_chrome_trace(traces));
     r.trace_files = {base + ".trace.json", base + ".svg"};
-    write_text(base + ".svg", to_svg(traces, fmt::format("{} {} — p={} m={} v={}, last measured step", name,
-                                                               mode == BackwardMode::kSplit ? "2BP" : "standard", p,
-                                                               a.microbatches, r.v)));
+    write_text(base + ".svg",
+               to_svg(traces, fmt::format("{} {} — p={} m={} v={}, last measured step", name,
+                                          mode == BackwardMode::kSplit ? "2BP" : "standard", p, a.microbatches, r.v)));
   }
   return r;
 }
@@ -960,7 +960,7 @@ void add_pipeline_command(CLI::App& app) {
       ->capture_default_str()->check(number_in(1, kMaxRanks));
   sub->add_option("--dp", a->dp,
                   "Data-parallel replicas of the pipeline (world = dp x p; each configuration then runs with the "
-                  "gradient reductions overlapped and not)")
+                  "gradient reductions overlapped -- standard mode: started during and after its last B -- and not)")
       ->capture_default_str()->check(number_in(1, kMaxRanks));
   sub->add_option("--microbatches", a->microbatches, "Micro-batches per step")->capture_default_str()
       ->check(number_in(1, kMaxCount));
@@ -969,19 +969,28 @@ void add_pipeline_command(CLI::App& app) {
       ->check(number_in(0, 64, " (0: the schedule's default)"));
   sub->add_option("--model", a->model.model, "llama (fast path), bert or resnet (general autograd-graph split)")
       ->check(CLI::IsMember(pipeline_model_names()))->capture_default_str();
-  sub->add_option("--dim", a->model.dim, "Model width (llama, bert)")->capture_default_str()->check(number_in(1, kMaxCount));
+  sub->add_option("--dim", a->model.dim, "Model width (llama, bert)")->capture_default_str()
+      ->check(number_in(1, kMaxCount));
   sub->add_option("--layers", a->model.layers, "Blocks over all stages (decoder, encoder or residual blocks)")
       ->capture_default_str()->check(number_in(1, kMaxCount));
-  sub->add_option("--heads", a->model.heads, "Attention heads (llama, bert)")->capture_default_str()->check(number_in(1, kMaxCount));
-  sub->add_option("--kv-heads", a->model.kv_heads, "Key/value heads (llama)")->capture_default_str()->check(number_in(1, kMaxCount));
-  sub->add_option("--ffn", a->model.ffn, "MLP hidden width (llama: SwiGLU, bert: GELU)")->capture_default_str()->check(number_in(1, kMaxCount));
-  sub->add_option("--vocab", a->model.vocab, "Vocabulary (llama, bert)")->capture_default_str()->check(number_in(1, kMaxCount));
-  sub->add_option("--seq", a->model.seq, "Tokens per sequence (llama, bert)")->capture_default_str()->check(number_in(1, kMaxCount));
+  sub->add_option("--heads", a->model.heads, "Attention heads (llama, bert)")->capture_default_str()
+      ->check(number_in(1, kMaxCount));
+  sub->add_option("--kv-heads", a->model.kv_heads, "Key/value heads (llama)")->capture_default_str()
+      ->check(number_in(1, kMaxCount));
+  sub->add_option("--ffn", a->model.ffn, "MLP hidden width (llama: SwiGLU, bert: GELU)")->capture_default_str()
+      ->check(number_in(1, kMaxCount));
+  sub->add_option("--vocab", a->model.vocab, "Vocabulary (llama, bert)")->capture_default_str()
+      ->check(number_in(1, kMaxCount));
+  sub->add_option("--seq", a->model.seq, "Tokens per sequence (llama, bert)")->capture_default_str()
+      ->check(number_in(1, kMaxCount));
   sub->add_option("--channels", a->model.channels, "Conv channels of every residual block (resnet)")
       ->capture_default_str()->check(number_in(1, kMaxCount));
-  sub->add_option("--image-size", a->model.image_size, "Input height = width (resnet)")->capture_default_str()->check(number_in(1, kMaxCount));
-  sub->add_option("--in-channels", a->model.in_channels, "Input image channels (resnet)")->capture_default_str()->check(number_in(1, kMaxCount));
-  sub->add_option("--classes", a->model.classes, "Classes of the head (resnet)")->capture_default_str()->check(number_in(1, kMaxCount));
+  sub->add_option("--image-size", a->model.image_size, "Input height = width (resnet)")->capture_default_str()
+      ->check(number_in(1, kMaxCount));
+  sub->add_option("--in-channels", a->model.in_channels, "Input image channels (resnet)")->capture_default_str()
+      ->check(number_in(1, kMaxCount));
+  sub->add_option("--classes", a->model.classes, "Classes of the head (resnet)")->capture_default_str()
+      ->check(number_in(1, kMaxCount));
   sub->add_option("--micro-batch-size", a->model.micro_batch_size, "Samples (sequences or images) per micro-batch")
       ->capture_default_str()->check(number_in(1, kMaxCount));
   sub->add_option("--steps", a->steps, "Measured steps")->capture_default_str()->check(number_in(1, kMaxCount));

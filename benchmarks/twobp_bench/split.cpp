@@ -472,7 +472,8 @@ void add_split_command(CLI::App& app) {
   sub->add_option("--dim", cfg->model.dim, "Model width")->capture_default_str()->check(number_in(1, kMaxCount));
   sub->add_option("--ffn", cfg->model.ffn, "SwiGLU hidden width (default: 8/3 dim rounded up to a multiple of 32)")
       ->check(number_in(1, kMaxCount));
-  sub->add_option("--heads", cfg->model.heads, "Attention heads")->capture_default_str()->check(number_in(1, kMaxCount));
+  sub->add_option("--heads", cfg->model.heads, "Attention heads")->capture_default_str()
+      ->check(number_in(1, kMaxCount));
   sub->add_option("--kv-heads", cfg->model.kv_heads, "Key/value heads (grouped-query attention)")
       ->capture_default_str()
       ->check(number_in(1, kMaxCount));
