@@ -80,15 +80,16 @@ Schedule add_communication(Schedule schedule) {
   // Existing communication is dropped and rebuilt, so calling this twice (or on a loaded schedule that already
   // has some) cannot duplicate messages.
   for (int r = 0; r < static_cast<int>(schedule.actions.size()); ++r) {
-    std::vector<Action> compute;
+    std::vector<Action> out;
     for (const Action& a : schedule.actions[r]) {
       if (!is_compute(a.type)) continue;
       TWOBP_CHECK(a.stage >= 0 && a.stage < num_stages && !a.micro_batches.empty(), ScheduleError,
                   "add_communication: rank {}: {} has no valid stage or micro-batch", r, describe(a));
-      compute.push_back(a);
-    }
-    auto receives = [&](const Action& a, std::vector<Action>& out) {
-      const int s = a.stage, mb = a.micro_batches.front();
+      const int s = a.stage;
+      const int mb = a.micro_batches.front();
+      // Receives go immediately before their consumer; the executor posts them early on its own. (Inside an
+      // overlapped pair too, which then runs as two ordinary actions; for_overlapped_pairs() moves them around
+      // the pair for running it at once.)
       if (a.type == ActionType::kForward && s > 0 && owner(s - 1) != owner(s)) {
         out.push_back(Action{ActionType::kRecvForward, s, {mb}});
       }
@@ -96,25 +97,14 @@ Schedule add_communication(Schedule schedule) {
       if (is_backward && s + 1 < num_stages && owner(s + 1) != owner(s)) {
         out.push_back(Action{ActionType::kRecvBackward, s, {mb}});
       }
-    };
-    auto sends = [&](const Action& a, std::vector<Action>& out) {
-      const int s = a.stage, mb = a.micro_batches.front();
+      out.push_back(a);
+      // Sends go right after their producer so the data leaves as early as possible.
       if (a.type == ActionType::kForward && s + 1 < num_stages && owner(s + 1) != owner(s)) {
         out.push_back(Action{ActionType::kSendForward, s, {mb}});
       }
-      const bool is_backward = a.type == ActionType::kBackwardInput || a.type == ActionType::kBackward;
       if (is_backward && s > 0 && owner(s - 1) != owner(s)) {
         out.push_back(Action{ActionType::kSendBackward, s, {mb}});
       }
-    };
-    // Receives go immediately before their consumer (the executor posts them early on its own), sends right
-    // after their producer so the data leaves as early as possible -- also inside an overlapped pair, which then
-    // runs as two ordinary actions; for_overlapped_pairs() moves them around the pair for running it at once.
-    std::vector<Action> out;
-    for (const Action& a : compute) {
-      receives(a, out);
-      out.push_back(a);
-      sends(a, out);
     }
     schedule.actions[r] = std::move(out);
   }

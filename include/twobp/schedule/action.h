@@ -34,7 +34,7 @@ struct Action {
   /// next action in the rank's list is the B (or I) of another stage, which the two may then run at the same time
   /// -- one micro-batch's compute hiding another's communication, or two streams sharing a GPU. Each part keeps its
   /// own meaning (dependencies()); the pair only adds that both parts' inputs are there before the F starts and
-  /// their outputs are sent after the B ends (add_communication places them so, validate() checks the pair). The
+  /// their outputs are sent after the B ends (for_overlapped_pairs() places them so; validate() checks both). The
   /// Executor runs the parts one after the other unless ExecutorOptions::overlap_forward_backward takes them.
   bool overlapped_with_next = false;
 
