@@ -3,6 +3,7 @@
 #             WORK_DIR/moved (so that nothing can still point at the place it was installed to)
 #   consumer  configure, build and run tests/install/consumer against WORK_DIR/moved
 #   example   configure, build and run examples/llama_pipeline against WORK_DIR/moved
+#   minimal   configure, build and run examples/minimal against WORK_DIR/moved; its loss must fall
 #   umbrella  include/twobp/twobp.h includes every public header
 set(prefix ${WORK_DIR}/prefix)
 set(moved ${WORK_DIR}/moved)
@@ -108,6 +109,31 @@ elseif(STEP STREQUAL "example")
   if(NOT steps EQUAL 2)
     message(FATAL_ERROR "expected 2 losses in ${WORK_DIR}/example/losses.json, got:\n${json}")
   endif()
+
+elseif(STEP STREQUAL "minimal")
+  # The program users copy from, with the core package only (no MPI, no NCCL): it must build as it stands and
+  # learn (its last loss under a quarter of its first; it falls from ~0.57 to ~0.01 in 60 steps).
+  configure_and_build(${PROJECT_DIR}/examples/minimal ${WORK_DIR}/minimal
+                      -DCMAKE_DISABLE_FIND_PACKAGE_MPI=ON -DCMAKE_DISABLE_FIND_PACKAGE_NCCL=ON)
+  run(${WORK_DIR}/minimal/examples/minimal)
+  string(REGEX MATCHALL "loss [0-9.]+" losses "${run_output}")
+  list(LENGTH losses n)
+  if(n LESS 2)
+    message(FATAL_ERROR "expected progress lines 'step N loss X', got:\n${run_output}")
+  endif()
+  list(GET losses 0 first)
+  list(GET losses -1 last)
+  string(REPLACE "loss " "" first "${first}")
+  string(REPLACE "loss " "" last "${last}")
+  # math() knows integers only: both losses are printed with 4 decimals, so compare them in units of 1e-4.
+  string(REPLACE "." "" first_units "${first}")
+  string(REPLACE "." "" last_units "${last}")
+  math(EXPR last_times_4 "${last_units} * 4")
+  if(NOT last_times_4 LESS first_units)
+    message(FATAL_ERROR "the minimal example's loss did not fall to under a quarter: ${first} -> ${last}\n"
+                        "${run_output}")
+  endif()
+  message(STATUS "minimal: loss ${first} -> ${last}")
 
 elseif(STEP STREQUAL "umbrella")
   file(READ ${PROJECT_DIR}/include/twobp/twobp.h umbrella)
