@@ -198,9 +198,10 @@ class SyncCounter : public c10::WarningHandler {
   int count = 0;
 };
 
-// A steady-state step (the second) and its optimizer gate synchronize the host with the device only where the
-// README documents it: the step's device timeline (one event), the last stage's loss copy, and the gradient
-// check's copy of the per-stage sums. Receives, the schedule's bookkeeping, and the norms must not.
+// A steady-state step (the second) and its optimizer gate synchronize the host with the device only where
+// docs/GPU.md ("Host synchronisations in a step") documents it: the step's device timeline (one event), the last
+// stage's loss copy, and the gradient check's copy of the per-stage sums. Receives, the schedule's bookkeeping,
+// and the norms must not.
 TEST(PipelineCudaSyncs, SteadyStateStepSyncsOnlyWhereDocumented) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device: this test needs one GPU";
   const c10::Device dev(c10::kCUDA, 0);
