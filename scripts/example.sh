@@ -6,5 +6,5 @@ cd "$(dirname "$0")/.."
 source scripts/setup.sh
 twobp_setup
 twobp_build llama_pipeline  # the library and the example only, not the tests
-exec "${TWOBP_BUILD_DIR:-build}/examples/llama_pipeline" --model tiny --stages 2 --schedule 1f1b --2bp \
+exec "${TWOBP_BUILD_DIR:-build}/examples/llama_pipeline" --model tiny --ranks 2 --schedule 1f1b --2bp \
   --steps 150 "$@"

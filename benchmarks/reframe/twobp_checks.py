@@ -143,7 +143,7 @@ class TwobpExample(_TwobpCheck):
     @run_before('run')
     def set_options(self):
         device = self.current_partition.extras.get('twobp_device', 'cpu')
-        self.executable_opts = ['--model', self.model, '--stages', str(self.ranks), '--schedule', self.schedule,
+        self.executable_opts = ['--model', self.model, '--ranks', str(self.ranks), '--schedule', self.schedule,
                                 '--steps', str(self.steps), '--device', device, '--json', 'example.json']
 
     @run_before('performance')

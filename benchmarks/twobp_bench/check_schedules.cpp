@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "bench_common.h"
-#include "cli_checks.h"
+#include "twobp_cli.h"
 #include "commands.h"
 #include "twobp/error.h"
 #include "twobp/schedule/schedule.h"
@@ -84,8 +84,8 @@ void add_check_schedules_command(CLI::App& app) {
                                  "check that every built-in schedule pairs its messages correctly on a transport");
   cmd->add_option("--transport", args->transport, "local | local-in-order | mpi | store | nccl")->capture_default_str();
   cmd->add_option("--ranks", args->ranks, "pipeline sizes p (m = p, 2p, 3p each)")->capture_default_str()
-      ->check(number_in(1, 64));
-  cmd->add_option("--json", args->json, "write the results here")->check(writable_file());
+      ->check(cli::number_in(1, 64));
+  cmd->add_option("--json", args->json, "write the results here")->check(cli::writable_file());
   cmd->callback([args] {
     const int rc = run_check(*args);
     if (rc != 0) throw CLI::RuntimeError(rc);

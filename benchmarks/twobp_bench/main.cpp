@@ -11,10 +11,12 @@
 #include <iostream>
 
 #include "commands.h"
+#include "twobp_cli.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"twobp benchmarks"};
   app.require_subcommand(1);
+  twobp::cli::add_version_flag(app, "twobp_bench");
   twobp::bench::add_split_command(app);
   twobp::bench::add_pipeline_command(app);
   twobp::bench::add_simulate_command(app);
@@ -25,7 +27,7 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);  // also CLI::RuntimeError(code) thrown by a subcommand that failed
   } catch (const std::exception& e) {
-    std::cerr << "twobp_bench: " << e.what() << "\n";
+    std::cerr << "twobp_bench: " << twobp::cli::error_message(e) << "\n";
     return 1;
   }
   return 0;

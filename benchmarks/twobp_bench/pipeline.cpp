@@ -103,7 +103,7 @@
 
 #include "bench_common.h"
 #include "chart.h"
-#include "cli_checks.h"
+#include "twobp_cli.h"
 #include "commands.h"
 #include "pipeline_models.h"
 #include "twobp/config.h"
@@ -227,46 +227,6 @@ double measure_comm_ms(Transport& t, const std::vector<int64_t>& shape, Duration
   t.barrier(timeout);
   return sum_over_ranks(t, mine, timeout)[0];
 }
-
-// Gathers every rank's events of one step to all ranks (as doubles; a transport has only all-reduce).
-std::vector<Trace> gather_traces(Transport& t, const Trace& mine, Duration timeout) {
-  const int p = t.world_size();
-  std::vector<double> counts(p, 0.0);
-  counts[t.rank()] = static_cast<double>(mine.events.size());
-  counts = sum_over_ranks(t, counts, timeout);
-  const auto max_n = static_cast<std::size_t>(*std::max_element(counts.begin(), counts.end()));
-  constexpr int kFields = 6;  // type, stage, first mb, #mbs, start, end
-  std::vector<double> all(static_cast<std::size_t>(p) * max_n * kFields + p, 0.0);
-  for (std::size_t k = 0; k < mine.events.size(); ++k) {
-    const auto& e = mine.events[k];
-    double* row = &all[(static_cast<std::size_t>(t.rank()) * max_n + k) * kFields];
-    row[0] = static_cast<double>(e.action.type);
-    row[1] = e.action.stage;
-    row[2] = e.action.micro_batches.empty() ? 0 : e.action.micro_batches[0];
-    row[3] = static_cast<double>(e.action.micro_batches.size());
-    row[4] = e.start_us;
-    row[5] = e.end_us;
-  }
-  all[all.size() - p + t.rank()] = mine.step_us;
-  all = sum_over_ranks(t, all, timeout);
-  std::vector<Trace> out(p);
-  for (int r = 0; r < p; ++r) {
-    out[r].step_us = all[all.size() - p + r];
-    for (std::size_t k = 0; k < static_cast<std::size_t>(counts[r]); ++k) {
-      const double* row = &all[(static_cast<std::size_t>(r) * max_n + k) * kFields];
-      TraceEvent e;
-      e.rank = r;
-      e.action.type = static_cast<ActionType>(static_cast<int>(row[0]));
-      e.action.stage = static_cast<int>(row[1]);
-      for (int j = 0; j < static_cast<int>(row[3]); ++j) e.action.micro_batches.push_back(static_cast<int>(row[2]) + j);
-      e.start_us = row[4];
-      e.end_us = row[5];
-      out[r].events.push_back(std::move(e));
-    }
-  }
-  return out;
-}
-
 
 // Gradient bytes of `params` (those requiring a gradient; a tensor listed twice counts once).
 double gradient_bytes(const std::vector<at::Tensor>& params) {
@@ -957,49 +917,50 @@ void add_pipeline_command(CLI::App& app) {
   sub->add_option("--ranks", a->ranks,
                   "Pipeline ranks p; ranks run as dp x p threads (ignored under mpirun: one rank per process, "
                   "p = world size / dp)")
-      ->capture_default_str()->check(number_in(1, kMaxRanks));
+      ->capture_default_str()->check(cli::number_in(1, cli::kMaxRanks));
   sub->add_option("--dp", a->dp,
                   "Data-parallel replicas of the pipeline (world = dp x p; each configuration then runs with the "
                   "gradient reductions overlapped -- standard mode: started during and after its last B -- and not)")
-      ->capture_default_str()->check(number_in(1, kMaxRanks));
+      ->capture_default_str()->check(cli::number_in(1, cli::kMaxRanks));
   sub->add_option("--microbatches", a->microbatches, "Micro-batches per step")->capture_default_str()
-      ->check(number_in(1, kMaxCount));
+      ->check(cli::number_in(1, cli::kMaxCount));
   sub->add_option("--chunks-per-rank", a->chunks_per_rank,
                   "v (default: the schedule's: 2 for the looped and V schedules, else 1)")
-      ->check(number_in(0, 64, " (0: the schedule's default)"));
+      ->check(cli::number_in(0, 64, " (0: the schedule's default)"));
   sub->add_option("--model", a->model.model, "llama (fast path), bert or resnet (general autograd-graph split)")
       ->check(CLI::IsMember(pipeline_model_names()))->capture_default_str();
   sub->add_option("--dim", a->model.dim, "Model width (llama, bert)")->capture_default_str()
-      ->check(number_in(1, kMaxCount));
+      ->check(cli::number_in(1, cli::kMaxCount));
   sub->add_option("--layers", a->model.layers, "Blocks over all stages (decoder, encoder or residual blocks)")
-      ->capture_default_str()->check(number_in(1, kMaxCount));
+      ->capture_default_str()->check(cli::number_in(1, cli::kMaxCount));
   sub->add_option("--heads", a->model.heads, "Attention heads (llama, bert)")->capture_default_str()
-      ->check(number_in(1, kMaxCount));
+      ->check(cli::number_in(1, cli::kMaxCount));
   sub->add_option("--kv-heads", a->model.kv_heads, "Key/value heads (llama)")->capture_default_str()
-      ->check(number_in(1, kMaxCount));
+      ->check(cli::number_in(1, cli::kMaxCount));
   sub->add_option("--ffn", a->model.ffn, "MLP hidden width (llama: SwiGLU, bert: GELU)")->capture_default_str()
-      ->check(number_in(1, kMaxCount));
+      ->check(cli::number_in(1, cli::kMaxCount));
   sub->add_option("--vocab", a->model.vocab, "Vocabulary (llama, bert)")->capture_default_str()
-      ->check(number_in(1, kMaxCount));
+      ->check(cli::number_in(1, cli::kMaxCount));
   sub->add_option("--seq", a->model.seq, "Tokens per sequence (llama, bert)")->capture_default_str()
-      ->check(number_in(1, kMaxCount));
+      ->check(cli::number_in(1, cli::kMaxCount));
   sub->add_option("--channels", a->model.channels, "Conv channels of every residual block (resnet)")
-      ->capture_default_str()->check(number_in(1, kMaxCount));
+      ->capture_default_str()->check(cli::number_in(1, cli::kMaxCount));
   sub->add_option("--image-size", a->model.image_size, "Input height = width (resnet)")->capture_default_str()
-      ->check(number_in(1, kMaxCount));
+      ->check(cli::number_in(1, cli::kMaxCount));
   sub->add_option("--in-channels", a->model.in_channels, "Input image channels (resnet)")->capture_default_str()
-      ->check(number_in(1, kMaxCount));
+      ->check(cli::number_in(1, cli::kMaxCount));
   sub->add_option("--classes", a->model.classes, "Classes of the head (resnet)")->capture_default_str()
-      ->check(number_in(1, kMaxCount));
+      ->check(cli::number_in(1, cli::kMaxCount));
   sub->add_option("--micro-batch-size", a->model.micro_batch_size, "Samples (sequences or images) per micro-batch")
-      ->capture_default_str()->check(number_in(1, kMaxCount));
-  sub->add_option("--steps", a->steps, "Measured steps")->capture_default_str()->check(number_in(1, kMaxCount));
+      ->capture_default_str()->check(cli::number_in(1, cli::kMaxCount));
+  sub->add_option("--steps", a->steps, "Measured steps")->capture_default_str()
+      ->check(cli::number_in(1, cli::kMaxCount));
   sub->add_option("--warmup", a->warmup, "Unmeasured steps first")->capture_default_str()
-      ->check(number_in(0, kMaxCount));
+      ->check(cli::number_in(0, cli::kMaxCount));
   sub->add_option("--threads", a->threads, "at::set_num_threads (per process)")->capture_default_str()
-      ->check(number_in(1, kMaxRanks));
+      ->check(cli::number_in(1, cli::kMaxRanks));
   sub->add_option("--timeout", a->timeout_s, "Seconds any wait may block")->capture_default_str()
-      ->check(number_in(1e-3, 1e7));
+      ->check(cli::number_in(1e-3, 1e7));
   sub->add_option("--powercap-root", a->powercap_root,
                   "Where RAPL's powercap zones are (energy on CPUs; another root for tests or containers)")
       ->capture_default_str();
@@ -1011,14 +972,14 @@ void add_pipeline_command(CLI::App& app) {
   sub->add_option("--memory-limit-mb", a->memory_limit_mb,
                   "Also run every configuration with PipelineOptions::memory_limit_bytes = this many MiB of tensor "
                   "memory per rank (memory-bounded 2BP); reports limit_held and limit_ratio")
-      ->check(number_in(1e-6, 1e9))
+      ->check(cli::number_in(1e-6, 1e9))
       ->excludes("--variable-seq");
-  sub->add_option("--json", a->json, "Write {\"config\", \"results\": [...]} here")->check(writable_file());
-  sub->add_option("--csv", a->csv, "Write one CSV row per configuration here")->check(writable_file());
+  sub->add_option("--json", a->json, "Write {\"config\", \"results\": [...]} here")->check(cli::writable_file());
+  sub->add_option("--csv", a->csv, "Write one CSV row per configuration here")->check(cli::writable_file());
   sub->add_option("--trace-dir", a->trace_dir, "Write a Chrome trace and an SVG of the last step per configuration")
-      ->check(writable_directory());
+      ->check(cli::writable_directory());
   sub->add_option("--chart", a->chart, "Write an SVG bar chart of the throughput, standard vs 2BP per schedule")
-      ->check(writable_file());
+      ->check(cli::writable_file());
   sub->callback([a] { run_pipeline_bench(*a); });
 }
 

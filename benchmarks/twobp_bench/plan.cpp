@@ -48,7 +48,7 @@
 #include <vector>
 
 #include "bench_common.h"
-#include "cli_checks.h"
+#include "twobp_cli.h"
 #include "commands.h"
 #include "twobp/metrics/metrics.h"
 #include "twobp/models/llama.h"
@@ -269,9 +269,12 @@ Rates measured_rates(const Json& doc, const std::string& path, const llm::LlamaC
   return rates;
 }
 
-// The example's --dtype for a training precision.
+// The example's --dtype for a training precision (llm::training_precision's names), and back.
 std::string example_dtype(const std::string& precision) {
   return precision == "bf16-mixed" ? "bf16" : precision == "bf16" ? "bf16-pure" : "fp32";
+}
+std::string precision_of_dtype(const std::string& dtype) {
+  return dtype == "bf16" ? "bf16-mixed" : dtype == "bf16-pure" ? "bf16" : "fp32";
 }
 
 // The example's model options for `c`: its preset, or a preset's options and every size (the presets differ
@@ -511,43 +514,51 @@ void add_plan_command(CLI::App& app) {
   sub->add_option("--model", a->model, "LLaMa preset (tiny, small, 1b, 7b)")->capture_default_str()
       ->check(CLI::IsMember(llm::config_names()));
   sub->add_option("--dim", a->dims.dim, "Custom width (replaces the preset's or the measured model's)")
-      ->check(number_in(1, kMaxCount));
-  sub->add_option("--layers", a->dims.layers, "Custom number of blocks")->check(number_in(1, kMaxCount));
-  sub->add_option("--heads", a->dims.heads, "Custom attention heads")->check(number_in(1, kMaxCount));
-  sub->add_option("--kv-heads", a->dims.kv_heads, "Custom key/value heads")->check(number_in(1, kMaxCount));
-  sub->add_option("--ffn", a->dims.ffn, "Custom MLP width")->check(number_in(1, kMaxCount));
-  sub->add_option("--vocab", a->dims.vocab, "Custom vocabulary")->check(number_in(1, kMaxCount));
-  sub->add_option("--ranks", a->ranks, "Ranks (GPUs)")->capture_default_str()->check(number_in(1, 65536));
+      ->check(cli::number_in(1, cli::kMaxCount));
+  sub->add_option("--layers", a->dims.layers, "Custom number of blocks")->check(cli::number_in(1, cli::kMaxCount));
+  sub->add_option("--heads", a->dims.heads, "Custom attention heads")->check(cli::number_in(1, cli::kMaxCount));
+  sub->add_option("--kv-heads", a->dims.kv_heads, "Custom key/value heads")->check(cli::number_in(1, cli::kMaxCount));
+  sub->add_option("--ffn", a->dims.ffn, "Custom MLP width")->check(cli::number_in(1, cli::kMaxCount));
+  sub->add_option("--vocab", a->dims.vocab, "Custom vocabulary")->check(cli::number_in(1, cli::kMaxCount));
+  sub->add_option("--ranks", a->ranks, "Ranks (GPUs)")->capture_default_str()->check(cli::number_in(1, 65536));
   sub->add_option("--gpu-memory-gb", a->gpu_memory_gb, "Memory per device in GiB (0: do not filter)")
-      ->capture_default_str()->check(number_in(0, 1e6, " (0: do not filter)"));
-  sub->add_option("--seq", a->seq, "Tokens per sequence (default: the model's)")->check(number_in(1, kMaxCount));
+      ->capture_default_str()->check(cli::number_in(0, 1e6, " (0: do not filter)"));
+  sub->add_option("--seq", a->seq, "Tokens per sequence (default: the model's)")
+      ->check(cli::number_in(1, cli::kMaxCount));
   sub->add_option("--micro-batch-size", a->micro_batch_size, "Sequences per micro-batch")->capture_default_str()
-      ->check(number_in(1, kMaxCount));
+      ->check(cli::number_in(1, cli::kMaxCount));
   sub->add_option("--global-batch", a->global_batch, "Sequences per step (default 8 x ranks x micro-batch size)")
-      ->check(number_in(1, 1e9));
-  sub->add_option("--precision", a->precision, "fp32, bf16 (everything) or bf16-mixed (fp32 masters)")
+      ->check(cli::number_in(1, 1e9));
+  // --dtype in llama_pipeline's words (the one vocabulary); --precision is the older name, in the library's words
+  // (llm::training_precision). The last one given wins.
+  sub->add_option_function<std::string>(
+         "--dtype", [a](const std::string& dtype) { a->precision = precision_of_dtype(dtype); },
+         "fp32; bf16: mixed precision (bfloat16 compute, float32 masters); bf16-pure: everything in bfloat16 "
+         "(default bf16)")
+      ->check(CLI::IsMember({"fp32", "bf16", "bf16-pure"}));
+  sub->add_option("--precision", a->precision, "The same in the library's words: fp32, bf16-mixed or bf16 (all)")
       ->check(CLI::IsMember({"fp32", "bf16", "bf16-mixed"}))->capture_default_str();
   sub->add_option("--tflops", a->tflops, "Estimated costs: sustained TFLOP/s per device")->capture_default_str()
-      ->check(number_in(1e-6, 1e6));
+      ->check(cli::number_in(1e-6, 1e6));
   sub->add_option("--costs-json", a->costs_json,
                   "Measured costs: a `twobp_bench pipeline --mode both` JSON from the target machine (its model "
                   "is planned, with any --dim ... sizes replacing its own; measure a v = 2 schedule too, e.g. "
                   "--schedule 1f1b,interleaved-1f1b, to fit per-action and head costs)")
       ->check(CLI::ExistingFile);
   sub->add_option("--link-gbps", a->link_gbps, "Link bandwidth per rank, Gb/s (messages and data-parallel rings)")
-      ->capture_default_str()->check(number_in(1e-3, 1e6));
+      ->capture_default_str()->check(cli::number_in(1e-3, 1e6));
   sub->add_option("--link-latency-us", a->link_latency_us, "Per message / ring step latency, us")
-      ->capture_default_str()->check(number_in(0, 1e9));
+      ->capture_default_str()->check(cli::number_in(0, 1e9));
   sub->add_option("--schedule", a->schedule, "Schedules to consider: all, or a comma-separated list")
       ->capture_default_str();
   sub->add_option("--mode", a->mode, "standard, 2bp or both")->check(CLI::IsMember({"standard", "2bp", "both"}))
       ->capture_default_str();
   sub->add_option("--recompute", a->recompute, "Activation recomputation: off, on or both")
       ->check(CLI::IsMember({"off", "on", "both"}))->capture_default_str();
-  sub->add_option("--top", a->top, "Rows printed")->capture_default_str()->check(number_in(1, kMaxCount));
+  sub->add_option("--top", a->top, "Rows printed")->capture_default_str()->check(cli::number_in(1, cli::kMaxCount));
   sub->add_option("--max-dp", a->max_dp, "Consider data-parallel degrees up to this (default: --ranks)")
-      ->check(number_in(1, 65536));
-  sub->add_option("--json", a->json, "Write {config, candidates (ranked), best} here")->check(writable_file());
+      ->check(cli::number_in(1, 65536));
+  sub->add_option("--json", a->json, "Write {config, candidates (ranked), best} here")->check(cli::writable_file());
   sub->callback([a] { run_plan(*a); });
 }
 

@@ -66,7 +66,7 @@
 #include <vector>
 
 #include "bench_common.h"
-#include "cli_checks.h"
+#include "twobp_cli.h"
 #include "commands.h"
 #include "twobp/metrics/metrics.h"
 #include "twobp/schedule/schedule.h"
@@ -469,27 +469,27 @@ void add_simulate_command(CLI::App& app) {
   CLI::App* sub = app.add_subcommand(
       "simulate", "Predicted step time, bubble and memory of every schedule, 2BP vs standard, from stage costs");
   auto* f = sub->add_option("--f", a->f, "Forward cost per rank (per stage at v=1), ms")->capture_default_str()
-                ->check(number_in(0, 1e9));
+                ->check(cli::number_in(0, 1e9));
   auto* i = sub->add_option("--i", a->i, "Input-gradient (2BP stage 1) cost per rank, ms")->capture_default_str()
-                ->check(number_in(0, 1e9));
+                ->check(cli::number_in(0, 1e9));
   auto* w = sub->add_option("--w", a->w, "Weight-gradient (2BP stage 2) cost per rank and micro-batch, ms")
-                ->capture_default_str()->check(number_in(0, 1e9));
+                ->capture_default_str()->check(cli::number_in(0, 1e9));
   auto* b = sub->add_option("--b", a->b, "Fused backward cost per rank, ms (default: I + W)")
-                ->check(number_in(0, 1e9));
+                ->check(cli::number_in(0, 1e9));
   auto* comm = sub->add_option("--comm", a->comm, "One-way latency of one activation or gradient, ms")
-                   ->capture_default_str()->check(number_in(0, 1e9));
+                   ->capture_default_str()->check(cli::number_in(0, 1e9));
   auto* from = sub->add_option("--from-json", a->from_json, "Take costs from a `twobp_bench pipeline` JSON")
                    ->check(CLI::ExistingFile);
   for (auto* opt : {f, i, w, b, comm}) from->excludes(opt);
   sub->add_option("--result", a->result, "Which result of --from-json (index into \"results\")")
-      ->capture_default_str()->needs(from)->check(number_in(0, kMaxCount));
-  sub->add_option("--ranks", a->ranks, "p: ranks")->capture_default_str()->check(number_in(1, 64));
+      ->capture_default_str()->needs(from)->check(cli::number_in(0, cli::kMaxCount));
+  sub->add_option("--ranks", a->ranks, "p: ranks")->capture_default_str()->check(cli::number_in(1, 64));
   sub->add_option("--microbatches", a->microbatches, "m: micro-batches per step")->capture_default_str()
-      ->check(number_in(1, 256));
+      ->check(cli::number_in(1, 256));
   sub->add_option("--chunks-per-rank", a->chunks_per_rank,
                   "v for every schedule (default: the schedule's: 2 for the looped and V schedules, else 1); chunk "
                   "cost = cost / v")
-      ->check(number_in(0, 16));
+      ->check(cli::number_in(0, 16));
   std::vector<std::string> schedules = schedule_names();
   schedules.push_back("all");
   sub->add_option("--schedule", a->schedule, "Registered schedule, or all")->check(CLI::IsMember(schedules))
@@ -503,27 +503,27 @@ void add_simulate_command(CLI::App& app) {
   sub->add_flag("--recompute", a->recompute,
                "Activation recomputation: every I and B first re-runs its stage's forward (CostModel::recompute = F)");
   sub->add_option("--json", a->json, "Write {\"config\", \"results\": [...], \"rejected\": [...]} here")
-      ->check(writable_file());
+      ->check(cli::writable_file());
   sub->add_option("--dp", a->dp,
                   "Data-parallel replicas of the pipeline; > 1 adds each stage's gradient all-reduce (costs then in "
                   "ms). 1: none, and the DP options below have no effect")
-      ->capture_default_str()->check(number_in(1, 65536));
+      ->capture_default_str()->check(cli::number_in(1, 65536));
   sub->add_option("--link-gbps", a->link_gbps, "Data-parallel link bandwidth of one rank, gigabit/s")
-      ->capture_default_str()->check(number_in(1e-3, 1e6));
+      ->capture_default_str()->check(cli::number_in(1e-3, 1e6));
   sub->add_option("--link-latency-us", a->link_latency_us, "Data-parallel latency of one ring step, microseconds")
-      ->capture_default_str()->check(number_in(0.0, 1e9));
+      ->capture_default_str()->check(cli::number_in(0.0, 1e9));
   sub->add_option("--model-params", a->model_params,
                   "Parameters of the whole model (default LLaMa-7B), split evenly over the stages")
-      ->capture_default_str()->check(number_in(1.0, 1e15));
+      ->capture_default_str()->check(cli::number_in(1.0, 1e15));
   sub->add_option("--grad-bytes", a->grad_bytes, "Bytes per gradient element all-reduced (2: bf16, 4: fp32)")
-      ->capture_default_str()->check(number_in(1.0, 16.0));
+      ->capture_default_str()->check(cli::number_in(1.0, 16.0));
   sub->add_option("--dp-overlap", a->dp_overlap,
                   "on: a stage's all-reduce starts after its last W/B; off: after the rank's last action; both: one "
                   "row each")
       ->capture_default_str()->check(CLI::IsMember({"on", "off", "both"}));
   sub->add_option("--dp-buckets", a->dp_buckets,
                   "Buckets per stage all-reduce; with overlap they start during the stage's last W")
-      ->capture_default_str()->check(number_in(1, 100000));
+      ->capture_default_str()->check(cli::number_in(1, 100000));
   sub->callback([a] { run_simulate(*a); });
 }
 

@@ -49,7 +49,7 @@
 #include <vector>
 
 #include "bench_common.h"
-#include "cli_checks.h"
+#include "twobp_cli.h"
 #include "bench_models.h"
 #include "commands.h"
 #include "twobp/config.h"
@@ -469,42 +469,45 @@ void run_split(const SplitConfig& c) {
 void add_split_command(CLI::App& app) {
   auto cfg = std::make_shared<SplitConfig>();
   CLI::App* sub = app.add_subcommand("split", "Cost of the 2BP split (I, W) against the fused backward (B)");
-  sub->add_option("--dim", cfg->model.dim, "Model width")->capture_default_str()->check(number_in(1, kMaxCount));
+  sub->add_option("--dim", cfg->model.dim, "Model width")->capture_default_str()
+      ->check(cli::number_in(1, cli::kMaxCount));
   sub->add_option("--ffn", cfg->model.ffn, "SwiGLU hidden width (default: 8/3 dim rounded up to a multiple of 32)")
-      ->check(number_in(1, kMaxCount));
+      ->check(cli::number_in(1, cli::kMaxCount));
   sub->add_option("--heads", cfg->model.heads, "Attention heads")->capture_default_str()
-      ->check(number_in(1, kMaxCount));
+      ->check(cli::number_in(1, cli::kMaxCount));
   sub->add_option("--kv-heads", cfg->model.kv_heads, "Key/value heads (grouped-query attention)")
       ->capture_default_str()
-      ->check(number_in(1, kMaxCount));
+      ->check(cli::number_in(1, cli::kMaxCount));
   sub->add_option("--layers", cfg->model.layers, "Blocks in the stage")->capture_default_str()
-      ->check(number_in(1, kMaxCount));
-  sub->add_option("--seq", cfg->seq, "Sequence length")->capture_default_str()->check(number_in(1, kMaxCount));
-  sub->add_option("--batch", cfg->batch, "Micro-batch size")->capture_default_str()->check(number_in(1, kMaxCount));
+      ->check(cli::number_in(1, cli::kMaxCount));
+  sub->add_option("--seq", cfg->seq, "Sequence length")->capture_default_str()
+      ->check(cli::number_in(1, cli::kMaxCount));
+  sub->add_option("--batch", cfg->batch, "Micro-batch size")->capture_default_str()
+      ->check(cli::number_in(1, cli::kMaxCount));
   sub->add_option("--repeats", cfg->repeats, "Timed repetitions (medians over these)")
       ->capture_default_str()
-      ->check(number_in(1, kMaxCount));
+      ->check(cli::number_in(1, cli::kMaxCount));
   sub->add_option("--warmup", cfg->warmup, "Untimed repetitions first")->capture_default_str()
-      ->check(number_in(0, kMaxCount));
+      ->check(cli::number_in(0, cli::kMaxCount));
   sub->add_option("--threads", cfg->threads, "at::set_num_threads")->capture_default_str()
-      ->check(number_in(1, kMaxRanks));
+      ->check(cli::number_in(1, cli::kMaxRanks));
   sub->add_flag("--batched-w", cfg->batched_w, "Also time W of --micro-batches at once vs one by one");
-  sub->add_option("--micro-batches", cfg->micro_batches, "Micro-batches for --batched-w")
+  sub->add_option("--microbatches,--micro-batches", cfg->micro_batches, "Micro-batches for --batched-w")
       ->capture_default_str()
-      ->check(number_in(1, 64));
+      ->check(cli::number_in(1, 64));
   sub->add_flag("--conv,!--no-conv", cfg->conv, "Include the general-path conv net (general_conv)")
       ->capture_default_str();
   sub->add_option("--conv-channels", cfg->conv_channels, "Conv net channels")->capture_default_str()
-      ->check(number_in(1, kMaxCount));
+      ->check(cli::number_in(1, cli::kMaxCount));
   sub->add_option("--conv-size", cfg->conv_size, "Conv net image height and width")->capture_default_str()
-      ->check(number_in(1, kMaxCount));
+      ->check(cli::number_in(1, cli::kMaxCount));
   sub->add_option("--conv-layers", cfg->conv_layers, "Conv net residual blocks")->capture_default_str()
-      ->check(number_in(1, kMaxCount));
+      ->check(cli::number_in(1, cli::kMaxCount));
   sub->add_option("--clock", cfg->clock,
                   "wall, or cpu: process CPU time, steadier on a busy machine but only meaningful with --threads 1")
       ->capture_default_str()
       ->check(CLI::IsMember({"wall", "cpu"}));
-  sub->add_option("--json", cfg->json, "Write the results to this JSON file")->check(writable_file());
+  sub->add_option("--json", cfg->json, "Write the results to this JSON file")->check(cli::writable_file());
   sub->add_option("--device", cfg->device, "cpu or cuda (GPU 0)")->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
   sub->add_option("--dtype", cfg->dtype, "fp32 or bf16 (weights and activations)")

@@ -1,30 +1,35 @@
 // llama_pipeline: trains a LLaMa-like model with pipeline parallelism and (optionally) 2-stage backpropagation.
 //
-//   llama_pipeline --model tiny --stages 2 --schedule 1f1b --steps 50          # 2 ranks as threads, LocalTransport
+//   llama_pipeline --model tiny --ranks 2 --schedule 1f1b --steps 50           # 2 ranks as threads, LocalTransport
 //   mpirun -n 4 llama_pipeline --model small --schedule zb-h1 --device cuda    # one rank per process, NCCL/MPI
 //   torchrun --nproc-per-node 4 --no-python llama_pipeline --device cuda ...   # the same without MPI (TCPStore)
-//   llama_pipeline --model 7b --stages 4 --dry-run --json plan.json            # sizes and memory, nothing allocated
+//   llama_pipeline --model 7b --ranks 4 --dry-run --json plan.json             # sizes and memory, nothing allocated
 //   mpirun -n 8 llama_pipeline --dp 2 --device cuda ...                        # 2 replicas of a 4-rank pipeline
 //   llama_pipeline --pack --seq-len-warmup 10 --steps 50                       # packed documents, length warm-up
 //   llama_pipeline --recompute --schedule zb-h1                                # activation recomputation
-//   llama_pipeline --model 7b --stages 4 --schedule zb-v --dry-run --gpu-memory-gb 80   # will it fit?
+//   llama_pipeline --model 7b --ranks 4 --schedule zb-v --dry-run --gpu-memory-gb 80   # will it fit?
 //   llama_pipeline --schedule zb-h2 --memory-limit-gb 0.5                      # memory-bounded 2BP
+//
+// `--help` lists every option by group with its default and range, `--version` the twobp commit and LibTorch. Every
+// option is checked when parsed (examples/common/twobp_cli.h: one line naming it, exit status 2), output paths
+// before the run; a CPU run that clearly cannot fit in the machine's memory is refused before allocating. For the
+// smallest program to start from, see examples/minimal.
 //
 // Ranks: under an MPI launcher (detected by twobp::launched_by_mpi_launcher) in a build with MPI every process is
 // one rank (MpiEnvironment); under torchrun or srun -- or mpirun in a build without MPI -- the ranks come from the
 // launcher's environment (twobp::launch_env) and meet at a c10d::TCPStore served by rank 0 at
-// MASTER_ADDR:MASTER_PORT (StoreTransport). In both cases --stages is ignored and GPUs talk over NCCL. Otherwise
-// --stages P ranks run as threads of this process over a LocalTransport group.
+// MASTER_ADDR:MASTER_PORT (StoreTransport). In both cases --ranks is ignored and GPUs talk over NCCL. Otherwise
+// --ranks P ranks run as threads of this process over a LocalTransport group.
 // The pipeline has P * --chunks-per-rank stages; the model is split into that many chunks balanced by compute
 // (or by --partition "3,3,2,0"), and each rank builds only its own chunks.
 //
-// Data parallelism: --dp D trains D replicas of a P-rank pipeline on D * P ranks (threads: --stages P gives P, and
+// Data parallelism: --dp D trains D replicas of a P-rank pipeline on D * P ranks (threads: --ranks P gives P, and
 // D * P threads run; under a launcher P = world size / D). World rank r is pipeline rank r % P of replica r / P
 // (twobp::ParallelLayout: a replica's stages are adjacent ranks, so they share a node). Every step reads one
 // global batch of D * --microbatches * --micro-batch-size sequences; replica d trains on the d-th share of it, and
 // gradients are averaged over the replicas (overlapped with W), so losses match a single pipeline with D times
 // the micro-batches. Checkpoints hold one copy per stage (replica 0 writes) under global tensor names, and resume
-// with any D and any pipeline layout (--stages, --schedule, --chunks-per-rank, --partition).
+// with any D and any pipeline layout (--ranks, --schedule, --chunks-per-rank, --partition).
 //
 // Devices and precision: --device cuda puts rank r's chunks on GPU (local rank mod device count). Activations cross
 // ranks through the transport's device (CPU for Local/MPI: each chunk's forward moves its input to the GPU and its
@@ -75,6 +80,8 @@
 #include <mutex>
 #include <thread>
 
+#include <unistd.h>  // sysconf: the machine's memory
+
 #include "twobp/checkpoint.h"
 #include "twobp/config.h"
 #include "twobp/data.h"
@@ -95,6 +102,8 @@
 #include "twobp/transport/mpi.h"
 #include "twobp/transport/nccl.h"
 #include "twobp/transport/store.h"
+#include "twobp/version.h"
+#include "twobp_cli.h"  // examples/common: option checks shared with twobp_bench
 
 // The example sticks to the public API; this is its one-line check helper.
 #define TWOBP_CHECK(cond, type, ...)                        \
@@ -151,6 +160,9 @@ struct Args {
   int eval_every = 0;          // evaluate on the held-out split every N steps (0: never)
   int eval_batches = 2;        // global batches per evaluation
   double eval_fraction = 0.1;  // the corpus's tail held out for evaluation when --eval-every > 0
+  // Set by main() from the command line as given:
+  std::vector<std::string> ignored;  // options that have no effect in this run (warned about)
+  bool ranks_given = false;          // --ranks (--stages) on the command line (ignored under a launcher)
 };
 
 /// The training precision of the memory estimates (twobp::models::training_precision) for --dtype.
@@ -257,6 +269,47 @@ nlohmann::json config_json(const Plan& p) {
 
 // ---- Dry run: sizes and memory from formulas; nothing is allocated ----
 
+/// What the memory formulas need to know of the run (twobp::models::estimate_memory).
+llm::MemoryPlanOptions memory_options(const Plan& p) {
+  llm::MemoryPlanOptions mo;
+  mo.micro_batch_size = p.args.micro_batch_size;
+  mo.seq_len = p.seq_len;
+  mo.precision = llm::training_precision(training_precision_name(p.args));
+  mo.recompute = p.args.recompute;
+  mo.optimizer_shards = p.args.zero == 1 ? p.dp : 1;
+  return mo;
+}
+
+/// A CPU run that clearly cannot fit: the estimated peak of this process's ranks (every rank of the job when they
+/// are threads) against the machine's memory, refused before anything is allocated instead of failing in the
+/// allocator (or swapping) part-way through. Only clear cases: the estimate must exceed the memory by more than
+/// its own margin (25 %; tests/models/llama_memory_test.cpp holds the formulas within 20 % of a Stage's tensors),
+/// and under --max-pending-w or --memory-limit-gb the deferred W's are not counted (those bound them).
+void check_fits_in_host_memory(const Plan& p, bool ranks_are_threads, int my_pipeline_rank) {
+  const long pages = sysconf(_SC_PHYS_PAGES), page_size = sysconf(_SC_PAGE_SIZE);
+  if (pages <= 0 || page_size <= 0) return;  // unknown: nothing to compare with
+  const double host = static_cast<double>(pages) * static_cast<double>(page_size);
+  const auto ranks = llm::estimate_memory(p.config, p.partition, p.schedule, memory_options(p));
+  const bool bounded_w = p.args.max_pending_w > 0 || p.args.memory_limit_gb > 0;
+  double need = 0;
+  for (int r = 0; r < p.world_size; ++r) {
+    if (!ranks_are_threads && r != my_pipeline_rank) continue;
+    need += (ranks[r].total - (bounded_w ? ranks[r].pending_weights : 0.0)) * (ranks_are_threads ? p.dp : 1);
+  }
+  const double gib = 1024.0 * 1024.0 * 1024.0;
+  TWOBP_CHECK(need <= 1.25 * host, twobp::UsageError,
+              "model {} ({} parameters), {} micro-batches of {} x {} tokens: an estimated {:.1f} GiB in this "
+              "process{} (weights, gradients, AdamW state, activations{}: twobp::models::estimate_memory), far more "
+              "than this machine's {:.1f} GiB; use a smaller --model/--dim/--layers, --micro-batch-size, --seq-len "
+              "or --microbatches{} (--dry-run prints the estimate per rank)",
+              p.config.name, llm::parameter_count(p.config), p.schedule.num_micro_batches, p.args.micro_batch_size,
+              p.seq_len, need / gib,
+              ranks_are_threads ? fmt::format(" ({} ranks as threads)", p.world_size * p.dp) : "",
+              bounded_w ? "" : ", deferred W's", host / gib,
+              p.schedule.backward == twobp::BackwardMode::kSplit && !bounded_w
+                  ? ", or bound 2BP's deferred W's with --max-pending-w or --memory-limit-gb" : "");
+}
+
 int dry_run(const Plan& p) {
   const auto& cfg = p.config;
   const int S = p.schedule.num_stages;
@@ -272,12 +325,7 @@ int dry_run(const Plan& p) {
   const auto sim = twobp::simulate(p.schedule, costs);
   // Memory: the formulas of twobp::models::memory_model walked through the schedule by
   // twobp::simulate_peak_memory, as twobp_bench pipeline does with measured memory.
-  llm::MemoryPlanOptions mo;
-  mo.micro_batch_size = p.args.micro_batch_size;
-  mo.seq_len = p.seq_len;
-  mo.precision = llm::training_precision(training_precision_name(p.args));
-  mo.recompute = p.args.recompute;
-  mo.optimizer_shards = p.args.zero == 1 ? p.dp : 1;
+  const llm::MemoryPlanOptions mo = memory_options(p);
   const auto ranks = llm::estimate_memory(cfg, p.partition, p.schedule, mo);
   const double gib = 1024.0 * 1024.0 * 1024.0;
   const double budget = p.args.gpu_memory_gb * gib;
@@ -311,7 +359,8 @@ int dry_run(const Plan& p) {
          {"head", spec.has_head},
          {"parameters", llm::chunk_parameter_count(cfg, spec)},
          {"cost", p.partition.cost[s]},
-         {"activation_bytes_per_micro_batch", llm::chunk_activation_bytes(cfg, spec, mo.micro_batch_size, mo.seq_len, b)},
+         {"activation_bytes_per_micro_batch",
+          llm::chunk_activation_bytes(cfg, spec, mo.micro_batch_size, mo.seq_len, b)},
          {"pending_weight_bytes_per_micro_batch",
           llm::chunk_pending_weight_bytes(cfg, spec, mo.micro_batch_size, mo.seq_len, b)}});
   }
@@ -499,7 +548,7 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
   const bool shared_device = !device.is_cpu() && transport.ranks_sharing_device() > 1;
   TWOBP_CHECK(!shared_device || a.memory_limit_gb <= 0, twobp::UsageError,
               "--memory-limit-gb: {} rank threads share {}, whose memory statistics are the whole process's; run one "
-              "rank per GPU (fewer --stages, or a launcher)",
+              "rank per GPU (fewer --ranks, or a launcher)",
               transport.ranks_sharing_device(), device.str());
   po.record_memory = !shared_device;
   po.memory_device = device;
@@ -520,7 +569,10 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
                                               fmt::format("rank {} (replica {})", rank, groups.replica()));
     optimizer.restore(loaded.tensors, named);
     start = static_cast<int>(loaded.step);
-    if (reports) shared.resumed_from = start;
+    if (reports) {
+      shared.resumed_from = start;
+      fmt::print("resuming from step {} of {} ({})\n", start, a.steps, a.checkpoint_dir);
+    }
   }
   // One global batch per step, the same for every --dp; replica d trains on its d-th share.
   const int64_t replica_batch = a.microbatches * mbs;
@@ -604,8 +656,12 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
           {step, loss, tokens_per_s, norm, lr, peak_memory, energy_j, j_per_token, eval_loss, !updated});
     }
     if (!a.trace.empty() && step + 1 == end) {
-      std::lock_guard<std::mutex> lock(shared.mutex);
-      shared.traces[world.rank()] = result.trace;
+      // Every rank's trace on every rank (collective), so rank 0 writes them all, threads or processes.
+      std::vector<twobp::Trace> traces = twobp::gather_traces(world, result.trace, timeout);
+      if (reports) {
+        std::lock_guard<std::mutex> lock(shared.mutex);
+        shared.traces = std::move(traces);
+      }
     }
     const bool periodic = a.checkpoint_every > 0 && (step + 1) % a.checkpoint_every == 0;
     if (!a.checkpoint_dir.empty() && (periodic || step + 1 == end)) {
@@ -629,55 +685,25 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
   }
 }
 
-/// `value` is finite and in [lo, hi]; otherwise a UsageError naming the option, the value and the range.
-void check_range(const char* option, double value, double lo, double hi, const char* meaning = "") {
-  TWOBP_CHECK(std::isfinite(value) && value >= lo && value <= hi, twobp::UsageError,
-              "{} must be in [{:g}, {:g}]{}, got {:g}", option, lo, hi, meaning, value);
+/// The run's closing lines on rank 0: what was trained, how fast, and which files it wrote.
+void print_summary(const std::vector<StepRecord>& records, double wall_s, const std::vector<std::string>& written) {
+  if (records.empty()) return;
+  double loss_sum = 0;
+  std::vector<double> rates;
+  for (const StepRecord& r : records) {
+    loss_sum += r.loss;
+    rates.push_back(r.tokens_per_s);
+  }
+  std::sort(rates.begin(), rates.end());
+  fmt::print("done: {} steps (to step {}) in {:.1f} s | final loss {:.4f} | mean loss {:.4f} | median {:.0f} tok/s\n",
+             records.size(), records.back().step + 1, wall_s, records.back().loss, loss_sum / records.size(),
+             rates[rates.size() / 2]);
+  if (!written.empty()) fmt::print("files written: {}\n", fmt::join(written, ", "));
 }
 
-/// An output file can be written: checked before the run, so that a bad path fails at once and not after it.
-void check_writable(const char* option, const std::string& path) {
-  if (path.empty()) return;
-  const bool existed = std::ifstream(path).good();
-  const bool ok = std::ofstream(path, std::ios::app).good();
-  if (ok && !existed) std::remove(path.c_str());
-  TWOBP_CHECK(ok, twobp::UsageError, "{} {}: cannot write there (no such directory, or no permission)", option, path);
-}
-
+/// The rules between options (each option's own range is checked at parse time: add_options()).
 void validate_args(const Args& a) {
-  check_range("--lr", a.lr, 0, 1e3);
-  TWOBP_CHECK(a.lr > 0, twobp::UsageError, "--lr must be positive, got {:g}", a.lr);
-  check_range("--weight-decay", a.weight_decay, 0, 1e3);
-  check_range("--clip", a.clip, 0, 1e30, " (0: no clipping)");
-  check_range("--timeout", a.timeout_s, 1e-3, 1e7, " seconds");
-  check_range("--memory-limit-gb", a.memory_limit_gb, 0, 1e6, " (0: none)");
-  check_range("--gpu-memory-gb", a.gpu_memory_gb, 0, 1e6, " (0: none)");
-  TWOBP_CHECK(a.warmup_steps >= -1 && a.stop_after >= 0 && a.checkpoint_every >= 0 && a.max_pending_w >= 0 &&
-                  a.seq_len >= 0 && a.doc_separator >= 0,
-              twobp::UsageError, "--warmup-steps must be >= -1 (-1: steps / 10); --stop-after, --checkpoint-every, "
-              "--max-pending-w, --seq-len and --doc-separator >= 0 (0: the default or none)");
-  TWOBP_CHECK(a.on_nonfinite == "stop" || a.on_nonfinite == "skip", twobp::UsageError,
-              "--on-nonfinite must be stop or skip, got {}", a.on_nonfinite);
-  check_writable("--json", a.json);
-  check_writable("--trace", a.trace);
-  check_writable("--dump-schedule", a.dump_schedule);
-  TWOBP_CHECK(a.zero == 0 || a.zero == 1, twobp::UsageError,
-              "--zero must be 0 (each replica holds all optimizer state) or 1 (sharded over the replicas), got {}",
-              a.zero);
-  TWOBP_CHECK(a.microbatches >= 1 && a.micro_batch_size >= 1 && a.steps >= 1 && a.stages >= 1 && a.dp >= 1 &&
-                  a.chunks_per_rank >= 0,
-              twobp::UsageError, "--microbatches, --micro-batch-size, --steps, --stages and --dp must be positive, "
-              "--chunks-per-rank >= 0");
   TWOBP_CHECK(!a.resume || !a.checkpoint_dir.empty(), twobp::UsageError, "--resume needs --checkpoint-dir");
-  TWOBP_CHECK(a.timeout_s > 0, twobp::UsageError, "--timeout must be positive");
-  TWOBP_CHECK(a.seq_len_warmup >= 0, twobp::UsageError, "--seq-len-warmup must be >= 0 (0: none)");
-  TWOBP_CHECK(a.memory_limit_gb >= 0 && a.gpu_memory_gb >= 0, twobp::UsageError,
-              "--memory-limit-gb and --gpu-memory-gb must be >= 0 (0: none)");
-  TWOBP_CHECK(a.eval_every >= 0 && a.eval_batches >= 1, twobp::UsageError,
-              "--eval-every must be >= 0 (0: no evaluation) and --eval-batches >= 1, got {} and {}", a.eval_every,
-              a.eval_batches);
-  TWOBP_CHECK(a.eval_fraction > 0 && a.eval_fraction < 1, twobp::UsageError,
-              "--eval-fraction must be in (0, 1), got {}", a.eval_fraction);
 }
 
 int run(Args args, int& argc, char**& argv) {
@@ -698,6 +724,15 @@ int run(Args args, int& argc, char**& argv) {
   const int world = store ? launch->world_size : args.dp * args.stages;
   const int my_rank = store ? launch->rank : 0;
 #endif
+  TWOBP_CHECK(mpi || store || world <= twobp::cli::kMaxRanks, twobp::UsageError,
+              "--dp {} x --ranks {} = {} rank threads, more than the {:g} one process runs; use a launcher", args.dp,
+              args.stages, world, twobp::cli::kMaxRanks);
+  if (my_rank == 0) {
+    for (const std::string& option : args.ignored) fmt::print(stderr, "llama_pipeline: warning: {} ignored\n", option);
+    if ((mpi || store) && args.ranks_given) {
+      fmt::print(stderr, "llama_pipeline: warning: --ranks ignored: the launcher started {} ranks\n", world);
+    }
+  }
   const twobp::ParallelLayout layout = twobp::ParallelLayout::of(world, args.dp);  // dp must divide the world
   const Plan plan = make_plan(args, layout.pp);  // model, schedule and partition errors surface here
   if (!args.dump_schedule.empty() && my_rank == 0) {
@@ -710,6 +745,7 @@ int run(Args args, int& argc, char**& argv) {
     fmt::print("schedule {} written to {}\n", plan.schedule.name, args.dump_schedule);
   }
   if (args.dry_run) return my_rank == 0 ? dry_run(plan) : 0;
+  if (args.device == "cpu") check_fits_in_host_memory(plan, !(mpi || store), layout.pipeline_rank(my_rank));
 
   // Everything that can be checked before a step is checked here, on every rank.
   std::vector<uint16_t> tokens =
@@ -796,6 +832,7 @@ int run(Args args, int& argc, char**& argv) {
 #if TWOBP_HAVE_MPI
   if (mpi) launch_options.launch = twobp::mpi_launch_env(*env);
 #endif
+  const auto run_start = std::chrono::steady_clock::now();
   twobp::run_ranks(launch_options, [&](twobp::Transport& transport) {
     // Compute where the transport's wire is (NCCL), else on a GPU of our own (thread ranks share the GPUs) or CPU.
     const c10::Device device = transport.device().is_cuda() ? transport.device()
@@ -804,13 +841,18 @@ int run(Args args, int& argc, char**& argv) {
     train_rank(plan, transport, device, tokens, held_out, shared);
   });
 
+  const double wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
   if (my_rank != 0) return 0;
+  std::vector<std::string> written;
+  if (!args.dump_schedule.empty()) written.push_back(args.dump_schedule);
+  if (!args.checkpoint_dir.empty() && !shared.records.empty()) written.push_back(args.checkpoint_dir + "/");
   if (!args.trace.empty()) {
     std::ofstream out(args.trace);
-    out << twobp::to_chrome_trace(processes ? std::vector<twobp::Trace>{shared.traces[0]} : shared.traces);
+    out << twobp::to_chrome_trace(shared.traces);
     out.close();
     TWOBP_CHECK(out.good(), twobp::IOError, "--trace: writing {} failed", args.trace);
     fmt::print("trace of the last step written to {}\n", args.trace);
+    written.push_back(args.trace);
   }
   if (!args.json.empty()) {
     nlohmann::json j = config_json(plan);
@@ -843,8 +885,170 @@ int run(Args args, int& argc, char**& argv) {
       j["steps"].push_back(step);
     }
     write_json(args.json, j);
+    written.push_back(args.json);
   }
+  print_summary(shared.records, wall_s, written);
   return 0;
+}
+
+/// The options, in groups, each checked at parse time (examples/common/twobp_cli.h); the cross-option rules and
+/// the checks that need the model or a file are in validate_args() and run().
+void add_options(CLI::App& app, Args& a) {
+  namespace cli = twobp::cli;
+  // A repeated option takes its last value, so scripts can append overrides to a common command line.
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast)->always_capture_default();
+  cli::add_version_flag(app, "llama_pipeline");
+  // Upper bounds far above any real run's (a 405B model has 126 blocks of width 16384), low enough that sizes
+  // multiplied together stay in range; whether the model then fits is check_fits_in_host_memory()'s question.
+  const auto width = cli::number_in(0, 1 << 20, " (0: the model's)");
+  const auto few = cli::number_in(0, 4096, " (0: the model's)");
+  const auto steps = cli::number_in(1, 1e9), steps_or_none = cli::number_in(0, 1e9, " (0: none)");
+
+  const std::string model = "Model";
+  app.add_option("--model", a.model, "Model configuration")->check(CLI::IsMember(llm::config_names()))->group(model);
+  app.add_option("--dim", a.dims.dim, "Width replacing the model's (with --layers ... --vocab: a custom model)")
+      ->check(width)->group(model);
+  app.add_option("--layers", a.dims.layers, "Blocks replacing the model's")->check(few)->group(model);
+  app.add_option("--heads", a.dims.heads, "Attention heads replacing the model's")->check(few)->group(model);
+  app.add_option("--kv-heads", a.dims.kv_heads, "Key/value heads replacing the model's")->check(few)->group(model);
+  app.add_option("--ffn", a.dims.ffn, "MLP width replacing the model's")->check(width)->group(model);
+  app.add_option("--vocab", a.dims.vocab, "Vocabulary replacing the model's (the built-in corpus needs >= 256)")
+      ->check(width)->group(model);
+  app.add_option("--seed", a.seed, "Seed of the weights and the data order")
+      ->check(cli::number_in(0, 18446744073709551615.0))->group(model);
+
+  const std::string pipeline = "Pipeline";
+  app.add_option("--schedule", a.schedule, "Pipeline schedule")
+      ->check(CLI::IsMember(twobp::schedule_names()))->group(pipeline);
+  app.add_option("--schedule-file", a.schedule_file,
+                 "A schedule file: twobp's text form, or PyTorch's compute_only CSV (*.csv); overrides --schedule, "
+                 "keeps its own 2BP mode")
+      ->check(CLI::ExistingFile)->group(pipeline);
+  app.add_option("--dump-schedule", a.dump_schedule,
+                 "Write the run's schedule to this file (*.csv: PyTorch's compute_only form; else twobp's text form)")
+      ->check(cli::writable_file())->group(pipeline);
+  // Two flags rather than CLI11's "--2bp,!--no-2bp", whose help reads "{false}" as if 2BP were off; applied as
+  // parsed, so the last one given wins.
+  app.add_flag_callback("--2bp", [&a] { a.two_bp = true; }, "Split the backward into I and W (the default)")
+      ->trigger_on_parse()->group(pipeline);
+  app.add_flag_callback("--no-2bp", [&a] { a.two_bp = false; }, "One fused backward (standard backprop) instead")
+      ->trigger_on_parse()->group(pipeline);
+  app.add_option("--ranks,--stages", a.stages,
+                 "Pipeline ranks per replica, run as threads when no launcher started the process (a launcher's "
+                 "world size decides otherwise)")
+      ->check(cli::number_in(1, cli::kMaxRanks))->group(pipeline);
+  app.add_option("--dp", a.dp, "Data-parallel replicas of the pipeline (world = dp x pipeline ranks)")
+      ->check(cli::number_in(1, cli::kMaxRanks))->group(pipeline);
+  app.add_option("--chunks-per-rank", a.chunks_per_rank,
+                 "Model chunks per rank (interleaved and V schedules; 0: the schedule's)")
+      ->check(cli::number_in(0, cli::kMaxRanks))->group(pipeline);
+  app.add_option("--partition", a.partition, "Blocks per chunk, e.g. 3,3,2,0 (default: balanced by compute)")
+      ->group(pipeline);
+  app.add_option("--microbatches,--micro-batches", a.microbatches, "Micro-batches per step and replica")
+      ->check(cli::number_in(1, 4096))->group(pipeline);
+  app.add_option("--micro-batch-size", a.micro_batch_size, "Sequences per micro-batch")
+      ->check(cli::number_in(1, 65536))->group(pipeline);
+  app.add_option("--max-pending-w", a.max_pending_w,
+                 "2BP: at most N micro-batches per stage wait for their W; older ones run early (0: no limit)")
+      ->check(cli::number_in(0, cli::kMaxCount))->group(pipeline);
+  app.add_option("--memory-limit-gb", a.memory_limit_gb,
+                 "2BP: keep each rank's tensor memory under this many GiB by running deferred W's early (0: none)")
+      ->check(cli::number_in(0, 1e6, " (0: none)"))->group(pipeline);
+  app.add_flag("--recompute", a.recompute,
+               "Activation recomputation: each stage keeps only its inputs after F and re-runs the forward before "
+               "its I (or B)")->group(pipeline);
+  app.add_option("--timeout", a.timeout_s, "Seconds any wait may block before failing")
+      ->check(cli::number_in(1e-3, 1e7, " seconds"))->group(pipeline);
+
+  const std::string training = "Training";
+  app.add_option("--steps", a.steps, "Training steps (also the learning-rate schedule's horizon)")
+      ->check(steps)->group(training);
+  app.add_option("--stop-after", a.stop_after, "Stop after this step, to be resumed later (0: run to --steps)")
+      ->check(steps_or_none)->group(training);
+  app.add_option("--warmup-steps", a.warmup_steps, "Linear warm-up steps (-1: steps / 10)")
+      ->check(cli::number_in(-1, 1e9, " (-1: steps / 10)"))->group(training);
+  app.add_option("--lr", a.lr, "Peak learning rate (AdamW, cosine decay to 10%)")
+      ->check(cli::number_in(1e-12, 1e3))->group(training);
+  app.add_option("--weight-decay", a.weight_decay, "AdamW weight decay")->check(cli::number_in(0, 1e3))
+      ->group(training);
+  app.add_option("--clip", a.clip, "Clip the global gradient norm to this value (0: no clipping)")
+      ->check(cli::number_in(0, 1e30, " (0: no clipping)"))->group(training);
+  app.add_option("--on-nonfinite", a.on_nonfinite,
+                 "A NaN or Inf loss or gradient: stop (error naming the step and stages) or skip that update")
+      ->check(CLI::IsMember({"stop", "skip"}))->group(training);
+  app.add_option("--zero", a.zero, "1: shard the AdamW state over the --dp replicas (ZeRO-1); 0: do not")
+      ->check(CLI::IsMember({0, 1}))->group(training);
+  app.add_option("--device", a.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}))->group(training);
+  app.add_option("--dtype", a.dtype,
+                 "fp32; bf16: mixed precision (bfloat16 compute, float32 master weights, gradients and AdamW state); "
+                 "bf16-pure: everything in bfloat16")
+      ->check(CLI::IsMember({"fp32", "bf16", "bf16-pure"}))->group(training);
+
+  const std::string data = "Data and evaluation";
+  app.add_option("--data", a.data, "Token file (see twobp/data.h); default: the built-in corpus, byte-level")
+      ->check(CLI::ExistingFile)->group(data);
+  app.add_option("--seq-len", a.seq_len, "Tokens per sequence (0: the model's)")
+      ->check(cli::number_in(0, 1 << 20, " (0: the model's)"))->group(data);
+  app.add_flag("--pack", a.pack,
+               "Packed documents: attention stays within a document, positions restart per document (positions "
+               "and document ids cross every stage boundary)")->group(data);
+  app.add_option("--doc-separator", a.doc_separator, "With --pack: the token that ends a document")
+      ->check(cli::number_in(0, 65535))->group(data);
+  app.add_option("--seq-len-warmup", a.seq_len_warmup,
+                 "Grow the sequence length linearly to --seq-len over this many steps (0: none)")
+      ->check(steps_or_none)->group(data);
+  app.add_option("--eval-every", a.eval_every,
+                 "Evaluate the held-out split every N steps and after the last (0: never; holds out --eval-fraction)")
+      ->check(steps_or_none)->group(data);
+  app.add_option("--eval-batches", a.eval_batches, "Global batches per evaluation (the same ones every time)")
+      ->check(cli::number_in(1, 4096))->group(data);
+  app.add_option("--eval-fraction", a.eval_fraction, "The corpus's tail held out for evaluation")
+      ->check(cli::number_in(1e-6, 1 - 1e-6))->group(data);
+
+  const std::string output = "Output and checkpoints";
+  app.add_option("--json", a.json, "Write the per-step losses (or the dry-run plan) as JSON")
+      ->check(cli::writable_file())->group(output);
+  app.add_option("--trace", a.trace, "Chrome trace of the last step, every rank (one track per world rank)")
+      ->check(cli::writable_file())->group(output);
+  app.add_option("--checkpoint-dir", a.checkpoint_dir, "Write a checkpoint here at the end (and every N steps)")
+      ->check(cli::writable_directory())->group(output);
+  app.add_option("--checkpoint-every", a.checkpoint_every, "Checkpoint every N steps (0: at the end only)")
+      ->check(steps_or_none)->group(output);
+  app.add_flag("--resume", a.resume, "Resume from --checkpoint-dir")->group(output);
+  app.add_flag("--dry-run", a.dry_run, "Print sizes and memory estimates without allocating the model")
+      ->group(output);
+  app.add_option("--gpu-memory-gb", a.gpu_memory_gb,
+                 "With --dry-run: say whether each rank's estimated peak fits this many GiB (0: do not judge)")
+      ->check(cli::number_in(0, 1e6, " (0: none)"))->group(output);
+  app.add_option("--powercap-root", a.powercap_root,
+                 "Where RAPL's powercap zones are (energy per step on CPUs; another root for tests or containers)")
+      ->group(output);
+
+  app.footer(R"(Examples:
+  llama_pipeline                                            # tiny model, 2 ranks as threads, 1F1B with 2BP
+  llama_pipeline --no-2bp --schedule zb-h1 --steps 50       # the fused backward, for comparison
+  llama_pipeline --model 7b --ranks 4 --dry-run --gpu-memory-gb 80   # does 7B fit on 4 GPUs?
+  mpirun -n 4 llama_pipeline --model small --device cuda     # one rank per process (torchrun, srun alike)
+  llama_pipeline --dp 2 --zero 1 --eval-every 10 --json run.json
+Documentation: README.md and docs/ in the source tree.)");
+}
+
+/// Options that have no effect in this run, for a warning (a launcher's world size replaces --ranks; some options
+/// only mean something beside another).
+std::vector<std::string> ignored_options(const CLI::App& app, const Args& a) {
+  std::vector<std::string> ignored;
+  auto given = [&](const char* name) { return app.count(name) > 0; };
+  if (given("--gpu-memory-gb") && !a.dry_run) ignored.emplace_back("--gpu-memory-gb (only with --dry-run)");
+  if (given("--doc-separator") && !a.pack) ignored.emplace_back("--doc-separator (only with --pack)");
+  if ((given("--eval-batches") || given("--eval-fraction")) && a.eval_every == 0) {
+    ignored.emplace_back("--eval-batches/--eval-fraction (only with --eval-every)");
+  }
+  if (given("--checkpoint-every") && a.checkpoint_dir.empty()) {
+    ignored.emplace_back("--checkpoint-every (only with --checkpoint-dir)");
+  }
+  if (given("--schedule") && !a.schedule_file.empty()) ignored.emplace_back("--schedule (--schedule-file decides)");
+  if (given("--zero") && a.zero == 1 && a.dp == 1) ignored.emplace_back("--zero 1 (nothing to shard with --dp 1)");
+  return ignored;
 }
 
 }  // namespace
@@ -852,84 +1056,14 @@ int run(Args args, int& argc, char**& argv) {
 int main(int argc, char** argv) {
   Args a;
   CLI::App app{"Pipeline-parallel training of a LLaMa-like model with 2-stage backpropagation"};
-  // A repeated option takes its last value, so scripts can append overrides to a common command line.
-  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
-  app.add_option("--model", a.model, "Model configuration")->check(CLI::IsMember(llm::config_names()));
-  app.add_option("--dim", a.dims.dim, "Width replacing the model's (with --layers ... --vocab: a custom model)");
-  app.add_option("--layers", a.dims.layers, "Blocks replacing the model's");
-  app.add_option("--heads", a.dims.heads, "Attention heads replacing the model's");
-  app.add_option("--kv-heads", a.dims.kv_heads, "Key/value heads replacing the model's");
-  app.add_option("--ffn", a.dims.ffn, "MLP width replacing the model's");
-  app.add_option("--vocab", a.dims.vocab, "Vocabulary replacing the model's (the built-in corpus needs >= 256)");
-  app.add_option("--schedule", a.schedule, "Pipeline schedule")->check(CLI::IsMember(twobp::schedule_names()));
-  app.add_option("--schedule-file", a.schedule_file,
-                 "A schedule file: twobp's text form, or PyTorch's compute_only CSV (*.csv); overrides --schedule, "
-                 "keeps its own 2BP mode")
-      ->check(CLI::ExistingFile);
-  app.add_option("--dump-schedule", a.dump_schedule,
-                 "Write the run's schedule to this file (*.csv: PyTorch's compute_only form; else twobp's text form)");
-  app.add_flag("--2bp,!--no-2bp", a.two_bp, "Split the backward into I and W (2BP); --no-2bp: fused backward");
-  app.add_option("--microbatches", a.microbatches, "Micro-batches per step");
-  app.add_option("--micro-batch-size", a.micro_batch_size, "Sequences per micro-batch");
-  app.add_option("--seq-len", a.seq_len, "Tokens per sequence (default: the model's)");
-  app.add_option("--steps", a.steps, "Training steps (also the learning-rate schedule's horizon)");
-  app.add_option("--stop-after", a.stop_after, "Stop after this step (to be resumed later)");
-  app.add_option("--warmup-steps", a.warmup_steps, "Linear warm-up steps (default: steps / 10)");
-  app.add_option("--lr", a.lr, "Peak learning rate (AdamW, cosine decay to 10%)");
-  app.add_option("--weight-decay", a.weight_decay, "AdamW weight decay");
-  app.add_option("--clip", a.clip, "Clip the global gradient norm to this value (0: no clipping)");
-  app.add_option("--device", a.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
-  app.add_option("--dtype", a.dtype,
-                 "fp32; bf16: mixed precision (bfloat16 compute, float32 master weights, gradients and AdamW state); "
-                 "bf16-pure: everything in bfloat16")
-      ->check(CLI::IsMember({"fp32", "bf16", "bf16-pure"}));
-  app.add_option("--data", a.data, "Token file (see twobp/data.h); default: the built-in corpus, byte-level");
-  app.add_option("--checkpoint-dir", a.checkpoint_dir, "Write a checkpoint here at the end (and every N steps)");
-  app.add_option("--checkpoint-every", a.checkpoint_every, "Checkpoint every N steps");
-  app.add_flag("--resume", a.resume, "Resume from --checkpoint-dir");
-  app.add_option("--trace", a.trace, "Chrome trace of the last step");
-  app.add_option("--timeout", a.timeout_s, "Seconds any wait may block before failing");
-  app.add_option("--stages", a.stages, "Pipeline ranks per replica as threads when not under a launcher");
-  app.add_option("--dp", a.dp, "Data-parallel replicas of the pipeline (world = dp x pipeline ranks)");
-  app.add_option("--max-pending-w", a.max_pending_w,
-                 "2BP: at most N micro-batches per stage wait for their W; older ones run early (0: no limit)");
-  app.add_option("--memory-limit-gb", a.memory_limit_gb,
-                 "2BP: keep each rank's tensor memory under this many GiB by running deferred W's early (0: none)");
-  app.add_option("--gpu-memory-gb", a.gpu_memory_gb,
-                 "With --dry-run: say whether each rank's estimated peak fits this many GiB");
-  app.add_flag("--pack", a.pack,
-               "Packed documents: attention stays within a document, positions restart per document (positions "
-               "and document ids cross every stage boundary)");
-  app.add_option("--doc-separator", a.doc_separator, "With --pack: the token that ends a document (default 10)");
-  app.add_option("--seq-len-warmup", a.seq_len_warmup,
-                 "Grow the sequence length linearly to --seq-len over this many steps (shapes announced per step)");
-  app.add_flag("--recompute", a.recompute,
-               "Activation recomputation: each stage keeps only its inputs after F and re-runs the forward before "
-               "its I (or B)");
-  app.add_option("--chunks-per-rank", a.chunks_per_rank,
-                 "Model chunks per rank (interleaved and V schedules; default: the schedule's)");
-  app.add_option("--partition", a.partition, "Blocks per chunk, e.g. 3,3,2,0 (default: balanced by compute)");
-  app.add_flag("--dry-run", a.dry_run, "Print sizes and memory estimates without allocating the model");
-  app.add_option("--json", a.json, "Write the per-step losses (or the dry-run plan) as JSON");
-  app.add_option("--powercap-root", a.powercap_root,
-                 "Where RAPL's powercap zones are (energy per step on CPUs; another root for tests or containers)")
-      ->capture_default_str();
-  app.add_option("--seed", a.seed, "Seed of the weights and the data order");
-  app.add_option("--on-nonfinite", a.on_nonfinite,
-                 "A NaN or Inf loss or gradient: stop (error naming the step and stages) or skip that update");
-  app.add_option("--zero", a.zero, "1: shard the AdamW state over the --dp replicas (ZeRO-1); 0: do not");
-  app.add_option("--eval-every", a.eval_every,
-                 "Evaluate the held-out split every N steps and after the last (0: never; holds out --eval-fraction)");
-  app.add_option("--eval-batches", a.eval_batches, "Global batches per evaluation (the same ones every time)");
-  app.add_option("--eval-fraction", a.eval_fraction, "The corpus's tail held out for evaluation (default 0.1)");
-  CLI11_PARSE(app, argc, argv);
+  add_options(app, a);
+  if (const std::optional<int> status = twobp::cli::parse(app, argc, argv)) return *status;
+  a.ignored = ignored_options(app, a);
+  a.ranks_given = app.count("--ranks") > 0;
   try {
     return run(a, argc, argv);
-  } catch (const twobp::Error& e) {
-    fmt::print(stderr, "llama_pipeline: error: {}\n", e.what());
-    return 2;
   } catch (const std::exception& e) {
-    fmt::print(stderr, "llama_pipeline: error: {}\n", e.what());
-    return 1;
+    fmt::print(stderr, "llama_pipeline: error: {}\n", twobp::cli::error_message(e));
+    return dynamic_cast<const twobp::Error*>(&e) != nullptr ? 2 : 1;
   }
 }

@@ -8,6 +8,7 @@
 #include "twobp/config.h"
 
 #include "twobp/error.h"
+#include "twobp/version.h"
 
 #include "twobp/autograd/weight_grad_store.h"
 #include "twobp/nn.h"

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <nlohmann/json.hpp>
 
 #include "twobp/metrics/metrics.h"
@@ -31,15 +32,22 @@ double bubble_fraction(const std::vector<Trace>& ranks) {
 
 std::string to_chrome_trace(const std::vector<Trace>& ranks) {
   nlohmann::json events = nlohmann::json::array();
-  for (const auto& t : ranks) {
-    for (const auto& e : t.events) {
+  events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", 0}, {"args", {{"name", "twobp pipeline"}}}});
+  for (std::size_t r = 0; r < ranks.size(); ++r) {
+    const int tid = static_cast<int>(r);
+    // Metadata events: the track's name and its place (rank order, not the order tracks first appear).
+    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", 0}, {"tid", tid},
+                      {"args", {{"name", fmt::format("rank {}", r)}}}});
+    events.push_back({{"name", "thread_sort_index"}, {"ph", "M"}, {"pid", 0}, {"tid", tid},
+                      {"args", {{"sort_index", tid}}}});
+    for (const auto& e : ranks[r].events) {
       events.push_back({{"name", describe(e.action)},
                         {"cat", to_string(e.action.type)},
                         {"ph", "X"},
                         {"ts", e.start_us},
                         {"dur", e.end_us - e.start_us},
                         {"pid", 0},
-                        {"tid", e.rank}});
+                        {"tid", tid}});
       // The recomputed forward opens its I or B: a nested slice at its start.
       if (e.recompute_us > 0) {
         events.push_back({{"name", "recompute " + describe(e.action)},
@@ -48,7 +56,7 @@ std::string to_chrome_trace(const std::vector<Trace>& ranks) {
                           {"ts", e.start_us},
                           {"dur", std::min(e.recompute_us, e.end_us - e.start_us)},
                           {"pid", 0},
-                          {"tid", e.rank}});
+                          {"tid", tid}});
       }
     }
   }
@@ -67,19 +75,58 @@ const char* colour(ActionType t) {
 }
 }  // namespace
 
+namespace {
+// Text for SVG: the five characters XML reserves, escaped.
+std::string xml_escaped(const std::string& text) {
+  std::string out;
+  for (char c : text) {
+    switch (c) {
+      case '<': out += "&lt;"; break;
+      case '>': out += "&gt;"; break;
+      case '&': out += "&amp;"; break;
+      case '"': out += "&quot;"; break;
+      case '\'': out += "&apos;"; break;
+      default: out += c;
+    }
+  }
+  return out;
+}
+
+// A tick spacing of 1, 2 or 5 times a power of ten giving about `ticks` ticks over `span`.
+double nice_tick(double span, int ticks) {
+  const double raw = span / std::max(1, ticks);
+  const double power = std::pow(10.0, std::floor(std::log10(raw)));
+  for (double m : {1.0, 2.0, 5.0}) {
+    if (m * power >= raw) return m * power;
+  }
+  return 10.0 * power;
+}
+}  // namespace
+
 std::string to_svg(const std::vector<Trace>& ranks, const std::string& title) {
-  const double width = 1200.0, row = 34.0, left = 70.0, top = 40.0;
+  const double width = 1200.0, row = 34.0, left = 70.0, top = 40.0, axis = 34.0;
   double step = 1.0;
   for (const auto& t : ranks) step = std::max(step, t.step_us);
   const double scale = (width - left - 20.0) / step;
-  const double height = top + row * static_cast<double>(ranks.size()) + 40.0;
+  const double rows_end = top + row * static_cast<double>(ranks.size());
+  const double height = rows_end + axis + 40.0;
   std::string svg = fmt::format(
       "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{:.0f}\" height=\"{:.0f}\" font-family=\"sans-serif\" "
       "font-size=\"11\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
       "<text x=\"{}\" y=\"20\" font-size=\"14\">{}</text>\n",
-      width, height, left, title);
+      width, height, left, xml_escaped(title));
+  bool several_chunks = false;
   for (std::size_t r = 0; r < ranks.size(); ++r) {
     const double y = top + row * static_cast<double>(r);
+    // A rank's chunks (its stages, in order) told apart by shade: the first in full colour, later ones lighter.
+    std::vector<int> stages;
+    for (const auto& e : ranks[r].events) {
+      if (is_compute(e.action.type) && std::find(stages.begin(), stages.end(), e.action.stage) == stages.end()) {
+        stages.push_back(e.action.stage);
+      }
+    }
+    std::sort(stages.begin(), stages.end());
+    several_chunks = several_chunks || stages.size() > 1;
     svg += fmt::format("<text x=\"8\" y=\"{:.1f}\">rank {}</text>\n", y + row / 2 + 4, r);
     svg += fmt::format("<rect x=\"{}\" y=\"{:.1f}\" width=\"{:.1f}\" height=\"{:.1f}\" fill=\"none\" "
                        "stroke=\"#ddd\"/>\n",
@@ -87,21 +134,35 @@ std::string to_svg(const std::vector<Trace>& ranks, const std::string& title) {
     for (const auto& e : ranks[r].events) {
       if (!is_compute(e.action.type)) continue;
       const double x = left + e.start_us * scale, w = std::max(1.0, (e.end_us - e.start_us) * scale);
+      const auto chunk = std::find(stages.begin(), stages.end(), e.action.stage) - stages.begin();
+      const double opacity = std::max(0.35, 1.0 - 0.35 * static_cast<double>(chunk));
       std::string label = to_string(e.action.type);
       for (std::size_t k = 0; k < e.action.micro_batches.size() && k < 3; ++k) {
         label += (k ? "," : "") + std::to_string(e.action.micro_batches[k]);
       }
       if (e.action.micro_batches.size() > 3) label += "..";
       svg += fmt::format("<rect x=\"{:.1f}\" y=\"{:.1f}\" width=\"{:.1f}\" height=\"{:.1f}\" fill=\"{}\" "
-                         "stroke=\"white\"><title>{} ({:.0f} us)</title></rect>\n",
-                         x, y + 2, w, row - 4, colour(e.action.type), describe(e.action), e.end_us - e.start_us);
+                         "fill-opacity=\"{:.2f}\" stroke=\"white\"><title>{} ({:.0f} us)</title></rect>\n",
+                         x, y + 2, w, row - 4, colour(e.action.type), opacity, xml_escaped(describe(e.action)),
+                         e.end_us - e.start_us);
       if (w > 7.0 * static_cast<double>(label.size())) {
-        svg += fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" fill=\"white\">{}</text>\n", x + 3, y + row / 2 + 4,
-                           label);
+        svg += fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" fill=\"{}\">{}</text>\n", x + 3, y + row / 2 + 4,
+                           chunk == 0 ? "white" : "black", label);
       }
     }
   }
-  const double ly = top + row * static_cast<double>(ranks.size()) + 20;
+  // Time axis: the step's wall time in milliseconds, ticks at 1, 2 or 5 x 10^k.
+  const double step_ms = step / 1000.0, tick = nice_tick(step_ms, 8);
+  svg += fmt::format("<line x1=\"{}\" y1=\"{:.1f}\" x2=\"{:.1f}\" y2=\"{:.1f}\" stroke=\"#555\"/>\n", left,
+                     rows_end + 4, left + step * scale, rows_end + 4);
+  for (double t = 0; t <= step_ms * (1 + 1e-9); t += tick) {
+    const double x = left + t * 1000.0 * scale;
+    svg += fmt::format("<line x1=\"{0:.1f}\" y1=\"{1:.1f}\" x2=\"{0:.1f}\" y2=\"{2:.1f}\" stroke=\"#555\"/>"
+                       "<text x=\"{0:.1f}\" y=\"{3:.1f}\" text-anchor=\"middle\">{4:g}</text>\n",
+                       x, rows_end + 4, rows_end + 9, rows_end + 21, t);
+  }
+  svg += fmt::format("<text x=\"8\" y=\"{:.1f}\">time (ms)</text>\n", rows_end + 21);
+  const double ly = rows_end + axis + 20;
   double lx = left;
   for (ActionType t : {ActionType::kForward, ActionType::kBackward, ActionType::kBackwardInput,
                        ActionType::kBackwardWeight}) {
@@ -109,6 +170,10 @@ std::string to_svg(const std::vector<Trace>& ranks, const std::string& title) {
                        "y=\"{:.0f}\">{}</text>\n",
                        lx, ly - 10, colour(t), lx + 16, ly, to_string(t));
     lx += 60;
+  }
+  if (several_chunks) {
+    svg += fmt::format("<text x=\"{:.0f}\" y=\"{:.0f}\">lighter: a rank's later chunks (higher stages)</text>\n",
+                       lx + 10, ly);
   }
   svg += "</svg>\n";
   return svg;

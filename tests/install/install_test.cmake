@@ -102,7 +102,7 @@ elseif(STEP STREQUAL "consumer")
 
 elseif(STEP STREQUAL "example")
   configure_and_build(${PROJECT_DIR}/examples/llama_pipeline ${WORK_DIR}/example)
-  run(${WORK_DIR}/example/examples/llama_pipeline --model tiny --stages 2 --microbatches 2 --micro-batch-size 1
+  run(${WORK_DIR}/example/examples/llama_pipeline --model tiny --ranks 2 --microbatches 2 --micro-batch-size 1
       --seq-len 16 --steps 2 --json ${WORK_DIR}/example/losses.json)
   file(READ ${WORK_DIR}/example/losses.json json)
   string(JSON steps LENGTH "${json}" steps)

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "twobp/schedule/action.h"
+#include "twobp/transport/transport.h"
 
 namespace twobp {
 
@@ -43,7 +44,13 @@ struct Trace {
 /// time.
 double bubble_fraction(const std::vector<Trace>& ranks);
 
-/// Chrome / Perfetto trace-event JSON ("X" events, one track per rank) for chrome://tracing or ui.perfetto.dev.
+/// Every rank's trace on every rank, by rank (collective over `transport`: two all-reduces of doubles on the
+/// transport's device, sized by the longest trace). Each event arrives whole: action (all its micro-batches, the
+/// overlap flag), times, recompute time and memory. Made for one step's trace, not for every step of a run.
+std::vector<Trace> gather_traces(Transport& transport, const Trace& mine, Duration timeout);
+
+/// Chrome / Perfetto trace-event JSON ("X" events) for chrome://tracing or ui.perfetto.dev: one track per entry of
+/// `ranks`, named "rank <index>" (so pass every rank's trace in rank order, e.g. from gather_traces()).
 std::string to_chrome_trace(const std::vector<Trace>& ranks);
 
 /// SVG picture in the style of the pipeline papers: one row per rank, time to the right, F/I/W/B coloured and

@@ -1,18 +1,25 @@
 #pragma once
-// Option checks shared by the twobp_bench commands: one line naming the option, the value and what is allowed,
-// before anything runs (CLI11 prefixes the option's name). NaN and infinities are refused everywhere.
+// Command-line checks shared by the project's programs (examples/llama_pipeline, benchmarks/twobp_bench): every
+// option refused at parse time with one line naming the option, the value and what is allowed (CLI11 prefixes the
+// option's name), NaN and infinities refused everywhere; output paths checked before the run; errors printed
+// without a backtrace. Header-only, over CLI11 and fmt; a program of your own may copy it.
 
 #include <CLI/CLI.hpp>
+#include <c10/util/Exception.h>
 #include <fmt/format.h>
 
 #include <cmath>
 #include <cstdio>
+#include <exception>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <system_error>
 
-namespace twobp::bench {
+#include "twobp/version.h"
+
+namespace twobp::cli {
 
 /// A finite number in [lo, hi]; `meaning` is appended to the message (e.g. " (0: none)").
 inline CLI::Validator number_in(double lo, double hi, const std::string& meaning = "") {
@@ -64,7 +71,31 @@ inline CLI::Validator writable_directory() {
 
 /// Counts and sizes: at most this much (a bound that keeps every product and allocation within range).
 inline constexpr double kMaxCount = 1e6;
-/// Ranks and replicas run by one process or job of this benchmark.
+/// Ranks and replicas run by one process or job.
 inline constexpr double kMaxRanks = 1024;
 
-}  // namespace twobp::bench
+/// `--version`: prints twobp::version_line(program) (twobp's version and commit, LibTorch's version) and exits.
+inline void add_version_flag(CLI::App& app, const std::string& program) {
+  app.set_version_flag("--version", twobp::version_line(program), "Print twobp's version, commit and LibTorch's");
+}
+
+/// Parses the command line; on a bad one prints CLI11's message and returns 2, the status of every usage error
+/// (the checks made after parsing throw twobp::UsageError, which programs turn into 2 as well), instead of
+/// CLI11's code per kind of error (105, 106, ...). --help and --version print and return 0. nullopt: go on.
+inline std::optional<int> parse(CLI::App& app, int argc, char** argv) {
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int status = app.exit(e);
+    return status == 0 ? 0 : 2;
+  }
+  return std::nullopt;
+}
+
+/// An error's message without the C++ backtrace LibTorch appends to its own (c10::Error) errors.
+inline std::string error_message(const std::exception& e) {
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) return c10_error->what_without_backtrace();
+  return e.what();
+}
+
+}  // namespace twobp::cli
