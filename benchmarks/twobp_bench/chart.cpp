@@ -51,7 +51,12 @@ std::string bar_chart_svg(const std::string& title, const std::string& unit, con
   const double bar_w = 44, bar_gap = 4, group_gap = 36;
   const double group_w = n_series * bar_w + (n_series - 1) * bar_gap;
   const double left = 80, right = 20, top = 70, plot_h = 300, bottom = 60;
-  const double width = std::max(420.0, left + right + groups.size() * (group_w + group_gap) + group_gap);
+  // Wide enough for the bars, the title (15 px bold: ~9 px a character) and the legend (as laid out below), so
+  // that neither is clipped when there are only one or two groups.
+  double legend_w = 0;
+  for (const auto& name : series) legend_w += 30 + 8.0 * static_cast<double>(name.size());
+  const double width = std::max({420.0, left + right + groups.size() * (group_w + group_gap) + group_gap,
+                                 left + right + 9.0 * static_cast<double>(title.size()), left + right + legend_w});
   const double height = top + plot_h + bottom;
 
   double max = 0;

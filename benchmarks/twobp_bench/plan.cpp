@@ -103,6 +103,10 @@ struct Rates {
   std::string model = "estimated";  // "estimated", "fitted" (measured, per chunk) or "flop_shares" (measured)
   ChunkCost F, I, W, B;
   double comm_ms_per_byte = 0, comm_latency_ms = 0;
+  // Where the costs hold: estimated ones for GPUs (--tflops per device); measured ones where `twobp_bench
+  // pipeline` ran, on CPU. The suggested command runs there.
+  std::string device = "cuda";
+  std::vector<std::string> warnings;  // e.g. negative fitted terms
 };
 
 struct Candidate {
@@ -249,6 +253,20 @@ Rates measured_rates(const Json& doc, const std::string& path, const llm::LlamaC
                 : ChunkCost{i->per_action + w->per_action, i->per_block + w->per_block, i->embedding + w->embedding,
                             i->head + w->head};
     rates.model = "fitted";
+    // Noise can make a fitted term negative; the predictions clamp every chunk's cost at 0, but say so.
+    const std::pair<const char*, const ChunkCost*> fitted[] = {{"F", &rates.F}, {"I", &rates.I}, {"W", &rates.W},
+                                                               {"B", &rates.B}};
+    for (const auto& [name, k] : fitted) {
+      const std::pair<const char*, double> terms[] = {{"per action", k->per_action}, {"per block", k->per_block},
+                                                      {"embedding", k->embedding}, {"head", k->head}};
+      for (const auto& [term, value] : terms) {
+        if (value < 0) {
+          rates.warnings.push_back(fmt::format("fitted {} cost {} is negative ({:.4g} ms): the measured costs are "
+                                               "noisy; measure more steps (--steps) or on an idle machine",
+                                               name, term, value));
+        }
+      }
+    }
     how = fmt::format("fitted per chunk: F {}; I {}; W {}; B {}", rates.F.str(), rates.I.str(), rates.W.str(),
                       rates.B.str());
   } else {
@@ -265,6 +283,7 @@ Rates measured_rates(const Json& doc, const std::string& path, const llm::LlamaC
   // The measured message time, per byte of the measured activation (its latency is not separable).
   rates.comm_ms_per_byte = comm_ms / activation_bytes(c, mbs, seq, 4);
   rates.source = fmt::format("measured: {} ({}): {}", path, fmt::join(used, ", "), how);
+  rates.device = "cpu";
   for (ChunkCost* k : {&rates.F, &rates.I, &rates.W, &rates.B}) *k = carried(*k, c, seq, mbs, to, to_seq, to_mbs);
   return rates;
 }
@@ -292,11 +311,12 @@ std::string example_model(const llm::LlamaConfig& c) {
                      c.vocab_size);
 }
 
-std::string example_command(const PlanArgs& a, const llm::LlamaConfig& c, int64_t seq, const Candidate& k) {
-  return fmt::format("torchrun --nproc-per-node {} --no-python build/examples/llama_pipeline {} --device cuda "
+std::string example_command(const PlanArgs& a, const llm::LlamaConfig& c, int64_t seq, const Candidate& k,
+                            const std::string& device) {
+  return fmt::format("torchrun --nproc-per-node {} --no-python build/examples/llama_pipeline {} --device {} "
                      "--dtype {} --schedule {} --chunks-per-rank {} --microbatches {} --micro-batch-size {} "
                      "--seq-len {}{}{}{}",
-                     a.ranks, example_model(c), example_dtype(a.precision), k.schedule, k.v, k.m,
+                     a.ranks, example_model(c), device, example_dtype(a.precision), k.schedule, k.v, k.m,
                      a.micro_batch_size, seq, k.dp > 1 ? fmt::format(" --dp {}", k.dp) : "",
                      k.mode == BackwardMode::kSplit ? "" : " --no-2bp", k.recompute ? " --recompute" : "");
 }
@@ -464,6 +484,9 @@ void run_plan(const PlanArgs& a) {
   // The per-chunk cost terms (ms) the predictions used, on the planned model.
   out["config"]["cost_model"] = {{"kind", rates.model}, {"F", rates.F.json()}, {"I", rates.I.json()},
                                  {"W", rates.W.json()}, {"B", rates.B.json()}};
+  out["config"]["device"] = rates.device;
+  out["warnings"] = rates.warnings;
+  for (const std::string& w : rates.warnings) std::cerr << "twobp_bench plan: warning: " << w << "\n";
   out["candidates"] = Json::array();
   for (std::size_t i = 0; i < candidates.size(); ++i) {
     const Candidate& k = candidates[i];
@@ -487,7 +510,7 @@ void run_plan(const PlanArgs& a) {
                                  {"peak_memory_bytes_per_rank", k.memory_per_rank},
                                  {"peak_memory_bytes", k.peak_memory},
                                  {"fits", k.fits},
-                                 {"command", example_command(a, config, seq, k)},
+                                 {"command", example_command(a, config, seq, k, rates.device)},
                                  {"bench_args", bench_args(config, seq, a.micro_batch_size, k)}});
   }
   print_table(std::cout, rows);
@@ -497,7 +520,7 @@ void run_plan(const PlanArgs& a) {
   }
   const Candidate& best = candidates.front();
   if (!best.fits) std::cout << "no candidate fits the memory per device; the best one that does not is shown\n";
-  std::cout << "best: " << example_command(a, config, seq, best) << "\n";
+  std::cout << "best: " << example_command(a, config, seq, best, rates.device) << "\n";
   out["best"] = out["candidates"][0];
   if (!a.json.empty()) {
     write_json(a.json, out);

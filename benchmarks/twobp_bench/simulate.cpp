@@ -443,10 +443,17 @@ void run_simulate(const SimulateArgs& a) {
     }
   }
   out["rejected"] = Json::array();
-  for (const auto& r : rejected) out["rejected"].push_back({{"schedule", r.schedule}, {"v", r.v}, {"reason", r.reason}});
+  for (const auto& r : rejected) {
+    out["rejected"].push_back({{"schedule", r.schedule}, {"v", r.v}, {"reason", r.reason}});
+  }
   out["tool_ms"] = total_ms;
 
-  std::cout << fmt::format("simulate: p={} m={}; costs: {}\n", a.ranks, a.microbatches, src.description);
+  // A schedule file decides p and m (--ranks and --microbatches do not apply to it).
+  std::cout << fmt::format("simulate: {}; costs: {}\n",
+                           a.schedule_file.empty() ? fmt::format("p={} m={}", a.ranks, a.microbatches)
+                                                   : fmt::format("{} (p={} m={})", a.schedule_file,
+                                                                 from_file.num_ranks, from_file.num_micro_batches),
+                           src.description);
   if (dp) {
     std::cout << fmt::format("data parallel: dp={}, {:g} parameters split evenly over the stages, {:g} bytes per "
                              "gradient, ring all-reduce on {:g} Gbit/s with {:g} us per step\n",

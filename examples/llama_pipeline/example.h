@@ -1,0 +1,165 @@
+#pragma once
+// What the files of llama_pipeline share (see main.cpp for the program):
+//   options.cpp  the command line: options in groups, each checked when parsed; rules between options
+//   plan.cpp     what every rank agrees on before the first step (model, schedule, partition), the dry run and
+//                the memory estimate
+//   train.cpp    one rank's training: its chunks, the pipeline, AdamW, the step loop, evaluation, checkpoints
+//   main.cpp     launch (threads, MPI or a launcher's store), data, the run's outputs
+// It sticks to twobp's public API.
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "twobp/checkpoint.h"
+#include "twobp/error.h"
+#include "twobp/metrics/energy.h"
+#include "twobp/models/llama.h"
+#include "twobp/schedule/schedule.h"
+#include "twobp/trace/trace.h"
+#include "twobp/transport/transport.h"
+
+// The example's one-line check helper.
+#define TWOBP_CHECK(cond, type, ...)                        \
+  do {                                                      \
+    if (!(cond)) throw type(fmt::format(__VA_ARGS__));      \
+  } while (false)
+
+namespace llama_example {
+
+namespace llm = twobp::models;
+namespace ck = twobp::checkpoint;
+
+// ---- The command line (options.cpp) ----
+
+struct Args {
+  std::string model = "tiny";
+  llm::LlamaDims dims;  // sizes replacing the preset's (--dim ... --vocab)
+  std::string schedule = "1f1b";
+  bool two_bp = true;
+  int microbatches = 4;
+  int micro_batch_size = 2;
+  int seq_len = 0;  // 0: the model's default
+  int steps = 20;
+  int stop_after = 0;  // 0: run to --steps
+  int warmup_steps = -1;  // -1: steps / 10
+  double lr = 3e-3;
+  double weight_decay = 0.1;
+  double clip = 1.0;
+  std::string device = "cpu";
+  std::string dtype = "fp32";
+  std::string data;
+  std::string checkpoint_dir;
+  int checkpoint_every = 0;
+  bool resume = false;
+  std::string trace;
+  double timeout_s = 300;
+  int stages = 2;
+  int dp = 1;  // data-parallel replicas
+  int max_pending_w = 0;  // memory-bounded 2BP: 0 = no limit
+  double memory_limit_gb = 0;  // memory-bounded 2BP in GiB of tensor memory per rank: 0 = no limit
+  double gpu_memory_gb = 0;    // dry run: say whether each rank fits this much (0: do not judge)
+  bool pack = false;      // packed documents: positions and document mask cross every stage boundary
+  int doc_separator = 10;  // the token that ends a document ('\n' for the byte-level corpus)
+  int seq_len_warmup = 0;  // steps over which the sequence length grows to --seq-len (0: none)
+  bool recompute = false;  // activation recomputation on every chunk
+  int chunks_per_rank = 0;  // 0: the schedule's default
+  std::string schedule_file;
+  std::string dump_schedule;  // write the run's schedule here (.csv: PyTorch's compute_only form) and go on
+  std::string partition;
+  bool dry_run = false;
+  std::string json;
+  std::string powercap_root = twobp::energy::EnergyOptions{}.powercap_root;  // RAPL zones (energy on CPUs)
+  uint64_t seed = 1234;
+  int zero = 0;                // 1: AdamW state sharded over the data-parallel replicas (ZeRO-1)
+  std::string on_nonfinite = "stop";  // a NaN/Inf loss or gradient: stop (error) or skip the update
+  int eval_every = 0;          // evaluate on the held-out split every N steps (0: never)
+  int eval_batches = 2;        // global batches per evaluation
+  double eval_fraction = 0.1;  // the corpus's tail held out for evaluation when --eval-every > 0
+  // Set by main() from the command line as given:
+  std::vector<std::string> ignored;  // options that have no effect in this run (warned about)
+  bool ranks_given = false;          // --ranks (--stages) on the command line (ignored under a launcher)
+};
+
+/// Adds every option, in groups, each checked when parsed.
+void add_options(CLI::App& app, Args& a);
+/// Options given that have no effect in this run, for a warning.
+std::vector<std::string> ignored_options(const CLI::App& app, const Args& a);
+/// The rules between options (each option's own range is checked when parsed).
+void validate_args(const Args& a);
+
+// ---- The plan (plan.cpp) ----
+
+/// Everything every rank agrees on before the first step.
+struct Plan {
+  Args args;
+  llm::LlamaConfig config;
+  int world_size = 1;  // pipeline ranks of one replica (pp); the job has dp * world_size ranks
+  int dp = 1;
+  int64_t seq_len = 0;
+  twobp::Schedule schedule;
+  llm::Partition partition;
+  at::ScalarType dtype = at::kFloat;  // what the chunks compute in (and activations travel in)
+  bool mixed_precision = false;       // bf16 compute with float32 masters (--dtype bf16)
+  // What a checkpoint must match to be resumed (the model and its training), and the layout it was written with
+  // (recorded, not checked: checkpoints load by global tensor name into any pp, dp, schedule and partition).
+  ck::CheckpointConfig checkpoint_config;
+  ck::CheckpointConfig checkpoint_layout;
+};
+
+/// `world_size`: the pipeline ranks of one replica. Model, schedule and partition errors surface here.
+Plan make_plan(const Args& args, int world_size);
+/// The training precision of the memory estimates (twobp::models::training_precision) for --dtype.
+std::string training_precision_name(const Args& a);
+/// The learning rate of `step`: linear warm-up, then cosine decay to 10 % of --lr at --steps.
+double learning_rate(const Args& a, int step);
+std::string human_bytes(double b);
+/// Writes `j` to `path`; IOError when that fails.
+void write_json(const std::string& path, const nlohmann::json& j);
+/// The run's settings, as the JSON output starts.
+nlohmann::json config_json(const Plan& p);
+/// A CPU run that clearly cannot fit in the machine's memory: UsageError before anything is allocated.
+void check_fits_in_host_memory(const Plan& p, bool ranks_are_threads, int my_pipeline_rank);
+/// --dry-run: sizes and memory per rank from formulas, nothing allocated.
+int dry_run(const Plan& p);
+
+// ---- Training (train.cpp) ----
+
+struct StepRecord {
+  int step;
+  double loss;
+  double tokens_per_s;
+  double grad_norm;
+  double lr;
+  double peak_memory_bytes;  // max over the pipeline's ranks of StepResult::peak_memory_bytes
+  std::optional<double> energy_j;  // the whole job's, this step (twobp/metrics/energy.h); nullopt: not measured
+  std::optional<double> j_per_token;
+  std::optional<double> eval_loss;  // the held-out split's mean loss after this step's update, when evaluated
+  bool skipped = false;             // --on-nonfinite skip dropped this step's update
+};
+
+/// What rank 0 reports and the threads share.
+struct Shared {
+  std::mutex mutex;
+  std::vector<StepRecord> records;
+  std::vector<twobp::Trace> traces;  // last step, per rank (threads mode)
+  int64_t resumed_from = 0;
+  std::string energy_source, energy_note;  // rank 0's meter ("nvml", "rapl" or ""), and why it has none
+  std::vector<double> optimizer_state_bytes;  // by world rank, after the last step
+};
+
+/// Trains this rank of `world` (every replica's ranks) from the checkpoint or step 0 to --stop-after / --steps.
+void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, const std::vector<uint16_t>& tokens,
+                const std::vector<uint16_t>& held_out, Shared& shared);
+/// The run's closing lines on rank 0: what was trained, how fast, and which files it wrote.
+void print_summary(const std::vector<StepRecord>& records, double wall_s, const std::vector<std::string>& written);
+
+}  // namespace llama_example

@@ -1,0 +1,171 @@
+// llama_pipeline's command line: every option in a group, with its default, and checked when parsed
+// (examples/common/twobp_cli.h); the rules between options.
+#include "example.h"
+#include "twobp/schedule/schedule.h"
+#include "twobp_cli.h"  // examples/common: option checks shared with twobp_bench
+
+namespace llama_example {
+
+void add_options(CLI::App& app, Args& a) {
+  namespace cli = twobp::cli;
+  // A repeated option takes its last value, so scripts can append overrides to a common command line.
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast)->always_capture_default();
+  cli::add_version_flag(app, "llama_pipeline");
+  // Upper bounds far above any real run's (a 405B model has 126 blocks of width 16384), low enough that sizes
+  // multiplied together stay in range; whether the model then fits is check_fits_in_host_memory()'s question.
+  const auto width = cli::number_in(0, 1 << 20, " (0: the model's)");
+  const auto few = cli::number_in(0, 4096, " (0: the model's)");
+  const auto steps = cli::number_in(1, 1e9), steps_or_none = cli::number_in(0, 1e9, " (0: none)");
+
+  const std::string model = "Model";
+  app.add_option("--model", a.model, "Model configuration")->check(CLI::IsMember(llm::config_names()))->group(model);
+  app.add_option("--dim", a.dims.dim, "Width replacing the model's (with --layers ... --vocab: a custom model)")
+      ->check(width)->group(model);
+  app.add_option("--layers", a.dims.layers, "Blocks replacing the model's")->check(few)->group(model);
+  app.add_option("--heads", a.dims.heads, "Attention heads replacing the model's")->check(few)->group(model);
+  app.add_option("--kv-heads", a.dims.kv_heads, "Key/value heads replacing the model's")->check(few)->group(model);
+  app.add_option("--ffn", a.dims.ffn, "MLP width replacing the model's")->check(width)->group(model);
+  app.add_option("--vocab", a.dims.vocab, "Vocabulary replacing the model's (the built-in corpus needs >= 256)")
+      ->check(width)->group(model);
+  app.add_option("--seed", a.seed, "Seed of the weights and the data order")
+      ->check(cli::number_in(0, 18446744073709551615.0))->group(model);
+
+  const std::string pipeline = "Pipeline";
+  app.add_option("--schedule", a.schedule, "Pipeline schedule")
+      ->check(CLI::IsMember(twobp::schedule_names()))->group(pipeline);
+  app.add_option("--schedule-file", a.schedule_file,
+                 "A schedule file: twobp's text form, or PyTorch's compute_only CSV (*.csv); overrides --schedule, "
+                 "keeps its own 2BP mode")
+      ->check(CLI::ExistingFile)->group(pipeline);
+  app.add_option("--dump-schedule", a.dump_schedule,
+                 "Write the run's schedule to this file (*.csv: PyTorch's compute_only form; else twobp's text form)")
+      ->check(cli::writable_file())->group(pipeline);
+  // Two flags rather than CLI11's "--2bp,!--no-2bp", whose help reads "{false}" as if 2BP were off; applied as
+  // parsed, so the last one given wins.
+  app.add_flag_callback("--2bp", [&a] { a.two_bp = true; }, "Split the backward into I and W (the default)")
+      ->trigger_on_parse()->group(pipeline);
+  app.add_flag_callback("--no-2bp", [&a] { a.two_bp = false; }, "One fused backward (standard backprop) instead")
+      ->trigger_on_parse()->group(pipeline);
+  app.add_option("--ranks,--stages", a.stages,
+                 "Pipeline ranks per replica, run as threads when no launcher started the process (a launcher's "
+                 "world size decides otherwise)")
+      ->check(cli::number_in(1, cli::kMaxRanks))->group(pipeline);
+  app.add_option("--dp", a.dp, "Data-parallel replicas of the pipeline (world = dp x pipeline ranks)")
+      ->check(cli::number_in(1, cli::kMaxRanks))->group(pipeline);
+  app.add_option("--chunks-per-rank", a.chunks_per_rank,
+                 "Model chunks per rank (interleaved and V schedules; 0: the schedule's)")
+      ->check(cli::number_in(0, cli::kMaxRanks))->group(pipeline);
+  app.add_option("--partition", a.partition, "Blocks per chunk, e.g. 3,3,2,0 (default: balanced by compute)")
+      ->group(pipeline);
+  app.add_option("--microbatches,--micro-batches", a.microbatches, "Micro-batches per step and replica")
+      ->check(cli::number_in(1, 4096))->group(pipeline);
+  app.add_option("--micro-batch-size", a.micro_batch_size, "Sequences per micro-batch")
+      ->check(cli::number_in(1, 65536))->group(pipeline);
+  app.add_option("--max-pending-w", a.max_pending_w,
+                 "2BP: at most N micro-batches per stage wait for their W; older ones run early (0: no limit)")
+      ->check(cli::number_in(0, cli::kMaxCount))->group(pipeline);
+  app.add_option("--memory-limit-gb", a.memory_limit_gb,
+                 "2BP: keep each rank's tensor memory under this many GiB by running deferred W's early (0: none)")
+      ->check(cli::number_in(0, 1e6, " (0: none)"))->group(pipeline);
+  app.add_flag("--recompute", a.recompute,
+               "Activation recomputation: each stage keeps only its inputs after F and re-runs the forward before "
+               "its I (or B)")->group(pipeline);
+  app.add_option("--timeout", a.timeout_s, "Seconds any wait may block before failing")
+      ->check(cli::number_in(1e-3, 1e7, " seconds"))->group(pipeline);
+
+  const std::string training = "Training";
+  app.add_option("--steps", a.steps, "Training steps (also the learning-rate schedule's horizon)")
+      ->check(steps)->group(training);
+  app.add_option("--stop-after", a.stop_after, "Stop after this step, to be resumed later (0: run to --steps)")
+      ->check(steps_or_none)->group(training);
+  app.add_option("--warmup-steps", a.warmup_steps, "Linear warm-up steps (-1: steps / 10)")
+      ->check(cli::number_in(-1, 1e9, " (-1: steps / 10)"))->group(training);
+  app.add_option("--lr", a.lr, "Peak learning rate (AdamW, cosine decay to 10%)")
+      ->check(cli::number_in(1e-12, 1e3))->group(training);
+  app.add_option("--weight-decay", a.weight_decay, "AdamW weight decay")->check(cli::number_in(0, 1e3))
+      ->group(training);
+  app.add_option("--clip", a.clip, "Clip the global gradient norm to this value (0: no clipping)")
+      ->check(cli::number_in(0, 1e30, " (0: no clipping)"))->group(training);
+  app.add_option("--on-nonfinite", a.on_nonfinite,
+                 "A NaN or Inf loss or gradient: stop (error naming the step and stages) or skip that update")
+      ->check(CLI::IsMember({"stop", "skip"}))->group(training);
+  app.add_option("--zero", a.zero, "1: shard the AdamW state over the --dp replicas (ZeRO-1); 0: do not")
+      ->check(CLI::IsMember({0, 1}))->group(training);
+  app.add_option("--device", a.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}))->group(training);
+  app.add_option("--dtype", a.dtype,
+                 "fp32; bf16: mixed precision (bfloat16 compute, float32 master weights, gradients and AdamW state); "
+                 "bf16-pure: everything in bfloat16")
+      ->check(CLI::IsMember({"fp32", "bf16", "bf16-pure"}))->group(training);
+
+  const std::string data = "Data and evaluation";
+  app.add_option("--data", a.data, "Token file (see twobp/data.h); default: the built-in corpus, byte-level")
+      ->check(CLI::ExistingFile)->group(data);
+  app.add_option("--seq-len", a.seq_len, "Tokens per sequence (0: the model's)")
+      ->check(cli::number_in(0, 1 << 20, " (0: the model's)"))->group(data);
+  app.add_flag("--pack", a.pack,
+               "Packed documents: attention stays within a document, positions restart per document (positions "
+               "and document ids cross every stage boundary)")->group(data);
+  app.add_option("--doc-separator", a.doc_separator, "With --pack: the token that ends a document")
+      ->check(cli::number_in(0, 65535))->group(data);
+  app.add_option("--seq-len-warmup", a.seq_len_warmup,
+                 "Grow the sequence length linearly to --seq-len over this many steps (0: none)")
+      ->check(steps_or_none)->group(data);
+  app.add_option("--eval-every", a.eval_every,
+                 "Evaluate the held-out split every N steps and after the last (0: never; holds out --eval-fraction)")
+      ->check(steps_or_none)->group(data);
+  app.add_option("--eval-batches", a.eval_batches, "Global batches per evaluation (the same ones every time)")
+      ->check(cli::number_in(1, 4096))->group(data);
+  app.add_option("--eval-fraction", a.eval_fraction, "The corpus's tail held out for evaluation")
+      ->check(cli::number_in(1e-6, 1 - 1e-6))->group(data);
+
+  const std::string output = "Output and checkpoints";
+  app.add_option("--json", a.json, "Write the per-step losses (or the dry-run plan) as JSON")
+      ->check(cli::writable_file())->group(output);
+  app.add_option("--trace", a.trace, "Chrome trace of the last step, every rank (one track per world rank)")
+      ->check(cli::writable_file())->group(output);
+  app.add_option("--checkpoint-dir", a.checkpoint_dir, "Write a checkpoint here at the end (and every N steps)")
+      ->check(cli::writable_directory())->group(output);
+  app.add_option("--checkpoint-every", a.checkpoint_every, "Checkpoint every N steps (0: at the end only)")
+      ->check(steps_or_none)->group(output);
+  app.add_flag("--resume", a.resume, "Resume from --checkpoint-dir")->group(output);
+  app.add_flag("--dry-run", a.dry_run, "Print sizes and memory estimates without allocating the model")
+      ->group(output);
+  app.add_option("--gpu-memory-gb", a.gpu_memory_gb,
+                 "With --dry-run: say whether each rank's estimated peak fits this many GiB (0: do not judge)")
+      ->check(cli::number_in(0, 1e6, " (0: none)"))->group(output);
+  app.add_option("--powercap-root", a.powercap_root,
+                 "Where RAPL's powercap zones are (energy per step on CPUs; another root for tests or containers)")
+      ->group(output);
+
+  app.footer(R"(Examples:
+  llama_pipeline                                            # tiny model, 2 ranks as threads, 1F1B with 2BP
+  llama_pipeline --no-2bp --schedule zb-h1 --steps 50       # the fused backward, for comparison
+  llama_pipeline --model 7b --ranks 4 --dry-run --gpu-memory-gb 80   # does 7B fit on 4 GPUs?
+  mpirun -n 4 llama_pipeline --model small --device cuda     # one rank per process (torchrun, srun alike)
+  llama_pipeline --dp 2 --zero 1 --eval-every 10 --json run.json
+Documentation: README.md and docs/ in the source tree.)");
+}
+
+/// Options that have no effect in this run, for a warning (a launcher's world size replaces --ranks; some options
+/// only mean something beside another).
+std::vector<std::string> ignored_options(const CLI::App& app, const Args& a) {
+  std::vector<std::string> ignored;
+  auto given = [&](const char* name) { return app.count(name) > 0; };
+  if (given("--gpu-memory-gb") && !a.dry_run) ignored.emplace_back("--gpu-memory-gb (only with --dry-run)");
+  if (given("--doc-separator") && !a.pack) ignored.emplace_back("--doc-separator (only with --pack)");
+  if ((given("--eval-batches") || given("--eval-fraction")) && a.eval_every == 0) {
+    ignored.emplace_back("--eval-batches/--eval-fraction (only with --eval-every)");
+  }
+  if (given("--checkpoint-every") && a.checkpoint_dir.empty()) {
+    ignored.emplace_back("--checkpoint-every (only with --checkpoint-dir)");
+  }
+  if (given("--schedule") && !a.schedule_file.empty()) ignored.emplace_back("--schedule (--schedule-file decides)");
+  if (given("--zero") && a.zero == 1 && a.dp == 1) ignored.emplace_back("--zero 1 (nothing to shard with --dp 1)");
+  return ignored;
+}
+
+void validate_args(const Args& a) {
+  TWOBP_CHECK(!a.resume || !a.checkpoint_dir.empty(), twobp::UsageError, "--resume needs --checkpoint-dir");
+}
+
+}  // namespace llama_example

@@ -1,0 +1,338 @@
+// One rank of llama_pipeline: its chunks, the pipeline, AdamW and the training loop.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+
+#include "example.h"
+#include "twobp/data.h"
+#include "twobp/error.h"
+#include "twobp/metrics/energy.h"
+#include "twobp/metrics/metrics.h"
+#include "twobp/runtime/data_parallel.h"
+#include "twobp/runtime/pipeline.h"
+#include "twobp/runtime/sharded_optimizer.h"
+
+namespace llama_example {
+namespace {
+
+/// AdamW over this rank's parameters: a ShardedOptimizer over the replicas with --zero 1, over this rank alone
+/// (no group: it owns every parameter, a plain AdamW) otherwise, so both go through one code path.
+class Optimizer {
+ public:
+  Optimizer(std::vector<at::Tensor> params, const torch::optim::AdamWOptions& options, twobp::Transport* replicas,
+            bool shard, twobp::Duration timeout)
+      : adamw_(std::move(params), shard ? replicas : nullptr,
+               [options](std::vector<at::Tensor> owned) -> std::unique_ptr<torch::optim::Optimizer> {
+                 return std::make_unique<torch::optim::AdamW>(std::move(owned), options);
+               },
+               timeout) {}
+  void set_lr(double lr) {
+    torch::optim::Optimizer* o = adamw_.local();
+    if (o == nullptr) return;  // a replica that owns no parameter
+    for (auto& group : o->param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+  }
+  void step() { adamw_.step(); }
+  /// Every parameter's state as a checkpoint holds it (collective over the replicas when sharded).
+  ck::NamedTensors state(const ck::NamedTensors& named) { return adamw_.gathered_adamw_state(named); }
+  /// Weights and this rank's share of the state from a checkpoint holding every parameter's.
+  void restore(const ck::NamedTensors& loaded, const ck::NamedTensors& named) {
+    ck::restore(loaded, named, nullptr);
+    adamw_.restore_adamw_state(loaded, named);
+  }
+  /// Bytes of the optimizer state this rank holds.
+  int64_t state_bytes() const { return adamw_.state_bytes(); }
+
+ private:
+  twobp::ShardedOptimizer adamw_;
+};
+
+/// The model inputs and targets of this rank for one replica's share of a global batch (empty where the rank owns
+/// neither end of the pipeline).
+struct RankBatch {
+  twobp::NamedTensors inputs, targets;
+};
+
+RankBatch rank_batch(const Args& a, const twobp::data::Batch& batch, int64_t share, int64_t rows, int64_t len,
+                     bool owns_first, bool owns_last) {
+  const at::Tensor ids = batch.inputs.narrow(0, share, rows).narrow(1, 0, len);
+  const at::Tensor next = batch.targets.narrow(0, share, rows).narrow(1, 0, len);
+  RankBatch out;
+  if (a.pack) {
+    if (owns_first) out.inputs = llm::packed_inputs(ids, a.doc_separator);
+    if (owns_last) out.targets = llm::packed_targets(ids, next, a.doc_separator);
+  } else {
+    if (owns_first) out.inputs = twobp::NamedTensors(ids);
+    if (owns_last) out.targets = twobp::NamedTensors(next);
+  }
+  return out;
+}
+
+/// `tokens`: the training split; `held_out`: the evaluation split (empty without --eval-every).
+/// This rank's chunks (built here only), on `device`, in a Pipeline over the replica's ranks; `named` holds the
+/// checkpoint's names of their tensors (the float32 masters under mixed precision).
+struct RankModel {
+  std::unique_ptr<twobp::Pipeline> pipeline;
+  ck::NamedTensors named;
+};
+
+RankModel build_rank_model(const Plan& p, twobp::ParallelGroups& groups, c10::Device device,
+                           twobp::Duration timeout) {
+  const Args& a = p.args;
+  twobp::Transport& transport = groups.pipeline();
+  const int last = p.schedule.num_stages - 1;
+  RankModel model;
+  std::vector<twobp::PipelineChunk> chunks;
+  const c10::Device wire = transport.device();
+  for (int s : p.schedule.stages_of(transport.rank())) {
+    llm::LlamaChunk chunk(p.config, p.partition.chunks[s], a.seed);
+    // Mixed precision: built in float32; the Pipeline keeps float32 masters and converts the chunk to bfloat16.
+    chunk->to(device, p.mixed_precision ? at::kFloat : p.dtype);
+    for (auto& t : ck::module_tensors(*chunk)) model.named.push_back(t);
+    const bool is_last = s == last;
+    std::shared_ptr<llm::LlamaChunkImpl> impl = chunk.ptr();
+    // Compute on `device`; activations travel on the transport's device (no-op when equal).
+    if (a.pack) {
+      // Several tensors cross each boundary: the hidden state and, without gradients, positions and doc ids.
+      chunks.push_back({s, impl, [impl, device, wire, is_last](const twobp::NamedTensors& in) {
+                          twobp::NamedTensors here;
+                          for (const auto& [name, t] : in) here.add(name, t.to(device));
+                          twobp::NamedTensors out = impl->forward(here);
+                          if (!is_last) {
+                            for (auto& e : out) e.tensor = e.tensor.to(wire);
+                          }
+                          return out;
+                        }});
+    } else {
+      chunks.push_back({s, impl, [impl, device, wire, is_last](const at::Tensor& x) {
+                          at::Tensor y = impl->forward(x.to(device));
+                          return is_last ? y : y.to(wire);
+                        }});
+    }
+  }
+  for (auto& chunk : chunks) chunk.recompute = a.recompute;
+  twobp::PipelineOptions po;
+  po.timeout = timeout;
+  const int64_t mbs = a.micro_batch_size, seq = p.seq_len, dim = p.config.dim;
+  const auto dtype = p.dtype;
+  // Fixed shapes give every boundary a spec; with a sequence-length warm-up they change from step to step, so the
+  // senders announce them instead (PipelineOptions::activation_spec).
+  if (a.seq_len_warmup == 0 && a.pack) {
+    po.boundary_spec = [=](int) {
+      return twobp::BoundarySpec{{{mbs, seq, dim}, dtype, llm::kHidden},
+                                 {{mbs, seq}, at::kLong, llm::kPositions, false},
+                                 {{mbs, seq}, at::kLong, llm::kDocIds, false}};
+    };
+  } else if (a.seq_len_warmup == 0) {
+    po.activation_spec = [=](int) { return twobp::TensorSpec{{mbs, seq, dim}, dtype}; };
+  }
+  if (a.pack) {
+    po.loss = llm::masked_cross_entropy_loss;
+  } else {
+    po.loss = [](const at::Tensor& logits, const at::Tensor& targets) {
+      return llm::cross_entropy_loss(logits, targets.to(logits.device()));
+    };
+  }
+  po.data_parallel.group = groups.data_parallel();
+  po.max_pending_weight_micro_batches = a.max_pending_w;
+  // Tensor memory of the device the chunks compute on, recorded every step (and bounded with --memory-limit-gb).
+  // Not where rank threads share a GPU: its allocator statistics are the whole process's (the Pipeline refuses).
+  const bool shared_device = !device.is_cpu() && transport.ranks_sharing_device() > 1;
+  TWOBP_CHECK(!shared_device || a.memory_limit_gb <= 0, twobp::UsageError,
+              "--memory-limit-gb: {} rank threads share {}, whose memory statistics are the whole process's; run one "
+              "rank per GPU (fewer --ranks, or a launcher)",
+              transport.ranks_sharing_device(), device.str());
+  po.record_memory = !shared_device;
+  po.memory_device = device;
+  po.memory_limit_bytes = static_cast<int64_t>(a.memory_limit_gb * 1024.0 * 1024.0 * 1024.0);
+  if (p.mixed_precision) po.mixed_precision.compute_dtype = at::kBFloat16;
+  model.pipeline = std::make_unique<twobp::Pipeline>(p.schedule, std::move(chunks), transport, po);
+  // With mixed precision the optimizer and the checkpoints hold the float32 masters.
+  for (auto& entry : model.named) entry.second = model.pipeline->master_weight(entry.second);
+  return model;
+}
+
+/// Where this rank's share of every global batch comes from, and which ends of the pipeline it feeds.
+struct RankData {
+  twobp::data::BatchSampler train;
+  std::optional<twobp::data::BatchSampler> held_out;  // --eval-every: the same batches of the held-out split
+  int64_t replica_batch = 0;                           // sequences per replica and step
+  int64_t share = 0;                                   // this replica's first row of a global batch
+  bool owns_first = false, owns_last = false;
+
+  RankBatch batch(const Args& a, int step, int64_t len) const {
+    return rank_batch(a, train.batch(step), share, replica_batch, len, owns_first, owns_last);
+  }
+  /// Mean loss over --eval-batches held-out global batches (Pipeline::evaluate: forward only, eval mode).
+  double evaluate(const Args& a, twobp::Pipeline& pipeline, int64_t seq) const {
+    double sum = 0.0;
+    for (int k = 0; k < a.eval_batches; ++k) {
+      const RankBatch b = rank_batch(a, held_out->batch(k), share, replica_batch, seq, owns_first, owns_last);
+      sum += pipeline.evaluate(b.inputs, b.targets);
+    }
+    return sum / a.eval_batches;
+  }
+};
+
+/// What a step measured on every rank (the peak over the pipeline's ranks, the job's energy), printed by rank 0
+/// and kept for the JSON.
+void report_step(const Plan& p, twobp::Transport& world, twobp::Transport& pipeline_ranks, StepRecord record,
+                 const twobp::StepResult& result, double step_s, double elapsed_s, int start, int end,
+                 std::optional<double> energy_j, double tokens, twobp::Duration timeout, Shared& shared) {
+  // Each pipeline rank's peak in its own slot; the sum over ranks then holds every rank's.
+  at::Tensor peaks = at::zeros({pipeline_ranks.world_size()}, at::kDouble);  // host values, reduced on the host
+  peaks[pipeline_ranks.rank()] = static_cast<double>(result.peak_memory_bytes);
+  pipeline_ranks.all_reduce_sum(peaks, timeout);
+  record.peak_memory_bytes = peaks.max().item<double>();
+  record.energy_j = twobp::energy::job_energy(world, energy_j, timeout);
+  if (record.energy_j) record.j_per_token = twobp::metrics::per_item(*record.energy_j, tokens);
+  record.tokens_per_s = twobp::metrics::per_second(tokens, step_s);
+  if (world.rank() != 0) return;
+  const int step = record.step;
+  const double remaining = elapsed_s / (step - start + 1) * (end - step - 1);
+  fmt::print("step {:>5}/{} | loss {:.4f} | {}{}grad norm {:.3f} | lr {:.2e} | {:.0f} tok/s | peak {} | "
+             "{}elapsed {:.1f}s | remaining {:.1f}s\n",
+             step + 1, p.args.steps, record.loss, record.skipped ? "update skipped (non-finite) | " : "",
+             record.eval_loss
+                 ? fmt::format("val loss {:.4f} (ppl {:.2f}) | ", *record.eval_loss, std::exp(*record.eval_loss))
+                 : "",
+             record.grad_norm, record.lr, record.tokens_per_s,
+             record.peak_memory_bytes < 0 ? std::string("n/a (rank threads share the GPU)")
+                                          : fmt::format("{:.1f} MiB", record.peak_memory_bytes / (1024.0 * 1024.0)),
+             record.j_per_token ? fmt::format("{:.3g} J/tok | ", *record.j_per_token) : "", elapsed_s, remaining);
+  std::fflush(stdout);
+  std::lock_guard<std::mutex> lock(shared.mutex);
+  shared.records.push_back(record);
+}
+
+/// Weights and AdamW state of every replica's stages, by global name (collective; replica 0 writes).
+void save(const Plan& p, const ck::NamedTensors& named, Optimizer& optimizer, twobp::ParallelGroups& groups,
+          int steps_done, twobp::Duration timeout) {
+  ck::NamedTensors state = named;
+  auto opt = optimizer.state(named);
+  state.insert(state.end(), opt.begin(), opt.end());
+  ck::CheckpointConfig config = p.checkpoint_config;
+  config.insert(p.checkpoint_layout.begin(), p.checkpoint_layout.end());
+  const ck::DataParallelCheckpoint replicas{p.dp, groups.replica(), groups.data_parallel()};
+  ck::save_checkpoint(p.args.checkpoint_dir, steps_done, config, state, groups.pipeline(), timeout, replicas);
+}
+
+}  // namespace
+
+void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, const std::vector<uint16_t>& tokens,
+                const std::vector<uint16_t>& held_out, Shared& shared) {
+  const Args& a = p.args;
+  const auto timeout = twobp::Duration(static_cast<int64_t>(a.timeout_s * 1000));
+  // The pipeline of this rank's replica, and the group of the same stages in every replica (dp > 1).
+  twobp::ParallelGroups groups(world, p.dp, timeout);
+  twobp::Transport& transport = groups.pipeline();
+  const int rank = transport.rank();  // in the pipeline
+  const bool reports = world.rank() == 0;
+  RankModel model = build_rank_model(p, groups, device, timeout);
+  twobp::Pipeline& pipeline = *model.pipeline;
+  // Each tensor once (pipeline.parameters()): with tied embeddings the head chunk lists its table under two names.
+  Optimizer optimizer(pipeline.parameters(),
+                      torch::optim::AdamWOptions(a.lr).betas({0.9, 0.95}).weight_decay(a.weight_decay),
+                      groups.data_parallel(), a.zero == 1, timeout);
+  int start = 0;
+  if (a.resume) {
+    // By global name: the parameters of this rank's chunks, wherever the checkpoint's layout had them.
+    auto loaded = ck::load_checkpoint_by_name(a.checkpoint_dir, p.checkpoint_config, ck::state_of(model.named),
+                                              fmt::format("rank {} (replica {})", rank, groups.replica()));
+    optimizer.restore(loaded.tensors, model.named);
+    start = static_cast<int>(loaded.step);
+    if (reports) {
+      shared.resumed_from = start;
+      fmt::print("resuming from step {} of {} ({})\n", start, a.steps, a.checkpoint_dir);
+    }
+  }
+  // One global batch per step, the same for every --dp; replica d trains on its d-th share.
+  const int64_t replica_batch = a.microbatches * a.micro_batch_size, global_batch = p.dp * replica_batch;
+  const int last = p.schedule.num_stages - 1;
+  RankData data{twobp::data::BatchSampler(tokens, p.seq_len, global_batch, a.seed), std::nullopt, replica_batch,
+                groups.replica() * replica_batch, p.schedule.stage_to_rank[0] == rank,
+                p.schedule.stage_to_rank[last] == rank};
+  if (a.eval_every > 0) data.held_out.emplace(held_out, p.seq_len, global_batch, a.seed);
+  // Energy of the device the chunks compute on (NVML) or of the node's CPUs (RAPL), summed over the job.
+  twobp::energy::EnergyOptions energy_options;
+  energy_options.powercap_root = a.powercap_root;
+  energy_options.ranks_sharing_device = device.is_cpu() ? 1 : transport.ranks_sharing_device();
+  twobp::energy::RankEnergy rank_energy(device, twobp::energy::first_rank_on_node(world), energy_options);
+  if (reports) {
+    std::lock_guard<std::mutex> lock(shared.mutex);
+    shared.energy_source = rank_energy.source();
+    shared.energy_note = rank_energy.note();
+  }
+
+  const int end = a.stop_after > 0 ? std::min(a.stop_after, a.steps) : a.steps;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int step = start; step < end; ++step) {
+    const auto ts = std::chrono::steady_clock::now();
+    const std::optional<double> e0 = rank_energy.share();
+    const double lr = learning_rate(a, step);
+    optimizer.set_lr(lr);
+    pipeline.zero_grad();
+    // The step's sequence length (shorter during --seq-len-warmup): a prefix of the full-length windows, so the
+    // batch of a step still depends only on (--seed, step).
+    const int64_t len = twobp::data::warmup_seq_len(p.seq_len, step, a.seq_len_warmup);
+    const RankBatch batch = data.batch(a, step, len);
+    const twobp::StepResult result = pipeline.step(batch.inputs, batch.targets);
+    // The gate: no optimizer step on a NaN or Inf loss or gradient (--on-nonfinite stop: NumericalError naming the
+    // step and stages; skip: this step's update is dropped on every rank), gradients clipped to --clip (0: not).
+    const bool updated = pipeline.ready_for_optimizer(
+        step + 1, a.on_nonfinite == "skip" ? twobp::NonFinitePolicy::kSkipStep : twobp::NonFinitePolicy::kStop,
+        a.clip);
+    if (updated) optimizer.step();
+    StepRecord record{step, pipeline.mean_loss(result), 0, pipeline.last_gradient_check().norm, lr, 0};
+    record.skipped = !updated;
+    // Held-out loss of the updated weights.
+    if (data.held_out && ((step + 1) % a.eval_every == 0 || step + 1 == end)) {
+      record.eval_loss = data.evaluate(a, pipeline, p.seq_len);
+    }
+    const std::optional<double> e1 = rank_energy.share();
+    const auto now = std::chrono::steady_clock::now();
+    report_step(p, world, transport, record, result, std::chrono::duration<double>(now - ts).count(),
+                std::chrono::duration<double>(now - t0).count(), start, end,
+                e0 && e1 ? std::optional<double>(*e1 - *e0) : std::nullopt, static_cast<double>(global_batch * len),
+                timeout, shared);
+    if (!a.trace.empty() && step + 1 == end) {
+      // Every rank's trace on every rank (collective), so rank 0 writes them all, threads or processes.
+      std::vector<twobp::Trace> traces = twobp::gather_traces(world, result.trace, timeout);
+      if (reports) {
+        std::lock_guard<std::mutex> lock(shared.mutex);
+        shared.traces = std::move(traces);
+      }
+    }
+    const bool periodic = a.checkpoint_every > 0 && (step + 1) % a.checkpoint_every == 0;
+    if (!a.checkpoint_dir.empty() && (periodic || step + 1 == end)) {
+      save(p, model.named, optimizer, groups, step + 1, timeout);
+      if (reports) fmt::print("checkpoint of step {} written to {}\n", step + 1, a.checkpoint_dir);
+    }
+  }
+  // The optimizer state each rank holds (with --zero 1, its share), every world rank's in its slot.
+  at::Tensor state_bytes = at::zeros({world.world_size()}, at::kDouble);  // host values, reduced on the host
+  state_bytes[world.rank()] = static_cast<double>(optimizer.state_bytes());
+  world.all_reduce_sum(state_bytes, timeout);
+  if (reports) {
+    std::lock_guard<std::mutex> lock(shared.mutex);
+    const double* b = state_bytes.data_ptr<double>();
+    shared.optimizer_state_bytes.assign(b, b + state_bytes.numel());
+  }
+}
+
+void print_summary(const std::vector<StepRecord>& records, double wall_s, const std::vector<std::string>& written) {
+  if (records.empty()) return;
+  double loss_sum = 0;
+  std::vector<double> rates;
+  for (const StepRecord& r : records) {
+    loss_sum += r.loss;
+    rates.push_back(r.tokens_per_s);
+  }
+  std::sort(rates.begin(), rates.end());
+  fmt::print("done: {} steps (to step {}) in {:.1f} s | final loss {:.4f} | mean loss {:.4f} | median {:.0f} tok/s\n",
+             records.size(), records.back().step + 1, wall_s, records.back().loss, loss_sum / records.size(),
+             rates[rates.size() / 2]);
+  if (!written.empty()) fmt::print("files written: {}\n", fmt::join(written, ", "));
+}
+
+}  // namespace llama_example
