@@ -69,6 +69,7 @@
 #include "twobp_cli.h"
 #include "commands.h"
 #include "twobp/metrics/metrics.h"
+#include "twobp/schedule/pytorch_csv.h"
 #include "twobp/schedule/schedule.h"
 
 namespace twobp::bench {
@@ -85,6 +86,7 @@ struct SimulateArgs {
   std::string schedule_file;  // overrides --schedule; its own ranks, micro-batches and mode
   std::string mode = "both";
   std::string json;
+  std::string dump_schedules;  // a directory: every simulated schedule written there (text form and PyTorch CSV)
   // Data parallelism (see the header comment); dp = 1: none.
   int dp = 1;
   int dp_buckets = 4;
@@ -341,6 +343,14 @@ void run_simulate(const SimulateArgs& a) {
         continue;
       }
       row.generate_ms = ms_since(t0);
+      if (!a.dump_schedules.empty()) {
+        // The schedule as simulated, to read back with --schedule-file (here or in llama_pipeline) or in PyTorch.
+        const std::string base = fmt::format("{}/{}_{}_p{}_m{}_v{}", a.dump_schedules, name, mode_name(mode),
+                                             sched.num_ranks, sched.num_micro_batches,
+                                             sched.num_stages / sched.num_ranks);
+        write_text(base + ".txt", dump_schedule(sched));
+        write_text(base + ".csv", to_pytorch_csv(sched));
+      }
       row.v = sched.num_stages / sched.num_ranks;
       row.stages = sched.num_stages;
       for (bool overlap : overlaps) {
@@ -509,6 +519,10 @@ void add_simulate_command(CLI::App& app) {
       ->capture_default_str();
   sub->add_flag("--recompute", a->recompute,
                "Activation recomputation: every I and B first re-runs its stage's forward (CostModel::recompute = F)");
+  sub->add_option("--dump-schedules", a->dump_schedules,
+                  "Write every simulated schedule into this directory: <name>_<mode>_p<p>_m<m>_v<v>.txt (twobp's "
+                  "text form, for --schedule-file) and .csv (PyTorch's compute_only form)")
+      ->check(cli::writable_directory());
   sub->add_option("--json", a->json, "Write {\"config\", \"results\": [...], \"rejected\": [...]} here")
       ->check(cli::writable_file());
   sub->add_option("--dp", a->dp,

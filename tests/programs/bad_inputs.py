@@ -53,7 +53,7 @@ UNWRITABLE = "/proc/twobp-nonexistent/out"  # not even root can create it
 OUTPUTS = {
     "bench": {
         "pipeline": ["--json", "--csv", "--chart", "--trace-dir"],
-        "simulate": ["--json"],
+        "simulate": ["--json", "--dump-schedules"],
         "split": ["--json"],
         "plan": ["--json"],
         "check-schedules": ["--json"],
