@@ -17,6 +17,12 @@ int main(int argc, char** argv) {
   CLI::App app{"twobp benchmarks"};
   app.require_subcommand(1);
   twobp::cli::add_version_flag(app, "twobp_bench");
+  app.footer(R"(Examples:
+  twobp_bench split --json split.json                            # what the 2BP split costs on one stage
+  mpirun -np 2 twobp_bench pipeline --schedule 1f1b,zb-h1 --json p.json   # 2BP against standard backprop
+  twobp_bench simulate --ranks 64 --microbatches 256 --json sim.json      # every schedule at scale
+  twobp_bench plan --model 7b --ranks 4 --gpu-memory-gb 80                # which configuration to run
+Each command's options: twobp_bench COMMAND --help. Metrics: docs/BENCHMARKS.md in the source tree.)");
   twobp::bench::add_split_command(app);
   twobp::bench::add_pipeline_command(app);
   twobp::bench::add_simulate_command(app);

@@ -34,6 +34,7 @@
 #include "twobp/schedule/pytorch_csv.h"
 #include "twobp/trace/trace.h"
 
+#include "twobp/transport/fault_injection.h"
 #include "twobp/transport/launch.h"
 #include "twobp/transport/local.h"
 #include "twobp/transport/pairing.h"

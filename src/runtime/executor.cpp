@@ -29,10 +29,11 @@ namespace {
 bool travels(const ItemRef& it) { return it.item == Item::kActivation || it.item == Item::kInputGrad; }
 
 // The same tag and channel on both sides of a message; the label names the action on *this* side.
-P2POptions message_options(const Schedule& schedule, const Action& a, MessagePart part, Duration timeout) {
+P2POptions message_options(const Schedule& schedule, const Action& a, MessagePart part, Duration timeout,
+                           std::int64_t tag_offset) {
   P2POptions o;
   o.peer = peer_rank(schedule, a);
-  o.tag = message_tag(schedule, a, part);
+  o.tag = message_tag(schedule, a, part) + tag_offset;
   o.label = part.is_header() ? describe(a) + " (shape header)"
                              : part.tensor == 0 ? describe(a) : fmt::format("{} (tensor {})", describe(a), part.tensor);
   o.channel = message_channel(a, part);
@@ -148,6 +149,7 @@ Executor::Executor(const Schedule& schedule, int rank, std::map<int, Stage*> sta
                    ExecutorOptions options)
     : schedule_(schedule), rank_(rank), stages_(std::move(stages)), transport_(transport),
       options_(std::move(options)) {
+  if (!options_.run_counter) options_.run_counter = std::make_shared<std::int64_t>(0);
   TWOBP_CHECK(options_.memory_limit_bytes >= 0, UsageError,
               "rank {}: the memory limit must be >= 0 bytes (0: no limit), got {}", rank_, options_.memory_limit_bytes);
   const auto& rank_actions = schedule_.actions.at(rank_);
@@ -544,7 +546,8 @@ void Executor::send(Step& st, const Action& a) {
     // Announced shapes: the header first, on its own channel, then the tensors that are present.
     at::Tensor header = detail::encode_header(detail::announce(t, gradient), where()).to(transport_.device());
     pending.works.push_back(
-        transport_.isend(header, message_options(schedule_, a, MessagePart::header(), options_.timeout)));
+        transport_.isend(header,
+                         message_options(schedule_, a, MessagePart::header(), options_.timeout, tag_offset_)));
     pending.tensors.push_back(std::move(header));
   }
   TWOBP_CHECK(static_cast<int>(t.size()) <= kMaxTensorsPerMessage, UsageError,
@@ -554,7 +557,7 @@ void Executor::send(Step& st, const Action& a) {
     const at::Tensor& x = t.entry(i).tensor;
     if (!x.defined()) continue;
     pending.works.push_back(transport_.isend(
-        x, message_options(schedule_, a, MessagePart{static_cast<int>(i)}, options_.timeout)));
+        x, message_options(schedule_, a, MessagePart{static_cast<int>(i)}, options_.timeout, tag_offset_)));
     pending.tensors.push_back(x);
   }
   st.sends.push_back(std::move(pending));
@@ -576,7 +579,8 @@ void Executor::post_tensors(Step& st, std::size_t index) {
     if (t.present) {
       buffer = at::empty(t.shape, at::TensorOptions().dtype(t.dtype).device(transport_.device()));
       r.works.push_back(transport_.irecv(
-          buffer, message_options(schedule_, a, MessagePart{static_cast<int>(i)}, options_.timeout)));
+          buffer,
+          message_options(schedule_, a, MessagePart{static_cast<int>(i)}, options_.timeout, tag_offset_)));
     }
     r.buffers.push_back(std::move(buffer));
   }
@@ -615,7 +619,8 @@ void Executor::prefetch(Step& st, std::size_t up_to_inclusive) {
     const BoundarySpec spec = fixed_spec(fwd ? a.stage - 1 : a.stage);
     if (spec.empty()) {
       r.header = at::empty({detail::kHeaderSlots}, at::TensorOptions().dtype(at::kLong).device(transport_.device()));
-      r.header_work = transport_.irecv(r.header, message_options(schedule_, a, MessagePart::header(), options_.timeout));
+      r.header_work = transport_.irecv(
+          r.header, message_options(schedule_, a, MessagePart::header(), options_.timeout, tag_offset_));
     } else {
       for (const auto& ts : spec) {
         if (fwd || ts.carries_gradient()) r.layout.push_back({ts.name, true, ts.carries_gradient(), ts.dtype, ts.shape});
@@ -712,6 +717,8 @@ StepResult Executor::run(const NamedTensors& inputs, const NamedTensors& targets
 StepResult Executor::run(const std::vector<NamedTensors>& inputs, const std::vector<NamedTensors>& targets) {
   const int m = schedule_.num_micro_batches, last = schedule_.num_stages - 1;
   const auto& actions = schedule_.actions[rank_];
+  // Every rank runs the same runs in the same order, so they agree on the run number without a message.
+  tag_offset_ = (*options_.run_counter)++ * message_tag_span(schedule_);
   Step st;
   StepResult& result = st.result;
   st.start = Clock::now();

@@ -159,6 +159,8 @@ Pipeline::Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, std::sh
       return reducer->parameters_done(index);
     };
   }
+  // One run count for the training and evaluation executors: their messages stay apart (message_tag_span).
+  eo.run_counter = std::make_shared<std::int64_t>(0);
   impl_->executor_options = eo;
   impl_->executor = std::make_unique<Executor>(schedule_, rank, std::move(stages), *transport_, std::move(eo));
   if (impl_->reducer) {

@@ -136,6 +136,11 @@ std::int64_t message_tag(const Schedule& schedule, const Action& action, Message
   return ((mb * schedule.num_stages + boundary) * 2 + dir) * (kMaxTensorsPerMessage + 1) + part.tensor + 1;
 }
 
+std::int64_t message_tag_span(const Schedule& schedule) {
+  return static_cast<std::int64_t>(schedule.num_micro_batches) * schedule.num_stages * 2 *
+         (kMaxTensorsPerMessage + 1);
+}
+
 int message_channel(const Action& action, MessagePart part) {
   const int header = part.is_header() ? 2 : 0;
   switch (action.type) {

@@ -261,11 +261,13 @@ class LocalRecvWork final : public Work {
   void finish(const at::Tensor& payload) {
     finished_ = true;
     const std::shared_ptr<c10::Event> written = std::move(recv_->written);
-    // Only possible under in-order pairing: the sender posted this channel's messages in another order. NCCL
+    // Only possible under in-order pairing: the sender posted this channel's messages in another order (or one of
+    // them was lost or delivered twice: tests/transport/fault_injection_test.cpp). NCCL
     // would deliver the tensor anyway; here it is an error naming both operations.
     TWOBP_CHECK(recv_->tag == options_.tag, UsageError,
                 "{}: {} from rank {}: in-order pairing on channel {} matched it with rank {}'s {} (tag {}, "
-                "expected tag {}): the two ranks post this channel's messages in different orders",
+                "expected tag {}): the two ranks post this channel's messages in different orders (or a message was "
+                "lost or duplicated)",
                 state_->who(rank_), describe_op(options_), options_.peer, options_.channel, options_.peer, recv_->label,
                 recv_->tag, options_.tag);
     TWOBP_CHECK(payload.sizes() == buffer_.sizes() && payload.scalar_type() == buffer_.scalar_type(), UsageError,

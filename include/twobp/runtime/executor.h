@@ -50,6 +50,9 @@ struct ExecutorOptions {
   std::function<BoundarySpec(int stage)> boundary_spec;
   /// Receives are posted this many RECV actions ahead of their use.
   int prefetch_receives = 4;
+  /// The count of runs whose messages must stay apart (see message_tag_span): each run() takes the next value.
+  /// Shared by the executors of one pipeline (training and evaluation); null: the executor counts its own.
+  std::shared_ptr<std::int64_t> run_counter;
   /// Memory-bounded 2BP: at most this many micro-batches per stage may wait for their W (0: no limit, as the
   /// schedule says). When an I would leave more, the oldest one's W runs right after that I (its time counts in
   /// the I's trace event), and the schedule's W skips it. Gradients are unchanged: W only ever runs after its I.
@@ -161,6 +164,7 @@ class Executor {
   Transport& transport_;
   ExecutorOptions options_;
   std::vector<Hook> hooks_;
+  std::int64_t tag_offset_ = 0;  // this run's: run number * message_tag_span(schedule_)
   std::vector<std::size_t> recv_actions_;  // indices of RECV_* in this rank's action list
   // Memory-bounded 2BP: per MemoryKey, the most tensor memory one such action added while it ran, and by its end.
   std::map<MemoryKey, int64_t> memory_rise_, memory_added_;

@@ -149,6 +149,13 @@ struct MessagePart {
 /// for gradients (SEND_B/RECV_B).
 std::int64_t message_tag(const Schedule& schedule, const Action& action, MessagePart part = {});
 
+/// Every tag message_tag() gives for `schedule` lies in [0, span): num_micro_batches * num_stages * 2 *
+/// (kMaxTensorsPerMessage + 1). The executor tags run n's messages message_tag + n * span, so that a message of one
+/// run (a step, an evaluation) never pairs with a receive of another -- a duplicated or stale message is then left
+/// unmatched (by-tag pairing) or refused naming both tags (in-order pairing, MPI's header check), never taken for
+/// the next step's.
+std::int64_t message_tag_span(const Schedule& schedule);
+
 /// Channels of a schedule's messages: activations (SEND_F/RECV_F) travel on channel 0, gradients (SEND_B/RECV_B)
 /// on channel 1, so a channel -- (source rank, destination rank, channel) -- carries one kind of tensor in one
 /// direction; shape headers travel on channels 2 and 3 alike, so that a receiver may post the next headers before

@@ -1,0 +1,90 @@
+#pragma once
+// A transport that wraps another and injects the faults a cluster produces into its point-to-point sends, for
+// testing what a job does with them: it must either finish with the results of a fault-free run, or end on every
+// rank within its timeout with an error naming rank, peer and the message -- never hang.
+//
+//   kDelay      every chosen send waits `delay` before it starts          -> same results, later
+//   kDrop       a chosen send is never delivered (its wait() succeeds)     -> the receiver times out naming it
+//   kFailSend   a chosen send fails: its wait() throws TransportError      -> the sender fails naming the message
+//   kDie        after `after_messages` sends the rank dies: it aborts its   -> every peer fails fast naming it
+//               transport (as a killed rank's peers see) and throws
+//   kDuplicate  a chosen send is delivered twice                           -> same results (by-tag pairing: the copy
+//                                                                             is never matched), or every rank fails
+//                                                                             naming both tags (in-order pairing)
+//
+// Which sends are chosen: those of `ranks` (empty: every rank) to `peer` (-1: any) whose label contains
+// `label_contains` (e.g. "SEND_B"; empty: any), skipping the first `after_messages` of them (kDie: the count before
+// dying), at most `max_faults` of them, each then with `probability`, drawn from a generator seeded by (seed, rank)
+// so that a run is repeatable.
+// Collectives (all-reduce, broadcast, barrier, split) are passed through untouched; groups split from it inject
+// the same faults, named by their group ranks.
+
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "twobp/transport/transport.h"
+
+namespace twobp {
+
+enum class Fault { kDelay, kDrop, kFailSend, kDie, kDuplicate };
+
+/// The fault's name ("delay", "drop", "fail-send", "die", "duplicate").
+const char* to_string(Fault fault);
+
+struct FaultOptions {
+  Fault fault = Fault::kDelay;
+  std::vector<int> ranks;          ///< faulty senders; empty: every rank
+  int peer = -1;                   ///< only sends to this rank; -1: to any
+  std::string label_contains;      ///< only sends whose label contains this; empty: any
+  int after_messages = 0;          ///< chosen sends let through first (kDie: sends before the rank dies)
+  double probability = 1.0;        ///< of each chosen send after those, in [0, 1]
+  int max_faults = -1;             ///< at most this many faults on this rank; -1: no limit
+  uint64_t seed = 0;               ///< with the rank, seeds the draw
+  Duration delay = Duration(20);   ///< kDelay
+};
+
+class FaultInjectingTransport final : public Transport {
+ public:
+  /// Wraps `inner` (shared with the caller or owned). UsageError for options out of range.
+  FaultInjectingTransport(std::shared_ptr<Transport> inner, FaultOptions options);
+
+  int rank() const override { return inner_->rank(); }
+  int world_size() const override { return inner_->world_size(); }
+  c10::Device device() const override { return inner_->device(); }
+  std::string name() const override;
+  Pairing pairing() const override { return inner_->pairing(); }
+  bool ranks_share_process() const override { return inner_->ranks_share_process(); }
+  int ranks_sharing_device() const override { return inner_->ranks_sharing_device(); }
+
+  std::unique_ptr<Work> isend(const at::Tensor& tensor, const P2POptions& options) override;
+  std::unique_ptr<Work> irecv(at::Tensor& buffer, const P2POptions& options) override;
+  void all_reduce_sum(at::Tensor& tensor, Duration timeout) override { inner_->all_reduce_sum(tensor, timeout); }
+  std::unique_ptr<Work> all_reduce_sum_async(at::Tensor& tensor, Duration timeout) override {
+    return inner_->all_reduce_sum_async(tensor, timeout);
+  }
+  bool asynchronous_all_reduce() const override { return inner_->asynchronous_all_reduce(); }
+  void broadcast(at::Tensor& tensor, int root, Duration timeout) override {
+    inner_->broadcast(tensor, root, timeout);
+  }
+  std::unique_ptr<Transport> split(int color, int key, Duration timeout) override;
+  void barrier(Duration timeout) override { inner_->barrier(timeout); }
+  void abort(const std::string& reason) override { inner_->abort(reason); }
+
+  /// Sends this rank made through it, and how many of them were given the fault.
+  int64_t sends() const { return sends_; }
+  int64_t faults() const { return faults_; }
+
+ private:
+  bool chosen(const P2POptions& options);
+
+  std::shared_ptr<Transport> inner_;
+  FaultOptions options_;
+  std::mt19937_64 random_;
+  int64_t sends_ = 0, eligible_ = 0, faults_ = 0;
+  bool dead_ = false;
+};
+
+}  // namespace twobp

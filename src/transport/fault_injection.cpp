@@ -1,0 +1,125 @@
+#include "twobp/transport/fault_injection.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <thread>
+
+#include "twobp/error.h"
+#include "util/check.h"
+
+namespace twobp {
+namespace {
+
+class CompletedWork final : public Work {
+ public:
+  void wait(Duration) override {}
+  bool is_completed() override { return true; }
+};
+
+class FailedWork final : public Work {
+ public:
+  explicit FailedWork(std::string message) : message_(std::move(message)) {}
+  void wait(Duration) override { throw TransportError(message_); }
+  bool is_completed() override { throw TransportError(message_); }
+
+ private:
+  std::string message_;
+};
+
+// Both sends of a duplicated message.
+class BothWork final : public Work {
+ public:
+  BothWork(std::unique_ptr<Work> first, std::unique_ptr<Work> second)
+      : first_(std::move(first)), second_(std::move(second)) {}
+  void wait(Duration timeout) override {
+    first_->wait(timeout);
+    second_->wait(timeout);
+  }
+  bool is_completed() override { return first_->is_completed() && second_->is_completed(); }
+
+ private:
+  std::unique_ptr<Work> first_, second_;
+};
+
+}  // namespace
+
+const char* to_string(Fault fault) {
+  switch (fault) {
+    case Fault::kDelay: return "delay";
+    case Fault::kDrop: return "drop";
+    case Fault::kFailSend: return "fail-send";
+    case Fault::kDie: return "die";
+    case Fault::kDuplicate: return "duplicate";
+  }
+  return "?";
+}
+
+FaultInjectingTransport::FaultInjectingTransport(std::shared_ptr<Transport> inner, FaultOptions options)
+    : inner_(std::move(inner)), options_(std::move(options)) {
+  TWOBP_CHECK(inner_ != nullptr, UsageError, "FaultInjectingTransport: no transport to wrap");
+  TWOBP_CHECK(options_.probability >= 0 && options_.probability <= 1 && options_.after_messages >= 0 &&
+                  options_.delay.count() >= 0,
+              UsageError, "FaultOptions: probability must be in [0, 1], after_messages and delay >= 0; got {}, {}, "
+              "{} ms", options_.probability, options_.after_messages, options_.delay.count());
+  random_.seed(options_.seed * 0x9E3779B97F4A7C15ULL + static_cast<uint64_t>(inner_->rank()) + 1);
+}
+
+std::string FaultInjectingTransport::name() const {
+  return fmt::format("{} (injecting {})", inner_->name(), to_string(options_.fault));
+}
+
+bool FaultInjectingTransport::chosen(const P2POptions& o) {
+  const auto& ranks = options_.ranks;
+  if (!ranks.empty() && std::find(ranks.begin(), ranks.end(), rank()) == ranks.end()) return false;
+  if (options_.peer >= 0 && o.peer != options_.peer) return false;
+  if (!options_.label_contains.empty() && o.label.find(options_.label_contains) == std::string::npos) return false;
+  if (++eligible_ <= options_.after_messages) return false;
+  if (options_.max_faults >= 0 && faults_ >= options_.max_faults) return false;
+  if (options_.fault == Fault::kDie) return true;
+  return std::uniform_real_distribution<double>(0.0, 1.0)(random_) < options_.probability;
+}
+
+std::unique_ptr<Work> FaultInjectingTransport::isend(const at::Tensor& tensor, const P2POptions& o) {
+  ++sends_;
+  TWOBP_CHECK(!dead_, TransportError, "rank {} is dead (injected fault), cannot send {} to rank {}", rank(), o.label,
+              o.peer);
+  if (!chosen(o)) return inner_->isend(tensor, o);
+  ++faults_;
+  switch (options_.fault) {
+    case Fault::kDelay:
+      std::this_thread::sleep_for(options_.delay);
+      return inner_->isend(tensor, o);
+    case Fault::kDrop:
+      return std::make_unique<CompletedWork>();
+    case Fault::kFailSend:
+      return std::make_unique<FailedWork>(
+          fmt::format("rank {}: send of {} to rank {} failed (injected fault)", rank(), o.label, o.peer));
+    case Fault::kDie: {
+      dead_ = true;
+      const std::string why = fmt::format("rank {} died after {} messages (injected fault), before sending {} to "
+                                          "rank {}", rank(), options_.after_messages, o.label, o.peer);
+      inner_->abort(why);
+      throw TransportError(why);
+    }
+    case Fault::kDuplicate: {
+      auto first = inner_->isend(tensor, o);
+      return std::make_unique<BothWork>(std::move(first), inner_->isend(tensor, o));
+    }
+  }
+  return inner_->isend(tensor, o);
+}
+
+std::unique_ptr<Work> FaultInjectingTransport::irecv(at::Tensor& buffer, const P2POptions& o) {
+  TWOBP_CHECK(!dead_, TransportError, "rank {} is dead (injected fault), cannot receive {} from rank {}", rank(),
+              o.label, o.peer);
+  return inner_->irecv(buffer, o);
+}
+
+std::unique_ptr<Transport> FaultInjectingTransport::split(int color, int key, Duration timeout) {
+  std::unique_ptr<Transport> child = inner_->split(color, key, timeout);
+  if (!child) return nullptr;
+  return std::make_unique<FaultInjectingTransport>(std::shared_ptr<Transport>(std::move(child)), options_);
+}
+
+}  // namespace twobp

@@ -1,0 +1,222 @@
+// Faults in the messages of a pipeline, through FaultInjectingTransport over the Local transport (by tag and in
+// order): a job either ends with the gradients of a fault-free run, or every rank ends within its timeout with an
+// error naming the rank, the peer and the message. Never a hang, never a silently different gradient.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "common/pipeline_fixtures.h"
+#include "twobp/error.h"
+#include "twobp/runtime/launch.h"
+#include "twobp/runtime/pipeline.h"
+#include "twobp/schedule/schedule.h"
+#include "twobp/transport/fault_injection.h"
+#include "twobp/transport/local.h"
+
+namespace twobp {
+namespace {
+
+using testing::kDim;
+using testing::kMicroBatchSize;
+
+constexpr int kRanks = 4, kMicroBatches = 8, kSteps = 2;
+
+struct Outcome {
+  std::vector<std::vector<at::Tensor>> grads;  // by rank: its chunks' parameter gradients after the last step
+  std::vector<double> losses;                  // last stage's, last step
+  std::vector<std::string> errors;             // by rank; empty: none
+  double seconds = 0;
+  int64_t faults = 0;                          // faults injected over all ranks
+};
+
+// kSteps steps of `schedule` over kRanks thread ranks, each transport wrapped with `fault` (none: not wrapped).
+Outcome run(const std::string& schedule_name, BackwardMode mode, Pairing pairing, std::optional<FaultOptions> fault,
+            Duration timeout = std::chrono::seconds(60)) {
+  testing::Float64Default float64;
+  const Schedule schedule = make_schedule(
+      schedule_name, default_schedule_options(schedule_name, kRanks, kMicroBatches, mode));
+  torch::manual_seed(3);
+  const at::Tensor inputs = torch::randn({kMicroBatches * kMicroBatchSize, kDim});
+  const at::Tensor targets = torch::randn({kMicroBatches * kMicroBatchSize, kDim});
+  LocalOptions local;
+  local.pairing = pairing;
+  auto locals = make_local_transports(kRanks, local);
+  std::vector<std::shared_ptr<Transport>> transports;
+  std::vector<FaultInjectingTransport*> faulty;
+  for (auto& t : locals) {
+    std::shared_ptr<Transport> inner(std::move(t));
+    if (fault) {
+      auto wrapped = std::make_shared<FaultInjectingTransport>(inner, *fault);
+      faulty.push_back(wrapped.get());
+      transports.push_back(wrapped);
+    } else {
+      transports.push_back(inner);
+    }
+  }
+  PipelineOptions options;
+  options.timeout = timeout;
+  options.loss = testing::mse;
+  options.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim}, at::kDouble}; };
+  std::vector<std::unique_ptr<Pipeline>> pipelines;
+  std::vector<std::vector<std::shared_ptr<torch::nn::Module>>> modules(kRanks);
+  for (int r = 0; r < kRanks; ++r) {
+    std::vector<PipelineChunk> chunks;
+    for (int s : schedule.stages_of(r)) {
+      auto module = testing::make_chunk(s);  // on this thread: the chunks' initialisers share one generator
+      modules[r].push_back(module);
+      auto* raw = module.get();
+      chunks.push_back({s, module, [raw, s](const at::Tensor& x) { return testing::run_chunk(*raw, s, x); }});
+    }
+    pipelines.push_back(std::make_unique<Pipeline>(schedule, std::move(chunks), transports[r], options));
+  }
+  Outcome out;
+  out.grads.resize(kRanks);
+  std::vector<Transport*> raw;
+  for (auto& t : transports) raw.push_back(t.get());
+  const auto t0 = std::chrono::steady_clock::now();
+  const RankErrors errors = run_rank_threads(raw, [&](Transport& t) {
+    Pipeline& p = *pipelines[t.rank()];
+    for (int step = 0; step < kSteps; ++step) {
+      p.zero_grad();
+      // Other inputs every step: a message of one step taken for another's would change the gradients.
+      StepResult result = p.step(inputs * (step + 1), targets);
+      if (!result.losses.empty()) out.losses = result.losses;
+    }
+  });
+  out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  for (int r = 0; r < kRanks; ++r) {
+    out.errors.push_back(errors.errors[r] ? error_message(errors.errors[r]) : "");
+    for (auto& m : modules[r]) {
+      for (auto& p : m->parameters()) out.grads[r].push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
+    }
+  }
+  for (auto* f : faulty) out.faults += f->faults();
+  return out;
+}
+
+void expect_same_gradients(const Outcome& a, const Outcome& b) {
+  ASSERT_EQ(a.losses, b.losses);
+  for (int r = 0; r < kRanks; ++r) {
+    ASSERT_EQ(a.grads[r].size(), b.grads[r].size());
+    for (std::size_t k = 0; k < a.grads[r].size(); ++k) {
+      ASSERT_TRUE(a.grads[r][k].defined() && b.grads[r][k].defined());
+      EXPECT_TRUE(at::equal(a.grads[r][k], b.grads[r][k])) << "rank " << r << " parameter " << k;
+    }
+  }
+}
+
+void expect_every_rank_failed(const Outcome& o, double limit_s, const std::vector<std::string>& root_names) {
+  EXPECT_LT(o.seconds, limit_s) << "took " << o.seconds << " s";
+  for (int r = 0; r < kRanks; ++r) EXPECT_FALSE(o.errors[r].empty()) << "rank " << r << " finished";
+  std::string all;
+  for (const auto& e : o.errors) all += e + "\n";
+  for (const auto& name : root_names) EXPECT_NE(all.find(name), std::string::npos) << name << " in:\n" << all;
+}
+
+struct Case {
+  std::string schedule;
+  BackwardMode mode;
+  Pairing pairing;
+};
+
+class FaultInjection : public ::testing::TestWithParam<Case> {};
+
+TEST_P(FaultInjection, DelaysChangeNothing) {
+  const Case c = GetParam();
+  const Outcome clean = run(c.schedule, c.mode, c.pairing, std::nullopt);
+  for (const auto& e : clean.errors) ASSERT_EQ(e, "");
+  FaultOptions delay;
+  delay.fault = Fault::kDelay;
+  delay.probability = 0.3;
+  delay.delay = Duration(3);
+  delay.seed = 7;
+  const Outcome late = run(c.schedule, c.mode, c.pairing, delay);
+  for (const auto& e : late.errors) ASSERT_EQ(e, "");
+  EXPECT_GT(late.faults, 0);
+  expect_same_gradients(clean, late);
+}
+
+TEST_P(FaultInjection, ALostMessageEndsEveryRankWithinTheTimeoutNamingIt) {
+  const Case c = GetParam();
+  FaultOptions drop;
+  drop.fault = Fault::kDrop;
+  drop.ranks = {1};
+  drop.peer = 2;
+  drop.after_messages = 3;
+  drop.probability = 1.0;
+  const Outcome o = run(c.schedule, c.mode, c.pairing, drop, std::chrono::milliseconds(1500));
+  // Rank 2 waits for what rank 1 never sent: its error names rank 1 and the micro-batch it waited for.
+  expect_every_rank_failed(o, 20.0, {"rank 1", "micro-batch"});
+  EXPECT_GT(o.faults, 0);
+}
+
+TEST_P(FaultInjection, AFailedSendEndsEveryRankNamingTheMessage) {
+  const Case c = GetParam();
+  FaultOptions fail;
+  fail.fault = Fault::kFailSend;
+  fail.ranks = {2};
+  fail.after_messages = 5;
+  const Outcome o = run(c.schedule, c.mode, c.pairing, fail);
+  expect_every_rank_failed(o, 20.0, {"rank 2: send of", "failed (injected fault)"});
+}
+
+TEST_P(FaultInjection, ARankThatDiesEndsEveryRankNamingIt) {
+  const Case c = GetParam();
+  FaultOptions die;
+  die.fault = Fault::kDie;
+  die.ranks = {3};
+  die.after_messages = 4;
+  const Outcome o = run(c.schedule, c.mode, c.pairing, die);
+  expect_every_rank_failed(o, 20.0, {"rank 3 died after 4 messages"});
+}
+
+TEST_P(FaultInjection, ADuplicatedMessageNeverGivesADifferentGradient) {
+  const Case c = GetParam();
+  const Outcome clean = run(c.schedule, c.mode, c.pairing, std::nullopt);
+  FaultOptions dup;
+  dup.fault = Fault::kDuplicate;
+  dup.ranks = {0};
+  dup.label_contains = "micro-batch 2";  // one activation (and, where rank 0 sends them, gradients) of step 1
+  dup.max_faults = 1;
+  const Outcome o = run(c.schedule, c.mode, c.pairing, dup, std::chrono::seconds(5));
+  EXPECT_GT(o.faults, 0);
+  if (c.pairing == Pairing::kByTag) {
+    // The copy carries the tag of its step (message_tag_span): no receive of the next step takes it.
+    for (const auto& e : o.errors) ASSERT_EQ(e, "");
+    expect_same_gradients(clean, o);
+  } else {
+    // In order, the copy takes the place of the next message on its channel: refused, naming both tags.
+    expect_every_rank_failed(o, 30.0, {"matched it with rank 0's SEND_F stage 0 micro-batch 2", "expected tag"});
+  }
+}
+
+std::string case_name(const ::testing::TestParamInfo<Case>& info) {
+  std::string name = info.param.schedule + (info.param.mode == BackwardMode::kSplit ? "_2bp" : "_standard") +
+                     (info.param.pairing == Pairing::kByTag ? "_by_tag" : "_in_order");
+  for (char& ch : name) {
+    if (ch == '-') ch = '_';
+  }
+  return name;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Schedules, FaultInjection,
+    ::testing::Values(Case{"1f1b", BackwardMode::kSplit, Pairing::kByTag},
+                      Case{"1f1b", BackwardMode::kStandard, Pairing::kInOrderPerChannel},
+                      Case{"zb-v", BackwardMode::kSplit, Pairing::kInOrderPerChannel},
+                      Case{"interleaved-1f1b", BackwardMode::kSplit, Pairing::kByTag},
+                      Case{"gpipe", BackwardMode::kStandard, Pairing::kByTag}),
+    case_name);
+
+TEST(FaultInjectionOptions, OutOfRangeIsRefused) {
+  auto t = std::move(make_local_transports(1)[0]);
+  FaultOptions bad;
+  bad.probability = 1.5;
+  EXPECT_THROW(FaultInjectingTransport(std::shared_ptr<Transport>(std::move(t)), bad), UsageError);
+}
+
+}  // namespace
+}  // namespace twobp
