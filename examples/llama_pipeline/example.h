@@ -150,7 +150,7 @@ struct StepRecord {
 struct Shared {
   std::mutex mutex;
   std::vector<StepRecord> records;
-  std::vector<twobp::Trace> traces;  // last step, per rank (threads mode)
+  std::vector<twobp::Trace> traces;  // the last step's, by world rank (gather_traces: threads or processes)
   int64_t resumed_from = 0;
   std::string energy_source, energy_note;  // rank 0's meter ("nvml", "rapl" or ""), and why it has none
   std::vector<double> optimizer_state_bytes;  // by world rank, after the last step

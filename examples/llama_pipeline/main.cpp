@@ -182,7 +182,6 @@ int run(Args args, int& argc, char**& argv) {
   }
 
   Shared shared;
-  shared.traces.resize(world);
   const bool processes = mpi || store;
   torch::set_num_threads(
       std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / std::max(1, processes ? 1 : world)));
