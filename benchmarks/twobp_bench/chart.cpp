@@ -5,22 +5,10 @@
 #include <algorithm>
 #include <cmath>
 
+#include "util/xml.h"
+
 namespace twobp::bench {
 namespace {
-
-std::string escape(const std::string& s) {
-  std::string out;
-  for (char c : s) {
-    switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&quot;"; break;
-      default: out += c;
-    }
-  }
-  return out;
-}
 
 // A value with about 3 significant digits, thousands as "k" (bars are narrow).
 std::string short_value(double v) {
@@ -74,12 +62,12 @@ std::string bar_chart_svg(const std::string& title, const std::string& unit, con
       "font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n",
       width, height);
   s += fmt::format("<text x=\"{:.0f}\" y=\"22\" font-size=\"15\" font-weight=\"bold\">{}</text>\n", left,
-                   escape(title));
+                   detail::xml_escaped(title));
   // Legend.
   double lx = left;
   for (int k = 0; k < static_cast<int>(series.size()); ++k) {
     s += fmt::format("<rect x=\"{:.0f}\" y=\"34\" width=\"14\" height=\"14\" fill=\"{}\"/>", lx, kColours[k % 5]);
-    s += fmt::format("<text x=\"{:.0f}\" y=\"45\">{}</text>\n", lx + 19, escape(series[k]));
+    s += fmt::format("<text x=\"{:.0f}\" y=\"45\">{}</text>\n", lx + 19, detail::xml_escaped(series[k]));
     lx += 30 + 8.0 * series[k].size();
   }
   // Grid and value axis.
@@ -91,7 +79,7 @@ std::string bar_chart_svg(const std::string& title, const std::string& unit, con
                      short_value(v));
   }
   s += fmt::format("<text transform=\"translate(18,{:.0f}) rotate(-90)\" text-anchor=\"middle\">{}</text>\n",
-                   top + plot_h / 2, escape(unit));
+                   top + plot_h / 2, detail::xml_escaped(unit));
   s += fmt::format("<line x1=\"{0:.0f}\" y1=\"{1:.0f}\" x2=\"{2:.0f}\" y2=\"{1:.0f}\" stroke=\"#333\"/>\n", left,
                    top + plot_h, width - right);
   // Bars.
@@ -105,17 +93,17 @@ std::string bar_chart_svg(const std::string& title, const std::string& unit, con
       group_top = std::min(group_top, y);
       s += fmt::format("<rect x=\"{:.1f}\" y=\"{:.1f}\" width=\"{:.0f}\" height=\"{:.1f}\" fill=\"{}\"><title>{} {}: "
                        "{:.6g} {}</title></rect>",
-                       bx, y, bar_w, top + plot_h - y, kColours[k % 5], escape(g.name),
-                       k < static_cast<int>(series.size()) ? escape(series[k]) : "", v, escape(unit));
+                       bx, y, bar_w, top + plot_h - y, kColours[k % 5], detail::xml_escaped(g.name),
+                       k < static_cast<int>(series.size()) ? detail::xml_escaped(series[k]) : "", v, detail::xml_escaped(unit));
       s += fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\" font-size=\"11\">{}</text>\n",
                        bx + bar_w / 2, y - 4, short_value(v));
     }
     if (!g.label.empty()) {
       s += fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\" font-weight=\"bold\">{}</text>\n",
-                       x + group_w / 2, group_top - 20, escape(g.label));
+                       x + group_w / 2, group_top - 20, detail::xml_escaped(g.label));
     }
     s += fmt::format("<text x=\"{:.1f}\" y=\"{:.0f}\" text-anchor=\"middle\">{}</text>\n", x + group_w / 2,
-                     top + plot_h + 18, escape(g.name));
+                     top + plot_h + 18, detail::xml_escaped(g.name));
     x += group_w + group_gap;
   }
   s += "</svg>\n";

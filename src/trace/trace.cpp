@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "twobp/metrics/metrics.h"
+#include "util/xml.h"
 
 namespace twobp {
 
@@ -76,21 +77,7 @@ const char* colour(ActionType t) {
 }  // namespace
 
 namespace {
-// Text for SVG: the five characters XML reserves, escaped.
-std::string xml_escaped(const std::string& text) {
-  std::string out;
-  for (char c : text) {
-    switch (c) {
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '&': out += "&amp;"; break;
-      case '"': out += "&quot;"; break;
-      case '\'': out += "&apos;"; break;
-      default: out += c;
-    }
-  }
-  return out;
-}
+using detail::xml_escaped;
 
 // A tick spacing of 1, 2 or 5 times a power of ten giving about `ticks` ticks over `span`.
 double nice_tick(double span, int ticks) {

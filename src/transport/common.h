@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -24,6 +25,9 @@ inline std::string describe_tensor(at::IntArrayRef sizes, c10::ScalarType dtype)
   out << sizes << ' ' << c10::toString(dtype);
   return out.str();
 }
+
+/// The handle of an operation that finished before it was returned (defined in transport.cpp).
+std::unique_ptr<Work> completed_work();
 
 inline std::string describe_tensor(const at::Tensor& t) { return describe_tensor(t.sizes(), t.scalar_type()); }
 

@@ -5,17 +5,12 @@
 #include <algorithm>
 #include <thread>
 
+#include "transport/common.h"
 #include "twobp/error.h"
 #include "util/check.h"
 
 namespace twobp {
 namespace {
-
-class CompletedWork final : public Work {
- public:
-  void wait(Duration) override {}
-  bool is_completed() override { return true; }
-};
 
 class FailedWork final : public Work {
  public:
@@ -91,7 +86,7 @@ std::unique_ptr<Work> FaultInjectingTransport::isend(const at::Tensor& tensor, c
       std::this_thread::sleep_for(options_.delay);
       return inner_->isend(tensor, o);
     case Fault::kDrop:
-      return std::make_unique<CompletedWork>();
+      return detail::completed_work();
     case Fault::kFailSend:
       return std::make_unique<FailedWork>(
           fmt::format("rank {}: send of {} to rank {} failed (injected fault)", rank(), o.label, o.peer));

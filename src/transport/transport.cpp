@@ -2,10 +2,11 @@
 
 #include "twobp/transport/transport.h"
 
+#include "transport/common.h"
+
 namespace twobp {
 namespace {
 
-// The handle of an operation that finished before it was returned.
 class CompletedWork final : public Work {
  public:
   void wait(Duration) override {}
@@ -14,9 +15,11 @@ class CompletedWork final : public Work {
 
 }  // namespace
 
+std::unique_ptr<Work> detail::completed_work() { return std::make_unique<CompletedWork>(); }
+
 std::unique_ptr<Work> Transport::all_reduce_sum_async(at::Tensor& tensor, Duration timeout) {
   all_reduce_sum(tensor, timeout);
-  return std::make_unique<CompletedWork>();
+  return detail::completed_work();
 }
 
 }  // namespace twobp
