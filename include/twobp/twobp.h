@@ -27,6 +27,7 @@
 #include "twobp/metrics/metrics.h"
 #include "twobp/runtime/data_parallel.h"
 #include "twobp/runtime/executor.h"
+#include "twobp/runtime/hang_report.h"
 #include "twobp/runtime/launch.h"
 #include "twobp/runtime/mpi_launch.h"
 #include "twobp/runtime/pipeline.h"
@@ -38,6 +39,7 @@
 #include "twobp/transport/launch.h"
 #include "twobp/transport/local.h"
 #include "twobp/transport/pairing.h"
+#include "twobp/transport/status_board.h"
 #include "twobp/transport/store.h"
 #include "twobp/transport/transport.h"
 // mpi.h in every build: launched_by_mpi_launcher() is part of the core; MpiEnvironment and MpiTransport are

@@ -9,12 +9,14 @@
 #include <algorithm>
 #include <atomic>
 #include <deque>
+#include <mutex>
 #include <set>
 #include <tuple>
 #include <utility>
 
 #include "runtime/boundary.h"
 #include "twobp/metrics/memory.h"
+#include "twobp/transport/status_board.h"
 #include "twobp/schedule/dependencies.h"
 #include "util/check.h"
 #include "util/failure.h"
@@ -150,6 +152,8 @@ Executor::Executor(const Schedule& schedule, int rank, std::map<int, Stage*> sta
     : schedule_(schedule), rank_(rank), stages_(std::move(stages)), transport_(transport),
       options_(std::move(options)) {
   if (!options_.run_counter) options_.run_counter = std::make_shared<std::int64_t>(0);
+  activity_ = std::make_shared<Activity>();
+  board_ = transport_.status_board();
   TWOBP_CHECK(options_.memory_limit_bytes >= 0, UsageError,
               "rank {}: the memory limit must be >= 0 bytes (0: no limit), got {}", rank_, options_.memory_limit_bytes);
   const auto& rank_actions = schedule_.actions.at(rank_);
@@ -201,7 +205,58 @@ Executor::Executor(const Schedule& schedule, int rank, std::map<int, Stage*> sta
   }
 }
 
+// Shared with the status board's reader, which may outlive the executor (the board keeps the reader of the last
+// executor that ran on this rank), so the action is kept by value.
+struct Executor::Activity {
+  mutable std::mutex mutex;
+  RankStatus::State state = RankStatus::State::kOutsideStep;
+  std::optional<Action> action;
+  int peer = -1;
+  std::int64_t run = -1;
+  Clock::time_point since = Clock::now();
+  std::string detail;
+
+  std::string text() const {
+    std::lock_guard<std::mutex> lock(mutex);
+    RankStatus s;
+    s.state = state;
+    s.action = action ? describe(*action) : std::string();
+    s.peer = peer;
+    s.run = run;
+    s.seconds = std::chrono::duration<double>(Clock::now() - since).count();
+    s.detail = detail;
+    return encode(s);
+  }
+};
+
 Executor::~Executor() = default;
+
+void Executor::note(RankStatus::State state, const Action* action, int peer, std::string detail) {
+  std::lock_guard<std::mutex> lock(activity_->mutex);
+  activity_->state = state;
+  activity_->action = action ? std::optional<Action>(*action) : std::nullopt;
+  activity_->peer = peer;
+  activity_->since = Clock::now();
+  activity_->detail = std::move(detail);
+}
+
+std::string Executor::status_text() const { return activity_->text(); }
+
+// Asks every rank of the pipeline what it is doing (bounded: a rank that cannot answer is reported as such) and
+// builds the report; empty without a board. Called on the rank whose own wait timed out, before it aborts, so the
+// abort carries the report to everyone.
+std::string Executor::hang_report_for(const std::exception& timeout) const {
+  if (!board_) return {};
+  try {
+    const std::int64_t run = tag_offset_ / message_tag_span(schedule_);
+    const auto texts = board_->collect(rank_, run, std::min(options_.timeout, Duration(3000)));
+    std::vector<std::optional<RankStatus>> statuses;
+    for (const auto& t : texts) statuses.push_back(t ? decode_rank_status(*t) : std::nullopt);
+    return board_->agree_on_report(run, hang_report(statuses, rank_));
+  } catch (const std::exception& e) {
+    return fmt::format("hang report: could not be built: {}", e.what());
+  }
+}
 
 void Executor::add_hook(Hook hook) { hooks_.push_back(std::move(hook)); }
 
@@ -417,6 +472,7 @@ void Executor::execute(Step& st, const Action& a, bool scheduled) {
     memory::reset_peak(device);
     before = memory::allocated(device).current;
   }
+  note(RankStatus::State::kComputing, &a);
   if (scheduled) {
     const bool is_recv = a.type == ActionType::kRecvForward || a.type == ActionType::kRecvBackward;
     prefetch(st, is_recv ? st.index : 0);
@@ -455,6 +511,7 @@ void Executor::execute(Step& st, const Action& a, bool scheduled) {
 // for_overlapped_pairs layout put their receives before the F), the two computations go to the hook, both outputs
 // are stored once it returns; each part gets a trace event spanning the pair, then the hooks run for each.
 void Executor::execute_pair(Step& st, const Action& f, const Action& b) {
+  note(RankStatus::State::kComputing, &f);
   prefetch(st, 0);
   Part pf = prepare(st, f, /*allow_parameters_done=*/false);
   Part pb = prepare(st, b, /*allow_parameters_done=*/false);
@@ -567,7 +624,10 @@ void Executor::post_tensors(Step& st, std::size_t index) {
   const Action& a = schedule_.actions[rank_][index];
   Step::PostedRecv& r = st.posted.at(index);
   if (r.header_work) {
+    note(RankStatus::State::kWaiting, &a, peer_rank(schedule_, a));
     r.header_work->wait(options_.timeout);
+    const auto& mine = schedule_.actions[rank_];  // back to the action that prefetched this receive
+    note(RankStatus::State::kComputing, st.index < mine.size() ? &mine[st.index] : nullptr);
     r.layout = detail::decode_header(r.header, st.where(rank_, a));
     TWOBP_CHECK(static_cast<int>(r.layout.size()) <= kMaxTensorsPerMessage, TransportError,
                 "{}: the shape header announces {} tensors, more than {}", st.where(rank_, a), r.layout.size(),
@@ -593,6 +653,7 @@ void Executor::receive(Step& st, const Action& a) {
   if (!it->second.tensors_posted) post_tensors(st, st.index);
   Step::PostedRecv r = std::move(it->second);
   st.posted.erase(it);
+  note(RankStatus::State::kWaiting, &a, peer_rank(schedule_, a));
   for (auto& w : r.works) w->wait(options_.timeout);
   const bool fwd = a.type == ActionType::kRecvForward;
   NamedTensors received;
@@ -718,7 +779,14 @@ StepResult Executor::run(const std::vector<NamedTensors>& inputs, const std::vec
   const int m = schedule_.num_micro_batches, last = schedule_.num_stages - 1;
   const auto& actions = schedule_.actions[rank_];
   // Every rank runs the same runs in the same order, so they agree on the run number without a message.
-  tag_offset_ = (*options_.run_counter)++ * message_tag_span(schedule_);
+  const std::int64_t run_number = (*options_.run_counter)++;
+  tag_offset_ = run_number * message_tag_span(schedule_);
+  {
+    std::lock_guard<std::mutex> lock(activity_->mutex);
+    activity_->run = run_number;
+  }
+  // The running executor answers for this rank (a pipeline's training and evaluation executors take turns).
+  if (board_) board_->attach(rank_, [activity = activity_] { return activity->text(); });
   Step st;
   StepResult& result = st.result;
   st.start = Clock::now();
@@ -761,6 +829,7 @@ StepResult Executor::run(const std::vector<NamedTensors>& inputs, const std::vec
       // Completed sends are retired as we go so their buffers do not pile up over a long step.
       while (!st.sends.empty() && st.sends.front().completed()) st.sends.pop_front();
     }
+    note(RankStatus::State::kWaiting, nullptr, -1, "its last sends of the step to be received");
     for (auto& s : st.sends) {
       for (auto& w : s.works) w->wait(options_.timeout);
     }
@@ -776,17 +845,31 @@ StepResult Executor::run(const std::vector<NamedTensors>& inputs, const std::vec
                   stage_ptr->live_micro_batches());
     }
   } catch (const std::exception& e) {
+    // This rank's own wait timed out (not a peer's failure): ask every rank what it is doing while they still
+    // wait, and let the abort carry the report to them.
+    std::optional<TimeoutError> reported;
+    if (dynamic_cast<const TimeoutError*>(&e) != nullptr && dynamic_cast<const RaisedOnAnotherRank*>(&e) == nullptr) {
+      const std::string report = hang_report_for(e);
+      if (!report.empty()) reported.emplace(fmt::format("{}\n{}", e.what(), report));
+    }
+    // A rank whose own wait timed out stays "waiting" on the board: that is the edge a later report needs.
+    if (dynamic_cast<const TimeoutError*>(&e) == nullptr) {
+      const std::string what = e.what();
+      note(RankStatus::State::kFailed, nullptr, -1, what.substr(0, what.find('\n')));
+    }
     for (auto& [index, stage_ptr] : stages_) stage_ptr->reset();
     st = Step{};
     // Tell every peer now: they would otherwise wait for their timeout on messages this rank will never send.
     try {
-      transport_.abort(detail::failure_reason(rank_, e));
+      transport_.abort(detail::failure_reason(rank_, reported ? static_cast<const std::exception&>(*reported) : e));
     } catch (...) {
     }
+    if (reported) throw *reported;
     // A peer's abort arrives as TransportError: re-raise it with the root cause's type (util/failure.h).
     if (std::exception_ptr root = detail::as_root_type(e)) std::rethrow_exception(root);
     throw;
   }
+  note(RankStatus::State::kOutsideStep, nullptr);
   result.trace.step_us = detail::elapsed_us(st.start);
   timeline.apply(result.trace);
   return std::move(result);

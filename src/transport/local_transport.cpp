@@ -19,6 +19,7 @@
 #include <utility>
 
 #include "transport/common.h"
+#include "twobp/transport/status_board.h"
 #include "util/check.h"
 
 namespace twobp {
@@ -126,6 +127,7 @@ struct LocalGroupState {
   }
 
   const std::shared_ptr<LocalFamily> family;
+  const std::shared_ptr<StatusBoard> board = make_in_process_status_board(world);
 
   bool aborted() const { return family->aborted.load(); }
 
@@ -305,6 +307,8 @@ LocalTransport::~LocalTransport() = default;
 int LocalTransport::world_size() const { return state_->world; }
 
 bool LocalTransport::ranks_share_process() const { return state_->family->ranks > 1; }
+
+std::shared_ptr<StatusBoard> LocalTransport::status_board() const { return state_->board; }
 
 int LocalTransport::ranks_sharing_device() const {
   const auto& all = state_->family->devices;

@@ -7,12 +7,17 @@
 #include <fmt/format.h>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <condition_variable>
 #include <cstring>
 #include <map>
+#include <mutex>
+#include <optional>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include "transport/common.h"
+#include "twobp/transport/status_board.h"
 #include "util/check.h"
 
 namespace twobp {
@@ -46,6 +51,121 @@ bool unpack_header(const std::vector<std::uint8_t>& v, c10::ScalarType* dtype, s
   return true;
 }
 
+// The store's status board. A rank whose wait timed out publishes its own status under
+// "<prefix>/status/<incident>/<rank>" and asks the others ("<prefix>/status/ask" = incident). Each process
+// answers from a thread of its own that looks for the question every 200 ms while a reader is attached (like
+// c10d's heartbeat monitor), so a rank stuck in compute answers too; a dead one never does, and collect() leaves
+// it nullopt. The cost while nothing stalls: one store lookup per rank every 200 ms.
+class StoreStatusBoard final : public StatusBoard {
+ public:
+  StoreStatusBoard(c10::intrusive_ptr<c10d::Store> store, std::string prefix, int world)
+      : store_(std::move(store)), prefix_(std::move(prefix)), world_(world) {}
+
+  ~StoreStatusBoard() override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    if (watcher_.joinable()) watcher_.join();
+  }
+
+  void attach(int rank, Reader reader) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    rank_ = rank;
+    reader_ = std::move(reader);
+    if (!watcher_.joinable()) watcher_ = std::thread([this] { watch(); });
+  }
+
+  void detach(int rank) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (rank == rank_) reader_ = nullptr;
+  }
+
+  std::vector<std::optional<std::string>> collect(int rank, std::int64_t incident, Duration wait) override {
+    std::vector<std::optional<std::string>> out(static_cast<std::size_t>(world_));
+    try {
+      answer(incident);
+      const std::string ask = std::to_string(incident);
+      store_->set(ask_key(), std::vector<std::uint8_t>(ask.begin(), ask.end()));
+      const auto deadline = Clock::now() + wait;
+      for (;;) {
+        bool all = true;
+        for (int r = 0; r < world_; ++r) {
+          auto& slot = out[static_cast<std::size_t>(r)];
+          if (slot) continue;
+          const std::string k = status_key(incident, r);
+          if (store_->check({k})) {
+            const auto v = store_->get(k);
+            slot = std::string(v.begin(), v.end());
+          } else {
+            all = false;
+          }
+        }
+        if (all || Clock::now() >= deadline) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    } catch (const std::exception&) {
+      // The store is gone (rank 0 died): report what was gathered; the others count as not answering.
+    }
+    (void)rank;
+    return out;
+  }
+
+  std::string agree_on_report(std::int64_t incident, const std::string& report) override {
+    try {
+      // compareSet with an empty expected value sets only a missing key, and returns what the key then holds.
+      const auto v = store_->compareSet(fmt::format("{}/status/{}/report", prefix_, incident), {},
+                                        std::vector<std::uint8_t>(report.begin(), report.end()));
+      return std::string(v.begin(), v.end());
+    } catch (const std::exception&) {
+      return report;  // the store is gone: this rank's own report
+    }
+  }
+
+ private:
+  std::string ask_key() const { return prefix_ + "/status/ask"; }
+  std::string status_key(std::int64_t incident, int rank) const {
+    return fmt::format("{}/status/{}/{}", prefix_, incident, rank);
+  }
+
+  // Publishes this rank's status for `incident` (once).
+  void answer(std::int64_t incident) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!reader_ || incident == answered_) return;
+    const std::string status = reader_();
+    store_->set(status_key(incident, rank_), std::vector<std::uint8_t>(status.begin(), status.end()));
+    answered_ = incident;
+  }
+
+  void watch() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (!wake_.wait_for(lock, std::chrono::milliseconds(200), [this] { return stop_; })) {
+      lock.unlock();
+      try {
+        if (store_->check({ask_key()})) {
+          const auto v = store_->get(ask_key());
+          answer(std::stoll(std::string(v.begin(), v.end())));
+        }
+      } catch (const std::exception&) {
+        // The store is gone or the question unreadable: nothing to answer; the job ends through its own errors.
+      }
+      lock.lock();
+    }
+  }
+
+  const c10::intrusive_ptr<c10d::Store> store_;
+  const std::string prefix_;
+  const int world_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  bool stop_ = false;
+  std::thread watcher_;
+  int rank_ = -1;
+  Reader reader_;
+  std::int64_t answered_ = -1;
+};
+
 }  // namespace
 
 struct StoreTransport::Impl {
@@ -60,6 +180,7 @@ struct StoreTransport::Impl {
   std::int64_t splits = 0;  // split() calls so far: with the color, names a group's key prefix
   std::string name;         // empty: "rank <rank>"; in a group: "rank 1 (group color 0, rank 2 in the parent)"
   bool is_group = false;    // a group shares its parent's store and does not serve it
+  std::shared_ptr<StoreStatusBoard> board;  // under prefix: a group's never meets its parent's
 
   std::string who() const { return name.empty() ? fmt::format("rank {}", rank) : name; }
 
@@ -182,21 +303,27 @@ StoreTransport::StoreTransport(const LaunchEnv& env, StoreOptions options) : imp
                                   env.rank, env.rank == 0 ? "serve" : "reach", env.master_addr, env.master_port,
                                   options.connect_timeout.count(), e.what_without_backtrace());
   }
+  im.board = std::make_shared<StoreStatusBoard>(im.store, im.prefix, im.world);
   barrier(options.connect_timeout);
 }
 
 StoreTransport::~StoreTransport() {
   // Rank 0's process serves the store: it must outlive the other ranks' last reads. Every rank checks out; rank 0
-  // waits (bounded: a crashed rank never checks out) until all did or some rank aborted.
+  // waits (bounded: a crashed rank never checks out) until all did -- for at most 10 s, and at most 5 s once some
+  // rank aborted: the others still read the abort, and agree on a hang report, through the store.
   auto& im = *impl_;
   if (im.is_group) return;  // the parent's destructor keeps the store alive for everyone
   try {
     im.store->add(im.key("checked_out"), 1);
     if (im.rank != 0) return;
-    const auto deadline = Clock::now() + Duration(10000);
+    auto deadline = Clock::now() + Duration(10000);
+    bool aborted = false;
     detail::Backoff backoff(std::chrono::microseconds(2000));
-    while (im.store->add(im.key("checked_out"), 0) < im.world && !im.store->check({im.abort_key()}) &&
-           Clock::now() < deadline) {
+    while (im.store->add(im.key("checked_out"), 0) < im.world && Clock::now() < deadline) {
+      if (!aborted && im.store->check({im.abort_key()})) {
+        aborted = true;
+        deadline = std::min(deadline, Clock::now() + Duration(5000));
+      }
       backoff.pause();
     }
   } catch (const std::exception&) {
@@ -326,8 +453,11 @@ std::unique_ptr<Transport> StoreTransport::split(int color, int key, Duration ti
   child->store = im.store;
   child->name = detail::group_member_name(child->rank, color, im.who());
   child->is_group = true;
+  child->board = std::make_shared<StoreStatusBoard>(child->store, child->prefix, child->world);
   return std::unique_ptr<Transport>(new StoreTransport(std::move(child)));
 }
+
+std::shared_ptr<StatusBoard> StoreTransport::status_board() const { return impl_->board; }
 
 void StoreTransport::abort(const std::string& reason) {
   auto& im = *impl_;

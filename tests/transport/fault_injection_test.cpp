@@ -1,11 +1,13 @@
 // Faults in the messages of a pipeline, through FaultInjectingTransport over the Local transport (by tag and in
 // order): a job either ends with the gradients of a fault-free run, or every rank ends within its timeout with an
 // error naming the rank, the peer and the message. Never a hang, never a silently different gradient.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <chrono>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/pipeline_fixtures.h"
@@ -32,9 +34,18 @@ struct Outcome {
   int64_t faults = 0;                          // faults injected over all ranks
 };
 
+// A stall that is no message fault: a forward that takes too long, or a caller that stops calling step().
+struct Stall {
+  int stage = -1;           // the forward of this stage ...
+  int call = 0;             // ... on its call-th call (0-based, counted over the run) ...
+  double seconds = 0;       // ... sleeps this long
+  int quit_rank = -1;       // this rank's caller returns instead of calling step() ...
+  int quit_before_step = 0; // ... for this step
+};
+
 // kSteps steps of `schedule` over kRanks thread ranks, each transport wrapped with `fault` (none: not wrapped).
 Outcome run(const std::string& schedule_name, BackwardMode mode, Pairing pairing, std::optional<FaultOptions> fault,
-            Duration timeout = std::chrono::seconds(60)) {
+            Duration timeout = std::chrono::seconds(60), Stall stall = {}) {
   testing::Float64Default float64;
   const Schedule schedule = make_schedule(
       schedule_name, default_schedule_options(schedule_name, kRanks, kMicroBatches, mode));
@@ -68,7 +79,13 @@ Outcome run(const std::string& schedule_name, BackwardMode mode, Pairing pairing
       auto module = testing::make_chunk(s);  // on this thread: the chunks' initialisers share one generator
       modules[r].push_back(module);
       auto* raw = module.get();
-      chunks.push_back({s, module, [raw, s](const at::Tensor& x) { return testing::run_chunk(*raw, s, x); }});
+      auto calls = std::make_shared<int>(0);  // this chunk's forwards so far (run on its rank's thread only)
+      chunks.push_back({s, module, [raw, s, calls, stall](const at::Tensor& x) {
+                          if (s == stall.stage && (*calls)++ == stall.call) {
+                            std::this_thread::sleep_for(std::chrono::duration<double>(stall.seconds));
+                          }
+                          return testing::run_chunk(*raw, s, x);
+                        }});
     }
     pipelines.push_back(std::make_unique<Pipeline>(schedule, std::move(chunks), transports[r], options));
   }
@@ -80,6 +97,7 @@ Outcome run(const std::string& schedule_name, BackwardMode mode, Pairing pairing
   const RankErrors errors = run_rank_threads(raw, [&](Transport& t) {
     Pipeline& p = *pipelines[t.rank()];
     for (int step = 0; step < kSteps; ++step) {
+      if (t.rank() == stall.quit_rank && step == stall.quit_before_step) return;
       p.zero_grad();
       // Other inputs every step: a message of one step taken for another's would change the gradients.
       StepResult result = p.step(inputs * (step + 1), targets);
@@ -151,6 +169,80 @@ TEST_P(FaultInjection, ALostMessageEndsEveryRankWithinTheTimeoutNamingIt) {
   // Rank 2 waits for what rank 1 never sent: its error names rank 1 and the micro-batch it waited for.
   expect_every_rank_failed(o, 20.0, {"rank 1", "micro-batch"});
   EXPECT_GT(o.faults, 0);
+}
+
+// The hang report (twobp/runtime/hang_report.h) that rides in every rank's error: the same text on every rank.
+std::string same_report_on_every_rank(const Outcome& o) {
+  std::string first;
+  for (int r = 0; r < kRanks; ++r) {
+    const auto at = o.errors[r].find("hang report (");
+    EXPECT_NE(at, std::string::npos) << "rank " << r << ": " << o.errors[r];
+    if (at == std::string::npos) return "";
+    const std::string report = o.errors[r].substr(at);
+    if (r == 0) first = report;
+    EXPECT_EQ(report, first) << "rank " << r;
+  }
+  return first;
+}
+
+TEST_P(FaultInjection, ALostMessageGivesOneHangReportNamingBothEnds) {
+  const Case c = GetParam();
+  FaultOptions drop;
+  drop.fault = Fault::kDrop;
+  drop.ranks = {1};
+  drop.peer = 2;
+  drop.after_messages = 3;
+  drop.probability = 1.0;
+  const Outcome o = run(c.schedule, c.mode, c.pairing, drop, std::chrono::milliseconds(1500));
+  const std::string report = same_report_on_every_rank(o);
+  const std::string verdict = report.substr(0, report.find('\n'));
+  // Rank 2 waits for rank 1's message; rank 1 either finished its part (the message was lost) or waits in turn,
+  // directly or around the ring of an interleaved schedule, on rank 2: a cycle through the edge 2 -> 1.
+  const bool finished =
+      verdict.find("rank 1 finished its part of run 0: a message it sent was lost") != std::string::npos;
+  const bool cycle = verdict.find("wait on each other in a cycle: a message between them was lost") !=
+                         std::string::npos &&
+                     verdict.find("2 -> 1") != std::string::npos;
+  EXPECT_TRUE(finished || cycle) << report;
+  EXPECT_NE(report.find("rank 2: waiting"), std::string::npos) << report;
+  EXPECT_NE(report.find("from rank 1 (run 0)"), std::string::npos) << report;
+}
+
+TEST_P(FaultInjection, AComputationStuckPastTheTimeoutIsNamedByEveryRank) {
+  const Case c = GetParam();
+  const Schedule schedule =
+      make_schedule(c.schedule, default_schedule_options(c.schedule, kRanks, kMicroBatches, c.mode));
+  Stall stall;
+  stall.stage = schedule.num_stages - 1;  // the last stage's second forward of the first step
+  stall.call = 1;
+  stall.seconds = 3.0;
+  const Outcome o = run(c.schedule, c.mode, c.pairing, std::nullopt, std::chrono::milliseconds(1000), stall);
+  const std::string report = same_report_on_every_rank(o);
+  const int owner = schedule.stage_to_rank[stall.stage];
+  EXPECT_NE(report.substr(0, report.find('\n'))
+                .find(fmt::format("rank {} is computing F stage {} micro-batch 1 for", owner, stall.stage)),
+            std::string::npos)
+      << report;
+  EXPECT_LT(o.seconds, 15.0);
+}
+
+TEST_P(FaultInjection, ACallerThatStopsCallingStepIsNamedByEveryRank) {
+  const Case c = GetParam();
+  Stall stall;
+  stall.quit_rank = 2;
+  stall.quit_before_step = 1;
+  const Outcome o = run(c.schedule, c.mode, c.pairing, std::nullopt, std::chrono::milliseconds(1000), stall);
+  // Rank 2 returned without an error; every other rank fails with the same report naming it.
+  EXPECT_EQ(o.errors[2], "");
+  std::string first;
+  for (int r : {0, 1, 3}) {
+    const auto at = o.errors[r].find("hang report (");
+    ASSERT_NE(at, std::string::npos) << "rank " << r << ": " << o.errors[r];
+    const std::string report = o.errors[r].substr(at);
+    if (first.empty()) first = report;
+    EXPECT_EQ(report, first) << "rank " << r;
+  }
+  EXPECT_NE(first.find("rank 2 has not started run 1 (it ended run 0"), std::string::npos) << first;
 }
 
 TEST_P(FaultInjection, AFailedSendEndsEveryRankNamingTheMessage) {

@@ -4,9 +4,14 @@
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <chrono>
+#include <csignal>
+#include <cstdio>
 #include <cstdlib>
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -153,6 +158,52 @@ TEST(StoreTransportProcesses, AsynchronousAllReduces) { expect_all_passed("async
 TEST(StoreTransportProcesses, PeerThatNeverSplitsTimesOut) { expect_all_passed("split_timeout", 4); }
 TEST(StoreTransportProcesses, AbortInAGroupIsSeenByItsMembers) { expect_all_passed("group_abort", 4); }
 
+// The hang report across processes: the ranks that are alive agree on one report through the store, which
+// names a killed rank as not answering and a rank stuck in compute by its action (its process answers from the
+// board's own thread). Each child writes the report it got to a file; all must be equal.
+std::vector<std::string> hang_reports(const std::string& scenario, int world) {
+  // std::filesystem is avoided here: the torch wheel's libtorch.so exports a copy of it that crashes when called.
+  std::string pattern = ::testing::TempDir() + "/twobp_hang_XXXXXX";
+  const char* made = ::mkdtemp(pattern.data());
+  EXPECT_NE(made, nullptr) << "mkdtemp " << pattern;
+  if (made == nullptr) return std::vector<std::string>(static_cast<std::size_t>(world));
+  const std::string dir = made;
+  const auto codes = testing::run_processes("StoreTransportRank.Run", scenario, world, std::chrono::seconds(60),
+                                            [&](int) { return std::vector<std::string>{"TWOBP_TEST_OUT=" + dir}; });
+  std::vector<std::string> reports;
+  for (int r = 0; r < world; ++r) {
+    const std::string file = dir + "/rank" + std::to_string(r) + ".txt";
+    std::ifstream in(file);
+    std::stringstream text;
+    text << in.rdbuf();
+    reports.push_back(text.str());
+    std::remove(file.c_str());
+    if (codes[r] != -9) EXPECT_EQ(codes[r], 0) << "scenario " << scenario << ", rank " << r;
+  }
+  ::rmdir(dir.c_str());
+  return reports;
+}
+
+void expect_one_report(const std::vector<std::string>& reports, const std::vector<int>& ranks,
+                       const std::string& verdict) {
+  for (int r : ranks) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_EQ(reports[r], reports[ranks.front()]);
+    EXPECT_NE(reports[r].substr(0, reports[r].find('\n')).find(verdict), std::string::npos) << reports[r];
+  }
+}
+
+TEST(StoreTransportProcesses, AKilledRankIsNamedInOneHangReport) {
+  const auto reports = hang_reports("hang_killed", 4);
+  expect_one_report(reports, {0, 1, 2}, "rank 3 did not answer: it is dead");
+  EXPECT_EQ(reports[3], "") << "rank 3 was killed before it could write";
+}
+
+TEST(StoreTransportProcesses, ARankStuckInComputeIsNamedInOneHangReport) {
+  const auto reports = hang_reports("hang_compute", 4);
+  expect_one_report(reports, {0, 1, 2, 3}, "rank 3 is computing F stage 3 micro-batch 1 for");
+}
+
 // ---- what each child process runs ----
 
 void collectives(StoreTransport& t) {
@@ -246,6 +297,44 @@ void abort_scenario(StoreTransport& t) {
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5)) << "an abort must be seen at once";
 }
 
+// 4 ranks, 1F1B over 4 stages; rank 3 is killed at its first forward (hang_killed) or sleeps past the timeout in
+// its second (hang_compute). Writes the hang report its error carried to $TWOBP_TEST_OUT/rank<r>.txt.
+void hang_scenario(std::shared_ptr<StoreTransport> t, bool killed) {
+  using namespace testing;
+  Float64Default float64;
+  const int m = 4, me = t->rank();
+  auto schedule = make_schedule("1f1b", ScheduleOptions{4, m, 1, BackwardMode::kSplit});
+  torch::manual_seed(11);
+  auto inputs = torch::randn({m * kMicroBatchSize, kDim}), targets = torch::randn({m * kMicroBatchSize, kDim});
+  auto module = make_chunk(me);
+  PipelineOptions o;
+  o.timeout = Duration(1500);
+  o.loss = mse;
+  o.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim}, at::kDouble}; };
+  auto calls = std::make_shared<int>(0);
+  Pipeline p(schedule,
+             {{me, module,
+               [raw = module.get(), me, calls, killed](const at::Tensor& x) {
+                 if (me == 3 && killed) ::raise(SIGKILL);
+                 if (me == 3 && (*calls)++ == 1) std::this_thread::sleep_for(std::chrono::seconds(4));
+                 return run_chunk(*raw, me, x);
+               }}},
+             t, o);
+  std::string report;
+  try {
+    p.step(inputs, targets);
+    ADD_FAILURE() << "the step should have failed";
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    const auto at = what.find("hang report (");
+    EXPECT_NE(at, std::string::npos) << what;
+    if (at != std::string::npos) report = what.substr(at);
+  }
+  const char* out = std::getenv("TWOBP_TEST_OUT");
+  ASSERT_NE(out, nullptr);
+  std::ofstream(std::string(out) + "/rank" + std::to_string(me) + ".txt") << report;
+}
+
 TEST(StoreTransportRank, Run) {
   const char* scenario = std::getenv("TWOBP_TEST_SCENARIO");
   if (scenario == nullptr) GTEST_SKIP() << "runs only as a child process of the StoreTransportProcesses tests";
@@ -267,6 +356,7 @@ TEST(StoreTransportRank, Run) {
   if (s == "async_all_reduce") testing::check_async_all_reduce(*t, kLong);
   if (s == "split_timeout") testing::check_split_timeout(*t, Duration(1000));
   if (s == "group_abort") testing::check_group_abort(*t, kLong, /*reaches_other_groups=*/false);
+  if (s == "hang_killed" || s == "hang_compute") hang_scenario(t, s == "hang_killed");
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 
 #include "twobp/schedule/dependencies.h"
 #include "twobp/schedule/schedule.h"
+#include "twobp/runtime/hang_report.h"
 #include "twobp/stage.h"
 #include "twobp/trace/trace.h"
 #include "twobp/transport/transport.h"
@@ -157,6 +158,12 @@ class Executor {
   BoundarySpec fixed_spec(int boundary) const;
   NamedTensors take(Step& st, const ItemRef& item, const Action& a);
   Stage& stage(const Action& a);
+  // What this rank is doing, for the hang report (twobp/runtime/hang_report.h): set at every action and wait
+  // (a mutex and a few stores; nothing is formatted until a report asks), read through the transport's board.
+  struct Activity;
+  void note(RankStatus::State state, const Action* action, int peer = -1, std::string detail = {});
+  std::string status_text() const;
+  std::string hang_report_for(const std::exception& timeout) const;
 
   const Schedule& schedule_;
   int rank_;
@@ -168,6 +175,8 @@ class Executor {
   std::vector<std::size_t> recv_actions_;  // indices of RECV_* in this rank's action list
   // Memory-bounded 2BP: per MemoryKey, the most tensor memory one such action added while it ran, and by its end.
   std::map<MemoryKey, int64_t> memory_rise_, memory_added_;
+  std::shared_ptr<Activity> activity_;  // shared with the board's reader, which may outlive this executor
+  std::shared_ptr<StatusBoard> board_;  // the transport's; null: no hang report
 };
 
 }  // namespace twobp

@@ -58,6 +58,7 @@ class FaultInjectingTransport final : public Transport {
   Pairing pairing() const override { return inner_->pairing(); }
   bool ranks_share_process() const override { return inner_->ranks_share_process(); }
   int ranks_sharing_device() const override { return inner_->ranks_sharing_device(); }
+  std::shared_ptr<StatusBoard> status_board() const override { return inner_->status_board(); }
 
   std::unique_ptr<Work> isend(const at::Tensor& tensor, const P2POptions& options) override;
   std::unique_ptr<Work> irecv(at::Tensor& buffer, const P2POptions& options) override;

@@ -76,6 +76,8 @@ class LocalTransport final : public Transport {
   bool ranks_share_process() const override;
   /// The rank threads of the LocalTransportGroup the family started from whose device is this rank's device.
   int ranks_sharing_device() const override;
+  /// In-process: the hang report reads every rank of the group directly.
+  std::shared_ptr<StatusBoard> status_board() const override;
 
   std::unique_ptr<Work> isend(const at::Tensor& tensor, const P2POptions& options) override;
   std::unique_ptr<Work> irecv(at::Tensor& buffer, const P2POptions& options) override;

@@ -58,6 +58,8 @@ class StoreTransport final : public Transport {
   void broadcast(at::Tensor& tensor, int root, Duration timeout) override;
   std::unique_ptr<Transport> split(int color, int key, Duration timeout) override;
   void abort(const std::string& reason) override;
+  /// Through the store: see StoreStatusBoard in store_transport.cpp.
+  std::shared_ptr<StatusBoard> status_board() const override;
 
   struct Impl;
 

@@ -14,6 +14,8 @@
 
 namespace twobp {
 
+class StatusBoard;  // twobp/transport/status_board.h
+
 using Clock = std::chrono::steady_clock;
 using Duration = std::chrono::milliseconds;
 
@@ -67,6 +69,10 @@ class Transport {
   /// recording on such a device is refused, and energy is divided among them. Ranks in other processes are not
   /// counted (a process has allocator statistics of its own; their energy readings are not divided).
   virtual int ranks_sharing_device() const { return 1; }
+  /// Where this group's ranks tell each other what they are doing when a step stalls, for the hang report
+  /// (twobp/runtime/hang_report.h). Local: in-process; Store: through the store; null for transports that have
+  /// none (MPI, NCCL), whose ranks then report only their own wait.
+  virtual std::shared_ptr<StatusBoard> status_board() const { return nullptr; }
 
   /// Sends `tensor` (contiguous) to options.peer. The tensor must not be modified until wait() returned.
   virtual std::unique_ptr<Work> isend(const at::Tensor& tensor, const P2POptions& options) = 0;

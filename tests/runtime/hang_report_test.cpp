@@ -1,0 +1,143 @@
+// The hang report as a function of what each rank was doing: the verdict follows who waits on whom, for every
+// kind of end of a chain (a dead rank, one in compute, one outside the step before or after it, one that failed,
+// one waiting on no rank) and for cycles, whatever the number of ranks and wherever the chain starts.
+#include "twobp/runtime/hang_report.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace twobp {
+namespace {
+
+using State = RankStatus::State;
+using Statuses = std::vector<std::optional<RankStatus>>;
+
+RankStatus waiting(int peer, const std::string& action, std::int64_t run = 4) {
+  return RankStatus{State::kWaiting, action, peer, run, 1.25, ""};
+}
+
+// p ranks in a chain 0 -> 1 -> ... -> p-2, all waiting on the next for a gradient, and `last` at the end.
+Statuses chain(int p, std::optional<RankStatus> last) {
+  Statuses s;
+  for (int r = 0; r + 1 < p; ++r) {
+    s.push_back(waiting(r + 1, "RECV_B stage " + std::to_string(r) + " micro-batch 1"));
+  }
+  s.push_back(std::move(last));
+  return s;
+}
+
+std::string verdict(const std::string& report) { return report.substr(0, report.find('\n')); }
+
+TEST(HangReport, StatusesRoundTripThroughText) {
+  for (const RankStatus& s : {RankStatus{State::kWaiting, "RECV_F stage 2 micro-batch 7", 1, 12, 3.5, ""},
+                              RankStatus{State::kComputing, "W stage 0 micro-batch 0", -1, 0, 0.0, ""},
+                              RankStatus{State::kFailed, "", -1, 3, 2.0, "rank 1: \"quoted\"\nnew line"},
+                              RankStatus{}}) {
+    const auto back = decode_rank_status(encode(s));
+    ASSERT_TRUE(back);
+    EXPECT_EQ(back->state, s.state);
+    EXPECT_EQ(back->action, s.action);
+    EXPECT_EQ(back->peer, s.peer);
+    EXPECT_EQ(back->run, s.run);
+    EXPECT_EQ(back->seconds, s.seconds);
+    EXPECT_EQ(back->detail, s.detail);
+  }
+  for (const char* bad : {"", "null", "{}", "[1,2]", "{\"state\":\"sleeping\",\"action\":\"\",\"peer\":-1,"
+                                                      "\"run\":0,\"seconds\":0,\"detail\":\"\"}", "not json"}) {
+    EXPECT_FALSE(decode_rank_status(bad)) << bad;
+  }
+}
+
+TEST(HangReport, NamesTheRankAtTheEndOfEveryChain) {
+  for (int p : {2, 3, 4, 8}) {
+    SCOPED_TRACE("ranks " + std::to_string(p));
+    const int end = p - 1;
+    const std::string who = "rank " + std::to_string(end);
+    // Dead (or unreachable): no answer.
+    auto r = hang_report(chain(p, std::nullopt), 0);
+    EXPECT_NE(verdict(r).find(who + " did not answer: it is dead"), std::string::npos) << r;
+    EXPECT_NE(r.find("  " + who + ": did not answer"), std::string::npos) << r;
+    // Stuck in compute.
+    r = hang_report(chain(p, RankStatus{State::kComputing, "F stage 3 micro-batch 2", -1, 4, 9.5, ""}), end - 1);
+    EXPECT_NE(verdict(r).find(who + " is computing F stage 3 micro-batch 2 for 9.5 s and waits for no message"),
+              std::string::npos)
+        << r;
+    // Finished its part of the same run: what it sent went missing.
+    r = hang_report(chain(p, RankStatus{State::kOutsideStep, "", -1, 4, 0.5, ""}), 0);
+    EXPECT_NE(verdict(r).find(who + " finished its part of run 4: a message it sent was lost"), std::string::npos)
+        << r;
+    // Still before the run: its caller has not called step().
+    r = hang_report(chain(p, RankStatus{State::kOutsideStep, "", -1, 3, 2.0, ""}), 0);
+    EXPECT_NE(verdict(r).find(who + " has not started run 4 (it ended run 3 2.0 s ago): its caller has not called"),
+              std::string::npos)
+        << r;
+    r = hang_report(chain(p, RankStatus{}), 0);
+    EXPECT_NE(verdict(r).find(who + " has not started run 4 (it has run no step yet)"), std::string::npos) << r;
+    // Failed, and waiting on something that is no rank.
+    r = hang_report(chain(p, RankStatus{State::kFailed, "", -1, 4, 0.1, "NumericalError: loss is nan"}), 0);
+    EXPECT_NE(verdict(r).find(who + " failed: NumericalError: loss is nan"), std::string::npos) << r;
+    r = hang_report(chain(p, RankStatus{State::kWaiting, "", -1, 4, 1.0, "its last sends of the step"}), 0);
+    EXPECT_NE(verdict(r).find(who + " is waiting for its last sends of the step and for no other rank"),
+              std::string::npos)
+        << r;
+    // One line per rank, the reporter named, the waits described with their peer.
+    EXPECT_NE(r.find("hang report (by rank 0, " + std::to_string(p) + " ranks)"), std::string::npos) << r;
+    EXPECT_EQ(static_cast<int>(std::count(r.begin(), r.end(), '\n')), p);
+    EXPECT_NE(r.find("rank 0: waiting 1.2 s for RECV_B stage 0 micro-batch 1 from rank 1 (run 4)"),
+              std::string::npos)
+        << r;
+  }
+}
+
+TEST(HangReport, TheVerdictDoesNotDependOnWhoReports) {
+  const Statuses s = chain(4, RankStatus{State::kComputing, "B stage 3 micro-batch 0", -1, 4, 3.0, ""});
+  const std::string first = verdict(hang_report(s, 0));
+  for (int reporter : {1, 2, 3}) {
+    std::string v = verdict(hang_report(s, reporter));
+    v.replace(v.find("by rank " + std::to_string(reporter)), 9, "by rank 0");
+    EXPECT_EQ(v, first);
+  }
+}
+
+TEST(HangReport, TwoChainsEndingAtTwoRanksNameBoth) {
+  // 0 -> 1 (computing), 2 -> 3 (dead): both ends are named, in rank order.
+  const Statuses s{waiting(1, "RECV_F stage 0 micro-batch 0"),
+                   RankStatus{State::kComputing, "F stage 1 micro-batch 0", -1, 4, 2.0, ""},
+                   waiting(3, "RECV_B stage 2 micro-batch 0"), std::nullopt};
+  const std::string v = verdict(hang_report(s, 0));
+  const auto one = v.find("rank 1 is computing"), three = v.find("rank 3 did not answer");
+  ASSERT_NE(one, std::string::npos) << v;
+  ASSERT_NE(three, std::string::npos) << v;
+  EXPECT_LT(one, three);
+}
+
+TEST(HangReport, ACycleOfWaitsIsADeadlock) {
+  for (int p : {2, 3, 5}) {
+    Statuses s;
+    for (int r = 0; r < p; ++r) s.push_back(waiting((r + 1) % p, "RECV_F stage 0 micro-batch 0"));
+    const std::string v = verdict(hang_report(s, p - 1));
+    std::string ring;
+    for (int r = 0; r <= p; ++r) ring += (r ? " -> " : "") + std::to_string(r % p);
+    EXPECT_NE(v.find("ranks " + ring + " wait on each other in a cycle"), std::string::npos) << v;
+  }
+  // A chain into a cycle names the cycle once, starting at its lowest rank.
+  const Statuses s{waiting(1, "a"), waiting(2, "b"), waiting(1, "c")};
+  const std::string v = verdict(hang_report(s, 0));
+  EXPECT_NE(v.find("ranks 1 -> 2 -> 1 wait on each other"), std::string::npos) << v;
+  EXPECT_EQ(v.find("ranks 2 -> 1"), std::string::npos) << v;
+}
+
+TEST(HangReport, NobodyWaitingIsSaidSo) {
+  const Statuses s{RankStatus{}, RankStatus{State::kComputing, "F stage 1 micro-batch 0", -1, 0, 1.0, ""}};
+  EXPECT_NE(hang_report(s, 0).find("no rank waits for another"), std::string::npos);
+  // A peer outside the group is no edge.
+  const Statuses out_of_range{waiting(7, "RECV_F stage 0 micro-batch 0"), RankStatus{}};
+  EXPECT_NE(hang_report(out_of_range, 0).find("no rank waits for another"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace twobp
