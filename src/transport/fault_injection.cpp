@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <future>
 #include <thread>
 
 #include "transport/common.h"
@@ -37,6 +38,27 @@ class BothWork final : public Work {
   std::unique_ptr<Work> first_, second_;
 };
 
+// A send held back on a thread of its own (kReorder): complete once it was posted and its inner send completed.
+class HeldWork final : public Work {
+ public:
+  explicit HeldWork(std::shared_future<std::shared_ptr<Work>> posted) : posted_(std::move(posted)) {}
+  void wait(Duration timeout) override {
+    const auto deadline = Clock::now() + timeout;
+    if (posted_.wait_until(deadline) != std::future_status::ready) {
+      throw TimeoutError(fmt::format("a held-back send (injected reorder) was not posted within {} ms",
+                                     timeout.count()));
+    }
+    posted_.get()->wait(std::chrono::duration_cast<Duration>(std::max(deadline - Clock::now(), Clock::duration(0))));
+  }
+  bool is_completed() override {
+    if (posted_.wait_for(std::chrono::seconds(0)) != std::future_status::ready) return false;
+    return posted_.get()->is_completed();
+  }
+
+ private:
+  std::shared_future<std::shared_ptr<Work>> posted_;
+};
+
 }  // namespace
 
 const char* to_string(Fault fault) {
@@ -46,6 +68,7 @@ const char* to_string(Fault fault) {
     case Fault::kFailSend: return "fail-send";
     case Fault::kDie: return "die";
     case Fault::kDuplicate: return "duplicate";
+    case Fault::kReorder: return "reorder";
   }
   return "?";
 }
@@ -79,6 +102,18 @@ std::unique_ptr<Work> FaultInjectingTransport::isend(const at::Tensor& tensor, c
   ++sends_;
   TWOBP_CHECK(!dead_, TransportError, "rank {} is dead (injected fault), cannot send {} to rank {}", rank(), o.label,
               o.peer);
+  // In-order pairing: a send never overtakes a held one on its own channel (the contract forbids it).
+  const bool in_order = pairing() == Pairing::kInOrderPerChannel;
+  if (in_order) {
+    auto held = held_.find({o.peer, o.channel});
+    if (held != held_.end()) {
+      if (held->second.wait_for(o.timeout) != std::future_status::ready) {
+        throw TimeoutError(fmt::format("rank {}: {} waited more than {} ms behind a held-back send (injected "
+                                       "reorder)", rank(), o.label, o.timeout.count()));
+      }
+      held_.erase(held);
+    }
+  }
   if (!chosen(o)) return inner_->isend(tensor, o);
   ++faults_;
   switch (options_.fault) {
@@ -100,6 +135,16 @@ std::unique_ptr<Work> FaultInjectingTransport::isend(const at::Tensor& tensor, c
     case Fault::kDuplicate: {
       auto first = inner_->isend(tensor, o);
       return std::make_unique<BothWork>(std::move(first), inner_->isend(tensor, o));
+    }
+    case Fault::kReorder: {
+      // The inner transport must take sends from two threads: Local and Store do; MPI serializes its calls.
+      std::shared_future<std::shared_ptr<Work>> posted =
+          std::async(std::launch::async, [inner = inner_, tensor, o, delay = options_.delay] {
+            std::this_thread::sleep_for(delay);
+            return std::shared_ptr<Work>(inner->isend(tensor, o));
+          }).share();
+      if (in_order) held_[{o.peer, o.channel}] = posted;
+      return std::make_unique<HeldWork>(std::move(posted));
     }
   }
   return inner_->isend(tensor, o);

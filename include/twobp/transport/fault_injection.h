@@ -11,6 +11,10 @@
 //   kDuplicate  a chosen send is delivered twice                           -> same results (by-tag pairing: the copy
 //                                                                             is never matched), or every rank fails
 //                                                                             naming both tags (in-order pairing)
+//   kReorder    a chosen send is held back `delay` on a thread of its own  -> same results
+//               while later sends overtake it -- any later send on by-tag
+//               pairing, those on other channels on in-order pairing (later
+//               sends on its channel queue behind it: all the contract allows)
 //
 // Which sends are chosen: those of `ranks` (empty: every rank) to `peer` (-1: any) whose label contains
 // `label_contains` (e.g. "SEND_B"; empty: any), skipping the first `after_messages` of them (kDie: the count before
@@ -20,6 +24,8 @@
 // the same faults, named by their group ranks.
 
 #include <cstdint>
+#include <future>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -29,9 +35,9 @@
 
 namespace twobp {
 
-enum class Fault { kDelay, kDrop, kFailSend, kDie, kDuplicate };
+enum class Fault { kDelay, kDrop, kFailSend, kDie, kDuplicate, kReorder };
 
-/// The fault's name ("delay", "drop", "fail-send", "die", "duplicate").
+/// The fault's name ("delay", "drop", "fail-send", "die", "duplicate", "reorder").
 const char* to_string(Fault fault);
 
 struct FaultOptions {
@@ -43,7 +49,7 @@ struct FaultOptions {
   double probability = 1.0;        ///< of each chosen send after those, in [0, 1]
   int max_faults = -1;             ///< at most this many faults on this rank; -1: no limit
   uint64_t seed = 0;               ///< with the rank, seeds the draw
-  Duration delay = Duration(20);   ///< kDelay
+  Duration delay = Duration(20);   ///< kDelay, kReorder
 };
 
 class FaultInjectingTransport final : public Transport {
@@ -86,6 +92,8 @@ class FaultInjectingTransport final : public Transport {
   std::mt19937_64 random_;
   int64_t sends_ = 0, eligible_ = 0, faults_ = 0;
   bool dead_ = false;
+  // kReorder on in-order pairing: per (peer, channel), the held send that later sends on it must queue behind.
+  std::map<std::pair<int, int>, std::shared_future<std::shared_ptr<Work>>> held_;
 };
 
 }  // namespace twobp

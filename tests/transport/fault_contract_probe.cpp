@@ -1,0 +1,210 @@
+// One cell of the fault contract (driven by fault_contract.py): 2 steps of 1F1B with 2BP over 4 ranks, a fault
+// injected into the sends through FaultInjectingTransport, each rank's gradients (and the last stage's losses)
+// compared with one process computing the same steps.
+//
+//   fault_contract_probe TRANSPORT FAULT
+//     TRANSPORT  local-by-tag, local-in-order (4 rank threads in this process), store (this process is one rank of
+//                a torchrun-like environment), mpi (one rank, under mpiexec)
+//     FAULT      none, delay, reorder, duplicate, drop, fail-send, die
+//
+// Prints one line per rank of this process: "rank R: same result in S s", "rank R: DIFFERENT result: ...", or
+// "rank R: error after S s: <message>". Exit status: 0 every rank here gave the reference result, 3 one gave a
+// different result (the one outcome the contract forbids besides a hang), 1 one ended with an error.
+
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common/pipeline_fixtures.h"
+#include "twobp/config.h"
+#include "twobp/error.h"
+#include "twobp/runtime/launch.h"
+#include "twobp/runtime/pipeline.h"
+#include "twobp/transport/fault_injection.h"
+#include "twobp/transport/launch.h"
+#include "twobp/transport/local.h"
+#include "twobp/transport/store.h"
+#if TWOBP_HAVE_MPI
+#include "twobp/transport/mpi.h"
+#endif
+
+namespace {
+
+using namespace twobp;
+using namespace twobp::testing;
+
+constexpr int kRanks = 4, kMicroBatches = 8, kSteps = 2;
+const Duration kTimeout{1500};
+
+// The faults of the contract, each on the ranks, peers and messages of the Local suite (fault_injection_test).
+std::optional<FaultOptions> fault_named(const std::string& name) {
+  FaultOptions f;
+  if (name == "none") return std::nullopt;
+  if (name == "delay") {
+    f.fault = Fault::kDelay;
+    f.ranks = {1};
+    f.delay = Duration(10);
+  } else if (name == "reorder") {
+    f.fault = Fault::kReorder;  // three activations held back 50 ms while later sends overtake them
+    f.ranks = {0, 1, 2};
+    f.label_contains = "SEND_F";
+    f.max_faults = 3;
+    f.delay = Duration(50);
+  } else if (name == "duplicate") {
+    f.fault = Fault::kDuplicate;
+    f.ranks = {0};
+    f.label_contains = "micro-batch 2";
+    f.max_faults = 1;
+  } else if (name == "drop") {
+    f.fault = Fault::kDrop;
+    f.ranks = {1};
+    f.peer = 2;
+    f.after_messages = 3;
+  } else if (name == "fail-send") {
+    f.fault = Fault::kFailSend;
+    f.ranks = {2};
+    f.after_messages = 5;
+  } else if (name == "die") {
+    f.fault = Fault::kDie;
+    f.ranks = {3};
+    f.after_messages = 4;
+  } else {
+    throw UsageError("unknown fault '" + name + "'");
+  }
+  return f;
+}
+
+// What every rank needs, made on the main thread before any rank runs: the model's initialisers and the inputs
+// draw from LibTorch's default generator, which rank threads would share.
+struct Job {
+  at::Tensor inputs, targets;
+  std::vector<std::shared_ptr<torch::nn::Module>> chunks;  // by rank
+  Reference reference;                                     // the last step in one process
+};
+
+Job make_job() {
+  Job job;
+  torch::manual_seed(3);
+  job.inputs = torch::randn({kMicroBatches * kMicroBatchSize, kDim});
+  job.targets = torch::randn({kMicroBatches * kMicroBatchSize, kDim});
+  for (int r = 0; r < kRanks; ++r) job.chunks.push_back(make_chunk(r));
+  job.reference = run_reference(kRanks, kMicroBatches, job.inputs * kSteps, job.targets);
+  return job;
+}
+
+// Runs this rank's part; returns its line, and sets *different when it finished with another result.
+std::string run_rank(std::shared_ptr<Transport> inner, const std::optional<FaultOptions>& fault, const Job& job,
+                     bool* different) {
+  const int me = inner->rank();
+  std::shared_ptr<Transport> transport =
+      fault ? std::make_shared<FaultInjectingTransport>(inner, *fault) : std::move(inner);
+  const Schedule schedule = make_schedule("1f1b", ScheduleOptions{kRanks, kMicroBatches, 1, BackwardMode::kSplit});
+  const auto& module = job.chunks[me];
+  PipelineOptions o;
+  o.timeout = kTimeout;
+  o.loss = mse;
+  o.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim}, at::kDouble}; };
+  Pipeline p(schedule, {{me, module, [raw = module.get(), me](const at::Tensor& x) { return run_chunk(*raw, me, x); }}},
+             transport, o);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto seconds = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
+  StepResult result;
+  try {
+    for (int step = 0; step < kSteps; ++step) {
+      p.zero_grad();
+      result = p.step(job.inputs * (step + 1), job.targets);  // other inputs every step
+    }
+  } catch (const std::exception& e) {
+    return fmt::format("rank {}: error after {:.1f} s: {}", me, seconds(), e.what());
+  }
+  const Reference& ref = job.reference;
+  std::string diff;
+  if (me == kRanks - 1) {
+    for (int mb = 0; mb < kMicroBatches; ++mb) {
+      if (result.losses.size() != static_cast<std::size_t>(kMicroBatches) ||
+          std::abs(result.losses[mb] - ref.losses[mb]) > 1e-12) {
+        diff = fmt::format("loss of micro-batch {}", mb);
+        break;
+      }
+    }
+  }
+  auto got = module->named_parameters();
+  for (const auto& item : ref.chunks[me]->named_parameters()) {
+    const at::Tensor g = got[item.key()].grad();
+    if (!g.defined() || (g - item.value().grad()).abs().max().item<double>() > 1e-12) diff = "gradient of " + item.key();
+  }
+  if (!diff.empty()) {
+    *different = true;
+    return fmt::format("rank {}: DIFFERENT result ({})", me, diff);
+  }
+  return fmt::format("rank {}: same result in {:.1f} s", me, seconds());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 3) {
+    std::fprintf(stderr, "usage: fault_contract_probe local-by-tag|local-in-order|store|mpi FAULT\n");
+    return 2;
+  }
+  const std::string kind = argv[1];
+  const auto fault = fault_named(argv[2]);
+  torch::set_num_threads(1);
+  Float64Default float64;  // for the whole process: rank threads must not set and reset it
+  const Job job = make_job();
+  std::vector<std::string> lines(kRanks);
+  std::vector<int> status(kRanks, -1);
+  auto record = [&](int r, const std::string& line, bool different) {
+    lines[r] = line;
+    status[r] = different ? 3 : line.find(": same result") != std::string::npos ? 0 : 1;
+  };
+  if (kind == "local-by-tag" || kind == "local-in-order") {
+    LocalOptions local;
+    local.pairing = kind == "local-by-tag" ? Pairing::kByTag : Pairing::kInOrderPerChannel;
+    auto locals = make_local_transports(kRanks, local);
+    std::vector<std::shared_ptr<Transport>> shared;
+    for (auto& t : locals) shared.emplace_back(std::move(t));
+    std::vector<Transport*> raw;
+    for (auto& t : shared) raw.push_back(t.get());
+    std::mutex mutex;
+    run_rank_threads(raw, [&](Transport& t) {
+      bool different = false;
+      const std::string line = run_rank(shared[t.rank()], fault, job, &different);
+      std::lock_guard<std::mutex> lock(mutex);
+      record(t.rank(), line, different);
+    });
+  } else if (kind == "store") {
+    const auto env = launch_env();
+    if (!env) {
+      std::fprintf(stderr, "fault_contract_probe store: no launch environment (RANK, WORLD_SIZE, MASTER_ADDR...)\n");
+      return 2;
+    }
+    bool different = false;
+    record(env->rank, run_rank(std::make_shared<StoreTransport>(*env, StoreOptions{}), fault, job, &different), different);
+#if TWOBP_HAVE_MPI
+  } else if (kind == "mpi") {
+    static MpiEnvironment mpi(&argc, &argv);
+    bool different = false;
+    record(mpi.rank(), run_rank(std::make_shared<MpiTransport>(mpi), fault, job, &different), different);
+#endif
+  } else {
+    std::fprintf(stderr, "fault_contract_probe: unknown transport '%s'\n", kind.c_str());
+    return 2;
+  }
+  int exit_status = 0;
+  for (int r = 0; r < kRanks; ++r) {
+    if (status[r] < 0) continue;
+    std::printf("%s\n", lines[r].c_str());
+    if (status[r] == 3) exit_status = 3;
+    if (status[r] == 1 && exit_status == 0) exit_status = 1;
+  }
+  std::fflush(stdout);
+  return exit_status;
+}
