@@ -35,6 +35,7 @@
 #include "twobp/schedule/pytorch_csv.h"
 #include "twobp/trace/trace.h"
 
+#include "twobp/transport/checksum.h"
 #include "twobp/transport/fault_injection.h"
 #include "twobp/transport/launch.h"
 #include "twobp/transport/local.h"

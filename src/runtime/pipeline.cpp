@@ -14,6 +14,7 @@
 
 #include "runtime/gradient_reducer.h"
 #include "runtime/master_weights.h"
+#include "twobp/transport/checksum.h"
 #include "util/check.h"
 #include "util/failure.h"
 
@@ -51,6 +52,7 @@ Pipeline::Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, std::sh
       options_(std::move(options)),
       impl_(std::make_unique<Impl>()) {
   TWOBP_CHECK(transport_ != nullptr, UsageError, "Pipeline: transport is null");
+  if (options_.verify_messages) transport_ = std::make_shared<ChecksummingTransport>(std::move(transport_));
   const int rank = transport_->rank();
   TWOBP_CHECK(transport_->world_size() == schedule_.num_ranks, UsageError,
               "rank {}: schedule '{}' is for {} ranks, but the transport has {}", rank, schedule_.name,

@@ -1,5 +1,6 @@
 #include "twobp/transport/fault_injection.h"
 
+#include <ATen/ATen.h>
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -38,6 +39,18 @@ class BothWork final : public Work {
   std::unique_ptr<Work> first_, second_;
 };
 
+// A send of a tensor this wrapper made (kCorrupt's copy), kept alive until the send completed.
+class OwnedSendWork final : public Work {
+ public:
+  OwnedSendWork(std::unique_ptr<Work> work, at::Tensor tensor) : work_(std::move(work)), tensor_(std::move(tensor)) {}
+  void wait(Duration timeout) override { work_->wait(timeout); }
+  bool is_completed() override { return work_->is_completed(); }
+
+ private:
+  std::unique_ptr<Work> work_;
+  at::Tensor tensor_;
+};
+
 // A send held back on a thread of its own (kReorder): complete once it was posted and its inner send completed.
 class HeldWork final : public Work {
  public:
@@ -69,6 +82,7 @@ const char* to_string(Fault fault) {
     case Fault::kDie: return "die";
     case Fault::kDuplicate: return "duplicate";
     case Fault::kReorder: return "reorder";
+    case Fault::kCorrupt: return "corrupt";
   }
   return "?";
 }
@@ -135,6 +149,17 @@ std::unique_ptr<Work> FaultInjectingTransport::isend(const at::Tensor& tensor, c
     case Fault::kDuplicate: {
       auto first = inner_->isend(tensor, o);
       return std::make_unique<BothWork>(std::move(first), inner_->isend(tensor, o));
+    }
+    case Fault::kCorrupt: {
+      // The top bit of one element's last byte: on this little-endian layout, the sign of a float or an integer,
+      // so the change always matters (a low mantissa bit could hide below a comparison's tolerance).
+      at::Tensor copy = tensor.clone();
+      if (copy.numel() > 0) {
+        const at::Tensor bytes = copy.flatten().view(at::kByte);
+        const auto element = std::uniform_int_distribution<int64_t>(0, copy.numel() - 1)(random_);
+        bytes.narrow(0, (element + 1) * copy.element_size() - 1, 1).bitwise_xor_(0x80);
+      }
+      return std::make_unique<OwnedSendWork>(inner_->isend(copy, o), copy);
     }
     case Fault::kReorder: {
       // The inner transport must take sends from two threads: Local and Store do; MPI serializes its calls.

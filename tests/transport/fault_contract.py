@@ -4,6 +4,9 @@ every rank in time with an error naming the fault's rank and message -- never a 
 
     fault_contract.py --probe BIN [--mpiexec PATH [--mpiexec-flag F ...]] [--markdown FILE]
 
+A corrupted message gives a different result unless PipelineOptions::verify_messages is on (the "corrupt" row
+expects exactly that, so the table also proves the suite detects a wrong result); with it, a clear error.
+
 Each cell runs fault_contract_probe (2 steps of 1F1B with 2BP on 4 ranks, checked against one process):
   local-by-tag, local-in-order  4 rank threads in one process (Local transport, both pairing rules)
   store                         4 processes meeting at a c10d TCPStore (torchrun-like environment)
@@ -22,19 +25,26 @@ RANKS = 4
 LIMIT_S = 60       # a cell still running after this is a hang
 ERROR_LIMIT_S = 30  # an error cell must end every rank within this
 
-FAULTS = ["none", "delay", "reorder", "duplicate", "drop", "fail-send", "die"]
+# "+verify": with PipelineOptions::verify_messages (per-message checksums).
+FAULTS = ["none", "delay", "reorder", "duplicate", "drop", "fail-send", "die", "corrupt", "corrupt+verify",
+          "none+verify"]
 # What each error must name (every fault is injected as in fault_contract_probe.cpp).
 NAMES = {
     "drop": ["rank 1", "micro-batch", "timed out"],
     "fail-send": ["rank 2: send of", "failed (injected fault)"],
     "die": ["rank 3 died after 4 messages"],
     "duplicate": ["expected tag"],
+    "corrupt+verify": ["checksum mismatch", "from rank 1", "corrupted in transit"],
 }
 
 
 def expected(transport, fault):
-    if fault in ("none", "delay", "reorder"):
+    if fault in ("none", "delay", "reorder", "none+verify"):
         return "same"
+    if fault == "corrupt":
+        # Without checksums a flipped bit is a different result: what verify_messages exists for. The row also
+        # shows that this suite tells a different result from the right one.
+        return "different"
     if fault == "duplicate":
         # By tag the copy is never matched; in order it takes the next message's place and is refused.
         return "error" if transport == "local-in-order" else "same"
@@ -103,7 +113,7 @@ def check(transport, fault, outcome, seconds, output):
     """None when the cell keeps the contract, else why not."""
     want = expected(transport, fault)
     if outcome != want:
-        return f"expected {'the fault-free result' if want == 'same' else 'a clear error'}, got {outcome}"
+        return f"expected {dict(same='the fault-free result', error='a clear error').get(want, want)}, got {outcome}"
     if outcome == "error":
         if seconds > ERROR_LIMIT_S:
             return f"the error took {seconds:.0f} s (limit {ERROR_LIMIT_S} s)"

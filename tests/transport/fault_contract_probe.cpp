@@ -5,7 +5,8 @@
 //   fault_contract_probe TRANSPORT FAULT
 //     TRANSPORT  local-by-tag, local-in-order (4 rank threads in this process), store (this process is one rank of
 //                a torchrun-like environment), mpi (one rank, under mpiexec)
-//     FAULT      none, delay, reorder, duplicate, drop, fail-send, die
+//     FAULT      none, delay, reorder, duplicate, drop, fail-send, die, corrupt; a "+verify" suffix turns on
+//                PipelineOptions::verify_messages (per-message checksums)
 //
 // Prints one line per rank of this process: "rank R: same result in S s", "rank R: DIFFERENT result: ...", or
 // "rank R: error after S s: <message>". Exit status: 0 every rank here gave the reference result, 3 one gave a
@@ -71,6 +72,12 @@ std::optional<FaultOptions> fault_named(const std::string& name) {
     f.fault = Fault::kFailSend;
     f.ranks = {2};
     f.after_messages = 5;
+  } else if (name == "corrupt") {
+    f.fault = Fault::kCorrupt;  // one bit of one activation
+    f.ranks = {1};
+    f.label_contains = "SEND_F";
+    f.after_messages = 2;
+    f.max_faults = 1;
   } else if (name == "die") {
     f.fault = Fault::kDie;
     f.ranks = {3};
@@ -86,7 +93,7 @@ std::optional<FaultOptions> fault_named(const std::string& name) {
 struct Job {
   at::Tensor inputs, targets;
   std::vector<std::shared_ptr<torch::nn::Module>> chunks;  // by rank
-  Reference reference;                                     // the last step in one process
+  std::vector<Reference> references;                       // each step in one process
 };
 
 Job make_job() {
@@ -95,13 +102,35 @@ Job make_job() {
   job.inputs = torch::randn({kMicroBatches * kMicroBatchSize, kDim});
   job.targets = torch::randn({kMicroBatches * kMicroBatchSize, kDim});
   for (int r = 0; r < kRanks; ++r) job.chunks.push_back(make_chunk(r));
-  job.reference = run_reference(kRanks, kMicroBatches, job.inputs * kSteps, job.targets);
+  for (int step = 0; step < kSteps; ++step) {
+    job.references.push_back(run_reference(kRanks, kMicroBatches, job.inputs * (step + 1), job.targets));
+  }
   return job;
 }
 
+// Empty when this rank's step gave the reference's gradients (and, on the last stage, losses); else what differs.
+std::string compare(int me, int step, const StepResult& result, torch::nn::Module& module, const Reference& ref) {
+  if (me == kRanks - 1) {
+    for (int mb = 0; mb < kMicroBatches; ++mb) {
+      if (result.losses.size() != static_cast<std::size_t>(kMicroBatches) ||
+          std::abs(result.losses[mb] - ref.losses[mb]) > 1e-12) {
+        return fmt::format("step {}: loss of micro-batch {}", step, mb);
+      }
+    }
+  }
+  auto got = module.named_parameters();
+  for (const auto& item : ref.chunks[me]->named_parameters()) {
+    const at::Tensor g = got[item.key()].grad();
+    if (!g.defined() || (g - item.value().grad()).abs().max().item<double>() > 1e-12) {
+      return fmt::format("step {}: gradient of {}", step, item.key());
+    }
+  }
+  return "";
+}
+
 // Runs this rank's part; returns its line, and sets *different when it finished with another result.
-std::string run_rank(std::shared_ptr<Transport> inner, const std::optional<FaultOptions>& fault, const Job& job,
-                     bool* different) {
+std::string run_rank(std::shared_ptr<Transport> inner, const std::optional<FaultOptions>& fault, bool verify,
+                     const Job& job, bool* different) {
   const int me = inner->rank();
   std::shared_ptr<Transport> transport =
       fault ? std::make_shared<FaultInjectingTransport>(inner, *fault) : std::move(inner);
@@ -109,36 +138,22 @@ std::string run_rank(std::shared_ptr<Transport> inner, const std::optional<Fault
   const auto& module = job.chunks[me];
   PipelineOptions o;
   o.timeout = kTimeout;
+  o.verify_messages = verify;
   o.loss = mse;
   o.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim}, at::kDouble}; };
   Pipeline p(schedule, {{me, module, [raw = module.get(), me](const at::Tensor& x) { return run_chunk(*raw, me, x); }}},
              transport, o);
   const auto t0 = std::chrono::steady_clock::now();
   auto seconds = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
-  StepResult result;
+  std::string diff;
   try {
-    for (int step = 0; step < kSteps; ++step) {
+    for (int step = 0; step < kSteps; ++step) {  // every step, so that the other ranks do not wait for this one
       p.zero_grad();
-      result = p.step(job.inputs * (step + 1), job.targets);  // other inputs every step
+      const StepResult result = p.step(job.inputs * (step + 1), job.targets);  // other inputs every step
+      if (diff.empty()) diff = compare(me, step, result, *module, job.references[step]);
     }
   } catch (const std::exception& e) {
     return fmt::format("rank {}: error after {:.1f} s: {}", me, seconds(), e.what());
-  }
-  const Reference& ref = job.reference;
-  std::string diff;
-  if (me == kRanks - 1) {
-    for (int mb = 0; mb < kMicroBatches; ++mb) {
-      if (result.losses.size() != static_cast<std::size_t>(kMicroBatches) ||
-          std::abs(result.losses[mb] - ref.losses[mb]) > 1e-12) {
-        diff = fmt::format("loss of micro-batch {}", mb);
-        break;
-      }
-    }
-  }
-  auto got = module->named_parameters();
-  for (const auto& item : ref.chunks[me]->named_parameters()) {
-    const at::Tensor g = got[item.key()].grad();
-    if (!g.defined() || (g - item.value().grad()).abs().max().item<double>() > 1e-12) diff = "gradient of " + item.key();
   }
   if (!diff.empty()) {
     *different = true;
@@ -151,11 +166,16 @@ std::string run_rank(std::shared_ptr<Transport> inner, const std::optional<Fault
 
 int main(int argc, char** argv) {
   if (argc != 3) {
-    std::fprintf(stderr, "usage: fault_contract_probe local-by-tag|local-in-order|store|mpi FAULT\n");
+    std::fprintf(stderr, "usage: fault_contract_probe local-by-tag|local-in-order|store|mpi FAULT[+verify]\n");
     return 2;
   }
   const std::string kind = argv[1];
-  const auto fault = fault_named(argv[2]);
+  std::string fault_name = argv[2];
+  const std::string suffix = "+verify";
+  const bool verify = fault_name.size() > suffix.size() &&
+                      fault_name.compare(fault_name.size() - suffix.size(), suffix.size(), suffix) == 0;
+  if (verify) fault_name.resize(fault_name.size() - suffix.size());
+  const auto fault = fault_named(fault_name);
   torch::set_num_threads(1);
   Float64Default float64;  // for the whole process: rank threads must not set and reset it
   const Job job = make_job();
@@ -176,7 +196,7 @@ int main(int argc, char** argv) {
     std::mutex mutex;
     run_rank_threads(raw, [&](Transport& t) {
       bool different = false;
-      const std::string line = run_rank(shared[t.rank()], fault, job, &different);
+      const std::string line = run_rank(shared[t.rank()], fault, verify, job, &different);
       std::lock_guard<std::mutex> lock(mutex);
       record(t.rank(), line, different);
     });
@@ -187,12 +207,13 @@ int main(int argc, char** argv) {
       return 2;
     }
     bool different = false;
-    record(env->rank, run_rank(std::make_shared<StoreTransport>(*env, StoreOptions{}), fault, job, &different), different);
+    auto store = std::make_shared<StoreTransport>(*env, StoreOptions{});
+    record(env->rank, run_rank(store, fault, verify, job, &different), different);
 #if TWOBP_HAVE_MPI
   } else if (kind == "mpi") {
     static MpiEnvironment mpi(&argc, &argv);
     bool different = false;
-    record(mpi.rank(), run_rank(std::make_shared<MpiTransport>(mpi), fault, job, &different), different);
+    record(mpi.rank(), run_rank(std::make_shared<MpiTransport>(mpi), fault, verify, job, &different), different);
 #endif
   } else {
     std::fprintf(stderr, "fault_contract_probe: unknown transport '%s'\n", kind.c_str());

@@ -60,6 +60,12 @@ struct PipelineOptions {
   /// Every blocking wait (receive, send completion, collectives) gives up after this long with an error naming
   /// the peer, the action and the micro-batch.
   Duration timeout = std::chrono::minutes(5);
+  /// Verifies every activation and gradient message end to end with a checksum of its bytes (the pipeline talks
+  /// through a ChecksummingTransport, twobp/transport/checksum.h): a message corrupted in transit fails the step
+  /// on every rank naming the receiver, the sender and the message, instead of changing the gradients silently.
+  /// Costs per message a pass over its bytes on both sides, an 8-byte message, and on GPUs a host synchronisation
+  /// at the receiver. Every rank must set it alike. Off by default.
+  bool verify_messages = false;
   /// The seed of the stages' random streams (StageOptions::seed, twobp/random.h): with the same seed, a forward
   /// that draws from twobp::stage_generator() (nn::Dropout) draws the same numbers on every run, whether ranks
   /// are threads or processes, under every schedule, 2BP or fused.

@@ -11,6 +11,9 @@
 //   kDuplicate  a chosen send is delivered twice                           -> same results (by-tag pairing: the copy
 //                                                                             is never matched), or every rank fails
 //                                                                             naming both tags (in-order pairing)
+//   kCorrupt    a chosen send delivers a copy with one bit flipped: the    -> a different result, unless the pipeline
+//               sign of one element (drawn from the seed)                   verifies messages (verify_messages): then
+//                                                                           every rank fails naming the message
 //   kReorder    a chosen send is held back `delay` on a thread of its own  -> same results
 //               while later sends overtake it -- any later send on by-tag
 //               pairing, those on other channels on in-order pairing (later
@@ -35,9 +38,9 @@
 
 namespace twobp {
 
-enum class Fault { kDelay, kDrop, kFailSend, kDie, kDuplicate, kReorder };
+enum class Fault { kDelay, kDrop, kFailSend, kDie, kDuplicate, kReorder, kCorrupt };
 
-/// The fault's name ("delay", "drop", "fail-send", "die", "duplicate", "reorder").
+/// The fault's name ("delay", "drop", "fail-send", "die", "duplicate", "reorder", "corrupt").
 const char* to_string(Fault fault);
 
 struct FaultOptions {
