@@ -147,6 +147,30 @@ struct Executor::Step {
   std::string where(int rank, const Action& a) const { return fmt::format("rank {}: {}", rank, describe(a)); }
 };
 
+// Shared with the status board's reader, which may outlive the executor (the board keeps the reader of the last
+// executor that ran on this rank), so the action is kept by value.
+struct Executor::Activity {
+  mutable std::mutex mutex;
+  RankStatus::State state = RankStatus::State::kOutsideStep;
+  std::optional<Action> action;
+  int peer = -1;
+  std::int64_t run = -1;
+  Clock::time_point since = Clock::now();
+  std::string detail;
+
+  std::string text() const {
+    std::lock_guard<std::mutex> lock(mutex);
+    RankStatus s;
+    s.state = state;
+    s.action = action ? describe(*action) : std::string();
+    s.peer = peer;
+    s.run = run;
+    s.seconds = std::chrono::duration<double>(Clock::now() - since).count();
+    s.detail = detail;
+    return encode(s);
+  }
+};
+
 Executor::Executor(const Schedule& schedule, int rank, std::map<int, Stage*> stages, Transport& transport,
                    ExecutorOptions options)
     : schedule_(schedule), rank_(rank), stages_(std::move(stages)), transport_(transport),
@@ -154,6 +178,9 @@ Executor::Executor(const Schedule& schedule, int rank, std::map<int, Stage*> sta
   if (!options_.run_counter) options_.run_counter = std::make_shared<std::int64_t>(0);
   activity_ = std::make_shared<Activity>();
   board_ = transport_.status_board();
+  // From now on this rank answers ("has not started a step" until its first run): a report then tells a rank
+  // whose caller never calls step() from a dead one.
+  if (board_) board_->attach(rank_, [activity = activity_] { return activity->text(); });
   TWOBP_CHECK(options_.memory_limit_bytes >= 0, UsageError,
               "rank {}: the memory limit must be >= 0 bytes (0: no limit), got {}", rank_, options_.memory_limit_bytes);
   const auto& rank_actions = schedule_.actions.at(rank_);
@@ -205,30 +232,6 @@ Executor::Executor(const Schedule& schedule, int rank, std::map<int, Stage*> sta
   }
 }
 
-// Shared with the status board's reader, which may outlive the executor (the board keeps the reader of the last
-// executor that ran on this rank), so the action is kept by value.
-struct Executor::Activity {
-  mutable std::mutex mutex;
-  RankStatus::State state = RankStatus::State::kOutsideStep;
-  std::optional<Action> action;
-  int peer = -1;
-  std::int64_t run = -1;
-  Clock::time_point since = Clock::now();
-  std::string detail;
-
-  std::string text() const {
-    std::lock_guard<std::mutex> lock(mutex);
-    RankStatus s;
-    s.state = state;
-    s.action = action ? describe(*action) : std::string();
-    s.peer = peer;
-    s.run = run;
-    s.seconds = std::chrono::duration<double>(Clock::now() - since).count();
-    s.detail = detail;
-    return encode(s);
-  }
-};
-
 Executor::~Executor() = default;
 
 void Executor::note(RankStatus::State state, const Action* action, int peer, std::string detail) {
@@ -251,7 +254,14 @@ std::string Executor::hang_report_for(const std::exception& timeout) const {
     const std::int64_t run = tag_offset_ / message_tag_span(schedule_);
     const auto texts = board_->collect(rank_, run, std::min(options_.timeout, Duration(3000)));
     std::vector<std::optional<RankStatus>> statuses;
-    for (const auto& t : texts) statuses.push_back(t ? decode_rank_status(*t) : std::nullopt);
+    // An empty answer: the rank is alive but no executor runs on it yet (StatusBoard's contract).
+    for (const auto& t : texts) {
+      if (!t) {
+        statuses.emplace_back(std::nullopt);
+      } else {
+        statuses.push_back(t->empty() ? std::optional<RankStatus>(RankStatus{}) : decode_rank_status(*t));
+      }
+    }
     return board_->agree_on_report(run, hang_report(statuses, rank_));
   } catch (const std::exception& e) {
     return fmt::format("hang report: could not be built: {}", e.what());

@@ -9,19 +9,22 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
-#include <condition_variable>
-#include <memory>
-#include <thread>
 #include <climits>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <deque>
+#include <memory>
 #include <mutex>
+#include <optional>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include "transport/common.h"
 #include "transport/mpi_check.h"
+#include "twobp/transport/status_board.h"
 #include "util/check.h"
 
 namespace twobp {
@@ -185,6 +188,136 @@ bool mpi_type_of(c10::ScalarType type, MPI_Datatype* out) {
   }
 }
 
+/// The MPI status board (needs MPI_THREAD_MULTIPLE). A communicator of its own (so its two tags never meet the
+/// transport's), and a watcher thread, started with the first reader, that every 200 ms looks for a question
+/// (MPI_Iprobe) and answers it with its rank's status, even while the rank computes. collect() asks every other
+/// rank and waits for the answers until its deadline; an unanswered receive is cancelled. There is no agreement
+/// step: an abort under MPI ends the whole job, so the aborting rank's report is the one printed.
+class MpiStatusBoard final : public StatusBoard {
+ public:
+  MpiStatusBoard(MPI_Comm parent, int rank, int world) : rank_(rank), world_(world) {
+    TWOBP_MPI_CHECK(MPI_Comm_dup(parent, &comm_));
+    TWOBP_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
+  }
+  ~MpiStatusBoard() override {
+    stop();
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized) MPI_Comm_free(&comm_);
+  }
+
+  /// Ends the watcher (before MPI_Finalize); collect() then answers with this rank's status only.
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopped_ = true;
+    }
+    wake_.notify_all();
+    if (watcher_.joinable()) watcher_.join();
+  }
+
+  void attach(int rank, Reader reader) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    reader_ = std::move(reader);
+    if (!watcher_.joinable() && !stopped_) watcher_ = std::thread([this] { watch(); });
+    (void)rank;
+  }
+  void detach(int) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    reader_ = nullptr;
+  }
+
+  std::vector<std::optional<std::string>> collect(int, std::int64_t incident, Duration wait) override {
+    std::vector<std::optional<std::string>> out(static_cast<std::size_t>(world_));
+    out[static_cast<std::size_t>(rank_)] = own();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (stopped_) return out;
+    }
+    asked_.push_back(incident);  // the asks' buffer must outlive their (freed) requests: kept for the board's life
+    const std::int64_t* question = &asked_.back();
+    std::vector<std::vector<char>> answers(static_cast<std::size_t>(world_), std::vector<char>(kMaxAnswer));
+    std::vector<MPI_Request> pending(static_cast<std::size_t>(world_), MPI_REQUEST_NULL);
+    for (int r = 0; r < world_; ++r) {
+      if (r == rank_) continue;
+      MPI_Request ask = MPI_REQUEST_NULL;
+      if (MPI_Isend(question, 1, MPI_INT64_T, r, kAskTag, comm_, &ask) == MPI_SUCCESS) MPI_Request_free(&ask);
+      MPI_Irecv(answers[r].data(), kMaxAnswer, MPI_CHAR, r, kAnswerTag, comm_, &pending[r]);
+    }
+    const auto deadline = Clock::now() + wait;
+    for (;;) {
+      bool all = true;
+      for (int r = 0; r < world_; ++r) {
+        if (pending[r] == MPI_REQUEST_NULL) continue;
+        int flag = 0, count = 0;
+        MPI_Status status;
+        if (MPI_Test(&pending[r], &flag, &status) != MPI_SUCCESS) {
+          pending[r] = MPI_REQUEST_NULL;
+          continue;
+        }
+        if (!flag) {
+          all = false;
+          continue;
+        }
+        MPI_Get_count(&status, MPI_CHAR, &count);
+        std::int64_t echoed = -1;
+        if (count >= static_cast<int>(sizeof(echoed))) std::memcpy(&echoed, answers[r].data(), sizeof(echoed));
+        if (echoed == incident) {
+          out[r] = std::string(answers[r].data() + sizeof(echoed), static_cast<std::size_t>(count) - sizeof(echoed));
+        }
+      }
+      if (all || Clock::now() >= deadline) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    for (auto& request : pending) {
+      if (request == MPI_REQUEST_NULL) continue;
+      MPI_Cancel(&request);
+      MPI_Wait(&request, MPI_STATUS_IGNORE);  // a cancelled receive completes at once
+    }
+    return out;
+  }
+
+  std::string agree_on_report(std::int64_t, const std::string& report) override { return report; }
+
+ private:
+  static constexpr int kAskTag = 1, kAnswerTag = 2, kMaxAnswer = 1 << 16;
+
+  std::string own() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return reader_ ? reader_() : std::string();
+  }
+
+  void watch() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (!wake_.wait_for(lock, std::chrono::milliseconds(200), [this] { return stopped_; })) {
+      lock.unlock();
+      int flag = 0;
+      MPI_Status status;
+      while (MPI_Iprobe(MPI_ANY_SOURCE, kAskTag, comm_, &flag, &status) == MPI_SUCCESS && flag) {
+        std::int64_t incident = -1;
+        if (MPI_Recv(&incident, 1, MPI_INT64_T, status.MPI_SOURCE, kAskTag, comm_, MPI_STATUS_IGNORE) !=
+            MPI_SUCCESS) {
+          break;
+        }
+        std::string answer(sizeof(incident), '\0');
+        std::memcpy(answer.data(), &incident, sizeof(incident));
+        answer += own().substr(0, kMaxAnswer - sizeof(incident));
+        MPI_Send(answer.data(), static_cast<int>(answer.size()), MPI_CHAR, status.MPI_SOURCE, kAnswerTag, comm_);
+      }
+      lock.lock();
+    }
+  }
+
+  const int rank_, world_;
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  bool stopped_ = false;
+  std::thread watcher_;
+  Reader reader_;
+  std::deque<std::int64_t> asked_;
+};
+
 }  // namespace
 }  // namespace detail
 
@@ -201,6 +334,7 @@ struct MpiTransport::Impl {
   std::int64_t collectives = 0;
   std::string collective_failure;  // guarded by parked_mutex
   std::unique_ptr<detail::ProgressThread> progress;  // only with MPI_THREAD_MULTIPLE
+  std::shared_ptr<detail::MpiStatusBoard> board;     // only with MPI_THREAD_MULTIPLE
   std::string name;         // empty: "rank <rank>"; in a group: "rank 1 (group color 0, rank 2 in the parent)"
 
   std::string who() const { return name.empty() ? fmt::format("rank {}", rank) : name; }
@@ -433,6 +567,7 @@ void MpiTransport::Impl::adopt(MPI_Comm c, bool thread_multiple) {
   const std::int64_t tag_ub = flag ? *static_cast<int*>(attr) : 32767;  // 32767: the minimum MPI guarantees
   tag_modulus = (tag_ub + 1) / 2;  // tags 2f and 2f+1 with f < modulus are both <= tag_ub
   if (multiple) progress = std::make_unique<detail::ProgressThread>(comm);
+  if (multiple) board = std::make_shared<detail::MpiStatusBoard>(comm, rank, world);  // collective (a dup)
 }
 
 MpiTransport::MpiTransport(const MpiEnvironment& env) : impl_(std::make_shared<Impl>()) {
@@ -447,6 +582,8 @@ MpiTransport::MpiTransport(const MpiEnvironment& env) : impl_(std::make_shared<I
 MpiTransport::MpiTransport(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 MpiTransport::~MpiTransport() {
+  // The board may outlive us (an executor holds it): its watcher must not call MPI after MPI_Finalize.
+  if (impl_->board) impl_->board->stop();
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (finalized) return;  // the environment died first; nothing can be freed any more
@@ -679,6 +816,8 @@ std::unique_ptr<Transport> MpiTransport::split(int color, int key, Duration time
   impl->name = detail::group_member_name(impl->rank, color, impl_->who());
   return std::unique_ptr<Transport>(new MpiTransport(std::move(impl)));
 }
+
+std::shared_ptr<StatusBoard> MpiTransport::status_board() const { return impl_->board; }
 
 void MpiTransport::abort(const std::string& reason) {
   // MPI has no way to fail only the peers' pending operations: the whole job is torn down.

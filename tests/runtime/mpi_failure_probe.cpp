@@ -2,7 +2,9 @@
 // message naming the failed rank instead of hanging. Mode (argv[1]):
 //   throw   rank 1's chunk throws in its forward: the Pipeline aborts the MPI job naming rank 1
 //   kill    rank 1 kills itself with SIGKILL mid-step: the launcher tears the job down
-//   silent  rank 1 never calls step(): rank 0 times out (1 s) naming the RECV and the micro-batch
+//   silent  rank 1 never calls step(): rank 0 times out (1 s) naming the RECV and the micro-batch, and its hang
+//           report says rank 1 has not started the step
+//   stuck   rank 1's second forward takes 4 s: rank 0 times out, and its hang report names rank 1's computation
 // Driven by check_mpi_failure.cmake, which asserts exit status, output and elapsed time.
 
 #include <ATen/ATen.h>
@@ -32,6 +34,8 @@ int main(int argc, char** argv) {
   auto forward = [&, me](const at::Tensor& x) {
     if (me == 1 && mode == "throw") throw std::runtime_error("injected failure in the forward of rank 1");
     if (me == 1 && mode == "kill") std::raise(SIGKILL);
+    static int calls = 0;
+    if (me == 1 && mode == "stuck" && calls++ == 1) std::this_thread::sleep_for(std::chrono::seconds(4));
     return layer->forward(x);
   };
   twobp::Pipeline pipeline(schedule, {{me, layer.ptr(), forward}}, std::make_shared<twobp::MpiTransport>(env),

@@ -96,6 +96,8 @@ class MpiTransport final : public Transport {
   int world_size() const override;
   c10::Device device() const override { return c10::Device(c10::kCPU); }
   std::string name() const override { return "mpi"; }
+  /// With MPI_THREAD_MULTIPLE: over a communicator of its own, answered by a watcher thread; else null.
+  std::shared_ptr<StatusBoard> status_board() const override;
   Pairing pairing() const override { return pairing_of("mpi"); }
 
   std::unique_ptr<Work> isend(const at::Tensor& tensor, const P2POptions& options) override;

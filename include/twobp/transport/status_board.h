@@ -25,7 +25,7 @@ class StatusBoard {
   virtual void detach(int rank) = 0;
 
   /// The status of every rank of the group (index = rank), `rank`'s own included; nullopt for a rank that did not
-  /// answer within `wait` (dead, or busy where it cannot answer). `incident` names the stall (every rank passes
+  /// answer within `wait` (dead, or busy where it cannot answer); "" for one that answered without a reader. `incident` names the stall (every rank passes
   /// the same number for the same one: the run number), so answers to an earlier stall are never mixed in.
   /// Threads of one process (Local): every attached reader is read at once, whatever its rank is doing. Processes
   /// (Store): this rank's status is published and the others are asked; a rank answers while it waits inside the

@@ -70,8 +70,9 @@ class Transport {
   /// counted (a process has allocator statistics of its own; their energy readings are not divided).
   virtual int ranks_sharing_device() const { return 1; }
   /// Where this group's ranks tell each other what they are doing when a step stalls, for the hang report
-  /// (twobp/runtime/hang_report.h). Local: in-process; Store: through the store; null for transports that have
-  /// none (MPI, NCCL), whose ranks then report only their own wait.
+  /// (twobp/runtime/hang_report.h). Local: in-process; Store: through the store; MPI: over a communicator of its
+  /// own (with MPI_THREAD_MULTIPLE); null for transports that have none (NCCL), whose ranks then report only
+  /// their own wait.
   virtual std::shared_ptr<StatusBoard> status_board() const { return nullptr; }
 
   /// Sends `tensor` (contiguous) to options.peer. The tensor must not be modified until wait() returned.
