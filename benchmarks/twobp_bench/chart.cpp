@@ -94,7 +94,8 @@ std::string bar_chart_svg(const std::string& title, const std::string& unit, con
       s += fmt::format("<rect x=\"{:.1f}\" y=\"{:.1f}\" width=\"{:.0f}\" height=\"{:.1f}\" fill=\"{}\"><title>{} {}: "
                        "{:.6g} {}</title></rect>",
                        bx, y, bar_w, top + plot_h - y, kColours[k % 5], detail::xml_escaped(g.name),
-                       k < static_cast<int>(series.size()) ? detail::xml_escaped(series[k]) : "", v, detail::xml_escaped(unit));
+                       k < static_cast<int>(series.size()) ? detail::xml_escaped(series[k]) : "", v,
+                       detail::xml_escaped(unit));
       s += fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\" font-size=\"11\">{}</text>\n",
                        bx + bar_w / 2, y - 4, short_value(v));
     }

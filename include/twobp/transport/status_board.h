@@ -25,15 +25,17 @@ class StatusBoard {
   virtual void detach(int rank) = 0;
 
   /// The status of every rank of the group (index = rank), `rank`'s own included; nullopt for a rank that did not
-  /// answer within `wait` (dead, or busy where it cannot answer); "" for one that answered without a reader. `incident` names the stall (every rank passes
-  /// the same number for the same one: the run number), so answers to an earlier stall are never mixed in.
+  /// answer within `wait` (dead, or busy where it cannot answer); "" for one that answered without a reader.
+  /// `incident` names the stall (every rank passes the same number for the same one: the run number), so answers
+  /// to an earlier stall are never mixed in.
   /// Threads of one process (Local): every attached reader is read at once, whatever its rank is doing. Processes
-  /// (Store): this rank's status is published and the others are asked; a rank answers while it waits inside the
-  /// transport (any wait polls the board) or when it fails itself.
+  /// (Store, MPI): the others are asked, and each process answers from a watcher thread started by its first
+  /// attach(), whatever its rank is doing; a dead process never answers.
   virtual std::vector<std::optional<std::string>> collect(int rank, std::int64_t incident, Duration wait) = 0;
 
   /// The report of `incident`: the first one a rank offers wins and is returned to it and to every later caller,
-  /// so that ranks whose waits time out at the same moment still report one text.
+  /// so that ranks whose waits time out at the same moment still report one text (MPI: the caller's own, since
+  /// the abort that follows ends the whole job).
   virtual std::string agree_on_report(std::int64_t incident, const std::string& report) = 0;
 };
 
