@@ -43,6 +43,7 @@
 #include "twobp/transport/status_board.h"
 #include "twobp/transport/store.h"
 #include "twobp/transport/transport.h"
+#include "twobp/transport/wrapping.h"
 // mpi.h in every build: launched_by_mpi_launcher() is part of the core; MpiEnvironment and MpiTransport are
 // declared only when twobp was built with MPI (TWOBP_HAVE_MPI).
 #include "twobp/transport/mpi.h"

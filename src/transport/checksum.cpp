@@ -83,9 +83,8 @@ at::Tensor message_checksum(const at::Tensor& tensor) {
   return words.to(at::kLong).sum().reshape({1});
 }
 
-ChecksummingTransport::ChecksummingTransport(std::shared_ptr<Transport> inner) : inner_(std::move(inner)) {
-  TWOBP_CHECK(inner_ != nullptr, UsageError, "ChecksummingTransport: no transport to wrap");
-}
+ChecksummingTransport::ChecksummingTransport(std::shared_ptr<Transport> inner)
+    : WrappingTransport(std::move(inner), "ChecksummingTransport") {}
 
 std::unique_ptr<Work> ChecksummingTransport::isend(const at::Tensor& tensor, const P2POptions& options) {
   const P2POptions c = checksum_options(options);

@@ -88,8 +88,7 @@ const char* to_string(Fault fault) {
 }
 
 FaultInjectingTransport::FaultInjectingTransport(std::shared_ptr<Transport> inner, FaultOptions options)
-    : inner_(std::move(inner)), options_(std::move(options)) {
-  TWOBP_CHECK(inner_ != nullptr, UsageError, "FaultInjectingTransport: no transport to wrap");
+    : WrappingTransport(std::move(inner), "FaultInjectingTransport"), options_(std::move(options)) {
   TWOBP_CHECK(options_.probability >= 0 && options_.probability <= 1 && options_.after_messages >= 0 &&
                   options_.delay.count() >= 0,
               UsageError, "FaultOptions: probability must be in [0, 1], after_messages and delay >= 0; got {}, {}, "

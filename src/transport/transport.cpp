@@ -1,8 +1,10 @@
-// Defaults of the Transport interface.
+// Defaults of the Transport interface, and the base of wrapping transports.
 
 #include "twobp/transport/transport.h"
 
 #include "transport/common.h"
+#include "twobp/transport/wrapping.h"
+#include "util/check.h"
 
 namespace twobp {
 namespace {
@@ -16,6 +18,11 @@ class CompletedWork final : public Work {
 }  // namespace
 
 std::unique_ptr<Work> detail::completed_work() { return std::make_unique<CompletedWork>(); }
+
+WrappingTransport::WrappingTransport(std::shared_ptr<Transport> inner, const char* wrapper)
+    : inner_(std::move(inner)) {
+  TWOBP_CHECK(inner_ != nullptr, UsageError, "{}: no transport to wrap", wrapper);
+}
 
 std::unique_ptr<Work> Transport::all_reduce_sum_async(at::Tensor& tensor, Duration timeout) {
   all_reduce_sum(tensor, timeout);

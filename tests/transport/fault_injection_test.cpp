@@ -171,15 +171,16 @@ TEST_P(FaultInjection, ALostMessageEndsEveryRankWithinTheTimeoutNamingIt) {
   EXPECT_GT(o.faults, 0);
 }
 
-// The hang report (twobp/runtime/hang_report.h) that rides in every rank's error: the same text on every rank.
-std::string same_report_on_every_rank(const Outcome& o) {
+// The hang report (twobp/runtime/hang_report.h) that rides in the errors of `ranks` (default: every rank): the
+// same text on each.
+std::string same_report_on_every_rank(const Outcome& o, std::vector<int> ranks = {0, 1, 2, 3}) {
   std::string first;
-  for (int r = 0; r < kRanks; ++r) {
+  for (int r : ranks) {
     const auto at = o.errors[r].find("hang report (");
     EXPECT_NE(at, std::string::npos) << "rank " << r << ": " << o.errors[r];
     if (at == std::string::npos) return "";
     const std::string report = o.errors[r].substr(at);
-    if (r == 0) first = report;
+    if (first.empty()) first = report;
     EXPECT_EQ(report, first) << "rank " << r;
   }
   return first;
@@ -234,15 +235,8 @@ TEST_P(FaultInjection, ACallerThatStopsCallingStepIsNamedByEveryRank) {
   const Outcome o = run(c.schedule, c.mode, c.pairing, std::nullopt, std::chrono::milliseconds(1000), stall);
   // Rank 2 returned without an error; every other rank fails with the same report naming it.
   EXPECT_EQ(o.errors[2], "");
-  std::string first;
-  for (int r : {0, 1, 3}) {
-    const auto at = o.errors[r].find("hang report (");
-    ASSERT_NE(at, std::string::npos) << "rank " << r << ": " << o.errors[r];
-    const std::string report = o.errors[r].substr(at);
-    if (first.empty()) first = report;
-    EXPECT_EQ(report, first) << "rank " << r;
-  }
-  EXPECT_NE(first.find("rank 2 has not started run 1 (it ended run 0"), std::string::npos) << first;
+  const std::string report = same_report_on_every_rank(o, {0, 1, 3});
+  EXPECT_NE(report.find("rank 2 has not started run 1 (it ended run 0"), std::string::npos) << report;
 }
 
 TEST_P(FaultInjection, AFailedSendEndsEveryRankNamingTheMessage) {

@@ -14,42 +14,21 @@
 #include <memory>
 #include <string>
 
-#include "twobp/transport/transport.h"
+#include "twobp/transport/wrapping.h"
 
 namespace twobp {
 
 /// The checksum of `tensor`'s bytes: a one-element int64 tensor on its device (no host synchronisation).
 at::Tensor message_checksum(const at::Tensor& tensor);
 
-class ChecksummingTransport final : public Transport {
+class ChecksummingTransport final : public WrappingTransport {
  public:
   explicit ChecksummingTransport(std::shared_ptr<Transport> inner);
 
-  int rank() const override { return inner_->rank(); }
-  int world_size() const override { return inner_->world_size(); }
-  c10::Device device() const override { return inner_->device(); }
   std::string name() const override { return inner_->name() + " (checksummed)"; }
-  Pairing pairing() const override { return inner_->pairing(); }
-  bool ranks_share_process() const override { return inner_->ranks_share_process(); }
-  int ranks_sharing_device() const override { return inner_->ranks_sharing_device(); }
-  std::shared_ptr<StatusBoard> status_board() const override { return inner_->status_board(); }
-
   std::unique_ptr<Work> isend(const at::Tensor& tensor, const P2POptions& options) override;
   std::unique_ptr<Work> irecv(at::Tensor& buffer, const P2POptions& options) override;
-  void all_reduce_sum(at::Tensor& tensor, Duration timeout) override { inner_->all_reduce_sum(tensor, timeout); }
-  std::unique_ptr<Work> all_reduce_sum_async(at::Tensor& tensor, Duration timeout) override {
-    return inner_->all_reduce_sum_async(tensor, timeout);
-  }
-  bool asynchronous_all_reduce() const override { return inner_->asynchronous_all_reduce(); }
-  void broadcast(at::Tensor& tensor, int root, Duration timeout) override {
-    inner_->broadcast(tensor, root, timeout);
-  }
   std::unique_ptr<Transport> split(int color, int key, Duration timeout) override;
-  void barrier(Duration timeout) override { inner_->barrier(timeout); }
-  void abort(const std::string& reason) override { inner_->abort(reason); }
-
- private:
-  std::shared_ptr<Transport> inner_;
 };
 
 }  // namespace twobp

@@ -34,7 +34,7 @@
 #include <string>
 #include <vector>
 
-#include "twobp/transport/transport.h"
+#include "twobp/transport/wrapping.h"
 
 namespace twobp {
 
@@ -55,33 +55,15 @@ struct FaultOptions {
   Duration delay = Duration(20);   ///< kDelay, kReorder
 };
 
-class FaultInjectingTransport final : public Transport {
+class FaultInjectingTransport final : public WrappingTransport {
  public:
   /// Wraps `inner` (shared with the caller or owned). UsageError for options out of range.
   FaultInjectingTransport(std::shared_ptr<Transport> inner, FaultOptions options);
 
-  int rank() const override { return inner_->rank(); }
-  int world_size() const override { return inner_->world_size(); }
-  c10::Device device() const override { return inner_->device(); }
   std::string name() const override;
-  Pairing pairing() const override { return inner_->pairing(); }
-  bool ranks_share_process() const override { return inner_->ranks_share_process(); }
-  int ranks_sharing_device() const override { return inner_->ranks_sharing_device(); }
-  std::shared_ptr<StatusBoard> status_board() const override { return inner_->status_board(); }
-
   std::unique_ptr<Work> isend(const at::Tensor& tensor, const P2POptions& options) override;
   std::unique_ptr<Work> irecv(at::Tensor& buffer, const P2POptions& options) override;
-  void all_reduce_sum(at::Tensor& tensor, Duration timeout) override { inner_->all_reduce_sum(tensor, timeout); }
-  std::unique_ptr<Work> all_reduce_sum_async(at::Tensor& tensor, Duration timeout) override {
-    return inner_->all_reduce_sum_async(tensor, timeout);
-  }
-  bool asynchronous_all_reduce() const override { return inner_->asynchronous_all_reduce(); }
-  void broadcast(at::Tensor& tensor, int root, Duration timeout) override {
-    inner_->broadcast(tensor, root, timeout);
-  }
   std::unique_ptr<Transport> split(int color, int key, Duration timeout) override;
-  void barrier(Duration timeout) override { inner_->barrier(timeout); }
-  void abort(const std::string& reason) override { inner_->abort(reason); }
 
   /// Sends this rank made through it, and how many of them were given the fault.
   int64_t sends() const { return sends_; }
@@ -90,7 +72,6 @@ class FaultInjectingTransport final : public Transport {
  private:
   bool chosen(const P2POptions& options);
 
-  std::shared_ptr<Transport> inner_;
   FaultOptions options_;
   std::mt19937_64 random_;
   int64_t sends_ = 0, eligible_ = 0, faults_ = 0;
