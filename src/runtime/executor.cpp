@@ -16,8 +16,8 @@
 
 #include "runtime/boundary.h"
 #include "twobp/metrics/memory.h"
-#include "twobp/transport/status_board.h"
 #include "twobp/schedule/dependencies.h"
+#include "twobp/transport/status_board.h"
 #include "util/check.h"
 #include "util/failure.h"
 #include "util/format.h"
@@ -243,12 +243,10 @@ void Executor::note(RankStatus::State state, const Action* action, int peer, std
   activity_->detail = std::move(detail);
 }
 
-std::string Executor::status_text() const { return activity_->text(); }
-
 // Asks every rank of the pipeline what it is doing (bounded: a rank that cannot answer is reported as such) and
 // builds the report; empty without a board. Called on the rank whose own wait timed out, before it aborts, so the
 // abort carries the report to everyone.
-std::string Executor::hang_report_for(const std::exception& timeout) const {
+std::string Executor::hang_report_for() const {
   if (!board_) return {};
   try {
     const std::int64_t run = tag_offset_ / message_tag_span(schedule_);
@@ -859,7 +857,7 @@ StepResult Executor::run(const std::vector<NamedTensors>& inputs, const std::vec
     // wait, and let the abort carry the report to them.
     std::optional<TimeoutError> reported;
     if (dynamic_cast<const TimeoutError*>(&e) != nullptr && dynamic_cast<const RaisedOnAnotherRank*>(&e) == nullptr) {
-      const std::string report = hang_report_for(e);
+      const std::string report = hang_report_for();
       if (!report.empty()) reported.emplace(fmt::format("{}\n{}", e.what(), report));
     }
     // A rank whose own wait timed out stays "waiting" on the board: that is the edge a later report needs.

@@ -162,8 +162,7 @@ class Executor {
   // (a mutex and a few stores; nothing is formatted until a report asks), read through the transport's board.
   struct Activity;
   void note(RankStatus::State state, const Action* action, int peer = -1, std::string detail = {});
-  std::string status_text() const;
-  std::string hang_report_for(const std::exception& timeout) const;
+  std::string hang_report_for() const;
 
   const Schedule& schedule_;
   int rank_;
