@@ -17,11 +17,13 @@
 #include <vector>
 
 #include "bench_common.h"
-#include "twobp_cli.h"
 #include "commands.h"
 #include "twobp/error.h"
+#include "twobp/schedule/registry.h"
 #include "twobp/schedule/schedule.h"
+#include "twobp/schedule/validate.h"
 #include "twobp/transport/pairing.h"
+#include "twobp_cli.h"
 
 namespace twobp::bench {
 namespace {

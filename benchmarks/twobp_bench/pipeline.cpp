@@ -24,6 +24,11 @@
 //   peak_live_mbs       max over ranks of micro-batches whose activations are alive at once (simulated)
 //   peak_rss_bytes      max over the pipeline's ranks of metrics::memory_per_rank: the process's peak resident set
 //                       (getrusage) over the ranks it holds (threads: all dp · p of them; processes: 1)
+//   attribution         per pipeline rank, where its step went (twobp/trace/attribution.h), the mean over measured
+//                       steps: step_ms (that rank's own barrier-to-barrier time), parts_ms (F, I, W, B, recompute,
+//                       F&B pair, send, wait F, wait B, between, finish, dp reduce, pipeline, optimizer, idle end;
+//                       they partition the rank's timeline), wait_ms_by_peer ({peer: {F, B}}: who it waited for)
+//                       and unaccounted_ms (step_ms − Σ parts)
 //
 // Tensor memory (twobp/metrics/memory.h; every run records it: PipelineOptions::record_memory):
 //   peak_memory_bytes       max over the pipeline's ranks and measured steps of StepResult::peak_memory_bytes
@@ -83,7 +88,7 @@
 // Models (--model, pipeline_models.h): llama (fast path, balanced by compute), bert and resnet (general
 // autograd-graph split, blocks partitioned evenly over the stages). --chart writes an SVG bar chart of the
 // throughput, standard vs 2BP per schedule; --trace-dir a Chrome trace and an SVG timeline of the last measured
-// step of every configuration.
+// step of every configuration, and a stacked-bar SVG of its attribution (<name>.attribution.svg).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -103,21 +108,25 @@
 
 #include "bench_common.h"
 #include "chart.h"
-#include "twobp_cli.h"
 #include "commands.h"
 #include "pipeline_models.h"
 #include "twobp/config.h"
 #include "twobp/metrics/energy.h"
 #include "twobp/metrics/memory.h"
 #include "twobp/metrics/metrics.h"
-#include "twobp/runtime/launch.h"
 #include "twobp/runtime/data_parallel.h"
+#include "twobp/runtime/launch.h"
 #include "twobp/runtime/mpi_launch.h"
 #include "twobp/runtime/pipeline.h"
+#include "twobp/schedule/registry.h"
 #include "twobp/schedule/schedule.h"
+#include "twobp/schedule/simulate.h"
+#include "twobp/schedule/text.h"
+#include "twobp/trace/attribution.h"
 #include "twobp/trace/trace.h"
 #include "twobp/transport/local.h"
 #include "twobp/transport/mpi.h"
+#include "twobp_cli.h"
 
 namespace twobp::bench {
 namespace {
@@ -180,6 +189,7 @@ struct RunResult {
   std::vector<double> f_ms, i_ms, w_ms, b_ms;  // per stage (I and B without their recomputation)
   std::vector<double> r_ms;                    // per stage: recomputation inside each I or B (--recompute)
   std::vector<std::string> trace_files;        // written by rank 0 under --trace-dir
+  std::vector<StepAttribution> attribution;    // per pipeline rank (replica 0's), the mean over measured steps
 };
 
 const char* dp_buckets_name(const RunResult& r) {
@@ -283,6 +293,7 @@ struct Measurements {
   std::vector<std::vector<double>> f, i, w, b;  // per stage: F, I, W (per micro-batch), B durations in ms
   std::vector<std::vector<double>> r;           // per stage: recomputation inside I/B, ms (--recompute)
   std::vector<double> steps_ms, busy_ms, reduce_wait_ms;
+  std::vector<StepAttribution> attribution;  // per measured step: where this rank's step time went
   std::optional<double> energy = 0.0;  // this rank's share over the measured steps; nullopt once a read failed
   Trace last;  // of the last measured step
 };
@@ -366,6 +377,11 @@ std::vector<RunResult> run_config(Transport& world, ParallelGroups& groups, cons
       v.busy_ms.push_back(result.trace.busy_us() / 1000.0);
       v.reduce_wait_ms.push_back(result.reduce_wait_us / 1000.0);
       v.peak_memory.push_back(static_cast<double>(result.peak_memory_bytes));
+      StepTimes times;
+      times.pipeline_us = result.pipeline_us;
+      times.reduce_wait_us = result.reduce_wait_us;
+      times.step_us = ms * 1000.0;  // this rank's own barrier-to-barrier time: its idle time at the end included
+      v.attribution.push_back(attribute_step(pipeline.schedule(), result.trace, times));
       v.memory.add(result.trace);
       for (const auto& e : result.trace.events) {
         // I and B are recorded without their recomputation, which is recorded apart (the simulator adds it back).
@@ -545,6 +561,7 @@ RunResult summarize_run(Transport& world, ParallelGroups& groups, const Pipeline
   r.sim_bubble = sim.bubble_fraction;
   r.peak_live = *std::max_element(sim.peak_live_micro_batches.begin(), sim.peak_live_micro_batches.end());
 
+  r.attribution = gather_attributions(transport, mean_attribution(m.attribution), timeout);
   std::vector<Trace> traces = gather_traces(transport, m.last, timeout);
   if (world.rank() == 0 && !a.trace_dir.empty()) {
     make_directories(a.trace_dir);
@@ -557,10 +574,13 @@ RunResult summarize_run(Transport& world, ParallelGroups& groups, const Pipeline
     if (m.variant.announced) base += "_announced";
     if (m.variant.memory_limit > 0) base += "_limited";
     write_text(base + ".trace.json", to_chrome_trace(traces));
-    r.trace_files = {base + ".trace.json", base + ".svg"};
-    write_text(base + ".svg",
-               to_svg(traces, fmt::format("{} {} — p={} m={} v={}, last measured step", name,
-                                          mode == BackwardMode::kSplit ? "2BP" : "standard", p, a.microbatches, r.v)));
+    r.trace_files = {base + ".trace.json", base + ".svg", base + ".attribution.svg"};
+    const std::string what = fmt::format("{} {} — p={} m={} v={}", name,
+                                         mode == BackwardMode::kSplit ? "2BP" : "standard", p, a.microbatches, r.v);
+    write_text(base + ".svg", to_svg(traces, what + ", last measured step"));
+    write_text(base + ".attribution.svg",
+               to_attribution_svg(r.attribution, fmt::format("{}: where each rank's step went (mean of {} steps)",
+                                                             what, a.steps)));
   }
   return r;
 }
@@ -733,6 +753,7 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
     j["energy_j"] = r.energy_j ? Json(*r.energy_j) : Json(nullptr);
     j[tokens ? "j_per_token" : "j_per_sample"] = j_per_item ? Json(*j_per_item) : Json(nullptr);
     if (energy_ratio) j["energy_ratio"] = *energy_ratio;
+    j["attribution"] = Json::parse(to_attribution_json(r.attribution));
     if (!r.trace_files.empty()) j["trace_files"] = r.trace_files;
     out["results"].push_back(j);
     rows.push_back({r.schedule, mode_name(r.mode), std::to_string(r.p), std::to_string(r.m), std::to_string(r.v),

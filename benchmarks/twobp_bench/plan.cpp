@@ -48,11 +48,13 @@
 #include <vector>
 
 #include "bench_common.h"
-#include "twobp_cli.h"
 #include "commands.h"
 #include "twobp/metrics/metrics.h"
 #include "twobp/models/llama.h"
+#include "twobp/schedule/registry.h"
 #include "twobp/schedule/schedule.h"
+#include "twobp/schedule/simulate.h"
+#include "twobp_cli.h"
 
 namespace twobp::bench {
 namespace {

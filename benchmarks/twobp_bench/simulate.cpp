@@ -66,11 +66,15 @@
 #include <vector>
 
 #include "bench_common.h"
-#include "twobp_cli.h"
 #include "commands.h"
 #include "twobp/metrics/metrics.h"
 #include "twobp/schedule/pytorch_csv.h"
+#include "twobp/schedule/registry.h"
 #include "twobp/schedule/schedule.h"
+#include "twobp/schedule/simulate.h"
+#include "twobp/schedule/text.h"
+#include "twobp/schedule/validate.h"
+#include "twobp_cli.h"
 
 namespace twobp::bench {
 namespace {

@@ -24,6 +24,7 @@
 #include "twobp/metrics/energy.h"
 #include "twobp/models/llama.h"
 #include "twobp/schedule/schedule.h"
+#include "twobp/trace/attribution.h"
 #include "twobp/trace/trace.h"
 #include "twobp/transport/transport.h"
 
@@ -154,12 +155,17 @@ struct Shared {
   int64_t resumed_from = 0;
   std::string energy_source, energy_note;  // rank 0's meter ("nvml", "rapl" or ""), and why it has none
   std::vector<double> optimizer_state_bytes;  // by world rank, after the last step
+  // Where replica 0's ranks' step time went, by pipeline rank: the mean over the run's steps (its first step, with
+  // the start-up barrier, left out when there are others).
+  std::vector<twobp::StepAttribution> attribution;
 };
 
 /// Trains this rank of `world` (every replica's ranks) from the checkpoint or step 0 to --stop-after / --steps.
 void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, const std::vector<uint16_t>& tokens,
                 const std::vector<uint16_t>& held_out, Shared& shared);
-/// The run's closing lines on rank 0: what was trained, how fast, and which files it wrote.
-void print_summary(const std::vector<StepRecord>& records, double wall_s, const std::vector<std::string>& written);
+/// The run's closing lines on rank 0: what was trained, how fast, where each rank's step time went, and which
+/// files it wrote.
+void print_summary(const std::vector<StepRecord>& records, const std::vector<twobp::StepAttribution>& attribution,
+                   double wall_s, const std::vector<std::string>& written);
 
 }  // namespace llama_example

@@ -83,6 +83,7 @@
 #include "twobp/runtime/launch.h"
 #include "twobp/runtime/mpi_launch.h"
 #include "twobp/schedule/pytorch_csv.h"
+#include "twobp/schedule/text.h"
 #include "twobp/transport/launch.h"
 #include "twobp/transport/local.h"
 #include "twobp/transport/mpi.h"
@@ -254,6 +255,9 @@ int run(Args args, int& argc, char**& argv) {
     j["energy_source"] = nullptr;  // no meter on rank 0
     if (!shared.energy_source.empty()) j["energy_source"] = shared.energy_source;
     if (!shared.energy_note.empty()) j["energy_note"] = shared.energy_note;
+    if (!shared.attribution.empty()) {
+      j["attribution"] = nlohmann::json::parse(twobp::to_attribution_json(shared.attribution));
+    }
     j["steps"] = nlohmann::json::array();
     if (args.eval_every > 0) {
       j["eval"] = {{"every", args.eval_every}, {"batches", args.eval_batches}, {"fraction", args.eval_fraction},
@@ -273,7 +277,7 @@ int run(Args args, int& argc, char**& argv) {
     write_json(args.json, j);
     written.push_back(args.json);
   }
-  print_summary(shared.records, wall_s, written);
+  print_summary(shared.records, shared.attribution, wall_s, written);
   return 0;
 }
 

@@ -1,6 +1,7 @@
 // llama_pipeline's command line: every option in a group, with its default, and checked when parsed
 // (examples/common/twobp_cli.h); the rules between options.
 #include "example.h"
+#include "twobp/schedule/registry.h"
 #include "twobp/schedule/schedule.h"
 #include "twobp_cli.h"  // examples/common: option checks shared with twobp_bench
 

@@ -7,6 +7,8 @@
 
 #include "example.h"
 #include "twobp/error.h"
+#include "twobp/schedule/registry.h"
+#include "twobp/schedule/simulate.h"
 
 namespace llama_example {
 

@@ -265,6 +265,7 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
   }
 
   const int end = a.stop_after > 0 ? std::min(a.stop_after, a.steps) : a.steps;
+  std::vector<twobp::StepAttribution> attributions;
   const auto t0 = std::chrono::steady_clock::now();
   for (int step = start; step < end; ++step) {
     const auto ts = std::chrono::steady_clock::now();
@@ -276,13 +277,25 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
     // batch of a step still depends only on (--seed, step).
     const int64_t len = twobp::data::warmup_seq_len(p.seq_len, step, a.seq_len_warmup);
     const RankBatch batch = data.batch(a, step, len);
+    const auto step_start = std::chrono::steady_clock::now();
     const twobp::StepResult result = pipeline.step(batch.inputs, batch.targets);
+    const auto step_end = std::chrono::steady_clock::now();
     // The gate: no optimizer step on a NaN or Inf loss or gradient (--on-nonfinite stop: NumericalError naming the
     // step and stages; skip: this step's update is dropped on every rank), gradients clipped to --clip (0: not).
     const bool updated = pipeline.ready_for_optimizer(
         step + 1, a.on_nonfinite == "skip" ? twobp::NonFinitePolicy::kSkipStep : twobp::NonFinitePolicy::kStop,
         a.clip);
     if (updated) optimizer.step();
+    if (step > start || end - start == 1) {
+      // The step from the pipeline's start to the optimizer's end (gradient gate, clipping and update included).
+      const auto optimizer_end = std::chrono::steady_clock::now();
+      twobp::StepTimes times;
+      times.pipeline_us = result.pipeline_us;
+      times.reduce_wait_us = result.reduce_wait_us;
+      times.optimizer_us = std::chrono::duration<double, std::micro>(optimizer_end - step_end).count();
+      times.step_us = std::chrono::duration<double, std::micro>(optimizer_end - step_start).count();
+      attributions.push_back(twobp::attribute_step(pipeline.schedule(), result.trace, times));
+    }
     StepRecord record{step, pipeline.mean_loss(result), 0, pipeline.last_gradient_check().norm, lr, 0};
     record.skipped = !updated;
     // Held-out loss of the updated weights.
@@ -309,6 +322,13 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
       if (reports) fmt::print("checkpoint of step {} written to {}\n", step + 1, a.checkpoint_dir);
     }
   }
+  if (!attributions.empty()) {  // every rank ran the same steps: all of a pipeline call this, or none
+    auto ranks = twobp::gather_attributions(transport, twobp::mean_attribution(attributions), timeout);
+    if (reports) {
+      std::lock_guard<std::mutex> lock(shared.mutex);
+      shared.attribution = std::move(ranks);
+    }
+  }
   // The optimizer state each rank holds (with --zero 1, its share), every world rank's in its slot.
   at::Tensor state_bytes = at::zeros({world.world_size()}, at::kDouble);  // host values, reduced on the host
   state_bytes[world.rank()] = static_cast<double>(optimizer.state_bytes());
@@ -320,7 +340,8 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
   }
 }
 
-void print_summary(const std::vector<StepRecord>& records, double wall_s, const std::vector<std::string>& written) {
+void print_summary(const std::vector<StepRecord>& records, const std::vector<twobp::StepAttribution>& attribution,
+                   double wall_s, const std::vector<std::string>& written) {
   if (records.empty()) return;
   double loss_sum = 0;
   std::vector<double> rates;
@@ -332,6 +353,11 @@ void print_summary(const std::vector<StepRecord>& records, double wall_s, const 
   fmt::print("done: {} steps (to step {}) in {:.1f} s | final loss {:.4f} | mean loss {:.4f} | median {:.0f} tok/s\n",
              records.size(), records.back().step + 1, wall_s, records.back().loss, loss_sum / records.size(),
              rates[rates.size() / 2]);
+  if (!attribution.empty()) {
+    fmt::print("where each rank's step went (mean over {} steps; replica 0):\n",
+               records.size() > 1 ? records.size() - 1 : records.size());
+    for (const twobp::StepAttribution& a : attribution) fmt::print("  {}\n", twobp::format_attribution(a));
+  }
   if (!written.empty()) fmt::print("files written: {}\n", fmt::join(written, ", "));
 }
 

@@ -10,6 +10,7 @@
 
 #include <cstdio>
 #include <vector>
+#include "twobp/schedule/registry.h"
 
 int main() try {
   constexpr int kStages = 2, kMicroBatches = 4, kSteps = 60;

@@ -20,7 +20,12 @@
 
 #include "twobp/schedule/action.h"
 #include "twobp/schedule/dependencies.h"
+#include "twobp/schedule/messages.h"
+#include "twobp/schedule/registry.h"
 #include "twobp/schedule/schedule.h"
+#include "twobp/schedule/simulate.h"
+#include "twobp/schedule/text.h"
+#include "twobp/schedule/validate.h"
 
 #include "twobp/metrics/energy.h"
 #include "twobp/metrics/memory.h"
@@ -33,6 +38,7 @@
 #include "twobp/runtime/pipeline.h"
 #include "twobp/runtime/sharded_optimizer.h"
 #include "twobp/schedule/pytorch_csv.h"
+#include "twobp/trace/attribution.h"
 #include "twobp/trace/trace.h"
 
 #include "twobp/transport/checksum.h"

@@ -13,8 +13,9 @@
 #include <fmt/ranges.h>
 
 #include "twobp/error.h"
-#include "util/hash.h"
+#include "twobp/schedule/simulate.h"
 #include "util/check.h"
+#include "util/hash.h"
 
 namespace twobp::models {
 

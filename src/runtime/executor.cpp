@@ -17,6 +17,7 @@
 #include "runtime/boundary.h"
 #include "twobp/metrics/memory.h"
 #include "twobp/schedule/dependencies.h"
+#include "twobp/schedule/messages.h"
 #include "twobp/transport/status_board.h"
 #include "util/check.h"
 #include "util/failure.h"

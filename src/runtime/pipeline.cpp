@@ -5,6 +5,7 @@
 #include <fmt/ranges.h>
 #include <torch/nn/module.h>
 
+#include <chrono>
 #include <cmath>
 #include <map>
 #include <set>
@@ -14,6 +15,7 @@
 
 #include "runtime/gradient_reducer.h"
 #include "runtime/master_weights.h"
+#include "twobp/schedule/validate.h"
 #include "twobp/transport/checksum.h"
 #include "util/check.h"
 #include "util/failure.h"
@@ -361,6 +363,7 @@ void Pipeline::start_once() {
 }
 
 StepResult Pipeline::run_step(const std::function<StepResult()>& run) {
+  const auto t0 = std::chrono::steady_clock::now();
   StepResult result;
   try {
     start_once();
@@ -386,6 +389,7 @@ StepResult Pipeline::run_step(const std::function<StepResult()>& run) {
     throw;
   }
   last_losses_ = result.losses;
+  result.pipeline_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
   return result;
 }
 

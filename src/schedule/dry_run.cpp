@@ -3,6 +3,8 @@
 #include <algorithm>
 
 #include "twobp/schedule/dependencies.h"
+#include "twobp/schedule/messages.h"
+#include "twobp/schedule/simulate.h"
 #include "util/check.h"
 
 namespace twobp::detail {

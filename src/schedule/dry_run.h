@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "twobp/schedule/schedule.h"
+#include "twobp/schedule/simulate.h"
 
 namespace twobp::detail {
 

@@ -9,10 +9,10 @@
 #include <deque>
 #include <functional>
 #include <map>
-#include <mutex>
 #include <utility>
 
-#include "twobp/schedule/schedule.h"
+#include "schedule/generators.h"
+#include "twobp/schedule/registry.h"
 #include "util/check.h"
 
 namespace twobp {
@@ -684,98 +684,26 @@ ScheduleInfo builtin(std::string name, Schedule (*fn)(const ScheduleOptions&), i
   return info;
 }
 
-// The single list of schedule names and their defaults: built-ins first, then register_schedule() additions.
-struct Registry {
-  std::mutex mutex;
-  std::vector<ScheduleInfo> entries;
-
-  Registry() {
-    entries.push_back(builtin("gpipe", gpipe, 1, "all F, then all B (or I, then one batched W)"));
-    entries.push_back(builtin("1f1b", one_f_one_b, 1, "one F one B after a warm-up of p - rank forwards"));
-    entries.push_back(
-        builtin("interleaved-1f1b", interleaved, 2, "1F1B over v chunks per rank (m in max(1, m/p) equal groups)"));
-    entries.push_back(builtin("zb-h1", zb_h1, 1, "zero bubble H1: 1F1B memory, W fills the cool-down"));
-    entries.push_back(builtin("zb-h2", zb_h2, 1, "zero bubble H2: more warm-up forwards, no bubble"));
-    entries.push_back(builtin("zb-v", zb_v, 2, "zero bubble V: two chunks per rank in a V"));
-    entries.push_back(builtin("looped-bfs", looped_bfs, 2, "breadth first over v looped chunks (PyTorch's LoopedBFS)"));
-    entries.push_back(
-        builtin("interleaved-zb", interleaved_zb, 2,
-                "zero bubble over v looped chunks (PyTorch's InterleavedZeroBubble)"));
-    entries.push_back(
-        builtin("dualpipev", dualpipev, 2, "DeepSeek's DualPipeV: V, F of one micro-batch beside B of another"));
-    entries.push_back(builtin("v-half", v_half, 2, "V with about half of 1F1B's activation memory"));
-    entries.push_back(builtin("v-min", v_min, 2, "V with about a third of 1F1B's activation memory"));
-    builtins = entries.size();
-  }
-  std::size_t builtins = 0;  // the first entries, in the order above
-};
-
-Registry& registry() {
-  static Registry r;
-  return r;
-}
-
 }  // namespace
 
-void register_schedule(ScheduleInfo info) {
-  TWOBP_CHECK(!info.name.empty() && static_cast<bool>(info.make), UsageError,
-              "register_schedule: a schedule needs a name and a generator factory");
-  TWOBP_CHECK(info.default_chunks_per_rank >= 1, UsageError,
-              "register_schedule('{}'): default_chunks_per_rank must be >= 1, got {}", info.name,
-              info.default_chunks_per_rank);
-  Registry& r = registry();
-  std::lock_guard<std::mutex> lock(r.mutex);
-  for (const auto& e : r.entries) {
-    TWOBP_CHECK(e.name != info.name, UsageError, "register_schedule: a schedule named '{}' is already registered",
-                info.name);
-  }
-  r.entries.push_back(std::move(info));
+namespace detail {
+
+std::vector<ScheduleInfo> builtin_schedules() {
+  return {
+      builtin("gpipe", gpipe, 1, "all F, then all B (or I, then one batched W)"),
+      builtin("1f1b", one_f_one_b, 1, "one F one B after a warm-up of p - rank forwards"),
+      builtin("interleaved-1f1b", interleaved, 2, "1F1B over v chunks per rank (m in max(1, m/p) equal groups)"),
+      builtin("zb-h1", zb_h1, 1, "zero bubble H1: 1F1B memory, W fills the cool-down"),
+      builtin("zb-h2", zb_h2, 1, "zero bubble H2: more warm-up forwards, no bubble"),
+      builtin("zb-v", zb_v, 2, "zero bubble V: two chunks per rank in a V"),
+      builtin("looped-bfs", looped_bfs, 2, "breadth first over v looped chunks (PyTorch's LoopedBFS)"),
+      builtin("interleaved-zb", interleaved_zb, 2,
+              "zero bubble over v looped chunks (PyTorch's InterleavedZeroBubble)"),
+      builtin("dualpipev", dualpipev, 2, "DeepSeek's DualPipeV: V, F of one micro-batch beside B of another"),
+      builtin("v-half", v_half, 2, "V with about half of 1F1B's activation memory"),
+      builtin("v-min", v_min, 2, "V with about a third of 1F1B's activation memory"),
+  };
 }
 
-std::vector<std::string> schedule_names() {
-  Registry& r = registry();
-  std::lock_guard<std::mutex> lock(r.mutex);
-  std::vector<std::string> names;
-  for (const auto& e : r.entries) names.push_back(e.name);
-  return names;
-}
-
-ScheduleInfo schedule_info(std::string_view name) {
-  Registry& r = registry();
-  std::lock_guard<std::mutex> lock(r.mutex);
-  for (const auto& e : r.entries) {
-    if (e.name == name) return e;
-  }
-  std::vector<std::string> names;
-  for (const auto& e : r.entries) names.push_back(e.name);
-  detail::raise<UsageError>("unknown schedule '{}'; known schedules: {} (or load one from its text form with "
-                            "load_schedule / --schedule-file)",
-                            name, fmt::join(names, ", "));
-}
-
-std::vector<std::string> builtin_schedule_names() {
-  Registry& r = registry();
-  std::lock_guard<std::mutex> lock(r.mutex);
-  std::vector<std::string> names;
-  for (std::size_t k = 0; k < r.builtins; ++k) names.push_back(r.entries[k].name);
-  return names;
-}
-
-std::unique_ptr<ScheduleGenerator> make_schedule_generator(std::string_view name) { return schedule_info(name).make(); }
-
-ScheduleOptions default_schedule_options(std::string_view name, int ranks, int micro_batches, BackwardMode backward) {
-  ScheduleOptions o;
-  o.ranks = ranks;
-  o.micro_batches = micro_batches;
-  o.chunks_per_rank = schedule_info(name).default_chunks_per_rank;
-  o.backward = backward;
-  return o;
-}
-
-Schedule make_schedule(std::string_view name, const ScheduleOptions& options) {
-  Schedule schedule = make_schedule_generator(name)->generate(options);
-  validate(schedule);
-  return schedule;
-}
-
+}  // namespace detail
 }  // namespace twobp

@@ -8,6 +8,8 @@
 
 #include "schedule/dry_run.h"
 #include "twobp/schedule/schedule.h"
+#include "twobp/schedule/simulate.h"
+#include "twobp/schedule/text.h"
 
 namespace twobp {
 namespace {

@@ -111,79 +111,7 @@ Schedule add_communication(Schedule schedule) {
   return schedule;
 }
 
-int peer_rank(const Schedule& schedule, const Action& action) {
-  TWOBP_CHECK(!is_compute(action.type), ScheduleError, "peer_rank: {} is a compute action, not a SEND/RECV",
-              describe(action));
-  const int peer = detail::peer_stage(action);
-  TWOBP_CHECK(peer >= 0 && peer < schedule.num_stages && peer < static_cast<int>(schedule.stage_to_rank.size()),
-              ScheduleError, "peer_rank: {} has no neighbouring stage {} (schedule has {} stages)", describe(action),
-              peer, schedule.num_stages);
-  return schedule.stage_to_rank[peer];
-}
-
-std::int64_t message_tag(const Schedule& schedule, const Action& action, MessagePart part) {
-  TWOBP_CHECK(!is_compute(action.type), ScheduleError, "message_tag: {} is a compute action, not a SEND/RECV",
-              describe(action));
-  TWOBP_CHECK(action.micro_batches.size() == 1, ScheduleError, "message_tag: {} must name exactly one micro-batch",
-              describe(action));
-  TWOBP_CHECK(part.tensor < kMaxTensorsPerMessage, UsageError,
-              "{}: a stage boundary carries at most {} tensors (tensor {} was asked for)", describe(action),
-              kMaxTensorsPerMessage, part.tensor);
-  const int peer = detail::peer_stage(action);
-  const std::int64_t boundary = std::min(peer, action.stage);
-  const std::int64_t dir = message_channel(action);  // 0 activations, 1 gradients
-  const std::int64_t mb = action.micro_batches.front();
-  return ((mb * schedule.num_stages + boundary) * 2 + dir) * (kMaxTensorsPerMessage + 1) + part.tensor + 1;
-}
-
-std::int64_t message_tag_span(const Schedule& schedule) {
-  return static_cast<std::int64_t>(schedule.num_micro_batches) * schedule.num_stages * 2 *
-         (kMaxTensorsPerMessage + 1);
-}
-
-int message_channel(const Action& action, MessagePart part) {
-  const int header = part.is_header() ? 2 : 0;
-  switch (action.type) {
-    case ActionType::kSendForward:
-    case ActionType::kRecvForward:
-      return 0 + header;
-    case ActionType::kSendBackward:
-    case ActionType::kRecvBackward:
-      return 1 + header;
-    default:
-      detail::raise<ScheduleError>("message_channel: {} is a compute action, not a SEND/RECV", describe(action));
-  }
-}
-
-CostModel CostModel::uniform(int num_stages, double f, double i, double w, double comm) {
-  CostModel costs;
-  costs.forward.assign(num_stages, f);
-  costs.backward_input.assign(num_stages, i);
-  costs.backward_weight.assign(num_stages, w);
-  costs.communication = comm;
-  return costs;
-}
-
 namespace detail {
-
-double action_cost(const Action& action, const CostModel& costs) {
-  const auto s = static_cast<std::size_t>(action.stage);
-  // Activation recomputation re-runs the forward at the start of the micro-batch's I or B.
-  const double recompute = costs.recompute.empty() ? 0.0 : costs.recompute.at(s);
-  switch (action.type) {
-    case ActionType::kForward:
-      return costs.forward.at(s);
-    case ActionType::kBackwardInput:
-      return recompute + costs.backward_input.at(s);
-    case ActionType::kBackwardWeight:
-      return costs.backward_weight.at(s) * static_cast<double>(action.micro_batches.size());
-    case ActionType::kBackward:
-      return recompute +
-             (costs.backward.empty() ? costs.backward_input.at(s) + costs.backward_weight.at(s) : costs.backward.at(s));
-    default:
-      return 0.0;
-  }
-}
 
 int peer_stage(const Action& action) {
   switch (action.type) {

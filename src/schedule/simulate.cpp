@@ -8,6 +8,8 @@
 #include "schedule/dry_run.h"
 #include "twobp/metrics/metrics.h"
 #include "twobp/schedule/schedule.h"
+#include "twobp/schedule/simulate.h"
+#include "twobp/schedule/text.h"
 #include "util/check.h"
 
 namespace twobp {
@@ -50,8 +52,8 @@ struct LastWeightAction {
   bool is_w = false;
 };
 
-/// Ends of each rank's data-parallel reductions (see simulate() in schedule.h): per rank, the end of its last
-/// all-reduce, or `compute_end[r]` when it has none.
+/// Ends of each rank's data-parallel reductions (simulate() in twobp/schedule/simulate.h): per rank, the end of its
+/// last all-reduce, or `compute_end[r]` when it has none.
 std::vector<double> reduction_ends(const Schedule& sc, const CostModel& costs, const std::vector<double>& compute_end,
                                    const std::vector<LastWeightAction>& last_weight) {
   const int k = costs.data_parallel_buckets;
@@ -78,6 +80,38 @@ std::vector<double> reduction_ends(const Schedule& sc, const CostModel& costs, c
 }
 
 }  // namespace
+
+CostModel CostModel::uniform(int num_stages, double f, double i, double w, double comm) {
+  CostModel costs;
+  costs.forward.assign(num_stages, f);
+  costs.backward_input.assign(num_stages, i);
+  costs.backward_weight.assign(num_stages, w);
+  costs.communication = comm;
+  return costs;
+}
+
+namespace detail {
+
+double action_cost(const Action& action, const CostModel& costs) {
+  const auto s = static_cast<std::size_t>(action.stage);
+  // Activation recomputation re-runs the forward at the start of the micro-batch's I or B.
+  const double recompute = costs.recompute.empty() ? 0.0 : costs.recompute.at(s);
+  switch (action.type) {
+    case ActionType::kForward:
+      return costs.forward.at(s);
+    case ActionType::kBackwardInput:
+      return recompute + costs.backward_input.at(s);
+    case ActionType::kBackwardWeight:
+      return costs.backward_weight.at(s) * static_cast<double>(action.micro_batches.size());
+    case ActionType::kBackward:
+      return recompute +
+             (costs.backward.empty() ? costs.backward_input.at(s) + costs.backward_weight.at(s) : costs.backward.at(s));
+    default:
+      return 0.0;
+  }
+}
+
+}  // namespace detail
 
 SimulationResult simulate(const Schedule& schedule, const CostModel& costs) {
   detail::check_structure(schedule);

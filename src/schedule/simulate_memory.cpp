@@ -1,10 +1,11 @@
-// Peak tensor memory per rank over one step (see simulate_peak_memory in twobp/schedule/schedule.h).
+// Peak tensor memory per rank over one step (see simulate_peak_memory in twobp/schedule/simulate.h).
 
 #include <algorithm>
 #include <set>
 
 #include "twobp/error.h"
 #include "twobp/schedule/schedule.h"
+#include "twobp/schedule/simulate.h"
 #include "util/check.h"
 
 namespace twobp {

@@ -15,6 +15,7 @@
 
 #include "twobp/schedule/pytorch_csv.h"
 #include "twobp/schedule/schedule.h"
+#include "twobp/schedule/text.h"
 #include "util/check.h"
 
 namespace twobp {
@@ -251,23 +252,6 @@ Schedule load_schedule_file(const std::string& path) {
   } catch (const ScheduleError& e) {
     detail::raise<ScheduleError>("schedule file '{}': {}", path, e.what());
   }
-}
-
-Schedule resolve_schedule(const ScheduleChoice& choice, int ranks, int micro_batches, BackwardMode backward) {
-  if (choice.file.empty()) {
-    ScheduleOptions o = default_schedule_options(choice.name, ranks, micro_batches, backward);
-    if (choice.chunks_per_rank > 0) o.chunks_per_rank = choice.chunks_per_rank;
-    return make_schedule(choice.name, o);
-  }
-  Schedule schedule = load_schedule_file(choice.file);
-  validate(schedule);
-  TWOBP_CHECK(schedule.num_ranks == ranks, UsageError,
-              "schedule file '{}' is for {} ranks, but the program runs {} ranks", choice.file, schedule.num_ranks,
-              ranks);
-  TWOBP_CHECK(schedule.num_micro_batches == micro_batches, UsageError,
-              "schedule file '{}' has {} micro-batches, but the program was asked for {} (--microbatches)",
-              choice.file, schedule.num_micro_batches, micro_batches);
-  return schedule;
 }
 
 }  // namespace twobp

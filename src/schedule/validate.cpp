@@ -12,7 +12,11 @@
 
 #include "schedule/dry_run.h"
 #include "twobp/schedule/dependencies.h"
+#include "twobp/schedule/messages.h"
 #include "twobp/schedule/schedule.h"
+#include "twobp/schedule/simulate.h"
+#include "twobp/schedule/text.h"
+#include "twobp/schedule/validate.h"
 #include "util/check.h"
 
 namespace twobp {

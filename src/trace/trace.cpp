@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "twobp/metrics/metrics.h"
+#include "trace/palette.h"
 #include "util/xml.h"
 
 namespace twobp {
@@ -64,31 +65,9 @@ std::string to_chrome_trace(const std::vector<Trace>& ranks) {
   return nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump();
 }
 
-namespace {
-const char* colour(ActionType t) {
-  switch (t) {
-    case ActionType::kForward: return "#4e79a7";
-    case ActionType::kBackwardInput: return "#f28e2b";
-    case ActionType::kBackwardWeight: return "#59a14f";
-    case ActionType::kBackward: return "#e15759";
-    default: return "#bab0ac";
-  }
-}
-}  // namespace
-
-namespace {
+using detail::action_colour;
+using detail::nice_tick;
 using detail::xml_escaped;
-
-// A tick spacing of 1, 2 or 5 times a power of ten giving about `ticks` ticks over `span`.
-double nice_tick(double span, int ticks) {
-  const double raw = span / std::max(1, ticks);
-  const double power = std::pow(10.0, std::floor(std::log10(raw)));
-  for (double m : {1.0, 2.0, 5.0}) {
-    if (m * power >= raw) return m * power;
-  }
-  return 10.0 * power;
-}
-}  // namespace
 
 std::string to_svg(const std::vector<Trace>& ranks, const std::string& title) {
   const double width = 1200.0, row = 34.0, left = 70.0, top = 40.0, axis = 34.0;
@@ -130,7 +109,7 @@ std::string to_svg(const std::vector<Trace>& ranks, const std::string& title) {
       if (e.action.micro_batches.size() > 3) label += "..";
       svg += fmt::format("<rect x=\"{:.1f}\" y=\"{:.1f}\" width=\"{:.1f}\" height=\"{:.1f}\" fill=\"{}\" "
                          "fill-opacity=\"{:.2f}\" stroke=\"white\"><title>{} ({:.0f} us)</title></rect>\n",
-                         x, y + 2, w, row - 4, colour(e.action.type), opacity, xml_escaped(describe(e.action)),
+                         x, y + 2, w, row - 4, action_colour(e.action.type), opacity, xml_escaped(describe(e.action)),
                          e.end_us - e.start_us);
       if (w > 7.0 * static_cast<double>(label.size())) {
         svg += fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" fill=\"{}\">{}</text>\n", x + 3, y + row / 2 + 4,
@@ -155,7 +134,7 @@ std::string to_svg(const std::vector<Trace>& ranks, const std::string& title) {
                        ActionType::kBackwardWeight}) {
     svg += fmt::format("<rect x=\"{:.0f}\" y=\"{:.0f}\" width=\"12\" height=\"12\" fill=\"{}\"/><text x=\"{:.0f}\" "
                        "y=\"{:.0f}\">{}</text>\n",
-                       lx, ly - 10, colour(t), lx + 16, ly, to_string(t));
+                       lx, ly - 10, action_colour(t), lx + 16, ly, to_string(t));
     lx += 60;
   }
   if (several_chunks) {

@@ -25,21 +25,6 @@ P2POptions checksum_options(const P2POptions& o) {
   return c;
 }
 
-class SendWork final : public Work {
- public:
-  SendWork(std::unique_ptr<Work> data, std::unique_ptr<Work> sum, at::Tensor checksum)
-      : data_(std::move(data)), sum_(std::move(sum)), checksum_(std::move(checksum)) {}
-  void wait(Duration timeout) override {
-    data_->wait(timeout);
-    sum_->wait(timeout);
-  }
-  bool is_completed() override { return data_->is_completed() && sum_->is_completed(); }
-
- private:
-  std::unique_ptr<Work> data_, sum_;
-  at::Tensor checksum_;  // kept alive until its send completed
-};
-
 class RecvWork final : public Work {
  public:
   RecvWork(std::unique_ptr<Work> data, std::unique_ptr<Work> sum, at::Tensor buffer, at::Tensor expected,
@@ -91,7 +76,10 @@ std::unique_ptr<Work> ChecksummingTransport::isend(const at::Tensor& tensor, con
   at::Tensor sum = message_checksum(tensor);
   auto data = inner_->isend(tensor, options);
   auto sent = inner_->isend(sum, c);
-  return std::make_unique<SendWork>(std::move(data), std::move(sent), std::move(sum));
+  std::vector<std::unique_ptr<Work>> works;
+  works.push_back(std::move(data));
+  works.push_back(std::move(sent));
+  return std::make_unique<detail::JoinedWork>(std::move(works), std::vector<at::Tensor>{std::move(sum)});
 }
 
 std::unique_ptr<Work> ChecksummingTransport::irecv(at::Tensor& buffer, const P2POptions& options) {

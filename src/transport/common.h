@@ -29,6 +29,28 @@ inline std::string describe_tensor(at::IntArrayRef sizes, c10::ScalarType dtype)
 /// The handle of an operation that finished before it was returned (defined in transport.cpp).
 std::unique_ptr<Work> completed_work();
 
+/// One handle for several operations (a wrapper's sends: a message and its checksum, or a send of a copy): waits
+/// for each in order within one deadline, is complete when all are, and keeps `keep_alive` (the tensors the
+/// operations read or write that nobody else holds) until it is destroyed.
+class JoinedWork final : public Work {
+ public:
+  JoinedWork(std::vector<std::unique_ptr<Work>> works, std::vector<at::Tensor> keep_alive)
+      : works_(std::move(works)), keep_alive_(std::move(keep_alive)) {}
+  void wait(Duration timeout) override {
+    const Clock::time_point deadline = Clock::now() + timeout;
+    for (auto& w : works_) {
+      w->wait(std::max(Duration(0), std::chrono::duration_cast<Duration>(deadline - Clock::now())));
+    }
+  }
+  bool is_completed() override {
+    return std::all_of(works_.begin(), works_.end(), [](const auto& w) { return w->is_completed(); });
+  }
+
+ private:
+  std::vector<std::unique_ptr<Work>> works_;
+  std::vector<at::Tensor> keep_alive_;
+};
+
 inline std::string describe_tensor(const at::Tensor& t) { return describe_tensor(t.sizes(), t.scalar_type()); }
 
 /// "SEND_F stage 1 micro-batch 3", or "tag 7" when the caller gave no label: an error must always say which

@@ -24,33 +24,6 @@ class FailedWork final : public Work {
   std::string message_;
 };
 
-// Both sends of a duplicated message.
-class BothWork final : public Work {
- public:
-  BothWork(std::unique_ptr<Work> first, std::unique_ptr<Work> second)
-      : first_(std::move(first)), second_(std::move(second)) {}
-  void wait(Duration timeout) override {
-    first_->wait(timeout);
-    second_->wait(timeout);
-  }
-  bool is_completed() override { return first_->is_completed() && second_->is_completed(); }
-
- private:
-  std::unique_ptr<Work> first_, second_;
-};
-
-// A send of a tensor this wrapper made (kCorrupt's copy), kept alive until the send completed.
-class OwnedSendWork final : public Work {
- public:
-  OwnedSendWork(std::unique_ptr<Work> work, at::Tensor tensor) : work_(std::move(work)), tensor_(std::move(tensor)) {}
-  void wait(Duration timeout) override { work_->wait(timeout); }
-  bool is_completed() override { return work_->is_completed(); }
-
- private:
-  std::unique_ptr<Work> work_;
-  at::Tensor tensor_;
-};
-
 // A send held back on a thread of its own (kReorder): complete once it was posted and its inner send completed.
 class HeldWork final : public Work {
  public:
@@ -146,8 +119,10 @@ std::unique_ptr<Work> FaultInjectingTransport::isend(const at::Tensor& tensor, c
       throw TransportError(why);
     }
     case Fault::kDuplicate: {
-      auto first = inner_->isend(tensor, o);
-      return std::make_unique<BothWork>(std::move(first), inner_->isend(tensor, o));
+      std::vector<std::unique_ptr<Work>> both;
+      both.push_back(inner_->isend(tensor, o));
+      both.push_back(inner_->isend(tensor, o));
+      return std::make_unique<detail::JoinedWork>(std::move(both), std::vector<at::Tensor>{});
     }
     case Fault::kCorrupt: {
       // The top bit of one element's last byte: on this little-endian layout, the sign of a float or an integer,
@@ -158,7 +133,9 @@ std::unique_ptr<Work> FaultInjectingTransport::isend(const at::Tensor& tensor, c
         const auto element = std::uniform_int_distribution<int64_t>(0, copy.numel() - 1)(random_);
         bytes.narrow(0, (element + 1) * copy.element_size() - 1, 1).bitwise_xor_(0x80);
       }
-      return std::make_unique<OwnedSendWork>(inner_->isend(copy, o), copy);
+      std::vector<std::unique_ptr<Work>> send;
+      send.push_back(inner_->isend(copy, o));
+      return std::make_unique<detail::JoinedWork>(std::move(send), std::vector<at::Tensor>{copy});
     }
     case Fault::kReorder: {
       // The inner transport must take sends from two threads: Local and Store do; MPI serializes its calls.

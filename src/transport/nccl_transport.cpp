@@ -148,7 +148,7 @@ struct NcclTransport::Impl {
   int rank = 0;
   int world = 1;
   int device = 0;
-  int channels = kNumMessageChannels;
+  int channels = kDefaultChannelsPerLink;
   std::shared_ptr<Transport> host;  // bootstrap, all_reduce_sum, barrier, abort
   NcclOptions options;              // as given to the constructor; split() derives the group's from them
   std::vector<std::pair<int, int>> all_links;

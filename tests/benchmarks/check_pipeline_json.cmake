@@ -2,7 +2,7 @@
 #       -P check_pipeline_json.cmake
 # Checks the output of `twobp_bench pipeline` (or `simulate`): JSON["results"] holds at least MIN_RESULTS entries and
 # every KEYS member of every result is a positive finite number; every FILES entry exists and is not empty; TRACE_DIR
-# holds at least one *.trace.json and one *.svg. Fails (non-zero exit) naming every violation.
+# holds at least one *.trace.json, *.svg and *.attribution.svg. Fails (non-zero exit) naming every violation.
 if(NOT DEFINED JSON)
   message(FATAL_ERROR "usage: cmake -DJSON=file [-DKEYS=k1;k2] [-DMIN_RESULTS=n] [-DFILES=f1;f2] [-DTRACE_DIR=dir] "
                       "-P ${CMAKE_CURRENT_LIST_FILE}")
@@ -58,7 +58,7 @@ foreach(f IN LISTS FILES)
   endif()
 endforeach()
 if(DEFINED TRACE_DIR)
-  foreach(pattern *.trace.json *.svg)
+  foreach(pattern *.trace.json *.svg *.attribution.svg)
     file(GLOB _found "${TRACE_DIR}/${pattern}")
     if(NOT _found)
       list(APPEND _problems "${TRACE_DIR}: no ${pattern}")

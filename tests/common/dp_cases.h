@@ -18,6 +18,7 @@
 #include "common/split_cases.h"
 #include "twobp/runtime/data_parallel.h"
 #include "twobp/runtime/pipeline.h"
+#include "twobp/schedule/registry.h"
 
 namespace twobp::testing::dp {
 

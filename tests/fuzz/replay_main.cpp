@@ -21,7 +21,9 @@
 #include "fuzz_targets.h"
 #include "twobp/data.h"
 #include "twobp/error.h"
+#include "twobp/schedule/registry.h"
 #include "twobp/schedule/schedule.h"
+#include "twobp/schedule/text.h"
 
 namespace fs = std::filesystem;
 

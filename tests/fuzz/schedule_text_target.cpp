@@ -10,6 +10,9 @@
 #include "fuzz_targets.h"
 #include "twobp/error.h"
 #include "twobp/schedule/schedule.h"
+#include "twobp/schedule/simulate.h"
+#include "twobp/schedule/text.h"
+#include "twobp/schedule/validate.h"
 
 namespace twobp::fuzz {
 namespace {

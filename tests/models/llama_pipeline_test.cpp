@@ -19,7 +19,9 @@
 
 #include "common/spawn_ranks.h"
 #include "common/temp_files.h"
+#include "twobp/schedule/registry.h"
 #include "twobp/schedule/schedule.h"
+#include "twobp/schedule/text.h"
 
 namespace {
 

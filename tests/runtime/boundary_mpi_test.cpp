@@ -10,6 +10,7 @@
 #include "common/mpi_test_env.h"
 #include "twobp/error.h"
 #include "twobp/runtime/pipeline.h"
+#include "twobp/schedule/registry.h"
 #include "twobp/transport/mpi.h"
 
 namespace twobp::testing {

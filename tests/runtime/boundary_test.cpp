@@ -12,6 +12,7 @@
 #include "twobp/error.h"
 #include "twobp/runtime/launch.h"
 #include "twobp/runtime/pipeline.h"
+#include "twobp/schedule/registry.h"
 #include "twobp/stage.h"
 #include "twobp/transport/local.h"
 

@@ -14,6 +14,7 @@
 #include "common/mpi_test_env.h"
 #include "common/test_models.h"
 #include "twobp/error.h"
+#include "twobp/schedule/registry.h"
 #include "twobp/transport/mpi.h"
 
 namespace twobp::testing {

@@ -12,6 +12,7 @@
 #include "common/test_models.h"
 #include "twobp/error.h"
 #include "twobp/runtime/launch.h"
+#include "twobp/schedule/registry.h"
 #include "twobp/transport/local.h"
 
 namespace twobp::testing {

@@ -10,6 +10,7 @@
 #include "common/pipeline_fixtures.h"
 #include "twobp/runtime/executor.h"
 #include "twobp/runtime/launch.h"
+#include "twobp/schedule/registry.h"
 #include "twobp/transport/local.h"
 
 namespace twobp::testing {

@@ -15,6 +15,8 @@
 #include "twobp/metrics/memory.h"
 #include "twobp/runtime/launch.h"
 #include "twobp/runtime/pipeline.h"
+#include "twobp/schedule/registry.h"
+#include "twobp/schedule/validate.h"
 #include "twobp/transport/local.h"
 
 namespace twobp::testing {

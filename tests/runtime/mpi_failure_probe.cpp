@@ -20,6 +20,7 @@
 #include "twobp/nn.h"
 #include "twobp/runtime/pipeline.h"
 #include "twobp/transport/mpi.h"
+#include "twobp/schedule/registry.h"
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "throw";

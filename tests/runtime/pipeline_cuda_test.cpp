@@ -25,6 +25,7 @@
 #include "common/pipeline_fixtures.h"
 #include "twobp/runtime/launch.h"
 #include "twobp/runtime/pipeline.h"
+#include "twobp/schedule/registry.h"
 #include "twobp/transport/local.h"
 
 namespace twobp::testing {

@@ -9,6 +9,7 @@
 #include "common/pipeline_fixtures.h"
 #include "twobp/error.h"
 #include "twobp/runtime/pipeline.h"
+#include "twobp/schedule/registry.h"
 #include "twobp/transport/mpi.h"
 
 namespace twobp::testing {

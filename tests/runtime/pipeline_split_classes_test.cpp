@@ -10,10 +10,11 @@
 
 #include "common/split_cases.h"
 #include "common/test_models.h"
-#include "twobp/runtime/launch.h"
 #include "twobp/error.h"
 #include "twobp/random.h"
+#include "twobp/runtime/launch.h"
 #include "twobp/runtime/pipeline.h"
+#include "twobp/schedule/registry.h"
 #include "twobp/transport/local.h"
 
 namespace twobp::testing {

@@ -19,6 +19,7 @@
 #include "twobp/runtime/launch.h"
 #include "twobp/runtime/pipeline.h"
 #include "twobp/runtime/sharded_optimizer.h"
+#include "twobp/schedule/registry.h"
 #include "twobp/transport/local.h"
 
 namespace twobp::testing {

@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "twobp/schedule/dependencies.h"
+#include "twobp/schedule/registry.h"
 #include "twobp/schedule/schedule.h"
 
 namespace twobp {

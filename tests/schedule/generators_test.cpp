@@ -6,7 +6,12 @@
 #include <tuple>
 
 #include "twobp/error.h"
+#include "twobp/schedule/messages.h"
+#include "twobp/schedule/registry.h"
 #include "twobp/schedule/schedule.h"
+#include "twobp/schedule/simulate.h"
+#include "twobp/schedule/text.h"
+#include "twobp/schedule/validate.h"
 
 namespace twobp {
 namespace {

@@ -19,6 +19,9 @@
 #include "twobp/runtime/launch.h"
 #include "twobp/runtime/pipeline.h"
 #include "twobp/schedule/pytorch_csv.h"
+#include "twobp/schedule/registry.h"
+#include "twobp/schedule/text.h"
+#include "twobp/schedule/validate.h"
 #include "twobp/transport/local.h"
 
 namespace twobp::testing {

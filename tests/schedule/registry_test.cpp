@@ -10,7 +10,9 @@
 #include "common/expect_error.h"
 #include "common/temp_files.h"
 #include "twobp/error.h"
+#include "twobp/schedule/registry.h"
 #include "twobp/schedule/schedule.h"
+#include "twobp/schedule/text.h"
 
 namespace twobp::testing {
 namespace {

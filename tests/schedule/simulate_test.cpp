@@ -7,7 +7,10 @@
 #include <vector>
 
 #include "twobp/error.h"
+#include "twobp/schedule/registry.h"
 #include "twobp/schedule/schedule.h"
+#include "twobp/schedule/simulate.h"
+#include "twobp/schedule/text.h"
 
 namespace twobp {
 namespace {

@@ -3,7 +3,10 @@
 #include <string>
 
 #include "twobp/error.h"
+#include "twobp/schedule/registry.h"
 #include "twobp/schedule/schedule.h"
+#include "twobp/schedule/text.h"
+#include "twobp/schedule/validate.h"
 
 namespace twobp {
 namespace {

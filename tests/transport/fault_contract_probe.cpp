@@ -33,6 +33,7 @@
 #include "twobp/transport/local.h"
 #include "twobp/transport/store.h"
 #if TWOBP_HAVE_MPI
+#include "twobp/schedule/registry.h"
 #include "twobp/transport/mpi.h"
 #endif
 

@@ -14,6 +14,7 @@
 #include "twobp/error.h"
 #include "twobp/runtime/launch.h"
 #include "twobp/runtime/pipeline.h"
+#include "twobp/schedule/registry.h"
 #include "twobp/schedule/schedule.h"
 #include "twobp/transport/fault_injection.h"
 #include "twobp/transport/local.h"

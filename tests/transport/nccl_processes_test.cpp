@@ -24,6 +24,7 @@
 #include "transport/group_cases.h"
 #include "twobp/error.h"
 #include "twobp/runtime/pipeline.h"
+#include "twobp/schedule/registry.h"
 #include "twobp/transport/launch.h"
 #include "twobp/transport/nccl.h"
 #include "twobp/transport/store.h"

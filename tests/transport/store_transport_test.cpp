@@ -21,6 +21,7 @@
 #include "transport/group_cases.h"
 #include "twobp/error.h"
 #include "twobp/runtime/pipeline.h"
+#include "twobp/schedule/registry.h"
 #include "twobp/transport/launch.h"
 #include "twobp/transport/mpi.h"
 #include "twobp/transport/store.h"

@@ -30,7 +30,7 @@ double tokens_per_s(double samples_per_s, int64_t tokens_per_sample);
 /// resident set is split evenly over them; one rank per process keeps the whole).
 double memory_per_rank(double process_bytes, int ranks_in_process);
 
-/// Peak tensor memory per rank is not a closed formula: simulate_peak_memory (twobp/schedule/schedule.h) walks a
+/// Peak tensor memory per rank is not a closed formula: simulate_peak_memory (twobp/schedule/simulate.h) walks a
 /// MemoryModel through the schedule -- measured (twobp_bench pipeline) or estimated (twobp::models::memory_model).
 
 /// Time of a ring all-reduce of `bytes` over `ranks` ranks, in seconds: the bandwidth/latency model of the ring

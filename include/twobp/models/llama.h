@@ -22,6 +22,7 @@
 
 #include "twobp/nn/modules.h"
 #include "twobp/schedule/schedule.h"
+#include "twobp/schedule/simulate.h"
 #include "twobp/tensors.h"
 
 namespace twobp::models {

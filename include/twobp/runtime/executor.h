@@ -30,6 +30,10 @@ struct StepResult {
   /// With data parallelism (PipelineOptions::data_parallel): microseconds step() waited, after this rank's last
   /// action, for the gradient reductions to finish -- their time left exposed on the critical path. 0 otherwise.
   double reduce_wait_us = 0.0;
+  /// Pipeline::step's wall time on this rank, in microseconds: the executor's run (Trace::step_us), the wait
+  /// above, and the pipeline's own work around them (twobp/trace/attribution.h tells them apart). -1 from a bare
+  /// Executor::run.
+  double pipeline_us = -1.0;
   /// With ExecutorOptions::record_memory: the most tensor memory this rank held during the step, in bytes
   /// (twobp/metrics/memory.h; the max of the trace events' memory_peak). -1 when not recorded.
   int64_t peak_memory_bytes = -1;

@@ -8,7 +8,6 @@
 #include <vector>
 
 #include "twobp/config.h"
-#include "twobp/schedule/schedule.h"
 #include "twobp/transport/transport.h"
 
 #if TWOBP_HAVE_NCCL
@@ -33,10 +32,10 @@ struct NcclOptions {
   /// Ordered (src, dst) links that may carry isend(src -> dst); empty = ring_links(world_size). Every rank
   /// must pass the same list (checked against rank 0's).
   std::vector<std::pair<int, int>> links;
-  /// Channels per link (P2POptions::channel in [0, channels)): one communicator each. The default gives each
-  /// message kind of a schedule its own communicator (see message_channel), which is what makes every built-in
-  /// schedule pair correctly under NCCL's in-order rule.
-  int channels = kNumMessageChannels;
+  /// Channels per link (P2POptions::channel in [0, channels)): one communicator each. The default is enough for
+  /// the pipeline to give each message kind its own communicator (message_channel in twobp/schedule/messages.h),
+  /// which is what makes every built-in schedule pair correctly under NCCL's in-order rule.
+  int channels = kDefaultChannelsPerLink;
   /// Create (and warm up) a communicator of every rank for all_reduce_sum_async (data-parallel gradient
   /// buckets) in the constructor. WHY at construction: created lazily, it would be set up in the middle of a
   /// step, while this rank's receives may occupy the GPU and the other ranks are busy elsewhere. Costs one

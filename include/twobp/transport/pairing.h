@@ -20,6 +20,11 @@ enum class Pairing : std::uint8_t {
   kInOrderPerChannel,
 };
 
+/// Channels a transport that pays for each one creates per link unless told otherwise (NcclOptions::channels: a
+/// communicator per link and channel); transports for which channels are free accept any. The pipeline's protocol
+/// needs kNumMessageChannels of them (twobp/schedule/messages.h checks that it fits).
+constexpr int kDefaultChannelsPerLink = 4;
+
 /// "by-tag" or "in-order-per-channel".
 const char* to_string(Pairing pairing);
 
