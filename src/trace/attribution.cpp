@@ -238,16 +238,7 @@ std::string to_attribution_svg(const std::vector<StepAttribution>& ranks, const 
       x += us * scale;
     }
   }
-  const double step_ms = longest / 1000.0, tick = detail::nice_tick(step_ms, 8);
-  svg += fmt::format("<line x1=\"{}\" y1=\"{:.1f}\" x2=\"{:.1f}\" y2=\"{:.1f}\" stroke=\"#555\"/>\n", left,
-                     rows_end + 4, left + longest * scale, rows_end + 4);
-  for (double t = 0; t <= step_ms * (1 + 1e-9); t += tick) {
-    const double x = left + t * 1000.0 * scale;
-    svg += fmt::format("<line x1=\"{0:.1f}\" y1=\"{1:.1f}\" x2=\"{0:.1f}\" y2=\"{2:.1f}\" stroke=\"#555\"/>"
-                       "<text x=\"{0:.1f}\" y=\"{3:.1f}\" text-anchor=\"middle\">{4:g}</text>\n",
-                       x, rows_end + 4, rows_end + 9, rows_end + 21, t);
-  }
-  svg += fmt::format("<text x=\"8\" y=\"{:.1f}\">time (ms)</text>\n", rows_end + 21);
+  svg += detail::time_axis_ms(left, rows_end, longest, scale);
   // Legend: the parts that occur, in order, wrapped at the picture's width.
   double lx = left, ly = rows_end + axis + 16;
   for (int p = 0; p < kNumStepParts; ++p) {

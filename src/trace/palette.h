@@ -1,8 +1,11 @@
 #pragma once
 // Private: what the library's SVG pictures share -- one colour per action type, axis ticks.
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
+#include <string>
 
 #include "twobp/schedule/action.h"
 
@@ -26,6 +29,21 @@ inline double nice_tick(double span, int ticks) {
     if (m * power >= raw) return m * power;
   }
   return 10.0 * power;
+}
+
+// A time axis in milliseconds under a picture's rows: a line from x = `left` over `span_us` at `scale` pixels per
+// microsecond, at height `y`, with ticks at 1, 2 or 5 x 10^k and a "time (ms)" label.
+inline std::string time_axis_ms(double left, double y, double span_us, double scale) {
+  const double span_ms = span_us / 1000.0, tick = nice_tick(span_ms, 8);
+  std::string svg = fmt::format("<line x1=\"{}\" y1=\"{:.1f}\" x2=\"{:.1f}\" y2=\"{:.1f}\" stroke=\"#555\"/>\n",
+                                left, y + 4, left + span_us * scale, y + 4);
+  for (double t = 0; t <= span_ms * (1 + 1e-9); t += tick) {
+    const double x = left + t * 1000.0 * scale;
+    svg += fmt::format("<line x1=\"{0:.1f}\" y1=\"{1:.1f}\" x2=\"{0:.1f}\" y2=\"{2:.1f}\" stroke=\"#555\"/>"
+                       "<text x=\"{0:.1f}\" y=\"{3:.1f}\" text-anchor=\"middle\">{4:g}</text>\n",
+                       x, y + 4, y + 9, y + 21, t);
+  }
+  return svg + fmt::format("<text x=\"8\" y=\"{:.1f}\">time (ms)</text>\n", y + 21);
 }
 
 }  // namespace twobp::detail

@@ -66,7 +66,7 @@ std::string to_chrome_trace(const std::vector<Trace>& ranks) {
 }
 
 using detail::action_colour;
-using detail::nice_tick;
+using detail::time_axis_ms;
 using detail::xml_escaped;
 
 std::string to_svg(const std::vector<Trace>& ranks, const std::string& title) {
@@ -117,17 +117,7 @@ std::string to_svg(const std::vector<Trace>& ranks, const std::string& title) {
       }
     }
   }
-  // Time axis: the step's wall time in milliseconds, ticks at 1, 2 or 5 x 10^k.
-  const double step_ms = step / 1000.0, tick = nice_tick(step_ms, 8);
-  svg += fmt::format("<line x1=\"{}\" y1=\"{:.1f}\" x2=\"{:.1f}\" y2=\"{:.1f}\" stroke=\"#555\"/>\n", left,
-                     rows_end + 4, left + step * scale, rows_end + 4);
-  for (double t = 0; t <= step_ms * (1 + 1e-9); t += tick) {
-    const double x = left + t * 1000.0 * scale;
-    svg += fmt::format("<line x1=\"{0:.1f}\" y1=\"{1:.1f}\" x2=\"{0:.1f}\" y2=\"{2:.1f}\" stroke=\"#555\"/>"
-                       "<text x=\"{0:.1f}\" y=\"{3:.1f}\" text-anchor=\"middle\">{4:g}</text>\n",
-                       x, rows_end + 4, rows_end + 9, rows_end + 21, t);
-  }
-  svg += fmt::format("<text x=\"8\" y=\"{:.1f}\">time (ms)</text>\n", rows_end + 21);
+  svg += time_axis_ms(left, rows_end, step, scale);  // the step's wall time
   const double ly = rows_end + axis + 20;
   double lx = left;
   for (ActionType t : {ActionType::kForward, ActionType::kBackward, ActionType::kBackwardInput,
