@@ -32,7 +32,6 @@ Registry& registry() {
 
 }  // namespace
 
-
 void register_schedule(ScheduleInfo info) {
   TWOBP_CHECK(!info.name.empty() && static_cast<bool>(info.make), UsageError,
               "register_schedule: a schedule needs a name and a generator factory");

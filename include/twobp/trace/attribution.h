@@ -16,7 +16,7 @@ namespace twobp {
 
 /// The parts of a step, in the order they are reported and drawn.
 enum class StepPart : int {
-  kForward,          ///< F actions, less nothing (F has no recomputation)
+  kForward,          ///< F actions
   kBackwardInput,    ///< I actions (2BP stage 1), less their recomputation
   kBackwardWeight,   ///< W actions (2BP stage 2, deferred; also a W run early by a memory bound)
   kBackward,         ///< B actions (ordinary fused backward), less their recomputation
@@ -89,7 +89,7 @@ std::string format_attribution(const StepAttribution& a);
 std::string to_attribution_json(const std::vector<StepAttribution>& ranks);
 
 /// SVG picture: one horizontal stacked bar per rank (rank order), the parts in StepPart order with a legend;
-/// bars share one time axis (ms), so a slower rank's idle time is visible as a longer bar's end.
+/// bars share one time axis (ms).
 std::string to_attribution_svg(const std::vector<StepAttribution>& ranks, const std::string& title);
 
 }  // namespace twobp
