@@ -1,7 +1,6 @@
 #include "bench_common.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <iomanip>
@@ -10,17 +9,9 @@
 
 #include <time.h>
 
-namespace twobp::bench {
+#include "twobp/metrics/metrics.h"
 
-namespace {
-double quantile(const std::vector<double>& sorted, double q) {
-  if (sorted.empty()) return std::nan("");
-  const double pos = q * static_cast<double>(sorted.size() - 1);
-  const auto lo = static_cast<std::size_t>(std::floor(pos));
-  const auto hi = std::min(lo + 1, sorted.size() - 1);
-  return sorted[lo] + (pos - static_cast<double>(lo)) * (sorted[hi] - sorted[lo]);
-}
-}  // namespace
+namespace twobp::bench {
 
 Clock parse_clock(const std::string& name) {
   if (name == "wall") return Clock::kWall;
@@ -37,14 +28,13 @@ double now_ms(Clock clock) {
 }
 
 Summary summarize(std::vector<double> samples) {
-  std::sort(samples.begin(), samples.end());
   Summary s;
   s.count = samples.size();
-  s.min = quantile(samples, 0.0);
-  s.p25 = quantile(samples, 0.25);
-  s.median = quantile(samples, 0.5);
-  s.p75 = quantile(samples, 0.75);
-  s.max = quantile(samples, 1.0);
+  s.min = metrics::quantile(samples, 0.0);
+  s.p25 = metrics::quantile(samples, 0.25);
+  s.median = metrics::quantile(samples, 0.5);
+  s.p75 = metrics::quantile(samples, 0.75);
+  s.max = metrics::quantile(samples, 1.0);
   return s;
 }
 

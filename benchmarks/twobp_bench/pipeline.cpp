@@ -114,6 +114,7 @@
 #include "twobp/metrics/energy.h"
 #include "twobp/metrics/memory.h"
 #include "twobp/metrics/metrics.h"
+#include "twobp/plan/measure.h"
 #include "twobp/runtime/data_parallel.h"
 #include "twobp/runtime/launch.h"
 #include "twobp/runtime/mpi_launch.h"
@@ -127,6 +128,7 @@
 #include "twobp/transport/local.h"
 #include "twobp/transport/mpi.h"
 #include "twobp_cli.h"
+#include "util/reduce.h"
 
 namespace twobp::bench {
 namespace {
@@ -186,8 +188,7 @@ struct RunResult {
   int64_t memory_limit = 0;  // limited rows of --memory-limit-mb
   double limit_ratio = 0;
   std::optional<double> energy_j;  // per step, the whole job (see the header); nullopt: not measured
-  std::vector<double> f_ms, i_ms, w_ms, b_ms;  // per stage (I and B without their recomputation)
-  std::vector<double> r_ms;                    // per stage: recomputation inside each I or B (--recompute)
+  MeasuredCosts costs;  // per stage, agreed over the pipeline (R only with --recompute); communication_ms
   std::vector<std::string> trace_files;        // written by rank 0 under --trace-dir
   std::vector<StepAttribution> attribution;    // per pipeline rank (replica 0's), the mean over measured steps
 };
@@ -211,11 +212,7 @@ double peak_rss_bytes() {
 }
 
 // Sums `values` over ranks (every rank gets the sum); the tool for sharing per-rank measurements.
-std::vector<double> sum_over_ranks(Transport& t, const std::vector<double>& values, Duration timeout) {
-  at::Tensor x = at::tensor(values, at::kDouble);
-  t.all_reduce_sum(x, timeout);
-  return std::vector<double>(x.data_ptr<double>(), x.data_ptr<double>() + x.numel());
-}
+using detail::sum_over_ranks;
 
 // Half the median round trip of one activation between ranks 0 and 1.
 double measure_comm_ms(Transport& t, const std::vector<int64_t>& shape, Duration timeout) {
@@ -258,40 +255,13 @@ struct Variant {
   int64_t memory_limit = 0;
 };
 
-// Samples of the memory model of simulate_peak_memory() (see the header), from this rank's measured steps.
-struct MemorySamples {
-  std::vector<double> base;  // memory when a step starts
-  // [stage][action type]: added and rise of each action (W: per micro-batch)
-  std::vector<std::array<std::vector<double>, kNumActionTypes>> added, rise;
-  std::vector<double> gradients;  // [stage]: .grad bytes of its parameters (this rank's stages)
-
-  // One step: its events in order. A stage's first W or B allocates its gradients; that allocation is taken out
-  // of the action and given to the model as MemoryModel::gradients.
-  void add(const Trace& trace) {
-    if (trace.events.empty()) return;
-    base.push_back(static_cast<double>(trace.events.front().memory_before));
-    std::set<int> has_gradients;
-    for (const TraceEvent& e : trace.events) {
-      const int type = static_cast<int>(e.action.type);
-      const bool weights = e.action.type == ActionType::kBackwardWeight || e.action.type == ActionType::kBackward;
-      const double g = weights && has_gradients.insert(e.action.stage).second ? gradients[e.action.stage] : 0.0;
-      const double k = e.action.type == ActionType::kBackwardWeight
-                           ? static_cast<double>(std::max<std::size_t>(1, e.action.micro_batches.size()))
-                           : 1.0;
-      added[e.action.stage][type].push_back((static_cast<double>(e.memory_after - e.memory_before) - g) / k);
-      rise[e.action.stage][type].push_back((static_cast<double>(e.memory_peak - e.memory_before) - g) / k);
-    }
-  }
-};
-
 // What run_config measures of one variant (one pipeline) over the measured steps.
 struct Measurements {
   std::unique_ptr<Pipeline> pipeline;
   Variant variant;
   std::vector<double> peak_memory;  // per measured step: StepResult::peak_memory_bytes
-  MemorySamples memory;
-  std::vector<std::vector<double>> f, i, w, b;  // per stage: F, I, W (per micro-batch), B durations in ms
-  std::vector<std::vector<double>> r;           // per stage: recomputation inside I/B, ms (--recompute)
+  std::optional<CostRecorder> costs;      // per-stage action costs (twobp/plan/measure.h)
+  std::optional<MemoryRecorder> memory;   // the memory model of simulate_peak_memory()
   std::vector<double> steps_ms, busy_ms, reduce_wait_ms;
   std::vector<StepAttribution> attribution;  // per measured step: where this rank's step time went
   std::optional<double> energy = 0.0;  // this rank's share over the measured steps; nullopt once a read failed
@@ -335,21 +305,19 @@ std::vector<RunResult> run_config(Transport& world, ParallelGroups& groups, cons
     for (auto& chunk : chunks) chunk.recompute = a.recompute;
     variants[k].pipeline = std::make_unique<Pipeline>(schedule, std::move(chunks), transport, options);
     // .grad bytes per stage, each tensor counted once on this rank (in its first stage: tied weights).
-    MemorySamples& ms = variants[k].memory;
-    ms.gradients.assign(schedule.num_stages, 0.0);
-    ms.added.resize(schedule.num_stages);
-    ms.rise.resize(schedule.num_stages);
+    std::vector<double> gradients(static_cast<std::size_t>(schedule.num_stages), 0.0);
     std::set<const void*> counted;
     for (int s : variants[k].pipeline->stage_indices()) {
       std::vector<at::Tensor> fresh;
       for (const auto& t : variants[k].pipeline->stage(s).parameters()) {
         if (counted.insert(t.unsafeGetTensorImpl()).second) fresh.push_back(t);
       }
-      ms.gradients[s] = gradient_bytes(fresh);
+      gradients[s] = gradient_bytes(fresh);
     }
+    variants[k].costs.emplace(schedule.num_stages);
+    variants[k].memory.emplace(schedule.num_stages, std::move(gradients));
   }
   const std::vector<int64_t> act_shape = model_activation_spec(a.model, 0).shape;
-  const Schedule& sched = variants[0].pipeline->schedule();
 
   const int64_t batch = static_cast<int64_t>(a.microbatches) * a.model.micro_batch_size;
   // Each replica trains on its own share of the global batch: the same synthetic generator, seeded 7 + replica
@@ -358,8 +326,6 @@ std::vector<RunResult> run_config(Transport& world, ParallelGroups& groups, cons
       make_model_batch(a.model, batch, /*seed=*/7 + static_cast<uint64_t>(groups.replica()));
 
   const double comm_ms = measure_comm_ms(transport, act_shape, timeout);
-  const int S = sched.num_stages;
-  for (auto& v : variants) v.f = v.i = v.w = v.b = v.r = std::vector<std::vector<double>>(S);
   for (int step = 0; step < a.warmup + a.steps; ++step) {
     for (Measurements& v : variants) {
       Pipeline& pipeline = *v.pipeline;
@@ -382,23 +348,8 @@ std::vector<RunResult> run_config(Transport& world, ParallelGroups& groups, cons
       times.reduce_wait_us = result.reduce_wait_us;
       times.step_us = ms * 1000.0;  // this rank's own barrier-to-barrier time: its idle time at the end included
       v.attribution.push_back(attribute_step(pipeline.schedule(), result.trace, times));
-      v.memory.add(result.trace);
-      for (const auto& e : result.trace.events) {
-        // I and B are recorded without their recomputation, which is recorded apart (the simulator adds it back).
-        const double d = (e.end_us - e.start_us - e.recompute_us) / 1000.0;
-        if (e.action.type == ActionType::kBackwardInput || e.action.type == ActionType::kBackward) {
-          v.r[e.action.stage].push_back(e.recompute_us / 1000.0);
-        }
-        switch (e.action.type) {
-          case ActionType::kForward: v.f[e.action.stage].push_back(d); break;
-          case ActionType::kBackwardInput: v.i[e.action.stage].push_back(d); break;
-          case ActionType::kBackward: v.b[e.action.stage].push_back(d); break;
-          case ActionType::kBackwardWeight:
-            v.w[e.action.stage].push_back(d / static_cast<double>(e.action.micro_batches.size()));
-            break;
-          default: break;
-        }
-      }
+      v.memory->add(result.trace);
+      v.costs->add(result.trace);  // I and B without their recomputation, recorded apart (the simulator adds it)
       v.last = std::move(result.trace);
     }
   }
@@ -423,31 +374,11 @@ std::vector<RunResult> run_config(Transport& world, ParallelGroups& groups, cons
 // simulate_peak_memory() predicts from the memory model measured in the same steps. Collective over the pipeline.
 void summarize_memory(Transport& transport, const Schedule& sched, const Measurements& m, Duration timeout,
                       RunResult& r) {
-  const int p = transport.world_size(), me = transport.rank(), S = sched.num_stages;
-  auto med = [](const std::vector<double>& v) { return v.empty() ? 0.0 : summarize(v).median; };
-  constexpr int kPerStage = 2 * kNumActionTypes + 1;  // (added, rise) per action type, then gradient bytes
-  // Slots: [pipeline rank] measured peak, [pipeline rank] base, then kPerStage per stage (its owner fills them).
-  std::vector<double> mem(2 * static_cast<std::size_t>(p) + static_cast<std::size_t>(kPerStage) * S, 0.0);
+  const int p = transport.world_size(), me = transport.rank();
+  const MemoryModel model = agree_memory(transport, m.memory->local_medians(me, p), timeout);
+  std::vector<double> mem(static_cast<std::size_t>(p), 0.0);  // [pipeline rank]: its measured peak
   mem[me] = m.peak_memory.empty() ? 0.0 : *std::max_element(m.peak_memory.begin(), m.peak_memory.end());
-  mem[p + me] = med(m.memory.base);
-  for (int s : sched.stages_of(me)) {
-    double* row = &mem[2 * static_cast<std::size_t>(p) + static_cast<std::size_t>(kPerStage) * s];
-    for (int t = 0; t < kNumActionTypes; ++t) {
-      row[2 * t] = med(m.memory.added[s][t]);
-      row[2 * t + 1] = med(m.memory.rise[s][t]);
-    }
-    row[2 * kNumActionTypes] = m.memory.gradients[s];
-  }
   mem = sum_over_ranks(transport, mem, timeout);
-  MemoryModel model;
-  model.base.assign(mem.begin() + p, mem.begin() + 2 * p);
-  model.stages.resize(S);
-  model.gradients.resize(S);
-  for (int s = 0; s < S; ++s) {
-    const double* row = &mem[2 * static_cast<std::size_t>(p) + static_cast<std::size_t>(kPerStage) * s];
-    for (int t = 0; t < kNumActionTypes; ++t) model.stages[s][t] = {row[2 * t], row[2 * t + 1]};
-    model.gradients[s] = row[2 * kNumActionTypes];
-  }
   r.peak_memory_per_rank.assign(mem.begin(), mem.begin() + p);
   r.sim_peak_memory_per_rank = simulate_peak_memory(sched, model);
   r.peak_memory = *std::max_element(r.peak_memory_per_rank.begin(), r.peak_memory_per_rank.end());
@@ -471,8 +402,6 @@ RunResult summarize_run(Transport& world, ParallelGroups& groups, const Pipeline
   const int p = transport.world_size(), me = transport.rank();
   const int dp = groups.layout().dp;
   const Schedule& sched = pipeline.schedule();
-  const int S = sched.num_stages;
-  constexpr int kCosts = 5;  // per stage: F, I, W, B, recomputation
   const int64_t batch = static_cast<int64_t>(a.microbatches) * a.model.micro_batch_size;
   RunResult r;
   r.schedule = name;
@@ -485,35 +414,30 @@ RunResult summarize_run(Transport& world, ParallelGroups& groups, const Pipeline
   r.dp_after_backward = buckets.overlap && !buckets.during_backward;
   r.announced = m.variant.announced;
   r.memory_limit = m.variant.memory_limit;
-  r.comm_ms = comm_ms;
-  // Share per-stage medians (the owner fills its stages), per-step busy times and step times.
-  std::vector<double> local(kCosts * S + 2 * a.steps + p, 0.0);
-  auto med = [](const std::vector<double>& v) { return v.empty() ? 0.0 : summarize(v).median; };
-  for (int s : sched.stages_of(me)) {
-    local[kCosts * s] = med(m.f[s]);
-    local[kCosts * s + 1] = med(m.i[s]);
-    local[kCosts * s + 2] = med(m.w[s]);
-    local[kCosts * s + 3] = med(m.b[s]);
-    local[kCosts * s + 4] = med(m.r[s]);
-  }
+  MeasuredCosts mine = m.costs->local_medians();
+  mine.communication = comm_ms;
+  if (!a.recompute) mine.recompute.clear();
+  r.costs = agree_costs(transport, mine, timeout);
+  // Share per-step busy times and step times.
+  std::vector<double> local(2 * a.steps + p, 0.0);
   for (int k = 0; k < a.steps; ++k) {
-    local[kCosts * S + k] = m.busy_ms[k];
-    local[kCosts * S + a.steps + k] = me == 0 ? m.steps_ms[k] : 0.0;
+    local[k] = m.busy_ms[k];
+    local[a.steps + k] = me == 0 ? m.steps_ms[k] : 0.0;
   }
   // One slot per pipeline rank: its share of its process's peak resident set (rank threads share one process).
-  local[kCosts * S + 2 * a.steps + me] =
+  local[2 * a.steps + me] =
       metrics::memory_per_rank(peak_rss_bytes(), transport.name() == "local" ? world.world_size() : 1);
   std::vector<double> total = sum_over_ranks(transport, local, timeout);
-  std::vector<double> step_times(total.begin() + kCosts * S + a.steps, total.begin() + kCosts * S + 2 * a.steps);
+  std::vector<double> step_times(total.begin() + a.steps, total.begin() + 2 * a.steps);
   std::vector<double> bubbles;
-  for (int k = 0; k < a.steps; ++k) bubbles.push_back(metrics::bubble_fraction(total[kCosts * S + k], p, step_times[k]));
+  for (int k = 0; k < a.steps; ++k) bubbles.push_back(metrics::bubble_fraction(total[k], p, step_times[k]));
   r.step_ms = summarize(step_times);
   r.bubble = summarize(bubbles).median;
   // Samples of the global batch: dp replicas of m micro-batches each.
   r.samples_per_s =
       metrics::per_second(static_cast<double>(dp) * static_cast<double>(batch), r.step_ms.median / 1000.0);
   r.tokens_per_s = metrics::tokens_per_s(r.samples_per_s, tokens_per_sample(a.model));
-  r.peak_rss = *std::max_element(total.begin() + kCosts * S + 2 * a.steps, total.end());
+  r.peak_rss = *std::max_element(total.begin() + 2 * a.steps, total.end());
   if (const std::optional<double> joules = energy::job_energy(world, m.energy, timeout)) {
     r.energy_j = *joules / a.steps;
   }
@@ -536,26 +460,7 @@ RunResult summarize_run(Transport& world, ParallelGroups& groups, const Pipeline
     for (int q = 0; q < p; ++q) r.dp_reduce_bytes += waits[bytes_at + static_cast<std::size_t>(q)];
   }
 
-  CostModel costs;
-  for (int s = 0; s < S; ++s) {
-    r.f_ms.push_back(total[kCosts * s]);
-    r.i_ms.push_back(total[kCosts * s + 1]);
-    r.w_ms.push_back(total[kCosts * s + 2]);
-    r.b_ms.push_back(total[kCosts * s + 3]);
-    r.r_ms.push_back(total[kCosts * s + 4]);
-  }
-  if (a.recompute) costs.recompute = r.r_ms;
-  costs.forward = r.f_ms;
-  costs.communication = r.comm_ms;
-  if (mode == BackwardMode::kSplit) {
-    costs.backward_input = r.i_ms;
-    costs.backward_weight = r.w_ms;
-  } else {
-    costs.backward = r.b_ms;
-    costs.backward_input.assign(S, 0.0);
-    costs.backward_weight.assign(S, 0.0);
-  }
-  const SimulationResult sim = simulate(sched, costs);
+  const SimulationResult sim = simulate(sched, r.costs.cost_model(mode));
   summarize_memory(transport, sched, m, timeout, r);
   r.sim_step_ms = sim.step_time;
   r.sim_bubble = sim.bubble_fraction;
@@ -731,9 +636,8 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
       j["limit_held"] = held;
       if (r.limit_ratio > 0) j["limit_ratio"] = r.limit_ratio;
     }
-    j["communication_ms"] = r.comm_ms;
-    j["costs_ms"] = {{"F", r.f_ms}, {"I", r.i_ms}, {"W", r.w_ms}, {"B", r.b_ms}};
-    if (a.recompute) j["costs_ms"]["R"] = r.r_ms;
+    const Json costs = Json::parse(measured_costs_json(r.costs));  // communication_ms, costs_ms
+    for (const auto& [key, value] : costs.items()) j[key] = value;
     if (dp) {
       j["dp"] = r.dp;
       j["dp_overlap"] = r.dp_overlap;

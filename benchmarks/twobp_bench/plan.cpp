@@ -51,6 +51,7 @@
 #include "commands.h"
 #include "twobp/metrics/metrics.h"
 #include "twobp/models/llama.h"
+#include "twobp/plan/measure.h"
 #include "twobp/schedule/registry.h"
 #include "twobp/schedule/schedule.h"
 #include "twobp/schedule/simulate.h"
@@ -123,14 +124,6 @@ struct Candidate {
 };
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
-
-std::vector<double> numbers_of(const Json& j, const char* key) {
-  std::vector<double> out;
-  if (j.contains(key)) {
-    for (const auto& x : j.at(key)) out.push_back(x.get<double>());
-  }
-  return out;
-}
 
 llm::LlamaConfig config_of(const PlanArgs& a, const Json* measured_config) {
   if (measured_config == nullptr) return llm::with_dims(llm::config_by_name(a.model), a.dims);
@@ -216,28 +209,28 @@ Rates measured_rates(const Json& doc, const std::string& path, const llm::LlamaC
   double f_units = 0;                  // Σ partition cost (blocks + head share) of the chunks behind F
   std::vector<std::string> used;
   double comm_ms = -1;
-  for (const auto& r : doc.at("results")) {
+  for (std::size_t k = 0; k < doc.at("results").size(); ++k) {
+    const Json& r = doc.at("results")[k];
     if (r.value("dp", 1) != 1 || r.contains("memory_limit_bytes") || r.value("shapes", "fixed") != "fixed") continue;
     const std::string mode = r.value("mode", "");
     const int stages = r.at("p").get<int>() * r.at("v").get<int>();
     const auto partition = llm::make_partition(c, stages, seq);
-    const Json& costs = r.at("costs_ms");
-    auto take = [&](Samples& into, const char* key) {  // returns how many chunks it took
-      const std::vector<double> x = numbers_of(costs, key);
+    const MeasuredCosts costs = parse_measured_costs(r.dump(), fmt::format("{}: result {}", path, k));
+    auto take = [&](Samples& into, const std::vector<double>& x) {  // returns how many chunks it took
       const int n = std::min(stages, static_cast<int>(x.size()));
       for (int s = 0; s < n; ++s) into.add(partition.chunks[s], x[s]);
       return n;
     };
     const double f_before = F.total();
-    const int f_chunks = take(F, "F");
+    const int f_chunks = take(F, costs.forward);
     (mode == "2bp" ? f_split : f_standard) += F.total() - f_before;
     for (int s = 0; s < f_chunks; ++s) f_units += partition.cost[s];
     if (mode == "2bp") {
-      take(I, "I");
-      take(W, "W");
-      if (comm_ms < 0) comm_ms = r.at("communication_ms").get<double>();
+      take(I, costs.backward_input);
+      take(W, costs.backward_weight);
+      if (comm_ms < 0) comm_ms = costs.communication;
     } else {
-      take(B, "B");
+      take(B, costs.backward);
     }
     used.push_back(fmt::format("{} {} p={} v={}", r.value("schedule", ""), mode, r.at("p").get<int>(),
                                r.at("v").get<int>()));

@@ -61,6 +61,7 @@
 #include <iostream>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -68,6 +69,7 @@
 #include "bench_common.h"
 #include "commands.h"
 #include "twobp/metrics/metrics.h"
+#include "twobp/plan/measure.h"
 #include "twobp/schedule/pytorch_csv.h"
 #include "twobp/schedule/registry.h"
 #include "twobp/schedule/schedule.h"
@@ -116,13 +118,6 @@ struct CostSource {
   std::vector<int> stage_to_rank;
 };
 
-std::vector<double> numbers(const Json& j, const char* key) {
-  std::vector<double> out;
-  if (!j.contains(key)) return out;
-  for (const auto& x : j.at(key)) out.push_back(x.get<double>());
-  return out;
-}
-
 bool any_positive(const std::vector<double>& v) {
   return std::any_of(v.begin(), v.end(), [](double x) { return x > 0; });
 }
@@ -149,7 +144,7 @@ CostSource load_costs(const SimulateArgs& a) {
                                          a.result, results.size()));
   }
   const Json& r = results[a.result];
-  for (const char* key : {"schedule", "mode", "p", "m", "v", "costs_ms", "communication_ms"}) {
+  for (const char* key : {"schedule", "mode", "p", "m", "v"}) {
     if (!r.contains(key)) throw std::runtime_error(fmt::format("{}: result {} has no \"{}\"", a.from_json, a.result, key));
   }
   c.measured = true;
@@ -157,12 +152,12 @@ CostSource load_costs(const SimulateArgs& a) {
   c.p = r["p"].get<int>();
   c.m = r["m"].get<int>();
   c.v = r["v"].get<int>();
-  c.comm = r["communication_ms"].get<double>();
-  const Json& costs = r["costs_ms"];
-  c.F = numbers(costs, "F");
-  c.I = numbers(costs, "I");
-  c.W = numbers(costs, "W");
-  c.B = numbers(costs, "B");
+  const MeasuredCosts measured = parse_measured_costs(r.dump(), fmt::format("{}: result {}", a.from_json, a.result));
+  c.comm = measured.communication;
+  c.F = measured.forward;
+  c.I = measured.backward_input;
+  c.W = measured.backward_weight;
+  c.B = measured.backward;
   std::string partner_note;
   const Json* partner = nullptr;
   for (const auto& o : results) {
@@ -171,9 +166,12 @@ CostSource load_costs(const SimulateArgs& a) {
       partner = &o;
     }
   }
-  if (!any_positive(c.I) && partner) {
-    c.I = numbers((*partner)["costs_ms"], "I");
-    c.W = numbers((*partner)["costs_ms"], "W");
+  const std::optional<MeasuredCosts> other =
+      partner ? std::optional<MeasuredCosts>(parse_measured_costs(partner->dump(), a.from_json + ": its partner result"))
+              : std::nullopt;
+  if (!any_positive(c.I) && other) {
+    c.I = other->backward_input;
+    c.W = other->backward_weight;
     partner_note += " I,W from its 2bp partner;";
   }
   if (!any_positive(c.I)) {
@@ -181,8 +179,8 @@ CostSource load_costs(const SimulateArgs& a) {
                                          "`pipeline --mode both` (or 2bp)", a.from_json, a.result, c.schedule,
                                          r["mode"].get<std::string>()));
   }
-  if (!any_positive(c.B) && partner && any_positive(numbers((*partner)["costs_ms"], "B"))) {
-    c.B = numbers((*partner)["costs_ms"], "B");
+  if (!any_positive(c.B) && other && any_positive(other->backward)) {
+    c.B = other->backward;
     partner_note += " B from its standard partner;";
   }
   const std::size_t S = c.F.size();

@@ -23,6 +23,7 @@
 #include "twobp/error.h"
 #include "twobp/metrics/energy.h"
 #include "twobp/models/llama.h"
+#include "twobp/plan/choose.h"
 #include "twobp/schedule/schedule.h"
 #include "twobp/trace/attribution.h"
 #include "twobp/trace/trace.h"
@@ -44,7 +45,9 @@ namespace ck = twobp::checkpoint;
 struct Args {
   std::string model = "tiny";
   llm::LlamaDims dims;  // sizes replacing the preset's (--dim ... --vocab)
-  std::string schedule = "1f1b";
+  std::string schedule = "1f1b";  // or "auto" (twobp::AutoSchedule): start with auto_start, then choose
+  std::string auto_start = "1f1b";
+  int auto_steps = 4;  // --schedule auto: steps measured before choosing, and before keeping the choice
   bool two_bp = true;
   int microbatches = 4;
   int micro_batch_size = 2;
@@ -88,6 +91,8 @@ struct Args {
   // Set by main() from the command line as given:
   std::vector<std::string> ignored;  // options that have no effect in this run (warned about)
   bool ranks_given = false;          // --ranks (--stages) on the command line (ignored under a launcher)
+
+  bool auto_schedule() const { return schedule == "auto" && schedule_file.empty(); }
 };
 
 /// Adds every option, in groups, each checked when parsed.
@@ -158,6 +163,11 @@ struct Shared {
   // Where replica 0's ranks' step time went, by pipeline rank: the mean over the run's steps (its first step, with
   // the start-up barrier, left out when there are others).
   std::vector<twobp::StepAttribution> attribution;
+  // --schedule auto: what it decided, (step, line) in order, and the schedule the run ended with.
+  std::vector<std::pair<int, std::string>> auto_decisions;
+  std::string final_schedule;
+  bool final_two_bp = false;
+  std::vector<twobp::ScheduleCandidate> auto_ranking;  // the candidates, fastest predicted first
 };
 
 /// Trains this rank of `world` (every replica's ranks) from the checkpoint or step 0 to --stop-after / --steps.

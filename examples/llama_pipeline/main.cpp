@@ -174,7 +174,8 @@ int run(Args args, int& argc, char**& argv) {
                "device {}, dtype {}\n",
                plan.config.name, llm::parameter_count(plan.config), world,
                mpi ? "MPI" : store ? "processes, " + launch->launcher + " + TCPStore" : std::string("threads"),
-               layout.dp, layout.pp, plan.schedule.num_stages, plan.schedule.name,
+               layout.dp, layout.pp, plan.schedule.num_stages,
+               args.auto_schedule() ? "auto, starting with " + plan.schedule.name : plan.schedule.name,
                plan.schedule.backward == twobp::BackwardMode::kSplit ? "2BP" : "fused backward",
                plan.partition.layout(), args.microbatches, args.micro_batch_size, plan.seq_len,
                args.pack ? " (packed documents)" : "",
@@ -257,6 +258,19 @@ int run(Args args, int& argc, char**& argv) {
     if (!shared.energy_note.empty()) j["energy_note"] = shared.energy_note;
     if (!shared.attribution.empty()) {
       j["attribution"] = nlohmann::json::parse(twobp::to_attribution_json(shared.attribution));
+    }
+    if (args.auto_schedule()) {  // what twobp::AutoSchedule decided, at which steps (0-based), and the outcome
+      nlohmann::json decisions = nlohmann::json::array();
+      for (const auto& [step, line] : shared.auto_decisions) decisions.push_back({{"step", step}, {"decision", line}});
+      nlohmann::json ranking = nlohmann::json::array();
+      for (const auto& c : shared.auto_ranking) {
+        ranking.push_back({{"schedule", c.name}, {"2bp", c.mode == twobp::BackwardMode::kSplit},
+                           {"predicted_ms", c.predicted_ms}});
+      }
+      j["auto_schedule"] = {{"start", plan.schedule.name},
+                            {"decisions", decisions},
+                            {"ranking", ranking},
+                            {"final", {{"schedule", shared.final_schedule}, {"2bp", shared.final_two_bp}}}};
     }
     j["steps"] = nlohmann::json::array();
     if (args.eval_every > 0) {

@@ -32,8 +32,20 @@ void add_options(CLI::App& app, Args& a) {
       ->check(cli::number_in(0, 18446744073709551615.0))->group(model);
 
   const std::string pipeline = "Pipeline";
-  app.add_option("--schedule", a.schedule, "Pipeline schedule")
+  std::vector<std::string> schedules = twobp::schedule_names();
+  schedules.push_back("auto");
+  app.add_option("--schedule", a.schedule,
+                 "Pipeline schedule; auto: start with --auto-start, measure, switch to the schedule of the same "
+                 "placement the simulator predicts fastest, and back if it measures slower")
+      ->check(CLI::IsMember(schedules))->group(pipeline);
+  app.add_option("--auto-start", a.auto_start,
+                 "With --schedule auto: the schedule measured first; its placement (1f1b: one chunk per rank, "
+                 "interleaved-1f1b, zb-v: two) bounds the candidates")
       ->check(CLI::IsMember(twobp::schedule_names()))->group(pipeline);
+  app.add_option("--auto-steps", a.auto_steps,
+                 "With --schedule auto: steps measured before choosing, and again before keeping the choice (the "
+                 "first of each is warm-up)")
+      ->check(cli::number_in(2, 1000))->group(pipeline);
   app.add_option("--schedule-file", a.schedule_file,
                  "A schedule file: twobp's text form, or PyTorch's compute_only CSV (*.csv); overrides --schedule, "
                  "keeps its own 2BP mode")
@@ -144,6 +156,7 @@ void add_options(CLI::App& app, Args& a) {
   llama_pipeline --model 7b --ranks 4 --dry-run --gpu-memory-gb 80   # does 7B fit on 4 GPUs?
   mpirun -n 4 llama_pipeline --model small --device cuda     # one rank per process (torchrun, srun alike)
   llama_pipeline --dp 2 --zero 1 --eval-every 10 --json run.json
+  llama_pipeline --schedule auto --steps 30                 # measure, then run the fastest schedule
 Documentation: README.md and docs/ in the source tree.)");
 }
 
@@ -161,12 +174,21 @@ std::vector<std::string> ignored_options(const CLI::App& app, const Args& a) {
     ignored.emplace_back("--checkpoint-every (only with --checkpoint-dir)");
   }
   if (given("--schedule") && !a.schedule_file.empty()) ignored.emplace_back("--schedule (--schedule-file decides)");
+  if ((given("--auto-start") || given("--auto-steps")) && (a.schedule != "auto" || !a.schedule_file.empty())) {
+    ignored.emplace_back("--auto-start/--auto-steps (only with --schedule auto)");
+  }
   if (given("--zero") && a.zero == 1 && a.dp == 1) ignored.emplace_back("--zero 1 (nothing to shard with --dp 1)");
   return ignored;
 }
 
 void validate_args(const Args& a) {
   TWOBP_CHECK(!a.resume || !a.checkpoint_dir.empty(), twobp::UsageError, "--resume needs --checkpoint-dir");
+  TWOBP_CHECK(!a.auto_schedule() || (a.memory_limit_gb == 0 && a.max_pending_w == 0), twobp::UsageError,
+              "--schedule auto ranks schedules by time only and cannot keep --memory-limit-gb or --max-pending-w; "
+              "choose the schedule yourself (twobp_bench plan predicts time and memory)");
+  TWOBP_CHECK(!a.auto_schedule() || a.steps >= 2 * a.auto_steps, twobp::UsageError,
+              "--schedule auto measures --auto-steps {} steps before choosing and as many after; give --steps >= {}",
+              a.auto_steps, 2 * a.auto_steps);
 }
 
 }  // namespace llama_example

@@ -23,7 +23,9 @@ Plan make_plan(const Args& args, int world_size) {
   plan.dp = args.dp;
   plan.config = llm::with_dims(llm::config_by_name(args.model), args.dims);
   plan.seq_len = args.seq_len > 0 ? args.seq_len : plan.config.max_seq_len;
-  plan.schedule = twobp::resolve_schedule({args.schedule, args.schedule_file, args.chunks_per_rank}, world_size,
+  // --schedule auto starts with --auto-start; twobp::AutoSchedule switches at a step boundary (train.cpp).
+  const std::string first = args.auto_schedule() ? args.auto_start : args.schedule;
+  plan.schedule = twobp::resolve_schedule({first, args.schedule_file, args.chunks_per_rank}, world_size,
                                           args.microbatches,
                                           args.two_bp ? twobp::BackwardMode::kSplit : twobp::BackwardMode::kStandard);
   plan.partition = llm::make_partition(plan.config, plan.schedule.num_stages, plan.seq_len, args.partition);
@@ -78,6 +80,7 @@ nlohmann::json config_json(const Plan& p) {
           {"vocab", p.config.vocab_size},
           {"schedule", p.schedule.name},
           {"schedule_file", a.schedule_file},
+          {"auto_schedule", a.auto_schedule()},  // then "schedule" is the one it started with
           {"2bp", p.schedule.backward == twobp::BackwardMode::kSplit},
           {"world_size", p.dp * p.world_size},
           {"dp", p.dp},

@@ -9,6 +9,7 @@
 #include "twobp/error.h"
 #include "twobp/metrics/energy.h"
 #include "twobp/metrics/metrics.h"
+#include "twobp/plan/choose.h"
 #include "twobp/runtime/data_parallel.h"
 #include "twobp/runtime/pipeline.h"
 #include "twobp/runtime/sharded_optimizer.h"
@@ -265,6 +266,15 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
   }
 
   const int end = a.stop_after > 0 ? std::min(a.stop_after, a.steps) : a.steps;
+  // --schedule auto: measure the starting schedule, switch to the predicted fastest, keep it if it measures faster.
+  std::optional<twobp::AutoSchedule> chooser;
+  if (a.auto_schedule()) {
+    twobp::AutoScheduleOptions o;
+    o.probe_steps = o.verify_steps = a.auto_steps;
+    o.replicas = groups.data_parallel();
+    o.timeout = timeout;
+    chooser.emplace(pipeline, o);
+  }
   std::vector<twobp::StepAttribution> attributions;
   const auto t0 = std::chrono::steady_clock::now();
   for (int step = start; step < end; ++step) {
@@ -296,6 +306,16 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
       times.step_us = std::chrono::duration<double, std::micro>(optimizer_end - step_start).count();
       attributions.push_back(twobp::attribute_step(pipeline.schedule(), result.trace, times));
     }
+    // After the step's own accounting (which reads the schedule it ran), before the next step: a switch lands on
+    // the step boundary. Collective on the steps where it decides.
+    if (chooser) {
+      if (std::optional<std::string> news = chooser->after_step(result); news && reports) {
+        fmt::print("{}\n", *news);
+        std::lock_guard<std::mutex> lock(shared.mutex);
+        shared.auto_decisions.emplace_back(step, *news);
+        shared.auto_ranking = chooser->ranking();
+      }
+    }
     StepRecord record{step, pipeline.mean_loss(result), 0, pipeline.last_gradient_check().norm, lr, 0};
     record.skipped = !updated;
     // Held-out loss of the updated weights.
@@ -321,6 +341,11 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
       save(p, model.named, optimizer, groups, step + 1, timeout);
       if (reports) fmt::print("checkpoint of step {} written to {}\n", step + 1, a.checkpoint_dir);
     }
+  }
+  if (reports) {
+    std::lock_guard<std::mutex> lock(shared.mutex);
+    shared.final_schedule = pipeline.schedule().name;
+    shared.final_two_bp = pipeline.schedule().backward == twobp::BackwardMode::kSplit;
   }
   if (!attributions.empty()) {  // every rank ran the same steps: all of a pipeline call this, or none
     auto ranks = twobp::gather_attributions(transport, twobp::mean_attribution(attributions), timeout);

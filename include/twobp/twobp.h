@@ -30,6 +30,8 @@
 #include "twobp/metrics/energy.h"
 #include "twobp/metrics/memory.h"
 #include "twobp/metrics/metrics.h"
+#include "twobp/plan/choose.h"
+#include "twobp/plan/measure.h"
 #include "twobp/runtime/data_parallel.h"
 #include "twobp/runtime/executor.h"
 #include "twobp/runtime/hang_report.h"

@@ -3,6 +3,7 @@
 #include "twobp/metrics/metrics.h"
 
 #include <algorithm>
+#include <cmath>
 
 namespace twobp::metrics {
 
@@ -40,6 +41,15 @@ double exposed_wait(const std::vector<double>& wait_per_rank) {
   double most = 0.0;
   for (double w : wait_per_rank) most = std::max(most, w);
   return most;
+}
+
+double quantile(std::vector<double> samples, double q) {
+  if (samples.empty()) return std::nan("");
+  std::sort(samples.begin(), samples.end());
+  const double pos = q * static_cast<double>(samples.size() - 1);
+  const auto lo = static_cast<std::size_t>(std::floor(pos));
+  const auto hi = std::min(lo + 1, samples.size() - 1);
+  return samples[lo] + (pos - static_cast<double>(lo)) * (samples[hi] - samples[lo]);
 }
 
 }  // namespace twobp::metrics

@@ -43,6 +43,7 @@ struct Pipeline::Impl {
   std::unique_ptr<detail::MasterWeights> masters;    // mixed precision only
   std::unique_ptr<detail::GradientReducer> reducer;  // data parallelism only
   Transport* data_parallel = nullptr;                // the reducer's group
+  std::vector<Executor::Hook> hooks;                 // add_hook()'s, in order: kept across switch_schedule()
   bool ranks_share_process = false;                  // some peer (pipeline or replica) is a thread of this process
   bool started = false;                              // a first step began (see run_step)
 };
@@ -59,11 +60,7 @@ Pipeline::Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, std::sh
   TWOBP_CHECK(transport_->world_size() == schedule_.num_ranks, UsageError,
               "rank {}: schedule '{}' is for {} ranks, but the transport has {}", rank, schedule_.name,
               schedule_.num_ranks, transport_->world_size());
-  // Overlapped pairs run at once need both parts' inputs before the F and send both outputs after the B.
-  if (options_.overlap_forward_backward) schedule_ = for_overlapped_pairs(std::move(schedule_));
-  // Before step 1: a schedule the transport cannot pair (e.g. NCCL, which pairs in posting order per channel)
-  // would deliver tensors to the wrong buffers or hang; refuse it here with the offending action marked.
-  validate(schedule_, transport_->pairing());
+  schedule_ = prepared(std::move(schedule_));
   const std::vector<int> mine = schedule_.stages_of(rank);
   if (options_.mixed_precision.enabled()) {
     const at::ScalarType dtype = options_.mixed_precision.compute_dtype;
@@ -115,6 +112,23 @@ Pipeline::Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, std::sh
               "rank {}: give PipelineOptions::activation_spec (one tensor per boundary) or boundary_spec (several), "
               "not both",
               rank);
+  TWOBP_CHECK(options_.max_pending_weight_micro_batches >= 0, UsageError,
+              "rank {}: PipelineOptions::max_pending_weight_micro_batches must be >= 0 (0: no limit), got {}", rank,
+              options_.max_pending_weight_micro_batches);
+  build_executor();
+}
+
+Schedule Pipeline::prepared(Schedule schedule) const {
+  // Overlapped pairs run at once need both parts' inputs before the F and send both outputs after the B.
+  if (options_.overlap_forward_backward) schedule = for_overlapped_pairs(std::move(schedule));
+  // Before step 1: a schedule the transport cannot pair (e.g. NCCL, which pairs in posting order per channel)
+  // would deliver tensors to the wrong buffers or hang; refuse it here with the offending action marked.
+  validate(schedule, transport_->pairing());
+  return schedule;
+}
+
+void Pipeline::build_executor() {
+  const int rank = transport_->rank();
   std::map<int, Stage*> stages;
   for (auto& [index, stage] : stages_) stages.emplace(index, stage.get());
   ExecutorOptions eo;
@@ -122,9 +136,6 @@ Pipeline::Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, std::sh
   eo.activation_spec = options_.activation_spec;
   eo.boundary_spec = options_.boundary_spec;
   eo.prefetch_receives = options_.prefetch_receives;
-  TWOBP_CHECK(options_.max_pending_weight_micro_batches >= 0, UsageError,
-              "rank {}: PipelineOptions::max_pending_weight_micro_batches must be >= 0 (0: no limit), got {}", rank,
-              options_.max_pending_weight_micro_batches);
   eo.max_pending_weight_micro_batches = options_.max_pending_weight_micro_batches;
   eo.memory_limit_bytes = options_.memory_limit_bytes;
   eo.record_memory = options_.record_memory;
@@ -163,8 +174,10 @@ Pipeline::Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, std::sh
       return reducer->parameters_done(index);
     };
   }
-  // One run count for the training and evaluation executors: their messages stay apart (message_tag_span).
-  eo.run_counter = std::make_shared<std::int64_t>(0);
+  // One run count for the training and evaluation executors, kept across switch_schedule(): their messages
+  // stay apart (message_tag_span).
+  if (!impl_->executor_options.run_counter) impl_->executor_options.run_counter = std::make_shared<std::int64_t>(0);
+  eo.run_counter = impl_->executor_options.run_counter;
   impl_->executor_options = eo;
   impl_->executor = std::make_unique<Executor>(schedule_, rank, std::move(stages), *transport_, std::move(eo));
   if (impl_->reducer) {
@@ -174,7 +187,47 @@ Pipeline::Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, std::sh
       reducer->after_action(static_cast<std::size_t>(event.action - first));
     });
   }
+  for (const Executor::Hook& hook : impl_->hooks) impl_->executor->add_hook(hook);
 }
+
+void Pipeline::switch_schedule(Schedule next) {
+  const int rank = transport_->rank();
+  const Schedule& now = schedule_;
+  TWOBP_CHECK(next.num_ranks == now.num_ranks && next.num_stages == now.num_stages &&
+                  next.stage_to_rank == now.stage_to_rank,
+              UsageError,
+              "rank {}: switch_schedule: '{}' places {} stages on {} ranks as [{}], the running '{}' as [{}] on {}; a "
+              "switch keeps every stage on its rank (candidates: schedules with the same placement). To move stages, "
+              "build a new Pipeline and load a checkpoint",
+              rank, next.name, next.num_stages, next.num_ranks, fmt::join(next.stage_to_rank, ","), now.name,
+              fmt::join(now.stage_to_rank, ","), now.num_ranks);
+  TWOBP_CHECK(next.num_micro_batches == now.num_micro_batches, UsageError,
+              "rank {}: switch_schedule: '{}' has {} micro-batches, the running '{}' {}; the loss of each counts "
+              "1/micro-batches, so a switch keeps their number",
+              rank, next.name, next.num_micro_batches, now.name, now.num_micro_batches);
+  Schedule ready = prepared(std::move(next));  // refused here leaves the running schedule in place
+  // What refers to the running schedule goes first: the executors (which call the reducer), then the reducer.
+  impl_->evaluator.reset();
+  impl_->eval_schedule.reset();
+  impl_->executor.reset();
+  impl_->reducer.reset();
+  schedule_ = std::move(ready);
+  try {
+    build_executor();
+  } catch (const std::exception& e) {
+    // A rank whose switch failed cannot step; its peers (which may have switched) must not wait for it.
+    const std::string reason = detail::failure_reason(rank, e);
+    for (Transport* t : {transport_.get(), impl_->data_parallel}) {
+      if (t == nullptr) continue;
+      try {
+        t->abort(reason);
+      } catch (...) {
+      }
+    }
+    throw;
+  }
+}
+
 
 Pipeline::Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, Transport& transport, PipelineOptions options)
     : Pipeline(std::move(schedule), std::move(chunks), std::shared_ptr<Transport>(&transport, [](Transport*) {}),
@@ -472,7 +525,10 @@ double Pipeline::run_evaluation(const std::function<StepResult(Executor&)>& run)
   }
 }
 
-void Pipeline::add_hook(Executor::Hook hook) { impl_->executor->add_hook(std::move(hook)); }
+void Pipeline::add_hook(Executor::Hook hook) {
+  impl_->hooks.push_back(hook);
+  impl_->executor->add_hook(std::move(hook));
+}
 
 double Pipeline::mean_loss(const StepResult& result) {
   // Only the last stage's rank has losses; one all-reduce gives every rank their mean.

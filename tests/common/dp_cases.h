@@ -163,7 +163,8 @@ inline Schedule replica_schedule(const std::string& name, BackwardMode mode, int
 }
 
 /// One rank of the job: builds its groups and pipeline over `world`, trains kSteps on its replica's share, and
-/// returns its chunks (by stage) and, on a replica's last stage, the losses by step.
+/// returns its chunks (by stage) and, on a replica's last stage, the losses by step. With `then`, the steps after
+/// the first run it (Pipeline::switch_schedule): the same sums, so the same reference.
 struct RankRun {
   std::map<int, std::shared_ptr<CaseModule>> chunks;
   std::vector<std::vector<double>> losses;
@@ -174,7 +175,7 @@ struct RankRun {
 
 inline void run_rank(Transport& world, int dp, const Schedule& schedule, bool overlap, const GlobalBatch& batch,
                      RankRun& out, Precision precision = Precision::kDefault, bool start_during_backward = true,
-                     bool overlap_pairs = false) {
+                     bool overlap_pairs = false, const Schedule* then = nullptr) {
   const bool mixed = precision == Precision::kMixedBf16;
   ParallelGroups groups(world, dp, std::chrono::seconds(60));
   out.replica = groups.replica();
@@ -198,12 +199,13 @@ inline void run_rank(Transport& world, int dp, const Schedule& schedule, bool ov
   Pipeline pipeline(schedule, std::move(chunks), groups.pipeline(), o);
   const GlobalBatch mine = replica_batch(batch, groups.replica());
   for (int step = 0; step < kSteps; ++step) {
+    if (step == 1 && then != nullptr) pipeline.switch_schedule(*then);
     StepResult result = pipeline.step(mine.inputs, mine.targets);
     if (!result.losses.empty()) out.losses.push_back(result.losses);
     if (dp > 1) EXPECT_GE(result.reduce_wait_us, 0.0);
   }
   // Every rank of the schedules this is used with (dualpipev) has pairs; each ran through the hook once a step.
-  if (overlap_pairs) {
+  if (overlap_pairs && then == nullptr) {
     int mine = 0;
     for (const Action& a : pipeline.schedule().actions[groups.pipeline_rank()]) mine += a.overlapped_with_next;
     EXPECT_GT(mine, 0);

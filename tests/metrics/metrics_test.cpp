@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 namespace twobp::testing {
 namespace {
 
@@ -51,6 +53,19 @@ TEST(Metrics, ExposedWait) {
   // No ranks, or nobody waited (a negative wait, e.g. clock noise, counts as none).
   EXPECT_DOUBLE_EQ(metrics::exposed_wait({}), 0.0);
   EXPECT_DOUBLE_EQ(metrics::exposed_wait({0.0, -1e-9}), 0.0);
+}
+
+TEST(Metrics, QuantileInterpolatesBetweenTheNearestRanks) {
+  // Unsorted input; an odd count's median is the middle sample, an even count's the mean of the two middle ones.
+  EXPECT_DOUBLE_EQ(metrics::quantile({3.0, 1.0, 2.0}, 0.5), 2.0);
+  EXPECT_DOUBLE_EQ(metrics::quantile({4.0, 1.0, 3.0, 2.0}, 0.5), 2.5);
+  // q = 0.25 of 1..5: position 1 exactly; of 1..4: 0.75 of the way from 1 to 2.
+  EXPECT_DOUBLE_EQ(metrics::quantile({5.0, 4.0, 3.0, 2.0, 1.0}, 0.25), 2.0);
+  EXPECT_DOUBLE_EQ(metrics::quantile({1.0, 2.0, 3.0, 4.0}, 0.25), 1.75);
+  EXPECT_DOUBLE_EQ(metrics::quantile({7.0, -1.0}, 0.0), -1.0);
+  EXPECT_DOUBLE_EQ(metrics::quantile({7.0, -1.0}, 1.0), 7.0);
+  EXPECT_DOUBLE_EQ(metrics::quantile({42.0}, 0.5), 42.0);
+  EXPECT_TRUE(std::isnan(metrics::quantile({}, 0.5)));
 }
 
 }  // namespace

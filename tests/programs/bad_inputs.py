@@ -46,7 +46,8 @@ NUMERIC = {
                ("--stop-after", False), ("--warmup-steps", False, True), ("--lr", True), ("--weight-decay", False),
                ("--clip", False), ("--zero", False), ("--seq-len", False), ("--doc-separator", False),
                ("--seq-len-warmup", False), ("--eval-every", False), ("--eval-batches", True),
-               ("--eval-fraction", True), ("--checkpoint-every", False), ("--gpu-memory-gb", False)],
+               ("--eval-fraction", True), ("--checkpoint-every", False), ("--gpu-memory-gb", False),
+               ("--auto-steps", True)],
     },
 }
 UNWRITABLE = "/proc/twobp-nonexistent/out"  # not even root can create it
@@ -64,6 +65,8 @@ OUTPUTS = {
 OTHER = [
     ("example", ["--model", "huge"], "--model"),
     ("example", ["--schedule", "2f2b"], "--schedule"),
+    ("example", ["--schedule", "auto", "--auto-start", "2f2b"], "--auto-start"),
+    ("example", ["--schedule", "auto", "--memory-limit-gb", "1"], "--schedule auto"),
     ("example", ["--device", "tpu"], "--device"),
     ("example", ["--dtype", "fp16"], "--dtype"),
     ("example", ["--on-nonfinite", "ignore"], "--on-nonfinite"),

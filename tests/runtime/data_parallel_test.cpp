@@ -6,9 +6,11 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <optional>
 
 #include "common/dp_cases.h"
 #include "common/expect_error.h"
+#include "common/switch_pairs.h"
 #include "common/test_models.h"
 #include "twobp/error.h"
 #include "twobp/runtime/launch.h"
@@ -136,6 +138,56 @@ INSTANTIATE_TEST_SUITE_P(Schedules, MixedDataPipelineParity, ::testing::ValuesIn
                          [](const auto& info) {
                            const DpCase& c = info.param;
                            std::string n = c.schedule + "_" + (c.mode == BackwardMode::kSplit ? "2bp" : "standard");
+                           std::replace_if(n.begin(), n.end(),
+                                           [](char ch) { return !std::isalnum(static_cast<unsigned char>(ch)); },
+                                           '_');
+                           return n;
+                         });
+
+// Data parallelism and mixed precision across Pipeline::switch_schedule: every replica switches before the second
+// step to the next form of the same placement (common/switch_pairs.h); the replicas rebuild their reduction buckets
+// for the new lists and must still end with the global batch's gradients (float64) or its bfloat16 reference.
+struct SwitchDpCase {
+  ScheduleForm from, to;
+  dp::Precision precision = dp::Precision::kDefault;
+};
+
+class SwitchedDataPipelineParity : public ::testing::TestWithParam<SwitchDpCase> {};
+
+TEST_P(SwitchedDataPipelineParity, ReplicasAgreeAcrossTheSwitch) {
+  const SwitchDpCase& c = GetParam();
+  std::optional<Float64Default> float64;
+  if (c.precision == dp::Precision::kDefault) float64.emplace();
+  constexpr int kDp = 2, kPp = 2;
+  const Schedule from = dp::replica_schedule(c.from.name, c.from.mode, kPp);
+  const Schedule to = dp::replica_schedule(c.to.name, c.to.mode, kPp);
+  const dp::GlobalBatch batch = dp::global_batch(kDp);
+  const dp::Reference ref = dp::reference(from.num_stages, batch, c.precision);
+  std::vector<dp::RankRun> runs(kDp * kPp);
+  for (int r = 0; r < kDp * kPp; ++r) runs[r].chunks = dp::chunks_of(from, r % kPp, c.precision);
+  auto world = make_local_transports(kDp * kPp);
+  run_rank_threads(world, [&](Transport& t) {
+    dp::run_rank(t, kDp, from, /*overlap=*/true, batch, runs[t.rank()], c.precision, true, false, &to);
+  }).rethrow_root_cause();
+  for (int r = 0; r < kDp * kPp; ++r) {
+    dp::expect_matches(runs[r], ref, "world rank " + std::to_string(r), c.precision);
+  }
+}
+
+std::vector<SwitchDpCase> switched_dp_cases() {
+  std::vector<SwitchDpCase> out;
+  for (const auto& [from, to] : switch_pairs(2, dp::kMicroBatches)) {
+    out.push_back({from, to, dp::Precision::kDefault});
+    out.push_back({from, to, dp::Precision::kMixedBf16});
+  }
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(SamePlacement, SwitchedDataPipelineParity, ::testing::ValuesIn(switched_dp_cases()),
+                         [](const auto& info) {
+                           const SwitchDpCase& c = info.param;
+                           std::string n = c.from.label() + "_to_" + c.to.label() +
+                                           (c.precision == dp::Precision::kMixedBf16 ? "_bf16" : "");
                            std::replace_if(n.begin(), n.end(),
                                            [](char ch) { return !std::isalnum(static_cast<unsigned char>(ch)); },
                                            '_');

@@ -48,4 +48,9 @@ double ring_all_reduce_seconds(double bytes, int ranks, double link_bytes_per_s,
 /// does. Negative waits count as 0; 0 when there are no ranks.
 double exposed_wait(const std::vector<double>& wait_per_rank);
 
+/// Quantile q in [0, 1] of `samples` by linear interpolation between the two nearest ranks (q = 0.5: the median,
+/// the mean of the two middle samples for an even count), the definition of numpy's default and of every median
+/// twobp reports. NaN for no samples.
+double quantile(std::vector<double> samples, double q);
+
 }  // namespace twobp::metrics

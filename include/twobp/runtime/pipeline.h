@@ -160,13 +160,25 @@ class Pipeline {
   double evaluate(const NamedTensors& inputs, const NamedTensors& targets);
   /// Evaluation over micro-batches given one by one (see the step() overload).
   double evaluate(const std::vector<NamedTensors>& inputs, const std::vector<NamedTensors>& targets);
-  /// Runs `hook` after every action of every step (see Executor::add_hook).
+  /// Runs `hook` after every action of every step (see Executor::add_hook), under every schedule switch_schedule()
+  /// puts in place.
   void add_hook(Executor::Hook hook);
+  /// Runs the following steps with `next` (a step boundary: between step() calls, never inside one): the same
+  /// chunks, parameters, gradients, mixed-precision masters and hooks, a new action list. Every rank of the
+  /// pipeline, and with data parallelism every replica, must switch before the same step (the replicas compare
+  /// their new reduction buckets: collective over the data-parallel group). `next` must keep the placement
+  /// (num_ranks, num_stages, stage_to_rank) and num_micro_batches; its mode and order are free, e.g. from
+  /// 1F1B to ZB-H1 or from standard backprop to 2BP. Throws UsageError (placement, micro-batches) or
+  /// ScheduleError (validate() with this transport's pairing) and keeps the running schedule; an error after that
+  /// point aborts the transports, as a failed step does. Gradients are those of `next` from the next step on:
+  /// every schedule computes the same sums (the tests check this against loss.backward()).
+  void switch_schedule(Schedule next);
   /// The mean over micro-batches (and replicas) of the last step's losses, on every rank (collective: one
   /// all-reduce, and one over the data-parallel group).
   double mean_loss(const StepResult& result);
 
   const Schedule& schedule() const { return schedule_; }
+  const PipelineOptions& options() const { return options_; }
   Transport& transport() { return *transport_; }
   int rank() const { return transport_->rank(); }
   /// The stages (chunks) this rank owns, by global stage index.
@@ -202,6 +214,11 @@ class Pipeline {
   StepResult run_step(const std::function<StepResult()>& run);
   double run_evaluation(const std::function<StepResult(Executor&)>& run);
   void start_once();
+  /// `schedule` as this pipeline runs it: overlapped pairs placed (PipelineOptions::overlap_forward_backward),
+  /// then validate()d for the transport's pairing.
+  Schedule prepared(Schedule schedule) const;
+  /// The executor (and data-parallel reducer) of schedule_, with the hooks of add_hook().
+  void build_executor();
   Schedule schedule_;
   std::shared_ptr<Transport> transport_;
   PipelineOptions options_;

@@ -1,0 +1,103 @@
+#pragma once
+// The schedule chosen at run time from the run's own costs: measure → plan → run inside one training job.
+//
+//   twobp::AutoScheduleOptions o;                      // candidates: every registered schedule of the placement
+//   o.replicas = groups.data_parallel();               // dp > 1: every replica makes the same choice
+//   twobp::AutoSchedule chooser(pipeline, o);
+//   for (int step = 0; step < steps; ++step) {
+//     twobp::StepResult r = pipeline.step(x, y);
+//     if (auto news = chooser.after_step(r)) print(*news);   // collective on the steps where it decides
+//     optimizer.step();
+//   }
+//
+// The pipeline runs its starting schedule for probe_steps steps (their traces give per-stage F, I, W, B costs:
+// twobp/plan/measure.h); the ranks agree on the costs; every registered schedule × mode that keeps the pipeline's
+// placement and micro-batch count (what Pipeline::switch_schedule can switch to) is simulated under them; the
+// pipeline switches to the fastest at the step boundary. After verify_steps steps it compares the choice's measured
+// step time with the starting schedule's and switches back when the choice measured slower. Every decision is made
+// from all-reduced numbers, so every rank decides alike.
+//
+// Not covered: candidates of another placement (that moves stages between ranks: a new Pipeline and a checkpoint),
+// and memory: the candidates are ranked by time only, so a job that bounds memory (PipelineOptions::memory_limit_bytes,
+// max_pending_weight_micro_batches) should choose its schedule itself -- AutoSchedule refuses such a pipeline.
+
+#include <chrono>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "twobp/plan/measure.h"
+#include "twobp/runtime/pipeline.h"
+#include "twobp/schedule/schedule.h"
+
+namespace twobp {
+
+/// A schedule the running pipeline could switch to, and its step time under measured costs.
+struct ScheduleCandidate {
+  std::string name;  ///< registry name
+  BackwardMode mode = BackwardMode::kSplit;
+  Schedule schedule;
+  double predicted_ms = 0.0;  ///< simulate(schedule, costs).step_time
+};
+
+/// The registered schedules × modes (`names` / `modes`; empty `names`: every registered schedule) that keep
+/// `running`'s placement (num_ranks, num_stages, stage_to_rank) and micro-batch count, ranked by their simulated
+/// step time under `costs` (fastest first; ties keep registry order, standard before 2BP). The costs of the
+/// measured stages carry over unchanged, the placement being the same. A standard candidate's fused B is the
+/// measured B where the run had one, else I + W (2BP's split costs the same work); a 2BP candidate needs I and W,
+/// so costs of a standard run rank the standard forms only. Generators that reject the shape are left out.
+std::vector<ScheduleCandidate> rank_schedules(const Schedule& running, const MeasuredCosts& costs,
+                                              const std::vector<std::string>& names = {},
+                                              const std::vector<BackwardMode>& modes = {BackwardMode::kStandard,
+                                                                                        BackwardMode::kSplit});
+
+struct AutoScheduleOptions {
+  /// Steps measured with the starting schedule before choosing; the first is left out (warm-up). >= 2.
+  int probe_steps = 4;
+  /// Steps measured with the choice before it is kept or undone; the first is left out. >= 2.
+  int verify_steps = 4;
+  /// Candidate names (empty: every registered schedule) and modes.
+  std::vector<std::string> names;
+  std::vector<BackwardMode> modes = {BackwardMode::kStandard, BackwardMode::kSplit};
+  /// Data parallelism: the rank's data-parallel group, so that the replicas agree (collective over it too).
+  Transport* replicas = nullptr;
+  Duration timeout = std::chrono::minutes(5);
+};
+
+/// See the top of this file. One per rank, beside its Pipeline (which must outlive it). Not thread-safe.
+class AutoSchedule {
+ public:
+  enum class Phase { kProbing, kVerifying, kDone };
+
+  /// Throws UsageError when the options are out of range or the pipeline bounds memory (see the top).
+  AutoSchedule(Pipeline& pipeline, AutoScheduleOptions options);
+
+  /// Call after every Pipeline::step() with its result, on every rank. Collective (a few all-reduces over the
+  /// pipeline and the replicas) on the step that ends the probe and on the step that ends the verification; a
+  /// no-op once done. Returns what it decided on those steps (one line, the same on every rank), else nullopt.
+  std::optional<std::string> after_step(const StepResult& result);
+
+  Phase phase() const { return phase_; }
+  /// The candidates of the last ranking, fastest first (empty before the probe ends).
+  const std::vector<ScheduleCandidate>& ranking() const { return ranking_; }
+  /// The schedule the pipeline started with, and its measured step time (slowest rank's median, ms; 0 before).
+  const Schedule& starting_schedule() const { return start_; }
+  double starting_ms() const { return start_ms_; }
+  /// The choice's measured step time (0 before it is verified).
+  double chosen_ms() const { return chosen_ms_; }
+
+ private:
+  double slowest_median_ms();  // collective: max over ranks (and replicas) of this rank's median pipeline_us
+
+  Pipeline& pipeline_;
+  AutoScheduleOptions options_;
+  Schedule start_;
+  Phase phase_ = Phase::kProbing;
+  int steps_in_phase_ = 0;
+  CostRecorder costs_;
+  std::vector<double> step_ms_;  // this rank's measured steps of the phase
+  std::vector<ScheduleCandidate> ranking_;
+  double start_ms_ = 0.0, chosen_ms_ = 0.0;
+};
+
+}  // namespace twobp

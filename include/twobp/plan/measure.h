@@ -1,0 +1,120 @@
+#pragma once
+// What a run measured, in the simulator's terms: per-stage costs of each action type and the memory model, taken
+// from the traces of a run's steps, agreed over the pipeline's ranks, and written to / read from JSON in one form.
+// This is the "measure" third of measure → plan → run: `simulate(schedule, costs.cost_model(mode))` and
+// `simulate_peak_memory(schedule, memory)` predict another schedule from a run of one (twobp/schedule/simulate.h).
+//
+//   CostRecorder costs(schedule.num_stages);
+//   MemoryRecorder memory(schedule.num_stages, gradient_bytes_per_stage);   // needs PipelineOptions::record_memory
+//   for (each measured step) { StepResult r = pipeline.step(x, y); costs.add(r.trace); memory.add(r.trace); }
+//   MeasuredCosts all = agree_costs(transport, costs.local_medians(), timeout);   // collective: every rank
+//   MemoryModel mem = agree_memory(transport, memory.local_medians(rank, p), timeout);
+//   SimulationResult other = simulate(other_schedule, all.cost_model(BackwardMode::kSplit));
+//
+// Units: costs in milliseconds, memory in bytes. Each stage lives on one rank, which alone records it; the agreed
+// value of a stage is that rank's median (the others contribute 0).
+
+#include <array>
+#include <string>
+#include <vector>
+
+#include "twobp/schedule/schedule.h"
+#include "twobp/schedule/simulate.h"
+#include "twobp/trace/trace.h"
+#include "twobp/transport/transport.h"
+
+namespace twobp {
+
+/// Per-stage costs of a run in milliseconds: for each action type, the median over its occurrences in the
+/// measured steps. An action type the run's mode does not have is 0 (I and W in standard mode, B in 2BP mode).
+struct MeasuredCosts {
+  std::vector<double> forward;          ///< F, per stage
+  std::vector<double> backward_input;   ///< I, per stage, without its recomputation
+  std::vector<double> backward_weight;  ///< W per micro-batch, per stage (a W of k micro-batches counts k times)
+  std::vector<double> backward;         ///< fused B, per stage, without its recomputation
+  /// The recomputation inside an I or B (StageOptions::recompute), per stage. Empty: the run did not recompute.
+  std::vector<double> recompute;
+  /// One send of an activation, sender to receiver (measured apart from the steps, e.g. by a ping-pong).
+  double communication = 0.0;
+
+  int num_stages() const { return static_cast<int>(forward.size()); }
+
+  /// The simulator's costs for running the measured stages in `mode`: F, recomputation and communication as
+  /// measured; kSplit takes I and W (and B where the run had fused B's, as DualPipeV's 2BP form has; else the
+  /// simulator's B is I + W), kStandard takes B (I and W 0). Throws UsageError when the costs `mode` needs
+  /// are all 0 (a standard run holds no I/W, a 2BP run no B), or when the vectors' sizes differ.
+  CostModel cost_model(BackwardMode mode) const;
+};
+
+/// Collects this rank's per-action durations from the traces of measured steps (Pipeline::step's StepResult::trace;
+/// leave the first, warm-up steps out). Each I and B is recorded without its recomputation, which is recorded apart;
+/// a W of k micro-batches counts as k W's of a k-th of its duration. Overlapped F&B pairs count each part's own
+/// span (the simulator runs the parts one after the other).
+class CostRecorder {
+ public:
+  explicit CostRecorder(int num_stages);
+
+  /// One step's trace. Throws UsageError naming the event when a stage is out of range.
+  void add(const Trace& trace);
+
+  /// This rank's medians: a stage or action type it recorded nothing of is 0; recompute is empty when no I or B
+  /// recorded any recomputation; communication is 0 (set it from a measurement of your own).
+  MeasuredCosts local_medians() const;
+
+  /// Steps recorded so far.
+  int steps() const { return steps_; }
+
+ private:
+  int num_stages_;
+  int steps_ = 0;
+  // [stage]: samples in ms of F, I, W (per micro-batch), B, and recomputation (per I or B).
+  std::vector<std::vector<double>> f_, i_, w_, b_, r_;
+};
+
+/// Every rank's local_medians() summed (all-reduces over `transport`, the pipeline's ranks): with each stage
+/// recorded by one rank, every rank gets every stage's costs. Collective: every rank calls it. communication is
+/// the max over ranks; recompute is kept when any rank has it. With data parallelism pass the rank's
+/// data-parallel group as `replicas`: the replicas' costs are then averaged too (one more all-reduce over it), so
+/// that every rank of the job holds the same numbers and makes the same choices from them.
+MeasuredCosts agree_costs(Transport& transport, const MeasuredCosts& mine, Duration timeout,
+                          Transport* replicas = nullptr);
+
+/// Collects the memory model of simulate_peak_memory() from this rank's measured steps (the pipeline must run with
+/// PipelineOptions::record_memory, else add() throws UsageError). `gradient_bytes[s]` is the .grad bytes stage s's
+/// parameters allocate on this rank (0 for stages of other ranks; a tensor shared by two stages counted once): a
+/// stage's first W or B of a step allocates them, and that allocation is taken out of the action and given to
+/// MemoryModel::gradients instead.
+class MemoryRecorder {
+ public:
+  MemoryRecorder(int num_stages, std::vector<double> gradient_bytes);
+
+  void add(const Trace& trace);
+
+  /// This rank's part of the model, for rank `rank` of `num_ranks`: base[rank] the median memory when a step
+  /// starts (other ranks' 0), each recorded stage's median `added` and `rise` per action type, its gradient bytes.
+  MemoryModel local_medians(int rank, int num_ranks) const;
+
+ private:
+  int num_stages_;
+  std::vector<double> gradient_bytes_;
+  std::vector<double> base_;
+  // [stage][action type]: samples of added and rise (W: per micro-batch).
+  std::vector<std::array<std::vector<double>, kNumActionTypes>> added_, rise_;
+};
+
+/// Every rank's MemoryRecorder::local_medians() summed (one all-reduce over the pipeline's ranks). Collective.
+MemoryModel agree_memory(Transport& transport, const MemoryModel& mine, Duration timeout);
+
+/// The JSON form of measured costs, the one writer of it: an object
+///   {"communication_ms": c, "costs_ms": {"F": [...], "I": [...], "W": [...], "B": [...], "R": [...]}}
+/// (per stage; "R" only when recompute is not empty) -- the two fields every result of `twobp_bench pipeline
+/// --json` carries, so that a result is itself readable by parse_measured_costs().
+std::string measured_costs_json(const MeasuredCosts& costs);
+
+/// The one reader of that form: reads "communication_ms" and "costs_ms" from a JSON object (other fields are
+/// ignored, so a whole result of `twobp_bench pipeline --json` can be given). "F" is required; a missing "I", "W"
+/// or "B" reads as 0 for every stage, a missing "R" as no recomputation. Throws UsageError, naming `where`, when
+/// the text is not a JSON object, a field is missing, not a number or negative, or the lists' sizes differ.
+MeasuredCosts parse_measured_costs(const std::string& json_object, const std::string& where);
+
+}  // namespace twobp

@@ -1,0 +1,160 @@
+#include "twobp/plan/choose.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <utility>
+
+#include "twobp/error.h"
+#include "twobp/metrics/metrics.h"
+#include "twobp/schedule/registry.h"
+#include "twobp/schedule/simulate.h"
+#include "util/check.h"
+#include "util/reduce.h"
+
+namespace twobp {
+
+namespace {
+
+const char* mode_label(BackwardMode mode) { return mode == BackwardMode::kSplit ? "2BP" : "standard"; }
+
+std::string describe(const Schedule& s) { return fmt::format("{} {}", s.name, mode_label(s.backward)); }
+
+// The simulator's costs of a `mode` form of the measured placement, or nullopt when the measurement cannot tell
+// them (2BP forms need I and W; a fused B is the measured one where the run had it, else I + W).
+std::optional<CostModel> candidate_costs(const MeasuredCosts& m, BackwardMode mode) {
+  const std::size_t S = m.forward.size();
+  if (S == 0 || m.backward_input.size() != S || m.backward_weight.size() != S || m.backward.size() != S) {
+    throw UsageError(fmt::format("rank_schedules: measured costs of {} stages with per-stage lists of sizes I {}, "
+                                 "W {}, B {} (use CostRecorder / agree_costs / parse_measured_costs)",
+                                 S, m.backward_input.size(), m.backward_weight.size(), m.backward.size()));
+  }
+  CostModel c;
+  c.forward = m.forward;
+  c.communication = m.communication;
+  if (std::any_of(m.recompute.begin(), m.recompute.end(), [](double x) { return x > 0.0; })) c.recompute = m.recompute;
+  c.backward.resize(S);
+  bool split_known = true, fused_known = true;
+  for (std::size_t s = 0; s < S; ++s) {
+    c.backward[s] = m.backward[s] > 0.0 ? m.backward[s] : m.backward_input[s] + m.backward_weight[s];
+    split_known = split_known && m.backward_input[s] > 0.0;
+    fused_known = fused_known && c.backward[s] > 0.0;
+  }
+  if (mode == BackwardMode::kSplit) {
+    if (!split_known) return std::nullopt;
+    c.backward_input = m.backward_input;
+    c.backward_weight = m.backward_weight;
+  } else {
+    if (!fused_known) return std::nullopt;
+    c.backward_input.assign(S, 0.0);
+    c.backward_weight.assign(S, 0.0);
+  }
+  return c;
+}
+
+}  // namespace
+
+std::vector<ScheduleCandidate> rank_schedules(const Schedule& running, const MeasuredCosts& costs,
+                                              const std::vector<std::string>& names,
+                                              const std::vector<BackwardMode>& modes) {
+  TWOBP_CHECK(running.num_ranks > 0 && running.num_stages == costs.num_stages(), UsageError,
+              "rank_schedules: the costs are of {} stages, schedule '{}' has {}", costs.num_stages(), running.name,
+              running.num_stages);
+  std::vector<ScheduleCandidate> out;
+  for (const std::string& name : names.empty() ? schedule_names() : names) {
+    for (BackwardMode mode : modes) {
+      const std::optional<CostModel> model = candidate_costs(costs, mode);
+      if (!model) continue;
+      ScheduleCandidate c{name, mode, {}, 0.0};
+      try {
+        c.schedule = make_schedule(
+            name, ScheduleOptions{running.num_ranks, running.num_micro_batches, running.num_stages / running.num_ranks,
+                                  mode});
+      } catch (const UsageError&) {  // ScheduleError too: a shape this generator does not take
+        continue;
+      }
+      if (c.schedule.stage_to_rank != running.stage_to_rank ||
+          c.schedule.num_micro_batches != running.num_micro_batches) {
+        continue;
+      }
+      c.predicted_ms = simulate(c.schedule, *model).step_time;
+      out.push_back(std::move(c));
+    }
+  }
+  std::stable_sort(out.begin(), out.end(), [](const ScheduleCandidate& a, const ScheduleCandidate& b) {
+    return a.predicted_ms < b.predicted_ms;
+  });
+  return out;
+}
+
+AutoSchedule::AutoSchedule(Pipeline& pipeline, AutoScheduleOptions options)
+    : pipeline_(pipeline),
+      options_(std::move(options)),
+      start_(pipeline.schedule()),
+      costs_(pipeline.schedule().num_stages) {
+  const int rank = pipeline.rank();
+  TWOBP_CHECK(options_.probe_steps >= 2 && options_.verify_steps >= 2, UsageError,
+              "rank {}: AutoScheduleOptions: probe_steps and verify_steps must be >= 2 (the first step of each is "
+              "warm-up), got {} and {}",
+              rank, options_.probe_steps, options_.verify_steps);
+  const PipelineOptions& po = pipeline.options();
+  TWOBP_CHECK(po.memory_limit_bytes == 0 && po.max_pending_weight_micro_batches == 0, UsageError,
+              "rank {}: AutoSchedule ranks schedules by time only, and this pipeline bounds memory "
+              "(memory_limit_bytes {}, max_pending_weight_micro_batches {}); choose the schedule yourself "
+              "(twobp_bench plan / simulate predict time and memory)",
+              rank, po.memory_limit_bytes, po.max_pending_weight_micro_batches);
+}
+
+double AutoSchedule::slowest_median_ms() {
+  const double mine = step_ms_.empty() ? 0.0 : metrics::quantile(step_ms_, 0.5);
+  double slowest = detail::max_over_ranks(pipeline_.transport(), mine, options_.timeout);
+  if (options_.replicas != nullptr) slowest = detail::max_over_ranks(*options_.replicas, slowest, options_.timeout);
+  return slowest;
+}
+
+std::optional<std::string> AutoSchedule::after_step(const StepResult& result) {
+  if (phase_ == Phase::kDone) return std::nullopt;
+  ++steps_in_phase_;
+  if (steps_in_phase_ > 1) {  // the first step of a phase is warm-up
+    if (phase_ == Phase::kProbing) costs_.add(result.trace);
+    step_ms_.push_back(result.pipeline_us / 1000.0);
+  }
+  if (phase_ == Phase::kProbing && steps_in_phase_ == options_.probe_steps) {
+    start_ms_ = slowest_median_ms();
+    const MeasuredCosts agreed =
+        agree_costs(pipeline_.transport(), costs_.local_medians(), options_.timeout, options_.replicas);
+    ranking_ = rank_schedules(start_, agreed, options_.names, options_.modes);
+    const std::optional<CostModel> own = candidate_costs(agreed, start_.backward);
+    const double start_predicted = own ? simulate(start_, *own).step_time : 0.0;
+    phase_ = Phase::kDone;
+    if (ranking_.empty() || ranking_.front().predicted_ms >= start_predicted) {
+      return fmt::format("auto schedule: keeping {} ({:.2f} ms/step measured, {:.2f} predicted; no candidate of "
+                         "this placement is predicted faster)",
+                         describe(start_), start_ms_, start_predicted);
+    }
+    const ScheduleCandidate& best = ranking_.front();
+    pipeline_.switch_schedule(best.schedule);
+    phase_ = Phase::kVerifying;
+    steps_in_phase_ = 0;
+    step_ms_.clear();
+    return fmt::format("auto schedule: {} measured {:.2f} ms/step (predicted {:.2f}); switching to {} (predicted "
+                       "{:.2f}, {:.2f}x), the fastest of {} candidates of this placement",
+                       describe(start_), start_ms_, start_predicted, describe(best.schedule), best.predicted_ms,
+                       start_predicted / best.predicted_ms, ranking_.size());
+  }
+  if (phase_ == Phase::kVerifying && steps_in_phase_ == options_.verify_steps) {
+    chosen_ms_ = slowest_median_ms();
+    phase_ = Phase::kDone;
+    const std::string chosen = describe(pipeline_.schedule());
+    if (chosen_ms_ > start_ms_) {
+      pipeline_.switch_schedule(start_);
+      return fmt::format("auto schedule: {} measured {:.2f} ms/step, slower than {}'s {:.2f}: back to {}", chosen,
+                         chosen_ms_, describe(start_), start_ms_, describe(start_));
+    }
+    return fmt::format("auto schedule: keeping {}: {:.2f} ms/step measured against {:.2f} for {} ({:.2f}x)", chosen,
+                       chosen_ms_, start_ms_, describe(start_), start_ms_ / chosen_ms_);
+  }
+  return std::nullopt;
+}
+
+}  // namespace twobp

@@ -1,0 +1,295 @@
+#include "twobp/plan/measure.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+#include <utility>
+
+#include "twobp/error.h"
+#include "twobp/metrics/metrics.h"
+#include "util/check.h"
+#include "util/reduce.h"
+
+namespace twobp {
+
+namespace {
+
+using detail::sum_over_ranks;
+
+double median_or_zero(const std::vector<double>& samples) {
+  return samples.empty() ? 0.0 : metrics::quantile(samples, 0.5);
+}
+
+std::vector<double> medians(const std::vector<std::vector<double>>& per_stage) {
+  std::vector<double> out;
+  out.reserve(per_stage.size());
+  for (const auto& samples : per_stage) out.push_back(median_or_zero(samples));
+  return out;
+}
+
+bool any_positive(const std::vector<double>& v) {
+  return std::any_of(v.begin(), v.end(), [](double x) { return x > 0.0; });
+}
+
+void check_stage(int stage, int num_stages, const TraceEvent& e, const char* who) {
+  TWOBP_CHECK(stage >= 0 && stage < num_stages, UsageError,
+              "{}: rank {} traced a {} of stage {}, but the recorder was made for {} stages (pass the schedule's "
+              "num_stages)",
+              who, e.rank, to_string(e.action.type), stage, num_stages);
+}
+
+}  // namespace
+
+CostModel MeasuredCosts::cost_model(BackwardMode mode) const {
+  const std::size_t S = forward.size();
+  TWOBP_CHECK(S > 0, UsageError, "MeasuredCosts::cost_model: no stages (measure a run first)");
+  TWOBP_CHECK(backward_input.size() == S && backward_weight.size() == S && backward.size() == S &&
+                  (recompute.empty() || recompute.size() == S),
+              UsageError,
+              "MeasuredCosts::cost_model: per-stage sizes differ (F {}, I {}, W {}, B {}, R {}); every list needs one "
+              "entry per stage",
+              S, backward_input.size(), backward_weight.size(), backward.size(), recompute.size());
+  CostModel costs;
+  costs.forward = forward;
+  costs.communication = communication;
+  if (any_positive(recompute)) costs.recompute = recompute;
+  if (mode == BackwardMode::kSplit) {
+    TWOBP_CHECK(any_positive(backward_input), UsageError,
+                "MeasuredCosts::cost_model: 2BP needs I and W costs, and these are all 0 (costs of a standard run?); "
+                "measure a 2BP run, or simulate BackwardMode::kStandard");
+    costs.backward_input = backward_input;
+    costs.backward_weight = backward_weight;
+    // A 2BP schedule may fuse some backwards (DualPipeV's last ones): the simulator takes their measured cost,
+    // not I + W, when the run had any.
+    if (any_positive(backward)) costs.backward = backward;
+  } else {
+    TWOBP_CHECK(any_positive(backward), UsageError,
+                "MeasuredCosts::cost_model: standard backprop needs B costs, and these are all 0 (costs of a 2BP "
+                "run?); measure a standard run, or simulate BackwardMode::kSplit");
+    costs.backward = backward;
+    costs.backward_input.assign(S, 0.0);
+    costs.backward_weight.assign(S, 0.0);
+  }
+  return costs;
+}
+
+CostRecorder::CostRecorder(int num_stages)
+    : num_stages_(num_stages), f_(num_stages), i_(num_stages), w_(num_stages), b_(num_stages), r_(num_stages) {
+  TWOBP_CHECK(num_stages > 0, UsageError, "CostRecorder: num_stages must be positive, got {}", num_stages);
+}
+
+void CostRecorder::add(const Trace& trace) {
+  for (const TraceEvent& e : trace.events) {
+    if (!is_compute(e.action.type)) continue;
+    const int s = e.action.stage;
+    check_stage(s, num_stages_, e, "CostRecorder::add");
+    const double ms = (e.end_us - e.start_us - e.recompute_us) / 1000.0;
+    switch (e.action.type) {
+      case ActionType::kForward: f_[s].push_back(ms); break;
+      case ActionType::kBackwardInput:
+        i_[s].push_back(ms);
+        r_[s].push_back(e.recompute_us / 1000.0);
+        break;
+      case ActionType::kBackward:
+        b_[s].push_back(ms);
+        r_[s].push_back(e.recompute_us / 1000.0);
+        break;
+      case ActionType::kBackwardWeight:
+        w_[s].push_back(ms / static_cast<double>(std::max<std::size_t>(1, e.action.micro_batches.size())));
+        break;
+      default: break;
+    }
+  }
+  ++steps_;
+}
+
+MeasuredCosts CostRecorder::local_medians() const {
+  MeasuredCosts c;
+  c.forward = medians(f_);
+  c.backward_input = medians(i_);
+  c.backward_weight = medians(w_);
+  c.backward = medians(b_);
+  c.recompute = medians(r_);
+  if (!any_positive(c.recompute)) c.recompute.clear();
+  return c;
+}
+
+MeasuredCosts agree_costs(Transport& transport, const MeasuredCosts& mine, Duration timeout, Transport* replicas) {
+  const std::size_t S = mine.forward.size();
+  TWOBP_CHECK(mine.backward_input.size() == S && mine.backward_weight.size() == S && mine.backward.size() == S &&
+                  (mine.recompute.empty() || mine.recompute.size() == S),
+              UsageError, "agree_costs: rank {}: per-stage sizes differ (F {}, I {}, W {}, B {}, R {})",
+              transport.rank(), S, mine.backward_input.size(), mine.backward_weight.size(), mine.backward.size(),
+              mine.recompute.size());
+  // Slots: 5 per stage (F, I, W, B, R), then "has recomputation", then communication as a max through a sum of
+  // one-hot slots (one per rank).
+  const std::size_t p = static_cast<std::size_t>(transport.world_size());
+  std::vector<double> v(5 * S + 1 + p, 0.0);
+  for (std::size_t s = 0; s < S; ++s) {
+    v[5 * s] = mine.forward[s];
+    v[5 * s + 1] = mine.backward_input[s];
+    v[5 * s + 2] = mine.backward_weight[s];
+    v[5 * s + 3] = mine.backward[s];
+    v[5 * s + 4] = mine.recompute.empty() ? 0.0 : mine.recompute[s];
+  }
+  v[5 * S] = mine.recompute.empty() ? 0.0 : 1.0;
+  v[5 * S + 1 + static_cast<std::size_t>(transport.rank())] = mine.communication;
+  // Every rank must bring the same number of stages, else the sum mixes fields: agree on S first.
+  std::vector<double> sizes(p, 0.0);
+  sizes[static_cast<std::size_t>(transport.rank())] = static_cast<double>(S);
+  sizes = sum_over_ranks(transport, sizes, timeout);
+  for (std::size_t r = 0; r < p; ++r) {
+    TWOBP_CHECK(sizes[r] == static_cast<double>(S), UsageError,
+                "agree_costs: rank {} has costs of {} stages, rank {} of {}; every rank must record the whole "
+                "schedule's stages (CostRecorder(schedule.num_stages))",
+                transport.rank(), S, r, sizes[r]);
+  }
+  v = sum_over_ranks(transport, v, timeout);
+  if (replicas != nullptr && replicas->world_size() > 1) {
+    // Each replica's pipeline agreed on its own numbers; the mean over replicas is the job's (the flag and the
+    // communication max stay positive exactly when some replica's were).
+    v = sum_over_ranks(*replicas, v, timeout);
+    for (double& x : v) x /= static_cast<double>(replicas->world_size());
+  }
+  MeasuredCosts out;
+  for (std::size_t s = 0; s < S; ++s) {
+    out.forward.push_back(v[5 * s]);
+    out.backward_input.push_back(v[5 * s + 1]);
+    out.backward_weight.push_back(v[5 * s + 2]);
+    out.backward.push_back(v[5 * s + 3]);
+    out.recompute.push_back(v[5 * s + 4]);
+  }
+  if (v[5 * S] == 0.0) out.recompute.clear();
+  out.communication = *std::max_element(v.begin() + static_cast<std::ptrdiff_t>(5 * S + 1), v.end());
+  return out;
+}
+
+MemoryRecorder::MemoryRecorder(int num_stages, std::vector<double> gradient_bytes)
+    : num_stages_(num_stages), gradient_bytes_(std::move(gradient_bytes)), added_(num_stages), rise_(num_stages) {
+  TWOBP_CHECK(num_stages > 0, UsageError, "MemoryRecorder: num_stages must be positive, got {}", num_stages);
+  TWOBP_CHECK(static_cast<int>(gradient_bytes_.size()) == num_stages, UsageError,
+              "MemoryRecorder: gradient_bytes has {} entries for {} stages (one per stage; 0 for other ranks' stages)",
+              gradient_bytes_.size(), num_stages);
+}
+
+void MemoryRecorder::add(const Trace& trace) {
+  if (trace.events.empty()) return;
+  const TraceEvent& first = trace.events.front();
+  TWOBP_CHECK(first.memory_before >= 0, UsageError,
+              "MemoryRecorder::add: rank {}'s trace has no memory readings; run the pipeline with "
+              "PipelineOptions::record_memory = true",
+              first.rank);
+  base_.push_back(static_cast<double>(first.memory_before));
+  std::set<int> has_gradients;
+  for (const TraceEvent& e : trace.events) {
+    const int s = e.action.stage;
+    check_stage(s, num_stages_, e, "MemoryRecorder::add");
+    const int type = static_cast<int>(e.action.type);
+    const bool weights = e.action.type == ActionType::kBackwardWeight || e.action.type == ActionType::kBackward;
+    const double g = weights && has_gradients.insert(s).second ? gradient_bytes_[s] : 0.0;
+    const double k = e.action.type == ActionType::kBackwardWeight
+                         ? static_cast<double>(std::max<std::size_t>(1, e.action.micro_batches.size()))
+                         : 1.0;
+    added_[s][type].push_back((static_cast<double>(e.memory_after - e.memory_before) - g) / k);
+    rise_[s][type].push_back((static_cast<double>(e.memory_peak - e.memory_before) - g) / k);
+  }
+}
+
+MemoryModel MemoryRecorder::local_medians(int rank, int num_ranks) const {
+  TWOBP_CHECK(rank >= 0 && rank < num_ranks, UsageError, "MemoryRecorder::local_medians: rank {} of {} ranks", rank,
+              num_ranks);
+  MemoryModel m;
+  m.base.assign(static_cast<std::size_t>(num_ranks), 0.0);
+  m.base[static_cast<std::size_t>(rank)] = median_or_zero(base_);
+  m.stages.resize(static_cast<std::size_t>(num_stages_));
+  for (int s = 0; s < num_stages_; ++s) {
+    for (int t = 0; t < kNumActionTypes; ++t) m.stages[s][t] = {median_or_zero(added_[s][t]), median_or_zero(rise_[s][t])};
+  }
+  m.gradients = gradient_bytes_;
+  return m;
+}
+
+MemoryModel agree_memory(Transport& transport, const MemoryModel& mine, Duration timeout) {
+  const std::size_t p = mine.base.size(), S = mine.stages.size();
+  TWOBP_CHECK(p == static_cast<std::size_t>(transport.world_size()) && mine.gradients.size() == S, UsageError,
+              "agree_memory: rank {}: the model has base for {} ranks (the transport has {}) and gradients for {} of "
+              "its {} stages; pass MemoryRecorder::local_medians(rank, world size)",
+              transport.rank(), p, transport.world_size(), mine.gradients.size(), S);
+  constexpr std::size_t kPerStage = 2 * kNumActionTypes + 1;  // (added, rise) per action type, then gradient bytes
+  std::vector<double> v(p + kPerStage * S, 0.0);
+  std::copy(mine.base.begin(), mine.base.end(), v.begin());
+  for (std::size_t s = 0; s < S; ++s) {
+    double* row = &v[p + kPerStage * s];
+    for (int t = 0; t < kNumActionTypes; ++t) {
+      row[2 * t] = mine.stages[s][t].added;
+      row[2 * t + 1] = mine.stages[s][t].rise;
+    }
+    row[2 * kNumActionTypes] = mine.gradients[s];
+  }
+  v = sum_over_ranks(transport, v, timeout);
+  MemoryModel out;
+  out.base.assign(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(p));
+  out.stages.resize(S);
+  out.gradients.resize(S);
+  for (std::size_t s = 0; s < S; ++s) {
+    const double* row = &v[p + kPerStage * s];
+    for (int t = 0; t < kNumActionTypes; ++t) out.stages[s][t] = {row[2 * t], row[2 * t + 1]};
+    out.gradients[s] = row[2 * kNumActionTypes];
+  }
+  return out;
+}
+
+std::string measured_costs_json(const MeasuredCosts& costs) {
+  nlohmann::ordered_json out;
+  out["communication_ms"] = costs.communication;
+  out["costs_ms"] = {{"F", costs.forward}, {"I", costs.backward_input}, {"W", costs.backward_weight},
+                     {"B", costs.backward}};
+  if (!costs.recompute.empty()) out["costs_ms"]["R"] = costs.recompute;
+  return out.dump();
+}
+
+MeasuredCosts parse_measured_costs(const std::string& json_object, const std::string& where) {
+  const nlohmann::json doc = nlohmann::json::parse(json_object, nullptr, /*allow_exceptions=*/false);
+  TWOBP_CHECK(doc.is_object(), UsageError, "{}: not a JSON object (expected measured costs: \"communication_ms\" and "
+              "\"costs_ms\", as a result of `twobp_bench pipeline --json` has)", where);
+  auto number = [&](const nlohmann::json& j, const std::string& what) {
+    TWOBP_CHECK(j.is_number() && std::isfinite(j.get<double>()) && j.get<double>() >= 0.0, UsageError,
+                "{}: {} must be a finite number >= 0 (ms), got {}", where, what, j.dump());
+    return j.get<double>();
+  };
+  TWOBP_CHECK(doc.contains("communication_ms") && doc.contains("costs_ms") && doc["costs_ms"].is_object(),
+              UsageError, "{}: needs \"communication_ms\" and a \"costs_ms\" object (F, I, W, B lists per stage)",
+              where);
+  const nlohmann::json& costs = doc["costs_ms"];
+  auto list = [&](const char* key) {
+    std::vector<double> out;
+    if (!costs.contains(key)) return out;
+    TWOBP_CHECK(costs[key].is_array(), UsageError, "{}: costs_ms.{} must be a list (one number per stage)", where, key);
+    for (std::size_t s = 0; s < costs[key].size(); ++s) {
+      out.push_back(number(costs[key][s], fmt::format("costs_ms.{}[{}]", key, s)));
+    }
+    return out;
+  };
+  MeasuredCosts c;
+  c.communication = number(doc["communication_ms"], "communication_ms");
+  TWOBP_CHECK(costs.contains("F"), UsageError, "{}: costs_ms has no \"F\" (forward cost per stage)", where);
+  c.forward = list("F");
+  const std::size_t S = c.forward.size();
+  TWOBP_CHECK(S > 0, UsageError, "{}: costs_ms.F is empty (no stages)", where);
+  std::pair<const char*, std::vector<double>*> rest[] = {
+      {"I", &c.backward_input}, {"W", &c.backward_weight}, {"B", &c.backward}, {"R", &c.recompute}};
+  for (auto& [key, into] : rest) {
+    *into = list(key);
+    const bool optional_empty = into->empty() && !costs.contains(key);
+    if (optional_empty && into != &c.recompute) into->assign(S, 0.0);
+    TWOBP_CHECK(optional_empty || into->size() == S, UsageError,
+                "{}: costs_ms.{} has {} stages, costs_ms.F has {}; every list needs one entry per stage", where, key,
+                into->size(), S);
+  }
+  return c;
+}
+
+}  // namespace twobp

@@ -1,0 +1,358 @@
+// Measured costs and memory (twobp/plan/measure.h): traces written from known costs give those costs back, the
+// simulator fed with them reproduces the traced step, the ranks agree on every stage, and the JSON form round-trips.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "twobp/error.h"
+#include "twobp/plan/measure.h"
+#include "twobp/runtime/launch.h"
+#include "twobp/schedule/registry.h"
+#include "twobp/schedule/simulate.h"
+#include "twobp/transport/local.h"
+
+namespace twobp {
+namespace {
+
+constexpr std::chrono::seconds kTimeout{30};
+
+// Costs that differ per stage and per action type, so that a stage or type mixed up shows.
+CostModel distinct_costs(int stages, BackwardMode mode, bool recompute) {
+  CostModel c;
+  for (int s = 0; s < stages; ++s) {
+    c.forward.push_back(1.0 + 0.25 * s);
+    c.backward_input.push_back(mode == BackwardMode::kSplit ? 1.5 + 0.125 * s : 0.0);
+    c.backward_weight.push_back(mode == BackwardMode::kSplit ? 0.75 + 0.5 * s : 0.0);
+    c.backward.push_back(2.0 + 0.375 * s);  // in 2BP form only for the B's a schedule fuses (DualPipeV's)
+    if (recompute) c.recompute.push_back(0.5 + 0.0625 * s);
+  }
+  c.communication = 0.3;
+  return c;
+}
+
+// Whether stage `stage` of `sc` has an action of `type`.
+bool has_action(const Schedule& sc, int stage, ActionType type) {
+  for (const auto& list : sc.actions) {
+    for (const Action& a : list) {
+      if (a.stage == stage && a.type == type) return true;
+    }
+  }
+  return false;
+}
+
+// `want` where stage s of `sc` has an action of `type`, else 0: what a run of `sc` can measure.
+std::vector<double> where_present(const Schedule& sc, ActionType type, const std::vector<double>& want) {
+  std::vector<double> out(want.size(), 0.0);
+  for (std::size_t s = 0; s < want.size(); ++s) {
+    if (has_action(sc, static_cast<int>(s), type)) out[s] = want[s];
+  }
+  return out;
+}
+
+// Each rank's trace of one step as the simulator runs it under `costs` (times in ms → µs), with the recomputation
+// of each I and B marked as the runtime marks it.
+std::vector<Trace> traces_of(const Schedule& sc, const CostModel& costs, const SimulationResult& sim) {
+  std::vector<Trace> out(static_cast<std::size_t>(sc.num_ranks));
+  for (const SimulatedEvent& e : sim.events) {
+    TraceEvent t;
+    t.rank = e.rank;
+    t.action = e.action;
+    t.start_us = e.start * 1000.0;
+    t.end_us = e.end * 1000.0;
+    const bool recomputes =
+        e.action.type == ActionType::kBackwardInput || e.action.type == ActionType::kBackward;
+    if (recomputes && !costs.recompute.empty()) t.recompute_us = costs.recompute[e.action.stage] * 1000.0;
+    out[static_cast<std::size_t>(e.rank)].events.push_back(t);
+  }
+  for (Trace& t : out) t.step_us = sim.step_time * 1000.0;
+  return out;
+}
+
+// Runs `body(rank, transport)` on `ranks` Local rank threads and fails the test on any rank's error.
+template <typename Body>
+void on_rank_threads(int ranks, Body body) {
+  auto transports = make_local_transports(ranks);
+  const RankErrors errors = run_rank_threads(transports, [&](Transport& t) { body(t.rank(), t); });
+  ASSERT_TRUE(errors.ok()) << error_message(errors.root_cause());
+}
+
+void expect_same(const std::vector<double>& got, const std::vector<double>& want, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (std::size_t s = 0; s < want.size(); ++s) EXPECT_NEAR(got[s], want[s], 1e-9) << what << " stage " << s;
+}
+
+// The class of the case: every built-in schedule × mode × recomputation, at a shape each takes. Each rank records
+// only its own trace, the ranks agree, and the agreed costs are the costs the traces were made from; simulate() fed
+// with them gives back the traced step time.
+TEST(MeasuredCosts, TracesOfKnownCostsGiveThemBackAndReproduceTheStep) {
+  int checked = 0;
+  for (const std::string& name : builtin_schedule_names()) {
+    for (BackwardMode mode : {BackwardMode::kStandard, BackwardMode::kSplit}) {
+      for (bool recompute : {false, true}) {
+        for (auto [p, m] : std::vector<std::pair<int, int>>{{2, 4}, {3, 7}, {4, 8}}) {
+          Schedule sc;
+          try {
+            sc = make_schedule(name, default_schedule_options(name, p, m, mode));
+          } catch (const ScheduleError&) {
+            continue;  // a shape this schedule does not take
+          }
+          const std::string what = name + (mode == BackwardMode::kSplit ? " 2bp" : " standard") +
+                                   (recompute ? " recompute" : "") + " p=" + std::to_string(p) +
+                                   " m=" + std::to_string(m);
+          const CostModel truth = distinct_costs(sc.num_stages, mode, recompute);
+          const SimulationResult sim = simulate(sc, truth);
+          const std::vector<Trace> traces = traces_of(sc, truth, sim);
+          std::vector<MeasuredCosts> agreed(static_cast<std::size_t>(p));
+          std::mutex mutex;
+          on_rank_threads(p, [&](int rank, Transport& t) {
+            CostRecorder recorder(sc.num_stages);
+            recorder.add(traces[static_cast<std::size_t>(rank)]);
+            recorder.add(traces[static_cast<std::size_t>(rank)]);  // a second, identical step: same medians
+            MeasuredCosts mine = recorder.local_medians();
+            if (rank == 0) mine.communication = truth.communication;
+            MeasuredCosts all = agree_costs(t, mine, kTimeout);
+            std::lock_guard<std::mutex> lock(mutex);
+            agreed[static_cast<std::size_t>(rank)] = std::move(all);
+          });
+          for (int r = 0; r < p; ++r) {
+            const MeasuredCosts& c = agreed[static_cast<std::size_t>(r)];
+            const std::string who = what + " on rank " + std::to_string(r);
+            expect_same(c.forward, truth.forward, who + " F");
+            expect_same(c.backward_input, where_present(sc, ActionType::kBackwardInput, truth.backward_input),
+                        who + " I");
+            expect_same(c.backward_weight, where_present(sc, ActionType::kBackwardWeight, truth.backward_weight),
+                        who + " W");
+            expect_same(c.backward, where_present(sc, ActionType::kBackward, truth.backward), who + " B");
+            expect_same(c.recompute, truth.recompute, who + " R");
+            EXPECT_DOUBLE_EQ(c.communication, truth.communication) << who;
+            const SimulationResult again = simulate(sc, c.cost_model(mode));
+            EXPECT_NEAR(again.step_time, sim.step_time, 1e-9 * sim.step_time) << who;
+          }
+          ++checked;
+        }
+      }
+    }
+  }
+  EXPECT_GE(checked, 4 * static_cast<int>(builtin_schedule_names().size()));
+}
+
+TEST(MeasuredCosts, WOfSeveralMicroBatchesCountsPerMicroBatchAndMediansAreMedians) {
+  CostRecorder recorder(1);
+  Trace trace;
+  auto event = [](ActionType type, std::vector<int> mbs, double start_ms, double end_ms, double recompute_ms) {
+    TraceEvent e;
+    e.action.type = type;
+    e.action.stage = 0;
+    e.action.micro_batches = std::move(mbs);
+    e.start_us = start_ms * 1000.0;
+    e.end_us = end_ms * 1000.0;
+    e.recompute_us = recompute_ms * 1000.0;
+    return e;
+  };
+  trace.events = {event(ActionType::kForward, {0}, 0, 1, 0), event(ActionType::kForward, {1}, 1, 4, 0),
+                  event(ActionType::kForward, {2}, 4, 6, 0), event(ActionType::kBackwardInput, {2}, 6, 10, 1),
+                  event(ActionType::kBackwardWeight, {0, 1, 2}, 10, 16, 0)};
+  recorder.add(trace);
+  const MeasuredCosts c = recorder.local_medians();
+  EXPECT_DOUBLE_EQ(c.forward[0], 2.0);          // median of 1, 3, 2
+  EXPECT_DOUBLE_EQ(c.backward_input[0], 3.0);   // 4 less its 1 of recomputation
+  EXPECT_DOUBLE_EQ(c.backward_weight[0], 2.0);  // 6 over 3 micro-batches
+  EXPECT_DOUBLE_EQ(c.backward[0], 0.0);
+  ASSERT_EQ(c.recompute.size(), 1u);
+  EXPECT_DOUBLE_EQ(c.recompute[0], 1.0);
+  EXPECT_EQ(recorder.steps(), 1);
+
+  Trace bad;
+  bad.events = {trace.events.front()};
+  bad.events[0].action.stage = 1;
+  EXPECT_THROW(recorder.add(bad), UsageError);
+  EXPECT_THROW(CostRecorder(0), UsageError);
+}
+
+TEST(MeasuredCosts, CostModelRefusesTheModeTheRunDidNotMeasure) {
+  MeasuredCosts standard;
+  standard.forward = {1.0, 1.0};
+  standard.backward_input = standard.backward_weight = {0.0, 0.0};
+  standard.backward = {2.0, 2.0};
+  EXPECT_NO_THROW(standard.cost_model(BackwardMode::kStandard));
+  EXPECT_THROW(standard.cost_model(BackwardMode::kSplit), UsageError);
+  MeasuredCosts split = standard;
+  split.backward = {0.0, 0.0};
+  split.backward_input = {1.0, 1.0};
+  split.backward_weight = {1.0, 1.0};
+  EXPECT_THROW(split.cost_model(BackwardMode::kStandard), UsageError);
+  const CostModel c = split.cost_model(BackwardMode::kSplit);
+  EXPECT_TRUE(c.backward.empty());  // B = I + W in the simulator
+  split.backward_weight = {1.0};
+  EXPECT_THROW(split.cost_model(BackwardMode::kSplit), UsageError);
+  EXPECT_THROW(MeasuredCosts{}.cost_model(BackwardMode::kSplit), UsageError);
+}
+
+TEST(MeasuredCosts, RanksWithDifferentStageCountsAreRefusedOnEveryRank) {
+  auto transports = make_local_transports(2);
+  std::mutex mutex;
+  int refused = 0;
+  const RankErrors errors = run_rank_threads(transports, [&](Transport& t) {
+    MeasuredCosts mine;
+    const std::size_t S = t.rank() == 0 ? 2 : 3;
+    mine.forward = mine.backward_input = mine.backward_weight = mine.backward = std::vector<double>(S, 1.0);
+    try {
+      agree_costs(t, mine, kTimeout);
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find("stages"), std::string::npos) << e.what();
+      std::lock_guard<std::mutex> lock(mutex);
+      ++refused;
+    }
+  });
+  ASSERT_TRUE(errors.ok()) << error_message(errors.root_cause());
+  EXPECT_EQ(refused, 2);
+}
+
+TEST(MeasuredCosts, JsonRoundTripsAndReadsAWholeBenchmarkResult) {
+  MeasuredCosts c;
+  c.forward = {1.25, 2.5};
+  c.backward_input = {0.5, 0.75};
+  c.backward_weight = {0.125, 0.0625};
+  c.backward = {0.0, 0.0};
+  c.communication = 0.03125;
+  MeasuredCosts back = parse_measured_costs(measured_costs_json(c), "round trip");
+  EXPECT_EQ(back.forward, c.forward);
+  EXPECT_EQ(back.backward_input, c.backward_input);
+  EXPECT_EQ(back.backward_weight, c.backward_weight);
+  EXPECT_EQ(back.backward, c.backward);
+  EXPECT_TRUE(back.recompute.empty());
+  EXPECT_EQ(back.communication, c.communication);
+  c.recompute = {0.25, 0.5};
+  back = parse_measured_costs(measured_costs_json(c), "round trip with R");
+  EXPECT_EQ(back.recompute, c.recompute);
+
+  // A result of `twobp_bench pipeline --json` has more fields; only I and W present: B reads as 0 per stage.
+  back = parse_measured_costs(
+      R"({"schedule": "1f1b", "mode": "2bp", "communication_ms": 0.5, "costs_ms": {"F": [1, 2], "I": [3, 4], "W": [5, 6]}})",
+      "result");
+  EXPECT_EQ(back.backward, (std::vector<double>{0.0, 0.0}));
+  EXPECT_EQ(back.backward_weight, (std::vector<double>{5.0, 6.0}));
+}
+
+TEST(MeasuredCosts, JsonReaderNamesWhatIsWrong) {
+  auto fails_with = [](const std::string& text, const std::string& needle) {
+    try {
+      parse_measured_costs(text, "file.json: result 3");
+      ADD_FAILURE() << "accepted " << text;
+    } catch (const UsageError& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("file.json: result 3"), std::string::npos) << msg;
+      EXPECT_NE(msg.find(needle), std::string::npos) << msg;
+    }
+  };
+  fails_with("[1, 2]", "not a JSON object");
+  fails_with("not json", "not a JSON object");
+  fails_with(R"({"costs_ms": {"F": [1]}})", "communication_ms");
+  fails_with(R"({"communication_ms": 0, "costs_ms": {"I": [1]}})", "\"F\"");
+  fails_with(R"({"communication_ms": 0, "costs_ms": {"F": []}})", "empty");
+  fails_with(R"({"communication_ms": 0, "costs_ms": {"F": [1, 2], "I": [1]}})", "costs_ms.I has 1 stages");
+  fails_with(R"({"communication_ms": 0, "costs_ms": {"F": [1, -2]}})", "costs_ms.F[1]");
+  fails_with(R"({"communication_ms": "x", "costs_ms": {"F": [1]}})", "communication_ms must be");
+  fails_with(R"({"communication_ms": 0, "costs_ms": {"F": [1], "R": 3}})", "costs_ms.R must be a list");
+}
+
+// The memory model: traces written by walking a known model through each rank's actions (the walk
+// simulate_peak_memory() makes) give the model back, its gradient allocation taken out of the first W or B.
+TEST(MeasuredMemory, TracesOfAKnownModelGiveItBack) {
+  int checked = 0;
+  for (const std::string& name : builtin_schedule_names()) {
+    for (BackwardMode mode : {BackwardMode::kStandard, BackwardMode::kSplit}) {
+      Schedule sc;
+      try {
+        sc = make_schedule(name, default_schedule_options(name, 2, 4, mode));
+      } catch (const ScheduleError&) {
+        continue;
+      }
+      MemoryModel truth;
+      truth.base = {1000.0, 2000.0};
+      truth.stages.resize(static_cast<std::size_t>(sc.num_stages));
+      truth.gradients.resize(static_cast<std::size_t>(sc.num_stages));
+      for (int s = 0; s < sc.num_stages; ++s) {
+        truth.stages[s][static_cast<int>(ActionType::kForward)] = {100.0 + s, 150.0 + s};
+        truth.stages[s][static_cast<int>(ActionType::kBackwardInput)] = {-40.0, 30.0 + s};
+        truth.stages[s][static_cast<int>(ActionType::kBackwardWeight)] = {-60.0 - s, 5.0};
+        truth.stages[s][static_cast<int>(ActionType::kBackward)] = {-100.0 - s, 20.0};
+        truth.gradients[s] = 64.0 * (s + 1);
+      }
+      std::vector<MemoryModel> agreed(2);
+      std::mutex mutex;
+      on_rank_threads(2, [&](int rank, Transport& t) {
+        std::vector<double> gradients(static_cast<std::size_t>(sc.num_stages), 0.0);
+        for (int s : sc.stages_of(rank)) gradients[s] = truth.gradients[s];
+        MemoryRecorder recorder(sc.num_stages, gradients);
+        Trace trace;
+        double level = truth.base[rank];
+        std::vector<bool> has_gradients(static_cast<std::size_t>(sc.num_stages), false);
+        for (const Action& a : sc.actions[rank]) {
+          if (!is_compute(a.type)) continue;
+          const ActionMemory& am = truth.stages[a.stage][static_cast<int>(a.type)];
+          const double k = a.type == ActionType::kBackwardWeight ? static_cast<double>(a.micro_batches.size()) : 1.0;
+          const bool weights = a.type == ActionType::kBackwardWeight || a.type == ActionType::kBackward;
+          double g = 0.0;
+          if (weights && !has_gradients[a.stage]) {
+            has_gradients[a.stage] = true;
+            g = truth.gradients[a.stage];
+          }
+          TraceEvent e;
+          e.rank = rank;
+          e.action = a;
+          e.memory_before = static_cast<int64_t>(level);
+          e.memory_peak = static_cast<int64_t>(level + g + k * am.rise);
+          level += g + k * am.added;
+          e.memory_after = static_cast<int64_t>(level);
+          trace.events.push_back(e);
+        }
+        recorder.add(trace);
+        MemoryModel all = agree_memory(t, recorder.local_medians(rank, 2), kTimeout);
+        std::lock_guard<std::mutex> lock(mutex);
+        agreed[static_cast<std::size_t>(rank)] = std::move(all);
+      });
+      const std::vector<double> peaks = simulate_peak_memory(sc, truth);
+      for (int r = 0; r < 2; ++r) {
+        const MemoryModel& got = agreed[static_cast<std::size_t>(r)];
+        const std::string what = name + (mode == BackwardMode::kSplit ? " 2bp" : " standard") + " on rank " +
+                                 std::to_string(r);
+        EXPECT_EQ(got.base, truth.base) << what;
+        EXPECT_EQ(got.gradients, truth.gradients) << what;
+        for (int s = 0; s < sc.num_stages; ++s) {
+          for (int t = 0; t < kNumActionTypes; ++t) {
+            const ActionType type = static_cast<ActionType>(t);
+            if (!is_compute(type)) continue;
+            const bool present = has_action(sc, s, type);
+            const ActionMemory want = present ? truth.stages[s][t] : ActionMemory{};
+            EXPECT_DOUBLE_EQ(got.stages[s][t].added, want.added) << what << " stage " << s << " " << to_string(type);
+            EXPECT_DOUBLE_EQ(got.stages[s][t].rise, want.rise) << what << " stage " << s << " " << to_string(type);
+          }
+        }
+        EXPECT_EQ(simulate_peak_memory(sc, got), peaks) << what;
+      }
+      ++checked;
+    }
+  }
+  EXPECT_GE(checked, static_cast<int>(builtin_schedule_names().size()));
+}
+
+TEST(MeasuredMemory, RefusesTracesWithoutMemoryAndWrongSizes) {
+  MemoryRecorder recorder(2, {0.0, 0.0});
+  Trace trace;
+  TraceEvent e;
+  e.action.type = ActionType::kForward;
+  e.action.micro_batches = {0};
+  trace.events = {e};  // memory_before = -1: the pipeline did not record memory
+  EXPECT_THROW(recorder.add(trace), UsageError);
+  EXPECT_THROW(MemoryRecorder(2, {0.0}), UsageError);
+  EXPECT_THROW(recorder.local_medians(2, 2), UsageError);
+}
+
+}  // namespace
+}  // namespace twobp

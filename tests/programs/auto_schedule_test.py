@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""llama_pipeline --schedule auto (twobp::AutoSchedule) as a user runs it, on threads and under mpirun.
+
+Each run must print its decisions and record them in --json; then the same job started with the schedule auto
+ended on (--schedule NAME, --2bp or --no-2bp) must give the same loss at every step, within 1e-6 relative: a
+switch changes the order of the work, not what is computed. Which schedule it picks depends on this machine's
+timings; any pick must keep the losses. Refused combinations say why.
+
+With --timing (the opt-in ctest programs_auto_schedule_timing, label timing): a 30-step auto run on threads, then
+every candidate it ranked run on its own for 30 steps, in 3 interleaved rounds (A B C ... A B C ...); the schedule
+auto ended on must measure within 5 % of the fastest candidate's tokens/s (each candidate's best round, the median
+over its steps after the first 5).
+
+Usage: auto_schedule_test.py LLAMA_PIPELINE WORK_DIR [MPIEXEC] [--timing]
+"""
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+STEPS, AUTO_STEPS = 12, 3
+# The tiny model at a size where the stages' costs are not all noise, fp32, 2 pipeline ranks.
+JOB = ["--steps", str(STEPS), "--microbatches", "4", "--micro-batch-size", "2", "--seq-len", "32"]
+MPI_FLAGS = ["--allow-run-as-root", "--oversubscribe", "--mca", "btl", "self,vader", "--mca",
+             "btl_vader_single_copy_mechanism", "none"]
+
+
+def run(cmd, ok=True, must_say=None):
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    out = p.stdout + p.stderr
+    if ok != (p.returncode == 0) or (must_say and must_say not in out):
+        sys.exit(f"FAILED (status {p.returncode}, expected {'0' if ok else 'non-zero'}"
+                 f"{', saying ' + repr(must_say) if must_say else ''}): {' '.join(cmd)}\n{out}")
+    return out
+
+
+def losses(path):
+    with open(path) as f:
+        return [s["loss"] for s in json.load(f)["steps"]]
+
+
+def check(launch, example, work, name):
+    auto_json = os.path.join(work, f"{name}_auto.json")
+    out = run(launch + [example, *JOB, "--schedule", "auto", "--auto-steps", str(AUTO_STEPS), "--json", auto_json])
+    with open(auto_json) as f:
+        doc = json.load(f)
+    decisions = doc["auto_schedule"]["decisions"]
+    assert decisions, f"{name}: no decision recorded"
+    assert decisions[0]["step"] == AUTO_STEPS - 1, f"{name}: first decision at step {decisions[0]['step']}"
+    for d in decisions:
+        assert d["decision"] in out, f"{name}: decision not printed: {d['decision']}"
+    final = doc["auto_schedule"]["final"]
+    again_json = os.path.join(work, f"{name}_{final['schedule']}.json")
+    run(launch + [example, *JOB, "--schedule", final["schedule"], "--2bp" if final["2bp"] else "--no-2bp",
+                  "--json", again_json])
+    a, b = losses(auto_json), losses(again_json)
+    assert len(a) == len(b) == STEPS, f"{name}: {len(a)} and {len(b)} steps"
+    worst = max(abs(x - y) / abs(y) for x, y in zip(a, b))
+    assert worst <= 1e-6, f"{name}: losses differ by {worst:.3g} relative from a run started with {final}:\n{a}\n{b}"
+    mode = "2BP" if final["2bp"] else "standard"
+    print(f"{name}: {len(decisions)} decision(s), ended on {final['schedule']} {mode}; losses of {STEPS} steps "
+          f"within {worst:.2g} relative of a run started with it")
+
+
+def tokens_per_s(path, skip=5):
+    with open(path) as f:
+        return statistics.median(s["tokens_per_s"] for s in json.load(f)["steps"][skip:])
+
+
+def timing(example, work, rounds=3, steps=30):
+    """The choice against every candidate it ranked, measured here."""
+    job = ["--steps", str(steps), *JOB[2:]]
+    auto_json = os.path.join(work, "timing_auto.json")
+    run([example, *job, "--schedule", "auto", "--json", auto_json])
+    with open(auto_json) as f:
+        auto = json.load(f)["auto_schedule"]
+    final = (auto["final"]["schedule"], auto["final"]["2bp"])
+    candidates = [(c["schedule"], c["2bp"]) for c in auto["ranking"]]
+    assert final in candidates, f"final {final} not among the ranked candidates {candidates}"
+    best = {c: 0.0 for c in candidates}
+    for r in range(rounds):
+        for name, two_bp in candidates:
+            out = os.path.join(work, f"timing_{name}_{int(two_bp)}_{r}.json")
+            run([example, *job, "--schedule", name, "--2bp" if two_bp else "--no-2bp", "--json", out])
+            best[(name, two_bp)] = max(best[(name, two_bp)], tokens_per_s(out))
+    fastest = max(best, key=best.get)
+    for c in candidates:
+        print(f"  {c[0]} {'2BP' if c[1] else 'standard'}: {best[c]:.0f} tokens/s"
+              f"{'  <- auto' if c == final else ''}{'  <- fastest' if c == fastest else ''}")
+    ratio = best[final] / best[fastest]
+    print(f"timing: auto ended on {final[0]} {'2BP' if final[1] else 'standard'}, {ratio:.3f} of the fastest "
+          f"({fastest[0]} {'2BP' if fastest[1] else 'standard'})")
+    assert ratio >= 0.95, f"the choice measured {ratio:.3f} of the fastest candidate"
+
+
+def main():
+    args = [a for a in sys.argv[1:] if a != "--timing"]
+    example, work = args[0], args[1]
+    mpiexec = args[2] if len(args) > 2 else None
+    os.makedirs(work, exist_ok=True)
+    if "--timing" in sys.argv:
+        timing(example, work)
+        return
+    check([], example, work, "threads")
+    if mpiexec:
+        check([mpiexec, "-n", "2", *MPI_FLAGS], example, work, "mpi")
+    # Refused before any step, saying why.
+    run([example, "--schedule", "auto", "--max-pending-w", "1"], ok=False, must_say="time only")
+    run([example, "--schedule", "auto", "--steps", "5", "--auto-steps", "3"], ok=False, must_say="--steps >= 6")
+
+
+if __name__ == "__main__":
+    main()
