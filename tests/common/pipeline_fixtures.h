@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include "common/test_models.h"
+#include "twobp/runtime/pipeline.h"
 
 namespace twobp::testing {
 
@@ -23,6 +24,16 @@ inline std::shared_ptr<torch::nn::Module> make_chunk(int s) {
 inline torch::Tensor run_chunk(torch::nn::Module& m, int s, const torch::Tensor& x) {
   if (s % 2 == 0) return static_cast<FastMlpImpl&>(m).forward(x);
   return static_cast<TorchMlpImpl&>(m).forward(x);
+}
+
+// The options of these pipelines: the mse loss, float64 activations of [kMicroBatchSize, kDim] at every boundary,
+// a 60 s timeout.
+inline PipelineOptions fixture_options() {
+  PipelineOptions o;
+  o.timeout = std::chrono::seconds(60);
+  o.loss = mse;
+  o.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim}, at::kDouble}; };
+  return o;
 }
 
 struct Reference {

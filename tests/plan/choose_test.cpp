@@ -87,14 +87,6 @@ TEST(RankSchedules, CostsOfAStandardRunRankOnlyStandardFormsAndNamesFilter) {
   EXPECT_THROW(rank_schedules(running, split_costs(3, 1.0, 1.0, 1.0)), UsageError);  // costs of other stages
 }
 
-PipelineOptions float64_options() {
-  PipelineOptions o;
-  o.timeout = std::chrono::seconds(60);
-  o.loss = mse;
-  o.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim}, at::kDouble}; };
-  return o;
-}
-
 // AutoSchedule on 2 rank threads: whatever the machine's timings make it choose, every rank prints the same
 // decisions at the same steps, the pipeline runs the announced schedule after each, and every step's gradients
 // (no optimizer: the weights stay) are the single-process ones.
@@ -117,7 +109,7 @@ TEST(AutoSchedule, DecidesAlikeOnEveryRankAndKeepsTheGradients) {
     chunks.push_back({r, modules[r], [raw, r](const at::Tensor& x) { return run_chunk(*raw, r, x); }});
     pipelines.push_back(std::make_unique<Pipeline>(start, std::move(chunks),
                                                    std::shared_ptr<Transport>(std::move(transports[r])),
-                                                   float64_options()));
+                                                   fixture_options()));
     ts.push_back(&pipelines[r]->transport());
   }
   std::vector<std::vector<std::pair<int, std::string>>> news(2);     // (step, line) per rank
@@ -184,11 +176,11 @@ TEST(AutoSchedule, RefusesBadOptionsAndMemoryBoundPipelines) {
     return std::make_unique<Pipeline>(sc, std::move(chunks), std::shared_ptr<Transport>(std::move(make_local_transports(1)[0])),
                                       o);
   };
-  auto plain = make(float64_options());
+  auto plain = make(fixture_options());
   AutoScheduleOptions one_probe;
   one_probe.probe_steps = 1;
   EXPECT_THROW(AutoSchedule(*plain, one_probe), UsageError);
-  PipelineOptions bounded = float64_options();
+  PipelineOptions bounded = fixture_options();
   bounded.max_pending_weight_micro_batches = 1;
   auto limited = make(bounded);
   try {

@@ -6,7 +6,8 @@ ended on (--schedule NAME, --2bp or --no-2bp) must give the same loss at every s
 switch changes the order of the work, not what is computed. Which schedule it picks depends on this machine's
 timings; any pick must keep the losses. Refused combinations say why.
 
-With --timing (the opt-in ctest programs_auto_schedule_timing, label timing): a 30-step auto run on threads, then
+With --timing (the opt-in ctest programs_auto_schedule_timing, label timing): a 30-step auto run on threads (4 x 4
+sequences of 256 tokens per step), then
 every candidate it ranked run on its own for 30 steps, in 3 interleaved rounds (A B C ... A B C ...); the schedule
 auto ended on must measure within 5 % of the fastest candidate's tokens/s (each candidate's best round, the median
 over its steps after the first 5).
@@ -69,8 +70,8 @@ def tokens_per_s(path, skip=5):
 
 
 def timing(example, work, rounds=3, steps=30):
-    """The choice against every candidate it ranked, measured here."""
-    job = ["--steps", str(steps), *JOB[2:]]
+    """The choice against every candidate it ranked, measured here (steps of ~0.1 s: less noise than JOB's)."""
+    job = ["--steps", str(steps), "--microbatches", "4", "--micro-batch-size", "4", "--seq-len", "256"]
     auto_json = os.path.join(work, "timing_auto.json")
     run([example, *job, "--schedule", "auto", "--json", auto_json])
     with open(auto_json) as f:

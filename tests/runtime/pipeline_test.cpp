@@ -66,14 +66,6 @@ std::vector<RankRun> run_pipeline(const Schedule& schedule, const torch::Tensor&
   return runs;
 }
 
-PipelineOptions default_options() {
-  PipelineOptions o;
-  o.timeout = std::chrono::seconds(60);
-  o.loss = mse;
-  o.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim}, at::kDouble}; };
-  return o;
-}
-
 struct ParityCase {
   std::string schedule;
   BackwardMode mode;
@@ -104,7 +96,7 @@ TEST_P(PipelineParity, LossesAndGradientsMatchSingleProcess) {
   Reference ref = run_reference(schedule.num_stages, c.m, inputs, targets);
   LocalOptions transport_options;
   transport_options.pairing = c.pairing;
-  PipelineOptions options = default_options();
+  PipelineOptions options = fixture_options();
   options.max_pending_weight_micro_batches = c.max_pending_weight;
   std::atomic<int> overlap_calls{0};
   if (c.overlap) options.overlap_forward_backward = concurrent_overlap(overlap_calls);
@@ -216,7 +208,7 @@ class PipelineFailures : public ::testing::Test {
 };
 
 TEST_F(PipelineFailures, ActivationOfUnexpectedShapeNamesBothStages) {
-  auto options = default_options();
+  auto options = fixture_options();
   options.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim + 1}, at::kDouble}; };
   const auto t0 = std::chrono::steady_clock::now();
   auto runs = run_pipeline(schedule_, inputs_, targets_, options);
@@ -242,7 +234,7 @@ TEST_F(PipelineFailures, OverlapHookThatSkipsAPartIsRefused) {
   const Schedule schedule = make_schedule("dualpipev", ScheduleOptions{2, 4, 2, BackwardMode::kStandard});
   ASSERT_GT(overlapped_pairs(schedule), 0);
   auto inputs = torch::randn({4 * kMicroBatchSize, kDim}), targets = torch::randn({4 * kMicroBatchSize, kDim});
-  auto options = default_options();
+  auto options = fixture_options();
   options.overlap_forward_backward = [](const Action&, const Action&, const std::function<void()>& run_forward,
                                         const std::function<void()>&) { run_forward(); };
   auto runs = run_pipeline(schedule, inputs, targets, options);
@@ -258,7 +250,7 @@ TEST_F(PipelineFailures, OverlapHookThatSkipsAPartIsRefused) {
 // Overlapped parts share one time span: their memory cannot be recorded or bounded per action.
 TEST_F(PipelineFailures, OverlapHookWithMemoryRecordingIsRefusedAtConstruction) {
   const Schedule schedule = make_schedule("dualpipev", ScheduleOptions{2, 4, 2, BackwardMode::kStandard});
-  auto options = default_options();
+  auto options = fixture_options();
   options.record_memory = true;
   options.overlap_forward_backward = [](const Action&, const Action&, const std::function<void()>& f,
                                         const std::function<void()>& b) {
@@ -275,7 +267,7 @@ TEST_F(PipelineFailures, OverlapHookWithMemoryRecordingIsRefusedAtConstruction) 
 }
 
 TEST_F(PipelineFailures, RankThatThrowsMakesPeersFailNamingIt) {
-  auto options = default_options();
+  auto options = fixture_options();
   // Rank 1 fails before its step; rank 0 is then waiting for gradients that will never come.
   auto runs = run_pipeline(schedule_, inputs_, targets_, options, 1, [](int rank, Pipeline& p) {
     if (rank == 1) {
@@ -289,7 +281,7 @@ TEST_F(PipelineFailures, RankThatThrowsMakesPeersFailNamingIt) {
 }
 
 TEST_F(PipelineFailures, PeerThatNeverSendsTimesOut) {
-  auto options = default_options();
+  auto options = fixture_options();
   options.timeout = std::chrono::milliseconds(300);
   std::atomic<bool> release{false};
   // Rank 1 does not take part in the step at all (it sleeps past rank 0's timeout).
@@ -308,7 +300,7 @@ TEST_F(PipelineFailures, PeerThatNeverSendsTimesOut) {
 }
 
 TEST_F(PipelineFailures, BatchThatDoesNotSplitIntoMicroBatches) {
-  auto runs = run_pipeline(schedule_, torch::randn({3, kDim}, torch::kDouble), targets_, default_options());
+  auto runs = run_pipeline(schedule_, torch::randn({3, kDim}, torch::kDouble), targets_, fixture_options());
   ASSERT_TRUE(runs[0].error);
   EXPECT_NE(error_message(runs[0].error).find("cannot be split into 2 micro-batches"), std::string::npos)
       << error_message(runs[0].error);
@@ -322,7 +314,7 @@ TEST(PipelineSetup, ScheduleTheTransportCannotPairIsRefusedBeforeStepOne) {
   torch::manual_seed(5);
   auto inputs = torch::randn({2 * kMicroBatchSize, kDim}), targets = torch::randn({2 * kMicroBatchSize, kDim});
   Reference ref = run_reference(schedule.num_stages, 2, inputs, targets);
-  auto runs = run_pipeline(schedule, inputs, targets, default_options());
+  auto runs = run_pipeline(schedule, inputs, targets, fixture_options());
   for (const auto& run : runs) {
     if (run.error) std::rethrow_exception(run.error);
   }
@@ -337,7 +329,7 @@ TEST(PipelineSetup, ScheduleTheTransportCannotPairIsRefusedBeforeStepOne) {
     chunks.push_back({s, module, [raw = module.get(), s](const at::Tensor& x) { return run_chunk(*raw, s, x); }});
   }
   try {
-    Pipeline(schedule, std::move(chunks), std::move(transports[1]), default_options());
+    Pipeline(schedule, std::move(chunks), std::move(transports[1]), fixture_options());
     ADD_FAILURE() << "expected ScheduleError";
   } catch (const ScheduleError& e) {
     EXPECT_NE(std::string(e.what()).find("in-order pairing: on channel 0 (activations) from rank 0 to rank 1"),
@@ -354,7 +346,7 @@ TEST(PipelineSetup, MemoryInBytesWithoutTheCpuCounterIsRefused) {
     auto transports = make_local_transports(2);
     auto module = FastMlp(kDim);
     std::vector<PipelineChunk> chunks{{0, module.ptr(), [raw = module.ptr()](const at::Tensor& x) { return raw->forward(x); }}};
-    PipelineOptions options = default_options();
+    PipelineOptions options = fixture_options();
     if (limit) {
       options.memory_limit_bytes = 1 << 20;
     } else {
@@ -375,7 +367,7 @@ TEST(PipelineSetup, ChunkOnTheWrongRankIsRejected) {
   auto transports = make_local_transports(2);
   auto module = FastMlp(kDim);
   std::vector<PipelineChunk> chunks{{1, module.ptr(), [raw = module.ptr()](const at::Tensor& x) { return raw->forward(x); }}};
-  EXPECT_THROW(Pipeline(schedule, std::move(chunks), std::move(transports[0]), default_options()), UsageError);
+  EXPECT_THROW(Pipeline(schedule, std::move(chunks), std::move(transports[0]), fixture_options()), UsageError);
 }
 
 }  // namespace
@@ -393,8 +385,8 @@ TEST_F(PipelineNumerics, SameSeedSameScheduleGivesBitwiseIdenticalLosses) {
   auto schedule = make_schedule("zb-h1", ScheduleOptions{4, 8, 1, BackwardMode::kSplit});
   torch::manual_seed(3);
   auto inputs = torch::randn({8 * kMicroBatchSize, kDim}), targets = torch::randn({8 * kMicroBatchSize, kDim});
-  auto a = run_pipeline(schedule, inputs, targets, default_options());
-  auto b = run_pipeline(schedule, inputs, targets, default_options());
+  auto a = run_pipeline(schedule, inputs, targets, fixture_options());
+  auto b = run_pipeline(schedule, inputs, targets, fixture_options());
   const int last = schedule.stage_to_rank.back();
   ASSERT_FALSE(a[last].error || b[last].error);
   ASSERT_EQ(a[last].result.losses.size(), 8u);
@@ -416,7 +408,7 @@ std::vector<std::unique_ptr<Pipeline>> make_two_rank_pipelines(const Schedule& s
     std::vector<PipelineChunk> chunks{{r, module, [raw, r](const at::Tensor& x) { return run_chunk(*raw, r, x); }}};
     pipelines.push_back(std::make_unique<Pipeline>(schedule, std::move(chunks),
                                                    std::shared_ptr<Transport>(std::move(transports[r])),
-                                                   default_options()));
+                                                   fixture_options()));
   }
   return pipelines;
 }

@@ -24,14 +24,6 @@
 namespace twobp::testing {
 namespace {
 
-PipelineOptions options_for_test() {
-  PipelineOptions o;
-  o.timeout = std::chrono::seconds(60);
-  o.loss = mse;
-  o.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim}, at::kDouble}; };
-  return o;
-}
-
 // Every rank's pipeline of `schedule` over Local transports, the chunks built on this thread (the global generator
 // is not thread-safe) as run_reference builds them; `chunks[s]` is stage s's module.
 struct Job {
@@ -56,7 +48,7 @@ Job make_job(const Schedule& schedule, Pairing pairing = Pairing::kByTag, bool r
     }
     job.pipelines.push_back(std::make_unique<Pipeline>(schedule, std::move(chunks),
                                                        std::shared_ptr<Transport>(std::move(transports[r])),
-                                                       options_for_test()));
+                                                       fixture_options()));
     job.transports.push_back(&job.pipelines.back()->transport());
   }
   return job;
