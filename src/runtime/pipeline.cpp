@@ -228,6 +228,12 @@ void Pipeline::switch_schedule(Schedule next) {
   }
 }
 
+void Pipeline::check_runnable() const {
+  TWOBP_CHECK(impl_->executor != nullptr, UsageError,
+              "rank {}: a failed switch_schedule() to '{}' left this pipeline without an executor (its transports "
+              "were aborted); build a new Pipeline",
+              rank(), schedule_.name);
+}
 
 Pipeline::Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, Transport& transport, PipelineOptions options)
     : Pipeline(std::move(schedule), std::move(chunks), std::shared_ptr<Transport>(&transport, [](Transport*) {}),
@@ -418,6 +424,7 @@ void Pipeline::start_once() {
 StepResult Pipeline::run_step(const std::function<StepResult()>& run) {
   const auto t0 = std::chrono::steady_clock::now();
   StepResult result;
+  check_runnable();
   try {
     start_once();
     if (impl_->reducer) impl_->reducer->begin_step();
@@ -485,6 +492,7 @@ double Pipeline::evaluate(const std::vector<NamedTensors>& inputs, const std::ve
 }
 
 double Pipeline::run_evaluation(const std::function<StepResult(Executor&)>& run) {
+  check_runnable();
   try {
     if (!impl_->evaluator) {
       // The training executor's settings without what only training needs: memory bounds act on deferred W's,
@@ -526,6 +534,7 @@ double Pipeline::run_evaluation(const std::function<StepResult(Executor&)>& run)
 }
 
 void Pipeline::add_hook(Executor::Hook hook) {
+  check_runnable();
   impl_->hooks.push_back(hook);
   impl_->executor->add_hook(std::move(hook));
 }

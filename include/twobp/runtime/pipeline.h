@@ -219,6 +219,8 @@ class Pipeline {
   Schedule prepared(Schedule schedule) const;
   /// The executor (and data-parallel reducer) of schedule_, with the hooks of add_hook().
   void build_executor();
+  /// UsageError when a failed switch_schedule() left no executor.
+  void check_runnable() const;
   Schedule schedule_;
   std::shared_ptr<Transport> transport_;
   PipelineOptions options_;
