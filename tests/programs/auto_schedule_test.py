@@ -17,23 +17,15 @@ Usage: auto_schedule_test.py LLAMA_PIPELINE WORK_DIR [MPIEXEC] [--timing]
 import json
 import os
 import statistics
-import subprocess
 import sys
+
+from program_runs import run
 
 STEPS, AUTO_STEPS = 12, 3
 # The tiny model at a size where the stages' costs are not all noise, fp32, 2 pipeline ranks.
 JOB = ["--steps", str(STEPS), "--microbatches", "4", "--micro-batch-size", "2", "--seq-len", "32"]
 MPI_FLAGS = ["--allow-run-as-root", "--oversubscribe", "--mca", "btl", "self,vader", "--mca",
              "btl_vader_single_copy_mechanism", "none"]
-
-
-def run(cmd, ok=True, must_say=None):
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    out = p.stdout + p.stderr
-    if ok != (p.returncode == 0) or (must_say and must_say not in out):
-        sys.exit(f"FAILED (status {p.returncode}, expected {'0' if ok else 'non-zero'}"
-                 f"{', saying ' + repr(must_say) if must_say else ''}): {' '.join(cmd)}\n{out}")
-    return out
 
 
 def losses(path):

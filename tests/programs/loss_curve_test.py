@@ -6,19 +6,12 @@ Usage: loss_curve_test.py LLAMA_PIPELINE WORK_DIR
 """
 import os
 import re
-import subprocess
 import sys
+
+from program_runs import run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "..", "..", "scripts", "loss_curve.py")
-
-
-def run(args, ok=True, must_say=None):
-    p = subprocess.run(args, capture_output=True, text=True, timeout=300)
-    out = p.stdout + p.stderr
-    if ok != (p.returncode == 0) or (must_say and must_say not in out):
-        sys.exit(f"FAILED (status {p.returncode}, expected {'0' if ok else 'non-zero'}"
-                 f"{', saying ' + repr(must_say) if must_say else ''}): {' '.join(args)}\n{out}")
 
 
 def main():
