@@ -20,36 +20,26 @@ const char* mode_label(BackwardMode mode) { return mode == BackwardMode::kSplit 
 
 std::string describe(const Schedule& s) { return fmt::format("{} {}", s.name, mode_label(s.backward)); }
 
-// The simulator's costs of a `mode` form of the measured placement, or nullopt when the measurement cannot tell
-// them (2BP forms need I and W; a fused B is the measured one where the run had it, else I + W).
+bool all_positive(const std::vector<double>& v) {
+  return !v.empty() && std::all_of(v.begin(), v.end(), [](double x) { return x > 0.0; });
+}
+
+// The simulator's costs of a `mode` form of the measured placement (MeasuredCosts::cost_model), or nullopt when
+// the measurement cannot tell them: 2BP forms need I and W on every stage; a standard form's fused B is the
+// measured one where the run had it, else I + W (throws UsageError, as cost_model, on lists of other sizes).
 std::optional<CostModel> candidate_costs(const MeasuredCosts& m, BackwardMode mode) {
-  const std::size_t S = m.forward.size();
-  if (S == 0 || m.backward_input.size() != S || m.backward_weight.size() != S || m.backward.size() != S) {
-    throw UsageError(fmt::format("rank_schedules: measured costs of {} stages with per-stage lists of sizes I {}, "
-                                 "W {}, B {} (use CostRecorder / agree_costs / parse_measured_costs)",
-                                 S, m.backward_input.size(), m.backward_weight.size(), m.backward.size()));
-  }
-  CostModel c;
-  c.forward = m.forward;
-  c.communication = m.communication;
-  if (std::any_of(m.recompute.begin(), m.recompute.end(), [](double x) { return x > 0.0; })) c.recompute = m.recompute;
-  c.backward.resize(S);
-  bool split_known = true, fused_known = true;
-  for (std::size_t s = 0; s < S; ++s) {
-    c.backward[s] = m.backward[s] > 0.0 ? m.backward[s] : m.backward_input[s] + m.backward_weight[s];
-    split_known = split_known && m.backward_input[s] > 0.0;
-    fused_known = fused_known && c.backward[s] > 0.0;
-  }
   if (mode == BackwardMode::kSplit) {
-    if (!split_known) return std::nullopt;
-    c.backward_input = m.backward_input;
-    c.backward_weight = m.backward_weight;
-  } else {
-    if (!fused_known) return std::nullopt;
-    c.backward_input.assign(S, 0.0);
-    c.backward_weight.assign(S, 0.0);
+    if (!all_positive(m.backward_input)) return std::nullopt;
+    return m.cost_model(BackwardMode::kSplit);
   }
-  return c;
+  MeasuredCosts fused = m;
+  if (fused.backward.size() == fused.backward_input.size() && fused.backward.size() == fused.backward_weight.size()) {
+    for (std::size_t s = 0; s < fused.backward.size(); ++s) {
+      if (fused.backward[s] <= 0.0) fused.backward[s] = fused.backward_input[s] + fused.backward_weight[s];
+    }
+  }
+  if (!all_positive(fused.backward)) return std::nullopt;
+  return fused.cost_model(BackwardMode::kStandard);
 }
 
 }  // namespace
@@ -60,11 +50,13 @@ std::vector<ScheduleCandidate> rank_schedules(const Schedule& running, const Mea
   TWOBP_CHECK(running.num_ranks > 0 && running.num_stages == costs.num_stages(), UsageError,
               "rank_schedules: the costs are of {} stages, schedule '{}' has {}", costs.num_stages(), running.name,
               running.num_stages);
+  std::vector<std::pair<BackwardMode, CostModel>> models;  // the modes the costs can tell, once each
+  for (BackwardMode mode : modes) {
+    if (std::optional<CostModel> model = candidate_costs(costs, mode)) models.emplace_back(mode, std::move(*model));
+  }
   std::vector<ScheduleCandidate> out;
   for (const std::string& name : names.empty() ? schedule_names() : names) {
-    for (BackwardMode mode : modes) {
-      const std::optional<CostModel> model = candidate_costs(costs, mode);
-      if (!model) continue;
+    for (const auto& [mode, model] : models) {
       ScheduleCandidate c{name, mode, {}, 0.0};
       try {
         c.schedule = make_schedule(
@@ -77,7 +69,7 @@ std::vector<ScheduleCandidate> rank_schedules(const Schedule& running, const Mea
           c.schedule.num_micro_batches != running.num_micro_batches) {
         continue;
       }
-      c.predicted_ms = simulate(c.schedule, *model).step_time;
+      c.predicted_ms = simulate(c.schedule, model).step_time;
       out.push_back(std::move(c));
     }
   }

@@ -34,6 +34,16 @@ bool any_positive(const std::vector<double>& v) {
   return std::any_of(v.begin(), v.end(), [](double x) { return x > 0.0; });
 }
 
+// Every per-stage list has one entry per stage (recompute may be empty); `who` names the caller.
+void check_sizes(const MeasuredCosts& c, const std::string& who) {
+  const std::size_t S = c.forward.size();
+  TWOBP_CHECK(c.backward_input.size() == S && c.backward_weight.size() == S && c.backward.size() == S &&
+                  (c.recompute.empty() || c.recompute.size() == S),
+              UsageError,
+              "{}: per-stage sizes differ (F {}, I {}, W {}, B {}, R {}); every list needs one entry per stage", who,
+              S, c.backward_input.size(), c.backward_weight.size(), c.backward.size(), c.recompute.size());
+}
+
 void check_stage(int stage, int num_stages, const TraceEvent& e, const char* who) {
   TWOBP_CHECK(stage >= 0 && stage < num_stages, UsageError,
               "{}: rank {} traced a {} of stage {}, but the recorder was made for {} stages (pass the schedule's "
@@ -46,12 +56,7 @@ void check_stage(int stage, int num_stages, const TraceEvent& e, const char* who
 CostModel MeasuredCosts::cost_model(BackwardMode mode) const {
   const std::size_t S = forward.size();
   TWOBP_CHECK(S > 0, UsageError, "MeasuredCosts::cost_model: no stages (measure a run first)");
-  TWOBP_CHECK(backward_input.size() == S && backward_weight.size() == S && backward.size() == S &&
-                  (recompute.empty() || recompute.size() == S),
-              UsageError,
-              "MeasuredCosts::cost_model: per-stage sizes differ (F {}, I {}, W {}, B {}, R {}); every list needs one "
-              "entry per stage",
-              S, backward_input.size(), backward_weight.size(), backward.size(), recompute.size());
+  check_sizes(*this, "MeasuredCosts::cost_model");
   CostModel costs;
   costs.forward = forward;
   costs.communication = communication;
@@ -62,9 +67,14 @@ CostModel MeasuredCosts::cost_model(BackwardMode mode) const {
                 "measure a 2BP run, or simulate BackwardMode::kStandard");
     costs.backward_input = backward_input;
     costs.backward_weight = backward_weight;
-    // A 2BP schedule may fuse some backwards (DualPipeV's last ones): the simulator takes their measured cost,
-    // not I + W, when the run had any.
-    if (any_positive(backward)) costs.backward = backward;
+    // A 2BP schedule may fuse some backwards (DualPipeV's last ones): when the run had any, the simulator takes
+    // their measured cost, and I + W on the stages that had none.
+    if (any_positive(backward)) {
+      costs.backward = backward;
+      for (std::size_t s = 0; s < S; ++s) {
+        if (costs.backward[s] <= 0.0) costs.backward[s] = backward_input[s] + backward_weight[s];
+      }
+    }
   } else {
     TWOBP_CHECK(any_positive(backward), UsageError,
                 "MeasuredCosts::cost_model: standard backprop needs B costs, and these are all 0 (costs of a 2BP "
@@ -119,11 +129,7 @@ MeasuredCosts CostRecorder::local_medians() const {
 
 MeasuredCosts agree_costs(Transport& transport, const MeasuredCosts& mine, Duration timeout, Transport* replicas) {
   const std::size_t S = mine.forward.size();
-  TWOBP_CHECK(mine.backward_input.size() == S && mine.backward_weight.size() == S && mine.backward.size() == S &&
-                  (mine.recompute.empty() || mine.recompute.size() == S),
-              UsageError, "agree_costs: rank {}: per-stage sizes differ (F {}, I {}, W {}, B {}, R {})",
-              transport.rank(), S, mine.backward_input.size(), mine.backward_weight.size(), mine.backward.size(),
-              mine.recompute.size());
+  check_sizes(mine, fmt::format("agree_costs: rank {}", transport.rank()));
   // Slots: 5 per stage (F, I, W, B, R), then "has recomputation", then communication as a max through a sum of
   // one-hot slots (one per rank).
   const std::size_t p = static_cast<std::size_t>(transport.world_size());
