@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The planner's measured cost model (benchmarks/twobp_bench/plan.cpp, "costs").
+"""The planner's measured cost model through its command line (twobp/plan/llama.h behind `twobp_bench plan`).
 
 usage: check_plan_fit.py TWOBP_BENCH WORK_DIR
 

@@ -1,0 +1,136 @@
+#pragma once
+// Planning a LLaMa-like stack (twobp/models/llama.h): what each action costs on each chunk of a partition --
+// estimated from FLOPs, or fitted to a run's measured costs (twobp/plan/measure.h) -- and every dp × pp layout,
+// schedule, mode and recomputation ranked by the simulator's throughput among those that fit in memory. The "plan"
+// third of measure → plan → run for this model family; `twobp_bench plan` is a command line over it.
+//
+//   LlamaCosts costs = fit_llama_costs(measured_model, seq, runs).carried(measured_model, seq, 1, model, seq, 1);
+//   LayoutPlanOptions o;  o.ranks = 8;  o.global_batch = 64;  o.seq = seq;  o.memory_limit_bytes = 80.0 * (1 << 30);
+//   LayoutPlan plan = plan_llama_layouts(model, costs, o);      // plan.candidates.front(): the best that fits
+//
+// Units: milliseconds, bytes.
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "twobp/models/llama.h"
+#include "twobp/plan/measure.h"
+#include "twobp/schedule/schedule.h"
+#include "twobp/schedule/simulate.h"
+
+namespace twobp {
+
+/// One action type's cost (ms) on a chunk, affine in what the chunk holds:
+///   per_action + per_block · blocks + embedding · [holds the embedding] + head · [holds the final norm + head]
+struct ChunkCost {
+  double per_action = 0, per_block = 0, embedding = 0, head = 0;
+
+  double of(const models::ChunkSpec& chunk) const;
+  ChunkCost scaled(double k) const;
+  ChunkCost operator+(const ChunkCost& other) const;
+  /// "a + b/block + e embedding + h head" (3 significant digits).
+  std::string str() const;
+};
+
+/// F, I, W and B per chunk of one model at one sequence length and micro-batch size, and how they were obtained.
+struct LlamaCosts {
+  enum class Kind {
+    kEstimated,   ///< from FLOPs and a device's rate (estimate_llama_costs)
+    kFitted,      ///< all four terms of each action type fitted to measured chunks (fit_llama_costs)
+    kFlopShares,  ///< measured, with one chunk shape only: F at its FLOP shares, I, W, B at their ratios to F
+  };
+  Kind kind = Kind::kEstimated;
+  ChunkCost forward, backward_input, backward_weight, backward;
+  std::string how;                    ///< one line for people: the terms, or the rate and ratios
+  std::vector<std::string> warnings;  ///< e.g. a fitted term that came out negative (noise)
+
+  /// The same costs on model `to` at `to_seq` tokens and `to_micro_batch_size` sequences per micro-batch:
+  /// block and head terms scaled by their FLOPs (models::block_forward_flops, head_forward_flops), the embedding
+  /// by its output elements (sequences · tokens · dim), the per-action term unchanged.
+  LlamaCosts carried(const models::LlamaConfig& from, int64_t from_seq, int64_t from_micro_batch_size,
+                     const models::LlamaConfig& to, int64_t to_seq, int64_t to_micro_batch_size) const;
+
+  /// The simulator's costs of `partition`'s chunks as stages in `mode`: F; I and W (kSplit; 0 in kStandard);
+  /// B (the fused backward: every B of a standard form, the fused ones of a 2BP form); R = F when `recompute`;
+  /// `communication_ms` per message. A chunk's cost is clamped at 1e-9 ms: a fitted term may be negative and no
+  /// action is free.
+  CostModel cost_model(const models::Partition& partition, BackwardMode mode, bool recompute,
+                       double communication_ms) const;
+};
+
+/// "estimated", "fitted" or "flop_shares" (the names in `twobp_bench plan --json`).
+const char* llama_costs_kind_name(LlamaCosts::Kind kind);
+
+/// Costs from FLOPs: F per block = block_forward_flops · micro_batch_size / `tflops` (TFLOP/s sustained), the
+/// head at its FLOP share of a block (head_cost_in_blocks), no per-action or embedding term; I = W = F, B = 2F.
+/// Throws UsageError unless tflops > 0 and the sizes are positive.
+LlamaCosts estimate_llama_costs(const models::LlamaConfig& config, int64_t seq, int64_t micro_batch_size,
+                                double tflops);
+
+/// One measured run of the model cut by `partition` (a stage per chunk): its costs (MeasuredCosts, e.g. read with
+/// parse_measured_costs) and the mode it ran in (F from either; I and W from kSplit; B from kStandard).
+struct MeasuredLlamaRun {
+  models::Partition partition;
+  BackwardMode mode = BackwardMode::kSplit;
+  MeasuredCosts costs;
+};
+
+/// Fits each action type's ChunkCost to the runs' chunks by least squares. All four terms need chunks of enough
+/// shapes (full column rank of the rows (1, blocks, embedding?, head?): e.g. the chunks of one v = 1 and one v = 2
+/// pipeline); B falls back to I + W when no standard run determines it. With too few shapes (a single v = 1
+/// pipeline cannot tell the head from the per-action cost) the result is Kind::kFlopShares: F per block = Σ F /
+/// Σ partition cost (blocks + head share), the head at its share, and I, W, B at their summed ratios to F
+/// (B = I + W without a standard run). A negative fitted term adds a warning. Throws UsageError when the runs hold
+/// no 2BP run (I and W) or no forward cost, or a run's cost lists are shorter than its partition.
+LlamaCosts fit_llama_costs(const models::LlamaConfig& config, int64_t seq, const std::vector<MeasuredLlamaRun>& runs);
+
+/// What plan_llama_layouts considers.
+struct LayoutPlanOptions {
+  int ranks = 1;                 ///< GPUs: dp · pp
+  int64_t seq = 0;               ///< tokens per sequence (> 0)
+  int64_t micro_batch_size = 1;  ///< sequences per micro-batch
+  int64_t global_batch = 0;      ///< sequences per step: m = global_batch / (dp · micro_batch_size) per replica
+  int max_dp = 0;                ///< data-parallel degrees up to this (0: up to ranks)
+  std::vector<std::string> schedules;  ///< registered names (empty: all)
+  std::vector<BackwardMode> modes{BackwardMode::kStandard, BackwardMode::kSplit};
+  std::vector<bool> recompute{false, true};
+  models::TrainingPrecision precision = models::training_precision("bf16-mixed");
+  double memory_limit_bytes = 0;  ///< per device; 0: every candidate fits
+  double communication_ms = 0;    ///< one activation message between neighbouring stages
+  double link_bytes_per_s = 0;    ///< data-parallel all-reduce bandwidth per rank (needed when some dp > 1)
+  double link_latency_s = 0;      ///< per ring step
+};
+
+/// One layout, schedule, mode and recomputation with its prediction.
+struct LayoutCandidate {
+  std::string schedule;
+  BackwardMode mode = BackwardMode::kSplit;
+  int dp = 1, pp = 1, v = 1, m = 1;
+  bool recompute = false;
+  double step_ms = 0;        ///< simulate(schedule, costs).step_time, dp all-reduces overlapped
+  double tokens_per_s = 0;   ///< global_batch · seq per step
+  double bubble = 0;         ///< the simulator's bubble fraction
+  std::vector<double> memory_per_rank;  ///< models::estimate_memory totals (bytes)
+  double peak_memory = 0;
+  bool fits = true;
+};
+
+struct LayoutPlan {
+  /// Fitting candidates first, each group by predicted tokens/s (ties: less peak memory).
+  std::vector<LayoutCandidate> candidates;
+  /// Shapes left out: a schedule or the partition rejected them, or several chunks on a one-rank pipeline
+  /// (pp = 1 with v > 1 cuts the same work into more actions).
+  int skipped = 0;
+};
+
+/// Every dp dividing `ranks` (≤ max_dp) with dp · micro_batch_size dividing global_batch, pp = ranks / dp, every
+/// schedule (its default v for pp and m), mode and recomputation: each rank's stages cut by models::make_partition,
+/// costs from `costs.cost_model` plus each stage's gradient all-reduce over dp ranks
+/// (metrics::ring_all_reduce_seconds of its parameters · precision.gradient_bytes), the step from simulate(), the
+/// memory from models::estimate_memory. Throws UsageError on bad options or when no candidate remains (naming why).
+LayoutPlan plan_llama_layouts(const models::LlamaConfig& config, const LlamaCosts& costs,
+                              const LayoutPlanOptions& options);
+
+}  // namespace twobp

@@ -1,0 +1,296 @@
+#include "twobp/plan/llama.h"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <array>
+#include <numeric>
+#include <utility>
+
+#include "twobp/error.h"
+#include "twobp/metrics/metrics.h"
+#include "twobp/schedule/registry.h"
+#include "util/check.h"
+
+namespace twobp {
+
+namespace llm = models;
+
+namespace {
+
+// One action type's measured costs: a row (1, blocks, embedding?, head?) and a cost (ms) per chunk.
+struct Samples {
+  std::vector<std::array<double, 4>> rows;
+  std::vector<double> ms;
+
+  void add(const llm::ChunkSpec& c, double cost) {
+    rows.push_back({1.0, static_cast<double>(c.num_layers()), c.has_embedding ? 1.0 : 0.0, c.has_head ? 1.0 : 0.0});
+    ms.push_back(cost);
+  }
+  double total() const { return std::accumulate(ms.begin(), ms.end(), 0.0); }
+
+  // Least squares of the four terms (at::linalg_lstsq, gelsd) when the chunk shapes determine all four (full
+  // column rank); nullopt otherwise.
+  std::optional<ChunkCost> fit() const {
+    if (rows.size() < 4) return std::nullopt;
+    std::vector<double> flat;
+    for (const auto& r : rows) flat.insert(flat.end(), r.begin(), r.end());
+    const at::Tensor a = at::tensor(flat, at::kDouble).view({static_cast<int64_t>(rows.size()), 4});
+    if (at::linalg_matrix_rank(a).item<int64_t>() < 4) return std::nullopt;
+    const at::Tensor b = at::tensor(ms, at::kDouble).view({-1, 1});
+    const at::Tensor x = std::get<0>(at::linalg_lstsq(a, b, std::nullopt, "gelsd")).flatten();
+    return ChunkCost{x[0].item<double>(), x[1].item<double>(), x[2].item<double>(), x[3].item<double>()};
+  }
+};
+
+// The FLOP-share model of one action type: `block_ms` per block, the head at its FLOP share of a block, no
+// per-action or embedding term.
+ChunkCost flop_shares(const llm::LlamaConfig& c, int64_t seq, double block_ms) {
+  return {0.0, block_ms, 0.0, llm::head_cost_in_blocks(c, seq) * block_ms};
+}
+
+ChunkCost carried_cost(const ChunkCost& k, const llm::LlamaConfig& from, int64_t from_seq, int64_t from_mbs,
+                       const llm::LlamaConfig& to, int64_t to_seq, int64_t to_mbs) {
+  const double batch = static_cast<double>(to_mbs) / static_cast<double>(from_mbs);
+  return {k.per_action,
+          k.per_block * batch * llm::block_forward_flops(to, to_seq) / llm::block_forward_flops(from, from_seq),
+          k.embedding * batch * static_cast<double>(to_seq * to.dim) / static_cast<double>(from_seq * from.dim),
+          k.head * batch * llm::head_forward_flops(to, to_seq) / llm::head_forward_flops(from, from_seq)};
+}
+
+// A warning per negative term of a fitted cost.
+void warn_negative(const char* name, const ChunkCost& k, std::vector<std::string>& warnings) {
+  const std::pair<const char*, double> terms[] = {
+      {"per action", k.per_action}, {"per block", k.per_block}, {"embedding", k.embedding}, {"head", k.head}};
+  for (const auto& [term, value] : terms) {
+    if (value < 0) {
+      warnings.push_back(fmt::format("fitted {} cost {} is negative ({:.4g} ms): the measured costs are noisy; "
+                                     "measure more steps (--steps) or on an idle machine",
+                                     name, term, value));
+    }
+  }
+}
+
+// One candidate of plan_llama_layouts: `schedule` on `partition` with dp replicas.
+LayoutCandidate predict(const llm::LlamaConfig& config, const LlamaCosts& costs, const LayoutPlanOptions& o,
+                        const Schedule& schedule, const llm::Partition& partition, int dp, bool recompute) {
+  CostModel model = costs.cost_model(partition, schedule.backward, recompute, o.communication_ms);
+  if (dp > 1) {
+    for (const llm::ChunkSpec& chunk : partition.chunks) {
+      const double bytes =
+          static_cast<double>(llm::chunk_parameter_count(config, chunk) * o.precision.gradient_bytes);
+      model.data_parallel_reduce.push_back(
+          1e3 * metrics::ring_all_reduce_seconds(bytes, dp, o.link_bytes_per_s, o.link_latency_s));
+    }
+  }
+  const SimulationResult sim = simulate(schedule, model);
+  LayoutCandidate k;
+  k.schedule = schedule.name;
+  k.mode = schedule.backward;
+  k.dp = dp;
+  k.pp = schedule.num_ranks;
+  k.v = schedule.num_stages / schedule.num_ranks;
+  k.m = schedule.num_micro_batches;
+  k.recompute = recompute;
+  k.step_ms = sim.step_time;
+  k.bubble = sim.bubble_fraction;
+  k.tokens_per_s = metrics::tokens_per_s(
+      metrics::per_second(static_cast<double>(o.global_batch), sim.step_time / 1000.0), o.seq);
+  llm::MemoryPlanOptions mo;
+  mo.micro_batch_size = o.micro_batch_size;
+  mo.seq_len = o.seq;
+  mo.precision = o.precision;
+  mo.recompute = recompute;
+  for (const auto& e : llm::estimate_memory(config, partition, schedule, mo)) k.memory_per_rank.push_back(e.total);
+  k.peak_memory = *std::max_element(k.memory_per_rank.begin(), k.memory_per_rank.end());
+  k.fits = o.memory_limit_bytes <= 0 || k.peak_memory <= o.memory_limit_bytes;
+  return k;
+}
+
+}  // namespace
+
+double ChunkCost::of(const llm::ChunkSpec& c) const {
+  return per_action + per_block * c.num_layers() + (c.has_embedding ? embedding : 0.0) + (c.has_head ? head : 0.0);
+}
+
+ChunkCost ChunkCost::scaled(double k) const { return {k * per_action, k * per_block, k * embedding, k * head}; }
+
+ChunkCost ChunkCost::operator+(const ChunkCost& o) const {
+  return {per_action + o.per_action, per_block + o.per_block, embedding + o.embedding, head + o.head};
+}
+
+std::string ChunkCost::str() const {
+  return fmt::format("{:.3g} + {:.3g}/block + {:.3g} embedding + {:.3g} head", per_action, per_block, embedding,
+                     head);
+}
+
+const char* llama_costs_kind_name(LlamaCosts::Kind kind) {
+  switch (kind) {
+    case LlamaCosts::Kind::kEstimated: return "estimated";
+    case LlamaCosts::Kind::kFitted: return "fitted";
+    case LlamaCosts::Kind::kFlopShares: return "flop_shares";
+  }
+  return "?";
+}
+
+LlamaCosts LlamaCosts::carried(const llm::LlamaConfig& from, int64_t from_seq, int64_t from_mbs,
+                               const llm::LlamaConfig& to, int64_t to_seq, int64_t to_mbs) const {
+  TWOBP_CHECK(from_seq > 0 && from_mbs > 0 && to_seq > 0 && to_mbs > 0, UsageError,
+              "LlamaCosts::carried: sequence lengths and micro-batch sizes must be positive (from {} x {}, to {} x {})",
+              from_mbs, from_seq, to_mbs, to_seq);
+  LlamaCosts out = *this;
+  for (ChunkCost* k : {&out.forward, &out.backward_input, &out.backward_weight, &out.backward}) {
+    *k = carried_cost(*k, from, from_seq, from_mbs, to, to_seq, to_mbs);
+  }
+  return out;
+}
+
+CostModel LlamaCosts::cost_model(const llm::Partition& partition, BackwardMode mode, bool recompute,
+                                 double communication_ms) const {
+  CostModel costs;
+  costs.communication = communication_ms;
+  for (const llm::ChunkSpec& chunk : partition.chunks) {
+    auto cost = [&](const ChunkCost& k) { return std::max(1e-9, k.of(chunk)); };
+    const double f = cost(forward);
+    costs.forward.push_back(f);
+    costs.backward_input.push_back(mode == BackwardMode::kSplit ? cost(backward_input) : 0.0);
+    costs.backward_weight.push_back(mode == BackwardMode::kSplit ? cost(backward_weight) : 0.0);
+    costs.backward.push_back(cost(backward));
+    if (recompute) costs.recompute.push_back(f);
+  }
+  return costs;
+}
+
+LlamaCosts estimate_llama_costs(const llm::LlamaConfig& config, int64_t seq, int64_t micro_batch_size,
+                                double tflops) {
+  TWOBP_CHECK(tflops > 0 && seq > 0 && micro_batch_size > 0, UsageError,
+              "estimate_llama_costs: TFLOP/s, sequence length and micro-batch size must be positive (got {}, {}, {})",
+              tflops, seq, micro_batch_size);
+  LlamaCosts c;
+  c.kind = LlamaCosts::Kind::kEstimated;
+  c.forward = flop_shares(config, seq,
+                          llm::block_forward_flops(config, seq) * static_cast<double>(micro_batch_size) * 1e3 /
+                              (tflops * 1e12));
+  c.backward_input = c.forward;
+  c.backward_weight = c.forward;
+  c.backward = c.forward.scaled(2.0);
+  c.how = fmt::format("{} TFLOP/s per device, I = W = F, B = 2F", tflops);
+  return c;
+}
+
+LlamaCosts fit_llama_costs(const llm::LlamaConfig& config, int64_t seq, const std::vector<MeasuredLlamaRun>& runs) {
+  Samples F, I, W, B;
+  double f_split = 0, f_standard = 0;  // F summed over the 2BP and over the standard runs (for the ratios)
+  double f_units = 0;                  // Σ partition cost (blocks + head share) of the chunks behind F
+  bool any_split = false;
+  for (std::size_t r = 0; r < runs.size(); ++r) {
+    const MeasuredLlamaRun& run = runs[r];
+    const std::size_t n = run.partition.chunks.size();
+    const MeasuredCosts& c = run.costs;
+    TWOBP_CHECK(c.forward.size() == n && c.backward_input.size() == n && c.backward_weight.size() == n &&
+                    c.backward.size() == n && run.partition.cost.size() == n,
+                UsageError,
+                "fit_llama_costs: run {} has {} chunks but costs of {} stages (F), {} (I), {} (W), {} (B): one "
+                "entry per chunk of its partition",
+                r, n, c.forward.size(), c.backward_input.size(), c.backward_weight.size(), c.backward.size());
+    const double f_before = F.total();
+    for (std::size_t s = 0; s < n; ++s) {
+      const llm::ChunkSpec& chunk = run.partition.chunks[s];
+      F.add(chunk, c.forward[s]);
+      f_units += run.partition.cost[s];
+      if (run.mode == BackwardMode::kSplit) {
+        I.add(chunk, c.backward_input[s]);
+        W.add(chunk, c.backward_weight[s]);
+      } else {
+        B.add(chunk, c.backward[s]);
+      }
+    }
+    (run.mode == BackwardMode::kSplit ? f_split : f_standard) += F.total() - f_before;
+    any_split = any_split || run.mode == BackwardMode::kSplit;
+  }
+  TWOBP_CHECK(any_split, UsageError,
+              "fit_llama_costs: no 2BP run among {} (I and W need one: measure with --mode both)", runs.size());
+  TWOBP_CHECK(F.total() > 0, UsageError, "fit_llama_costs: the runs have no forward costs");
+  LlamaCosts out;
+  if (auto f = F.fit(), i = I.fit(), w = W.fit(); f && i && w) {
+    out.kind = LlamaCosts::Kind::kFitted;
+    out.forward = *f;
+    out.backward_input = *i;
+    out.backward_weight = *w;
+    const std::optional<ChunkCost> b = B.fit();
+    out.backward = b ? *b : *i + *w;
+    // Noise can make a fitted term negative; cost_model clamps every chunk's cost at 0, but say so.
+    warn_negative("F", out.forward, out.warnings);
+    warn_negative("I", out.backward_input, out.warnings);
+    warn_negative("W", out.backward_weight, out.warnings);
+    warn_negative("B", out.backward, out.warnings);
+    out.how = fmt::format("fitted per chunk: F {}; I {}; W {}; B {}", out.forward.str(), out.backward_input.str(),
+                          out.backward_weight.str(), out.backward.str());
+    return out;
+  }
+  out.kind = LlamaCosts::Kind::kFlopShares;
+  out.forward = flop_shares(config, seq, F.total() / f_units);
+  const double ratio_i = I.total() / f_split, ratio_w = W.total() / f_split;
+  out.backward_input = out.forward.scaled(ratio_i);
+  out.backward_weight = out.forward.scaled(ratio_w);
+  out.backward = out.forward.scaled(B.total() > 0 && f_standard > 0 ? B.total() / f_standard : ratio_i + ratio_w);
+  out.how = fmt::format("FLOP shares (one chunk shape: measure a v = 2 schedule too to fit per-action and head "
+                        "costs): {:.3g} ms per block, I/F {:.3f}, W/F {:.3f}, B/F {:.3f}",
+                        out.forward.per_block, ratio_i, ratio_w, out.backward.per_block / out.forward.per_block);
+  return out;
+}
+
+LayoutPlan plan_llama_layouts(const llm::LlamaConfig& config, const LlamaCosts& costs, const LayoutPlanOptions& o) {
+  TWOBP_CHECK(o.ranks >= 1 && o.micro_batch_size >= 1 && o.seq >= 1 && o.global_batch >= 1, UsageError,
+              "plan_llama_layouts: ranks, micro-batch size, sequence length and global batch must be >= 1 (got {}, "
+              "{}, {}, {})",
+              o.ranks, o.micro_batch_size, o.seq, o.global_batch);
+  TWOBP_CHECK(!o.modes.empty() && !o.recompute.empty(), UsageError,
+              "plan_llama_layouts: no mode or no recomputation setting to consider");
+  const std::vector<std::string> names = o.schedules.empty() ? schedule_names() : o.schedules;
+  const int max_dp = o.max_dp > 0 ? std::min(o.max_dp, o.ranks) : o.ranks;
+  LayoutPlan plan;
+  for (int dp = 1; dp <= max_dp; ++dp) {
+    if (o.ranks % dp != 0 || o.global_batch % (dp * o.micro_batch_size) != 0) continue;
+    TWOBP_CHECK(dp == 1 || o.link_bytes_per_s > 0, UsageError,
+                "plan_llama_layouts: dp = {} needs the all-reduce bandwidth (LayoutPlanOptions::link_bytes_per_s)",
+                dp);
+    const int pp = o.ranks / dp;
+    const int m = static_cast<int>(o.global_batch / (dp * o.micro_batch_size));
+    for (const std::string& name : names) {
+      for (BackwardMode mode : o.modes) {
+        Schedule schedule;
+        llm::Partition partition;
+        try {
+          schedule = make_schedule(name, default_schedule_options(name, pp, m, mode));
+          partition = llm::make_partition(config, schedule.num_stages, o.seq);
+        } catch (const UsageError&) {  // ScheduleError too
+          ++plan.skipped;  // a shape this schedule or the model's layer count does not allow
+          continue;
+        }
+        // Several chunks on the only rank interleave nothing: the same work in more actions (measured slower).
+        if (pp == 1 && schedule.num_stages > 1) {
+          ++plan.skipped;
+          continue;
+        }
+        for (bool recompute : o.recompute) {
+          plan.candidates.push_back(predict(config, costs, o, schedule, partition, dp, recompute));
+        }
+      }
+    }
+  }
+  TWOBP_CHECK(!plan.candidates.empty(), UsageError,
+              "no candidate: no dp divides {} ranks with the global batch {} (micro-batch size {}), or every schedule "
+              "rejected its shape",
+              o.ranks, o.global_batch, o.micro_batch_size);
+  std::stable_sort(plan.candidates.begin(), plan.candidates.end(),
+                   [](const LayoutCandidate& x, const LayoutCandidate& y) {
+                     if (x.fits != y.fits) return x.fits;
+                     if (x.tokens_per_s != y.tokens_per_s) return x.tokens_per_s > y.tokens_per_s;
+                     return x.peak_memory < y.peak_memory;
+                   });
+  return plan;
+}
+
+}  // namespace twobp

@@ -1,0 +1,267 @@
+// Planning a LLaMa-like stack (twobp/plan/llama.h): made-up affine chunk costs are fitted back exactly, one chunk
+// shape falls back to FLOP shares, costs carry to other shapes by FLOPs, and the ranked layouts are the simulator's
+// predictions in the promised order, filtered by memory.
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "twobp/error.h"
+#include "twobp/models/llama.h"
+#include "twobp/plan/llama.h"
+#include "twobp/schedule/registry.h"
+#include "twobp/schedule/simulate.h"
+
+namespace twobp {
+namespace {
+
+namespace llm = models;
+
+// Terms that differ per action type and per term, so that a term or type mixed up shows.
+const ChunkCost kF{0.25, 1.5, 0.75, 3.0};
+const ChunkCost kI{0.125, 1.75, 0.5, 2.5};
+const ChunkCost kW{0.375, 1.25, 0.0625, 4.0};
+const ChunkCost kB{0.5, 3.5, 0.625, 6.25};
+
+llm::LlamaConfig model() { return llm::config_by_name("small"); }
+constexpr int64_t kSeq = 64;
+
+// A run of `chunks` chunks in `mode` whose measured costs are exactly the made-up ones.
+MeasuredLlamaRun exact_run(int chunks, BackwardMode mode) {
+  MeasuredLlamaRun run;
+  run.partition = llm::make_partition(model(), chunks, kSeq);
+  run.mode = mode;
+  for (const llm::ChunkSpec& c : run.partition.chunks) {
+    const bool split = mode == BackwardMode::kSplit;
+    run.costs.forward.push_back(kF.of(c));
+    run.costs.backward_input.push_back(split ? kI.of(c) : 0.0);
+    run.costs.backward_weight.push_back(split ? kW.of(c) : 0.0);
+    run.costs.backward.push_back(split ? 0.0 : kB.of(c));
+  }
+  return run;
+}
+
+void expect_terms(const ChunkCost& got, const ChunkCost& want, const char* what) {
+  SCOPED_TRACE(what);
+  EXPECT_NEAR(got.per_action, want.per_action, 1e-9);
+  EXPECT_NEAR(got.per_block, want.per_block, 1e-9);
+  EXPECT_NEAR(got.embedding, want.embedding, 1e-9);
+  EXPECT_NEAR(got.head, want.head, 1e-9);
+}
+
+TEST(FitLlamaCosts, RecoversMadeUpAffineCostsFromTwoChunkShapes) {
+  const std::vector<MeasuredLlamaRun> runs{exact_run(2, BackwardMode::kSplit), exact_run(4, BackwardMode::kSplit),
+                                           exact_run(2, BackwardMode::kStandard),
+                                           exact_run(3, BackwardMode::kStandard)};
+  const LlamaCosts c = fit_llama_costs(model(), kSeq, runs);
+  ASSERT_EQ(c.kind, LlamaCosts::Kind::kFitted) << c.how;
+  expect_terms(c.forward, kF, "F");
+  expect_terms(c.backward_input, kI, "I");
+  expect_terms(c.backward_weight, kW, "W");
+  expect_terms(c.backward, kB, "B");
+  EXPECT_TRUE(c.warnings.empty());
+  EXPECT_STREQ(llama_costs_kind_name(c.kind), "fitted");
+}
+
+TEST(FitLlamaCosts, WithoutAStandardRunBIsIPlusW) {
+  const LlamaCosts c =
+      fit_llama_costs(model(), kSeq, {exact_run(2, BackwardMode::kSplit), exact_run(4, BackwardMode::kSplit)});
+  ASSERT_EQ(c.kind, LlamaCosts::Kind::kFitted);
+  expect_terms(c.backward, kI + kW, "B = I + W");
+}
+
+TEST(FitLlamaCosts, OneChunkShapeFallsBackToFlopShares) {
+  // Two chunks: one row with the embedding, one with the head: the four terms are not determined.
+  const MeasuredLlamaRun split = exact_run(2, BackwardMode::kSplit);
+  const MeasuredLlamaRun standard = exact_run(2, BackwardMode::kStandard);
+  const LlamaCosts c = fit_llama_costs(model(), kSeq, {split, standard});
+  ASSERT_EQ(c.kind, LlamaCosts::Kind::kFlopShares);
+  auto sum = [](const std::vector<double>& v) {
+    double s = 0;
+    for (double x : v) s += x;
+    return s;
+  };
+  double units = 0;
+  for (double u : split.partition.cost) units += u;
+  const double f_split = sum(split.costs.forward), f_standard = sum(standard.costs.forward);
+  // Both runs' F over both partitions' cost units.
+  EXPECT_NEAR(c.forward.per_block, (f_split + f_standard) / (2 * units), 1e-12);
+  EXPECT_NEAR(c.forward.head, llm::head_cost_in_blocks(model(), kSeq) * c.forward.per_block, 1e-12);
+  EXPECT_EQ(c.forward.per_action, 0.0);
+  EXPECT_EQ(c.forward.embedding, 0.0);
+  EXPECT_NEAR(c.backward_input.per_block / c.forward.per_block, sum(split.costs.backward_input) / f_split, 1e-12);
+  EXPECT_NEAR(c.backward_weight.per_block / c.forward.per_block, sum(split.costs.backward_weight) / f_split, 1e-12);
+  EXPECT_NEAR(c.backward.per_block / c.forward.per_block, sum(standard.costs.backward) / f_standard, 1e-12);
+}
+
+TEST(FitLlamaCosts, NegativeTermsWarnAndBadRunsAreRefused) {
+  MeasuredLlamaRun a = exact_run(2, BackwardMode::kSplit), b = exact_run(4, BackwardMode::kSplit);
+  for (MeasuredLlamaRun* r : {&a, &b}) {  // W with a negative per-action term
+    for (double& w : r->costs.backward_weight) w -= 2.0;
+  }
+  const LlamaCosts c = fit_llama_costs(model(), kSeq, {a, b});
+  ASSERT_EQ(c.kind, LlamaCosts::Kind::kFitted);
+  ASSERT_FALSE(c.warnings.empty());
+  EXPECT_NE(c.warnings.front().find("W cost per action is negative"), std::string::npos) << c.warnings.front();
+
+  EXPECT_THROW(fit_llama_costs(model(), kSeq, {exact_run(2, BackwardMode::kStandard)}), UsageError);  // no I, W
+  MeasuredLlamaRun short_run = exact_run(4, BackwardMode::kSplit);
+  short_run.costs.forward.pop_back();
+  EXPECT_THROW(fit_llama_costs(model(), kSeq, {short_run}), UsageError);
+}
+
+TEST(LlamaCosts, CarriedScalesBlocksAndHeadByFlopsEmbeddingByElementsPerActionNot) {
+  LlamaCosts c;
+  c.forward = kF;
+  c.backward_input = kI;
+  c.backward_weight = kW;
+  c.backward = kB;
+  const llm::LlamaConfig from = model(), to = llm::config_by_name("1b");
+  const LlamaCosts same = c.carried(from, kSeq, 2, from, kSeq, 2);
+  expect_terms(same.backward, kB, "identity");
+  const LlamaCosts other = c.carried(from, kSeq, 2, to, 4 * kSeq, 3);
+  const double batch = 1.5;
+  EXPECT_NEAR(other.forward.per_block,
+              kF.per_block * batch * llm::block_forward_flops(to, 4 * kSeq) / llm::block_forward_flops(from, kSeq),
+              1e-9 * other.forward.per_block);
+  EXPECT_NEAR(other.backward_weight.head,
+              kW.head * batch * llm::head_forward_flops(to, 4 * kSeq) / llm::head_forward_flops(from, kSeq),
+              1e-9 * other.backward_weight.head);
+  EXPECT_NEAR(other.backward_input.embedding, kI.embedding * batch * 4.0 * static_cast<double>(to.dim) / from.dim,
+              1e-12);
+  EXPECT_EQ(other.backward.per_action, kB.per_action);
+  EXPECT_THROW(c.carried(from, 0, 1, to, kSeq, 1), UsageError);
+}
+
+TEST(LlamaCosts, CostModelIsEachChunksCostInTheModesTerms) {
+  LlamaCosts c;
+  c.forward = kF;
+  c.backward_input = kI;
+  c.backward_weight = {-100.0, 0.0, 0.0, 0.0};  // negative everywhere: clamped, no action is free
+  c.backward = kB;
+  const llm::Partition part = llm::make_partition(model(), 3, kSeq);
+  for (BackwardMode mode : {BackwardMode::kStandard, BackwardMode::kSplit}) {
+    for (bool recompute : {false, true}) {
+      const CostModel m = c.cost_model(part, mode, recompute, 0.5);
+      ASSERT_EQ(m.forward.size(), 3u);
+      EXPECT_EQ(m.communication, 0.5);
+      EXPECT_EQ(m.recompute.size(), recompute ? 3u : 0u);
+      for (int s = 0; s < 3; ++s) {
+        const llm::ChunkSpec& chunk = part.chunks[s];
+        EXPECT_DOUBLE_EQ(m.forward[s], kF.of(chunk));
+        EXPECT_DOUBLE_EQ(m.backward[s], kB.of(chunk));
+        EXPECT_DOUBLE_EQ(m.backward_input[s], mode == BackwardMode::kSplit ? kI.of(chunk) : 0.0);
+        EXPECT_EQ(m.backward_weight[s], mode == BackwardMode::kSplit ? 1e-9 : 0.0);
+        if (recompute) EXPECT_DOUBLE_EQ(m.recompute[s], m.forward[s]);
+      }
+    }
+  }
+}
+
+TEST(EstimateLlamaCosts, FlopsAtTheGivenRate) {
+  const llm::LlamaConfig c = model();
+  const LlamaCosts e = estimate_llama_costs(c, kSeq, 2, 50.0);
+  EXPECT_EQ(e.kind, LlamaCosts::Kind::kEstimated);
+  EXPECT_NEAR(e.forward.per_block, llm::block_forward_flops(c, kSeq) * 2 * 1e3 / 50e12, 1e-18);
+  EXPECT_NEAR(e.forward.head, llm::head_cost_in_blocks(c, kSeq) * e.forward.per_block, 1e-18);
+  expect_terms(e.backward_input, e.forward, "I = F");
+  expect_terms(e.backward_weight, e.forward, "W = F");
+  expect_terms(e.backward, e.forward.scaled(2.0), "B = 2F");
+  EXPECT_THROW(estimate_llama_costs(c, kSeq, 1, 0.0), UsageError);
+}
+
+LayoutPlanOptions plan_options() {
+  LayoutPlanOptions o;
+  o.ranks = 4;
+  o.seq = kSeq;
+  o.micro_batch_size = 1;
+  o.global_batch = 16;
+  o.communication_ms = 0.05;
+  o.link_bytes_per_s = 1e9;
+  o.link_latency_s = 1e-5;
+  o.precision = llm::training_precision("fp32");
+  return o;
+}
+
+TEST(PlanLlamaLayouts, EveryLayoutOfTheRanksRankedByTheSimulator) {
+  const llm::LlamaConfig config = model();
+  const LlamaCosts costs = estimate_llama_costs(config, kSeq, 1, 0.001);
+  const LayoutPlanOptions o = plan_options();
+  const LayoutPlan plan = plan_llama_layouts(config, costs, o);
+  ASSERT_FALSE(plan.candidates.empty());
+  std::set<int> dps;
+  std::set<std::string> names;
+  for (std::size_t k = 0; k < plan.candidates.size(); ++k) {
+    const LayoutCandidate& c = plan.candidates[k];
+    SCOPED_TRACE(c.schedule + " dp " + std::to_string(c.dp));
+    EXPECT_EQ(c.dp * c.pp, o.ranks);
+    EXPECT_EQ(c.dp * c.m * o.micro_batch_size, o.global_batch);
+    EXPECT_TRUE(c.fits);  // no limit
+    EXPECT_EQ(static_cast<int>(c.memory_per_rank.size()), c.pp);
+    EXPECT_EQ(c.peak_memory, *std::max_element(c.memory_per_rank.begin(), c.memory_per_rank.end()));
+    EXPECT_NEAR(c.tokens_per_s, static_cast<double>(o.global_batch * o.seq) / (c.step_ms / 1e3),
+                1e-9 * c.tokens_per_s);
+    if (k > 0) EXPECT_GE(plan.candidates[k - 1].tokens_per_s, c.tokens_per_s);
+    dps.insert(c.dp);
+    names.insert(c.schedule);
+    if (c.dp == 1) {  // no all-reduce: exactly the simulator on the partition's costs
+      const Schedule s = make_schedule(c.schedule, default_schedule_options(c.schedule, c.pp, c.m, c.mode));
+      const CostModel m = costs.cost_model(llm::make_partition(config, s.num_stages, kSeq), c.mode, c.recompute,
+                                           o.communication_ms);
+      EXPECT_DOUBLE_EQ(c.step_ms, simulate(s, m).step_time);
+    }
+  }
+  EXPECT_EQ(dps, (std::set<int>{1, 2, 4}));
+  EXPECT_GE(names.size(), 2u);
+  EXPECT_GT(plan.skipped, 0);  // multi-chunk schedules at pp = 1
+}
+
+TEST(PlanLlamaLayouts, AMemoryLimitPutsTheFittingCandidatesFirst) {
+  const llm::LlamaConfig config = model();
+  const LlamaCosts costs = estimate_llama_costs(config, kSeq, 1, 0.001);
+  LayoutPlanOptions o = plan_options();
+  const LayoutPlan all = plan_llama_layouts(config, costs, o);
+  std::vector<double> peaks;
+  for (const LayoutCandidate& c : all.candidates) peaks.push_back(c.peak_memory);
+  std::sort(peaks.begin(), peaks.end());
+  ASSERT_LT(peaks.front(), peaks.back());
+  o.memory_limit_bytes = peaks[peaks.size() / 2];
+  const LayoutPlan limited = plan_llama_layouts(config, costs, o);
+  ASSERT_EQ(limited.candidates.size(), all.candidates.size());
+  bool seen_unfit = false;
+  for (const LayoutCandidate& c : limited.candidates) {
+    EXPECT_EQ(c.fits, c.peak_memory <= o.memory_limit_bytes);
+    if (!c.fits) seen_unfit = true;
+    EXPECT_FALSE(seen_unfit && c.fits) << "a fitting candidate after one that does not fit";
+  }
+  EXPECT_TRUE(seen_unfit);
+  EXPECT_TRUE(limited.candidates.front().fits);
+}
+
+TEST(PlanLlamaLayouts, RefusesShapesWithNoCandidate) {
+  const llm::LlamaConfig config = model();
+  const LlamaCosts costs = estimate_llama_costs(config, kSeq, 1, 1.0);
+  LayoutPlanOptions o = plan_options();
+  o.global_batch = 3;
+  o.micro_batch_size = 2;  // no dp · 2 divides 3
+  try {
+    plan_llama_layouts(config, costs, o);
+    ADD_FAILURE() << "no UsageError";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("no candidate"), std::string::npos) << e.what();
+  }
+  o.micro_batch_size = 1;
+  o.global_batch = 0;
+  EXPECT_THROW(plan_llama_layouts(config, costs, o), UsageError);
+  o.global_batch = 16;
+  o.max_dp = 0;
+  o.link_bytes_per_s = 0;  // dp > 1 needs a bandwidth
+  EXPECT_THROW(plan_llama_layouts(config, costs, o), UsageError);
+}
+
+}  // namespace
+}  // namespace twobp
