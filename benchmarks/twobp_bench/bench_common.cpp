@@ -147,6 +147,16 @@ void print_table(std::ostream& os, const std::vector<std::vector<std::string>>& 
   os << std::flush;
 }
 
+std::string csv_cell(const std::optional<Json>& value) {
+  if (!value || value->is_null()) return "";
+  if (!value->is_string()) return value->dump();
+  const std::string& text = value->get_ref<const std::string&>();
+  if (text.find_first_of(",\"\n") == std::string::npos) return text;
+  std::string quoted = "\"";
+  for (char ch : text) quoted += ch == '"' ? std::string("\"\"") : std::string(1, ch);
+  return quoted + "\"";
+}
+
 std::string fmt_num(double value, int digits) {
   if (!std::isfinite(value)) return "-";
   char buf[64];

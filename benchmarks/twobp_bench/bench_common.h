@@ -5,7 +5,10 @@
 #include <nlohmann/json.hpp>
 
 #include <cstddef>
+#include <functional>
+#include <optional>
 #include <ostream>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -76,6 +79,79 @@ std::vector<std::string> check_numbers(const Json& json, const std::vector<std::
 void print_table(std::ostream& os, const std::vector<std::vector<std::string>>& rows);
 /// `value` with `digits` decimals.
 std::string fmt_num(double value, int digits = 2);
+
+/// One output of a benchmark's result rows. The JSON results, the table and the CSV are all written from one list
+/// of these (Reporter), so that a new output is one Column and its place in the table.
+template <typename Row>
+struct Column {
+  std::string key;  ///< the JSON key, and the CSV header
+  /// The row's value; nullopt: this row has none (its JSON leaves the key out, its CSV cell is empty).
+  std::function<std::optional<Json>(const Row&)> value;
+  std::string header = {};                           ///< the table's header; empty: not in the table
+  std::function<std::string(const Row&)> text = {};  ///< the table cell (needed when `header` is set)
+  bool csv = true;  ///< false for structured values (objects, lists), which have no CSV cell
+};
+
+/// A CSV cell: empty for no value or null, a string as it is (quoted when it holds a comma or a quote), else its
+/// JSON text (numbers round-trip, booleans true/false).
+std::string csv_cell(const std::optional<Json>& value);
+
+/// Writes rows through a list of columns: JSON objects in the columns' order, the table in `table` order (headers
+/// of columns), the CSV in the columns' order (those with `csv`).
+template <typename Row>
+class Reporter {
+ public:
+  Reporter(std::vector<Column<Row>> columns, const std::vector<std::string>& table) : columns_(std::move(columns)) {
+    for (const std::string& header : table) {
+      std::size_t k = 0;
+      while (k < columns_.size() && columns_[k].header != header) ++k;
+      if (k == columns_.size() || !columns_[k].text) {
+        throw std::logic_error("Reporter: table header '" + header + "' names no column with a text cell");
+      }
+      table_.push_back(k);
+    }
+  }
+
+  Json json(const Row& row) const {
+    Json j = Json::object();
+    for (const Column<Row>& c : columns_) {
+      if (std::optional<Json> v = c.value(row)) j[c.key] = std::move(*v);
+    }
+    return j;
+  }
+
+  /// The header row, then one row per result (print_table's input).
+  std::vector<std::vector<std::string>> table(const std::vector<Row>& rows) const {
+    std::vector<std::vector<std::string>> out(1);
+    for (std::size_t k : table_) out[0].push_back(columns_[k].header);
+    for (const Row& row : rows) {
+      out.emplace_back();
+      for (std::size_t k : table_) out.back().push_back(columns_[k].text(row));
+    }
+    return out;
+  }
+
+  std::string csv(const std::vector<Row>& rows) const {
+    std::string out;
+    auto line = [&](auto&& cell) {
+      bool first = true;
+      for (const Column<Row>& c : columns_) {
+        if (!c.csv) continue;
+        if (!first) out += ',';
+        out += cell(c);
+        first = false;
+      }
+      out += '\n';
+    };
+    line([](const Column<Row>& c) { return c.key; });
+    for (const Row& row : rows) line([&](const Column<Row>& c) { return csv_cell(c.value(row)); });
+    return out;
+  }
+
+ private:
+  std::vector<Column<Row>> columns_;
+  std::vector<std::size_t> table_;  // indices into columns_, in table order
+};
 
 /// "standard" or "2bp": how every twobp_bench output names a backward mode.
 const char* mode_name(BackwardMode mode);

@@ -522,202 +522,224 @@ void write_chart(const PipelineArgs& a, const std::vector<RunResult>& results, b
   write_text(a.chart, bar_chart_svg(title, tokens ? "tokens/s" : "samples/s", {"standard", "2BP"}, groups));
 }
 
-void report(const PipelineArgs& a, const std::vector<RunResult>& results, const std::string& transport_name,
-            const std::string& energy_source, const std::string& energy_note) {
-  const bool tokens = tokens_per_sample(a.model) > 0;  // resnet: samples/s
-  const auto& m = a.model;
-  Json out;
-  out["config"] = {{"model", m.model},       {"dim", m.dim},         {"layers", m.layers},
-                   {"heads", m.heads},       {"kv_heads", m.kv_heads}, {"ffn", m.ffn},
-                   {"vocab", m.vocab},       {"seq", m.seq},         {"micro_batch_size", m.micro_batch_size},
-                   {"steps", a.steps},       {"warmup", a.warmup},   {"threads", a.threads},
-                   {"transport", transport_name}, {"load_average", load_average()},
-                   {"recompute", a.recompute}};
-  if (m.model == "resnet") {
-    out["config"]["channels"] = m.channels;
-    out["config"]["image_size"] = m.image_size;
-    out["config"]["in_channels"] = m.in_channels;
-    out["config"]["classes"] = m.classes;
-  }
-  out["results"] = Json::array();
-  std::vector<std::vector<std::string>> rows{{"schedule", "mode", "p", "m", "v", "step ms", "p25-p75",
-                                              tokens ? "tokens/s" : "samples/s", "speedup", "sim speedup", "bubble",
-                                              "sim ms", "sim err", "peak mbs", "peak MiB", "sim MiB"}};
-  const bool dp = a.dp > 1;  // dp = 1: the output of a pipeline without data parallelism, no dp fields
-  if (dp) {
-    rows[0].insert(rows[0].begin() + 2, "dp overlap");
-    rows[0].insert(rows[0].begin() + 2, "dp");
-    rows[0].push_back("dp exposed ms");
-    out["config"]["dp"] = a.dp;
-  }
-  if (a.variable_seq) {
-    rows[0].insert(rows[0].begin() + 2, "shapes");
-    rows[0].push_back("announce ratio");
-    out["config"]["variable_seq"] = true;
-  }
-  const bool limited = a.memory_limit_mb > 0;
-  if (limited) {
-    rows[0].insert(rows[0].begin() + 2, "limit MiB");
-    rows[0].push_back("limit ratio");
-    out["config"]["memory_limit_mb"] = a.memory_limit_mb;
-  }
-  out["config"]["memory_source"] = memory::source(c10::Device(c10::DeviceType::CPU));
-  std::ofstream csv;
-  if (!a.csv.empty()) {
-    csv.open(a.csv);
-    if (!csv) throw std::runtime_error("cannot open " + a.csv + " for writing");
-    csv << "schedule,mode,p,m,v,tokens_per_s,step_ms_median,bubble_fraction,sim_step_ms,sim_error,"
-           "peak_live_microbatches,speedup_vs_standard,sim_speedup_vs_standard,peak_rss_bytes,samples_per_s,"
-           "peak_memory_bytes,sim_peak_memory_bytes,energy_j,j_per_item";
-    csv << (dp ? ",dp,dp_overlap,dp_exposed_ms,dp_reduce_bytes,dp_buckets" : "");
-    csv << (a.variable_seq ? ",shapes,announce_ratio" : "");
-    csv << (limited ? ",memory_limit_bytes,limit_held,limit_ratio\n" : "\n");
-  }
-  // Energy per token (resnet: per sample) of a result; nullopt when not measured.
+// One result with what the report derives from it and its standard-mode partner (same schedule, p, m, v, dp
+// overlap, shapes and limit).
+struct ResultRow {
+  const RunResult* r = nullptr;
+  double speedup = 0, sim_speedup = 0;  // vs the standard partner (0: none)
+  double speedup_after_backward = 0;    // 2bp vs the standard partner whose dp buckets start after its last B
+  std::optional<double> j_per_item;     // energy per token (resnet: per sample); nullopt: not measured
+  std::optional<double> energy_ratio;   // j_per_item(standard) / j_per_item(2bp)
+  double sim_error = 0;
+  bool held = false;  // peak memory within the limit
+};
+
+std::vector<ResultRow> result_rows(const PipelineArgs& a, const std::vector<RunResult>& results, bool tokens) {
   auto per_item = [&](const RunResult& r) -> std::optional<double> {
     if (!r.energy_j) return std::nullopt;
-    const double samples = static_cast<double>(r.dp) * r.m * static_cast<double>(m.micro_batch_size);
-    return metrics::per_item(*r.energy_j, tokens ? samples * static_cast<double>(tokens_per_sample(m)) : samples);
+    const double samples = static_cast<double>(r.dp) * r.m * static_cast<double>(a.model.micro_batch_size);
+    return metrics::per_item(*r.energy_j,
+                             tokens ? samples * static_cast<double>(tokens_per_sample(a.model)) : samples);
   };
-  const bool energy =
-      std::any_of(results.begin(), results.end(), [](const RunResult& r) { return r.energy_j.has_value(); });
-  out["config"]["energy_source"] = energy_source.empty() ? Json(nullptr) : Json(energy_source);
-  if (!energy) {
-    out["config"]["energy_note"] =
-        energy_note.empty() ? "a rank other than 0 has no energy meter for its hardware" : energy_note;
-  } else {
-    rows[0].push_back(tokens ? "J/token" : "J/sample");
-    rows[0].push_back("J ratio");
-  }
-  for (const auto& r : results) {
-    double speedup = 0, sim_speedup = 0, speedup_after_backward = 0;
-    std::optional<double> energy_ratio;
-    for (const auto& o : results) {
+  std::vector<ResultRow> rows;
+  for (const RunResult& r : results) {
+    ResultRow row;
+    row.r = &r;
+    row.j_per_item = per_item(r);
+    row.sim_error = r.step_ms.median / r.sim_step_ms - 1.0;
+    row.held = r.peak_memory <= static_cast<double>(r.memory_limit);
+    for (const RunResult& o : results) {
       const bool same = o.schedule == r.schedule && o.p == r.p && o.m == r.m && o.v == r.v &&
                         o.dp_overlap == r.dp_overlap && o.announced == r.announced &&
                         o.memory_limit == r.memory_limit && o.mode == BackwardMode::kStandard;
       if (same && o.dp_after_backward && r.mode == BackwardMode::kSplit) {
-        speedup_after_backward = r.samples_per_s / o.samples_per_s;
+        row.speedup_after_backward = r.samples_per_s / o.samples_per_s;
       }
       if (same && !o.dp_after_backward) {
-        speedup = r.samples_per_s / o.samples_per_s;
-        sim_speedup = o.sim_step_ms / r.sim_step_ms;
-        if (r.mode == BackwardMode::kSplit && per_item(r) && per_item(o) && *per_item(r) > 0) {
-          energy_ratio = *per_item(o) / *per_item(r);
+        row.speedup = r.samples_per_s / o.samples_per_s;
+        row.sim_speedup = o.sim_step_ms / r.sim_step_ms;
+        const std::optional<double> other = per_item(o);
+        if (r.mode == BackwardMode::kSplit && row.j_per_item && other && *row.j_per_item > 0) {
+          row.energy_ratio = *other / *row.j_per_item;
         }
       }
     }
-    const std::optional<double> j_per_item = per_item(r);
-    const double announce_ratio = r.announce_ratio;
-    const double sim_error = r.step_ms.median / r.sim_step_ms - 1.0;
-    Json j{{"schedule", r.schedule}, {"mode", mode_name(r.mode)}, {"p", r.p}, {"m", r.m}, {"v", r.v}};
-    if (tokens) j["tokens_per_s"] = r.tokens_per_s;
-    j["samples_per_s"] = r.samples_per_s;
-    j["step_ms_median"] = r.step_ms.median;
-    j["step_ms"] = to_json(r.step_ms);
-    j["bubble_fraction"] = r.bubble;
-    j["sim_step_ms"] = r.sim_step_ms;
-    j["sim_bubble_fraction"] = r.sim_bubble;
-    j["sim_error"] = sim_error;
-    j["peak_live_microbatches"] = r.peak_live;
-    j["peak_rss_bytes"] = r.peak_rss;
-    j["peak_memory_bytes"] = r.peak_memory;
-    j["peak_memory_bytes_per_rank"] = r.peak_memory_per_rank;
-    j["step_peak_bytes_per_rank"] = r.step_peak_per_rank;
-    if (r.memory_limit == 0) {  // the simulator does not model the W's a limit moves
-      j["sim_peak_memory_bytes"] = r.sim_peak_memory;
-      j["sim_memory_error"] = r.sim_peak_memory > 0 ? r.peak_memory / r.sim_peak_memory - 1.0 : 0.0;
-      j["sim_peak_memory_bytes_per_rank"] = r.sim_peak_memory_per_rank;
-      j["sim_step_peak_bytes_per_rank"] = r.sim_step_peak_per_rank;
-    }
-    const bool held = r.peak_memory <= static_cast<double>(r.memory_limit);
-    if (r.memory_limit > 0) {
-      j["memory_limit_bytes"] = r.memory_limit;
-      j["limit_held"] = held;
-      if (r.limit_ratio > 0) j["limit_ratio"] = r.limit_ratio;
-    }
-    const Json costs = Json::parse(measured_costs_json(r.costs));  // communication_ms, costs_ms
-    for (const auto& [key, value] : costs.items()) j[key] = value;
-    if (dp) {
-      j["dp"] = r.dp;
-      j["dp_overlap"] = r.dp_overlap;
-      j["dp_buckets"] = dp_buckets_name(r);
-      j["dp_exposed_ms"] = r.dp_exposed_ms;
-      j["dp_reduce_bytes"] = r.dp_reduce_bytes;
-    }
-    if (a.variable_seq) {
-      j["shapes"] = r.announced ? "announced" : "fixed";
-      if (announce_ratio > 0) j["announce_ratio"] = announce_ratio;
-    }
-    if (speedup > 0) {
-      j["speedup_vs_standard"] = speedup;
-      j["sim_speedup_vs_standard"] = sim_speedup;
-    }
-    if (speedup_after_backward > 0) j["speedup_vs_standard_after_backward"] = speedup_after_backward;
-    j["energy_j"] = r.energy_j ? Json(*r.energy_j) : Json(nullptr);
-    j[tokens ? "j_per_token" : "j_per_sample"] = j_per_item ? Json(*j_per_item) : Json(nullptr);
-    if (energy_ratio) j["energy_ratio"] = *energy_ratio;
-    j["attribution"] = Json::parse(to_attribution_json(r.attribution));
-    if (!r.trace_files.empty()) j["trace_files"] = r.trace_files;
-    out["results"].push_back(j);
-    rows.push_back({r.schedule, mode_name(r.mode), std::to_string(r.p), std::to_string(r.m), std::to_string(r.v),
-                    fmt_num(r.step_ms.median, 1), fmt_num(r.step_ms.p25, 1) + "-" + fmt_num(r.step_ms.p75, 1),
-                    fmt_num(tokens ? r.tokens_per_s : r.samples_per_s, tokens ? 0 : 1),
-                    speedup > 0 ? fmt_num(speedup, 3) : "", speedup > 0 ? fmt_num(sim_speedup, 3) : "",
-                    fmt_num(r.bubble, 3), fmt_num(r.sim_step_ms, 1), fmt_num(100 * sim_error, 1) + "%",
-                    std::to_string(r.peak_live), fmt_num(r.peak_memory / kMiB, 2),
-                    r.memory_limit == 0 ? fmt_num(r.sim_peak_memory / kMiB, 2) : ""});
-    if (dp) {
-      rows.back().insert(rows.back().begin() + 2, r.dp_overlap ? (r.dp_after_backward ? "on, after B" : "on") : "off");
-      rows.back().insert(rows.back().begin() + 2, std::to_string(r.dp));
-      rows.back().push_back(fmt_num(r.dp_exposed_ms, 2));
-    }
-    if (a.variable_seq) {
-      rows.back().insert(rows.back().begin() + 2, r.announced ? "announced" : "fixed");
-      rows.back().push_back(announce_ratio > 0 ? fmt_num(announce_ratio, 3) : "");
-    }
-    if (limited) {
-      rows.back().insert(rows.back().begin() + 2,
-                         r.memory_limit > 0 ? fmt_num(static_cast<double>(r.memory_limit) / kMiB, 2) +
-                                                  (held ? "" : " (over)")
-                                            : "none");
-      rows.back().push_back(r.limit_ratio > 0 ? fmt_num(r.limit_ratio, 3) : "");
-    }
-    if (energy) {
-      rows.back().push_back(j_per_item ? fmt::format("{:.4g}", *j_per_item) : "?");
-      rows.back().push_back(energy_ratio ? fmt_num(*energy_ratio, 3) : "");
-    }
-    if (csv) {
-      csv << fmt::format("{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}", r.schedule, mode_name(r.mode), r.p,
-                         r.m, r.v, tokens ? fmt::format("{}", r.tokens_per_s) : "", r.step_ms.median, r.bubble,
-                         r.sim_step_ms, sim_error, r.peak_live, speedup > 0 ? fmt::format("{}", speedup) : "",
-                         speedup > 0 ? fmt::format("{}", sim_speedup) : "", r.peak_rss, r.samples_per_s,
-                         r.peak_memory, r.memory_limit == 0 ? fmt::format("{}", r.sim_peak_memory) : "");
-      csv << fmt::format(",{},{}", r.energy_j ? fmt::format("{}", *r.energy_j) : "",
-                         j_per_item ? fmt::format("{}", *j_per_item) : "");
-      if (dp) {
-        csv << fmt::format(",{},{},{},{},{}", r.dp, r.dp_overlap ? "true" : "false", r.dp_exposed_ms,
-                           r.dp_reduce_bytes, dp_buckets_name(r));
-      }
-      if (a.variable_seq) {
-        csv << fmt::format(",{},{}", r.announced ? "announced" : "fixed",
-                           announce_ratio > 0 ? fmt::format("{}", announce_ratio) : "");
-      }
-      if (limited) {
-        csv << fmt::format(",{},{},{}", r.memory_limit, r.memory_limit > 0 ? (held ? "true" : "false") : "",
-                           r.limit_ratio > 0 ? fmt::format("{}", r.limit_ratio) : "");
-      }
-      csv << "\n";
-    }
+    rows.push_back(row);
   }
-  print_table(std::cout, rows);
+  return rows;
+}
+
+// The outputs of a result, in the order of its JSON object and CSV row, and the table's columns. `energy`: some
+// result has an energy measurement (the table shows energy columns only then).
+Reporter<ResultRow> result_reporter(const PipelineArgs& a, bool tokens, bool energy) {
+  using Row = ResultRow;
+  using V = std::optional<Json>;
+  std::vector<Column<Row>> cols;
+  // A column whose value is always there; `text` for the table (with `header`).
+  auto add = [&](std::string key, std::function<Json(const Row&)> value, std::string header = {},
+                 std::function<std::string(const Row&)> text = {}, bool csv = true) {
+    cols.push_back({std::move(key), [value](const Row& r) -> V { return value(r); }, std::move(header),
+                    std::move(text), csv});
+  };
+  // A column present only where `when` holds.
+  auto add_if = [&](std::string key, std::function<bool(const Row&)> when, std::function<Json(const Row&)> value,
+                    std::string header = {}, std::function<std::string(const Row&)> text = {}, bool csv = true) {
+    cols.push_back({std::move(key), [when, value](const Row& r) -> V { return when(r) ? V(value(r)) : std::nullopt; },
+                    std::move(header), std::move(text), csv});
+  };
+  auto num = [](double x, int digits) { return fmt_num(x, digits); };
+  add("schedule", [](const Row& r) { return r.r->schedule; }, "schedule", [](const Row& r) { return r.r->schedule; });
+  add("mode", [](const Row& r) { return mode_name(r.r->mode); }, "mode",
+      [](const Row& r) { return std::string(mode_name(r.r->mode)); });
+  add("p", [](const Row& r) { return r.r->p; }, "p", [](const Row& r) { return std::to_string(r.r->p); });
+  add("m", [](const Row& r) { return r.r->m; }, "m", [](const Row& r) { return std::to_string(r.r->m); });
+  add("v", [](const Row& r) { return r.r->v; }, "v", [](const Row& r) { return std::to_string(r.r->v); });
+  if (tokens) {
+    add("tokens_per_s", [](const Row& r) { return r.r->tokens_per_s; }, "tokens/s",
+        [num](const Row& r) { return num(r.r->tokens_per_s, 0); });
+  }
+  add("samples_per_s", [](const Row& r) { return r.r->samples_per_s; }, tokens ? "" : "samples/s",
+      [num](const Row& r) { return num(r.r->samples_per_s, 1); });
+  add("step_ms_median", [](const Row& r) { return r.r->step_ms.median; }, "step ms",
+      [num](const Row& r) { return num(r.r->step_ms.median, 1); });
+  add("step_ms", [](const Row& r) { return to_json(r.r->step_ms); }, "p25-p75",
+      [num](const Row& r) { return num(r.r->step_ms.p25, 1) + "-" + num(r.r->step_ms.p75, 1); }, false);
+  add("bubble_fraction", [](const Row& r) { return r.r->bubble; }, "bubble",
+      [num](const Row& r) { return num(r.r->bubble, 3); });
+  add("sim_step_ms", [](const Row& r) { return r.r->sim_step_ms; }, "sim ms",
+      [num](const Row& r) { return num(r.r->sim_step_ms, 1); });
+  add("sim_bubble_fraction", [](const Row& r) { return r.r->sim_bubble; });
+  add("sim_error", [](const Row& r) { return r.sim_error; }, "sim err",
+      [num](const Row& r) { return num(100 * r.sim_error, 1) + "%"; });
+  add("peak_live_microbatches", [](const Row& r) { return r.r->peak_live; }, "peak mbs",
+      [](const Row& r) { return std::to_string(r.r->peak_live); });
+  add("peak_rss_bytes", [](const Row& r) { return r.r->peak_rss; });
+  add("peak_memory_bytes", [](const Row& r) { return r.r->peak_memory; }, "peak MiB",
+      [num](const Row& r) { return num(r.r->peak_memory / kMiB, 2); });
+  add("peak_memory_bytes_per_rank", [](const Row& r) { return r.r->peak_memory_per_rank; }, "", {}, false);
+  add("step_peak_bytes_per_rank", [](const Row& r) { return r.r->step_peak_per_rank; }, "", {}, false);
+  // The simulator does not model the W's a memory limit moves: no simulated memory on limited rows.
+  auto unlimited = [](const Row& r) { return r.r->memory_limit == 0; };
+  add_if("sim_peak_memory_bytes", unlimited, [](const Row& r) { return r.r->sim_peak_memory; }, "sim MiB",
+         [num](const Row& r) { return r.r->memory_limit == 0 ? num(r.r->sim_peak_memory / kMiB, 2) : ""; });
+  add_if("sim_memory_error", unlimited, [](const Row& r) {
+    return r.r->sim_peak_memory > 0 ? r.r->peak_memory / r.r->sim_peak_memory - 1.0 : 0.0;
+  });
+  add_if("sim_peak_memory_bytes_per_rank", unlimited, [](const Row& r) { return r.r->sim_peak_memory_per_rank; },
+         "", {}, false);
+  add_if("sim_step_peak_bytes_per_rank", unlimited, [](const Row& r) { return r.r->sim_step_peak_per_rank; }, "",
+         {}, false);
+  if (a.memory_limit_mb > 0) {
+    auto limited = [](const Row& r) { return r.r->memory_limit > 0; };
+    add_if("memory_limit_bytes", limited, [](const Row& r) { return r.r->memory_limit; }, "limit MiB",
+           [num](const Row& r) {
+             return r.r->memory_limit > 0
+                        ? num(static_cast<double>(r.r->memory_limit) / kMiB, 2) + (r.held ? "" : " (over)")
+                        : "none";
+           });
+    add_if("limit_held", limited, [](const Row& r) { return r.held; });
+    add_if("limit_ratio", [](const Row& r) { return r.r->memory_limit > 0 && r.r->limit_ratio > 0; },
+           [](const Row& r) { return r.r->limit_ratio; }, "limit ratio",
+           [num](const Row& r) { return r.r->limit_ratio > 0 ? num(r.r->limit_ratio, 3) : ""; });
+  }
+  // The measured costs in their one JSON form (twobp/plan/measure.h): communication_ms, costs_ms.
+  add("communication_ms", [](const Row& r) { return r.r->costs.communication; });
+  add("costs_ms", [](const Row& r) { return Json::parse(measured_costs_json(r.r->costs))["costs_ms"]; }, "", {},
+      false);
+  if (a.dp > 1) {
+    add("dp", [](const Row& r) { return r.r->dp; }, "dp", [](const Row& r) { return std::to_string(r.r->dp); });
+    add("dp_overlap", [](const Row& r) { return r.r->dp_overlap; }, "dp overlap", [](const Row& r) {
+      return std::string(r.r->dp_overlap ? (r.r->dp_after_backward ? "on, after B" : "on") : "off");
+    });
+    add("dp_buckets", [](const Row& r) { return dp_buckets_name(*r.r); });
+    add("dp_exposed_ms", [](const Row& r) { return r.r->dp_exposed_ms; }, "dp exposed ms",
+        [num](const Row& r) { return num(r.r->dp_exposed_ms, 2); });
+    add("dp_reduce_bytes", [](const Row& r) { return r.r->dp_reduce_bytes; });
+  }
+  if (a.variable_seq) {
+    add("shapes", [](const Row& r) { return r.r->announced ? "announced" : "fixed"; }, "shapes",
+        [](const Row& r) { return std::string(r.r->announced ? "announced" : "fixed"); });
+    add_if("announce_ratio", [](const Row& r) { return r.r->announce_ratio > 0; },
+           [](const Row& r) { return r.r->announce_ratio; }, "announce ratio",
+           [num](const Row& r) { return r.r->announce_ratio > 0 ? num(r.r->announce_ratio, 3) : ""; });
+  }
+  auto paired = [](const Row& r) { return r.speedup > 0; };
+  add_if("speedup_vs_standard", paired, [](const Row& r) { return r.speedup; }, "speedup",
+         [num](const Row& r) { return r.speedup > 0 ? num(r.speedup, 3) : ""; });
+  add_if("sim_speedup_vs_standard", paired, [](const Row& r) { return r.sim_speedup; }, "sim speedup",
+         [num](const Row& r) { return r.speedup > 0 ? num(r.sim_speedup, 3) : ""; });
+  add_if("speedup_vs_standard_after_backward", [](const Row& r) { return r.speedup_after_backward > 0; },
+         [](const Row& r) { return r.speedup_after_backward; });
+  add("energy_j", [](const Row& r) { return r.r->energy_j ? Json(*r.r->energy_j) : Json(nullptr); });
+  add(tokens ? "j_per_token" : "j_per_sample",
+      [](const Row& r) { return r.j_per_item ? Json(*r.j_per_item) : Json(nullptr); }, tokens ? "J/token" : "J/sample",
+      [](const Row& r) { return r.j_per_item ? fmt::format("{:.4g}", *r.j_per_item) : std::string("?"); });
+  add_if("energy_ratio", [](const Row& r) { return r.energy_ratio.has_value(); },
+         [](const Row& r) { return *r.energy_ratio; }, "J ratio",
+         [num](const Row& r) { return r.energy_ratio ? num(*r.energy_ratio, 3) : ""; });
+  add("attribution", [](const Row& r) { return Json::parse(to_attribution_json(r.r->attribution)); }, "", {}, false);
+  add_if("trace_files", [](const Row& r) { return !r.r->trace_files.empty(); },
+         [](const Row& r) { return r.r->trace_files; }, "", {}, false);
+
+  std::vector<std::string> table{"schedule", "mode"};
+  if (a.memory_limit_mb > 0) table.push_back("limit MiB");
+  if (a.variable_seq) table.push_back("shapes");
+  if (a.dp > 1) table.insert(table.end(), {"dp", "dp overlap"});
+  table.insert(table.end(), {"p", "m", "v", "step ms", "p25-p75", tokens ? "tokens/s" : "samples/s", "speedup",
+                             "sim speedup", "bubble", "sim ms", "sim err", "peak mbs", "peak MiB", "sim MiB"});
+  if (a.dp > 1) table.push_back("dp exposed ms");
+  if (a.variable_seq) table.push_back("announce ratio");
+  if (a.memory_limit_mb > 0) table.push_back("limit ratio");
+  if (energy) table.insert(table.end(), {tokens ? "J/token" : "J/sample", "J ratio"});
+  return Reporter<Row>(std::move(cols), table);
+}
+
+// The run's configuration: model, measurement and what the optional outputs hold.
+Json report_config(const PipelineArgs& a, const std::string& transport_name, bool energy,
+                   const std::string& energy_source, const std::string& energy_note) {
+  const auto& m = a.model;
+  Json config = {{"model", m.model},       {"dim", m.dim},         {"layers", m.layers},
+                 {"heads", m.heads},       {"kv_heads", m.kv_heads}, {"ffn", m.ffn},
+                 {"vocab", m.vocab},       {"seq", m.seq},         {"micro_batch_size", m.micro_batch_size},
+                 {"steps", a.steps},       {"warmup", a.warmup},   {"threads", a.threads},
+                 {"transport", transport_name}, {"load_average", load_average()},
+                 {"recompute", a.recompute}};
+  if (m.model == "resnet") {
+    config["channels"] = m.channels;
+    config["image_size"] = m.image_size;
+    config["in_channels"] = m.in_channels;
+    config["classes"] = m.classes;
+  }
+  if (a.dp > 1) config["dp"] = a.dp;
+  if (a.variable_seq) config["variable_seq"] = true;
+  if (a.memory_limit_mb > 0) config["memory_limit_mb"] = a.memory_limit_mb;
+  config["memory_source"] = memory::source(c10::Device(c10::DeviceType::CPU));
+  config["energy_source"] = energy_source.empty() ? Json(nullptr) : Json(energy_source);
+  if (!energy) {
+    config["energy_note"] =
+        energy_note.empty() ? "a rank other than 0 has no energy meter for its hardware" : energy_note;
+  }
+  return config;
+}
+
+void report(const PipelineArgs& a, const std::vector<RunResult>& results, const std::string& transport_name,
+            const std::string& energy_source, const std::string& energy_note) {
+  const bool tokens = tokens_per_sample(a.model) > 0;  // resnet: samples/s
+  const bool energy =
+      std::any_of(results.begin(), results.end(), [](const RunResult& r) { return r.energy_j.has_value(); });
+  const Reporter<ResultRow> reporter = result_reporter(a, tokens, energy);
+  const std::vector<ResultRow> rows = result_rows(a, results, tokens);
+  Json out;
+  out["config"] = report_config(a, transport_name, energy, energy_source, energy_note);
+  out["results"] = Json::array();
+  for (const ResultRow& row : rows) out["results"].push_back(reporter.json(row));
+  print_table(std::cout, reporter.table(rows));
   if (!a.json.empty()) {
     write_json(a.json, out);
     std::cout << "wrote " << a.json << "\n";
   }
   if (!a.csv.empty()) {
-    csv.close();
-    if (csv.fail()) throw std::runtime_error("failed writing " + a.csv);
+    write_text(a.csv, reporter.csv(rows));
     std::cout << "wrote " << a.csv << "\n";
   }
   if (!a.chart.empty()) {
