@@ -302,41 +302,49 @@ double ms_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
-void run_simulate(const SimulateArgs& a) {
-  const CostSource src = load_costs(a);
-  const bool dp = a.dp > 1;
-  // Without data parallelism one pass with the overlap setting unused; with it, one per --dp-overlap setting.
-  std::vector<bool> overlaps{true};
-  if (dp && a.dp_overlap == "off") overlaps = {false};
-  if (dp && a.dp_overlap == "both") overlaps = {true, false};
-  std::vector<std::string> names = a.schedule == "all" ? schedule_names() : std::vector<std::string>{a.schedule};
+// What run_simulate simulates: the schedules and modes of the command line, or the one schedule of a file.
+struct SimulatePlan {
+  std::vector<std::string> names;
   std::vector<BackwardMode> modes;
-  if (a.mode != "2bp") modes.push_back(BackwardMode::kStandard);
-  if (a.mode != "standard") modes.push_back(BackwardMode::kSplit);
-  Schedule from_file;
-  if (!a.schedule_file.empty()) {
-    from_file = load_schedule_file(a.schedule_file);
-    validate(from_file);
-    names = {from_file.name};
-    modes = {from_file.backward};
-  }
+  std::vector<bool> overlaps;  // without data parallelism one pass, the setting unused; with it, per --dp-overlap
+  Schedule from_file;          // --schedule-file (num_stages 0 when none)
+};
 
-  const auto t_all = std::chrono::steady_clock::now();
-  std::vector<SimRow> rows;
-  std::vector<Rejected> rejected;
-  for (const auto& name : names) {
-    const int v = a.schedule_file.empty() ? chunks_for(a, name) : from_file.num_stages / from_file.num_ranks;
-    for (BackwardMode mode : modes) {
+SimulatePlan simulate_plan(const SimulateArgs& a) {
+  SimulatePlan plan;
+  const bool dp = a.dp > 1;
+  plan.overlaps = {true};
+  if (dp && a.dp_overlap == "off") plan.overlaps = {false};
+  if (dp && a.dp_overlap == "both") plan.overlaps = {true, false};
+  plan.names = a.schedule == "all" ? schedule_names() : std::vector<std::string>{a.schedule};
+  if (a.mode != "2bp") plan.modes.push_back(BackwardMode::kStandard);
+  if (a.mode != "standard") plan.modes.push_back(BackwardMode::kSplit);
+  if (!a.schedule_file.empty()) {
+    plan.from_file = load_schedule_file(a.schedule_file);
+    validate(plan.from_file);
+    plan.names = {plan.from_file.name};
+    plan.modes = {plan.from_file.backward};
+  }
+  return plan;
+}
+
+// Generates (or takes from the file), validates and simulates every schedule × mode × overlap setting; a
+// schedule that rejects the shape is recorded once per reason.
+void simulate_all(const SimulateArgs& a, const CostSource& src, const SimulatePlan& plan, std::vector<SimRow>& rows,
+                  std::vector<Rejected>& rejected) {
+  const bool from_file = !a.schedule_file.empty();
+  for (const auto& name : plan.names) {
+    const int v = from_file ? plan.from_file.num_stages / plan.from_file.num_ranks : chunks_for(a, name);
+    for (BackwardMode mode : plan.modes) {
       SimRow row;
       row.schedule = name;
       row.mode = mode;
-      row.p = a.schedule_file.empty() ? a.ranks : from_file.num_ranks;
-      row.m = a.schedule_file.empty() ? a.microbatches : from_file.num_micro_batches;
+      row.p = from_file ? plan.from_file.num_ranks : a.ranks;
+      row.m = from_file ? plan.from_file.num_micro_batches : a.microbatches;
       auto t0 = std::chrono::steady_clock::now();
       Schedule sched;
       try {
-        sched = a.schedule_file.empty() ? make_schedule(name, ScheduleOptions{a.ranks, a.microbatches, v, mode})
-                                        : from_file;
+        sched = from_file ? plan.from_file : make_schedule(name, ScheduleOptions{a.ranks, a.microbatches, v, mode});
       } catch (const std::exception& e) {
         std::string reason = e.what();
         reason = reason.substr(0, reason.find('\n'));  // validation errors append a grid
@@ -355,10 +363,10 @@ void run_simulate(const SimulateArgs& a) {
       }
       row.v = sched.num_stages / sched.num_ranks;
       row.stages = sched.num_stages;
-      for (bool overlap : overlaps) {
+      for (bool overlap : plan.overlaps) {
         CostModel costs = costs_for(sched, src, row.rule);
         if (a.recompute) costs.recompute = costs.forward;  // the re-run forward costs what F costs
-        if (dp) row.dp_reduce_ms = add_data_parallel(sched, a, overlap, costs);
+        if (a.dp > 1) row.dp_reduce_ms = add_data_parallel(sched, a, overlap, costs);
         row.dp_overlap = overlap;
         t0 = std::chrono::steady_clock::now();
         const SimulationResult sim = simulate(sched, costs);
@@ -371,18 +379,12 @@ void run_simulate(const SimulateArgs& a) {
       }
     }
   }
-  const double total_ms = ms_since(t_all);
+}
 
-  auto standard_of = [&](const SimRow& r) -> const SimRow* {
-    for (const auto& o : rows) {
-      if (o.schedule == r.schedule && o.v == r.v && o.mode == BackwardMode::kStandard &&
-          o.dp_overlap == r.dp_overlap) {
-        return &o;
-      }
-    }
-    return nullptr;
-  };
-
+// {"config", "results" (one per schedule × mode × overlap), "rejected", "tool_ms"}.
+Json simulate_json(const SimulateArgs& a, const CostSource& src, const std::vector<SimRow>& rows,
+                   const std::vector<Rejected>& rejected, double total_ms) {
+  const bool dp = a.dp > 1;
   Json out;
   out["config"] = {{"ranks", a.ranks},     {"microbatches", a.microbatches}, {"chunks_per_rank", a.chunks_per_rank},
                    {"costs", src.description}, {"communication_ms", src.comm}, {"recompute", a.recompute}};
@@ -399,12 +401,6 @@ void run_simulate(const SimulateArgs& a) {
                                       {"buckets_per_stage", a.dp_buckets}};
   }
   out["results"] = Json::array();
-  std::vector<std::vector<std::string>> table{{"schedule", "v", "stages", "std ms", "2bp ms", "speedup", "std bubble",
-                                               "2bp bubble", "std peak mbs", "2bp peak mbs", "cost rule", "tool ms"}};
-  if (dp) {
-    for (const char* column : {"dp reduce ms", "std exposed", "2bp exposed"}) table[0].push_back(column);
-    table[0].insert(table[0].begin() + 1, "dp overlap");
-  }
   for (const auto& r : rows) {
     Json j{{"schedule", r.schedule},
            {"mode", mode_name(r.mode)},
@@ -424,13 +420,35 @@ void run_simulate(const SimulateArgs& a) {
       j["dp_reduce_ms"] = r.dp_reduce_ms;
       j["dp_exposed_ms"] = r.dp_exposed_ms;
     }
-    const SimRow* std_row = standard_of(r);
-    if (r.mode == BackwardMode::kSplit && std_row) j["speedup_vs_standard"] = std_row->step / r.step;
+    for (const auto& o : rows) {  // the standard form of the same schedule, v and overlap
+      if (r.mode == BackwardMode::kSplit && o.schedule == r.schedule && o.v == r.v &&
+          o.mode == BackwardMode::kStandard && o.dp_overlap == r.dp_overlap) {
+        j["speedup_vs_standard"] = o.step / r.step;
+        break;
+      }
+    }
     out["results"].push_back(j);
   }
-  // Table: one line per schedule (and overlap setting), both modes side by side.
-  for (const auto& name : names) {
-    for (bool overlap : overlaps) {
+  out["rejected"] = Json::array();
+  for (const auto& r : rejected) {
+    out["rejected"].push_back({{"schedule", r.schedule}, {"v", r.v}, {"reason", r.reason}});
+  }
+  out["tool_ms"] = total_ms;
+  return out;
+}
+
+// The table: one line per schedule (and overlap setting), both modes side by side.
+std::vector<std::vector<std::string>> simulate_table(const SimulateArgs& a, const SimulatePlan& plan,
+                                                     const std::vector<SimRow>& rows) {
+  const bool dp = a.dp > 1;
+  std::vector<std::vector<std::string>> table{{"schedule", "v", "stages", "std ms", "2bp ms", "speedup", "std bubble",
+                                               "2bp bubble", "std peak mbs", "2bp peak mbs", "cost rule", "tool ms"}};
+  if (dp) {
+    for (const char* column : {"dp reduce ms", "std exposed", "2bp exposed"}) table[0].push_back(column);
+    table[0].insert(table[0].begin() + 1, "dp overlap");
+  }
+  for (const auto& name : plan.names) {
+    for (bool overlap : plan.overlaps) {
       const SimRow *s = nullptr, *t = nullptr;
       for (const auto& r : rows) {
         if (r.schedule != name || r.dp_overlap != overlap) continue;
@@ -454,24 +472,32 @@ void run_simulate(const SimulateArgs& a) {
       table.push_back(line);
     }
   }
-  out["rejected"] = Json::array();
-  for (const auto& r : rejected) {
-    out["rejected"].push_back({{"schedule", r.schedule}, {"v", r.v}, {"reason", r.reason}});
-  }
-  out["tool_ms"] = total_ms;
+  return table;
+}
+
+void run_simulate(const SimulateArgs& a) {
+  const CostSource src = load_costs(a);
+  const SimulatePlan plan = simulate_plan(a);
+  const auto t_all = std::chrono::steady_clock::now();
+  std::vector<SimRow> rows;
+  std::vector<Rejected> rejected;
+  simulate_all(a, src, plan, rows, rejected);
+  const double total_ms = ms_since(t_all);
+  const Json out = simulate_json(a, src, rows, rejected, total_ms);
 
   // A schedule file decides p and m (--ranks and --microbatches do not apply to it).
   std::cout << fmt::format("simulate: {}; costs: {}\n",
                            a.schedule_file.empty() ? fmt::format("p={} m={}", a.ranks, a.microbatches)
                                                    : fmt::format("{} (p={} m={})", a.schedule_file,
-                                                                 from_file.num_ranks, from_file.num_micro_batches),
+                                                                 plan.from_file.num_ranks,
+                                                                 plan.from_file.num_micro_batches),
                            src.description);
-  if (dp) {
+  if (a.dp > 1) {
     std::cout << fmt::format("data parallel: dp={}, {:g} parameters split evenly over the stages, {:g} bytes per "
                              "gradient, ring all-reduce on {:g} Gbit/s with {:g} us per step\n",
                              a.dp, a.model_params, a.grad_bytes, a.link_gbps, a.link_latency_us);
   }
-  print_table(std::cout, table);
+  print_table(std::cout, simulate_table(a, plan, rows));
   for (const auto& r : rejected) std::cout << fmt::format("rejected: {} (v={}): {}\n", r.schedule, r.v, r.reason);
   std::cout << fmt::format("generated, validated and simulated {} configurations in {:.0f} ms\n", rows.size(),
                            total_ms);
