@@ -92,6 +92,25 @@ struct Column {
   bool csv = true;  ///< false for structured values (objects, lists), which have no CSV cell
 };
 
+/// A column whose value every row has; `text` (with `header`) its table cell.
+template <typename Row>
+Column<Row> column(std::string key, std::function<Json(const Row&)> value, std::string header = {},
+                   std::function<std::string(const Row&)> text = {}, bool csv = true) {
+  return {std::move(key), [value](const Row& r) -> std::optional<Json> { return value(r); }, std::move(header),
+          std::move(text), csv};
+}
+
+/// A column whose value only the rows where `when` holds have.
+template <typename Row>
+Column<Row> column_if(std::string key, std::function<bool(const Row&)> when, std::function<Json(const Row&)> value,
+                      std::string header = {}, std::function<std::string(const Row&)> text = {}, bool csv = true) {
+  return {std::move(key),
+          [when, value](const Row& r) -> std::optional<Json> {
+            return when(r) ? std::optional<Json>(value(r)) : std::nullopt;
+          },
+          std::move(header), std::move(text), csv};
+}
+
 /// A CSV cell: empty for no value or null, a string as it is (quoted when it holds a comma or a quote), else its
 /// JSON text (numbers round-trip, booleans true/false).
 std::string csv_cell(const std::optional<Json>& value);

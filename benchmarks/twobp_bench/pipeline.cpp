@@ -573,20 +573,9 @@ std::vector<ResultRow> result_rows(const PipelineArgs& a, const std::vector<RunR
 // result has an energy measurement (the table shows energy columns only then).
 Reporter<ResultRow> result_reporter(const PipelineArgs& a, bool tokens, bool energy) {
   using Row = ResultRow;
-  using V = std::optional<Json>;
   std::vector<Column<Row>> cols;
-  // A column whose value is always there; `text` for the table (with `header`).
-  auto add = [&](std::string key, std::function<Json(const Row&)> value, std::string header = {},
-                 std::function<std::string(const Row&)> text = {}, bool csv = true) {
-    cols.push_back({std::move(key), [value](const Row& r) -> V { return value(r); }, std::move(header),
-                    std::move(text), csv});
-  };
-  // A column present only where `when` holds.
-  auto add_if = [&](std::string key, std::function<bool(const Row&)> when, std::function<Json(const Row&)> value,
-                    std::string header = {}, std::function<std::string(const Row&)> text = {}, bool csv = true) {
-    cols.push_back({std::move(key), [when, value](const Row& r) -> V { return when(r) ? V(value(r)) : std::nullopt; },
-                    std::move(header), std::move(text), csv});
-  };
+  auto add = [&](auto&&... args) { cols.push_back(column<Row>(std::forward<decltype(args)>(args)...)); };
+  auto add_if = [&](auto&&... args) { cols.push_back(column_if<Row>(std::forward<decltype(args)>(args)...)); };
   auto num = [](double x, int digits) { return fmt_num(x, digits); };
   add("schedule", [](const Row& r) { return r.r->schedule; }, "schedule", [](const Row& r) { return r.r->schedule; });
   add("mode", [](const Row& r) { return mode_name(r.r->mode); }, "mode",
@@ -616,8 +605,8 @@ Reporter<ResultRow> result_reporter(const PipelineArgs& a, bool tokens, bool ene
   add("peak_rss_bytes", [](const Row& r) { return r.r->peak_rss; });
   add("peak_memory_bytes", [](const Row& r) { return r.r->peak_memory; }, "peak MiB",
       [num](const Row& r) { return num(r.r->peak_memory / kMiB, 2); });
-  add("peak_memory_bytes_per_rank", [](const Row& r) { return r.r->peak_memory_per_rank; }, "", {}, false);
-  add("step_peak_bytes_per_rank", [](const Row& r) { return r.r->step_peak_per_rank; }, "", {}, false);
+  add("peak_memory_bytes_per_rank", [](const Row& r) { return r.r->peak_memory_per_rank; }, "", nullptr, false);
+  add("step_peak_bytes_per_rank", [](const Row& r) { return r.r->step_peak_per_rank; }, "", nullptr, false);
   // The simulator does not model the W's a memory limit moves: no simulated memory on limited rows.
   auto unlimited = [](const Row& r) { return r.r->memory_limit == 0; };
   add_if("sim_peak_memory_bytes", unlimited, [](const Row& r) { return r.r->sim_peak_memory; }, "sim MiB",
@@ -626,9 +615,9 @@ Reporter<ResultRow> result_reporter(const PipelineArgs& a, bool tokens, bool ene
     return r.r->sim_peak_memory > 0 ? r.r->peak_memory / r.r->sim_peak_memory - 1.0 : 0.0;
   });
   add_if("sim_peak_memory_bytes_per_rank", unlimited, [](const Row& r) { return r.r->sim_peak_memory_per_rank; },
-         "", {}, false);
+         "", nullptr, false);
   add_if("sim_step_peak_bytes_per_rank", unlimited, [](const Row& r) { return r.r->sim_step_peak_per_rank; }, "",
-         {}, false);
+         nullptr, false);
   if (a.memory_limit_mb > 0) {
     auto limited = [](const Row& r) { return r.r->memory_limit > 0; };
     add_if("memory_limit_bytes", limited, [](const Row& r) { return r.r->memory_limit; }, "limit MiB",
@@ -644,7 +633,7 @@ Reporter<ResultRow> result_reporter(const PipelineArgs& a, bool tokens, bool ene
   }
   // The measured costs in their one JSON form (twobp/plan/measure.h): communication_ms, costs_ms.
   add("communication_ms", [](const Row& r) { return r.r->costs.communication; });
-  add("costs_ms", [](const Row& r) { return Json::parse(measured_costs_json(r.r->costs))["costs_ms"]; }, "", {},
+  add("costs_ms", [](const Row& r) { return Json::parse(measured_costs_json(r.r->costs))["costs_ms"]; }, "", nullptr,
       false);
   if (a.dp > 1) {
     add("dp", [](const Row& r) { return r.r->dp; }, "dp", [](const Row& r) { return std::to_string(r.r->dp); });
@@ -677,9 +666,9 @@ Reporter<ResultRow> result_reporter(const PipelineArgs& a, bool tokens, bool ene
   add_if("energy_ratio", [](const Row& r) { return r.energy_ratio.has_value(); },
          [](const Row& r) { return *r.energy_ratio; }, "J ratio",
          [num](const Row& r) { return r.energy_ratio ? num(*r.energy_ratio, 3) : ""; });
-  add("attribution", [](const Row& r) { return Json::parse(to_attribution_json(r.r->attribution)); }, "", {}, false);
+  add("attribution", [](const Row& r) { return Json::parse(to_attribution_json(r.r->attribution)); }, "", nullptr, false);
   add_if("trace_files", [](const Row& r) { return !r.r->trace_files.empty(); },
-         [](const Row& r) { return r.r->trace_files; }, "", {}, false);
+         [](const Row& r) { return r.r->trace_files; }, "", nullptr, false);
 
   std::vector<std::string> table{"schedule", "mode"};
   if (a.memory_limit_mb > 0) table.push_back("limit MiB");

@@ -216,24 +216,44 @@ std::vector<std::string> bench_args(const llm::LlamaConfig& c, int64_t seq, int6
   return args;
 }
 
-Json candidate_json(std::size_t rank, const LayoutCandidate& k, const std::string& command,
-                    const std::vector<std::string>& args) {
-  return {{"rank", rank},
-          {"schedule", k.schedule},
-          {"mode", mode_name(k.mode)},
-          {"v", k.v},
-          {"m", k.m},
-          {"recompute", k.recompute},
-          {"dp", k.dp},
-          {"pp", k.pp},
-          {"sim_tokens_per_s", k.tokens_per_s},
-          {"sim_step_ms", k.step_ms},
-          {"sim_bubble_fraction", k.bubble},
-          {"peak_memory_bytes_per_rank", k.memory_per_rank},
-          {"peak_memory_bytes", k.peak_memory},
-          {"fits", k.fits},
-          {"command", command},
-          {"bench_args", args}};
+// One ranked candidate with the commands that run and measure it.
+struct PlanRow {
+  std::size_t rank = 0;
+  const LayoutCandidate* k = nullptr;
+  std::string command;
+  std::vector<std::string> bench_args;
+};
+
+// A candidate's outputs: its JSON object in this order, and the table's columns.
+Reporter<PlanRow> plan_reporter() {
+  using Row = PlanRow;
+  std::vector<Column<Row>> cols;
+  auto add = [&](auto&&... args) { cols.push_back(column<Row>(std::forward<decltype(args)>(args)...)); };
+  add("rank", [](const Row& r) { return r.rank; }, "#", [](const Row& r) { return std::to_string(r.rank); });
+  add("schedule", [](const Row& r) { return r.k->schedule; }, "schedule", [](const Row& r) { return r.k->schedule; });
+  add("mode", [](const Row& r) { return mode_name(r.k->mode); }, "mode",
+      [](const Row& r) { return std::string(mode_name(r.k->mode)); });
+  add("v", [](const Row& r) { return r.k->v; }, "v", [](const Row& r) { return std::to_string(r.k->v); });
+  add("m", [](const Row& r) { return r.k->m; }, "m", [](const Row& r) { return std::to_string(r.k->m); });
+  add("recompute", [](const Row& r) { return r.k->recompute; }, "recompute",
+      [](const Row& r) { return std::string(r.k->recompute ? "yes" : "no"); });
+  add("dp", [](const Row& r) { return r.k->dp; }, "dp x pp",
+      [](const Row& r) { return fmt::format("{} x {}", r.k->dp, r.k->pp); });
+  add("pp", [](const Row& r) { return r.k->pp; });
+  add("sim_tokens_per_s", [](const Row& r) { return r.k->tokens_per_s; }, "tokens/s",
+      [](const Row& r) { return fmt_num(r.k->tokens_per_s, 0); });
+  add("sim_step_ms", [](const Row& r) { return r.k->step_ms; }, "step ms",
+      [](const Row& r) { return fmt_num(r.k->step_ms, 1); });
+  add("sim_bubble_fraction", [](const Row& r) { return r.k->bubble; }, "bubble",
+      [](const Row& r) { return fmt_num(r.k->bubble, 3); });
+  add("peak_memory_bytes_per_rank", [](const Row& r) { return r.k->memory_per_rank; }, "", nullptr, false);
+  add("peak_memory_bytes", [](const Row& r) { return r.k->peak_memory; }, "peak GiB",
+      [](const Row& r) { return fmt_num(r.k->peak_memory / kGiB, 2); });
+  add("fits", [](const Row& r) { return r.k->fits; }, "fits", [](const Row& r) { return std::string(r.k->fits ? "yes" : "no"); });
+  add("command", [](const Row& r) { return r.command; });
+  add("bench_args", [](const Row& r) { return r.bench_args; }, "", nullptr, false);
+  return Reporter<Row>(std::move(cols), {"#", "schedule", "mode", "v", "m", "recompute", "dp x pp", "tokens/s",
+                                         "step ms", "bubble", "peak GiB", "fits"});
 }
 
 Json cost_terms_json(const ChunkCost& k) {
@@ -249,8 +269,6 @@ void report_plan(const PlanArgs& a, const llm::LlamaConfig& config, const Layout
                            o.global_batch, o.seq, o.precision.name,
                            a.gpu_memory_gb > 0 ? fmt::format("{:g} GiB", a.gpu_memory_gb) : "not limited",
                            rates.source);
-  std::vector<std::vector<std::string>> rows{{"#", "schedule", "mode", "v", "m", "recompute", "dp x pp", "tokens/s",
-                                              "step ms", "bubble", "peak GiB", "fits"}};
   Json out;
   out["config"] = {{"model", config.name},      {"parameters", llm::parameter_count(config)},
                    {"ranks", a.ranks},          {"seq", o.seq},
@@ -265,20 +283,17 @@ void report_plan(const PlanArgs& a, const llm::LlamaConfig& config, const Layout
   out["config"]["device"] = rates.device;
   out["warnings"] = c.warnings;
   for (const std::string& w : c.warnings) std::cerr << "twobp_bench plan: warning: " << w << "\n";
-  out["candidates"] = Json::array();
   const std::vector<LayoutCandidate>& candidates = plan.candidates;
+  std::vector<PlanRow> rows;
   for (std::size_t i = 0; i < candidates.size(); ++i) {
     const LayoutCandidate& k = candidates[i];
-    if (static_cast<int>(i) < a.top) {
-      rows.push_back({std::to_string(i + 1), k.schedule, mode_name(k.mode),
-                      std::to_string(k.v), std::to_string(k.m), k.recompute ? "yes" : "no",
-                      fmt::format("{} x {}", k.dp, k.pp), fmt_num(k.tokens_per_s, 0), fmt_num(k.step_ms, 1),
-                      fmt_num(k.bubble, 3), fmt_num(k.peak_memory / kGiB, 2), k.fits ? "yes" : "no"});
-    }
-    out["candidates"].push_back(candidate_json(i + 1, k, example_command(a, config, o.seq, k, rates.device),
-                                               bench_args(config, o.seq, a.micro_batch_size, k)));
+    rows.push_back({i + 1, &k, example_command(a, config, o.seq, k, rates.device),
+                    bench_args(config, o.seq, a.micro_batch_size, k)});
   }
-  print_table(std::cout, rows);
+  const Reporter<PlanRow> reporter = plan_reporter();
+  out["candidates"] = Json::array();
+  for (const PlanRow& row : rows) out["candidates"].push_back(reporter.json(row));
+  print_table(std::cout, reporter.table({rows.begin(), rows.begin() + std::min<std::size_t>(rows.size(), a.top)}));
   if (candidates.size() > static_cast<std::size_t>(a.top)) {
     std::cout << fmt::format("({} more candidates in the JSON; {} shapes skipped)\n", candidates.size() - a.top,
                              plan.skipped);
