@@ -103,7 +103,6 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
-#include <set>
 #include <stdexcept>
 
 #include "bench_common.h"
@@ -304,18 +303,8 @@ std::vector<RunResult> run_config(Transport& world, ParallelGroups& groups, cons
     std::vector<PipelineChunk> chunks = make_model_chunks(a.model, schedule, me);
     for (auto& chunk : chunks) chunk.recompute = a.recompute;
     variants[k].pipeline = std::make_unique<Pipeline>(schedule, std::move(chunks), transport, options);
-    // .grad bytes per stage, each tensor counted once on this rank (in its first stage: tied weights).
-    std::vector<double> gradients(static_cast<std::size_t>(schedule.num_stages), 0.0);
-    std::set<const void*> counted;
-    for (int s : variants[k].pipeline->stage_indices()) {
-      std::vector<at::Tensor> fresh;
-      for (const auto& t : variants[k].pipeline->stage(s).parameters()) {
-        if (counted.insert(t.unsafeGetTensorImpl()).second) fresh.push_back(t);
-      }
-      gradients[s] = gradient_bytes(fresh);
-    }
     variants[k].costs.emplace(schedule.num_stages);
-    variants[k].memory.emplace(schedule.num_stages, std::move(gradients));
+    variants[k].memory.emplace(schedule.num_stages, stage_gradient_bytes(*variants[k].pipeline));
   }
   const std::vector<int64_t> act_shape = model_activation_spec(a.model, 0).shape;
 

@@ -46,6 +46,10 @@ void add_options(CLI::App& app, Args& a) {
                  "With --schedule auto: steps measured before choosing, and again before keeping the choice (the "
                  "first of each is warm-up)")
       ->check(cli::number_in(2, 1000))->group(pipeline);
+  app.add_option("--auto-memory-limit-gb", a.auto_memory_limit_gb,
+                 "With --schedule auto: only candidates whose peak tensor memory per rank, predicted from the memory "
+                 "measured while probing, stays within this many GiB (0: any)")
+      ->check(cli::number_in(0, 1e6, " (0: any)"))->group(pipeline);
   app.add_option("--schedule-file", a.schedule_file,
                  "A schedule file: twobp's text form, or PyTorch's compute_only CSV (*.csv); overrides --schedule, "
                  "keeps its own 2BP mode")
@@ -174,8 +178,9 @@ std::vector<std::string> ignored_options(const CLI::App& app, const Args& a) {
     ignored.emplace_back("--checkpoint-every (only with --checkpoint-dir)");
   }
   if (given("--schedule") && !a.schedule_file.empty()) ignored.emplace_back("--schedule (--schedule-file decides)");
-  if ((given("--auto-start") || given("--auto-steps")) && (a.schedule != "auto" || !a.schedule_file.empty())) {
-    ignored.emplace_back("--auto-start/--auto-steps (only with --schedule auto)");
+  if ((given("--auto-start") || given("--auto-steps") || given("--auto-memory-limit-gb")) &&
+      (a.schedule != "auto" || !a.schedule_file.empty())) {
+    ignored.emplace_back("--auto-start/--auto-steps/--auto-memory-limit-gb (only with --schedule auto)");
   }
   if (given("--zero") && a.zero == 1 && a.dp == 1) ignored.emplace_back("--zero 1 (nothing to shard with --dp 1)");
   return ignored;
@@ -184,8 +189,9 @@ std::vector<std::string> ignored_options(const CLI::App& app, const Args& a) {
 void validate_args(const Args& a) {
   TWOBP_CHECK(!a.resume || !a.checkpoint_dir.empty(), twobp::UsageError, "--resume needs --checkpoint-dir");
   TWOBP_CHECK(!a.auto_schedule() || (a.memory_limit_gb == 0 && a.max_pending_w == 0), twobp::UsageError,
-              "--schedule auto ranks schedules by time only and cannot keep --memory-limit-gb or --max-pending-w; "
-              "choose the schedule yourself (twobp_bench plan predicts time and memory)");
+              "--schedule auto cannot keep --memory-limit-gb or --max-pending-w (the simulator does not model the "
+              "W's such a bound moves); bound the candidates' memory with --auto-memory-limit-gb, or choose the "
+              "schedule yourself (twobp_bench plan predicts time and memory)");
   TWOBP_CHECK(!a.auto_schedule() || a.steps >= 2 * a.auto_steps, twobp::UsageError,
               "--schedule auto measures --auto-steps {} steps before choosing and as many after; give --steps >= {}",
               a.auto_steps, 2 * a.auto_steps);

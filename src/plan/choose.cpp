@@ -45,19 +45,22 @@ std::optional<CostModel> candidate_costs(const MeasuredCosts& m, BackwardMode mo
 }  // namespace
 
 std::vector<ScheduleCandidate> rank_schedules(const Schedule& running, const MeasuredCosts& costs,
-                                              const std::vector<std::string>& names,
-                                              const std::vector<BackwardMode>& modes) {
+                                              const RankOptions& options) {
   TWOBP_CHECK(running.num_ranks > 0 && running.num_stages == costs.num_stages(), UsageError,
               "rank_schedules: the costs are of {} stages, schedule '{}' has {}", costs.num_stages(), running.name,
               running.num_stages);
+  TWOBP_CHECK(options.memory_limit_bytes <= 0.0 || options.memory != nullptr, UsageError,
+              "rank_schedules: a memory limit ({} bytes) needs the measured memory model (RankOptions::memory: "
+              "MemoryRecorder, agree_memory)",
+              options.memory_limit_bytes);
   std::vector<std::pair<BackwardMode, CostModel>> models;  // the modes the costs can tell, once each
-  for (BackwardMode mode : modes) {
+  for (BackwardMode mode : options.modes) {
     if (std::optional<CostModel> model = candidate_costs(costs, mode)) models.emplace_back(mode, std::move(*model));
   }
   std::vector<ScheduleCandidate> out;
-  for (const std::string& name : names.empty() ? schedule_names() : names) {
+  for (const std::string& name : options.names.empty() ? schedule_names() : options.names) {
     for (const auto& [mode, model] : models) {
-      ScheduleCandidate c{name, mode, {}, 0.0};
+      ScheduleCandidate c{name, mode, {}, 0.0, 0.0};
       try {
         c.schedule = make_schedule(
             name, ScheduleOptions{running.num_ranks, running.num_micro_batches, running.num_stages / running.num_ranks,
@@ -68,6 +71,11 @@ std::vector<ScheduleCandidate> rank_schedules(const Schedule& running, const Mea
       if (c.schedule.stage_to_rank != running.stage_to_rank ||
           c.schedule.num_micro_batches != running.num_micro_batches) {
         continue;
+      }
+      if (options.memory != nullptr) {
+        const std::vector<double> peaks = simulate_peak_memory(c.schedule, *options.memory);
+        c.predicted_peak_bytes = *std::max_element(peaks.begin(), peaks.end());
+        if (options.memory_limit_bytes > 0.0 && c.predicted_peak_bytes > options.memory_limit_bytes) continue;
       }
       c.predicted_ms = simulate(c.schedule, model).step_time;
       out.push_back(std::move(c));
@@ -95,6 +103,16 @@ AutoSchedule::AutoSchedule(Pipeline& pipeline, AutoScheduleOptions options)
               "(memory_limit_bytes {}, max_pending_weight_micro_batches {}); choose the schedule yourself "
               "(twobp_bench plan / simulate predict time and memory)",
               rank, po.memory_limit_bytes, po.max_pending_weight_micro_batches);
+  TWOBP_CHECK(options_.memory_limit_bytes >= 0.0, UsageError,
+              "rank {}: AutoScheduleOptions::memory_limit_bytes must be >= 0 (0: no limit), got {}", rank,
+              options_.memory_limit_bytes);
+  if (options_.memory_limit_bytes > 0.0) {
+    TWOBP_CHECK(po.record_memory, UsageError,
+                "rank {}: AutoScheduleOptions::memory_limit_bytes needs the candidates' memory, measured per action: "
+                "run the pipeline with PipelineOptions::record_memory = true",
+                rank);
+    memory_.emplace(pipeline.schedule().num_stages, stage_gradient_bytes(pipeline));
+  }
 }
 
 double AutoSchedule::slowest_median_ms() {
@@ -108,21 +126,36 @@ std::optional<std::string> AutoSchedule::after_step(const StepResult& result) {
   if (phase_ == Phase::kDone) return std::nullopt;
   ++steps_in_phase_;
   if (steps_in_phase_ > 1) {  // the first step of a phase is warm-up
-    if (phase_ == Phase::kProbing) costs_.add(result.trace);
+    if (phase_ == Phase::kProbing) {
+      costs_.add(result.trace);
+      if (memory_) memory_->add(result.trace);
+    }
     step_ms_.push_back(result.pipeline_us / 1000.0);
   }
   if (phase_ == Phase::kProbing && steps_in_phase_ == options_.probe_steps) {
     start_ms_ = slowest_median_ms();
     const MeasuredCosts agreed =
         agree_costs(pipeline_.transport(), costs_.local_medians(), options_.timeout, options_.replicas);
-    ranking_ = rank_schedules(start_, agreed, options_.names, options_.modes);
+    RankOptions ro;
+    ro.names = options_.names;
+    ro.modes = options_.modes;
+    std::optional<MemoryModel> memory;
+    if (memory_) {
+      Transport& t = pipeline_.transport();
+      memory = agree_memory(t, memory_->local_medians(t.rank(), t.world_size()), options_.timeout,
+                            options_.replicas);
+      ro.memory = &*memory;
+      ro.memory_limit_bytes = options_.memory_limit_bytes;
+    }
+    ranking_ = rank_schedules(start_, agreed, ro);
     const std::optional<CostModel> own = candidate_costs(agreed, start_.backward);
     const double start_predicted = own ? simulate(start_, *own).step_time : 0.0;
     phase_ = Phase::kDone;
     if (ranking_.empty() || ranking_.front().predicted_ms >= start_predicted) {
       return fmt::format("auto schedule: keeping {} ({:.2f} ms/step measured, {:.2f} predicted; no candidate of "
-                         "this placement is predicted faster)",
-                         describe(start_), start_ms_, start_predicted);
+                         "this placement{} is predicted faster)",
+                         describe(start_), start_ms_, start_predicted,
+                         memory_ ? fmt::format(" within {:.4g} MiB", options_.memory_limit_bytes / (1 << 20)) : "");
     }
     const ScheduleCandidate& best = ranking_.front();
     pipeline_.switch_schedule(best.schedule);
@@ -130,9 +163,12 @@ std::optional<std::string> AutoSchedule::after_step(const StepResult& result) {
     steps_in_phase_ = 0;
     step_ms_.clear();
     return fmt::format("auto schedule: {} measured {:.2f} ms/step (predicted {:.2f}); switching to {} (predicted "
-                       "{:.2f}, {:.2f}x), the fastest of {} candidates of this placement",
+                       "{:.2f}, {:.2f}x{}), the fastest of {} candidates of this placement{}",
                        describe(start_), start_ms_, start_predicted, describe(best.schedule), best.predicted_ms,
-                       start_predicted / best.predicted_ms, ranking_.size());
+                       start_predicted / best.predicted_ms,
+                       memory_ ? fmt::format(", peak {:.4g} MiB", best.predicted_peak_bytes / (1 << 20)) : "",
+                       ranking_.size(),
+                       memory_ ? fmt::format(" within {:.4g} MiB", options_.memory_limit_bytes / (1 << 20)) : "");
   }
   if (phase_ == Phase::kVerifying && steps_in_phase_ == options_.verify_steps) {
     chosen_ms_ = slowest_median_ms();

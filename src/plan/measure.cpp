@@ -10,6 +10,8 @@
 
 #include "twobp/error.h"
 #include "twobp/metrics/metrics.h"
+#include "twobp/runtime/pipeline.h"
+#include "twobp/stage.h"
 #include "util/check.h"
 #include "util/reduce.h"
 
@@ -218,7 +220,7 @@ MemoryModel MemoryRecorder::local_medians(int rank, int num_ranks) const {
   return m;
 }
 
-MemoryModel agree_memory(Transport& transport, const MemoryModel& mine, Duration timeout) {
+MemoryModel agree_memory(Transport& transport, const MemoryModel& mine, Duration timeout, Transport* replicas) {
   const std::size_t p = mine.base.size(), S = mine.stages.size();
   TWOBP_CHECK(p == static_cast<std::size_t>(transport.world_size()) && mine.gradients.size() == S, UsageError,
               "agree_memory: rank {}: the model has base for {} ranks (the transport has {}) and gradients for {} of "
@@ -236,6 +238,10 @@ MemoryModel agree_memory(Transport& transport, const MemoryModel& mine, Duration
     row[2 * kNumActionTypes] = mine.gradients[s];
   }
   v = sum_over_ranks(transport, v, timeout);
+  if (replicas != nullptr && replicas->world_size() > 1) {  // the mean over replicas, as agree_costs
+    v = sum_over_ranks(*replicas, v, timeout);
+    for (double& x : v) x /= static_cast<double>(replicas->world_size());
+  }
   MemoryModel out;
   out.base.assign(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(p));
   out.stages.resize(S);
@@ -246,6 +252,21 @@ MemoryModel agree_memory(Transport& transport, const MemoryModel& mine, Duration
     out.gradients[s] = row[2 * kNumActionTypes];
   }
   return out;
+}
+
+std::vector<double> stage_gradient_bytes(Pipeline& pipeline) {
+  // Mixed precision: the masters' float32 .grad is what a W or B allocates (the compute parameters' stays undefined).
+  const bool masters = pipeline.options().mixed_precision.enabled();
+  std::vector<double> bytes(static_cast<std::size_t>(pipeline.schedule().num_stages), 0.0);
+  std::set<const void*> counted;
+  for (int s : pipeline.stage_indices()) {
+    for (const at::Tensor& t : pipeline.stage(s).parameters()) {
+      if (!t.requires_grad() || !counted.insert(t.unsafeGetTensorImpl()).second) continue;
+      bytes[static_cast<std::size_t>(s)] +=
+          static_cast<double>(t.numel()) * static_cast<double>(masters ? sizeof(float) : t.element_size());
+    }
+  }
+  return bytes;
 }
 
 std::string measured_costs_json(const MeasuredCosts& costs) {

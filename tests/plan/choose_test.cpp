@@ -13,6 +13,7 @@
 
 #include "common/pipeline_fixtures.h"
 #include "twobp/error.h"
+#include "twobp/metrics/memory.h"
 #include "twobp/plan/choose.h"
 #include "twobp/runtime/launch.h"
 #include "twobp/runtime/pipeline.h"
@@ -81,10 +82,61 @@ TEST(RankSchedules, CostsOfAStandardRunRankOnlyStandardFormsAndNamesFilter) {
   const auto ranking = rank_schedules(running, costs);
   ASSERT_FALSE(ranking.empty());
   for (const auto& c : ranking) EXPECT_EQ(c.mode, BackwardMode::kStandard) << c.name;
-  const auto only = rank_schedules(running, split_costs(2, 1.0, 1.0, 1.0), {"zb-h1"}, {BackwardMode::kSplit});
+  RankOptions zb;
+  zb.names = {"zb-h1"};
+  zb.modes = {BackwardMode::kSplit};
+  const auto only = rank_schedules(running, split_costs(2, 1.0, 1.0, 1.0), zb);
   ASSERT_EQ(only.size(), 1u);
   EXPECT_EQ(only[0].name, "zb-h1");
   EXPECT_THROW(rank_schedules(running, split_costs(3, 1.0, 1.0, 1.0)), UsageError);  // costs of other stages
+}
+
+// A memory model whose numbers differ per stage and action type: F keeps activations, I frees most, W the rest.
+MemoryModel made_up_memory(int ranks, int stages) {
+  MemoryModel m;
+  m.base.assign(ranks, 1000.0);
+  m.stages.resize(stages);
+  m.gradients.assign(stages, 50.0);
+  for (int s = 0; s < stages; ++s) {
+    auto& a = m.stages[s];
+    a[static_cast<int>(ActionType::kForward)] = {100.0 + 10 * s, 120.0 + 10 * s};
+    a[static_cast<int>(ActionType::kBackwardInput)] = {-70.0 - 7 * s, 30.0};
+    a[static_cast<int>(ActionType::kBackwardWeight)] = {-30.0 - 3 * s, 5.0};
+    a[static_cast<int>(ActionType::kBackward)] = {-100.0 - 10 * s, 40.0};
+  }
+  return m;
+}
+
+TEST(RankSchedules, AMemoryLimitKeepsTheCandidatesWhosePredictedPeakFits) {
+  const Schedule running = make_schedule("1f1b", ScheduleOptions{4, 8, 1, BackwardMode::kSplit});
+  const MeasuredCosts costs = split_costs(4, 1.0, 1.0, 1.0);
+  const MemoryModel memory = made_up_memory(4, 4);
+  RankOptions with_memory;
+  with_memory.memory = &memory;
+  const std::vector<ScheduleCandidate> all = rank_schedules(running, costs, with_memory);
+  ASSERT_GE(all.size(), 3u);
+  std::vector<double> peaks;
+  for (const ScheduleCandidate& c : all) {
+    const std::vector<double> per_rank = simulate_peak_memory(c.schedule, memory);
+    EXPECT_DOUBLE_EQ(c.predicted_peak_bytes, *std::max_element(per_rank.begin(), per_rank.end())) << c.name;
+    peaks.push_back(c.predicted_peak_bytes);
+  }
+  std::sort(peaks.begin(), peaks.end());
+  ASSERT_LT(peaks.front(), peaks.back()) << "the made-up model should tell schedules apart (gpipe keeps more)";
+  RankOptions limited = with_memory;
+  limited.memory_limit_bytes = peaks[peaks.size() / 2];
+  const std::vector<ScheduleCandidate> kept = rank_schedules(running, costs, limited);
+  std::size_t fitting = 0;
+  for (const ScheduleCandidate& c : all) fitting += c.predicted_peak_bytes <= limited.memory_limit_bytes;
+  EXPECT_EQ(kept.size(), fitting);
+  for (const ScheduleCandidate& c : kept) EXPECT_LE(c.predicted_peak_bytes, limited.memory_limit_bytes) << c.name;
+  RankOptions no_model;
+  no_model.memory_limit_bytes = 1e9;  // a limit without the model that would check it
+  EXPECT_THROW(rank_schedules(running, costs, no_model), UsageError);
+  const MemoryModel other = made_up_memory(2, 2);  // another placement's model
+  RankOptions wrong;
+  wrong.memory = &other;
+  EXPECT_THROW(rank_schedules(running, costs, wrong), UsageError);
 }
 
 // AutoSchedule on 2 rank threads: whatever the machine's timings make it choose, every rank prints the same
@@ -165,6 +217,65 @@ TEST(AutoSchedule, DecidesAlikeOnEveryRankAndKeepsTheGradients) {
   }
 }
 
+// With a memory limit the candidates are ranked with their predicted peak from the probe's measured memory model,
+// alike on every rank; a limit nothing fits keeps the starting schedule.
+TEST(AutoSchedule, AMemoryLimitRanksOnlyCandidatesThatFit) {
+  Float64Default float64;
+  memory::count_cpu_allocations();  // tensor memory per rank account (twobp/metrics/memory.h)
+  constexpr int kMicroBatches = 4;
+  const Schedule start = make_schedule("gpipe", ScheduleOptions{2, kMicroBatches, 1, BackwardMode::kSplit});
+  torch::manual_seed(1);
+  const auto inputs = torch::randn({kMicroBatches * kMicroBatchSize, kDim});
+  const auto targets = torch::randn({kMicroBatches * kMicroBatchSize, kDim});
+  for (const double limit : {1.0, 1e15}) {
+    SCOPED_TRACE("limit " + std::to_string(limit));
+    auto transports = make_local_transports(2);
+    std::vector<std::unique_ptr<Pipeline>> pipelines;
+    std::vector<Transport*> ts;
+    PipelineOptions po = fixture_options();
+    po.record_memory = true;
+    for (int r = 0; r < 2; ++r) {
+      auto module = make_chunk(r);
+      auto* raw = module.get();
+      std::vector<PipelineChunk> chunks;
+      chunks.push_back({r, module, [raw, r](const at::Tensor& x) { return run_chunk(*raw, r, x); }});
+      pipelines.push_back(std::make_unique<Pipeline>(start, std::move(chunks),
+                                                     std::shared_ptr<Transport>(std::move(transports[r])), po));
+      ts.push_back(&pipelines[r]->transport());
+    }
+    std::vector<std::vector<ScheduleCandidate>> rankings(2);
+    std::vector<std::string> first_news(2);
+    run_rank_threads(ts, [&](Transport& t) {
+      const int r = t.rank();
+      AutoScheduleOptions o;
+      o.probe_steps = 2;
+      o.verify_steps = 2;
+      o.memory_limit_bytes = limit;
+      AutoSchedule chooser(*pipelines[r], o);
+      for (int step = 0; step < 2; ++step) {
+        pipelines[r]->zero_grad();
+        std::optional<std::string> line = chooser.after_step(pipelines[r]->step(inputs, targets));
+        if (line) first_news[r] = *line;
+      }
+      rankings[r] = chooser.ranking();
+    }).rethrow_root_cause();
+    EXPECT_EQ(first_news[0], first_news[1]);
+    ASSERT_EQ(rankings[0].size(), rankings[1].size());
+    if (limit < 2.0) {  // nothing fits in one byte
+      EXPECT_TRUE(rankings[0].empty());
+      EXPECT_NE(first_news[0].find("keeping gpipe 2BP"), std::string::npos) << first_news[0];
+      EXPECT_NE(first_news[0].find("within"), std::string::npos) << first_news[0];
+      for (const auto& p : pipelines) EXPECT_EQ(p->schedule().name, "gpipe");
+      continue;
+    }
+    ASSERT_FALSE(rankings[0].empty());
+    for (std::size_t k = 0; k < rankings[0].size(); ++k) {
+      EXPECT_GT(rankings[0][k].predicted_peak_bytes, 0.0) << rankings[0][k].name;
+      EXPECT_EQ(rankings[0][k].predicted_peak_bytes, rankings[1][k].predicted_peak_bytes) << rankings[0][k].name;
+    }
+  }
+}
+
 TEST(AutoSchedule, RefusesBadOptionsAndMemoryBoundPipelines) {
   Float64Default float64;
   const Schedule sc = make_schedule("1f1b", ScheduleOptions{1, 2, 1, BackwardMode::kSplit});
@@ -189,6 +300,19 @@ TEST(AutoSchedule, RefusesBadOptionsAndMemoryBoundPipelines) {
   } catch (const UsageError& e) {
     EXPECT_NE(std::string(e.what()).find("memory"), std::string::npos) << e.what();
   }
+  AutoScheduleOptions memory_limit;
+  memory_limit.memory_limit_bytes = 1 << 30;
+  try {  // a limit on the candidates needs their memory measured
+    AutoSchedule chooser(*plain, memory_limit);
+    ADD_FAILURE() << "a memory limit was accepted without record_memory";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("record_memory"), std::string::npos) << e.what();
+  }
+  memory_limit.memory_limit_bytes = -1;
+  PipelineOptions recording = fixture_options();
+  recording.record_memory = true;
+  auto recorded = make(recording);
+  EXPECT_THROW(AutoSchedule(*recorded, memory_limit), UsageError);
 }
 
 }  // namespace

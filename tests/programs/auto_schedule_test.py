@@ -99,8 +99,13 @@ def main():
     if mpiexec:
         check([mpiexec, "-n", "2", *MPI_FLAGS], example, work, "mpi")
     # Refused before any step, saying why.
-    run([example, "--schedule", "auto", "--max-pending-w", "1"], ok=False, must_say="time only")
+    run([example, "--schedule", "auto", "--max-pending-w", "1"], ok=False, must_say="cannot keep --memory-limit-gb or --max-pending-w")
     run([example, "--schedule", "auto", "--steps", "5", "--auto-steps", "3"], ok=False, must_say="--steps >= 6")
+    # A memory bound on the candidates that nothing fits: the starting schedule is kept, and said so.
+    out = run([example, *JOB, "--schedule", "auto", "--auto-steps", str(AUTO_STEPS), "--auto-memory-limit-gb",
+               "1e-9"])
+    assert "keeping 1f1b" in out and "within" in out, f"a limit nothing fits: {out}"
+    print("threads: --auto-memory-limit-gb 1e-9 keeps the starting schedule")
 
 
 if __name__ == "__main__":

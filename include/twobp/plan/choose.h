@@ -17,9 +17,15 @@
 // step time with the starting schedule's and switches back when the choice measured slower. Every decision is made
 // from all-reduced numbers, so every rank decides alike.
 //
+// Memory: with AutoScheduleOptions::memory_limit_bytes the probe also records each action's tensor memory
+// (PipelineOptions::record_memory), the ranks agree on the memory model, and only candidates whose simulated peak
+// (simulate_peak_memory) stays within the limit on every rank are ranked; the starting schedule is kept when none
+// that fits is predicted faster.
+//
 // Not covered: candidates of another placement (that moves stages between ranks: a new Pipeline and a checkpoint),
-// and memory: the candidates are ranked by time only, so a job that bounds memory (PipelineOptions::memory_limit_bytes,
-// max_pending_weight_micro_batches) should choose its schedule itself -- AutoSchedule refuses such a pipeline.
+// and pipelines whose runtime bounds memory (PipelineOptions::memory_limit_bytes, max_pending_weight_micro_batches:
+// the W's such a bound moves are not simulated) -- AutoSchedule refuses those; bound the candidates with
+// AutoScheduleOptions::memory_limit_bytes instead.
 
 #include <chrono>
 #include <optional>
@@ -38,6 +44,18 @@ struct ScheduleCandidate {
   BackwardMode mode = BackwardMode::kSplit;
   Schedule schedule;
   double predicted_ms = 0.0;  ///< simulate(schedule, costs).step_time
+  /// max over ranks of simulate_peak_memory(schedule, memory) (bytes); 0 when ranked without a memory model.
+  double predicted_peak_bytes = 0.0;
+};
+
+/// What rank_schedules considers besides the costs.
+struct RankOptions {
+  std::vector<std::string> names;  ///< registered schedules (empty: all)
+  std::vector<BackwardMode> modes = {BackwardMode::kStandard, BackwardMode::kSplit};
+  /// The measured memory model (agree_memory); with it every candidate gets its predicted peak.
+  const MemoryModel* memory = nullptr;
+  /// With `memory`: candidates whose predicted peak exceeds this on some rank are left out. 0: no limit.
+  double memory_limit_bytes = 0.0;
 };
 
 /// The registered schedules × modes (`names` / `modes`; empty `names`: every registered schedule) that keep
@@ -45,11 +63,11 @@ struct ScheduleCandidate {
 /// step time under `costs` (fastest first; ties keep registry order, standard before 2BP). The costs of the
 /// measured stages carry over unchanged, the placement being the same. A standard candidate's fused B is the
 /// measured B where the run had one, else I + W (2BP's split costs the same work); a 2BP candidate needs I and W,
-/// so costs of a standard run rank the standard forms only. Generators that reject the shape are left out.
+/// so costs of a standard run rank the standard forms only. Generators that reject the shape are left out, and so
+/// are candidates over the memory limit (RankOptions). Throws UsageError when the memory model does not cover the
+/// placement, or a limit is given without one.
 std::vector<ScheduleCandidate> rank_schedules(const Schedule& running, const MeasuredCosts& costs,
-                                              const std::vector<std::string>& names = {},
-                                              const std::vector<BackwardMode>& modes = {BackwardMode::kStandard,
-                                                                                        BackwardMode::kSplit});
+                                              const RankOptions& options = {});
 
 struct AutoScheduleOptions {
   /// Steps measured with the starting schedule before choosing; the first is left out (warm-up). >= 2.
@@ -59,6 +77,9 @@ struct AutoScheduleOptions {
   /// Candidate names (empty: every registered schedule) and modes.
   std::vector<std::string> names;
   std::vector<BackwardMode> modes = {BackwardMode::kStandard, BackwardMode::kSplit};
+  /// Per-rank bound on the candidates' simulated peak tensor memory (bytes; 0: none). Needs the pipeline to run
+  /// with PipelineOptions::record_memory (on CPU also memory::count_cpu_allocations(), twobp/metrics/memory.h).
+  double memory_limit_bytes = 0.0;
   /// Data parallelism: the rank's data-parallel group, so that the replicas agree (collective over it too).
   Transport* replicas = nullptr;
   Duration timeout = std::chrono::minutes(5);
@@ -69,7 +90,8 @@ class AutoSchedule {
  public:
   enum class Phase { kProbing, kVerifying, kDone };
 
-  /// Throws UsageError when the options are out of range or the pipeline bounds memory (see the top).
+  /// Throws UsageError when the options are out of range, the pipeline bounds memory (see the top), or a memory
+  /// limit is asked of a pipeline that does not record memory.
   AutoSchedule(Pipeline& pipeline, AutoScheduleOptions options);
 
   /// Call after every Pipeline::step() with its result, on every rank. Collective (a few all-reduces over the
@@ -95,6 +117,7 @@ class AutoSchedule {
   Phase phase_ = Phase::kProbing;
   int steps_in_phase_ = 0;
   CostRecorder costs_;
+  std::optional<MemoryRecorder> memory_;  // with a memory limit
   std::vector<double> step_ms_;  // this rank's measured steps of the phase
   std::vector<ScheduleCandidate> ranking_;
   double start_ms_ = 0.0, chosen_ms_ = 0.0;

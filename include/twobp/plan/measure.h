@@ -5,7 +5,7 @@
 // `simulate_peak_memory(schedule, memory)` predict another schedule from a run of one (twobp/schedule/simulate.h).
 //
 //   CostRecorder costs(schedule.num_stages);
-//   MemoryRecorder memory(schedule.num_stages, gradient_bytes_per_stage);   // needs PipelineOptions::record_memory
+//   MemoryRecorder memory(schedule.num_stages, stage_gradient_bytes(pipeline));  // needs PipelineOptions::record_memory
 //   for (each measured step) { StepResult r = pipeline.step(x, y); costs.add(r.trace); memory.add(r.trace); }
 //   MeasuredCosts all = agree_costs(transport, costs.local_medians(), timeout);   // collective: every rank
 //   MemoryModel mem = agree_memory(transport, memory.local_medians(rank, p), timeout);
@@ -24,6 +24,8 @@
 #include "twobp/transport/transport.h"
 
 namespace twobp {
+
+class Pipeline;
 
 /// Per-stage costs of a run in milliseconds: for each action type, the median over its occurrences in the
 /// measured steps. An action type the run's mode does not have is 0 (I and W in standard mode, B in 2BP mode).
@@ -103,7 +105,15 @@ class MemoryRecorder {
 };
 
 /// Every rank's MemoryRecorder::local_medians() summed (one all-reduce over the pipeline's ranks). Collective.
-MemoryModel agree_memory(Transport& transport, const MemoryModel& mine, Duration timeout);
+/// With data parallelism pass the rank's data-parallel group as `replicas`: the replicas' models are then
+/// averaged too (as agree_costs), so that every rank of the job holds the same model.
+MemoryModel agree_memory(Transport& transport, const MemoryModel& mine, Duration timeout,
+                         Transport* replicas = nullptr);
+
+/// MemoryRecorder's `gradient_bytes` for this rank of `pipeline`: per stage, the .grad bytes its trainable
+/// parameters allocate (a tensor shared by two of the rank's stages counted once, in the first; with mixed
+/// precision the float32 masters' gradients, which are the ones allocated), 0 for other ranks' stages.
+std::vector<double> stage_gradient_bytes(Pipeline& pipeline);
 
 /// The JSON form of measured costs, the one writer of it: an object
 ///   {"communication_ms": c, "costs_ms": {"F": [...], "I": [...], "W": [...], "B": [...], "R": [...]}}
