@@ -48,6 +48,7 @@ struct Args {
   std::string schedule = "1f1b";  // or "auto" (twobp::AutoSchedule): start with auto_start, then choose
   std::string auto_start = "1f1b";
   int auto_steps = 4;  // --schedule auto: steps measured before choosing, and before keeping the choice
+  int auto_candidates = 3;  // --schedule auto: the fastest predicted candidates measured before choosing
   double auto_memory_limit_gb = 0;  // --schedule auto: candidates' predicted peak tensor memory per rank, GiB (0: any)
   bool two_bp = true;
   int microbatches = 4;

@@ -43,9 +43,13 @@ void add_options(CLI::App& app, Args& a) {
                  "interleaved-1f1b, zb-v: two) bounds the candidates")
       ->check(CLI::IsMember(twobp::schedule_names()))->group(pipeline);
   app.add_option("--auto-steps", a.auto_steps,
-                 "With --schedule auto: steps measured before choosing, and again before keeping the choice (the "
-                 "first of each is warm-up)")
+                 "With --schedule auto: steps measured before choosing, and for each candidate measured (the first "
+                 "of each is warm-up)")
       ->check(cli::number_in(2, 1000))->group(pipeline);
+  app.add_option("--auto-candidates", a.auto_candidates,
+                 "With --schedule auto: how many of the fastest predicted candidates (within 10 % of the best) are "
+                 "measured; the job keeps the fastest measured of them and the starting schedule")
+      ->check(cli::number_in(1, 100))->group(pipeline);
   app.add_option("--auto-memory-limit-gb", a.auto_memory_limit_gb,
                  "With --schedule auto: only candidates whose peak tensor memory per rank, predicted from the memory "
                  "measured while probing, stays within this many GiB (0: any)")
@@ -178,9 +182,11 @@ std::vector<std::string> ignored_options(const CLI::App& app, const Args& a) {
     ignored.emplace_back("--checkpoint-every (only with --checkpoint-dir)");
   }
   if (given("--schedule") && !a.schedule_file.empty()) ignored.emplace_back("--schedule (--schedule-file decides)");
-  if ((given("--auto-start") || given("--auto-steps") || given("--auto-memory-limit-gb")) &&
+  if ((given("--auto-start") || given("--auto-steps") || given("--auto-candidates") ||
+       given("--auto-memory-limit-gb")) &&
       (a.schedule != "auto" || !a.schedule_file.empty())) {
-    ignored.emplace_back("--auto-start/--auto-steps/--auto-memory-limit-gb (only with --schedule auto)");
+    ignored.emplace_back("--auto-start/--auto-steps/--auto-candidates/--auto-memory-limit-gb (only with --schedule "
+                         "auto)");
   }
   if (given("--zero") && a.zero == 1 && a.dp == 1) ignored.emplace_back("--zero 1 (nothing to shard with --dp 1)");
   return ignored;
@@ -192,9 +198,10 @@ void validate_args(const Args& a) {
               "--schedule auto cannot keep --memory-limit-gb or --max-pending-w (the simulator does not model the "
               "W's such a bound moves); bound the candidates' memory with --auto-memory-limit-gb, or choose the "
               "schedule yourself (twobp_bench plan predicts time and memory)");
-  TWOBP_CHECK(!a.auto_schedule() || a.steps >= 2 * a.auto_steps, twobp::UsageError,
-              "--schedule auto measures --auto-steps {} steps before choosing and as many after; give --steps >= {}",
-              a.auto_steps, 2 * a.auto_steps);
+  TWOBP_CHECK(!a.auto_schedule() || a.steps >= (2 + a.auto_candidates) * a.auto_steps, twobp::UsageError,
+              "--schedule auto measures --auto-steps {} steps of the starting schedule in each mode before choosing "
+              "and as many for each of up to --auto-candidates {}; give --steps >= {}",
+              a.auto_steps, a.auto_candidates, (2 + a.auto_candidates) * a.auto_steps);
 }
 
 }  // namespace llama_example

@@ -271,6 +271,7 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
   if (a.auto_schedule()) {
     twobp::AutoScheduleOptions o;
     o.probe_steps = o.verify_steps = a.auto_steps;
+    o.measure_candidates = a.auto_candidates;
     // Needs the per-action memory readings, which rank threads sharing a GPU do not take (build_rank_model).
     TWOBP_CHECK(a.auto_memory_limit_gb <= 0 || pipeline.options().record_memory, twobp::UsageError,
                 "--auto-memory-limit-gb: rank {}'s memory is not measured per action (rank threads sharing {}, whose "

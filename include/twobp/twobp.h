@@ -31,6 +31,7 @@
 #include "twobp/metrics/memory.h"
 #include "twobp/metrics/metrics.h"
 #include "twobp/plan/choose.h"
+#include "twobp/plan/llama.h"
 #include "twobp/plan/measure.h"
 #include "twobp/runtime/data_parallel.h"
 #include "twobp/runtime/executor.h"

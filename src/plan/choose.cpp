@@ -1,6 +1,7 @@
 #include "twobp/plan/choose.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <utility>
@@ -97,6 +98,9 @@ AutoSchedule::AutoSchedule(Pipeline& pipeline, AutoScheduleOptions options)
               "rank {}: AutoScheduleOptions: probe_steps and verify_steps must be >= 2 (the first step of each is "
               "warm-up), got {} and {}",
               rank, options_.probe_steps, options_.verify_steps);
+  TWOBP_CHECK(options_.measure_candidates >= 1 && options_.measure_within >= 0.0, UsageError,
+              "rank {}: AutoScheduleOptions: measure_candidates must be >= 1 and measure_within >= 0, got {} and {}",
+              rank, options_.measure_candidates, options_.measure_within);
   const PipelineOptions& po = pipeline.options();
   TWOBP_CHECK(po.memory_limit_bytes == 0 && po.max_pending_weight_micro_batches == 0, UsageError,
               "rank {}: AutoSchedule ranks schedules by time only, and this pipeline bounds memory "
@@ -112,6 +116,22 @@ AutoSchedule::AutoSchedule(Pipeline& pipeline, AutoScheduleOptions options)
                 "run the pipeline with PipelineOptions::record_memory = true",
                 rank);
     memory_.emplace(pipeline.schedule().num_stages, stage_gradient_bytes(pipeline));
+  }
+  // The starting schedule, then its other form where the candidates include that mode: a 2BP run measures I and
+  // W but not what a fused B costs (less than I + W), a standard run B but not I and W.
+  probes_.push_back(start_);
+  const BackwardMode other =
+      start_.backward == BackwardMode::kSplit ? BackwardMode::kStandard : BackwardMode::kSplit;
+  if (std::find(options_.modes.begin(), options_.modes.end(), other) != options_.modes.end()) {
+    try {
+      Schedule form = make_schedule(
+          start_.name, ScheduleOptions{start_.num_ranks, start_.num_micro_batches, start_.num_stages / start_.num_ranks,
+                                       other});
+      if (form.stage_to_rank == start_.stage_to_rank && form.num_micro_batches == start_.num_micro_batches) {
+        probes_.push_back(std::move(form));
+      }
+    } catch (const UsageError&) {  // a schedule from a file, or a generator without that form
+    }
   }
 }
 
@@ -133,56 +153,122 @@ std::optional<std::string> AutoSchedule::after_step(const StepResult& result) {
     step_ms_.push_back(result.pipeline_us / 1000.0);
   }
   if (phase_ == Phase::kProbing && steps_in_phase_ == options_.probe_steps) {
-    start_ms_ = slowest_median_ms();
-    const MeasuredCosts agreed =
-        agree_costs(pipeline_.transport(), costs_.local_medians(), options_.timeout, options_.replicas);
-    RankOptions ro;
-    ro.names = options_.names;
-    ro.modes = options_.modes;
-    std::optional<MemoryModel> memory;
-    if (memory_) {
-      Transport& t = pipeline_.transport();
-      memory = agree_memory(t, memory_->local_medians(t.rank(), t.world_size()), options_.timeout,
-                            options_.replicas);
-      ro.memory = &*memory;
-      ro.memory_limit_bytes = options_.memory_limit_bytes;
+    probe_ms_.push_back(slowest_median_ms());
+    if (probe_ms_.size() == 1) start_ms_ = probe_ms_.front();
+    if (probe_ms_.size() < probes_.size()) {
+      const Schedule& measured = probes_[probe_ms_.size() - 1];
+      start_phase(probes_[probe_ms_.size()]);
+      return fmt::format("auto schedule: {} measured {:.2f} ms/step; measuring its {} form too (what {} costs); "
+                         "switching to {}",
+                         describe(measured), probe_ms_.back(), mode_label(pipeline_.schedule().backward),
+                         pipeline_.schedule().backward == BackwardMode::kSplit ? "an I and a W" : "a fused B",
+                         describe(pipeline_.schedule()));
     }
-    ranking_ = rank_schedules(start_, agreed, ro);
-    const std::optional<CostModel> own = candidate_costs(agreed, start_.backward);
-    const double start_predicted = own ? simulate(start_, *own).step_time : 0.0;
-    phase_ = Phase::kDone;
-    if (ranking_.empty() || ranking_.front().predicted_ms >= start_predicted) {
-      return fmt::format("auto schedule: keeping {} ({:.2f} ms/step measured, {:.2f} predicted; no candidate of "
-                         "this placement{} is predicted faster)",
-                         describe(start_), start_ms_, start_predicted,
-                         memory_ ? fmt::format(" within {:.4g} MiB", options_.memory_limit_bytes / (1 << 20)) : "");
-    }
-    const ScheduleCandidate& best = ranking_.front();
-    pipeline_.switch_schedule(best.schedule);
-    phase_ = Phase::kVerifying;
-    steps_in_phase_ = 0;
-    step_ms_.clear();
-    return fmt::format("auto schedule: {} measured {:.2f} ms/step (predicted {:.2f}); switching to {} (predicted "
-                       "{:.2f}, {:.2f}x{}), the fastest of {} candidates of this placement{}",
-                       describe(start_), start_ms_, start_predicted, describe(best.schedule), best.predicted_ms,
-                       start_predicted / best.predicted_ms,
-                       memory_ ? fmt::format(", peak {:.4g} MiB", best.predicted_peak_bytes / (1 << 20)) : "",
-                       ranking_.size(),
-                       memory_ ? fmt::format(" within {:.4g} MiB", options_.memory_limit_bytes / (1 << 20)) : "");
+    return end_probe();
   }
-  if (phase_ == Phase::kVerifying && steps_in_phase_ == options_.verify_steps) {
-    chosen_ms_ = slowest_median_ms();
-    phase_ = Phase::kDone;
-    const std::string chosen = describe(pipeline_.schedule());
-    if (chosen_ms_ > start_ms_) {
-      pipeline_.switch_schedule(start_);
-      return fmt::format("auto schedule: {} measured {:.2f} ms/step, slower than {}'s {:.2f}: back to {}", chosen,
-                         chosen_ms_, describe(start_), start_ms_, describe(start_));
-    }
-    return fmt::format("auto schedule: keeping {}: {:.2f} ms/step measured against {:.2f} for {} ({:.2f}x)", chosen,
-                       chosen_ms_, start_ms_, describe(start_), start_ms_ / chosen_ms_);
-  }
+  if (phase_ == Phase::kVerifying && steps_in_phase_ == options_.verify_steps) return end_trial();
   return std::nullopt;
+}
+
+std::string AutoSchedule::memory_note() const {
+  return memory_ ? fmt::format(" within {:.4g} MiB", options_.memory_limit_bytes / (1 << 20)) : "";
+}
+
+void AutoSchedule::start_phase(const Schedule& next) {
+  pipeline_.switch_schedule(next);
+  steps_in_phase_ = 0;
+  step_ms_.clear();
+}
+
+std::string AutoSchedule::end_probe() {
+  const MeasuredCosts agreed =
+      agree_costs(pipeline_.transport(), costs_.local_medians(), options_.timeout, options_.replicas);
+  RankOptions ro;
+  ro.names = options_.names;
+  ro.modes = options_.modes;
+  std::optional<MemoryModel> memory;
+  if (memory_) {
+    Transport& t = pipeline_.transport();
+    memory = agree_memory(t, memory_->local_medians(t.rank(), t.world_size()), options_.timeout, options_.replicas);
+    ro.memory = &*memory;
+    ro.memory_limit_bytes = options_.memory_limit_bytes;
+  }
+  // A probed form other than the starting schedule is kept only if it fits the limit too.
+  probe_fits_.assign(probes_.size(), true);
+  for (std::size_t k = 1; k < probes_.size() && memory; ++k) {
+    const std::vector<double> peaks = simulate_peak_memory(probes_[k], *memory);
+    probe_fits_[k] = *std::max_element(peaks.begin(), peaks.end()) <= options_.memory_limit_bytes;
+  }
+  ranking_ = rank_schedules(start_, agreed, ro);
+  auto predicted = [&](const Schedule& s) {
+    const std::optional<CostModel> model = candidate_costs(agreed, s.backward);
+    return model ? simulate(s, *model).step_time : 0.0;
+  };
+  const double start_predicted = predicted(start_);
+  // The shortlist: the fastest predictions not measured yet, within `measure_within` of the best of them and of the
+  // starting schedule's prediction (the simulator cannot tell closer ones apart reliably).
+  const double bar = (ranking_.empty() ? start_predicted : std::min(ranking_.front().predicted_ms, start_predicted)) *
+                     (1.0 + options_.measure_within);
+  for (const ScheduleCandidate& c : ranking_) {
+    if (static_cast<int>(trials_.size()) == options_.measure_candidates || c.predicted_ms > bar) break;
+    const bool probed = std::any_of(probes_.begin(), probes_.end(), [&](const Schedule& p) {
+      return c.name == p.name && c.mode == p.backward;
+    });
+    if (!probed) trials_.push_back(c);
+  }
+  const std::string probed = fmt::format("auto schedule: {} measured {:.2f} ms/step (predicted {:.2f})",
+                                         describe(pipeline_.schedule()), probe_ms_.back(),
+                                         predicted(pipeline_.schedule()));
+  if (trials_.empty()) {
+    return settle(fmt::format("{}; no other candidate of this placement{} is predicted faster or within {:.0f} % of "
+                              "it",
+                              probed, memory_note(), 100 * options_.measure_within));
+  }
+  std::vector<std::string> listed;
+  for (const ScheduleCandidate& c : trials_) {
+    listed.push_back(fmt::format("{} ({:.2f}{})", describe(c.schedule), c.predicted_ms,
+                                 memory_ ? fmt::format(", peak {:.4g} MiB", c.predicted_peak_bytes / (1 << 20)) : ""));
+  }
+  phase_ = Phase::kVerifying;
+  start_phase(trials_.front().schedule);
+  return fmt::format("{}; measuring the {} of {} candidates of this placement{} predicted fastest: {}; switching to {}",
+                     probed, trials_.size(), ranking_.size(), memory_note(), fmt::join(listed, ", "),
+                     describe(trials_.front().schedule));
+}
+
+std::string AutoSchedule::end_trial() {
+  const ScheduleCandidate& tried = trials_[trial_ms_.size()];
+  trial_ms_.push_back(slowest_median_ms());
+  const std::string measured = fmt::format("auto schedule: {} measured {:.2f} ms/step (predicted {:.2f})",
+                                           describe(tried.schedule), trial_ms_.back(), tried.predicted_ms);
+  if (trial_ms_.size() < trials_.size()) {
+    start_phase(trials_[trial_ms_.size()].schedule);
+    return fmt::format("{}; switching to {}", measured, describe(pipeline_.schedule()));
+  }
+  return settle(measured);
+}
+
+std::string AutoSchedule::settle(const std::string& prefix) {
+  // Every schedule measured -- the probed forms, then the trials -- by the same slowest-rank medians.
+  std::vector<std::pair<const Schedule*, double>> all;
+  for (std::size_t k = 0; k < probes_.size(); ++k) {
+    if (probe_fits_[k]) all.emplace_back(&probes_[k], probe_ms_[k]);
+  }
+  for (std::size_t k = 0; k < trials_.size(); ++k) all.emplace_back(&trials_[k].schedule, trial_ms_[k]);
+  const auto best = std::min_element(all.begin(), all.end(), [](const auto& a, const auto& b) {
+    return a.second < b.second;  // ties: the first measured (the starting schedule first)
+  });
+  phase_ = Phase::kDone;
+  chosen_ms_ = best->second;
+  const Schedule& chosen = *best->first;
+  const bool running = chosen.name == pipeline_.schedule().name && chosen.backward == pipeline_.schedule().backward;
+  if (!running) pipeline_.switch_schedule(chosen);
+  const std::string verb = running ? "keeping" : best == all.begin() ? "back to" : "switching to";
+  if (all.size() == 1) return fmt::format("{}; {} {}", prefix, verb, describe(chosen));
+  return fmt::format("{}; {} {}: {:.2f} ms/step measured against {:.2f} for {} ({:.2f}x), the fastest of {} "
+                     "measured",
+                     prefix, verb, describe(chosen), chosen_ms_, start_ms_, describe(start_), start_ms_ / chosen_ms_,
+                     all.size());
 }
 
 }  // namespace twobp

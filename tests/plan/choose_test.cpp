@@ -144,7 +144,9 @@ TEST(RankSchedules, AMemoryLimitKeepsTheCandidatesWhosePredictedPeakFits) {
 // (no optimizer: the weights stay) are the single-process ones.
 TEST(AutoSchedule, DecidesAlikeOnEveryRankAndKeepsTheGradients) {
   Float64Default float64;
-  constexpr int kSteps = 9, kMicroBatches = 4;
+  constexpr int kProbe = 3, kVerify = 3, kCandidates = 3, kMicroBatches = 4;
+  constexpr int kProbes = 2;  // gpipe 2BP, then gpipe standard
+  constexpr int kSteps = kProbes * kProbe + kCandidates * kVerify + 1;  // one step after the last decision
   const Schedule start = make_schedule("gpipe", ScheduleOptions{2, kMicroBatches, 1, BackwardMode::kSplit});
   torch::manual_seed(1);
   const auto inputs = torch::randn({kMicroBatches * kMicroBatchSize, kDim});
@@ -167,13 +169,18 @@ TEST(AutoSchedule, DecidesAlikeOnEveryRankAndKeepsTheGradients) {
   std::vector<std::vector<std::pair<int, std::string>>> news(2);     // (step, line) per rank
   std::vector<std::vector<std::string>> schedule_at(2);              // schedule name after each step
   std::vector<std::vector<std::string>> mismatches(2);
+  std::vector<std::vector<double>> trial_ms(2);
+  std::vector<double> start_ms(2), chosen_ms(2);
+  std::vector<std::vector<double>> probe_ms(2);
   std::mutex mutex;
   run_rank_threads(ts, [&](Transport& t) {
     const int r = t.rank();
     Pipeline& pipeline = *pipelines[r];
     AutoScheduleOptions o;
-    o.probe_steps = 3;
-    o.verify_steps = 3;
+    o.probe_steps = kProbe;
+    o.verify_steps = kVerify;
+    o.measure_candidates = kCandidates;
+    o.measure_within = 10.0;  // every candidate up to 11x the best prediction: the trials happen whatever the timings
     AutoSchedule chooser(pipeline, o);
     for (int step = 0; step < kSteps; ++step) {
       pipeline.zero_grad();
@@ -194,27 +201,47 @@ TEST(AutoSchedule, DecidesAlikeOnEveryRankAndKeepsTheGradients) {
                                                                : " standard"));
     }
     EXPECT_EQ(chooser.phase(), AutoSchedule::Phase::kDone);
+    std::lock_guard<std::mutex> lock(mutex);
+    trial_ms[r] = chooser.trial_ms();
+    probe_ms[r] = chooser.probe_ms();
+    start_ms[r] = chooser.starting_ms();
+    chosen_ms[r] = chooser.chosen_ms();
   }).rethrow_root_cause();
   EXPECT_TRUE(mismatches[0].empty() && mismatches[1].empty())
       << (mismatches[0].empty() ? mismatches[1].front() : mismatches[0].front());
   EXPECT_EQ(news[0], news[1]);
   EXPECT_EQ(schedule_at[0], schedule_at[1]);
-  // The first decision ends the probe (step index probe_steps - 1); a switch is followed by a verdict
-  // verify_steps later. The schedule changes only at those steps.
-  ASSERT_FALSE(news[0].empty());
-  EXPECT_EQ(news[0][0].first, 2);
-  for (int step = 0; step < 2; ++step) EXPECT_EQ(schedule_at[0][step], "gpipe 2bp");
-  if (news[0][0].second.find("switching to") != std::string::npos) {
-    ASSERT_EQ(news[0].size(), 2u) << news[0][0].second;
-    EXPECT_EQ(news[0][1].first, 5);
-    EXPECT_NE(schedule_at[0][2], "gpipe 2bp");
-    const bool back = news[0][1].second.find("back to") != std::string::npos;
-    EXPECT_EQ(schedule_at[0][5] == "gpipe 2bp", back) << news[0][1].second;
-    for (int step = 6; step < kSteps; ++step) EXPECT_EQ(schedule_at[0][step], schedule_at[0][5]);
-  } else {
-    EXPECT_EQ(news[0].size(), 1u);
-    for (const auto& s : schedule_at[0]) EXPECT_EQ(s, "gpipe 2bp");
+  EXPECT_EQ(trial_ms[0], trial_ms[1]);
+  EXPECT_EQ(start_ms[0], start_ms[1]);
+  // The probe of gpipe 2BP ends at step kProbe - 1 and switches to gpipe standard (the fused B's cost); that one
+  // ends kProbe steps later with a shortlist of kCandidates (a generous measure_within keeps that many of the
+  // 2-rank placement's candidates); each trial ends kVerify steps after the previous decision, the last one
+  // settling on the fastest measured of all. The schedule changes only at those steps.
+  ASSERT_EQ(news[0].size(), static_cast<std::size_t>(kProbes + kCandidates));
+  ASSERT_EQ(trial_ms[0].size(), static_cast<std::size_t>(kCandidates));
+  ASSERT_EQ(probe_ms[0].size(), static_cast<std::size_t>(kProbes));
+  EXPECT_EQ(probe_ms[0], probe_ms[1]);
+  for (int k = 0; k < kProbes + kCandidates; ++k) {
+    const int at = k < kProbes ? (k + 1) * kProbe - 1 : kProbes * kProbe - 1 + (k - kProbes + 1) * kVerify;
+    EXPECT_EQ(news[0][k].first, at) << news[0][k].second;
   }
+  EXPECT_NE(news[0][0].second.find("measuring its standard form too"), std::string::npos) << news[0][0].second;
+  EXPECT_EQ(schedule_at[0][kProbe - 1], "gpipe standard");
+  EXPECT_NE(news[0][1].second.find("measuring the 3 of"), std::string::npos) << news[0][1].second;
+  for (int step = 0; step < kProbe - 1; ++step) EXPECT_EQ(schedule_at[0][step], "gpipe 2bp");
+  for (int step = 1; step < kSteps; ++step) {  // schedule_at[step]: the schedule after step's decision, if any
+    bool decided = false;
+    for (const auto& [at, line] : news[0]) decided = decided || at == step;
+    if (!decided) EXPECT_EQ(schedule_at[0][step], schedule_at[0][step - 1]) << "changed at step " << step;
+  }
+  std::vector<double> all = probe_ms[0];
+  all.insert(all.end(), trial_ms[0].begin(), trial_ms[0].end());
+  const double fastest = *std::min_element(all.begin(), all.end());
+  EXPECT_EQ(chosen_ms[0], fastest);
+  EXPECT_EQ(start_ms[0], probe_ms[0][0]);
+  const bool back = news[0].back().second.find("back to gpipe 2BP") != std::string::npos;
+  EXPECT_EQ(back, fastest == probe_ms[0][0]) << news[0].back().second;
+  EXPECT_EQ(schedule_at[0].back() == "gpipe 2bp", back) << news[0].back().second;
 }
 
 // With a memory limit the candidates are ranked with their predicted peak from the probe's measured memory model,
@@ -244,7 +271,7 @@ TEST(AutoSchedule, AMemoryLimitRanksOnlyCandidatesThatFit) {
       ts.push_back(&pipelines[r]->transport());
     }
     std::vector<std::vector<ScheduleCandidate>> rankings(2);
-    std::vector<std::string> first_news(2);
+    std::vector<std::string> first_news(2);  // the last decision of the 4 steps
     run_rank_threads(ts, [&](Transport& t) {
       const int r = t.rank();
       AutoScheduleOptions o;
@@ -252,7 +279,7 @@ TEST(AutoSchedule, AMemoryLimitRanksOnlyCandidatesThatFit) {
       o.verify_steps = 2;
       o.memory_limit_bytes = limit;
       AutoSchedule chooser(*pipelines[r], o);
-      for (int step = 0; step < 2; ++step) {
+      for (int step = 0; step < 4; ++step) {  // both forms of gpipe probed: the ranking exists
         pipelines[r]->zero_grad();
         std::optional<std::string> line = chooser.after_step(pipelines[r]->step(inputs, targets));
         if (line) first_news[r] = *line;
@@ -261,9 +288,9 @@ TEST(AutoSchedule, AMemoryLimitRanksOnlyCandidatesThatFit) {
     }).rethrow_root_cause();
     EXPECT_EQ(first_news[0], first_news[1]);
     ASSERT_EQ(rankings[0].size(), rankings[1].size());
-    if (limit < 2.0) {  // nothing fits in one byte
+    if (limit < 2.0) {  // nothing fits in one byte: back to the starting schedule, not its measured other form
       EXPECT_TRUE(rankings[0].empty());
-      EXPECT_NE(first_news[0].find("keeping gpipe 2BP"), std::string::npos) << first_news[0];
+      EXPECT_NE(first_news[0].find("back to gpipe 2BP"), std::string::npos) << first_news[0];
       EXPECT_NE(first_news[0].find("within"), std::string::npos) << first_news[0];
       for (const auto& p : pipelines) EXPECT_EQ(p->schedule().name, "gpipe");
       continue;
@@ -291,6 +318,9 @@ TEST(AutoSchedule, RefusesBadOptionsAndMemoryBoundPipelines) {
   AutoScheduleOptions one_probe;
   one_probe.probe_steps = 1;
   EXPECT_THROW(AutoSchedule(*plain, one_probe), UsageError);
+  AutoScheduleOptions none_measured;
+  none_measured.measure_candidates = 0;
+  EXPECT_THROW(AutoSchedule(*plain, none_measured), UsageError);
   PipelineOptions bounded = fixture_options();
   bounded.max_pending_weight_micro_batches = 1;
   auto limited = make(bounded);

@@ -21,7 +21,7 @@ import sys
 
 from program_runs import run
 
-STEPS, AUTO_STEPS = 12, 3
+STEPS, AUTO_STEPS = 15, 3
 # The tiny model at a size where the stages' costs are not all noise, fp32, 2 pipeline ranks.
 JOB = ["--steps", str(STEPS), "--microbatches", "4", "--micro-batch-size", "2", "--seq-len", "32"]
 MPI_FLAGS = ["--allow-run-as-root", "--oversubscribe", "--mca", "btl", "self,vader", "--mca",
@@ -100,11 +100,11 @@ def main():
         check([mpiexec, "-n", "2", *MPI_FLAGS], example, work, "mpi")
     # Refused before any step, saying why.
     run([example, "--schedule", "auto", "--max-pending-w", "1"], ok=False, must_say="cannot keep --memory-limit-gb or --max-pending-w")
-    run([example, "--schedule", "auto", "--steps", "5", "--auto-steps", "3"], ok=False, must_say="--steps >= 6")
+    run([example, "--schedule", "auto", "--steps", "14", "--auto-steps", "3"], ok=False, must_say="--steps >= 15")
     # A memory bound on the candidates that nothing fits: the starting schedule is kept, and said so.
     out = run([example, *JOB, "--schedule", "auto", "--auto-steps", str(AUTO_STEPS), "--auto-memory-limit-gb",
                "1e-9"])
-    assert "keeping 1f1b" in out and "within" in out, f"a limit nothing fits: {out}"
+    assert "back to 1f1b 2BP" in out and "within" in out, f"a limit nothing fits: {out}"
     print("threads: --auto-memory-limit-gb 1e-9 keeps the starting schedule")
 
 

@@ -47,7 +47,8 @@ NUMERIC = {
                ("--clip", False), ("--zero", False), ("--seq-len", False), ("--doc-separator", False),
                ("--seq-len-warmup", False), ("--eval-every", False), ("--eval-batches", True),
                ("--eval-fraction", True), ("--checkpoint-every", False), ("--gpu-memory-gb", False),
-               ("--auto-steps", True), ("--auto-memory-limit-gb", False)],
+               ("--auto-steps", True), ("--auto-memory-limit-gb", False),
+               ("--auto-candidates", True)],
     },
 }
 UNWRITABLE = "/proc/twobp-nonexistent/out"  # not even root can create it

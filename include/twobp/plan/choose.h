@@ -10,12 +10,15 @@
 //     optimizer.step();
 //   }
 //
-// The pipeline runs its starting schedule for probe_steps steps (their traces give per-stage F, I, W, B costs:
-// twobp/plan/measure.h); the ranks agree on the costs; every registered schedule × mode that keeps the pipeline's
-// placement and micro-batch count (what Pipeline::switch_schedule can switch to) is simulated under them; the
-// pipeline switches to the fastest at the step boundary. After verify_steps steps it compares the choice's measured
-// step time with the starting schedule's and switches back when the choice measured slower. Every decision is made
-// from all-reduced numbers, so every rank decides alike.
+// The pipeline runs its starting schedule for probe_steps steps, then (where `modes` has both) the same schedule's
+// other form for as many: the traces give per-stage F, I, W and B costs (twobp/plan/measure.h; a 2BP run alone
+// cannot tell what a fused B costs, which is less than I + W, nor a standard run I and W); the ranks agree on them; every registered schedule × mode that keeps the pipeline's
+// placement and micro-batch count (what Pipeline::switch_schedule can switch to) is simulated under them. The
+// measure_candidates fastest predictions (those within measure_within of the best prediction and of the starting
+// schedule's) are then each run for verify_steps steps, switching at step boundaries, and the job keeps the
+// fastest measured of everything it ran (the probed forms too): the simulator narrows the field, the run decides, so that
+// effects the per-action costs miss (ranks sharing cores, batched W's) cannot make a choice much slower than the
+// best candidate. Every decision is made from all-reduced numbers, so every rank decides alike.
 //
 // Memory: with AutoScheduleOptions::memory_limit_bytes the probe also records each action's tensor memory
 // (PipelineOptions::record_memory), the ranks agree on the memory model, and only candidates whose simulated peak
@@ -70,10 +73,14 @@ std::vector<ScheduleCandidate> rank_schedules(const Schedule& running, const Mea
                                               const RankOptions& options = {});
 
 struct AutoScheduleOptions {
-  /// Steps measured with the starting schedule before choosing; the first is left out (warm-up). >= 2.
+  /// Steps measured with each probed form before choosing; the first is left out (warm-up). >= 2.
   int probe_steps = 4;
-  /// Steps measured with the choice before it is kept or undone; the first is left out. >= 2.
+  /// Steps each measured candidate runs; the first is left out. >= 2.
   int verify_steps = 4;
+  /// How many of the fastest predicted candidates are measured (>= 1), and how far their prediction may be from
+  /// the best prediction (and from the starting schedule's): 0.10 = within 10 %.
+  int measure_candidates = 3;
+  double measure_within = 0.10;
   /// Candidate names (empty: every registered schedule) and modes.
   std::vector<std::string> names;
   std::vector<BackwardMode> modes = {BackwardMode::kStandard, BackwardMode::kSplit};
@@ -95,8 +102,10 @@ class AutoSchedule {
   AutoSchedule(Pipeline& pipeline, AutoScheduleOptions options);
 
   /// Call after every Pipeline::step() with its result, on every rank. Collective (a few all-reduces over the
-  /// pipeline and the replicas) on the step that ends the probe and on the step that ends the verification; a
-  /// no-op once done. Returns what it decided on those steps (one line, the same on every rank), else nullopt.
+  /// pipeline and the replicas) on the step that ends the probe and on the steps that end each candidate's
+  /// measurement; a no-op once done. Returns what it decided on those steps (one line, the same on every rank),
+  /// else nullopt. Steps until done: probe_steps × (forms probed: 1 or 2) + verify_steps × (candidates measured,
+  /// at most measure_candidates).
   std::optional<std::string> after_step(const StepResult& result);
 
   Phase phase() const { return phase_; }
@@ -105,11 +114,23 @@ class AutoSchedule {
   /// The schedule the pipeline started with, and its measured step time (slowest rank's median, ms; 0 before).
   const Schedule& starting_schedule() const { return start_; }
   double starting_ms() const { return start_ms_; }
-  /// The choice's measured step time (0 before it is verified).
+  /// The forms probed (the starting schedule, then its other form when the candidates include that mode) and
+  /// their measured step times so far.
+  const std::vector<Schedule>& probes() const { return probes_; }
+  const std::vector<double>& probe_ms() const { return probe_ms_; }
+  /// The candidates measured after the probe (fastest predicted first) and their measured step times so far.
+  const std::vector<ScheduleCandidate>& trials() const { return trials_; }
+  const std::vector<double>& trial_ms() const { return trial_ms_; }
+  /// The final choice's measured step time (the starting schedule's when kept; 0 before done).
   double chosen_ms() const { return chosen_ms_; }
 
  private:
   double slowest_median_ms();  // collective: max over ranks (and replicas) of this rank's median pipeline_us
+  std::string end_probe();     // ranks, shortlists, starts the first trial
+  std::string end_trial();     // records a trial; starts the next or settles
+  std::string settle(const std::string& prefix);  // keeps the fastest measured; done
+  void start_phase(const Schedule& next);
+  std::string memory_note() const;
 
   Pipeline& pipeline_;
   AutoScheduleOptions options_;
@@ -120,6 +141,11 @@ class AutoSchedule {
   std::optional<MemoryRecorder> memory_;  // with a memory limit
   std::vector<double> step_ms_;  // this rank's measured steps of the phase
   std::vector<ScheduleCandidate> ranking_;
+  std::vector<Schedule> probes_;
+  std::vector<double> probe_ms_;
+  std::vector<bool> probe_fits_;  // within the memory limit (the starting schedule always counts)
+  std::vector<ScheduleCandidate> trials_;
+  std::vector<double> trial_ms_;
   double start_ms_ = 0.0, chosen_ms_ = 0.0;
 };
 
