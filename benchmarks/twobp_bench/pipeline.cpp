@@ -655,7 +655,8 @@ Reporter<ResultRow> result_reporter(const PipelineArgs& a, bool tokens, bool ene
   add_if("energy_ratio", [](const Row& r) { return r.energy_ratio.has_value(); },
          [](const Row& r) { return *r.energy_ratio; }, "J ratio",
          [num](const Row& r) { return r.energy_ratio ? num(*r.energy_ratio, 3) : ""; });
-  add("attribution", [](const Row& r) { return Json::parse(to_attribution_json(r.r->attribution)); }, "", nullptr, false);
+  add("attribution", [](const Row& r) { return Json::parse(to_attribution_json(r.r->attribution)); }, "",
+      nullptr, false);
   add_if("trace_files", [](const Row& r) { return !r.r->trace_files.empty(); },
          [](const Row& r) { return r.r->trace_files; }, "", nullptr, false);
 

@@ -13,14 +13,14 @@
 // Prediction per candidate (one place each, all in twobp; the costs, layouts and ranking in twobp/plan/llama.h):
 //   costs      per chunk and action type X in {F, I, W, B}, affine in what the chunk holds:
 //                X(chunk) = a_X + b_X · blocks + e_X · [embedding] + h_X · [head]      (ChunkCost), recompute R = F
-//              estimated (estimate_llama_costs): b_F = models::block_forward_flops(config, seq) · micro-batch-size / (--tflops),
-//              h_F = models::head_cost_in_blocks · b_F, a = e = 0; I = W = F, B = 2F
-//              measured (--costs-json, a `twobp_bench pipeline` JSON; fit_llama_costs): a, b, e, h of each X fitted by least squares
-//              over the chunks of its plain results (F from every mode, I and W from 2bp, B from standard, else
-//              B = I + W), which needs two chunk shapes per end (e.g. a v = 1 and a v = 2 schedule); with one
-//              shape, F at its FLOP shares (b_F = Σ F / Σ (blocks + head share)) and I, W, B at their Σ ratios
-//              to F. Carried to another model, seq or micro-batch size: b and h by their FLOPs, e by tokens · dim
-//              (the embedding's output), a unchanged (LlamaCosts::carried).
+//              estimated (estimate_llama_costs): b_F = models::block_forward_flops(config, seq) ·
+//              micro-batch-size / (--tflops), h_F = models::head_cost_in_blocks · b_F, a = e = 0; I = W = F, B = 2F
+//              measured (--costs-json, a `twobp_bench pipeline` JSON; fit_llama_costs): a, b, e, h of each X
+//              fitted by least squares over the chunks of its plain results (F from every mode, I and W from 2bp,
+//              B from standard, else B = I + W), which needs two chunk shapes per end (e.g. a v = 1 and a v = 2
+//              schedule); with one shape, F at its FLOP shares (b_F = Σ F / Σ (blocks + head share)) and I, W, B
+//              at their Σ ratios to F. Carried to another model, seq or micro-batch size: b and h by their FLOPs,
+//              e by tokens · dim (the embedding's output), a unchanged (LlamaCosts::carried).
 //   messages   estimated: activation bytes / (--link-gbps) + --link-latency-us; measured: the first 2bp result's
 //              communication_ms per byte of its activation, times the planned activation's bytes
 //   dp         each stage's gradients (parameters · gradient bytes of --precision) all-reduced over dp ranks:
@@ -28,9 +28,9 @@
 //   step       twobp::simulate(schedule, costs).step_time; tokens_per_s = global batch · seq / step
 //   memory     per rank, models::estimate_memory (the formulas of `llama_pipeline --dry-run`, walked through the
 //              schedule by simulate_peak_memory) for --precision; fits = every rank <= --gpu-memory-gb (0: all fit)
-// Ranking (plan_llama_layouts): fitting candidates first, then by predicted tokens/s (ties: less memory). The JSON holds every
-// candidate with its prediction, the example command line that runs it on GPUs, and the `twobp_bench pipeline`
-// arguments that measure it here (used by the planner check test).
+// Ranking (plan_llama_layouts): fitting candidates first, then by predicted tokens/s (ties: less memory). The JSON
+// holds every candidate with its prediction, the example command line that runs it on GPUs, and the
+// `twobp_bench pipeline` arguments that measure it here (used by the planner check test).
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -249,7 +249,8 @@ Reporter<PlanRow> plan_reporter() {
   add("peak_memory_bytes_per_rank", [](const Row& r) { return r.k->memory_per_rank; }, "", nullptr, false);
   add("peak_memory_bytes", [](const Row& r) { return r.k->peak_memory; }, "peak GiB",
       [](const Row& r) { return fmt_num(r.k->peak_memory / kGiB, 2); });
-  add("fits", [](const Row& r) { return r.k->fits; }, "fits", [](const Row& r) { return std::string(r.k->fits ? "yes" : "no"); });
+  add("fits", [](const Row& r) { return r.k->fits; }, "fits",
+      [](const Row& r) { return std::string(r.k->fits ? "yes" : "no"); });
   add("command", [](const Row& r) { return r.command; });
   add("bench_args", [](const Row& r) { return r.bench_args; }, "", nullptr, false);
   return Reporter<Row>(std::move(cols), {"#", "schedule", "mode", "v", "m", "recompute", "dp x pp", "tokens/s",

@@ -99,7 +99,8 @@ def main():
     if mpiexec:
         check([mpiexec, "-n", "2", *MPI_FLAGS], example, work, "mpi")
     # Refused before any step, saying why.
-    run([example, "--schedule", "auto", "--max-pending-w", "1"], ok=False, must_say="cannot keep --memory-limit-gb or --max-pending-w")
+    run([example, "--schedule", "auto", "--max-pending-w", "1"], ok=False,
+        must_say="cannot keep --memory-limit-gb or --max-pending-w")
     run([example, "--schedule", "auto", "--steps", "14", "--auto-steps", "3"], ok=False, must_say="--steps >= 15")
     # A memory bound on the candidates that nothing fits: the starting schedule is kept, and said so.
     out = run([example, *JOB, "--schedule", "auto", "--auto-steps", str(AUTO_STEPS), "--auto-memory-limit-gb",

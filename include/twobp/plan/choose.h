@@ -10,20 +10,21 @@
 //     optimizer.step();
 //   }
 //
-// The pipeline runs its starting schedule for probe_steps steps, then (where `modes` has both) the same schedule's
-// other form for as many: the traces give per-stage F, I, W and B costs (twobp/plan/measure.h; a 2BP run alone
-// cannot tell what a fused B costs, which is less than I + W, nor a standard run I and W); the ranks agree on them; every registered schedule × mode that keeps the pipeline's
-// placement and micro-batch count (what Pipeline::switch_schedule can switch to) is simulated under them. The
-// measure_candidates fastest predictions (those within measure_within of the best prediction and of the starting
-// schedule's) are then each run for verify_steps steps, switching at step boundaries, and the job keeps the
-// fastest measured of everything it ran (the probed forms too): the simulator narrows the field, the run decides, so that
-// effects the per-action costs miss (ranks sharing cores, batched W's) cannot make a choice much slower than the
-// best candidate. Every decision is made from all-reduced numbers, so every rank decides alike.
+// The pipeline runs its starting schedule for probe_steps steps, then (where `modes` has both) the same
+// schedule's other form for as many: the traces give per-stage F, I, W and B costs (twobp/plan/measure.h; a 2BP run
+// alone cannot tell what a fused B costs, which is less than I + W, nor a standard run I and W), and the ranks agree
+// on them. Every registered schedule × mode that keeps the pipeline's placement and micro-batch count (what
+// Pipeline::switch_schedule can switch to) is simulated under them. The measure_candidates fastest predictions
+// (those within measure_within of the best prediction and of the starting schedule's) then each run for
+// verify_steps steps, switching at step boundaries, and the job keeps the fastest measured of everything it ran
+// (the probed forms too): the simulator narrows the field and the run decides, so that effects the per-action
+// costs miss (ranks sharing cores, batched W's) weigh less. Every decision is made from all-reduced numbers, so
+// every rank decides alike.
 //
 // Memory: with AutoScheduleOptions::memory_limit_bytes the probe also records each action's tensor memory
 // (PipelineOptions::record_memory), the ranks agree on the memory model, and only candidates whose simulated peak
-// (simulate_peak_memory) stays within the limit on every rank are ranked; the starting schedule is kept when none
-// that fits is predicted faster.
+// (simulate_peak_memory) stays within the limit on every rank are ranked and measured; the starting schedule's
+// other form is kept only if it fits too. The starting schedule itself is always eligible (it is the user's).
 //
 // Not covered: candidates of another placement (that moves stages between ranks: a new Pipeline and a checkpoint),
 // and pipelines whose runtime bounds memory (PipelineOptions::memory_limit_bytes, max_pending_weight_micro_batches:

@@ -83,7 +83,7 @@ struct MeasuredLlamaRun {
 /// pipeline cannot tell the head from the per-action cost) the result is Kind::kFlopShares: F per block = Σ F /
 /// Σ partition cost (blocks + head share), the head at its share, and I, W, B at their summed ratios to F
 /// (B = I + W without a standard run). A negative fitted term adds a warning. Throws UsageError when the runs hold
-/// no 2BP run (I and W) or no forward cost, or a run's cost lists are shorter than its partition.
+/// no 2BP run (I and W) or no forward cost, or a run's cost lists are not one entry per chunk of its partition.
 LlamaCosts fit_llama_costs(const models::LlamaConfig& config, int64_t seq, const std::vector<MeasuredLlamaRun>& runs);
 
 /// What plan_llama_layouts considers.

@@ -5,7 +5,7 @@
 // `simulate_peak_memory(schedule, memory)` predict another schedule from a run of one (twobp/schedule/simulate.h).
 //
 //   CostRecorder costs(schedule.num_stages);
-//   MemoryRecorder memory(schedule.num_stages, stage_gradient_bytes(pipeline));  // needs PipelineOptions::record_memory
+//   MemoryRecorder memory(schedule.num_stages, stage_gradient_bytes(pipeline));  // PipelineOptions::record_memory
 //   for (each measured step) { StepResult r = pipeline.step(x, y); costs.add(r.trace); memory.add(r.trace); }
 //   MeasuredCosts all = agree_costs(transport, costs.local_medians(), timeout);   // collective: every rank
 //   MemoryModel mem = agree_memory(transport, memory.local_medians(rank, p), timeout);
