@@ -558,9 +558,8 @@ std::vector<ResultRow> result_rows(const PipelineArgs& a, const std::vector<RunR
   return rows;
 }
 
-// The outputs of a result, in the order of its JSON object and CSV row, and the table's columns. `energy`: some
-// result has an energy measurement (the table shows energy columns only then).
-Reporter<ResultRow> result_reporter(const PipelineArgs& a, bool tokens, bool energy) {
+// The outputs of a result, in the order of its JSON object and CSV row.
+std::vector<Column<ResultRow>> result_columns(const PipelineArgs& a, bool tokens) {
   using Row = ResultRow;
   std::vector<Column<Row>> cols;
   auto add = [&](auto&&... args) { cols.push_back(column<Row>(std::forward<decltype(args)>(args)...)); };
@@ -659,7 +658,12 @@ Reporter<ResultRow> result_reporter(const PipelineArgs& a, bool tokens, bool ene
       nullptr, false);
   add_if("trace_files", [](const Row& r) { return !r.r->trace_files.empty(); },
          [](const Row& r) { return r.r->trace_files; }, "", nullptr, false);
+  return cols;
+}
 
+// The table's columns (headers of result_columns), in table order. `energy`: some result has an energy measurement
+// (the table shows energy columns only then).
+std::vector<std::string> result_table(const PipelineArgs& a, bool tokens, bool energy) {
   std::vector<std::string> table{"schedule", "mode"};
   if (a.memory_limit_mb > 0) table.push_back("limit MiB");
   if (a.variable_seq) table.push_back("shapes");
@@ -670,7 +674,7 @@ Reporter<ResultRow> result_reporter(const PipelineArgs& a, bool tokens, bool ene
   if (a.variable_seq) table.push_back("announce ratio");
   if (a.memory_limit_mb > 0) table.push_back("limit ratio");
   if (energy) table.insert(table.end(), {tokens ? "J/token" : "J/sample", "J ratio"});
-  return Reporter<Row>(std::move(cols), table);
+  return table;
 }
 
 // The run's configuration: model, measurement and what the optional outputs hold.
@@ -706,7 +710,7 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
   const bool tokens = tokens_per_sample(a.model) > 0;  // resnet: samples/s
   const bool energy =
       std::any_of(results.begin(), results.end(), [](const RunResult& r) { return r.energy_j.has_value(); });
-  const Reporter<ResultRow> reporter = result_reporter(a, tokens, energy);
+  const Reporter<ResultRow> reporter(result_columns(a, tokens), result_table(a, tokens, energy));
   const std::vector<ResultRow> rows = result_rows(a, results, tokens);
   Json out;
   out["config"] = report_config(a, transport_name, energy, energy_source, energy_note);
