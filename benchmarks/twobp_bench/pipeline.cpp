@@ -100,9 +100,9 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
-#include <fstream>
 #include <iostream>
 #include <memory>
+#include <numeric>
 #include <stdexcept>
 
 #include "bench_common.h"
@@ -232,20 +232,6 @@ double measure_comm_ms(Transport& t, const std::vector<int64_t>& shape, Duration
   std::vector<double> mine{t.rank() == 0 ? summarize(trips).median / 2.0 : 0.0};
   t.barrier(timeout);
   return sum_over_ranks(t, mine, timeout)[0];
-}
-
-// Gradient bytes of `params` (those requiring a gradient; a tensor listed twice counts once).
-double gradient_bytes(const std::vector<at::Tensor>& params) {
-  std::vector<const void*> seen;
-  double bytes = 0;
-  for (const auto& t : params) {
-    if (!t.requires_grad()) continue;
-    const void* impl = t.unsafeGetTensorImpl();
-    if (std::find(seen.begin(), seen.end(), impl) != seen.end()) continue;
-    seen.push_back(impl);
-    bytes += static_cast<double>(t.numel()) * static_cast<double>(t.element_size());
-  }
-  return bytes;
 }
 
 // One pipeline of a configuration: how its shapes travel and its memory limit (0: none).
@@ -438,7 +424,10 @@ RunResult summarize_run(Transport& world, ParallelGroups& groups, const Pipeline
     std::vector<double> waits(bytes_at + static_cast<std::size_t>(p), 0.0);
     const auto my_slot = static_cast<std::size_t>(world.rank());
     for (std::size_t k = 0; k < m.reduce_wait_ms.size(); ++k) waits[k * world_size + my_slot] = m.reduce_wait_ms[k];
-    if (groups.replica() == 0) waits[bytes_at + static_cast<std::size_t>(me)] = gradient_bytes(pipeline.parameters());
+    if (groups.replica() == 0) {  // this rank's .grad bytes: its stages' (twobp/plan/measure.h), each tensor once
+      const std::vector<double> per_stage = stage_gradient_bytes(pipeline);
+      waits[bytes_at + static_cast<std::size_t>(me)] = std::accumulate(per_stage.begin(), per_stage.end(), 0.0);
+    }
     waits = sum_over_ranks(world, waits, timeout);
     std::vector<double> exposed;
     for (std::size_t k = 0; k < m.reduce_wait_ms.size(); ++k) {
@@ -564,7 +553,6 @@ std::vector<Column<ResultRow>> result_columns(const PipelineArgs& a, bool tokens
   std::vector<Column<Row>> cols;
   auto add = [&](auto&&... args) { cols.push_back(column<Row>(std::forward<decltype(args)>(args)...)); };
   auto add_if = [&](auto&&... args) { cols.push_back(column_if<Row>(std::forward<decltype(args)>(args)...)); };
-  auto num = [](double x, int digits) { return fmt_num(x, digits); };
   add("schedule", [](const Row& r) { return r.r->schedule; }, "schedule", [](const Row& r) { return r.r->schedule; });
   add("mode", [](const Row& r) { return mode_name(r.r->mode); }, "mode",
       [](const Row& r) { return std::string(mode_name(r.r->mode)); });
@@ -573,32 +561,32 @@ std::vector<Column<ResultRow>> result_columns(const PipelineArgs& a, bool tokens
   add("v", [](const Row& r) { return r.r->v; }, "v", [](const Row& r) { return std::to_string(r.r->v); });
   if (tokens) {
     add("tokens_per_s", [](const Row& r) { return r.r->tokens_per_s; }, "tokens/s",
-        [num](const Row& r) { return num(r.r->tokens_per_s, 0); });
+        [](const Row& r) { return fmt_num(r.r->tokens_per_s, 0); });
   }
   add("samples_per_s", [](const Row& r) { return r.r->samples_per_s; }, tokens ? "" : "samples/s",
-      [num](const Row& r) { return num(r.r->samples_per_s, 1); });
+      [](const Row& r) { return fmt_num(r.r->samples_per_s, 1); });
   add("step_ms_median", [](const Row& r) { return r.r->step_ms.median; }, "step ms",
-      [num](const Row& r) { return num(r.r->step_ms.median, 1); });
+      [](const Row& r) { return fmt_num(r.r->step_ms.median, 1); });
   add("step_ms", [](const Row& r) { return to_json(r.r->step_ms); }, "p25-p75",
-      [num](const Row& r) { return num(r.r->step_ms.p25, 1) + "-" + num(r.r->step_ms.p75, 1); }, false);
+      [](const Row& r) { return fmt_num(r.r->step_ms.p25, 1) + "-" + fmt_num(r.r->step_ms.p75, 1); }, false);
   add("bubble_fraction", [](const Row& r) { return r.r->bubble; }, "bubble",
-      [num](const Row& r) { return num(r.r->bubble, 3); });
+      [](const Row& r) { return fmt_num(r.r->bubble, 3); });
   add("sim_step_ms", [](const Row& r) { return r.r->sim_step_ms; }, "sim ms",
-      [num](const Row& r) { return num(r.r->sim_step_ms, 1); });
+      [](const Row& r) { return fmt_num(r.r->sim_step_ms, 1); });
   add("sim_bubble_fraction", [](const Row& r) { return r.r->sim_bubble; });
   add("sim_error", [](const Row& r) { return r.sim_error; }, "sim err",
-      [num](const Row& r) { return num(100 * r.sim_error, 1) + "%"; });
+      [](const Row& r) { return fmt_num(100 * r.sim_error, 1) + "%"; });
   add("peak_live_microbatches", [](const Row& r) { return r.r->peak_live; }, "peak mbs",
       [](const Row& r) { return std::to_string(r.r->peak_live); });
   add("peak_rss_bytes", [](const Row& r) { return r.r->peak_rss; });
   add("peak_memory_bytes", [](const Row& r) { return r.r->peak_memory; }, "peak MiB",
-      [num](const Row& r) { return num(r.r->peak_memory / kMiB, 2); });
+      [](const Row& r) { return fmt_num(r.r->peak_memory / kMiB, 2); });
   add("peak_memory_bytes_per_rank", [](const Row& r) { return r.r->peak_memory_per_rank; }, "", nullptr, false);
   add("step_peak_bytes_per_rank", [](const Row& r) { return r.r->step_peak_per_rank; }, "", nullptr, false);
   // The simulator does not model the W's a memory limit moves: no simulated memory on limited rows.
   auto unlimited = [](const Row& r) { return r.r->memory_limit == 0; };
   add_if("sim_peak_memory_bytes", unlimited, [](const Row& r) { return r.r->sim_peak_memory; }, "sim MiB",
-         [num](const Row& r) { return r.r->memory_limit == 0 ? num(r.r->sim_peak_memory / kMiB, 2) : ""; });
+         [](const Row& r) { return r.r->memory_limit == 0 ? fmt_num(r.r->sim_peak_memory / kMiB, 2) : ""; });
   add_if("sim_memory_error", unlimited, [](const Row& r) {
     return r.r->sim_peak_memory > 0 ? r.r->peak_memory / r.r->sim_peak_memory - 1.0 : 0.0;
   });
@@ -609,15 +597,15 @@ std::vector<Column<ResultRow>> result_columns(const PipelineArgs& a, bool tokens
   if (a.memory_limit_mb > 0) {
     auto limited = [](const Row& r) { return r.r->memory_limit > 0; };
     add_if("memory_limit_bytes", limited, [](const Row& r) { return r.r->memory_limit; }, "limit MiB",
-           [num](const Row& r) {
+           [](const Row& r) {
              return r.r->memory_limit > 0
-                        ? num(static_cast<double>(r.r->memory_limit) / kMiB, 2) + (r.held ? "" : " (over)")
+                        ? fmt_num(static_cast<double>(r.r->memory_limit) / kMiB, 2) + (r.held ? "" : " (over)")
                         : "none";
            });
     add_if("limit_held", limited, [](const Row& r) { return r.held; });
     add_if("limit_ratio", [](const Row& r) { return r.r->memory_limit > 0 && r.r->limit_ratio > 0; },
            [](const Row& r) { return r.r->limit_ratio; }, "limit ratio",
-           [num](const Row& r) { return r.r->limit_ratio > 0 ? num(r.r->limit_ratio, 3) : ""; });
+           [](const Row& r) { return r.r->limit_ratio > 0 ? fmt_num(r.r->limit_ratio, 3) : ""; });
   }
   // The measured costs in their one JSON form (twobp/plan/measure.h): communication_ms, costs_ms.
   add("communication_ms", [](const Row& r) { return r.r->costs.communication; });
@@ -630,7 +618,7 @@ std::vector<Column<ResultRow>> result_columns(const PipelineArgs& a, bool tokens
     });
     add("dp_buckets", [](const Row& r) { return dp_buckets_name(*r.r); });
     add("dp_exposed_ms", [](const Row& r) { return r.r->dp_exposed_ms; }, "dp exposed ms",
-        [num](const Row& r) { return num(r.r->dp_exposed_ms, 2); });
+        [](const Row& r) { return fmt_num(r.r->dp_exposed_ms, 2); });
     add("dp_reduce_bytes", [](const Row& r) { return r.r->dp_reduce_bytes; });
   }
   if (a.variable_seq) {
@@ -638,13 +626,13 @@ std::vector<Column<ResultRow>> result_columns(const PipelineArgs& a, bool tokens
         [](const Row& r) { return std::string(r.r->announced ? "announced" : "fixed"); });
     add_if("announce_ratio", [](const Row& r) { return r.r->announce_ratio > 0; },
            [](const Row& r) { return r.r->announce_ratio; }, "announce ratio",
-           [num](const Row& r) { return r.r->announce_ratio > 0 ? num(r.r->announce_ratio, 3) : ""; });
+           [](const Row& r) { return r.r->announce_ratio > 0 ? fmt_num(r.r->announce_ratio, 3) : ""; });
   }
   auto paired = [](const Row& r) { return r.speedup > 0; };
   add_if("speedup_vs_standard", paired, [](const Row& r) { return r.speedup; }, "speedup",
-         [num](const Row& r) { return r.speedup > 0 ? num(r.speedup, 3) : ""; });
+         [](const Row& r) { return r.speedup > 0 ? fmt_num(r.speedup, 3) : ""; });
   add_if("sim_speedup_vs_standard", paired, [](const Row& r) { return r.sim_speedup; }, "sim speedup",
-         [num](const Row& r) { return r.speedup > 0 ? num(r.sim_speedup, 3) : ""; });
+         [](const Row& r) { return r.speedup > 0 ? fmt_num(r.sim_speedup, 3) : ""; });
   add_if("speedup_vs_standard_after_backward", [](const Row& r) { return r.speedup_after_backward > 0; },
          [](const Row& r) { return r.speedup_after_backward; });
   add("energy_j", [](const Row& r) { return r.r->energy_j ? Json(*r.r->energy_j) : Json(nullptr); });
@@ -653,7 +641,7 @@ std::vector<Column<ResultRow>> result_columns(const PipelineArgs& a, bool tokens
       [](const Row& r) { return r.j_per_item ? fmt::format("{:.4g}", *r.j_per_item) : std::string("?"); });
   add_if("energy_ratio", [](const Row& r) { return r.energy_ratio.has_value(); },
          [](const Row& r) { return *r.energy_ratio; }, "J ratio",
-         [num](const Row& r) { return r.energy_ratio ? num(*r.energy_ratio, 3) : ""; });
+         [](const Row& r) { return r.energy_ratio ? fmt_num(*r.energy_ratio, 3) : ""; });
   add("attribution", [](const Row& r) { return Json::parse(to_attribution_json(r.r->attribution)); }, "",
       nullptr, false);
   add_if("trace_files", [](const Row& r) { return !r.r->trace_files.empty(); },

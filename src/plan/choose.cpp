@@ -154,7 +154,6 @@ std::optional<std::string> AutoSchedule::after_step(const StepResult& result) {
   }
   if (phase_ == Phase::kProbing && steps_in_phase_ == options_.probe_steps) {
     probe_ms_.push_back(slowest_median_ms());
-    if (probe_ms_.size() == 1) start_ms_ = probe_ms_.front();
     if (probe_ms_.size() < probes_.size()) {
       const Schedule& measured = probes_[probe_ms_.size() - 1];
       start_phase(probes_[probe_ms_.size()]);
@@ -267,7 +266,7 @@ std::string AutoSchedule::settle(const std::string& prefix) {
   if (all.size() == 1) return fmt::format("{}; {} {}", prefix, verb, describe(chosen));
   return fmt::format("{}; {} {}: {:.2f} ms/step measured against {:.2f} for {} ({:.2f}x), the fastest of {} "
                      "measured",
-                     prefix, verb, describe(chosen), chosen_ms_, start_ms_, describe(start_), start_ms_ / chosen_ms_,
+                     prefix, verb, describe(chosen), chosen_ms_, starting_ms(), describe(start_), starting_ms() / chosen_ms_,
                      all.size());
 }
 

@@ -36,6 +36,15 @@ bool any_positive(const std::vector<double>& v) {
   return std::any_of(v.begin(), v.end(), [](double x) { return x > 0.0; });
 }
 
+// Each replica's pipeline agreed on its own numbers `v`; the mean over the data-parallel group `replicas` (none:
+// `v` itself) is the job's, so that every rank of it holds the same numbers.
+std::vector<double> mean_over_replicas(Transport* replicas, std::vector<double> v, Duration timeout) {
+  if (replicas == nullptr || replicas->world_size() <= 1) return v;
+  v = sum_over_ranks(*replicas, v, timeout);
+  for (double& x : v) x /= static_cast<double>(replicas->world_size());
+  return v;
+}
+
 // Every per-stage list has one entry per stage (recompute may be empty); `who` names the caller.
 void check_sizes(const MeasuredCosts& c, const std::string& who) {
   const std::size_t S = c.forward.size();
@@ -155,13 +164,8 @@ MeasuredCosts agree_costs(Transport& transport, const MeasuredCosts& mine, Durat
                 "schedule's stages (CostRecorder(schedule.num_stages))",
                 transport.rank(), S, r, sizes[r]);
   }
-  v = sum_over_ranks(transport, v, timeout);
-  if (replicas != nullptr && replicas->world_size() > 1) {
-    // Each replica's pipeline agreed on its own numbers; the mean over replicas is the job's (the flag and the
-    // communication max stay positive exactly when some replica's were).
-    v = sum_over_ranks(*replicas, v, timeout);
-    for (double& x : v) x /= static_cast<double>(replicas->world_size());
-  }
+  // The flag and the communication max stay positive exactly when some replica's were.
+  v = mean_over_replicas(replicas, sum_over_ranks(transport, v, timeout), timeout);
   MeasuredCosts out;
   for (std::size_t s = 0; s < S; ++s) {
     out.forward.push_back(v[5 * s]);
@@ -237,11 +241,7 @@ MemoryModel agree_memory(Transport& transport, const MemoryModel& mine, Duration
     }
     row[2 * kNumActionTypes] = mine.gradients[s];
   }
-  v = sum_over_ranks(transport, v, timeout);
-  if (replicas != nullptr && replicas->world_size() > 1) {  // the mean over replicas, as agree_costs
-    v = sum_over_ranks(*replicas, v, timeout);
-    for (double& x : v) x /= static_cast<double>(replicas->world_size());
-  }
+  v = mean_over_replicas(replicas, sum_over_ranks(transport, v, timeout), timeout);
   MemoryModel out;
   out.base.assign(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(p));
   out.stages.resize(S);

@@ -114,7 +114,7 @@ class AutoSchedule {
   const std::vector<ScheduleCandidate>& ranking() const { return ranking_; }
   /// The schedule the pipeline started with, and its measured step time (slowest rank's median, ms; 0 before).
   const Schedule& starting_schedule() const { return start_; }
-  double starting_ms() const { return start_ms_; }
+  double starting_ms() const { return probe_ms_.empty() ? 0.0 : probe_ms_.front(); }
   /// The forms probed (the starting schedule, then its other form when the candidates include that mode) and
   /// their measured step times so far.
   const std::vector<Schedule>& probes() const { return probes_; }
@@ -147,7 +147,7 @@ class AutoSchedule {
   std::vector<bool> probe_fits_;  // within the memory limit (the starting schedule always counts)
   std::vector<ScheduleCandidate> trials_;
   std::vector<double> trial_ms_;
-  double start_ms_ = 0.0, chosen_ms_ = 0.0;
+  double chosen_ms_ = 0.0;
 };
 
 }  // namespace twobp
