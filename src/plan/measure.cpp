@@ -180,7 +180,11 @@ MeasuredCosts agree_costs(Transport& transport, const MeasuredCosts& mine, Durat
 }
 
 MemoryRecorder::MemoryRecorder(int num_stages, std::vector<double> gradient_bytes)
-    : num_stages_(num_stages), gradient_bytes_(std::move(gradient_bytes)), added_(num_stages), rise_(num_stages) {
+    : num_stages_(num_stages),
+      gradient_bytes_(std::move(gradient_bytes)),
+      added_(num_stages),
+      rise_(num_stages),
+      count_(num_stages) {
   TWOBP_CHECK(num_stages > 0, UsageError, "MemoryRecorder: num_stages must be positive, got {}", num_stages);
   TWOBP_CHECK(static_cast<int>(gradient_bytes_.size()) == num_stages, UsageError,
               "MemoryRecorder: gradient_bytes has {} entries for {} stages (one per stage; 0 for other ranks' stages)",
@@ -207,6 +211,7 @@ void MemoryRecorder::add(const Trace& trace) {
                          : 1.0;
     added_[s][type].push_back((static_cast<double>(e.memory_after - e.memory_before) - g) / k);
     rise_[s][type].push_back((static_cast<double>(e.memory_peak - e.memory_before) - g) / k);
+    count_[s][type] += k;
   }
 }
 
@@ -217,8 +222,18 @@ MemoryModel MemoryRecorder::local_medians(int rank, int num_ranks) const {
   m.base.assign(static_cast<std::size_t>(num_ranks), 0.0);
   m.base[static_cast<std::size_t>(rank)] = median_or_zero(base_);
   m.stages.resize(static_cast<std::size_t>(num_stages_));
+  constexpr int kI = static_cast<int>(ActionType::kBackwardInput), kB = static_cast<int>(ActionType::kBackward);
   for (int s = 0; s < num_stages_; ++s) {
-    for (int t = 0; t < kNumActionTypes; ++t) m.stages[s][t] = {median_or_zero(added_[s][t]), median_or_zero(rise_[s][t])};
+    double residual = 0.0;  // what one step's actions of this stage leave behind, walked with the medians
+    for (int t = 0; t < kNumActionTypes; ++t) {
+      m.stages[s][t] = {median_or_zero(added_[s][t]), median_or_zero(rise_[s][t])};
+      residual += count_[s][t] * m.stages[s][t].added;
+    }
+    const double backwards = count_[s][kI] + count_[s][kB];
+    if (backwards == 0.0) continue;  // a stage that never ran backward here (or nothing recorded): nothing to close
+    for (int t : {kI, kB}) {
+      if (count_[s][t] > 0.0) m.stages[s][t].added -= residual / backwards;
+    }
   }
   m.gradients = gradient_bytes_;
   return m;

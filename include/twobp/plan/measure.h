@@ -86,6 +86,14 @@ MeasuredCosts agree_costs(Transport& transport, const MeasuredCosts& mine, Durat
 /// parameters allocate on this rank (0 for stages of other ranks; a tensor shared by two stages counted once): a
 /// stage's first W or B of a step allocates them, and that allocation is taken out of the action and given to
 /// MemoryModel::gradients instead.
+///
+/// The model is closed: a stage's actions of one step, walked with the medians, leave nothing behind but its
+/// gradients (what a training step does). Measured deltas are not always closed: a tensor sent to another rank
+/// (an input gradient sent upstream, charged to this rank on threads) is freed when the receiver is done with it,
+/// often while this rank is between actions, so the free falls into no action's delta, and a walk of the raw
+/// medians would drift upwards by one message per micro-batch (+36 % at p = 8 on V schedules). local_medians()
+/// therefore takes a stage's residual out of its backward actions' `added` (I and B, which allocate what is
+/// sent upstream), evenly per action; their `rise`, the moment the message is alive, is kept.
 class MemoryRecorder {
  public:
   MemoryRecorder(int num_stages, std::vector<double> gradient_bytes);
@@ -93,7 +101,8 @@ class MemoryRecorder {
   void add(const Trace& trace);
 
   /// This rank's part of the model, for rank `rank` of `num_ranks`: base[rank] the median memory when a step
-  /// starts (other ranks' 0), each recorded stage's median `added` and `rise` per action type, its gradient bytes.
+  /// starts (other ranks' 0), each recorded stage's median `added` (closed, see above) and `rise` per action
+  /// type, its gradient bytes.
   MemoryModel local_medians(int rank, int num_ranks) const;
 
  private:
@@ -102,6 +111,8 @@ class MemoryRecorder {
   std::vector<double> base_;
   // [stage][action type]: samples of added and rise (W: per micro-batch).
   std::vector<std::array<std::vector<double>, kNumActionTypes>> added_, rise_;
+  // [stage][action type]: how many actions (W: micro-batches) all recorded steps ran, for the closure.
+  std::vector<std::array<double, kNumActionTypes>> count_;
 };
 
 /// Every rank's MemoryRecorder::local_medians() summed (one all-reduce over the pipeline's ranks). Collective.
