@@ -200,7 +200,10 @@ void MemoryRecorder::add(const Trace& trace) {
               first.rank);
   base_.push_back(static_cast<double>(first.memory_before));
   std::set<int> has_gradients;
+  const TraceEvent* previous = nullptr;
   for (const TraceEvent& e : trace.events) {
+    if (previous != nullptr) between_ += static_cast<double>(e.memory_before - previous->memory_after);
+    previous = &e;
     const int s = e.action.stage;
     check_stage(s, num_stages_, e, "MemoryRecorder::add");
     const int type = static_cast<int>(e.action.type);
@@ -209,6 +212,7 @@ void MemoryRecorder::add(const Trace& trace) {
     const double k = e.action.type == ActionType::kBackwardWeight
                          ? static_cast<double>(std::max<std::size_t>(1, e.action.micro_batches.size()))
                          : 1.0;
+    left_ += static_cast<double>(e.memory_after - e.memory_before) - g;
     added_[s][type].push_back((static_cast<double>(e.memory_after - e.memory_before) - g) / k);
     rise_[s][type].push_back((static_cast<double>(e.memory_peak - e.memory_before) - g) / k);
     count_[s][type] += k;
@@ -223,6 +227,10 @@ MemoryModel MemoryRecorder::local_medians(int rank, int num_ranks) const {
   m.base[static_cast<std::size_t>(rank)] = median_or_zero(base_);
   m.stages.resize(static_cast<std::size_t>(num_stages_));
   constexpr int kI = static_cast<int>(ActionType::kBackwardInput), kB = static_cast<int>(ActionType::kBackward);
+  // The share of what the actions left behind that frees between them took back: 1 when every message was freed
+  // between actions, 0 when nothing was (what a step keeps until after its last action, such as data-parallel
+  // buckets, is left to the model as measured). The last message of a step is freed after it: slightly under 1.
+  const double closed = left_ > 0.0 && between_ < 0.0 ? std::min(1.0, -between_ / left_) : 0.0;
   for (int s = 0; s < num_stages_; ++s) {
     double residual = 0.0;  // what one step's actions of this stage leave behind, walked with the medians
     for (int t = 0; t < kNumActionTypes; ++t) {
@@ -232,7 +240,7 @@ MemoryModel MemoryRecorder::local_medians(int rank, int num_ranks) const {
     const double backwards = count_[s][kI] + count_[s][kB];
     if (backwards == 0.0) continue;  // a stage that never ran backward here (or nothing recorded): nothing to close
     for (int t : {kI, kB}) {
-      if (count_[s][t] > 0.0) m.stages[s][t].added -= residual / backwards;
+      if (count_[s][t] > 0.0) m.stages[s][t].added -= closed * residual / backwards;
     }
   }
   m.gradients = gradient_bytes_;

@@ -87,13 +87,14 @@ MeasuredCosts agree_costs(Transport& transport, const MeasuredCosts& mine, Durat
 /// stage's first W or B of a step allocates them, and that allocation is taken out of the action and given to
 /// MemoryModel::gradients instead.
 ///
-/// The model is closed: a stage's actions of one step, walked with the medians, leave nothing behind but its
-/// gradients (what a training step does). Measured deltas are not always closed: a tensor sent to another rank
-/// (an input gradient sent upstream, charged to this rank on threads) is freed when the receiver is done with it,
-/// often while this rank is between actions, so the free falls into no action's delta, and a walk of the raw
-/// medians would drift upwards by one message per micro-batch (+36 % at p = 8 on V schedules). local_medians()
-/// therefore takes a stage's residual out of its backward actions' `added` (I and B, which allocate what is
-/// sent upstream), evenly per action; their `rise`, the moment the message is alive, is kept.
+/// Messages freed between actions: a tensor sent to another rank (an input gradient sent upstream, charged to
+/// this rank on threads) is freed when the receiver is done with it, often while this rank is between actions, so
+/// the free falls into no action's delta, and a walk of the raw medians would drift upwards by one message per
+/// micro-batch (+36 % at p = 8 on V schedules). local_medians() therefore closes each stage's model -- its
+/// actions of one step, walked with the medians, leave nothing behind but gradients -- by taking the residual
+/// out of the backward actions' `added` (I and B, which allocate what is sent upstream), evenly per action,
+/// scaled by the share of the residual that the memory changes seen between actions account for (so that what a
+/// step legitimately keeps past its last action, such as data-parallel buckets, stays). `rise` is kept.
 class MemoryRecorder {
  public:
   MemoryRecorder(int num_stages, std::vector<double> gradient_bytes);
@@ -113,6 +114,8 @@ class MemoryRecorder {
   std::vector<std::array<std::vector<double>, kNumActionTypes>> added_, rise_;
   // [stage][action type]: how many actions (W: micro-batches) all recorded steps ran, for the closure.
   std::vector<std::array<double, kNumActionTypes>> count_;
+  // Over all recorded steps: what the actions left behind (gradients taken out), and the changes between them.
+  double left_ = 0.0, between_ = 0.0;
 };
 
 /// Every rank's MemoryRecorder::local_medians() summed (one all-reduce over the pipeline's ranks). Collective.
