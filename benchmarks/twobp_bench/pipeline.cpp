@@ -366,8 +366,8 @@ void summarize_memory(Transport& transport, const Schedule& sched, const Measure
   }
 }
 
-// The results of one variant of run_config (one Measurements): per-stage costs, bubble, throughput, data-parallel waits, the
-// simulation of the measured costs and (rank 0, --trace-dir) the trace of the last measured step. Collective
+// The results of one variant of run_config (one Measurements): per-stage costs, bubble, throughput, data-parallel
+// waits, the simulation of the measured costs and (rank 0, --trace-dir) the trace of the last measured step. Collective
 // over the world, like run_config.
 RunResult summarize_run(Transport& world, ParallelGroups& groups, const PipelineArgs& a, const std::string& name,
                         BackwardMode mode, const DpBuckets& buckets, double comm_ms, const Measurements& m) {

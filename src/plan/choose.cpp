@@ -266,8 +266,8 @@ std::string AutoSchedule::settle(const std::string& prefix) {
   if (all.size() == 1) return fmt::format("{}; {} {}", prefix, verb, describe(chosen));
   return fmt::format("{}; {} {}: {:.2f} ms/step measured against {:.2f} for {} ({:.2f}x), the fastest of {} "
                      "measured",
-                     prefix, verb, describe(chosen), chosen_ms_, starting_ms(), describe(start_), starting_ms() / chosen_ms_,
-                     all.size());
+                     prefix, verb, describe(chosen), chosen_ms_, starting_ms(), describe(start_),
+                     starting_ms() / chosen_ms_, all.size());
 }
 
 }  // namespace twobp

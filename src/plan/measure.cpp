@@ -212,8 +212,9 @@ void MemoryRecorder::add(const Trace& trace) {
     const double k = e.action.type == ActionType::kBackwardWeight
                          ? static_cast<double>(std::max<std::size_t>(1, e.action.micro_batches.size()))
                          : 1.0;
-    left_ += static_cast<double>(e.memory_after - e.memory_before) - g;
-    added_[s][type].push_back((static_cast<double>(e.memory_after - e.memory_before) - g) / k);
+    const double added = static_cast<double>(e.memory_after - e.memory_before) - g;
+    left_ += added;
+    added_[s][type].push_back(added / k);
     rise_[s][type].push_back((static_cast<double>(e.memory_peak - e.memory_before) - g) / k);
     count_[s][type] += k;
   }
