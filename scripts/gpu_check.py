@@ -39,14 +39,23 @@ PIECE_TAIL = 480 << 10
 SUMMARY_RESERVE_S = 10     # left for the summary at the end of the deadline
 KILL_GRACE_S = 5           # SIGTERM -> SIGKILL
 THIRD_PARTY_MAX_MIB = 48   # with the tree, under the device's 64 MiB carry limit
+PREBUILT = os.path.join(ROOT, ".gpu-prebuilt")   # `prebuild`: GPU binaries built here, carried (git-ignored)
+PREBUILT_MAX_MIB = 24      # with .third_party and the tree, under the 64 MiB carry limit
+PREBUILT_BUILD = os.path.join(ROOT, "build-gpu-carry")
+# What the binaries are built from: the carried ones are used only when these hash the same there as here.
+DIGEST_PATHS = ("CMakeLists.txt", "cmake", "include", "src", "tests", "benchmarks")
 
 # The GPU measurement: one 7B stage (LLaMa-7B blocks), bf16, batch 1; the dry run: a tiny fp32 model on the CPU.
 MEASURE_GPU = dict(device="cuda", dtype="bf16", dim=4096, ffn=11008, heads=32, layers=8, seqs=(1024, 4096), repeats=10)
 MEASURE_DRY = dict(device="cpu", dtype="fp32", dim=64, ffn=176, heads=4, layers=2, seqs=(16, 32), repeats=2)
 
-TEST_ENV_DEFAULTS = {"NCCL_DEBUG": "WARN", "NCCL_DEBUG_SUBSYS": "INIT,NET", "NCCL_MNNVL_ENABLE": "0"}
+# TWOBP_TEST_STACKS_ON_HANG: a multi-process test prints its stuck ranks' stacks before killing them
+# (tests/common/spawn_ranks.h): a hang costs no second loan to locate.
+TEST_ENV_DEFAULTS = {"NCCL_DEBUG": "WARN", "NCCL_DEBUG_SUBSYS": "INIT,NET", "NCCL_MNNVL_ENABLE": "0",
+                     "TWOBP_TEST_STACKS_ON_HANG": "1"}
 LAST_PATTERN = "*FourRanks*"          # test cases run after everything else (the 4-rank NCCL test)
 HELPER_SUITES = ("NcclRank",)         # suites that only run as child processes of another test
+PER_CASE_MAX = 8                      # suites of at most this many cases run one piece per case (own timeout)
 
 NVIDIA_SMI_FIELDS = ("name", "memory.total", "driver_version", "clocks.sm", "clocks.max.sm", "clocks.mem",
                      "clocks.max.mem", "compute_mode", "persistence_mode", "pstate", "temperature.gpu",
@@ -238,6 +247,11 @@ class Check:
         self.error = None
         self.interrupted = None
         self.torch_root = ""
+        self.only = [g for g in (args.only or "").split(",") if g]
+        # Carried binaries: on the GPU machine .gpu-prebuilt when it is there; in the dry run only when asked for.
+        self.prebuilt_dir = os.path.abspath(os.environ.get("GPU_CHECK_PREBUILT") or PREBUILT)
+        self.prebuilt = None       # the carried binaries' manifest, once they have been checked to load here
+        self.provided = set()      # pieces whose result the carried binaries stand for (they are skipped)
         self.tmp = tempfile.mkdtemp(prefix="gpu_check.")
         build = args.build_dir or os.environ.get("GPU_CHECK_BUILD_DIR")
         self.own_build = False
@@ -304,7 +318,18 @@ class Check:
 
     def passed(self, name):
         p = self.by_name.get(name)
-        return p is not None and p["status"] == "pass"
+        return name in self.provided or (p is not None and p["status"] == "pass")
+
+    def selected(self, name):
+        """--only: measurements and tests outside its globs are skipped (set-up pieces always run)."""
+        if not self.only or not name.startswith(("measure:", "test:")):
+            return True
+        return any(fnmatch.fnmatchcase(name, g) or fnmatch.fnmatchcase(name.split(":", 1)[1], g) for g in self.only)
+
+    def provide(self, name, what):
+        """Records a set-up piece that the carried prebuilt binaries make unnecessary; later pieces may need it."""
+        self.provided.add(name)
+        return self.record(name, "skipped", 0, "carried prebuilt binaries used: " + what)
 
     def append_log(self, log, header, data):
         path = os.path.join(self.out, log)
@@ -335,6 +360,8 @@ class Check:
             raise RuntimeError("injected crash of the orchestrator at piece %s" % name)
         if skip_reason and not action:
             return self.record(name, "skipped", 0, skip_reason), ""
+        if not self.selected(name) and not action:
+            return self.record(name, "skipped", 0, "not selected (--only %s)" % ",".join(self.only)), ""
         for need in needs:
             if not self.passed(need):
                 st = self.by_name[need]["status"] if need in self.by_name else "not run"
@@ -426,6 +453,43 @@ class Check:
             return self.record(name, "fail", now() - start, str(e)[:400])
 
     # ---- the pieces ----
+    def prebuilt_pieces(self):
+        """Binaries carried in .gpu-prebuilt (`gpu_check.sh prebuild`, here) stand for configure and build when
+        they were built from these very sources and load against this machine's torch; otherwise the check builds
+        here, as without them. Their libraries come from this machine's torch package (LD_LIBRARY_PATH)."""
+        path = os.path.join(self.prebuilt_dir, "manifest.json")
+        if self.dry and not os.environ.get("GPU_CHECK_PREBUILT"):
+            return self.record("prebuilt", "skipped", 0, "dry run: carried binaries are used only with "
+                               "GPU_CHECK_PREBUILT=DIR")
+        if not os.path.isfile(path):
+            return self.record("prebuilt", "skipped", 0, "no carried binaries in %s: building here" % self.prebuilt_dir)
+        try:
+            manifest = json.load(open(path))
+            digest = source_digest()
+        except (OSError, ValueError) as e:
+            return self.record("prebuilt", "skipped", 0, "unreadable %s (%s): building here" % (path, e))
+        if manifest.get("digest") != digest:
+            return self.record("prebuilt", "skipped", 0, "carried binaries are of other sources (digest %s, these "
+                               "%s): building here" % (str(manifest.get("digest"))[:12], digest[:12]))
+        here = self.versions.get("torch") or self.versions.get("file_version") or ""
+        if not self.torch_root or here.split(".")[:2] != str(manifest.get("torch")).split(".")[:2]:
+            return self.record("prebuilt", "skipped", 0, "carried binaries were linked against torch %s, this "
+                               "machine has %s: building here" % (manifest.get("torch"), here or "none"))
+        env = dict(self.env)
+        env["LD_LIBRARY_PATH"] = ":".join(torch_lib_dirs(self.torch_root) + list(filter(None, [
+            env.get("LD_LIBRARY_PATH")])))
+        script = ('cd "$0" || exit 1; rc=0; for b in "$@"; do ldd "./$b" | grep "not found" && rc=1; done; '
+                  '[ $rc = 0 ] || exit 1; ./"$1" --help > /dev/null || exit 1; shift; '
+                  'for b in "$@"; do ./"$b" --gtest_list_tests > /dev/null || exit 1; done; echo "they load"')
+        binaries = [manifest["bench"]] + [t["binary"] for t in manifest["tests"]]
+        piece, _ = self.piece("prebuilt", ["sh", "-c", script, self.prebuilt_dir] + binaries, 60, min_s=5, env=env)
+        if piece["status"] == "pass":
+            piece["detail"] = "%s, built %s against torch %s: they load here (LD_LIBRARY_PATH %s)" % (
+                ", ".join(binaries), manifest["built_utc"], manifest["torch"], env["LD_LIBRARY_PATH"])
+            self.env, self.prebuilt = env, manifest
+        else:
+            piece["detail"] += " -- building here instead"
+
     def env_pieces(self):
         def smi(text, rc, killed, status, detail):
             if status != "pass":
@@ -520,18 +584,9 @@ class Check:
     def configure_piece(self):
         if not self.torch_root and self.dry:
             self.torch_root = torch_root_from_cache(self.cpu_build) or ""
-        args = ["cmake", "-S", ROOT, "-B", self.build]
-        if shutil.which("ninja", path=self.env.get("PATH")):
-            args += ["-G", "Ninja"]
-        args += ["-DCMAKE_BUILD_TYPE=Release", "-DTWOBP_WITH_MPI=OFF", "-DTWOBP_BUILD_EXAMPLES=OFF",
-                 "-DTWOBP_GTEST_SOURCE_DIR=%s/.third_party/googletest" % ROOT,
-                 "-DTWOBP_THIRD_PARTY_INCLUDE_DIR=%s/.third_party/include" % ROOT]
-        if self.torch_root:
-            args.append("-DCMAKE_PREFIX_PATH=%s/share/cmake" % self.torch_root)
-        if self.torch_python:
-            args.append("-DPython3_EXECUTABLE=%s" % self.torch_python)
-        if os.path.isdir("/usr/local/cuda"):
-            args.append("-DCUDAToolkit_ROOT=/usr/local/cuda")
+        if self.prebuilt:
+            return self.provide("configure", "configured on the machine that built them, with the same options")
+        args = configure_args(self.build, self.torch_root, self.torch_python, self.env.get("PATH"))
 
         def summary_line(text, rc, killed, status, detail):
             line = next((l.strip() for l in text.splitlines() if l.startswith("-- twobp:")), "")
@@ -544,6 +599,10 @@ class Check:
                    analyze=summary_line)
 
     def targets_piece(self):
+        if self.prebuilt:
+            self.targets = set(self.prebuilt["targets"])
+            return self.provide("targets", ", ".join(sorted(self.targets)))
+
         def parse(text, rc, killed, status, detail):
             names = set()
             for line in text.splitlines():
@@ -560,20 +619,15 @@ class Check:
                    analyze=parse)
 
     def discover_piece(self):
+        if self.prebuilt:
+            self.discovered = [dict(t, binary=os.path.join(self.prebuilt_dir, t["binary"]))
+                               for t in self.prebuilt["tests"]]
+            return self.provide("discover", "gpu tests: " + ", ".join(t["name"] for t in self.discovered))
+
         def parse(text, rc, killed, status, detail):
             if status != "pass":
                 return status, detail, None
-            j = json.loads(text[text.index("{"):text.rindex("}") + 1])
-            found = []
-            for t in j.get("tests", []):
-                props = {p["name"]: p.get("value") for p in t.get("properties", [])}
-                cmd = t.get("command") or []
-                workdir = props.get("WORKING_DIRECTORY") or self.build
-                exe = cmd[0] if cmd else os.path.join(workdir, t["name"])
-                mpi = bool(cmd) and re.search(r"(mpiexec|mpirun|srun|orterun)$", os.path.basename(cmd[0]))
-                mpi = mpi or (not cmd and re.search(r"_np\d+$", t["name"]))
-                found.append({"name": t["name"], "binary": exe, "mpi": bool(mpi),
-                              "timeout": float(props.get("TIMEOUT") or 600)})
+            found = gpu_tests_from_ctest(text, self.build)
             self.discovered = found
             return "pass", "gpu tests: " + (", ".join(t["name"] + (" (mpi: not run)" if t["mpi"] else "")
                                                        for t in found) or "none"), None
@@ -584,6 +638,8 @@ class Check:
     def build_piece(self, name, targets, timeout, min_s=20, needs=()):
         """On the GPU: builds targets. In the dry run: checks that they exist in the GPU configuration."""
         needs = ("targets",) + tuple(needs)
+        if self.prebuilt:
+            return self.provide(name, "built here from the same sources (%s)" % self.prebuilt["built_utc"])
         if self.dry:
             missing = [t for t in targets if self.targets is not None and t not in self.targets]
             cmd = ["sh", "-c", 'echo "dry run: not built; target(s) %s exist"' % " ".join(targets)] if not missing \
@@ -595,8 +651,7 @@ class Check:
 
     def measure_pieces(self):
         m = self.measure
-        bench_dir = self.cpu_build if self.dry else self.build
-        bench = os.path.join(bench_dir, "benchmarks", "twobp_bench")
+        bench = self.bench_binary()
         for seq in m["seqs"]:
             split_json = os.path.join(self.out, "split_seq%d.json" % seq)
             cmd = [bench, "split", "--device", m["device"], "--dtype", m["dtype"], "--dim", m["dim"], "--ffn", m["ffn"],
@@ -643,8 +698,15 @@ class Check:
             self.piece(name, [bench, "simulate", "--ranks", 4, "--microbatches", 8, "--f", f, "--i", i, "--w", w,
                               "--b", b, "--comm", 0.1, "--json", sim_json], 30, min_s=3, analyze=sim_ok)
 
+    def bench_binary(self):
+        if self.prebuilt:
+            return os.path.join(self.prebuilt_dir, self.prebuilt["bench"])
+        return os.path.join(self.cpu_build if self.dry else self.build, "benchmarks", "twobp_bench")
+
     def test_binary(self, t):
         """The binary that runs: the GPU build's, or in the dry run the CPU build's of the same name and place."""
+        if self.prebuilt:
+            return t["binary"]
         build = self.cpu_build if self.dry else self.build
         exe = os.path.join(build, os.path.relpath(t["binary"], self.build)) if self.dry else t["binary"]
         if not os.access(exe, os.X_OK):  # not where ctest said (not built yet at discovery): look for it by name
@@ -700,7 +762,10 @@ class Check:
                     continue
                 late = [n for n in full if fnmatch.fnmatchcase(n, LAST_PATTERN)]
                 early = [n for n in full if n not in late]
-                if early:
+                if early and len(full) <= PER_CASE_MAX:  # a hung case must not take its suite's other results
+                    for n in early:
+                        first.append(("test:%s:%s" % (t["name"], n), t, n, [n], None))
+                elif early:
                     filt = suite + ".*" + ((":-" + ":".join(late)) if late else "")
                     first.append((base, t, filt, early, None))
                 for n in late:
@@ -745,6 +810,7 @@ class Check:
             self.say("gpu_check: fault injection: %s" % self.inject)
         self.env_pieces()
         self.third_party_piece()
+        self.prebuilt_pieces()
         self.configure_piece()
         self.targets_piece()
         self.discover_piece()
@@ -953,6 +1019,134 @@ def tree_bytes():
     return total
 
 
+def configure_args(build, torch_root, torch_python, path=None):
+    """The GPU configuration (no MPI, no examples, GoogleTest/CLI11/json from .third_party), one place for the GPU
+    machine, the dry run and `prebuild`, so that carried binaries are built as the GPU machine would build them."""
+    args = ["cmake", "-S", ROOT, "-B", build]
+    if shutil.which("ninja", path=path):
+        args += ["-G", "Ninja"]
+    args += ["-DCMAKE_BUILD_TYPE=Release", "-DTWOBP_WITH_MPI=OFF", "-DTWOBP_BUILD_EXAMPLES=OFF",
+             "-DTWOBP_GTEST_SOURCE_DIR=%s/.third_party/googletest" % ROOT,
+             "-DTWOBP_THIRD_PARTY_INCLUDE_DIR=%s/.third_party/include" % ROOT]
+    if torch_root:
+        args.append("-DCMAKE_PREFIX_PATH=%s/share/cmake" % torch_root)
+    if torch_python:
+        args.append("-DPython3_EXECUTABLE=%s" % torch_python)
+    if os.path.isdir("/usr/local/cuda"):
+        args.append("-DCUDAToolkit_ROOT=/usr/local/cuda")
+    return args
+
+
+def gpu_tests_from_ctest(text, build):
+    """The tests of `ctest -L gpu --show-only=json-v1` output: name, binary, mpi (launched by mpiexec), timeout."""
+    j = json.loads(text[text.index("{"):text.rindex("}") + 1])
+    found = []
+    for t in j.get("tests", []):
+        props = {p["name"]: p.get("value") for p in t.get("properties", [])}
+        cmd = t.get("command") or []
+        workdir = props.get("WORKING_DIRECTORY") or build
+        exe = cmd[0] if cmd else os.path.join(workdir, t["name"])
+        mpi = bool(cmd) and re.search(r"(mpiexec|mpirun|srun|orterun)$", os.path.basename(cmd[0]))
+        mpi = mpi or (not cmd and re.search(r"_np\d+$", t["name"]))
+        found.append({"name": t["name"], "binary": exe, "mpi": bool(mpi),
+                      "timeout": float(props.get("TIMEOUT") or 600)})
+    return found
+
+
+def torch_lib_dirs(torch_root):
+    """torch's lib/ and the CUDA, NCCL, cuDNN... libraries of the pip packages beside it (site-packages/nvidia)."""
+    dirs = [os.path.join(torch_root, "lib")]
+    nvidia = os.path.join(os.path.dirname(torch_root), "nvidia")
+    if os.path.isdir(nvidia):
+        dirs += sorted(os.path.join(nvidia, d, "lib") for d in os.listdir(nvidia)
+                       if os.path.isdir(os.path.join(nvidia, d, "lib")))
+    return dirs
+
+
+def source_digest():
+    """sha256 over the files the binaries are built from (DIGEST_PATHS): equal on the GPU machine's copy of the
+    tree exactly when the carried binaries are of these sources."""
+    import hashlib
+    h = hashlib.sha256()
+    for top in DIGEST_PATHS:
+        full = os.path.join(ROOT, top)
+        files = [full] if os.path.isfile(full) else []
+        for base, dirs, names in os.walk(full):
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+            files += [os.path.join(base, n) for n in sorted(names) if not n.endswith((".pyc", ".swp"))]
+        for f in files:
+            h.update(os.path.relpath(f, ROOT).encode() + b"\0")
+            with open(f, "rb") as fh:
+                h.update(hashlib.sha256(fh.read()).digest())
+    return h.hexdigest()
+
+
+def git_exclude(entry):
+    """Adds entry to the checkout's info/exclude once (git-ignored locally; right in a worktree too)."""
+    try:
+        exclude = subprocess.run(["git", "-C", ROOT, "rev-parse", "--git-path", "info/exclude"],
+                                 capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+        exclude = os.path.join(ROOT, exclude)
+        os.makedirs(os.path.dirname(exclude), exist_ok=True)
+        lines = open(exclude).read().splitlines() if os.path.exists(exclude) else []
+        if entry not in lines:
+            with open(exclude, "a") as f:
+                f.write(entry + "\n")
+    except (OSError, subprocess.SubprocessError):
+        pass
+
+
+def prebuild():
+    """HERE: builds the GPU configuration's twobp_bench and gpu tests (the CUDA build of the torch wheel compiles and
+    links GPU code without a GPU) into build-gpu-carry and copies them, with a manifest, into .gpu-prebuilt/ to
+    carry: the GPU machine then skips its build (minutes of the loan) when they are of the same sources and load
+    there. Returns the exit status."""
+    prepare(quiet=True)
+    py = os.environ.get("GPU_CHECK_TORCH_PYTHON", "")
+    if not py:
+        print("gpu_check prebuild: no Python with torch found (set PYTHON)", file=sys.stderr)
+        return 1
+    probe = "import importlib.util as u, os; print(os.path.dirname(u.find_spec('torch').origin))"
+    torch_root = subprocess.run([py, "-c", probe], capture_output=True, text=True, check=True).stdout.strip()
+    torch_version = ""
+    for line in open(os.path.join(torch_root, "version.py")):
+        m = re.match(r"^__version__\b[^=]*=\s*['\"]([^'\"]*)", line)
+        torch_version = m.group(1) if m else torch_version
+    digest = source_digest()
+    jobs = str(int(os.environ.get("JOBS") or os.cpu_count() or 2))
+    subprocess.run(configure_args(PREBUILT_BUILD, torch_root, py), check=True)
+    show = subprocess.run(["ctest", "--test-dir", PREBUILT_BUILD, "-L", "gpu", "--show-only=json-v1"],
+                          capture_output=True, text=True, check=True).stdout
+    tests = [t for t in gpu_tests_from_ctest(show, PREBUILT_BUILD) if not t["mpi"]]
+    targets = ["twobp_bench"] + [t["name"] for t in tests]
+    subprocess.run(["cmake", "--build", PREBUILT_BUILD, "-j", jobs, "--target"] + targets, check=True)
+    if source_digest() != digest:
+        print("gpu_check prebuild: the sources changed during the build; run it again", file=sys.stderr)
+        return 1
+    work = tempfile.mkdtemp(prefix=".gpu-prebuilt.new.", dir=ROOT)
+    try:
+        shutil.copy2(os.path.join(PREBUILT_BUILD, "benchmarks", "twobp_bench"), os.path.join(work, "twobp_bench"))
+        for t in tests:
+            shutil.copy2(t["binary"], os.path.join(work, t["name"]))
+        manifest = {"digest": digest, "torch": torch_version, "targets": targets, "bench": "twobp_bench",
+                    "tests": [dict(t, binary=t["name"]) for t in tests],
+                    "built_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
+                    "built_on": socket.gethostname(), "configure": configure_args(PREBUILT_BUILD, torch_root, py)}
+        write_json(os.path.join(work, "manifest.json"), manifest)
+        size = dir_bytes(work) / 2**20
+        if size > PREBUILT_MAX_MIB:
+            print("gpu_check prebuild: %.1f MiB, over %d MiB" % (size, PREBUILT_MAX_MIB), file=sys.stderr)
+            return 1
+        shutil.rmtree(PREBUILT, ignore_errors=True)
+        os.rename(work, PREBUILT)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    git_exclude("/.gpu-prebuilt/")
+    print("gpu_check prebuild: %s in %s (%.1f MiB, torch %s, sources %s): carry .gpu-prebuilt and .third_party"
+          % (", ".join(targets), PREBUILT, dir_bytes(PREBUILT) / 2**20, torch_version, digest[:12]))
+    return 0
+
+
 def torch_root_from_cache(build):
     """The torch package directory a CPU build used (when no Python can tell: a CPU-only install)."""
     try:
@@ -1003,17 +1197,7 @@ def prepare(quiet=False, force=False):
                 shutil.rmtree(old, ignore_errors=True)
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        try:  # git-ignored locally (also right in a worktree, where .git is a file)
-            exclude = subprocess.run(["git", "-C", ROOT, "rev-parse", "--git-path", "info/exclude"],
-                                     capture_output=True, text=True, timeout=30, check=True).stdout.strip()
-            exclude = os.path.join(ROOT, exclude)
-            os.makedirs(os.path.dirname(exclude), exist_ok=True)
-            lines = open(exclude).read().splitlines() if os.path.exists(exclude) else []
-            if "/.third_party/" not in lines:
-                with open(exclude, "a") as f:
-                    f.write("/.third_party/\n")
-        except (OSError, subprocess.SubprocessError):
-            pass
+        git_exclude("/.third_party/")
     if not quiet:
         print("gpu_check: .third_party prepared: %.1f MiB" % (dir_bytes(tp) / 2**20))
 
@@ -1022,11 +1206,15 @@ def main(argv):
     if argv[:1] == ["prepare"]:
         prepare(force=True)
         return 0
+    if argv[:1] == ["prebuild"]:
+        return prebuild()
     ap = argparse.ArgumentParser(prog="scripts/gpu_check.sh", description="see the header of scripts/gpu_check.sh")
     ap.add_argument("--dry-run", action="store_true", help="the CPU-side check (this machine)")
     ap.add_argument("--deadline", type=float, default=float(os.environ.get("GPU_CHECK_DEADLINE") or 450),
                     help="overall deadline in seconds (GPU_CHECK_DEADLINE, default 450)")
     ap.add_argument("--build-dir", help="the GPU configuration's build directory (GPU_CHECK_BUILD_DIR)")
+    ap.add_argument("--only", help="comma-separated globs: run only the measure:/test: pieces they match (with or "
+                                   "without the prefix); set-up pieces always run")
     ap.add_argument("outdir")
     args = ap.parse_args(argv)
     try:

@@ -16,7 +16,7 @@
 #                         every schedule with 2BP over standard from those costs), test_env, deadline_s, total_s
 #   check.log             what the check printed: one line per piece (its command, then its result), the
 #                         environment and measurement pieces' output
-#   build.log             configure and build output, per piece
+#   build.log             configure and build output, per piece (absent when carried binaries stand for them)
 #   tests.log             the gpu test binaries' output, per gtest suite
 #   split_seq1024.json split_seq4096.json simulate_seq1024.json simulate_seq4096.json   twobp_bench outputs
 #                         (seq16/seq32 in the dry run)
@@ -29,15 +29,24 @@
 #                                           (no MPI, carried third party) and check that every target exists, run the
 #                                           gpu tests of the CPU build (they skip), measure a tiny model on the CPU
 #                                           with the CPU build's twobp_bench, write the summary ("gpu": false)
-#   scripts/gpu_check.sh OUTDIR             THERE (carry .third_party): the check itself
-#   Options (before OUTDIR): --deadline SECONDS, --build-dir DIR. Exit status: 0 when every piece passed or was
-#   skipped for a reason other than the deadline ("ok": true), 1 otherwise ("not_ok" says why), 2 on a usage error.
+#   scripts/gpu_check.sh prebuild           HERE (optional, saves the loan minutes of the build): builds the GPU
+#                                           configuration's twobp_bench and gpu tests into build-gpu-carry (the
+#                                           torch wheel's CUDA build compiles and links GPU code without a GPU) and
+#                                           copies them with a manifest (sources' digest, torch version) into
+#                                           .gpu-prebuilt/ (git-ignored, ~10 MiB)
+#   scripts/gpu_check.sh OUTDIR             THERE (carry .third_party, and .gpu-prebuilt if made): the check itself;
+#                                           carried binaries stand for configure and build when they are of the same
+#                                           sources and load against that machine's torch, else it builds there
+#   Options (before OUTDIR): --deadline SECONDS, --build-dir DIR, --only GLOB[,GLOB] (run only the measure:/test:
+#   pieces that match, e.g. a rerun of what failed). Exit status: 0 when every piece passed or was skipped for a
+#   reason other than the deadline ("ok": true), 1 otherwise ("not_ok" says why), 2 on a usage error.
 #
-# Pieces, in order (scripts/gpu_check.py): env:nvidia-smi env:torch env:tools third_party configure targets
+# Pieces, in order (scripts/gpu_check.py): env:nvidia-smi env:torch env:tools third_party prebuilt configure targets
 # discover build:library build:twobp_bench measure:split_seqN measure:simulate_seqN (per N) build:<gpu test>...
-# list:<gpu test>... test:<gpu test>:<gtest suite>... (the gpu tests are those ctest labels `gpu` in the GPU
-# configuration, run one gtest suite per piece; cases matching *FourRanks* -- the 4-rank NCCL test -- run last;
-# helper suites such as NcclRank, which only run as child processes, are recorded as skipped) summary.
+# list:<gpu test>... test:<gpu test>:<gtest suite or case>... (the gpu tests are those ctest labels `gpu` in the
+# GPU configuration, run one gtest suite per piece, or one case per piece in suites of at most 8 cases; cases
+# matching *FourRanks* -- the 4-rank NCCL test -- run last; helper suites such as NcclRank, which only run as child
+# processes, are recorded as skipped) summary.
 # Every piece has its own timeout and runs in its own process group, killed as a group (SIGTERM, SIGKILL 5 s
 # later); gtest's streaming output is parsed, so the cases that passed before a kill are still reported. A
 # piece's timeout is min(its own, the time left of the deadline minus 10 s for the summary); a piece that no
@@ -52,12 +61,16 @@
 #                                build-gpu-dry.XXXX next to OUTDIR, removed afterwards unless GPU_CHECK_KEEP_BUILD=1)
 #   GPU_CHECK_CPU_BUILD          dry run: the CPU build whose gpu tests and twobp_bench run (default build)
 #   GPU_CHECK_MAX_PIECE_SECONDS  caps every piece's timeout (default: none)
-#   GPU_CHECK_TEST_TIMEOUT       timeout of one gtest suite (default 240 s, at most ctest's TIMEOUT; the last
+#   GPU_CHECK_TEST_TIMEOUT       timeout of one test piece (default 240 s, at most ctest's TIMEOUT; the last
 #                                pieces get ctest's TIMEOUT)
+#   GPU_CHECK_PREBUILT           the carried binaries' directory (default .gpu-prebuilt; the dry run uses carried
+#                                binaries only when this is set)
 #   GPU_CHECK_INJECT             fault injection, e.g. "env:tools:hang,measure:split_seq16:fail": the pieces whose
 #                                names match the glob before the last ':' run a command that fails (exit 1) or hangs
 #                                (in its process group, ignoring SIGTERM); "crash" makes the check itself raise there
-#   NCCL_DEBUG, NCCL_DEBUG_SUBSYS, NCCL_MNNVL_ENABLE   set for every piece unless already set: WARN, INIT,NET, 0
+#   NCCL_DEBUG, NCCL_DEBUG_SUBSYS, NCCL_MNNVL_ENABLE, TWOBP_TEST_STACKS_ON_HANG   set for every piece unless
+#                                already set: WARN, INIT,NET, 0, 1 (a multi-process test prints a stuck rank's stacks
+#                                with cuda-gdb/gdb before killing it)
 #                                (recorded in summary.json's test_env)
 #
 # Needs a CUDA toolkit (nvcc) on the GPU machine: the CUDA build of the torch wheel refuses find_package(Torch)

@@ -70,6 +70,7 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <fstream>
 #include <memory>
 #include <thread>
@@ -299,6 +300,9 @@ int run(Args args, int& argc, char**& argv) {
 }  // namespace llama_example
 
 int main(int argc, char** argv) {
+  // Before anything touches CUDA: NcclTransport requires eager kernel loading (its class comment says why); a
+  // value the user set is kept (and a LAZY one refused by the transport with what to do).
+  setenv("CUDA_MODULE_LOADING", "EAGER", /*overwrite=*/0);
   llama_example::Args a;
   CLI::App app{"Pipeline-parallel training of a LLaMa-like model with 2-stage backpropagation"};
   llama_example::add_options(app, a);

@@ -8,11 +8,14 @@
 #include "twobp/transport/nccl.h"
 
 #include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda.h>  // types only: the driver's entry point is fetched through the runtime, libcuda is not linked
 #include <cuda_runtime_api.h>
+#include <cudaTypedefs.h>
 #include <fmt/format.h>
 #include <nccl.h>
 
@@ -137,6 +140,23 @@ struct Channel {
 
 using ChannelKey = std::tuple<int, int, int>;  // (src, dst, channel)
 
+/// Whether the CUDA driver loads kernels lazily (CUDA_MODULE_LOADING=LAZY, the default since CUDA 12.2): the
+/// driver's own answer, which also covers a variable set after CUDA was initialized. False when the driver cannot
+/// say (drivers before 11.7 load eagerly).
+bool lazy_module_loading() {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+  if (cudaGetDriverEntryPointByVersion("cuModuleGetLoadingMode", &fn, 11070, cudaEnableDefault, &found) !=
+          cudaSuccess ||
+      found != cudaDriverEntryPointSuccess || fn == nullptr) {
+    cudaGetLastError();  // clear it: not an error of the caller's
+    return false;
+  }
+  CUmoduleLoadingMode mode = CU_MODULE_EAGER_LOADING;
+  return reinterpret_cast<PFN_cuModuleGetLoadingMode_v11070>(fn)(&mode) == CUDA_SUCCESS &&
+         mode == CU_MODULE_LAZY_LOADING;
+}
+
 Duration remaining(Clock::time_point deadline) {
   return std::max(Duration(0), std::chrono::duration_cast<Duration>(deadline - Clock::now()));
 }
@@ -244,11 +264,25 @@ void NcclTransport::Impl::init(const NcclOptions& options) {
 
   int count = 0;
   TWOBP_CUDA_CHECK(cudaGetDeviceCount(&count));
+  // Before anything is posted: see the class comment (REQUIRES EAGER KERNEL LOADING) for the deadlock it avoids.
+  TWOBP_CHECK(!detail::lazy_module_loading(), UsageError,
+              "rank {}: NcclTransport: CUDA loads kernels lazily (CUDA_MODULE_LOADING is LAZY or unset), which can "
+              "deadlock a pipeline: the first launch of a kernel waits for the GPU's queue to drain, and a posted "
+              "NCCL receive never drains until its peer -- blocked the same way -- sends. Start every rank with "
+              "CUDA_MODULE_LOADING=EAGER in its environment (e.g. `CUDA_MODULE_LOADING=EAGER torchrun ...`)",
+              rank);
   device = options.device >= 0 ? options.device : choose_cuda_device(options.local_rank, options.local_size, count);
   TWOBP_CHECK(device < count, UsageError, "rank {}: NcclTransport: CUDA device {} does not exist ({} visible)", rank,
               device, count);
   c10::cuda::set_device(static_cast<c10::DeviceIndex>(device));
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  // Load cuBLAS's and cuBLASLt's kernels into this context now, before any NCCL kernel can spin: the first handle
+  // loads them (cublasCreate -> cuKernelGetFunction), a load that waits for the GPU's queue to drain, eager loading
+  // or not. Otherwise a pipeline's first GEMM, with receives already posted ahead (PipelineOptions::
+  // prefetch_receives), deadlocks as lazy loading does (class comment). Seen: rank 0 of a 2-process pipeline on an
+  // H200 stuck in cublasCreate beside its posted receives (2026-12-04); this remedy has not yet run on a GPU.
+  at::cuda::getCurrentCUDABlasHandle();
+  at::cuda::getCurrentCUDABlasLtHandle();
 
   all_links = options.links.empty() ? ring_links(world) : options.links;
   for (const auto& [src, dst] : all_links) {

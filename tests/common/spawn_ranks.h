@@ -1,6 +1,7 @@
 #pragma once
 // Multi-process tests without MPI: the test executable starts copies of itself as the ranks of a job, with the
-// environment torchrun would give them, and checks their exit codes. Bounded: a stuck child is killed.
+// environment torchrun would give them, and checks their exit codes. Bounded: a stuck child is killed (after a
+// debugger has printed its threads' stacks, when TWOBP_TEST_STACKS_ON_HANG=1 and cuda-gdb or gdb is found).
 
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
@@ -12,6 +13,8 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <string>
 #include <thread>
@@ -39,10 +42,33 @@ inline int free_port() {
   return port;
 }
 
+/// For a child rank's first line: its stdout line-buffered, so that what it printed survives a SIGKILL (gtest and
+/// NCCL write to stdout, which is fully buffered into a file or pipe).
+inline void line_buffered_output() { std::setvbuf(stdout, nullptr, _IOLBF, 0); }
+
+/// Prints the threads' stacks of a stuck process (bounded: 40 s) when TWOBP_TEST_STACKS_ON_HANG=1 and cuda-gdb or
+/// gdb is on the PATH -- the one look inside a hang that a single run on a lent GPU machine gets.
+inline void print_stacks(pid_t pid) {
+  const char* want = std::getenv("TWOBP_TEST_STACKS_ON_HANG");
+  if (want == nullptr || std::string(want) != "1") return;
+  const std::string cmd =
+      "d=$(command -v cuda-gdb || command -v gdb) || { echo 'no debugger for the stacks'; exit 0; }; "
+      "echo \"===== stacks of stuck rank process " + std::to_string(pid) + " ($d)\"; "
+      "timeout -s KILL 40 \"$d\" -q -batch -p " + std::to_string(pid) +
+      " -ex 'thread apply all bt 30' 2>&1 | grep -v '^\\[New LWP' | head -400";
+  std::fflush(stdout);
+  std::fflush(stderr);
+  std::string sh = "/bin/sh", flag = "-c", command = cmd;
+  std::vector<char*> argv{sh.data(), flag.data(), command.data(), nullptr};
+  pid_t dbg = 0;
+  if (posix_spawn(&dbg, "/bin/sh", nullptr, nullptr, argv.data(), environ) == 0) waitpid(dbg, nullptr, 0);
+}
+
 /// Starts `world` copies of this executable, each running only the test `test` (a gtest filter) with a
 /// torchrun-like environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, a free
 /// MASTER_PORT; no MPI or Slurm variables), TWOBP_TEST_SCENARIO=scenario and `extra(rank)`'s variables. Returns
-/// their exit codes; children still running after `limit` are killed (code -9) and the test fails.
+/// their exit codes; children still running after `limit` are killed (code -9; their stacks printed first, see
+/// print_stacks) and the test fails.
 inline std::vector<int> run_processes(const std::string& test, const std::string& scenario, int world,
                                       std::chrono::seconds limit = std::chrono::seconds(60),
                                       const std::function<std::vector<std::string>(int)>& extra = nullptr) {
@@ -90,6 +116,9 @@ inline std::vector<int> run_processes(const std::string& test, const std::string
       }
     }
     if (left > 0 && std::chrono::steady_clock::now() > deadline) {
+      for (std::size_t k = 0; k < pids.size(); ++k) {
+        if (!done[k]) print_stacks(pids[k]);
+      }
       for (std::size_t k = 0; k < pids.size(); ++k) {
         if (!done[k]) {
           kill(pids[k], SIGKILL);

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Runs scripts/gpu_check.sh --dry-run on this CPU machine and checks what it leaves in its output directory.
 
-usage: check_gpu_check.py dry-run|injected SCRIPT CPU_BUILD WORK_DIR
+usage: check_gpu_check.py dry-run|injected|prebuilt|prebuilt-stale SCRIPT CPU_BUILD WORK_DIR
 
   dry-run   the plain dry run (deadline 200 s): exit 0, "gpu": false, every piece passed or was skipped with a
             reason (the gpu tests skip without a GPU), the measurements and the summary's stage costs present,
@@ -10,8 +10,13 @@ usage: check_gpu_check.py dry-run|injected SCRIPT CPU_BUILD WORK_DIR
             env:tools recorded as timeout (its process group killed, SIGTERM ignored so SIGKILL was needed),
             measure:split_seq16 as fail, measure:simulate_seq16 skipped because of it, every other piece passed or
             was skipped with a reason, the summary written and the run ended before its deadline
+  prebuilt  the dry run with carried binaries (GPU_CHECK_PREBUILT: this build's twobp_bench and gpu tests with a
+            manifest of these sources): exit 0, "prebuilt" passed (they load), configure/targets/discover/build:*
+            skipped as provided by them, the measurements run with the carried twobp_bench
+  prebuilt-stale  the same with a manifest of other sources: "prebuilt" skipped with that reason, and the check
+            configures and checks its targets as without carried binaries
 
-Either fails when summary.json is missing, unreadable or wrong. After checking the real summary, the checker also
+Each fails when summary.json is missing, unreadable or wrong. After checking the real summary, the checker also
 checks itself: broken copies of that summary (no pieces, an unknown status, "gpu": true, ...) must be rejected.
 """
 
@@ -26,7 +31,8 @@ import time
 STATUSES = {"pass", "fail", "timeout", "skipped"}
 FILES = {"summary.json", "check.log", "build.log", "tests.log", "split_seq16.json", "split_seq32.json",
          "simulate_seq16.json", "simulate_seq32.json"}
-DEADLINE = {"dry-run": 200, "injected": 150}
+DEADLINE = {"dry-run": 200, "injected": 150, "prebuilt": 200, "prebuilt-stale": 200}
+PROVIDED = ("configure", "targets", "discover", "build:library", "build:twobp_bench")
 INJECT = "env:tools:hang,measure:split_seq16:fail"
 
 
@@ -74,9 +80,17 @@ def validate(mode, s, files, rc, wall):
     need(env.get("NCCL_DEBUG") and env.get("NCCL_DEBUG_SUBSYS") and "NCCL_MNNVL_ENABLE" in env,
          "test_env lacks the NCCL settings: %r" % env)
     need(isinstance(s.get("gpu_tests"), dict) and s["gpu_tests"], "gpu_tests is empty")
-    for name in ("env:torch", "third_party", "configure", "targets", "discover", "build:library", "build:twobp_bench",
-                 "measure:split_seq32", "measure:simulate_seq32", "summary"):
+    carried = mode == "prebuilt"
+    for name in ("env:torch", "third_party", "measure:split_seq32", "measure:simulate_seq32", "summary") + (
+            ("prebuilt",) if carried else PROVIDED):
         need(by_name.get(name, {}).get("status") == "pass", "piece %s: %s" % (name, by_name.get(name)))
+    for name in PROVIDED if carried else ():
+        p = by_name.get(name, {})
+        need(p.get("status") == "skipped" and "carried prebuilt binaries used" in p.get("detail", ""),
+             "piece %s is not provided by the carried binaries: %s" % (name, p))
+    if mode == "prebuilt-stale":
+        p = by_name.get("prebuilt", {})
+        need(p.get("status") == "skipped" and "other sources" in p.get("detail", ""), "piece prebuilt: %s" % p)
     tests = [p for n, p in by_name.items() if n.startswith("test:")]
     need(tests, "no test: piece")
     for p in tests:
@@ -87,10 +101,11 @@ def validate(mode, s, files, rc, wall):
          "stage_costs.seq32.forward_ms: %r" % costs.get("forward_ms"))
     need(bool(costs.get("simulated_4gpu_m8_speedup_2bp_over_standard")), "no simulated speedups for seq32")
 
-    if mode == "dry-run":
+    if mode != "injected":
         need(rc == 0, "exit code %r, expected 0" % rc)
         need(s.get("ok") is True and not s.get("not_ok"), "ok %r, not_ok %r" % (s.get("ok"), s.get("not_ok")))
-        need(set(files) == FILES, "files %s, expected %s" % (sorted(files), sorted(FILES)))
+        expected = FILES - {"build.log"} if carried else FILES  # nothing is configured or built
+        need(set(files) == expected, "files %s, expected %s" % (sorted(files), sorted(expected)))
         for name in ("measure:split_seq16", "measure:simulate_seq16"):
             need(by_name.get(name, {}).get("status") == "pass", "piece %s: %s" % (name, by_name.get(name)))
         need("seq16" in (s.get("stage_costs") or {}), "no stage_costs.seq16")
@@ -135,6 +150,9 @@ def self_test(mode, s, files, rc, wall):
                                                     if p["name"].startswith("test:")]),
         "no stage costs": broken(lambda c: c.update(stage_costs={})),
     }
+    if mode == "prebuilt":  # the carried binaries must stand for the build, not the build run anyway
+        cases["build:library run"] = broken(lambda c: [p.update(status="pass", detail="built") for p in c["pieces"]
+                                                       if p["name"] == "build:library"])
     problems = []
     for what, c in cases.items():
         if not validate(mode, c, files, rc, wall):
@@ -146,6 +164,30 @@ def self_test(mode, s, files, rc, wall):
     if not validate(mode, None, files, rc, wall):
         problems.append("self-test: a missing summary was accepted")
     return problems
+
+
+def carried_binaries(script, cpu_build, dest, stale):
+    """What `gpu_check.sh prebuild` would leave, made of this CPU build's binaries: twobp_bench, the gpu tests that
+    run without MPI, and a manifest with the sources' digest (another one when stale) and the build's torch."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(os.path.dirname(script), "gpu_check.py"))
+    gc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gc)
+    show = subprocess.run(["ctest", "--test-dir", cpu_build, "-L", "gpu", "--show-only=json-v1"],
+                          capture_output=True, text=True, check=True).stdout
+    tests = [t for t in gc.gpu_tests_from_ctest(show, cpu_build) if not t["mpi"]]
+    os.makedirs(dest)
+    shutil.copy2(os.path.join(cpu_build, "benchmarks", "twobp_bench"), os.path.join(dest, "twobp_bench"))
+    for t in tests:
+        shutil.copy2(t["binary"], os.path.join(dest, t["name"]))
+    torch_root = gc.torch_root_from_cache(cpu_build)
+    version = next(line.split("=", 1)[1].strip().strip("'\"") for line in open(os.path.join(torch_root, "version.py"))
+                   if line.startswith("__version__"))
+    gc.write_json(os.path.join(dest, "manifest.json"), {
+        "digest": "0" * 64 if stale else gc.source_digest(), "torch": version, "bench": "twobp_bench",
+        "targets": ["twobp_bench"] + [t["name"] for t in tests], "built_utc": "test",
+        "tests": [dict(t, binary=t["name"]) for t in tests]})
+    return dest
 
 
 def main():
@@ -161,6 +203,9 @@ def main():
     env.setdefault("PYTHON", sys.executable)
     if mode == "injected":
         env.update(GPU_CHECK_INJECT=INJECT, GPU_CHECK_MAX_PIECE_SECONDS="90")
+    if mode.startswith("prebuilt"):
+        env["GPU_CHECK_PREBUILT"] = carried_binaries(script, cpu_build, os.path.join(work, "prebuilt"),
+                                                     stale=mode == "prebuilt-stale")
     start = time.monotonic()
     try:
         rc = subprocess.run(["bash", script, "--dry-run", out], env=env, timeout=DEADLINE[mode] + 60).returncode

@@ -5,10 +5,11 @@
 // code path of the transport runs). This is the mode the single-GPU check machine can run; on a multi-GPU node
 // the same test runs with one GPU per rank when TWOBP_NCCL_TEST_GPU_PER_RANK=1.
 //
-// Covers: construction (communicators + warm-up), a ring exchange on both channels, one pipeline step of every
-// built-in schedule (zb-v included) in both modes against a single-process reference, and a timeout that aborts
-// the channel; a 64 MiB bfloat16 exchange, a slow producer and a bucket all-reduce beside a pending receive; and
-// (4 processes) transport groups. Skips with the reason without a CUDA device.
+// Covers, each scenario in its own processes: construction (communicators + warm-up) and a ring exchange on both
+// channels; one pipeline step of every built-in schedule in both modes against a single-process reference; a
+// timeout that aborts the channel; a 64 MiB bfloat16 exchange, a slow producer and a bucket all-reduce beside a
+// pending receive; and (4 processes) transport groups. Each rank marks its progress on stderr (a killed rank's
+// last mark says where it stopped). Skips with the reason without a CUDA device.
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/Sleep.h>
@@ -16,6 +17,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 
@@ -34,36 +37,72 @@ namespace {
 
 constexpr Duration kLong{60000};
 
-std::vector<std::string> one_gpu_env(int rank) {
-  if (const char* v = std::getenv("TWOBP_NCCL_TEST_GPU_PER_RANK"); v != nullptr && std::string(v) == "1") return {};
-  return {"NCCL_HOSTID=twobp-test-host-" + std::to_string(rank), "NCCL_SOCKET_IFNAME=lo", "NCCL_IB_DISABLE=1"};
+// The children's variables: eager kernel loading (NcclTransport requires it, see its class comment; `loading`
+// other than EAGER checks the refusal) and, unless TWOBP_NCCL_TEST_GPU_PER_RANK=1, one GPU shared by the ranks.
+std::vector<std::string> child_env(int rank, const std::string& loading) {
+  std::vector<std::string> env{"CUDA_MODULE_LOADING=" + loading};
+  if (const char* v = std::getenv("TWOBP_NCCL_TEST_GPU_PER_RANK"); v != nullptr && std::string(v) == "1") return env;
+  env.push_back("NCCL_HOSTID=twobp-test-host-" + std::to_string(rank));
+  env.push_back("NCCL_SOCKET_IFNAME=lo");
+  env.push_back("NCCL_IB_DISABLE=1");
+  return env;
 }
 
+// Each scenario in its own processes, so that one that hangs or fails leaves the others' results.
+void expect_ranks_pass(const std::string& scenario, int world, int seconds, const std::string& loading = "EAGER") {
+  const auto codes = testing::run_processes("NcclRank.Run", scenario, world, std::chrono::seconds(seconds),
+                                            [&](int rank) { return child_env(rank, loading); });
+  ASSERT_EQ(codes.size(), static_cast<std::size_t>(world));
+  for (int r = 0; r < world; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << " (its output is above)";
+}
+
+// Lazy kernel loading is refused at construction, before anything is posted, with what to do instead.
+TEST(NcclProcesses, TwoRanksRefuseLazyKernelLoading) {
+  if (c10::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device (this test needs one GPU)";
+  expect_ranks_pass("nccl_lazy", 2, 60, "LAZY");
+}
+
+// Construction (communicators + warm-up) and a ring exchange on two channels, three dtypes, then the all-reduce and
+// barrier of the host.
 TEST(NcclProcesses, TwoRanksOnOneGpu) {
   if (c10::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device (this test needs one GPU)";
-  const auto codes = testing::run_processes("NcclRank.Run", "nccl", 2, std::chrono::seconds(150), one_gpu_env);
-  ASSERT_EQ(codes.size(), 2u);
-  for (int r = 0; r < 2; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << " (its output is above)";
+  expect_ranks_pass("nccl_ring", 2, 90);
+}
+
+// A receive that is never matched times out, names its message and aborts only its channel.
+TEST(NcclProcesses, TwoRanksTimeoutAbortsChannel) {
+  if (c10::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device (this test needs one GPU)";
+  expect_ranks_pass("nccl_timeout", 2, 90);
+}
+
+// One pipeline step of every built-in schedule in both modes against a single-process float64 reference. Timed out
+// on an H200 (2026-12-04; rank 0 inside cuBLAS's first handle beside its posted receives): see NcclTransport's
+// class comment for the remedy, not yet run there.
+TEST(NcclProcesses, TwoRanksEverySchedule) {
+  if (c10::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device (this test needs one GPU)";
+  expect_ranks_pass("nccl_schedules", 2, 150);
 }
 
 // Streams and sizes: a 64 MiB bfloat16 exchange, a send whose tensor is produced by a deliberately slow kernel
 // (a missing stream wait would send the old contents), and the collective communicator reducing a bucket while a
-// receive is pending on a point-to-point channel. Written without a GPU at hand: not yet run.
+// receive is pending on a point-to-point channel. Passed on an H200 (2026-12-04).
 TEST(NcclProcesses, TwoRanksStreamsAndCollectives) {
   if (c10::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device (this test needs one GPU)";
-  const auto codes = testing::run_processes("NcclRank.Run", "nccl_streams", 2, std::chrono::seconds(150), one_gpu_env);
-  ASSERT_EQ(codes.size(), 2u);
-  for (int r = 0; r < 2; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << " (its output is above)";
+  expect_ranks_pass("nccl_streams", 2, 150);
 }
 
 // Groups: 4 ranks split by rank % 2 and by rank / 2 (NcclTransport::split splits the StoreTransport host and
-// builds each group's communicators through it). Written without a GPU at hand: not yet run.
+// builds each group's communicators through it). Passed on an H200 (2026-12-04).
 TEST(NcclProcesses, FourRanksGroupsOnOneGpu) {
   if (c10::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device (this test needs one GPU)";
-  const auto codes =
-      testing::run_processes("NcclRank.Run", "nccl_groups", 4, std::chrono::seconds(240), one_gpu_env);
-  ASSERT_EQ(codes.size(), 4u);
-  for (int r = 0; r < 4; ++r) EXPECT_EQ(codes[r], 0) << "rank " << r << " (its output is above)";
+  expect_ranks_pass("nccl_groups", 4, 240);
+}
+
+// A child rank's progress on stderr (unbuffered), with the seconds since it started: where a killed rank stopped.
+void mark(int rank, const std::string& what) {
+  static const auto start = std::chrono::steady_clock::now();
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::fprintf(stderr, "[rank %d +%.1f s] %s\n", rank, s, what.c_str());
 }
 
 void ring(NcclTransport& t) {
@@ -164,6 +203,7 @@ void every_schedule(const std::shared_ptr<NcclTransport>& t) {
   for (const auto& name : builtin_schedule_names()) {
     for (BackwardMode mode : {BackwardMode::kStandard, BackwardMode::kSplit}) {
       const Schedule schedule = make_schedule(name, default_schedule_options(name, 2, m, mode));
+      mark(me, name + (mode == BackwardMode::kSplit ? " 2bp" : " standard"));
       torch::manual_seed(21);
       auto inputs = torch::randn({m * kMicroBatchSize, kDim}), targets = torch::randn({m * kMicroBatchSize, kDim});
       Reference ref = run_reference(schedule.num_stages, m, inputs, targets);
@@ -215,33 +255,56 @@ void timeout_aborts_channel(NcclTransport& t) {
 }
 
 TEST(NcclRank, Run) {
-  const char* scenario = std::getenv("TWOBP_TEST_SCENARIO");
-  if (scenario == nullptr) GTEST_SKIP() << "runs only as a child process of NcclProcesses.TwoRanksOnOneGpu";
+  const char* scenario_env = std::getenv("TWOBP_TEST_SCENARIO");
+  if (scenario_env == nullptr) GTEST_SKIP() << "runs only as a child process of the NcclProcesses tests";
+  testing::line_buffered_output();
+  const std::string scenario = scenario_env;
   torch::set_num_threads(2);
   auto env = launch_env();
   ASSERT_TRUE(env);
+  const int rank = env->rank;
+  mark(rank, scenario + ": connecting the host store");
   auto host = std::make_shared<StoreTransport>(*env);
   NcclOptions options;
   options.local_rank = env->local_rank;
   options.local_size = env->local_size;
   if (std::getenv("NCCL_HOSTID") != nullptr) options.device = 0;  // both ranks on the one GPU
   options.init_timeout = kLong;
+  if (scenario == "nccl_lazy") {
+    try {
+      NcclTransport refused(host, options);
+      ADD_FAILURE() << "NcclTransport was built under lazy kernel loading";
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find("CUDA_MODULE_LOADING=EAGER"), std::string::npos) << e.what();
+    }
+    return;
+  }
+  mark(rank, "creating the NCCL communicators");
   auto t = std::make_shared<NcclTransport>(host, options);  // communicators + warm-up
+  mark(rank, "communicators ready");
   EXPECT_EQ(t->pairing(), Pairing::kInOrderPerChannel);
-  if (std::string(scenario) == "nccl_groups") {
+  if (scenario == "nccl_groups") {
     testing::check_groups(*t, testing::GroupLayout::kByParity, kLong);
     testing::check_groups(*t, testing::GroupLayout::kByHalf, kLong);
-    return;
-  }
-  if (std::string(scenario) == "nccl_streams") {
+  } else if (scenario == "nccl_streams") {
     large_exchange(*t);
+    mark(rank, "64 MiB exchange done");
     slow_producer(*t);
+    mark(rank, "slow producer done");
     all_reduce_with_pending_receive(*t);
-    return;
+  } else if (scenario == "nccl_ring") {
+    ring(*t);
+  } else if (scenario == "nccl_schedules") {
+    every_schedule(t);
+  } else if (scenario == "nccl_timeout") {
+    timeout_aborts_channel(*t);
+  } else {
+    FAIL() << "unknown scenario " << scenario;
   }
-  ring(*t);
-  every_schedule(t);
-  timeout_aborts_channel(*t);
+  mark(rank, "scenario done: destroying the transport");
+  t.reset();
+  host.reset();
+  mark(rank, "destroyed");
 }
 
 }  // namespace

@@ -70,10 +70,21 @@ struct NcclOptions {
 ///  - all_reduce_sum copies the tensor to the CPU and sums over the host transport (meant for small tensors:
 ///    losses, norms). all_reduce_sum_async (gradient buckets) stays on the GPU: a communicator of every rank with
 ///    a stream of its own, created and warmed up by the constructor (NcclOptions::collective), ncclAllReduce
-///    waited like a receive. NOT YET RUN ON A GPU.
+///    waited like a receive (ran on one H200 with two processes, 2026-12-04).
 ///  - Errors: an NCCL failure carries NCCL's own last error text (ncclGetLastError); NCCL_DEBUG=WARN prints
 ///    NCCL's log. barrier is the host's; it does not synchronize the GPU.
 ///  - abort() aborts every NCCL communicator, then the host transport (under MPI: THE WHOLE JOB DIES).
+///  - REQUIRES EAGER KERNEL LOADING (CUDA_MODULE_LOADING=EAGER in every rank's environment, before the process
+///    first touches CUDA); the constructor raises UsageError under lazy loading (the default since CUDA 12.2).
+///    WHY: a receive (or send) posted ahead is a kernel that spins until the peer's matching operation runs, and
+///    under lazy loading the first launch of any other kernel (a first cuBLAS call, a new shape's GEMM, an
+///    optimizer's kernel) waits for the GPU's queue to drain -- which that spinning kernel never does while the
+///    peer waits the same way: both ranks hang inside cudaLaunchKernel. Seen on an H200, 2026-12-04 (the ring test
+///    of tests/transport/nccl_processes_test.cpp stuck in at::arange on both ranks, beside a pending receive).
+///    Loading a library's kernels later waits the same way, eager or not: the constructor therefore creates the
+///    calling thread's cuBLAS and cuBLASLt handles before it posts anything. Any other kernel module loaded in the
+///    middle of a step (a library first used then, a runtime-compiled kernel) can still deadlock beside a posted
+///    receive: load it before the first step (e.g. run the model once without the pipeline).
 ///
 /// Threading: use the transport from one thread. The constructor makes `device` the calling thread's
 /// current CUDA device. A Work keeps the transport's communicators alive until it is destroyed.
