@@ -482,13 +482,17 @@ class Check:
                   '[ $rc = 0 ] || exit 1; ./"$1" --help > /dev/null || exit 1; shift; '
                   'for b in "$@"; do ./"$b" --gtest_list_tests > /dev/null || exit 1; done; echo "they load"')
         binaries = [manifest["bench"]] + [t["binary"] for t in manifest["tests"]]
-        piece, _ = self.piece("prebuilt", ["sh", "-c", script, self.prebuilt_dir] + binaries, 60, min_s=5, env=env)
+
+        def verdict(text, rc, killed, status, detail):
+            if status != "pass":
+                return status, detail + " -- building here instead", None
+            return status, "%s, built %s against torch %s: they load here (LD_LIBRARY_PATH %s)" % (
+                ", ".join(binaries), manifest["built_utc"], manifest["torch"], env["LD_LIBRARY_PATH"]), None
+
+        piece, _ = self.piece("prebuilt", ["sh", "-c", script, self.prebuilt_dir] + binaries, 60, min_s=5, env=env,
+                              analyze=verdict)
         if piece["status"] == "pass":
-            piece["detail"] = "%s, built %s against torch %s: they load here (LD_LIBRARY_PATH %s)" % (
-                ", ".join(binaries), manifest["built_utc"], manifest["torch"], env["LD_LIBRARY_PATH"])
             self.env, self.prebuilt = env, manifest
-        else:
-            piece["detail"] += " -- building here instead"
 
     def env_pieces(self):
         def smi(text, rc, killed, status, detail):
@@ -1053,6 +1057,15 @@ def gpu_tests_from_ctest(text, build):
     return found
 
 
+def torch_version(torch_root):
+    """The torch package's version string, read from its version.py (without importing torch)."""
+    for line in open(os.path.join(torch_root, "version.py")):
+        m = re.match(r"^__version__\b[^=]*=\s*['\"]([^'\"]*)", line)
+        if m:
+            return m.group(1)
+    return ""
+
+
 def torch_lib_dirs(torch_root):
     """torch's lib/ and the CUDA, NCCL, cuDNN... libraries of the pip packages beside it (site-packages/nvidia)."""
     dirs = [os.path.join(torch_root, "lib")]
@@ -1108,13 +1121,11 @@ def prebuild():
         return 1
     probe = "import importlib.util as u, os; print(os.path.dirname(u.find_spec('torch').origin))"
     torch_root = subprocess.run([py, "-c", probe], capture_output=True, text=True, check=True).stdout.strip()
-    torch_version = ""
-    for line in open(os.path.join(torch_root, "version.py")):
-        m = re.match(r"^__version__\b[^=]*=\s*['\"]([^'\"]*)", line)
-        torch_version = m.group(1) if m else torch_version
+    version = torch_version(torch_root)
     digest = source_digest()
     jobs = str(int(os.environ.get("JOBS") or os.cpu_count() or 2))
-    subprocess.run(configure_args(PREBUILT_BUILD, torch_root, py), check=True)
+    configure = configure_args(PREBUILT_BUILD, torch_root, py)
+    subprocess.run(configure, check=True)
     show = subprocess.run(["ctest", "--test-dir", PREBUILT_BUILD, "-L", "gpu", "--show-only=json-v1"],
                           capture_output=True, text=True, check=True).stdout
     tests = [t for t in gpu_tests_from_ctest(show, PREBUILT_BUILD) if not t["mpi"]]
@@ -1128,10 +1139,10 @@ def prebuild():
         shutil.copy2(os.path.join(PREBUILT_BUILD, "benchmarks", "twobp_bench"), os.path.join(work, "twobp_bench"))
         for t in tests:
             shutil.copy2(t["binary"], os.path.join(work, t["name"]))
-        manifest = {"digest": digest, "torch": torch_version, "targets": targets, "bench": "twobp_bench",
+        manifest = {"digest": digest, "torch": version, "targets": targets, "bench": "twobp_bench",
                     "tests": [dict(t, binary=t["name"]) for t in tests],
                     "built_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
-                    "built_on": socket.gethostname(), "configure": configure_args(PREBUILT_BUILD, torch_root, py)}
+                    "built_on": socket.gethostname(), "configure": configure}
         write_json(os.path.join(work, "manifest.json"), manifest)
         size = dir_bytes(work) / 2**20
         if size > PREBUILT_MAX_MIB:
@@ -1143,7 +1154,7 @@ def prebuild():
         shutil.rmtree(work, ignore_errors=True)
     git_exclude("/.gpu-prebuilt/")
     print("gpu_check prebuild: %s in %s (%.1f MiB, torch %s, sources %s): carry .gpu-prebuilt and .third_party"
-          % (", ".join(targets), PREBUILT, dir_bytes(PREBUILT) / 2**20, torch_version, digest[:12]))
+          % (", ".join(targets), PREBUILT, dir_bytes(PREBUILT) / 2**20, version, digest[:12]))
     return 0
 
 

@@ -180,9 +180,7 @@ def carried_binaries(script, cpu_build, dest, stale):
     shutil.copy2(os.path.join(cpu_build, "benchmarks", "twobp_bench"), os.path.join(dest, "twobp_bench"))
     for t in tests:
         shutil.copy2(t["binary"], os.path.join(dest, t["name"]))
-    torch_root = gc.torch_root_from_cache(cpu_build)
-    version = next(line.split("=", 1)[1].strip().strip("'\"") for line in open(os.path.join(torch_root, "version.py"))
-                   if line.startswith("__version__"))
+    version = gc.torch_version(gc.torch_root_from_cache(cpu_build))
     gc.write_json(os.path.join(dest, "manifest.json"), {
         "digest": "0" * 64 if stale else gc.source_digest(), "torch": version, "bench": "twobp_bench",
         "targets": ["twobp_bench"] + [t["name"] for t in tests], "built_utc": "test",
