@@ -43,11 +43,30 @@ PREBUILT = os.path.join(ROOT, ".gpu-prebuilt")   # `prebuild`: GPU binaries buil
 PREBUILT_MAX_MIB = 24      # with .third_party and the tree, under the 64 MiB carry limit
 PREBUILT_BUILD = os.path.join(ROOT, "build-gpu-carry")
 # What the binaries are built from: the carried ones are used only when these hash the same there as here.
-DIGEST_PATHS = ("CMakeLists.txt", "cmake", "include", "src", "tests", "benchmarks")
+DIGEST_PATHS = ("CMakeLists.txt", "cmake", "include", "src", "tests", "benchmarks", "examples")
 
 # The GPU measurement: one 7B stage (LLaMa-7B blocks), bf16, batch 1; the dry run: a tiny fp32 model on the CPU.
 MEASURE_GPU = dict(device="cuda", dtype="bf16", dim=4096, ffn=11008, heads=32, layers=8, seqs=(1024, 4096), repeats=10)
 MEASURE_DRY = dict(device="cpu", dtype="fp32", dim=64, ffn=176, heads=4, layers=2, seqs=(16, 32), repeats=2)
+# The example, whole training steps (AdamW, clipping, the data loader): ranks as threads on the one GPU, with 2BP and
+# without, the same seed. On one shared GPU the two take the same total work, so their throughput ratio is NOT a
+# pipeline speedup; the pieces show that the example trains on a GPU (losses, gradient norms, tokens/s).
+EXAMPLE_GPU = dict(device="cuda", model="1b", dtype="bf16", ranks=4, schedule="1f1b", microbatches=8, seq_len=1024,
+                   steps=8)
+EXAMPLE_DRY = dict(device="cpu", model="tiny", dtype="fp32", ranks=2, schedule="1f1b", microbatches=4, seq_len=64,
+                   steps=3)
+# The example's memory estimate (its --dry-run) against the peak tensor memory of real steps: the whole 7B model as
+# one rank (the only layout whose memory one GPU can measure: rank threads sharing a GPU share its allocator's
+# statistics), bf16 (bf16 weights, gradients and AdamW state: ~8 bytes per parameter, ~60 GiB), with 2BP and
+# without. Run after the tests (the longest piece: the model is built on the CPU first).
+EXAMPLE_MEMORY_GPU = dict(device="cuda", model="7b", dtype="bf16-pure", ranks=1, schedule="1f1b", microbatches=4,
+                          micro_batch_size=1, seq_len=1024, steps=3)
+EXAMPLE_MEMORY_DRY = dict(device="cpu", model="tiny", dtype="fp32", ranks=1, schedule="1f1b", microbatches=4,
+                          micro_batch_size=1, seq_len=64, steps=3)
+MEMORY_ESTIMATE_SLACK = 1.10  # measured peak <= this x the estimate (an estimate that says "fits" must hold)
+# Pieces that run only when an --only glob names them: the 7B memory pieces (~150 s) do not fit a full run's 8
+# minutes beside everything else, so they get a run of their own (`--only 'measure:example_memory*'`).
+OPT_IN = ("measure:example_memory*",)
 
 # TWOBP_TEST_STACKS_ON_HANG: a multi-process test prints its stuck ranks' stacks before killing them
 # (tests/common/spawn_ranks.h): a hang costs no second loan to locate.
@@ -239,6 +258,10 @@ class Check:
         self.keep_build = os.environ.get("GPU_CHECK_KEEP_BUILD", "") not in ("", "0")
         self.inject = self.parse_inject(os.environ.get("GPU_CHECK_INJECT", ""))
         self.measure = MEASURE_DRY if self.dry else MEASURE_GPU
+        self.example = EXAMPLE_DRY if self.dry else EXAMPLE_GPU
+        self.example_memory = EXAMPLE_MEMORY_DRY if self.dry else EXAMPLE_MEMORY_GPU
+        self.memory_checks = {}    # mode -> {estimate_bytes, measured_peak_bytes, ratio}
+        self.example_runs = {}     # mode -> the example's per-step records (its --json "steps")
         self.pieces, self.by_name = [], {}
         self.facts, self.versions, self.tools = {}, {}, {}
         self.gpu_tests = {}        # test name -> {binary, list, streams...}
@@ -321,10 +344,18 @@ class Check:
         return name in self.provided or (p is not None and p["status"] == "pass")
 
     def selected(self, name):
-        """--only: measurements and tests outside its globs are skipped (set-up pieces always run)."""
-        if not self.only or not name.startswith(("measure:", "test:")):
+        """--only: measurements and tests outside its globs are skipped (set-up pieces always run); OPT_IN pieces run
+        only when a glob names them."""
+        if not name.startswith(("measure:", "test:")):
             return True
-        return any(fnmatch.fnmatchcase(name, g) or fnmatch.fnmatchcase(name.split(":", 1)[1], g) for g in self.only)
+        named = any(fnmatch.fnmatchcase(name, g) or fnmatch.fnmatchcase(name.split(":", 1)[1], g) for g in self.only)
+        if any(fnmatch.fnmatchcase(name, g) for g in OPT_IN):
+            return named
+        return named or not self.only
+
+    def not_selected(self):
+        return "not selected (%s)" % ("--only " + ",".join(self.only) if self.only else
+                                      "runs only when --only names it: " + ", ".join(OPT_IN))
 
     def provide(self, name, what):
         """Records a set-up piece that the carried prebuilt binaries make unnecessary; later pieces may need it."""
@@ -361,7 +392,7 @@ class Check:
         if skip_reason and not action:
             return self.record(name, "skipped", 0, skip_reason), ""
         if not self.selected(name) and not action:
-            return self.record(name, "skipped", 0, "not selected (--only %s)" % ",".join(self.only)), ""
+            return self.record(name, "skipped", 0, self.not_selected()), ""
         for need in needs:
             if not self.passed(need):
                 st = self.by_name[need]["status"] if need in self.by_name else "not run"
@@ -479,9 +510,12 @@ class Check:
         env["LD_LIBRARY_PATH"] = ":".join(torch_lib_dirs(self.torch_root) + list(filter(None, [
             env.get("LD_LIBRARY_PATH")])))
         script = ('cd "$0" || exit 1; rc=0; for b in "$@"; do ldd "./$b" | grep "not found" && rc=1; done; '
-                  '[ $rc = 0 ] || exit 1; ./"$1" --help > /dev/null || exit 1; shift; '
-                  'for b in "$@"; do ./"$b" --gtest_list_tests > /dev/null || exit 1; done; echo "they load"')
-        binaries = [manifest["bench"]] + [t["binary"] for t in manifest["tests"]]
+                  '[ $rc = 0 ] || exit 1; ./"$1" --help > /dev/null || exit 1; ./"$2" --help > /dev/null || exit 1; '
+                  'shift 2; for b in "$@"; do ./"$b" --gtest_list_tests > /dev/null || exit 1; done; echo "they load"')
+        if not manifest.get("example"):
+            return self.record("prebuilt", "skipped", 0, "carried binaries without the example (an older prebuild): "
+                               "building here")
+        binaries = [manifest["bench"], manifest["example"]] + [t["binary"] for t in manifest["tests"]]
 
         def verdict(text, rc, killed, status, detail):
             if status != "pass":
@@ -702,6 +736,111 @@ class Check:
             self.piece(name, [bench, "simulate", "--ranks", 4, "--microbatches", 8, "--f", f, "--i", i, "--w", w,
                               "--b", b, "--comm", 0.1, "--json", sim_json], 30, min_s=3, analyze=sim_ok)
 
+    def example_pieces(self):
+        """measure:example_2bp, measure:example_standard: llama_pipeline trains on the device (threads as ranks),
+        then measure:example_compare puts the two runs side by side (losses agree; tokens/s of each)."""
+        skip = self.example_missing()
+        for mode in ("2bp", "standard"):
+            out_json = os.path.join(self.tmp, "example_%s.json" % mode)  # not returned (8 files): summarized
+            cmd = self.example_command(self.example, mode) + ["--timeout", 60, "--json", out_json]
+
+            def ran(text, rc, killed, status, detail, mode=mode, out_json=out_json):
+                if status == "pass":
+                    steps = json.load(open(out_json))["steps"]
+                    self.example_runs[mode] = steps
+                    peak = max((s.get("peak_memory_bytes") or -1) for s in steps)  # -1: not recorded
+                    detail = "loss %.4f -> %.4f in %d steps, median %.0f tokens/s after the first%s" % (
+                        steps[0]["loss"], steps[-1]["loss"], len(steps), median_tokens_per_s(steps),
+                        ", peak %.2f GiB per rank" % (peak / 2**30) if peak >= 0 else "")
+                return status, detail, None
+
+            self.piece("measure:example_" + mode, cmd, 150, min_s=20, analyze=ran, skip_reason=skip,
+                       needs=() if self.dry else ("build:llama_pipeline",))
+
+        def compare():
+            a, b = self.example_runs.get("2bp"), self.example_runs.get("standard")
+            if not a or not b:
+                raise RuntimeError("needs measure:example_2bp and measure:example_standard to pass")
+            # Same weights, data and seed: the first step's forward is the same computation (its loss agrees to
+            # rounding) and 2BP changes only the order of the weight-gradient sums, so the first step's gradient norm
+            # agrees to the precision's rounding; a lost or doubled gradient would be off by far more. Later losses
+            # are reported only: a trajectory amplifies rounding differences (several % after a few steps in bf16).
+            rel = lambda x, y: abs(x - y) / max(abs(y), 1e-12)
+            tol = 1e-4 if self.example["dtype"] == "fp32" else 1e-2
+            loss0, norm0 = rel(a[0]["loss"], b[0]["loss"]), rel(a[0]["grad_norm"], b[0]["grad_norm"])
+            later = max(rel(x["loss"], y["loss"]) for x, y in zip(a, b))
+            detail = ("2BP vs standard, first step: loss %.2g, gradient norm %.2g relative difference (tolerance %g); "
+                      "later losses up to %.2g apart; tokens/s 2BP/standard %.3f (threads sharing one device: not a "
+                      "pipeline speedup)" % (loss0, norm0, tol, later, median_tokens_per_s(a) / median_tokens_per_s(b)))
+            if not (loss0 <= tol and norm0 <= tol):
+                raise RuntimeError(detail)
+            return detail
+
+        if self.selected("measure:example_compare"):
+            self.func_piece("measure:example_compare", compare)
+        else:
+            self.record("measure:example_compare", "skipped", 0, self.not_selected())
+
+    def example_memory_pieces(self):
+        """measure:example_memory_2bp / _standard: the example's --dry-run estimate of a rank's memory, then real
+        steps of the same configuration; the measured peak (the allocator's, over the steps) must not exceed the
+        estimate by more than MEMORY_ESTIMATE_SLACK."""
+        skip = self.example_missing()
+        units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+        for mode in ("2bp", "standard"):
+            args = self.example_command(self.example_memory, mode) + ["--timeout", 120]
+            out_json = os.path.join(self.tmp, "example_memory_%s.json" % mode)
+            estimate = {}
+
+            def estimated(text, rc, killed, status, detail, estimate=estimate):
+                if status == "pass":
+                    m = re.search(r"rank 0: .*\| total ([\d.]+) (B|KiB|MiB|GiB|TiB)", text)
+                    if not m:
+                        return "fail", "no 'rank 0: ... | total N GiB' line in the --dry-run output", None
+                    estimate["bytes"] = float(m.group(1)) * units[m.group(2)]
+                    detail = "rank 0 estimated at %.2f GiB" % (estimate["bytes"] / 2**30)
+                return status, detail, None
+
+            dry_name, run_name = "measure:example_memory_%s_estimate" % mode, "measure:example_memory_%s" % mode
+            self.piece(dry_name, args + ["--dry-run"], 60, min_s=5, analyze=estimated, skip_reason=skip,
+                       needs=() if self.dry else ("build:llama_pipeline",))
+
+            def measured(text, rc, killed, status, detail, mode=mode, out_json=out_json, estimate=estimate):
+                if status == "pass":
+                    steps = json.load(open(out_json))["steps"]
+                    peak = max(s.get("peak_memory_bytes") or -1 for s in steps)
+                    if peak <= 0:
+                        return "fail", "the example recorded no peak memory", None
+                    ratio = peak / estimate["bytes"]
+                    self.memory_checks[mode] = {"estimate_bytes": estimate["bytes"], "measured_peak_bytes": peak,
+                                                "measured_over_estimate": round(ratio, 4)}
+                    detail = "peak %.2f GiB over %d steps, estimate %.2f GiB: measured/estimate %.3f (at most %.2f)" % (
+                        peak / 2**30, len(steps), estimate["bytes"] / 2**30, ratio, MEMORY_ESTIMATE_SLACK)
+                    if ratio > MEMORY_ESTIMATE_SLACK:
+                        status = "fail"
+                return status, detail, None
+
+            self.piece(run_name, args + ["--json", out_json], 240, min_s=60, analyze=measured, needs=(dry_name,))
+
+    def example_command(self, e, mode):
+        """llama_pipeline with configuration e (EXAMPLE_* above) in mode 2bp or standard."""
+        cmd = [self.example_binary(), "--device", e["device"], "--model", e["model"], "--dtype", e["dtype"], "--ranks",
+               e["ranks"], "--schedule", e["schedule"], "--microbatches", e["microbatches"], "--seq-len", e["seq_len"],
+               "--steps", e["steps"], "--2bp" if mode == "2bp" else "--no-2bp"]
+        return cmd + (["--micro-batch-size", e["micro_batch_size"]] if "micro_batch_size" in e else [])
+
+    def example_missing(self):
+        """Why the example pieces are skipped (the dry run without the CPU build's example), or None."""
+        exe = self.example_binary()
+        if self.dry and not os.access(exe, os.X_OK):
+            return "%s is missing: build llama_pipeline in GPU_CHECK_CPU_BUILD first" % exe
+        return None
+
+    def example_binary(self):
+        if self.prebuilt and self.prebuilt.get("example"):
+            return os.path.join(self.prebuilt_dir, self.prebuilt["example"])
+        return os.path.join(self.cpu_build if self.dry else self.build, "examples", "llama_pipeline")
+
     def bench_binary(self):
         if self.prebuilt:
             return os.path.join(self.prebuilt_dir, self.prebuilt["bench"])
@@ -822,6 +961,8 @@ class Check:
         self.build_piece("build:library", libs, 360, min_s=30)
         self.build_piece("build:twobp_bench", ["twobp_bench"], 240, needs=("build:library",))
         self.measure_pieces()
+        self.build_piece("build:llama_pipeline", ["llama_pipeline"], 240, needs=("build:library",))
+        self.example_pieces()
         runnable = [t for t in self.discovered if not t["mpi"]]
         for t in runnable:
             self.build_piece("build:" + t["name"], [t["name"]], 300, needs=("build:library",))
@@ -832,6 +973,7 @@ class Check:
             self.test_piece(name, t, filt, expected, skip, False)
         for name, t, filt, expected, skip in last:
             self.test_piece(name, t, filt, expected, skip, True)
+        self.example_memory_pieces()
 
     # ---- the summary ----
     def test_results(self):
@@ -932,6 +1074,8 @@ class Check:
         if self.dry:
             summary["cpu_build"] = self.cpu_build
         summary["measurement"] = {k: v for k, v in self.measure.items()}
+        summary["example"] = {"config": self.example, "steps": self.example_runs}
+        summary["example_memory"] = {"config": self.example_memory, "checks": self.memory_checks}
         summary["communication_ms_assumed"] = 0.1
         self.record("summary", "fail" if problems else "pass", now() - start,
                     "; ".join(problems) if problems else "%d pieces, this one included" % (len(self.pieces) + 1))
@@ -988,6 +1132,12 @@ class Check:
         return ok
 
 
+def median_tokens_per_s(steps):
+    """The median tokens/s of the example's step records after the first (which warms up)."""
+    rates = sorted(s["tokens_per_s"] for s in steps[1:] or steps)
+    return rates[len(rates) // 2]
+
+
 def write_json(path, obj):
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -1024,12 +1174,12 @@ def tree_bytes():
 
 
 def configure_args(build, torch_root, torch_python, path=None):
-    """The GPU configuration (no MPI, no examples, GoogleTest/CLI11/json from .third_party), one place for the GPU
+    """The GPU configuration (no MPI, GoogleTest/CLI11/json from .third_party), one place for the GPU
     machine, the dry run and `prebuild`, so that carried binaries are built as the GPU machine would build them."""
     args = ["cmake", "-S", ROOT, "-B", build]
     if shutil.which("ninja", path=path):
         args += ["-G", "Ninja"]
-    args += ["-DCMAKE_BUILD_TYPE=Release", "-DTWOBP_WITH_MPI=OFF", "-DTWOBP_BUILD_EXAMPLES=OFF",
+    args += ["-DCMAKE_BUILD_TYPE=Release", "-DTWOBP_WITH_MPI=OFF", "-DTWOBP_BUILD_EXAMPLES=ON",
              "-DTWOBP_GTEST_SOURCE_DIR=%s/.third_party/googletest" % ROOT,
              "-DTWOBP_THIRD_PARTY_INCLUDE_DIR=%s/.third_party/include" % ROOT]
     if torch_root:
@@ -1129,7 +1279,7 @@ def prebuild():
     show = subprocess.run(["ctest", "--test-dir", PREBUILT_BUILD, "-L", "gpu", "--show-only=json-v1"],
                           capture_output=True, text=True, check=True).stdout
     tests = [t for t in gpu_tests_from_ctest(show, PREBUILT_BUILD) if not t["mpi"]]
-    targets = ["twobp_bench"] + [t["name"] for t in tests]
+    targets = ["twobp_bench", "llama_pipeline"] + [t["name"] for t in tests]
     subprocess.run(["cmake", "--build", PREBUILT_BUILD, "-j", jobs, "--target"] + targets, check=True)
     if source_digest() != digest:
         print("gpu_check prebuild: the sources changed during the build; run it again", file=sys.stderr)
@@ -1137,10 +1287,12 @@ def prebuild():
     work = tempfile.mkdtemp(prefix=".gpu-prebuilt.new.", dir=ROOT)
     try:
         shutil.copy2(os.path.join(PREBUILT_BUILD, "benchmarks", "twobp_bench"), os.path.join(work, "twobp_bench"))
+        shutil.copy2(os.path.join(PREBUILT_BUILD, "examples", "llama_pipeline"),
+                     os.path.join(work, "llama_pipeline"))
         for t in tests:
             shutil.copy2(t["binary"], os.path.join(work, t["name"]))
         manifest = {"digest": digest, "torch": version, "targets": targets, "bench": "twobp_bench",
-                    "tests": [dict(t, binary=t["name"]) for t in tests],
+                    "example": "llama_pipeline", "tests": [dict(t, binary=t["name"]) for t in tests],
                     "built_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
                     "built_on": socket.gethostname(), "configure": configure}
         write_json(os.path.join(work, "manifest.json"), manifest)

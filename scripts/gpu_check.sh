@@ -13,7 +13,10 @@
 #                         failure excerpts), nccl_2_processes_1_gpu / nccl_4_processes_1_gpu, stage_costs (F, I, W, B
 #                         of one 7B stage -- dim 4096, ffn 11008, 32 heads, 8 blocks, batch 1, bf16 -- at seq 1024 as
 #                         in the paper and 4096, GEMM TFLOP/s, peak allocator memory, the simulated 4-GPU speedup of
-#                         every schedule with 2BP over standard from those costs), test_env, deadline_s, total_s
+#                         every schedule with 2BP over standard from those costs), example (llama_pipeline's
+#                         per-step records with 2BP and without: 1B model, 4 rank threads sharing the GPU),
+#                         example_memory (the example's --dry-run memory estimate against the measured peak of 3
+#                         steps of the whole 7B model on one rank, with 2BP and without), test_env, deadline_s, total_s
 #   check.log             what the check printed: one line per piece (its command, then its result), the
 #                         environment and measurement pieces' output
 #   build.log             configure and build output, per piece (absent when carried binaries stand for them)
@@ -28,25 +31,29 @@
 #                                           the carry size, configure a separate build the way the GPU machine will
 #                                           (no MPI, carried third party) and check that every target exists, run the
 #                                           gpu tests of the CPU build (they skip), measure a tiny model on the CPU
-#                                           with the CPU build's twobp_bench, write the summary ("gpu": false)
+#                                           with the CPU build's twobp_bench and llama_pipeline, write the summary
+#                                           ("gpu": false)
 #   scripts/gpu_check.sh prebuild           HERE (optional, saves the loan minutes of the build): builds the GPU
-#                                           configuration's twobp_bench and gpu tests into build-gpu-carry (the
-#                                           torch wheel's CUDA build compiles and links GPU code without a GPU) and
-#                                           copies them with a manifest (sources' digest, torch version) into
-#                                           .gpu-prebuilt/ (git-ignored, ~10 MiB)
+#                                           configuration's twobp_bench, llama_pipeline and gpu tests into
+#                                           build-gpu-carry (the torch wheel's CUDA build compiles and links GPU
+#                                           code without a GPU) and copies them with a manifest (sources' digest,
+#                                           torch version) into .gpu-prebuilt/ (git-ignored, ~15 MiB)
 #   scripts/gpu_check.sh OUTDIR             THERE (carry .third_party, and .gpu-prebuilt if made): the check itself;
 #                                           carried binaries stand for configure and build when they are of the same
 #                                           sources and load against that machine's torch, else it builds there
 #   Options (before OUTDIR): --deadline SECONDS, --build-dir DIR, --only GLOB[,GLOB] (run only the measure:/test:
-#   pieces that match, e.g. a rerun of what failed). Exit status: 0 when every piece passed or was skipped for a
+#   pieces that match, e.g. a rerun of what failed; the opt-in pieces measure:example_memory* run only when
+#   named). Exit status: 0 when every piece passed or was skipped for a
 #   reason other than the deadline ("ok": true), 1 otherwise ("not_ok" says why), 2 on a usage error.
 #
 # Pieces, in order (scripts/gpu_check.py): env:nvidia-smi env:torch env:tools third_party prebuilt configure targets
-# discover build:library build:twobp_bench measure:split_seqN measure:simulate_seqN (per N) build:<gpu test>...
-# list:<gpu test>... test:<gpu test>:<gtest suite or case>... (the gpu tests are those ctest labels `gpu` in the
-# GPU configuration, run one gtest suite per piece, or one case per piece in suites of at most 8 cases; cases
-# matching *FourRanks* -- the 4-rank NCCL test -- run last; helper suites such as NcclRank, which only run as child
-# processes, are recorded as skipped) summary.
+# discover build:library build:twobp_bench measure:split_seqN measure:simulate_seqN (per N) build:llama_pipeline
+# measure:example_2bp measure:example_standard measure:example_compare build:<gpu test>... list:<gpu test>...
+# test:<gpu test>:<gtest suite or case>... measure:example_memory_{2bp,standard}{_estimate,} summary. The gpu tests
+# are those ctest labels `gpu` in the GPU configuration, run one gtest suite per piece, or one case per piece in
+# suites of at most 8 cases; cases matching *FourRanks* -- the 4-rank NCCL test -- run last; helper suites such as
+# NcclRank, which only run as child processes, are recorded as skipped. The 7B memory pieces come last (~70 s each,
+# most of it building the model on the CPU): a full run needs a deadline of ~600 s to reach them.
 # Every piece has its own timeout and runs in its own process group, killed as a group (SIGTERM, SIGKILL 5 s
 # later); gtest's streaming output is parsed, so the cases that passed before a kill are still reported. A
 # piece's timeout is min(its own, the time left of the deadline minus 10 s for the summary); a piece that no
@@ -76,7 +83,8 @@
 # Needs a CUDA toolkit (nvcc) on the GPU machine: the CUDA build of the torch wheel refuses find_package(Torch)
 # without one ("Your installed Caffe2 version uses CUDA but I cannot find the CUDA libraries" -- seen here with
 # /usr/local/cuda hidden; the wheel's nvidia/cu13 headers and libraries are not enough). The GPU image has nvcc 13.0.
-# Tests: ctest -L script (tests/scripts: gpu_check_dry_run, gpu_check_injected).
+# Tests: ctest -L script (tests/scripts: gpu_check_dry_run, gpu_check_injected, gpu_check_prebuilt,
+# gpu_check_prebuilt_stale).
 set -uo pipefail
 export GPU_CHECK_T0="${GPU_CHECK_T0:-$(date +%s.%N)}"
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"

@@ -678,10 +678,29 @@ void Executor::receive(Step& st, const Action& a) {
 
 void Executor::prefetch(Step& st, std::size_t up_to_inclusive) {
   // Keep up to prefetch_receives receives in flight, and always post the one about to be waited on.
+  //
+  // On a transport whose posted receives hold the device (NCCL) a receive is not posted ahead of this rank's own
+  // SENDs that precede it and are not posted yet. WHY: some host calls wait for the device to go idle -- loading a
+  // kernel module, cudaFree (the caching allocator frees its cache and retries when cudaMalloc fails near the
+  // memory limit), cudaDeviceSynchronize -- and so wait for every posted receive. A receive whose data the peer can
+  // send only after one of our later sends would then never complete: a deadlock inside the driver, which no
+  // timeout of ours can end (seen on an H200, 2026-12-04: rank 0 blocked in such a call beside its posted gradient
+  // receives, before it had sent its first activation). In a schedule that validate() accepts, every receive
+  // depends only on sends that precede it on this rank, so a receive posted after them completes without this
+  // rank doing anything more. The cost is small: in steady state a RECV follows a SEND anyway, and a late receive
+  // exposes one transfer instead of overlapping it.
   const auto& actions = schedule_.actions[rank_];
+  const bool hold_back = transport_.receives_hold_device();
+  const auto unsent_before = [&](std::size_t recv_index) {
+    for (std::size_t k = st.index; k < recv_index; ++k) {
+      if (actions[k].type == ActionType::kSendForward || actions[k].type == ActionType::kSendBackward) return true;
+    }
+    return false;
+  };
   while (st.next_recv < recv_actions_.size() &&
          (recv_actions_[st.next_recv] <= up_to_inclusive ||
-          static_cast<int>(st.posted.size()) < options_.prefetch_receives)) {
+          (static_cast<int>(st.posted.size()) < options_.prefetch_receives &&
+           !(hold_back && unsent_before(recv_actions_[st.next_recv]))))) {
     const std::size_t index = recv_actions_[st.next_recv++];
     const Action& a = actions[index];
     const bool fwd = a.type == ActionType::kRecvForward;
@@ -693,7 +712,9 @@ void Executor::prefetch(Step& st, std::size_t up_to_inclusive) {
           r.header, message_options(schedule_, a, MessagePart::header(), options_.timeout, tag_offset_));
     } else {
       for (const auto& ts : spec) {
-        if (fwd || ts.carries_gradient()) r.layout.push_back({ts.name, true, ts.carries_gradient(), ts.dtype, ts.shape});
+        if (fwd || ts.carries_gradient()) {
+          r.layout.push_back({ts.name, true, ts.carries_gradient(), ts.dtype, ts.shape});
+        }
       }
     }
     st.posted.emplace(index, std::move(r));

@@ -277,10 +277,13 @@ void NcclTransport::Impl::init(const NcclOptions& options) {
   c10::cuda::set_device(static_cast<c10::DeviceIndex>(device));
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   // Load cuBLAS's and cuBLASLt's kernels into this context now, before any NCCL kernel can spin: the first handle
-  // loads them (cublasCreate -> cuKernelGetFunction), a load that waits for the GPU's queue to drain, eager loading
-  // or not. Otherwise a pipeline's first GEMM, with receives already posted ahead (PipelineOptions::
-  // prefetch_receives), deadlocks as lazy loading does (class comment). Seen: rank 0 of a 2-process pipeline on an
-  // H200 stuck in cublasCreate beside its posted receives (2026-12-04); this remedy has not yet run on a GPU.
+  // loads them (cublasCreate -> cuKernelGetFunction), a load that may wait for the GPU's queue to drain (it does
+  // under lazy loading; under eager loading this was not isolated). Seen: rank 0 of a 2-process pipeline on an H200
+  // stuck in cublasCreate beside its posted receives (2026-12-04); with this and the executor's rule for posting
+  // receives (ExecutorOptions::prefetch_receives) that pipeline passed. The handles take their workspace from the
+  // caching allocator, which a C++ program has not initialized before its first CUDA tensor: initialize CUDA first
+  // (without it: "Allocator not initialized for device", seen on the H200 the same day).
+  at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
   at::cuda::getCurrentCUDABlasHandle();
   at::cuda::getCurrentCUDABlasLtHandle();
 

@@ -6,6 +6,9 @@
 
 #include <atomic>
 #include <exception>
+#include <map>
+#include <mutex>
+#include <set>
 
 #include "common/overlap_hook.h"
 #include "common/pairing_schedule.h"
@@ -15,9 +18,73 @@
 #include "twobp/runtime/pipeline.h"
 #include "twobp/schedule/registry.h"
 #include "twobp/transport/local.h"
+#include "twobp/transport/wrapping.h"
 
 namespace twobp::testing {
 namespace {
+
+// A rank's transport that says whether its receives hold the device (as NCCL's do, Transport::
+// receives_hold_device()) and logs the labels of the sends and receives the rank posts, in order.
+class PostingLog final : public WrappingTransport {
+ public:
+  struct Entry {
+    bool send;
+    std::string label;
+  };
+  PostingLog(std::shared_ptr<Transport> inner, bool hold) : WrappingTransport(std::move(inner), "PostingLog"),
+                                                            hold_(hold) {}
+  bool receives_hold_device() const override { return hold_; }
+  std::unique_ptr<Work> isend(const at::Tensor& tensor, const P2POptions& options) override {
+    log(true, options.label);
+    return inner_->isend(tensor, options);
+  }
+  std::unique_ptr<Work> irecv(at::Tensor& buffer, const P2POptions& options) override {
+    log(false, options.label);
+    return inner_->irecv(buffer, options);
+  }
+  std::unique_ptr<Transport> split(int color, int key, Duration timeout) override {
+    return std::make_unique<PostingLog>(std::shared_ptr<Transport>(inner_->split(color, key, timeout)), hold_);
+  }
+  std::vector<Entry> entries() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return entries_;
+  }
+
+ private:
+  void log(bool send, const std::string& label) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    entries_.push_back({send, label});
+  }
+  const bool hold_;
+  mutable std::mutex mutex_;
+  std::vector<Entry> entries_;
+};
+
+// The first receive that `rank` posted before one of its own SENDs that precede that receive in its action list
+// ("" when there is none): what a transport whose receives hold the device must never see.
+std::string receive_posted_ahead_of_own_send(const Schedule& schedule, int rank,
+                                             const std::vector<PostingLog::Entry>& entries) {
+  const auto& actions = schedule.actions[rank];
+  std::map<std::string, std::size_t> index_of;
+  for (std::size_t i = 0; i < actions.size(); ++i) index_of[describe(actions[i])] = i;
+  std::set<std::string> sent;
+  for (const auto& e : entries) {
+    const std::string action = e.label.substr(0, e.label.find(" ("));  // "(tensor k)", "(shape header)"
+    if (e.send) {
+      sent.insert(action);
+      continue;
+    }
+    const auto at = index_of.find(action);
+    if (at == index_of.end()) return "a receive of no action of this rank: " + e.label;
+    for (std::size_t k = 0; k < at->second; ++k) {
+      const bool is_send = actions[k].type == ActionType::kSendForward || actions[k].type == ActionType::kSendBackward;
+      if (is_send && !sent.count(describe(actions[k]))) {
+        return "rank " + std::to_string(rank) + " posted " + e.label + " before " + describe(actions[k]);
+      }
+    }
+  }
+  return "";
+}
 
 std::vector<Transport*> transports_of(const std::vector<std::unique_ptr<Pipeline>>& pipelines) {
   std::vector<Transport*> transports;
@@ -36,8 +103,14 @@ struct RankRun {
 std::vector<RankRun> run_pipeline(const Schedule& schedule, const torch::Tensor& inputs, const torch::Tensor& targets,
                                   PipelineOptions options, int steps = 1,
                                   std::function<void(int rank, Pipeline&)> before_step = nullptr,
-                                  LocalOptions transport_options = {}, bool recompute = false) {
-  auto transports = make_local_transports(schedule.num_ranks, transport_options);
+                                  LocalOptions transport_options = {}, bool recompute = false,
+                                  std::vector<std::shared_ptr<PostingLog>>* logs = nullptr, bool hold = false) {
+  std::vector<std::shared_ptr<Transport>> transports;
+  for (auto& t : make_local_transports(schedule.num_ranks, transport_options)) transports.push_back(std::move(t));
+  if (logs) {  // every rank's transport wrapped in a PostingLog
+    logs->clear();
+    for (auto& t : transports) t = logs->emplace_back(std::make_shared<PostingLog>(std::move(t), hold));
+  }
   std::vector<RankRun> runs(schedule.num_ranks);
   std::vector<std::unique_ptr<Pipeline>> pipelines;
   for (int r = 0; r < schedule.num_ranks; ++r) {
@@ -49,8 +122,7 @@ std::vector<RankRun> run_pipeline(const Schedule& schedule, const torch::Tensor&
       auto* raw = module.get();
       chunks.push_back({s, module, [raw, s](const at::Tensor& x) { return run_chunk(*raw, s, x); }, recompute});
     }
-    pipelines.push_back(std::make_unique<Pipeline>(schedule, std::move(chunks),
-                                                   std::shared_ptr<Transport>(std::move(transports[r])), options));
+    pipelines.push_back(std::make_unique<Pipeline>(schedule, std::move(chunks), transports[r], options));
   }
   RankErrors errors = run_rank_threads(
       transports_of(pipelines),
@@ -74,6 +146,7 @@ struct ParityCase {
   int max_pending_weight = 0;          // memory-bounded 2BP (PipelineOptions::max_pending_weight_micro_batches)
   bool recompute = false;              // activation recomputation on every stage (PipelineChunk::recompute)
   bool overlap = false;  // PipelineOptions::overlap_forward_backward: each pair's F on a thread of its own beside its B
+  bool hold = false;     // a transport whose receives hold the device (as NCCL's): none posted ahead of own sends
 };
 
 class PipelineParity : public ::testing::TestWithParam<ParityCase> {
@@ -113,9 +186,12 @@ TEST_P(PipelineParity, LossesAndGradientsMatchSingleProcess) {
       }
     });
   };
-  auto runs = run_pipeline(schedule, inputs, targets, options, 1, check_limit, transport_options, c.recompute);
+  std::vector<std::shared_ptr<PostingLog>> logs;
+  auto runs = run_pipeline(schedule, inputs, targets, options, 1, check_limit, transport_options, c.recompute,
+                           c.hold ? &logs : nullptr, c.hold);
   for (int r = 0; r < c.p; ++r) {
     if (runs[r].error) std::rethrow_exception(runs[r].error);
+    if (c.hold) EXPECT_EQ(receive_posted_ahead_of_own_send(schedule, r, logs[r]->entries()), "");
     // With recomputation every I and B carries the time of the forward it re-ran first; nothing else does.
     for (const auto& e : runs[r].result.trace.events) {
       const bool opens = e.action.type == ActionType::kBackwardInput || e.action.type == ActionType::kBackward;
@@ -151,6 +227,8 @@ std::vector<ParityCase> all_cases() {
         for (Pairing pairing : {Pairing::kByTag, Pairing::kInOrderPerChannel}) {
           cases.push_back({name, mode, p, m, pairing});
         }
+        // Receives that hold the device, paired in order per channel: NCCL's two properties.
+        cases.push_back({name, mode, p, m, Pairing::kInOrderPerChannel, 0, false, false, true});
         // Memory-bounded 2BP: W's run early when more than 1 (or 2) micro-batches wait for theirs.
         if (mode == BackwardMode::kSplit) {
           for (int limit : {1, 2}) cases.push_back({name, mode, p, m, Pairing::kByTag, limit});
@@ -181,12 +259,34 @@ INSTANTIATE_TEST_SUITE_P(AllSchedules, PipelineParity, ::testing::ValuesIn(all_c
                   (info.param.pairing == Pairing::kByTag ? "" : "_in_order") +
                   (info.param.max_pending_weight > 0 ? "_pending_w" + std::to_string(info.param.max_pending_weight)
                                                      : std::string()) +
-                  (info.param.recompute ? "_recompute" : "") + (info.param.overlap ? "_overlapped" : "");
+                  (info.param.recompute ? "_recompute" : "") + (info.param.overlap ? "_overlapped" : "") +
+                  (info.param.hold ? "_receives_hold_device" : "");
   for (auto& ch : n) {
     if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
   }
   return n;
 });
+
+// The check above can fail: where receives do not hold the device, a rank posts receives ahead (prefetch_receives)
+// and rank 0 of 1F1B posts its first gradient receive before its first activation's send.
+TEST(PipelineReceives, PostedAheadOfOwnSendsWhereTheyDoNotHoldTheDevice) {
+  Float64Default float64;
+  const Schedule schedule = make_schedule("1f1b", default_schedule_options("1f1b", 2, 4, BackwardMode::kSplit));
+  auto inputs = torch::randn({4 * kMicroBatchSize, kDim}), targets = torch::randn({4 * kMicroBatchSize, kDim});
+  for (bool hold : {false, true}) {
+    std::vector<std::shared_ptr<PostingLog>> logs;
+    auto runs = run_pipeline(schedule, inputs, targets, fixture_options(), 1, nullptr, {}, false, &logs, hold);
+    for (const auto& run : runs) {
+      if (run.error) std::rethrow_exception(run.error);
+    }
+    const std::string ahead = receive_posted_ahead_of_own_send(schedule, 0, logs[0]->entries());
+    if (hold) {
+      EXPECT_EQ(ahead, "");
+    } else {
+      EXPECT_NE(ahead.find("posted RECV_B"), std::string::npos) << ahead;
+    }
+  }
+}
 
 template <typename E>
 bool is_a(const std::exception_ptr& e) {

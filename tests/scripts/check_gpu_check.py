@@ -4,15 +4,17 @@
 usage: check_gpu_check.py dry-run|injected|prebuilt|prebuilt-stale SCRIPT CPU_BUILD WORK_DIR
 
   dry-run   the plain dry run (deadline 200 s): exit 0, "gpu": false, every piece passed or was skipped with a
-            reason (the gpu tests skip without a GPU), the measurements and the summary's stage costs present,
+            reason (the gpu tests skip without a GPU), the measurements (the example's two runs and their
+            comparison included) and the summary's stage costs present, the opt-in pieces skipped as such,
             exactly the 8 expected files
   injected  the dry run with GPU_CHECK_INJECT="env:tools:hang,measure:split_seq16:fail" and a 150 s deadline: exit 1,
             env:tools recorded as timeout (its process group killed, SIGTERM ignored so SIGKILL was needed),
             measure:split_seq16 as fail, measure:simulate_seq16 skipped because of it, every other piece passed or
             was skipped with a reason, the summary written and the run ended before its deadline
-  prebuilt  the dry run with carried binaries (GPU_CHECK_PREBUILT: this build's twobp_bench and gpu tests with a
-            manifest of these sources): exit 0, "prebuilt" passed (they load), configure/targets/discover/build:*
-            skipped as provided by them, the measurements run with the carried twobp_bench
+  prebuilt  the dry run with carried binaries (GPU_CHECK_PREBUILT: this build's twobp_bench, llama_pipeline and
+            gpu tests with a manifest of these sources) and --only 'measure:*,test:*': exit 0, "prebuilt" passed
+            (they load), configure/targets/discover/build:* skipped as provided by them, the measurements run with
+            the carried binaries, the opt-in pieces too (the example's memory estimate against its measured peak)
   prebuilt-stale  the same with a manifest of other sources: "prebuilt" skipped with that reason, and the check
             configures and checks its targets as without carried binaries
 
@@ -32,7 +34,7 @@ STATUSES = {"pass", "fail", "timeout", "skipped"}
 FILES = {"summary.json", "check.log", "build.log", "tests.log", "split_seq16.json", "split_seq32.json",
          "simulate_seq16.json", "simulate_seq32.json"}
 DEADLINE = {"dry-run": 200, "injected": 150, "prebuilt": 200, "prebuilt-stale": 200}
-PROVIDED = ("configure", "targets", "discover", "build:library", "build:twobp_bench")
+PROVIDED = ("configure", "targets", "discover", "build:library", "build:twobp_bench", "build:llama_pipeline")
 INJECT = "env:tools:hang,measure:split_seq16:fail"
 
 
@@ -81,13 +83,24 @@ def validate(mode, s, files, rc, wall):
          "test_env lacks the NCCL settings: %r" % env)
     need(isinstance(s.get("gpu_tests"), dict) and s["gpu_tests"], "gpu_tests is empty")
     carried = mode == "prebuilt"
-    for name in ("env:torch", "third_party", "measure:split_seq32", "measure:simulate_seq32", "summary") + (
+    for name in ("env:torch", "third_party", "measure:split_seq32", "measure:simulate_seq32", "measure:example_2bp",
+                 "measure:example_standard", "measure:example_compare", "summary") + (
             ("prebuilt",) if carried else PROVIDED):
         need(by_name.get(name, {}).get("status") == "pass", "piece %s: %s" % (name, by_name.get(name)))
     for name in PROVIDED if carried else ():
         p = by_name.get(name, {})
         need(p.get("status") == "skipped" and "carried prebuilt binaries used" in p.get("detail", ""),
              "piece %s is not provided by the carried binaries: %s" % (name, p))
+    memory = ("measure:example_memory_2bp_estimate", "measure:example_memory_2bp",
+              "measure:example_memory_standard_estimate", "measure:example_memory_standard")
+    for name in memory:  # opt-in: they run when --only names them (the prebuilt mode's run), else are skipped
+        p = by_name.get(name, {})
+        if carried:
+            need(p.get("status") == "pass", "piece %s: %s" % (name, p))
+            need(name.endswith("_estimate") or "measured/estimate" in p.get("detail", ""), "piece %s: %s" % (name, p))
+        else:
+            need(p.get("status") == "skipped" and "runs only when --only names it" in p.get("detail", ""),
+                 "opt-in piece %s ran without being named: %s" % (name, p))
     if mode == "prebuilt-stale":
         p = by_name.get("prebuilt", {})
         need(p.get("status") == "skipped" and "other sources" in p.get("detail", ""), "piece prebuilt: %s" % p)
@@ -145,7 +158,8 @@ def self_test(mode, s, files, rc, wall):
         "unknown status": broken(lambda c: c["pieces"][0].update(status="passed")),
         "no seconds": broken(lambda c: c["pieces"][-1].pop("seconds")),
         "after the deadline": broken(lambda c: c.update(total_s=c["deadline_s"] + 1)),
-        "configure failed": broken(lambda c: [p.update(status="fail") for p in c["pieces"] if p["name"] == "configure"]),
+        "configure failed": broken(lambda c: [p.update(status="fail") for p in c["pieces"]
+                                              if p["name"] == "configure"]),
         "skipped without reason": broken(lambda c: [p.update(status="skipped", detail="") for p in c["pieces"]
                                                     if p["name"].startswith("test:")]),
         "no stage costs": broken(lambda c: c.update(stage_costs={})),
@@ -178,12 +192,15 @@ def carried_binaries(script, cpu_build, dest, stale):
     tests = [t for t in gc.gpu_tests_from_ctest(show, cpu_build) if not t["mpi"]]
     os.makedirs(dest)
     shutil.copy2(os.path.join(cpu_build, "benchmarks", "twobp_bench"), os.path.join(dest, "twobp_bench"))
+    shutil.copy2(os.path.join(cpu_build, "examples", "llama_pipeline"),
+                 os.path.join(dest, "llama_pipeline"))
     for t in tests:
         shutil.copy2(t["binary"], os.path.join(dest, t["name"]))
     version = gc.torch_version(gc.torch_root_from_cache(cpu_build))
     gc.write_json(os.path.join(dest, "manifest.json"), {
         "digest": "0" * 64 if stale else gc.source_digest(), "torch": version, "bench": "twobp_bench",
-        "targets": ["twobp_bench"] + [t["name"] for t in tests], "built_utc": "test",
+        "example": "llama_pipeline", "targets": ["twobp_bench", "llama_pipeline"] + [t["name"] for t in tests],
+        "built_utc": "test",
         "tests": [dict(t, binary=t["name"]) for t in tests]})
     return dest
 
@@ -206,7 +223,10 @@ def main():
                                                      stale=mode == "prebuilt-stale")
     start = time.monotonic()
     try:
-        rc = subprocess.run(["bash", script, "--dry-run", out], env=env, timeout=DEADLINE[mode] + 60).returncode
+        # The prebuilt run names every measurement and test, so the opt-in pieces (the example's memory) run too.
+        only = ["--only", "measure:*,test:*"] if mode == "prebuilt" else []
+        rc = subprocess.run(["bash", script, "--dry-run"] + only + [out], env=env,
+                            timeout=DEADLINE[mode] + 60).returncode
     except subprocess.TimeoutExpired:
         rc = "killed after %d s" % (DEADLINE[mode] + 60)
     wall = time.monotonic() - start

@@ -53,7 +53,8 @@ struct ExecutorOptions {
   /// set, senders announce shapes.
   std::function<TensorSpec(int stage)> activation_spec;
   std::function<BoundarySpec(int stage)> boundary_spec;
-  /// Receives are posted this many RECV actions ahead of their use.
+  /// Receives are posted this many RECV actions ahead of their use -- on a transport whose receives hold the
+  /// device (Transport::receives_hold_device(): NCCL), never ahead of one of this rank's SENDs that precede them.
   int prefetch_receives = 4;
   /// The count of runs whose messages must stay apart (see message_tag_span): each run() takes the next value.
   /// Shared by the executors of one pipeline (training and evaluation); null: the executor counts its own.

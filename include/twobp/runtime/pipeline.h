@@ -86,7 +86,8 @@ struct PipelineOptions {
   LossFunction loss;
   /// W actions naming several micro-batches give each layer all of them at once (see StageOptions).
   bool batch_weight_grads = true;
-  /// Receives are posted this many RECV actions ahead of their use, so data arrives while the rank computes.
+  /// Receives are posted this many RECV actions ahead of their use, so data arrives while the rank computes; with
+  /// NCCL never ahead of this rank's own earlier SENDs (Transport::receives_hold_device()).
   int prefetch_receives = 4;
   /// Memory-bounded 2BP: at most this many micro-batches per stage wait for their W; an I that would leave more
   /// runs the oldest one's W at once (see ExecutorOptions::max_pending_weight_micro_batches). 0: no limit.

@@ -81,10 +81,11 @@ struct NcclOptions {
 ///    optimizer's kernel) waits for the GPU's queue to drain -- which that spinning kernel never does while the
 ///    peer waits the same way: both ranks hang inside cudaLaunchKernel. Seen on an H200, 2026-12-04 (the ring test
 ///    of tests/transport/nccl_processes_test.cpp stuck in at::arange on both ranks, beside a pending receive).
-///    Loading a library's kernels later waits the same way, eager or not: the constructor therefore creates the
-///    calling thread's cuBLAS and cuBLASLt handles before it posts anything. Any other kernel module loaded in the
-///    middle of a step (a library first used then, a runtime-compiled kernel) can still deadlock beside a posted
-///    receive: load it before the first step (e.g. run the model once without the pipeline).
+///    Other host calls wait for the device the same way (loading a library's kernels, cudaFree): the constructor
+///    creates the calling thread's cuBLAS and cuBLASLt handles before it posts anything, and a Pipeline never
+///    posts a receive ahead of its rank's own earlier sends (receives_hold_device()), so each posted receive
+///    completes without its rank doing anything more. Code that posts receives itself must keep that rule: a
+///    receive that waits for one of our later sends, beside such a host call, hangs inside the driver.
 ///
 /// Threading: use the transport from one thread. The constructor makes `device` the calling thread's
 /// current CUDA device. A Work keeps the transport's communicators alive until it is destroyed.
@@ -103,6 +104,7 @@ class NcclTransport final : public Transport {
   c10::Device device() const override;
   std::string name() const override { return "nccl"; }
   Pairing pairing() const override { return pairing_of("nccl"); }
+  bool receives_hold_device() const override { return true; }  // ncclRecv is a kernel that spins
   /// All links of the job (not only this rank's), sorted.
   const std::vector<std::pair<int, int>>& links() const;
 

@@ -69,6 +69,12 @@ class Transport {
   /// recording on such a device is refused, and energy is divided among them. Ranks in other processes are not
   /// counted (a process has allocator statistics of its own; their energy readings are not divided).
   virtual int ranks_sharing_device() const { return 1; }
+  /// Whether a posted receive holds the device until its data arrives (NCCL: the receive is a kernel that spins).
+  /// Host calls that wait for the device to go idle -- loading a kernel module, cudaFree -- then wait for the
+  /// receive, so a receive whose data needs one of this rank's later sends deadlocks beside them, inside the
+  /// driver, where no timeout reaches. A Pipeline on such a transport therefore never posts a receive ahead of its
+  /// rank's own earlier sends (ExecutorOptions::prefetch_receives).
+  virtual bool receives_hold_device() const { return false; }
   /// Where this group's ranks tell each other what they are doing when a step stalls, for the hang report
   /// (twobp/runtime/hang_report.h). Local: in-process; Store: through the store; MPI: over a communicator of its
   /// own (with MPI_THREAD_MULTIPLE); null for transports that have none (NCCL), whose ranks then report only

@@ -20,6 +20,7 @@ class WrappingTransport : public Transport {
   Pairing pairing() const override { return inner_->pairing(); }
   bool ranks_share_process() const override { return inner_->ranks_share_process(); }
   int ranks_sharing_device() const override { return inner_->ranks_sharing_device(); }
+  bool receives_hold_device() const override { return inner_->receives_hold_device(); }
   std::shared_ptr<StatusBoard> status_board() const override { return inner_->status_board(); }
 
   std::unique_ptr<Work> isend(const at::Tensor& tensor, const P2POptions& options) override {
