@@ -76,8 +76,8 @@ TEST(NcclProcesses, TwoRanksTimeoutAbortsChannel) {
 }
 
 // One pipeline step of every built-in schedule in both modes against a single-process float64 reference. Timed out
-// on an H200 (2026-12-04; rank 0 inside cuBLAS's first handle beside its posted receives): see NcclTransport's
-// class comment for the remedy, not yet run there.
+// on an H200 at first (2026-12-04; rank 0 inside cuBLAS's first handle beside its posted receives); passed there
+// the same day with the remedies in NcclTransport's class comment (cuBLAS handles first, receives_hold_device()).
 TEST(NcclProcesses, TwoRanksEverySchedule) {
   if (c10::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device (this test needs one GPU)";
   expect_ranks_pass("nccl_schedules", 2, 150);
