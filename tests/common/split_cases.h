@@ -299,6 +299,71 @@ struct FastHooked : CaseModule {
   std::shared_ptr<torch::Tensor> moved = std::make_shared<torch::Tensor>();
 };
 
+/// Data-dependent routing (mixture-of-experts style, top-1 of a trainable router): each expert runs on the tokens
+/// routed to it, so some experts get no token in some micro-batches, and one expert is never used (its .grad
+/// stays undefined although it is trainable).
+struct Routed : CaseModule {
+  explicit Routed(int64_t dim) {
+    router = register_module("router", torch::nn::Linear(dim, 3));
+    general = register_module("general", torch::nn::Linear(dim, dim));
+    fast = register_module("fast", twobp::nn::Linear(dim, dim));
+    never = register_module("never", torch::nn::Linear(dim, dim));
+  }
+  torch::Tensor forward(const torch::Tensor& x) override {
+    auto flat = x.reshape({-1, x.size(-1)});
+    auto gate = torch::softmax(router(flat), 1);
+    auto top = std::get<1>(gate.max(1));
+    auto out = torch::zeros_like(flat);
+    for (int e = 0; e < 3; ++e) {
+      auto idx = (top == e).nonzero().squeeze(1);
+      if (idx.numel() == 0) continue;
+      auto xe = flat.index_select(0, idx);
+      auto ye = e == 0 ? general(xe) : e == 1 ? fast(xe) : xe;  // route 2: a pass-through; `never` is never run
+      out = out.index_add(0, idx, ye * gate.index_select(0, idx).select(1, e).unsqueeze(1));
+    }
+    return out.reshape(x.sizes()) + x;
+  }
+  torch::nn::Linear router{nullptr}, general{nullptr}, never{nullptr};
+  twobp::nn::Linear fast{nullptr};
+};
+
+/// A user-written autograd function (torch::autograd::Function with its own backward) taking an activation and a
+/// parameter, saving both.
+struct ScaleFunction : torch::autograd::Function<ScaleFunction> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w) {
+    ctx->save_for_backward({x, w});
+    return x * w;
+  }
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
+                                               torch::autograd::tensor_list grads) {
+    auto saved = ctx->get_saved_variables();
+    return {grads[0] * saved[1], (grads[0] * saved[0]).sum_to_size(saved[1].sizes())};
+  }
+};
+struct CustomFunction : CaseModule {
+  explicit CustomFunction(int64_t dim) {
+    scale = register_parameter("scale", torch::randn({dim}));
+    fast = register_module("fast", twobp::nn::Linear(dim, dim));
+  }
+  torch::Tensor forward(const torch::Tensor& x) override {
+    return fast(ScaleFunction::apply(torch::tanh(x), scale)) + x;
+  }
+  torch::Tensor scale;
+  twobp::nn::Linear fast{nullptr};
+};
+
+/// A parameter whose storage is not contiguous (a transposed tensor): its .grad must have its values whatever the
+/// layout the split gives it.
+struct NonContiguousParameter : CaseModule {
+  explicit NonContiguousParameter(int64_t dim) {
+    weight = register_parameter("weight", torch::randn({dim, dim}).t());
+    fast = register_module("fast", twobp::nn::Linear(dim, dim));
+  }
+  torch::Tensor forward(const torch::Tensor& x) override { return fast(torch::matmul(x, weight)) + x; }
+  torch::Tensor weight;
+  twobp::nn::Linear fast{nullptr};
+};
+
 /// A named factory of one class.
 struct ModuleClass {
   std::string name;
@@ -321,6 +386,9 @@ inline std::vector<ModuleClass> supported_module_classes() {
       {"FastHooked", [](int64_t d) { return std::make_shared<FastHooked>(d); }},
       {"StageDropout", [](int64_t d) { return std::make_shared<StageDropout>(d); }},
       {"Normalized", [](int64_t d) { return std::make_shared<Normalized>(d); }},
+      {"Routed", [](int64_t d) { return std::make_shared<Routed>(d); }},
+      {"CustomFunction", [](int64_t d) { return std::make_shared<CustomFunction>(d); }},
+      {"NonContiguousParameter", [](int64_t d) { return std::make_shared<NonContiguousParameter>(d); }},
   };
 }
 

@@ -281,6 +281,23 @@ TEST(DataParallel, RefusesReplicasWithDifferentParameters) {
   expect_error<UsageError>([&] { errors.rethrow_root_cause(); }, {"replicas disagree"});
 }
 
+// Ranks as threads: one chunk object given to both replicas of a stage is one set of tensors that both would
+// accumulate into and count in the norm -- refused before the first micro-batch, naming the parameter and stage.
+TEST(DataParallel, RefusesAChunkSharedByTwoReplicas) {
+  Float64Default f;
+  Job job;
+  std::shared_ptr<CaseModule> shared;
+  job.make = [&](int, int s) -> std::shared_ptr<CaseModule> {
+    torch::manual_seed(s);
+    if (s != 1) return std::make_shared<RegisteredTwice>(dp::kDim);
+    if (!shared) shared = std::make_shared<RegisteredTwice>(dp::kDim);
+    return shared;
+  };
+  const RankErrors errors = run_job(job);
+  expect_error<UsageError>([&] { errors.rethrow_root_cause(); },
+                           {"of stage 1 is also a parameter of stage 1 on data-parallel replica", "threads"});
+}
+
 // A job whose stage 1 is `stage1()` (the other stages RegisteredTwice) must fail, in both backward modes, with a
 // UsageError containing every one of `words`.
 void expect_refused_in_both_modes(const std::function<std::shared_ptr<CaseModule>()>& stage1,

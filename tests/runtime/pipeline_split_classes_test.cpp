@@ -8,6 +8,7 @@
 
 #include <exception>
 
+#include "common/expect_error.h"
 #include "common/split_cases.h"
 #include "common/test_models.h"
 #include "twobp/error.h"
@@ -342,6 +343,40 @@ TEST(RankThreads, DefaultGeneratorDrawsAreRefusedWhenRanksShareTheProcess) {
   const Schedule alone = make_schedule("1f1b", default_schedule_options("1f1b", 1, kMicroBatches, BackwardMode::kSplit));
   ChunkFactory torch_dropout = [](int) -> std::shared_ptr<CaseModule> { return std::make_shared<TorchDropout>(kDim); };
   rethrow_any(run_pipeline(alone, torch_dropout, inputs, targets, options(), nullptr, [](int) { return true; }));
+}
+
+// Ranks as threads: a parameter shared by chunks of two ranks (a weight tied across ranks, or one module given to
+// two ranks) would be accumulated from two threads, counted twice in the gradient norm, clipped twice and stepped
+// by both ranks' optimizers. Refused on the first step, before any micro-batch, naming the parameter, both stages
+// and what to do -- for every built-in schedule and mode, with the tie between stage 0 and the first stage on
+// another rank. (A tie between two stages of one rank is supported: PipelineGradientNorm below.)
+TEST(RankThreads, ParameterSharedByTwoRanksIsRefused) {
+  Float64Default f;
+  torch::manual_seed(1);
+  auto inputs = torch::randn({kMicroBatches * kMbs, kSeq, kDim});
+  auto targets = torch::randn({kMicroBatches * kMbs, kSeq, kDim});
+  for (const auto& name : builtin_schedule_names()) {
+    for (BackwardMode mode : {BackwardMode::kStandard, BackwardMode::kSplit}) {
+      SCOPED_TRACE(name + " " + mode_name(mode));
+      const Schedule schedule = schedule_for(name, mode);
+      int other = 1;
+      while (schedule.stage_to_rank[other] == schedule.stage_to_rank[0]) ++other;
+      std::shared_ptr<RegisteredTwice> first;
+      ChunkFactory make = [&](int s) -> std::shared_ptr<CaseModule> {
+        auto m = std::make_shared<RegisteredTwice>(kDim);
+        if (s == 0) first = m;
+        if (s == other) m->fast->tie_weight(first->fast->weight);
+        return m;
+      };
+      PipelineRun run = run_pipeline(schedule, make, inputs, targets, options());
+      RankErrors errors{run.errors};
+      for (int r = 0; r < kRanks; ++r) EXPECT_TRUE(errors.errors[r] != nullptr) << "rank " << r << " ran its steps";
+      expect_error<UsageError>(
+          [&] { errors.rethrow_root_cause(); },
+          {"parameter 'fast.weight' of stage", "threads", "tie weights only between stages of one rank"});
+      EXPECT_TRUE(run.losses[0].empty()) << "a micro-batch ran";
+    }
+  }
 }
 
 torch::Tensor dense(const torch::Tensor& t) { return t.is_sparse() ? t.to_dense() : t; }
