@@ -227,7 +227,7 @@ Executor::Executor(const Schedule& schedule, int rank, std::map<int, Stage*> sta
                     t == ActionType::kRecvForward,
                 ScheduleError, "rank {}: evaluation runs forward actions only, but schedule '{}' has {} (use "
                 "forward_only())", rank_, schedule_.name, describe(actions[i]));
-    if (actions[i].type == ActionType::kRecvForward || actions[i].type == ActionType::kRecvBackward) {
+    if (is_receive(actions[i].type)) {
       recv_actions_.push_back(i);
     }
   }
@@ -483,7 +483,7 @@ void Executor::execute(Step& st, const Action& a, bool scheduled) {
   }
   note(RankStatus::State::kComputing, &a);
   if (scheduled) {
-    const bool is_recv = a.type == ActionType::kRecvForward || a.type == ActionType::kRecvBackward;
+    const bool is_recv = is_receive(a.type);
     prefetch(st, is_recv ? st.index : 0);
   }
   const Clock::time_point t0 = Clock::now();
@@ -693,7 +693,7 @@ void Executor::prefetch(Step& st, std::size_t up_to_inclusive) {
   const bool hold_back = transport_.receives_hold_device();
   const auto unsent_before = [&](std::size_t recv_index) {
     for (std::size_t k = st.index; k < recv_index; ++k) {
-      if (actions[k].type == ActionType::kSendForward || actions[k].type == ActionType::kSendBackward) return true;
+      if (is_send(actions[k].type)) return true;
     }
     return false;
   };

@@ -94,7 +94,7 @@ DryRun dry_run(const Schedule& sc, const CostModel& costs, bool force) {
     return ((static_cast<std::size_t>(it.item) * 2 + (received ? 1 : 0)) * S + it.stage) * M + it.micro_batch;
   };
   auto message_slot = [&](const Action& a) {
-    const bool send = a.type == ActionType::kSendForward || a.type == ActionType::kSendBackward;
+    const bool send = is_send(a.type);
     const int sender = send ? a.stage : peer_stage(a);
     return (static_cast<std::size_t>(message_channel(a)) * S + sender) * M + a.micro_batches.front();
   };
@@ -108,7 +108,7 @@ DryRun dry_run(const Schedule& sc, const CostModel& costs, bool force) {
         Loc& l = item_loc[item_slot(made, r)];
         if (!l.exists()) l = Loc{r, i};
       }
-      if (a.type == ActionType::kSendForward || a.type == ActionType::kSendBackward) {
+      if (is_send(a.type)) {
         Loc& l = send_loc[message_slot(a)];
         if (!l.exists()) l = Loc{r, i};
       }
@@ -151,7 +151,7 @@ DryRun dry_run(const Schedule& sc, const CostModel& costs, bool force) {
       }
       if (!need(available(item_loc, item_time, k, latency))) return false;
     }
-    const bool is_recv = a.type == ActionType::kRecvForward || a.type == ActionType::kRecvBackward;
+    const bool is_recv = is_receive(a.type);
     if (is_recv && !need(available(send_loc, send_time, message_slot(a), costs.communication))) return false;
     const double end = ready + action_cost(a, costs);
     clock[r] = end;
@@ -161,7 +161,7 @@ DryRun dry_run(const Schedule& sc, const CostModel& costs, bool force) {
       const std::size_t k = item_slot(made, r);
       if (is_here(item_loc[k])) item_time[k] = end;
     }
-    if (a.type == ActionType::kSendForward || a.type == ActionType::kSendBackward) {
+    if (is_send(a.type)) {
       const std::size_t k = message_slot(a);
       if (is_here(send_loc[k])) send_time[k] = end;
     }

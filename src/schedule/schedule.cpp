@@ -56,13 +56,13 @@ Schedule for_overlapped_pairs(Schedule schedule) {
       // Between the parts: the F's sends and the B's receives (validate() allows nothing else there).
       for (std::size_t k = i + 1; k < j; ++k) {
         const ActionType t = list[k].type;
-        if (t == ActionType::kRecvForward || t == ActionType::kRecvBackward) out.push_back(list[k]);
+        if (is_receive(t)) out.push_back(list[k]);
       }
       out.push_back(list[i]);
       out.push_back(list[j]);
       for (std::size_t k = i + 1; k < j; ++k) {
         const ActionType t = list[k].type;
-        if (t == ActionType::kSendForward || t == ActionType::kSendBackward) out.push_back(list[k]);
+        if (is_send(t)) out.push_back(list[k]);
       }
       i = j;
     }

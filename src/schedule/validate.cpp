@@ -271,7 +271,7 @@ class Validator {
       if (is_compute(a.type)) return;
       const int peer = owner(detail::peer_stage(a));
       const int channel = message_channel(a);
-      const bool send = a.type == ActionType::kSendForward || a.type == ActionType::kSendBackward;
+      const bool send = is_send(a.type);
       if (send) {
         channels[{w.rank, peer, channel}].sends.push_back(w);
       } else {

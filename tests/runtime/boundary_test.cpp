@@ -209,7 +209,8 @@ TEST_F(BoundaryErrors, TooMuchToAnnounceSaysWhatToDo) {
                                    }
                                    return out;
                                  }}};
-  std::vector<PipelineChunk> c1{{1, lin, [](const NamedTensors& in) { return in.entry(0).tensor; }}};
+  auto other = std::make_shared<torch::nn::LinearImpl>(kBoundaryDim, kBoundaryDim);  // ranks own disjoint tensors
+  std::vector<PipelineChunk> c1{{1, other, [](const NamedTensors& in) { return in.entry(0).tensor; }}};
   pipelines.push_back(std::make_unique<Pipeline>(schedule_, std::move(c0), *transports[0], o));
   pipelines.push_back(std::make_unique<Pipeline>(schedule_, std::move(c1), *transports[1], o));
   RankErrors errors = run_rank_threads(

@@ -77,8 +77,7 @@ std::string receive_posted_ahead_of_own_send(const Schedule& schedule, int rank,
     const auto at = index_of.find(action);
     if (at == index_of.end()) return "a receive of no action of this rank: " + e.label;
     for (std::size_t k = 0; k < at->second; ++k) {
-      const bool is_send = actions[k].type == ActionType::kSendForward || actions[k].type == ActionType::kSendBackward;
-      if (is_send && !sent.count(describe(actions[k]))) {
+      if (is_send(actions[k].type) && !sent.count(describe(actions[k]))) {
         return "rank " + std::to_string(rank) + " posted " + e.label + " before " + describe(actions[k]);
       }
     }

@@ -241,7 +241,7 @@ TEST(Generators, PeerRankAndTags) {
       const int peer = peer_rank(sc, a);
       EXPECT_NE(peer, r);
       const std::int64_t tag = message_tag(sc, a);
-      const bool send = a.type == ActionType::kSendForward || a.type == ActionType::kSendBackward;
+      const bool send = is_send(a.type);
       EXPECT_TRUE((send ? sends : recvs).emplace(tag, r).second) << "tag reused: " << describe(a);
     }
   }
@@ -286,7 +286,7 @@ TEST(Generators, MessagesOfALinkAndDirectionMatchInOrder) {
               if (is_compute(a.type)) continue;
               const int dir = a.type == ActionType::kSendForward || a.type == ActionType::kRecvForward ? 0 : 1;
               const int peer = peer_rank(sc, a);
-              if (a.type == ActionType::kSendForward || a.type == ActionType::kSendBackward) {
+              if (is_send(a.type)) {
                 sends[{r, peer, dir}].push_back(message_tag(sc, a));
               } else {
                 recvs[{peer, r, dir}].push_back(message_tag(sc, a));

@@ -54,6 +54,12 @@ inline bool is_compute(ActionType t) {
          t == ActionType::kBackward;
 }
 
+/// True for SEND_F and SEND_B.
+inline bool is_send(ActionType t) { return t == ActionType::kSendForward || t == ActionType::kSendBackward; }
+
+/// True for RECV_F and RECV_B.
+inline bool is_receive(ActionType t) { return t == ActionType::kRecvForward || t == ActionType::kRecvBackward; }
+
 /// Human-readable form of one action, e.g. "F stage 2 micro-batch 3" or "W stage 1 micro-batches 0,1,2"; used in
 /// error messages.
 std::string describe(const Action& action);
