@@ -33,42 +33,48 @@ void clip_to(const std::vector<at::Tensor>& params, double norm, double max_norm
   }
 }
 
-// Ranks as threads of one process: refuses a parameter that chunks of two ranks of `group` share (one tensor). Each
-// rank would accumulate into its .grad from its own thread, count it in the gradient norm and scale it when
-// clipping, and step it in its optimizer: counted, clipped and updated once per rank instead of once, silently.
-// (Between processes a "tie" is two tensors, which the pipeline cannot see.) Collective over `group`: every rank
-// broadcasts the addresses of its parameters in turn -- comparable only because the ranks share one address space.
-void refuse_parameters_shared_with_other_ranks(Transport& group, const std::string& group_name, int pipeline_rank,
-                                               const std::map<int, std::unique_ptr<Stage>>& stages,
-                                               Duration timeout) {
-  std::vector<std::int64_t> mine;  // (address, stage) pairs
-  std::map<const c10::TensorImpl*, std::pair<int, std::string>> names;  // address -> (stage, name)
+// Ranks as threads of one process: refuses a parameter or buffer that chunks of two ranks of `group` share (one
+// tensor). Each rank would accumulate into its .grad (or update the buffer) from its own thread, count it in the
+// gradient norm, scale it when clipping, step it in its optimizer and save it: once per rank instead of once,
+// silently. (Between processes a "tie" is two tensors, which the pipeline cannot see.) Collective over `group`:
+// every rank broadcasts the addresses of its tensors in turn -- comparable because the ranks share one address
+// space.
+void refuse_tensors_shared_with_other_ranks(Transport& group, const std::string& group_name, int pipeline_rank,
+                                            const std::map<int, std::unique_ptr<Stage>>& stages, Duration timeout) {
+  struct Mine {
+    int stage;
+    std::string what;  // "parameter 'name'" or "buffer 'name'"
+  };
+  std::vector<std::int64_t> listed;  // (address, stage) pairs
+  std::map<const c10::TensorImpl*, Mine> mine;
+  auto add = [&](int stage, const std::string& kind, const std::string& name, const at::Tensor& t) {
+    if (!t.defined() || !mine.emplace(t.unsafeGetTensorImpl(), Mine{stage, kind + " '" + name + "'"}).second) return;
+    listed.push_back(static_cast<std::int64_t>(reinterpret_cast<std::uintptr_t>(t.unsafeGetTensorImpl())));
+    listed.push_back(stage);
+  };
   for (const auto& [index, stage] : stages) {
-    for (const auto& item : stage->module().named_parameters()) {
-      const c10::TensorImpl* impl = item.value().unsafeGetTensorImpl();
-      if (!names.emplace(impl, std::make_pair(index, item.key())).second) continue;
-      mine.push_back(static_cast<std::int64_t>(reinterpret_cast<std::uintptr_t>(impl)));
-      mine.push_back(index);
-    }
+    for (const auto& item : stage->module().named_parameters()) add(index, "parameter", item.key(), item.value());
+    for (const auto& item : stage->module().named_buffers()) add(index, "buffer", item.key(), item.value());
   }
   for (int root = 0; root < group.world_size(); ++root) {
-    at::Tensor count = at::full({1}, static_cast<std::int64_t>(mine.size()), at::kLong);
+    at::Tensor count = at::full({1}, static_cast<std::int64_t>(listed.size()), at::kLong);
     group.broadcast(count, root, timeout);
-    at::Tensor theirs = root == group.rank() ? at::tensor(mine, at::kLong) : at::empty({count.item<std::int64_t>()},
-                                                                                        at::kLong);
+    at::Tensor theirs = root == group.rank() ? at::tensor(listed, at::kLong)
+                                             : at::empty({count.item<std::int64_t>()}, at::kLong);
     group.broadcast(theirs, root, timeout);
     if (root == group.rank()) continue;
     const std::int64_t* data = theirs.data_ptr<std::int64_t>();
     for (std::int64_t k = 0; k + 1 < theirs.numel(); k += 2) {
-      auto found = names.find(reinterpret_cast<const c10::TensorImpl*>(static_cast<std::uintptr_t>(data[k])));
-      if (found == names.end()) continue;
+      auto found = mine.find(reinterpret_cast<const c10::TensorImpl*>(static_cast<std::uintptr_t>(data[k])));
+      if (found == mine.end()) continue;
       throw UsageError(fmt::format(
-          "rank {}: parameter '{}' of stage {} is also a parameter of stage {} on {} {}: ranks are threads of "
-          "one process here, and a tensor shared by two ranks would be accumulated from two threads, counted twice "
-          "in the gradient norm, clipped twice and stepped by both ranks' optimizers. Give each rank its own tensors "
-          "(tie weights only between stages of one rank, e.g. zb-v places the first and last stage on rank 0), or "
-          "run one rank per process and all-reduce a tied weight's gradient between its copies yourself",
-          pipeline_rank, found->second.second, found->second.first, data[k + 1], group_name, root));
+          "rank {}: {} of stage {} is also a tensor of stage {} on {} {}: ranks are threads of one process here, "
+          "and a tensor shared by two ranks would be written from two threads (gradients, running statistics), "
+          "counted twice in the gradient norm, clipped twice, stepped by both ranks' optimizers and saved twice. "
+          "Give each rank its own tensors (tie weights only between stages of one rank, e.g. zb-v places the first "
+          "and last stage on rank 0), or run one rank per process and all-reduce a tied weight's gradient between "
+          "its copies yourself",
+          pipeline_rank, found->second.what, found->second.stage, data[k + 1], group_name, root));
     }
   }
 }
@@ -454,11 +460,11 @@ void Pipeline::start_once() {
       transport_->barrier(options_.timeout);
       if (impl_->data_parallel != nullptr) impl_->data_parallel->barrier(options_.timeout);
       if (transport_->ranks_share_process()) {
-        refuse_parameters_shared_with_other_ranks(*transport_, "pipeline rank", rank(), stages_, options_.timeout);
+        refuse_tensors_shared_with_other_ranks(*transport_, "pipeline rank", rank(), stages_, options_.timeout);
       }
       if (impl_->data_parallel != nullptr && impl_->data_parallel->ranks_share_process()) {
-        refuse_parameters_shared_with_other_ranks(*impl_->data_parallel, "data-parallel replica", rank(), stages_,
-                                                  options_.timeout);
+        refuse_tensors_shared_with_other_ranks(*impl_->data_parallel, "data-parallel replica", rank(), stages_,
+                                               options_.timeout);
       }
     } catch (const TimeoutError& e) {
       throw TimeoutError(fmt::format("rank {}: the first step starts when every rank thread has reached it, "

@@ -295,7 +295,7 @@ TEST(DataParallel, RefusesAChunkSharedByTwoReplicas) {
   };
   const RankErrors errors = run_job(job);
   expect_error<UsageError>([&] { errors.rethrow_root_cause(); },
-                           {"of stage 1 is also a parameter of stage 1 on data-parallel replica", "threads"});
+                           {"of stage 1 is also a tensor of stage 1 on data-parallel replica", "threads"});
 }
 
 // A job whose stage 1 is `stage1()` (the other stages RegisteredTwice) must fail, in both backward modes, with a

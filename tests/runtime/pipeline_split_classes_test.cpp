@@ -345,36 +345,55 @@ TEST(RankThreads, DefaultGeneratorDrawsAreRefusedWhenRanksShareTheProcess) {
   rethrow_any(run_pipeline(alone, torch_dropout, inputs, targets, options(), nullptr, [](int) { return true; }));
 }
 
-// Ranks as threads: a parameter shared by chunks of two ranks (a weight tied across ranks, or one module given to
-// two ranks) would be accumulated from two threads, counted twice in the gradient norm, clipped twice and stepped
-// by both ranks' optimizers. Refused on the first step, before any micro-batch, naming the parameter, both stages
-// and what to do -- for every built-in schedule and mode, with the tie between stage 0 and the first stage on
-// another rank. (A tie between two stages of one rank is supported: PipelineGradientNorm below.)
-TEST(RankThreads, ParameterSharedByTwoRanksIsRefused) {
+/// Running statistics only (a BatchNorm without affine parameters) in a module given to it, which chunks of two
+/// ranks may share.
+struct WithStatistics : CaseModule {
+  explicit WithStatistics(torch::nn::BatchNorm1d shared) {
+    norm = register_module("norm", std::move(shared));
+    fast = register_module("fast", twobp::nn::Linear(kDim, kDim));
+  }
+  torch::Tensor forward(const torch::Tensor& x) override { return norm(fast(x).transpose(1, 2)).transpose(1, 2) + x; }
+  torch::nn::BatchNorm1d norm{nullptr};
+  twobp::nn::Linear fast{nullptr};
+};
+
+// Ranks as threads: a tensor shared by chunks of two ranks -- a weight tied across ranks, or a module (here one
+// holding only buffers) given to two ranks -- would be written from two threads, counted twice in the gradient
+// norm, clipped twice and stepped by both ranks' optimizers. Refused on the first step, before any micro-batch,
+// naming the tensor, both stages and what to do -- for every built-in schedule and mode, between stage 0 and the
+// first stage on another rank. (A tie between two stages of one rank is supported: PipelineGradientNorm below.)
+TEST(RankThreads, TensorSharedByTwoRanksIsRefused) {
   Float64Default f;
   torch::manual_seed(1);
   auto inputs = torch::randn({kMicroBatches * kMbs, kSeq, kDim});
   auto targets = torch::randn({kMicroBatches * kMbs, kSeq, kDim});
   for (const auto& name : builtin_schedule_names()) {
     for (BackwardMode mode : {BackwardMode::kStandard, BackwardMode::kSplit}) {
-      SCOPED_TRACE(name + " " + mode_name(mode));
-      const Schedule schedule = schedule_for(name, mode);
-      int other = 1;
-      while (schedule.stage_to_rank[other] == schedule.stage_to_rank[0]) ++other;
-      std::shared_ptr<RegisteredTwice> first;
-      ChunkFactory make = [&](int s) -> std::shared_ptr<CaseModule> {
-        auto m = std::make_shared<RegisteredTwice>(kDim);
-        if (s == 0) first = m;
-        if (s == other) m->fast->tie_weight(first->fast->weight);
-        return m;
-      };
-      PipelineRun run = run_pipeline(schedule, make, inputs, targets, options());
-      RankErrors errors{run.errors};
-      for (int r = 0; r < kRanks; ++r) EXPECT_TRUE(errors.errors[r] != nullptr) << "rank " << r << " ran its steps";
-      expect_error<UsageError>(
-          [&] { errors.rethrow_root_cause(); },
-          {"parameter 'fast.weight' of stage", "threads", "tie weights only between stages of one rank"});
-      EXPECT_TRUE(run.losses[0].empty()) << "a micro-batch ran";
+      for (bool buffers : {false, true}) {
+        SCOPED_TRACE(name + " " + mode_name(mode) + (buffers ? ", a module of buffers shared" : ", a tied weight"));
+        const Schedule schedule = schedule_for(name, mode);
+        int other = 1;
+        while (schedule.stage_to_rank[other] == schedule.stage_to_rank[0]) ++other;
+        std::shared_ptr<RegisteredTwice> first;
+        torch::nn::BatchNorm1d statistics(torch::nn::BatchNorm1dOptions(kDim).affine(false));
+        ChunkFactory make = [&](int s) -> std::shared_ptr<CaseModule> {
+          if (buffers) {
+            return std::make_shared<WithStatistics>(
+                s == 0 || s == other ? statistics : torch::nn::BatchNorm1d(torch::nn::BatchNorm1dOptions(kDim)));
+          }
+          auto m = std::make_shared<RegisteredTwice>(kDim);
+          if (s == 0) first = m;
+          if (s == other) m->fast->tie_weight(first->fast->weight);
+          return m;
+        };
+        PipelineRun run = run_pipeline(schedule, make, inputs, targets, options());
+        RankErrors errors{run.errors};
+        for (int r = 0; r < kRanks; ++r) EXPECT_TRUE(errors.errors[r] != nullptr) << "rank " << r << " ran its steps";
+        expect_error<UsageError>([&] { errors.rethrow_root_cause(); },
+                                 {buffers ? "buffer 'norm.running_mean' of stage" : "parameter 'fast.weight' of stage",
+                                  "threads", "tie weights only between stages of one rank"});
+        EXPECT_TRUE(run.losses[0].empty()) << "a micro-batch ran";
+      }
     }
   }
 }
