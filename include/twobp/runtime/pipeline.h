@@ -125,7 +125,8 @@ struct GradientCheck {
   bool finite() const { return non_finite_stages.empty(); }
 };
 
-/// One per rank. Not thread-safe; several Pipelines (one per thread) may share a process.
+/// One per rank. Not thread-safe; several Pipelines (one per thread) may share a process, each owning its tensors:
+/// the first step of rank threads refuses a parameter or buffer that chunks of two ranks (or replicas) share.
 ///
 /// step() contract: every rank calls step() once per training step with the same number of micro-batches.
 /// `inputs` (the whole batch, each tensor split along dim 0 into micro-batches) is required on the rank owning
