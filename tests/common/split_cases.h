@@ -299,9 +299,9 @@ struct FastHooked : CaseModule {
   std::shared_ptr<torch::Tensor> moved = std::make_shared<torch::Tensor>();
 };
 
-/// Data-dependent routing (mixture-of-experts style, top-1 of a trainable router): each expert runs on the tokens
-/// routed to it, so some experts get no token in some micro-batches, and one expert is never used (its .grad
-/// stays undefined although it is trainable).
+/// Data-dependent routing (mixture-of-experts style, top-1 of a trainable router): each expert runs only on the
+/// tokens routed to it, so an expert may get no token in a micro-batch (it then stays out of that micro-batch's
+/// graph), and one expert is never used (its .grad stays undefined although it is trainable).
 struct Routed : CaseModule {
   explicit Routed(int64_t dim) {
     router = register_module("router", torch::nn::Linear(dim, 3));
