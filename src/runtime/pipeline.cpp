@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <initializer_list>
 #include <map>
 #include <set>
 #include <string>
@@ -30,6 +31,19 @@ void clip_to(const std::vector<at::Tensor>& params, double norm, double max_norm
   c10::AutoGradMode no_grad(false);
   for (const auto& p : params) {
     if (p.grad().defined()) const_cast<at::Tensor&>(p).mutable_grad().mul_(scale);
+  }
+}
+
+// Aborts each non-null transport with `rank`'s failure `e`, so that its peers fail at once instead of at their
+// timeouts. A transport already aborted ignores a second abort; an abort that itself fails changes nothing here.
+void abort_with(std::initializer_list<Transport*> transports, int rank, const std::exception& e) {
+  const std::string reason = detail::failure_reason(rank, e);
+  for (Transport* t : transports) {
+    if (t == nullptr) continue;
+    try {
+      t->abort(reason);
+    } catch (...) {
+    }
   }
 }
 
@@ -201,13 +215,7 @@ void Pipeline::build_executor() {
     } catch (const std::exception& e) {
       // Replicas that disagree fail here together, but this rank's pipeline peers may already be waiting in
       // step() for it: tell them now rather than at their timeout.
-      const std::string reason = detail::failure_reason(rank, e);
-      for (Transport* t : {transport_.get(), dp}) {
-        try {
-          t->abort(reason);
-        } catch (...) {
-        }
-      }
+      abort_with({transport_.get(), dp}, rank, e);
       throw;
     }
   }
@@ -262,14 +270,7 @@ void Pipeline::switch_schedule(Schedule next) {
     build_executor();
   } catch (const std::exception& e) {
     // A rank whose switch failed cannot step; its peers (which may have switched) must not wait for it.
-    const std::string reason = detail::failure_reason(rank, e);
-    for (Transport* t : {transport_.get(), impl_->data_parallel}) {
-      if (t == nullptr) continue;
-      try {
-        t->abort(reason);
-      } catch (...) {
-      }
-    }
+    abort_with({transport_.get(), impl_->data_parallel}, rank, e);
     throw;
   }
 }
@@ -469,16 +470,6 @@ void Pipeline::start_once() {
     } catch (const TimeoutError& e) {
       throw TimeoutError(fmt::format("rank {}: the first step starts when every rank thread has reached it, "
                                      "before micro-batch 0 of any stage: {}", rank(), e.what()));
-    } catch (const UsageError& e) {
-      // Peers that share nothing would otherwise wait for this rank's messages until their timeouts.
-      for (Transport* t : {transport_.get(), impl_->data_parallel}) {
-        if (t == nullptr) continue;
-        try {
-          t->abort(detail::failure_reason(rank(), e));
-        } catch (...) {
-        }
-      }
-      throw;
     }
   }
   impl_->started = true;
@@ -495,19 +486,11 @@ StepResult Pipeline::run_step(const std::function<StepResult()>& run) {
     result = run();
     if (impl_->reducer) result.reduce_wait_us = impl_->reducer->finish();
   } catch (const std::exception& e) {
-    if (impl_->reducer) {
-      impl_->reducer->reset();
-      // The other replicas would otherwise wait for this one's reductions, and (for an error after the last
-      // action, e.g. a refused buffer) this replica's other ranks for its next step, until their timeouts. The
-      // executor already aborted the pipeline transport for an error inside an action; a second abort is a no-op.
-      const std::string reason = detail::failure_reason(rank(), e);
-      for (Transport* t : {impl_->data_parallel, transport_.get()}) {
-        try {
-          t->abort(reason);
-        } catch (...) {
-        }
-      }
-    }
+    if (impl_->reducer) impl_->reducer->reset();
+    // The other ranks and replicas would otherwise wait for this one (its messages, its reductions, its next step:
+    // an error before the first action, e.g. a refused shared tensor, or after the last, e.g. a refused buffer)
+    // until their timeouts. The executor already aborted the pipeline transport for an error inside an action.
+    abort_with({impl_->data_parallel, transport_.get()}, rank(), e);
     if (std::exception_ptr root = detail::as_root_type(e)) std::rethrow_exception(root);
     throw;
   }
