@@ -33,6 +33,8 @@ class GradientReducer {
 
   /// Before a step: remembers the buffers' versions (see finish()).
   void begin_step();
+  /// Whether `parameter`'s gradient is in a bucket: it required grad when the reducer was built.
+  bool reduces(const at::Tensor& parameter) const { return slot_.count(parameter.unsafeGetTensorImpl()) != 0; }
   /// For the W or B at `index` of this rank's list: when it is its stage's last weight action, the function that
   /// marks parameters final as it produces them (Stage::backward_weight's `done`; the Executor runs such a B as
   /// I and W); null otherwise.

@@ -27,6 +27,8 @@ class MasterWeights {
 
   /// The float32 master of a compute parameter, or `t` itself when it has none (frozen, not floating).
   at::Tensor master_of(const at::Tensor& t) const;
+  /// Whether `t` has a master: it required grad when the masters were made.
+  bool has_master(const at::Tensor& t) const { return by_compute_.count(t.unsafeGetTensorImpl()) != 0; }
   /// Copies every master into its compute parameter (no autograd).
   void sync();
   /// The masters, in parameter order.

@@ -93,6 +93,35 @@ void refuse_tensors_shared_with_other_ranks(Transport& group, const std::string&
   }
 }
 
+// Mixed precision and data parallelism fix at construction (and at switch_schedule, for the reducer) which
+// parameters train: the float32 masters and the reducer's buckets cover those that required grad then. A
+// parameter that requires grad now but is not covered (unfrozen since, or a tensor put in its place) would train
+// silently wrong: with mixed precision its bfloat16 gradient reaches no master (the optimizer, built over
+// Pipeline::parameters(), steps the masters); with data parallelism it is never averaged over the replicas, which
+// drift apart. Refused before the step; freezing (requires_grad true -> false) needs nothing and is supported.
+void refuse_parameters_trainable_since_construction(int rank, const std::map<int, std::unique_ptr<Stage>>& stages,
+                                                    const detail::MasterWeights* masters,
+                                                    const detail::GradientReducer* reducer) {
+  for (const auto& [index, stage] : stages) {
+    for (const auto& item : stage->module().named_parameters()) {
+      const at::Tensor& p = item.value();
+      if (!p.requires_grad()) continue;
+      const bool no_master = masters != nullptr && !masters->has_master(p);
+      const bool not_reduced = reducer != nullptr && !reducer->reduces(p);
+      TWOBP_CHECK(!no_master && !not_reduced, UsageError,
+                  "rank {} stage {}: parameter '{}' requires grad, but did not (or was another tensor) when this "
+                  "Pipeline was built: {}. Set requires_grad before building the Pipeline; to change which "
+                  "parameters train later, save a checkpoint and build a new Pipeline over new chunks (freezing a "
+                  "parameter needs nothing)",
+                  rank, index, item.key(),
+                  no_master ? "mixed precision made float32 masters only for the parameters that trained then, so "
+                              "its bfloat16 gradient would reach no master and no optimizer step"
+                            : "the data-parallel reducer averages only the parameters that trained then, so its "
+                              "gradient would differ between the replicas");
+    }
+  }
+}
+
 }  // namespace
 
 struct Pipeline::Impl {
@@ -480,6 +509,9 @@ StepResult Pipeline::run_step(const std::function<StepResult()>& run) {
   StepResult result;
   check_runnable();
   try {
+    if (impl_->masters || impl_->reducer) {
+      refuse_parameters_trainable_since_construction(rank(), stages_, impl_->masters.get(), impl_->reducer.get());
+    }
     start_once();
     if (impl_->reducer) impl_->reducer->begin_step();
     if (impl_->masters) impl_->masters->sync();  // what the optimizer did to the masters, for this step's compute

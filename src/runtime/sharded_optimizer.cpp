@@ -103,6 +103,15 @@ int ShardedOptimizer::owner_of(const at::Tensor& param) const {
 }
 
 void ShardedOptimizer::step() {
+  // Ownership is fixed at construction; a parameter unfrozen since has no owner and would never be stepped.
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    TWOBP_CHECK(owner_[i] >= 0 || !params_[i].requires_grad(), UsageError,
+                "ShardedOptimizer (replica {}): parameter {} (shape [{}]) requires grad, but did not when this "
+                "optimizer was built, so no replica owns it and it would never be stepped: set requires_grad "
+                "before building the ShardedOptimizer, or build a new one (gathered_adamw_state and "
+                "restore_adamw_state carry the AdamW state over)",
+                replica_, i, fmt::join(params_[i].sizes(), ", "));
+  }
   if (local_) local_->step();
   if (replicas_ == 1) return;
   c10::AutoGradMode no_grad(false);

@@ -109,10 +109,15 @@ struct Reference {
   double eval_loss = 0.0;  // after the steps: the mean forward loss over the global batch, without autograd
 };
 
+/// Called on every chunk before each step (the reference: before the step's first micro-batch), by the thread of
+/// the rank that owns it: what a training loop does to its modules between steps.
+using BeforeStep = std::function<void(int step, CaseModule& chunk)>;
+
 /// One process, the whole batch: the mean loss over all dp * kMicroBatches micro-batches, backward, twice. With
 /// kMixedBf16 the chunks and inputs are bfloat16 and every micro-batch's gradient is added to a float32 sum (what
 /// the masters accumulate), the chunks' own .grad reset after each.
-inline Reference reference(int stages, const GlobalBatch& b, Precision precision = Precision::kDefault) {
+inline Reference reference(int stages, const GlobalBatch& b, Precision precision = Precision::kDefault,
+                           const BeforeStep& before_step = nullptr) {
   const bool mixed = precision == Precision::kMixedBf16;
   Reference ref;
   for (int s = 0; s < stages; ++s) {
@@ -124,6 +129,9 @@ inline Reference reference(int stages, const GlobalBatch& b, Precision precision
   const int n = static_cast<int>(xs.size());
   for (int step = 0; step < kSteps; ++step) {
     ref.losses.emplace_back();
+    if (before_step) {
+      for (auto& chunk : ref.chunks) before_step(step, *chunk);
+    }
     for (int g = 0; g < n; ++g) {
       torch::Tensor h = mixed ? xs[g].to(at::kBFloat16) : xs[g];
       for (auto& chunk : ref.chunks) h = chunk->forward(h);
@@ -175,7 +183,8 @@ struct RankRun {
 
 inline void run_rank(Transport& world, int dp, const Schedule& schedule, bool overlap, const GlobalBatch& batch,
                      RankRun& out, Precision precision = Precision::kDefault, bool start_during_backward = true,
-                     bool overlap_pairs = false, const Schedule* then = nullptr) {
+                     bool overlap_pairs = false, const Schedule* then = nullptr,
+                     const BeforeStep& before_step = nullptr) {
   const bool mixed = precision == Precision::kMixedBf16;
   ParallelGroups groups(world, dp, std::chrono::seconds(60));
   out.replica = groups.replica();
@@ -200,6 +209,9 @@ inline void run_rank(Transport& world, int dp, const Schedule& schedule, bool ov
   const GlobalBatch mine = replica_batch(batch, groups.replica());
   for (int step = 0; step < kSteps; ++step) {
     if (step == 1 && then != nullptr) pipeline.switch_schedule(*then);
+    if (before_step) {
+      for (auto& [s, chunk] : out.chunks) before_step(step, *chunk);
+    }
     StepResult result = pipeline.step(mine.inputs, mine.targets);
     if (!result.losses.empty()) out.losses.push_back(result.losses);
     if (dp > 1) EXPECT_GE(result.reduce_wait_us, 0.0);

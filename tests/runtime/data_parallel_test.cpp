@@ -72,7 +72,7 @@ class DataPipelineParity : public ::testing::TestWithParam<DpCase> {
 };
 
 // One dp x pp job on threads against one process on the global batch (common/dp_cases.h).
-void expect_parity(const DpCase& c, dp::Precision precision) {
+void expect_parity(const DpCase& c, dp::Precision precision, const dp::BeforeStep& before_step = nullptr) {
   Schedule schedule;
   try {
     schedule = dp::replica_schedule(c.schedule, c.mode, c.pp);
@@ -80,13 +80,14 @@ void expect_parity(const DpCase& c, dp::Precision precision) {
     GTEST_SKIP() << "schedule rejects this shape: " << e.what();
   }
   const dp::GlobalBatch batch = dp::global_batch(c.dp);
-  const dp::Reference ref = dp::reference(schedule.num_stages, batch, precision);
+  const dp::Reference ref = dp::reference(schedule.num_stages, batch, precision, before_step);
   // Chunks are built on this thread (torch::manual_seed is process-wide), then trained by one thread per rank.
   std::vector<dp::RankRun> runs(c.dp * c.pp);
   for (int r = 0; r < c.dp * c.pp; ++r) runs[r].chunks = dp::chunks_of(schedule, r % c.pp, precision);
   auto world = make_local_transports(c.dp * c.pp);
   run_rank_threads(world, [&](Transport& t) {
-    dp::run_rank(t, c.dp, schedule, c.overlap, batch, runs[t.rank()], precision);
+    dp::run_rank(t, c.dp, schedule, c.overlap, batch, runs[t.rank()], precision, true, false, nullptr,
+                 before_step);
   }).rethrow_root_cause();
   for (int r = 0; r < c.dp * c.pp; ++r) {
     dp::expect_matches(runs[r], ref, "world rank " + std::to_string(r), precision);
@@ -124,6 +125,27 @@ class MixedDataPipelineParity : public ::testing::TestWithParam<DpCase> {};
 
 TEST_P(MixedDataPipelineParity, MastersHaveTheGlobalBatchGradients) {
   expect_parity(GetParam(), dp::Precision::kMixedBf16);
+}
+
+// Freezing parameters between steps needs nothing of the reducer or the masters (a frozen parameter's gradient
+// stays as it was on every replica): before step 1 every other trainable tensor of every chunk stops training.
+// (Unfreezing is refused: DataParallel.RefusesAParameterUnfrozenAfterConstruction.)
+void freeze_every_other_before_step_1(int step, CaseModule& chunk) {
+  if (step != 1) return;
+  bool freeze = true;
+  for (auto& p : unique_tensors(chunk.parameters())) {
+    if (!p.requires_grad()) continue;
+    if (freeze) p.set_requires_grad(false);
+    freeze = !freeze;
+  }
+}
+
+TEST_P(DataPipelineParity, ParametersFrozenBetweenSteps) {
+  expect_parity(GetParam(), dp::Precision::kDefault, freeze_every_other_before_step_1);
+}
+
+TEST_P(MixedDataPipelineParity, ParametersFrozenBetweenSteps) {
+  expect_parity(GetParam(), dp::Precision::kMixedBf16, freeze_every_other_before_step_1);
 }
 
 std::vector<DpCase> mixed_dp_cases() {
@@ -296,6 +318,33 @@ TEST(DataParallel, RefusesAChunkSharedByTwoReplicas) {
   const RankErrors errors = run_job(job);
   expect_error<UsageError>([&] { errors.rethrow_root_cause(); },
                            {"of stage 1 is also a tensor of stage 1 on data-parallel replica", "threads"});
+}
+
+// The reducer's buckets hold the parameters that required grad when the Pipeline was built: one unfrozen after
+// the first step would never be averaged (the replicas would drift apart). The second step is refused on the rank
+// that owns it, before any micro-batch, naming it; its peers fail at once with that error.
+TEST(DataParallel, RefusesAParameterUnfrozenAfterConstruction) {
+  Float64Default f;
+  Job job;
+  job.make = [](int, int s) -> std::shared_ptr<CaseModule> {
+    torch::manual_seed(s);
+    if (s == 1) return std::make_shared<Frozen>(dp::kDim);
+    return std::make_shared<RegisteredTwice>(dp::kDim);
+  };
+  const dp::GlobalBatch batch = dp::global_batch(2);
+  job.after = [&](Pipeline& pipeline, const StepResult&, int world_rank) {
+    if (pipeline.rank() == 1) {
+      auto frozen = pipeline.stage(1).module().named_parameters()["fast_frozen.weight"];
+      ASSERT_FALSE(frozen.requires_grad());
+      frozen.set_requires_grad(true);
+    }
+    const auto mine = dp::replica_batch(batch, world_rank / 2);
+    pipeline.step(mine.inputs, mine.targets);
+  };
+  const RankErrors errors = run_job(job);
+  expect_error<UsageError>([&] { errors.rethrow_root_cause(); },
+                           {"rank 1 stage 1: parameter 'fast_frozen.weight' requires grad", "data-parallel reducer",
+                            "build a new Pipeline"});
 }
 
 // A job whose stage 1 is `stage1()` (the other stages RegisteredTwice) must fail, in both backward modes, with a

@@ -7,6 +7,7 @@
 #include <exception>
 #include <map>
 
+#include "common/expect_error.h"
 #include "common/test_models.h"
 #include "twobp/error.h"
 #include "twobp/runtime/launch.h"
@@ -321,6 +322,40 @@ TEST(MixedPrecision, UnsupportedSetupsAreRefusedAtConstruction) {
   torch::autograd::impl::set_post_acc_grad_hooks(hooked->fc1->weight, std::make_unique<Noop>());
   expect_refused(mixed_options(), hooked.ptr(), "post-accumulate-grad hook");
   // (Data parallelism is supported: data_parallel_test's MixedDataPipelineParity.)
+}
+
+// Masters are made for the parameters that require grad when the Pipeline is built. Freezing one later needs
+// nothing (its master keeps the gradient it had); one unfrozen later has no master -- its bfloat16 gradient would
+// reach no optimizer -- and the next step is refused before any micro-batch, naming rank, stage and parameter.
+TEST(MixedPrecision, FreezingLaterIsFineUnfreezingIsRefused) {
+  const Schedule schedule = make_schedule("1f1b", ScheduleOptions{2, 4, 1, BackwardMode::kSplit});
+  torch::manual_seed(5);
+  auto inputs = torch::randn({4 * kRows, kDim}), targets = torch::randn({4 * kRows, kDim});
+  {
+    auto transports = make_local_transports(2);
+    std::map<std::string, at::Tensor> after_step_0;
+    MixedRun run = run_mixed(schedule, inputs, targets, transports, 2, [&](Pipeline& p) {
+      if (p.rank() != 1) return;
+      auto fc1 = p.stage(1).module().named_parameters()["fc1.weight"];
+      after_step_0["fc1.weight"] = p.master_weight(fc1).grad().clone();
+      after_step_0["fc2.weight"] = p.master_weight(p.stage(1).module().named_parameters()["fc2.weight"]).grad().clone();
+      fc1.set_requires_grad(false);
+    });
+    Pipeline& p = *run.pipelines[1];
+    const auto params = run.chunks[1]->named_parameters();
+    EXPECT_TRUE(torch::equal(p.master_weight(params["fc1.weight"]).grad(), after_step_0["fc1.weight"]))
+        << "a frozen parameter's master keeps the gradient it had";
+    const at::Tensor fc2 = p.master_weight(params["fc2.weight"]).grad();
+    EXPECT_GT((fc2 - after_step_0["fc2.weight"]).abs().max().item<double>(), 0.0) << "the others still accumulate";
+  }
+  auto transports = make_local_transports(2);
+  expect_error<UsageError>(
+      [&] {
+        run_mixed(schedule, inputs, targets, transports, 2, [](Pipeline& p) {
+          if (p.rank() == 1) p.stage(1).module().named_parameters()["fc2.bias"].set_requires_grad(true);
+        });
+      },
+      {"stage 1: parameter 'fc2.bias' requires grad", "float32 masters", "build a new Pipeline"});
 }
 
 }  // namespace

@@ -31,6 +31,9 @@ constexpr int kSteps = 2;
 torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& target) { return (out - target).pow(2).mean(); }
 
 using ChunkFactory = std::function<std::shared_ptr<CaseModule>(int stage)>;
+/// Called on every chunk before each step, by the thread of the rank that owns it (the reference: before the step's
+/// first micro-batch): what a training loop does to its modules between steps.
+using BeforeStep = std::function<void(int step, CaseModule& chunk)>;
 
 // Chunks are built in stage order from per-stage seeds, on the calling thread, for the pipeline and the reference
 // alike.
@@ -49,7 +52,8 @@ struct PipelineRun {
 PipelineRun run_pipeline(const Schedule& schedule, const ChunkFactory& make, const torch::Tensor& inputs,
                          const torch::Tensor& targets, PipelineOptions options,
                          std::function<void(Pipeline&)> after_steps = nullptr,
-                         std::function<bool(int stage)> recompute = nullptr) {
+                         std::function<bool(int stage)> recompute = nullptr,
+                         const BeforeStep& before_step = nullptr) {
   PipelineRun run;
   run.chunks.resize(schedule.num_stages);
   for (int s = 0; s < schedule.num_stages; ++s) run.chunks[s] = build(make, s);
@@ -75,6 +79,9 @@ PipelineRun run_pipeline(const Schedule& schedule, const ChunkFactory& make, con
                    [&](Transport& t) {
                      const int r = t.rank();
                      for (int step = 0; step < kSteps; ++step) {
+                       if (before_step) {
+                         for (int s : schedule.stages_of(r)) before_step(step, *run.chunks[s]);
+                       }
                        auto result = pipelines[r]->step(inputs, targets);
                        if (r == last_rank) run.losses[step] = result.losses;
                      }
@@ -91,12 +98,15 @@ struct Reference {
 };
 
 Reference run_reference(int stages, const ChunkFactory& make, const torch::Tensor& inputs,
-                        const torch::Tensor& targets) {
+                        const torch::Tensor& targets, const BeforeStep& before_step = nullptr) {
   Reference ref;
   for (int s = 0; s < stages; ++s) ref.chunks.push_back(build(make, s));
   auto xs = inputs.split(kMbs), ys = targets.split(kMbs);
   for (int step = 0; step < kSteps; ++step) {
     ref.losses.emplace_back();
+    if (before_step) {
+      for (auto& chunk : ref.chunks) before_step(step, *chunk);
+    }
     for (int mb = 0; mb < kMicroBatches; ++mb) {
       torch::Tensor h = xs[mb];
       for (int s = 0; s < stages; ++s) {
@@ -129,13 +139,14 @@ void rethrow_any(const PipelineRun& run) {
   }
 }
 
-void expect_parity(const std::string& schedule_name, BackwardMode mode, const ChunkFactory& make) {
+void expect_parity(const std::string& schedule_name, BackwardMode mode, const ChunkFactory& make,
+                   const BeforeStep& before_step = nullptr) {
   const Schedule schedule = schedule_for(schedule_name, mode);
   torch::manual_seed(1);
   auto inputs = torch::randn({kMicroBatches * kMbs, kSeq, kDim});
   auto targets = torch::randn({kMicroBatches * kMbs, kSeq, kDim});
-  Reference ref = run_reference(schedule.num_stages, make, inputs, targets);
-  PipelineRun run = run_pipeline(schedule, make, inputs, targets, options());
+  Reference ref = run_reference(schedule.num_stages, make, inputs, targets, before_step);
+  PipelineRun run = run_pipeline(schedule, make, inputs, targets, options(), nullptr, nullptr, before_step);
   rethrow_any(run);
   for (int step = 0; step < kSteps; ++step) {
     ASSERT_EQ(run.losses[step].size(), static_cast<std::size_t>(kMicroBatches));
@@ -226,6 +237,23 @@ TEST_P(PipelineSplitCases, FastEmbeddingFirstStageFeedingGeneralLayers) {
     if (s == 0) return std::make_shared<EmbeddingFirst>();
     return classes[s % classes.size()].make(kDim);
   });
+}
+
+/// Which parameters train may change between steps (freezing a layer after warm-up, unfreezing one for
+/// fine-tuning): before step 1 every other tensor of every chunk flips requires_grad -- frozen ones start
+/// training, trainable ones stop (their gradient of step 0 stays, as with loss.backward()).
+TEST_P(PipelineSplitCases, ParametersFrozenAndUnfrozenBetweenSteps) {
+  const auto classes = supported_module_classes();
+  expect_parity(
+      GetParam().schedule, GetParam().mode, [&](int s) { return classes[(s + 1) % classes.size()].make(kDim); },
+      [](int step, CaseModule& chunk) {
+        if (step != 1) return;
+        bool flip = true;
+        for (auto& p : unique_tensors(chunk.parameters())) {
+          if (flip) p.set_requires_grad(!p.requires_grad());
+          flip = !flip;
+        }
+      });
 }
 
 std::vector<ScheduleMode> schedule_modes() {

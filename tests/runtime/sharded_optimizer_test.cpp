@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "common/expect_error.h"
 #include "common/test_models.h"
 #include "twobp/checkpoint.h"
 #include "twobp/error.h"
@@ -211,6 +212,25 @@ TEST(Sharding, OwnershipIsGreedyBySizeAndSkipsFrozen) {
   const std::vector<int> expected = {0, 1, 1, -1};
   EXPECT_EQ(owners[0], expected);
   EXPECT_EQ(owners[1], expected);
+}
+
+// Ownership is fixed at construction: a parameter that starts requiring grad later has no owner and would never
+// be stepped. step() refuses it before stepping anything; freezing one later is fine (its owner skips it).
+TEST(Sharding, RefusesAParameterUnfrozenAfterConstruction) {
+  auto a = torch::ones({3}).requires_grad_(), b = torch::ones({2}).requires_grad_(), late = torch::ones({4});
+  a.mutable_grad() = torch::ones({3});
+  ShardedOptimizer o({a, b, late}, nullptr,
+                     [](std::vector<at::Tensor> p) -> std::unique_ptr<torch::optim::Optimizer> {
+                       return std::make_unique<torch::optim::SGD>(std::move(p), torch::optim::SGDOptions(0.5));
+                     },
+                     kTimeout);
+  b.set_requires_grad(false);
+  o.step();
+  EXPECT_TRUE(torch::equal(a, torch::full({3}, 0.5))) << "stepped";
+  late.set_requires_grad(true);
+  late.mutable_grad() = torch::ones({4});
+  expect_error<UsageError>([&] { o.step(); }, {"replica 0", "parameter 2 (shape [4]) requires grad", "new one"});
+  EXPECT_TRUE(torch::equal(a, torch::full({3}, 0.5))) << "refused before stepping anything";
 }
 
 }  // namespace

@@ -38,8 +38,9 @@ class ShardedOptimizer {
 
   /// `params`: what the optimizer steps (Pipeline::parameters(): with mixed precision the masters), identical in
   /// number, shapes and order on every replica; parameters that do not require grad are assigned to nobody and
-  /// never change. `group`: the data-parallel group (ParallelGroups::data_parallel()); null or of size 1: this
-  /// replica owns everything (a plain optimizer). Local: no communication until step().
+  /// never change (step() refuses one that requires grad later: build a new optimizer then). `group`: the
+  /// data-parallel group (ParallelGroups::data_parallel()); null or of size 1: this replica owns everything (a
+  /// plain optimizer). Local: no communication until step().
   ShardedOptimizer(std::vector<at::Tensor> params, Transport* group, const Factory& make, Duration timeout);
   ~ShardedOptimizer();
   ShardedOptimizer(const ShardedOptimizer&) = delete;
