@@ -12,7 +12,10 @@
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 
+#include <cstdint>
+#include <map>
 #include <memory>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -20,24 +23,28 @@ namespace twobp::detail {
 
 class MasterWeights {
  public:
-  /// `modules`: this rank's chunks; `rank` names errors. Throws UsageError for a trainable parameter that is not
+  /// `modules`: this rank's chunks, by stage; `rank` names errors. Throws UsageError for a trainable parameter that is not
   /// float32, or that already has a post-accumulate-grad hook (there is one slot per tensor).
-  MasterWeights(const std::vector<std::shared_ptr<torch::nn::Module>>& modules, at::ScalarType compute_dtype,
+  MasterWeights(const std::map<int, std::shared_ptr<torch::nn::Module>>& modules, at::ScalarType compute_dtype,
                 int rank);
 
   /// The float32 master of a compute parameter, or `t` itself when it has none (frozen, not floating).
   at::Tensor master_of(const at::Tensor& t) const;
   /// Whether `t` has a master: it required grad when the masters were made.
   bool has_master(const at::Tensor& t) const { return by_compute_.count(t.unsafeGetTensorImpl()) != 0; }
-  /// Copies every master into its compute parameter (no autograd).
+  /// Copies every master into its compute parameter (no autograd). Throws UsageError, before copying, when a
+  /// compute parameter was written in place since the last copy (or since construction): the copy would silently
+  /// undo that write, which belongs on the master.
   void sync();
-  /// The masters, in parameter order.
-  std::vector<at::Tensor> masters() const;
 
  private:
   struct Entry {
     at::Tensor compute, master;
+    int stage = 0;             // of the (first) chunk listing it, for errors
+    std::string name;          // the parameter's name in that chunk
+    std::int64_t version = 0;  // the compute parameter's version after the last copy from the master
   };
+  int rank_ = 0;
   std::vector<Entry> entries_;
   std::unordered_map<const c10::TensorImpl*, std::size_t> by_compute_;
 };

@@ -156,11 +156,11 @@ Pipeline::Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, std::sh
     TWOBP_CHECK(dtype == at::kBFloat16, UsageError,
                 "rank {}: mixed precision computes in bfloat16; {} is not supported{}", rank, c10::toString(dtype),
                 dtype == at::kHalf ? " (float16 needs dynamic loss scaling, which twobp does not have)" : "");
-    std::vector<std::shared_ptr<torch::nn::Module>> modules;
+    std::map<int, std::shared_ptr<torch::nn::Module>> modules;  // by stage
     for (const auto& chunk : chunks) {
       TWOBP_CHECK(chunk.module != nullptr, UsageError, "rank {}: the chunk of stage {} has no module", rank,
                   chunk.stage);
-      modules.push_back(chunk.module);
+      modules.emplace(chunk.stage, chunk.module);
     }
     impl_->masters = std::make_unique<detail::MasterWeights>(modules, dtype, rank);
   }

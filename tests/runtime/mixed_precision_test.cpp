@@ -358,5 +358,24 @@ TEST(MixedPrecision, FreezingLaterIsFineUnfreezingIsRefused) {
       {"stage 1: parameter 'fc2.bias' requires grad", "float32 masters", "build a new Pipeline"});
 }
 
+// Every step copies the masters over the bfloat16 compute parameters; a write to a compute parameter (weights
+// loaded into the chunk, an optimizer over the chunk's own parameters) would be undone without a trace. The next
+// step refuses it, naming rank, stage and parameter.
+TEST(MixedPrecision, WritingAComputeParameterIsRefused) {
+  const Schedule schedule = make_schedule("1f1b", ScheduleOptions{2, 4, 1, BackwardMode::kSplit});
+  torch::manual_seed(6);
+  auto inputs = torch::randn({4 * kRows, kDim}), targets = torch::randn({4 * kRows, kDim});
+  auto transports = make_local_transports(2);
+  expect_error<UsageError>(
+      [&] {
+        run_mixed(schedule, inputs, targets, transports, 2, [](Pipeline& p) {
+          if (p.rank() != 1) return;
+          torch::NoGradGuard no_grad;
+          p.stage(1).module().named_parameters()["fc1.weight"].fill_(0.5);
+        });
+      },
+      {"rank 1 stage 1: parameter 'fc1.weight' (its BFloat16 compute copy) was written", "Pipeline::master_weight"});
+}
+
 }  // namespace
 }  // namespace twobp::testing
