@@ -186,8 +186,15 @@ int run(Args args, int& argc, char**& argv) {
 
   Shared shared;
   const bool processes = mpi || store;
+  // A node's cores are shared by its ranks -- this process's rank threads, or the launcher's processes on this
+  // node -- each taking its share (every process taking all of them oversubscribes the node local_size times).
+  int ranks_on_node = world;
+  if (store) ranks_on_node = launch->local_size;
+#if TWOBP_HAVE_MPI
+  if (mpi) ranks_on_node = twobp::mpi_launch_env(*env).local_size;
+#endif
   torch::set_num_threads(
-      std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / std::max(1, processes ? 1 : world)));
+      std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / std::max(1, ranks_on_node)));
   // Processes: GPUs talk over NCCL (one rank per GPU: twobp::choose_cuda_device); CPUs over MPI, or without MPI
   // through the TCPStore that rank 0 serves (slow; meant for trying the launch, not for speed). Threads: Local.
   twobp::RunRanksOptions launch_options;
