@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
+#include <initializer_list>
 #include <cstdint>
 
 #include "twobp/random.h"
@@ -169,19 +170,33 @@ std::pair<at::Tensor, at::Tensor> concat_rows(c10::ArrayRef<autograd::WeightGrad
   return {at::cat(inputs), at::cat(grads)};
 }
 
+// Whether a fast-path call has anything to differentiate. When not (a frozen layer on data: a frozen encoder or
+// embedding on the first stage), it runs the plain ATen path: its output then carries no gradient, as autograd's
+// would, instead of one tied to the store's anchor that nothing needs.
+bool differentiable(std::initializer_list<const at::Tensor*> tensors) {
+  for (const at::Tensor* t : tensors) {
+    if (t->defined() && t->requires_grad()) return true;
+  }
+  return false;
+}
+
 }  // namespace
 
 at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& bias,
                   const autograd::WeightGradKernel& kernel) {
   auto* store = autograd::current_store();
-  if (store == nullptr || !at::GradMode::is_enabled()) return at::linear(input, weight, bias);
+  if (store == nullptr || !at::GradMode::is_enabled() || !differentiable({&input, &weight, &bias})) {
+    return at::linear(input, weight, bias);
+  }
   check_recordable(*store, kernel, weight, bias);
   return LinearFunction::apply(input, store->anchor(), detached(weight, bias), &kernel);
 }
 
 at::Tensor embedding(const at::Tensor& ids, const at::Tensor& weight, const autograd::WeightGradKernel& kernel) {
   auto* store = autograd::current_store();
-  if (store == nullptr || !at::GradMode::is_enabled()) return at::embedding(weight, ids);
+  if (store == nullptr || !at::GradMode::is_enabled() || !differentiable({&weight})) {
+    return at::embedding(weight, ids);
+  }
   check_recordable(*store, kernel, weight, {});
   return EmbeddingFunction::apply(ids, store->anchor(), detached(weight, {}), &kernel);
 }
@@ -189,7 +204,7 @@ at::Tensor embedding(const at::Tensor& ids, const at::Tensor& weight, const auto
 at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps,
                     const autograd::WeightGradKernel& kernel) {
   auto* store = autograd::current_store();
-  if (store == nullptr || !at::GradMode::is_enabled()) {
+  if (store == nullptr || !at::GradMode::is_enabled() || !differentiable({&input, &weight})) {
     const at::Tensor x = input.to(compute_type(input));
     return (x * at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps)).to(input.scalar_type()) * weight;
   }

@@ -93,10 +93,12 @@ NamedTensors Stage::forward(int micro_batch, const NamedTensors& inputs, const N
   if (options_.recompute) state.rng = detail::RngState::capture(replayed_generators());
   NamedTensors outputs = refusing_default_draws(
       micro_batch, [&] { return run_forward(micro_batch, state.pass, state.inputs, targets); });
-  bool any_gradient = false;
-  for (const auto& entry : outputs) any_gradient = any_gradient || entry.tensor.requires_grad();
-  TWOBP_CHECK(any_gradient, UsageError,
-              "{}: no stage output depends on a parameter or on an input that requires a gradient",
+  // Outputs that carry no gradient at all (every parameter up to here frozen: a frozen encoder or embedding on the
+  // first stages) make this micro-batch's I and W no-ops here. A loss that carries none would train nothing; as
+  // loss.backward() does, refuse it.
+  TWOBP_CHECK(!options_.loss || outputs.entry(0).tensor.requires_grad(), UsageError,
+              "{}: the loss does not depend on any trainable parameter (every parameter of this and the earlier stages "
+              "is frozen, or none of the outputs reaching this stage carries a gradient); there is nothing to train",
               where(micro_batch));
   NamedTensors detached;
   for (const auto& [name, tensor] : outputs) {
@@ -358,6 +360,9 @@ Stage::MicroBatch& Stage::lookup(int micro_batch, const char* action) {
 std::pair<std::vector<at::Tensor>, std::vector<at::Tensor>> Stage::seeds(int micro_batch, const MicroBatch& state,
                                                                          const NamedTensors& grad_outputs) const {
   std::vector<at::Tensor> roots, grads;
+  bool any_gradient = false;
+  for (const auto& entry : state.outputs) any_gradient = any_gradient || entry.tensor.requires_grad();
+  if (grad_outputs.empty() && !any_gradient) return {};  // no output carries a gradient: nothing to seed
   if (grad_outputs.empty()) {
     // Empty means "seed the scalar loss"; an output that got no gradient is named with an undefined tensor.
     TWOBP_CHECK(state.outputs.size() == 1 && state.outputs.entry(0).tensor.numel() == 1, UsageError,

@@ -15,10 +15,19 @@ inline torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& target) 
 
 // Chunk s alternates between the fast path (twobp::nn::Linear) and the general path (torch::nn::Linear), so
 // every pipeline exercises both halves of the split and their hand-over.
-inline std::shared_ptr<torch::nn::Module> make_chunk(int s) {
+// `frozen`: every parameter of the chunk frozen (requires_grad false).
+inline std::shared_ptr<torch::nn::Module> make_chunk(int s, bool frozen = false) {
   torch::manual_seed(100 + s);
-  if (s % 2 == 0) return FastMlp(kDim).ptr();
-  return TorchMlp(kDim).ptr();
+  std::shared_ptr<torch::nn::Module> m;
+  if (s % 2 == 0) {
+    m = FastMlp(kDim).ptr();
+  } else {
+    m = TorchMlp(kDim).ptr();
+  }
+  if (frozen) {
+    for (auto& p : m->parameters()) p.set_requires_grad(false);
+  }
+  return m;
 }
 
 inline torch::Tensor run_chunk(torch::nn::Module& m, int s, const torch::Tensor& x) {
@@ -41,9 +50,11 @@ struct Reference {
   std::vector<double> losses;
 };
 
-inline Reference run_reference(int stages, int m, const torch::Tensor& inputs, const torch::Tensor& targets) {
+// `frozen_stages`: the first ones, entirely frozen (make_chunk's `frozen`).
+inline Reference run_reference(int stages, int m, const torch::Tensor& inputs, const torch::Tensor& targets,
+                               int frozen_stages = 0) {
   Reference ref;
-  for (int s = 0; s < stages; ++s) ref.chunks.push_back(make_chunk(s));
+  for (int s = 0; s < stages; ++s) ref.chunks.push_back(make_chunk(s, s < frozen_stages));
   auto xs = inputs.split(kMicroBatchSize), ys = targets.split(kMicroBatchSize);
   for (int mb = 0; mb < m; ++mb) {
     torch::Tensor h = xs[mb];

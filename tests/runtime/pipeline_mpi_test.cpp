@@ -1,6 +1,6 @@
 // The pipeline parity test through real processes: run under `mpiexec -n P`, one rank per process, MPI
-// transport. Every schedule x {standard, 2BP} x two micro-batch counts; each rank checks its own chunks'
-// gradients against the single-process reference (which every rank computes; it is small).
+// transport. Every schedule x {standard, 2BP} x two micro-batch counts, and a first stage entirely frozen; each
+// rank checks its own chunks' gradients against the single-process reference (which every rank computes).
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -19,6 +19,7 @@ struct Case {
   std::string schedule;
   BackwardMode mode;
   int m_factor;  // micro-batches = m_factor * world size
+  bool frozen_first = false;  // stage 0 entirely frozen: its output carries no gradient (spec says so)
 };
 
 class MpiPipelineParity : public ::testing::TestWithParam<Case> {
@@ -40,12 +41,13 @@ TEST_P(MpiPipelineParity, LossesAndGradientsMatchSingleProcess) {
   torch::manual_seed(1);
   auto inputs = torch::randn({m * kMicroBatchSize, kDim});
   auto targets = torch::randn({m * kMicroBatchSize, kDim});
-  Reference ref = run_reference(schedule.num_stages, m, inputs, targets);
+  const int frozen = c.frozen_first ? 1 : 0;
+  Reference ref = run_reference(schedule.num_stages, m, inputs, targets, frozen);
 
   std::vector<PipelineChunk> chunks;
   std::map<int, std::shared_ptr<torch::nn::Module>> mine;
   for (int s : schedule.stages_of(me)) {
-    auto module = make_chunk(s);
+    auto module = make_chunk(s, s < frozen);
     mine[s] = module;
     auto* raw = module.get();
     chunks.push_back({s, module, [raw, s](const at::Tensor& x) { return run_chunk(*raw, s, x); }});
@@ -53,7 +55,9 @@ TEST_P(MpiPipelineParity, LossesAndGradientsMatchSingleProcess) {
   PipelineOptions options;
   options.timeout = std::chrono::seconds(60);
   options.loss = mse;
-  options.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim}, at::kDouble}; };
+  options.activation_spec = [frozen](int s) {
+    return TensorSpec{{kMicroBatchSize, kDim}, at::kDouble, "", /*requires_grad=*/s >= frozen};
+  };
   Pipeline pipeline(schedule, std::move(chunks), std::make_shared<MpiTransport>(env), options);
   StepResult result = pipeline.step(inputs, targets);
 
@@ -65,7 +69,8 @@ TEST_P(MpiPipelineParity, LossesAndGradientsMatchSingleProcess) {
     auto got = module->named_parameters();
     for (const auto& item : ref.chunks[s]->named_parameters()) {
       const auto& g = got[item.key()].grad();
-      ASSERT_TRUE(g.defined()) << "stage " << s << " " << item.key();
+      ASSERT_EQ(g.defined(), item.value().grad().defined()) << "stage " << s << " " << item.key();
+      if (!g.defined()) continue;
       EXPECT_LE((g - item.value().grad()).abs().max().item<double>(), 1e-12) << "stage " << s << " " << item.key();
     }
   }
@@ -84,6 +89,7 @@ std::vector<Case> cases() {
   for (const auto& name : builtin_schedule_names()) {
     for (BackwardMode mode : {BackwardMode::kStandard, BackwardMode::kSplit}) {
       for (int f : {1, 2}) out.push_back({name, mode, f});
+      out.push_back({name, mode, 1, /*frozen_first=*/true});
     }
   }
   return out;
@@ -91,7 +97,7 @@ std::vector<Case> cases() {
 
 INSTANTIATE_TEST_SUITE_P(AllSchedules, MpiPipelineParity, ::testing::ValuesIn(cases()), [](const auto& info) {
   std::string n = info.param.schedule + (info.param.mode == BackwardMode::kSplit ? "_2bp" : "_standard") + "_m" +
-                  std::to_string(info.param.m_factor) + "p";
+                  std::to_string(info.param.m_factor) + "p" + (info.param.frozen_first ? "_frozen_first" : "");
   for (auto& ch : n) {
     if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
   }

@@ -140,13 +140,13 @@ void rethrow_any(const PipelineRun& run) {
 }
 
 void expect_parity(const std::string& schedule_name, BackwardMode mode, const ChunkFactory& make,
-                   const BeforeStep& before_step = nullptr) {
+                   const BeforeStep& before_step = nullptr, const PipelineOptions& o = options()) {
   const Schedule schedule = schedule_for(schedule_name, mode);
   torch::manual_seed(1);
   auto inputs = torch::randn({kMicroBatches * kMbs, kSeq, kDim});
   auto targets = torch::randn({kMicroBatches * kMbs, kSeq, kDim});
   Reference ref = run_reference(schedule.num_stages, make, inputs, targets, before_step);
-  PipelineRun run = run_pipeline(schedule, make, inputs, targets, options(), nullptr, nullptr, before_step);
+  PipelineRun run = run_pipeline(schedule, make, inputs, targets, o, nullptr, nullptr, before_step);
   rethrow_any(run);
   for (int step = 0; step < kSteps; ++step) {
     ASSERT_EQ(run.losses[step].size(), static_cast<std::size_t>(kMicroBatches));
@@ -254,6 +254,92 @@ TEST_P(PipelineSplitCases, ParametersFrozenAndUnfrozenBetweenSteps) {
           flip = !flip;
         }
       });
+}
+
+/// Leading stages with every parameter frozen (a frozen encoder or embedding): their outputs carry no gradient,
+/// so their I and W do nothing and nothing flows into them. With specs that say so (requires_grad false on their
+/// boundaries) and with announced shapes; the first stage alone frozen, and the first two.
+TEST_P(PipelineSplitCases, LeadingStagesEntirelyFrozen) {
+  const auto classes = supported_module_classes();
+  // Classes whose every trainable tensor is registered (UnregisteredLeaves' free leaves would still train).
+  const std::vector<std::string> frozen_classes = {"RegisteredTwice", "StageDropout", "Normalized"};
+  const int stages = schedule_for(GetParam().schedule, GetParam().mode).num_stages;
+  for (int frozen : {1, 2}) {
+    if (frozen >= stages) continue;  // the last stage trains (LossWithoutGradientIsRefused)
+    for (bool spec : {true, false}) {
+      SCOPED_TRACE(std::to_string(frozen) + " frozen stage(s), " + (spec ? "specs" : "announced shapes"));
+      PipelineOptions o = options();
+      o.activation_spec = nullptr;
+      if (spec) {
+        o.activation_spec = [frozen](int s) {
+          return TensorSpec{{kMbs, kSeq, kDim}, at::kDouble, "", /*requires_grad=*/s >= frozen};
+        };
+      }
+      expect_parity(
+          GetParam().schedule, GetParam().mode,
+          [&](int s) -> std::shared_ptr<CaseModule> {
+            if (s >= frozen) return classes[(s + 1) % classes.size()].make(kDim);
+            const std::string name = frozen_classes[s % frozen_classes.size()];
+            for (const auto& c : classes) {
+              if (c.name != name) continue;
+              auto m = c.make(kDim);
+              for (auto& p : m->parameters()) p.set_requires_grad(false);
+              return m;
+            }
+            throw std::logic_error("no split class " + name);
+          },
+          nullptr, o);
+    }
+  }
+}
+
+/// A first stage whose output depends on its parameters only for some micro-batches (the others pass the data
+/// through): those micro-batches send no gradient into it (announced shapes; a fixed spec says every micro-batch
+/// carries one, and refuses the others).
+struct SometimesConstant : CaseModule {
+  SometimesConstant() { lin = register_module("lin", torch::nn::Linear(kDim, kDim)); }
+  torch::Tensor forward(const torch::Tensor& x) override {
+    return x.index({0, 0, 0}).item<double>() < 0 ? x * 2.0 : torch::tanh(lin(x)) + x;
+  }
+  torch::nn::Linear lin{nullptr};
+};
+
+TEST_P(PipelineSplitCases, FirstStageWithoutGradientInSomeMicroBatches) {
+  {
+    torch::manual_seed(1);  // expect_parity's inputs: micro-batches of both kinds
+    const auto first = torch::randn({kMicroBatches * kMbs, kSeq, kDim}).select(1, 0).select(1, 0).slice(0, 0, {}, kMbs);
+    ASSERT_TRUE((first < 0).any().item<bool>() && (first >= 0).any().item<bool>()) << first;
+  }
+  const auto classes = supported_module_classes();
+  PipelineOptions o = options();
+  o.activation_spec = nullptr;
+  expect_parity(
+      GetParam().schedule, GetParam().mode,
+      [&](int s) -> std::shared_ptr<CaseModule> {
+        if (s == 0) return std::make_shared<SometimesConstant>();
+        return classes[(s + 2) % classes.size()].make(kDim);
+      },
+      nullptr, o);
+}
+
+// Every parameter frozen: the loss carries no gradient and the step would train nothing. loss.backward() refuses
+// that; so does the pipeline, at the last stage's first F.
+TEST(RankThreads, LossWithoutGradientIsRefused) {
+  Float64Default float64;
+  torch::manual_seed(1);
+  auto inputs = torch::randn({kMicroBatches * kMbs, kSeq, kDim});
+  auto targets = torch::randn({kMicroBatches * kMbs, kSeq, kDim});
+  PipelineOptions o = options();
+  o.activation_spec = nullptr;
+  PipelineRun run = run_pipeline(schedule_for("1f1b", BackwardMode::kSplit),
+                                 [](int) -> std::shared_ptr<CaseModule> {
+                                   auto m = std::make_shared<RegisteredTwice>(kDim);
+                                   for (auto& p : m->parameters()) p.set_requires_grad(false);
+                                   return m;
+                                 },
+                                 inputs, targets, o);
+  expect_error<UsageError>([&] { rethrow_any(run); },
+                           {"rank 1 stage 1 micro-batch 0", "the loss does not depend on any trainable parameter"});
 }
 
 std::vector<ScheduleMode> schedule_modes() {
