@@ -4,8 +4,8 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
-#include <initializer_list>
 #include <cstdint>
+#include <initializer_list>
 
 #include "twobp/random.h"
 #include "util/check.h"

@@ -23,8 +23,8 @@ namespace twobp::detail {
 
 class MasterWeights {
  public:
-  /// `modules`: this rank's chunks, by stage; `rank` names errors. Throws UsageError for a trainable parameter that is not
-  /// float32, or that already has a post-accumulate-grad hook (there is one slot per tensor).
+  /// `modules`: this rank's chunks, by stage; `rank` names errors. Throws UsageError for a trainable parameter that
+  /// is not float32, or that already has a post-accumulate-grad hook (there is one slot per tensor).
   MasterWeights(const std::map<int, std::shared_ptr<torch::nn::Module>>& modules, at::ScalarType compute_dtype,
                 int rank);
 
