@@ -598,14 +598,9 @@ double Pipeline::run_evaluation(const std::function<StepResult(Executor&)>& run)
     }
     return mean_loss(result);
   } catch (const std::exception& e) {
-    // The executor aborted the pipeline transport for an error inside an action; the other replicas would wait
-    // in mean_loss's reduction until their timeout.
-    if (impl_->data_parallel != nullptr) {
-      try {
-        impl_->data_parallel->abort(detail::failure_reason(rank(), e));
-      } catch (...) {
-      }
-    }
+    // As in run_step: the peers would otherwise wait for this rank (its messages, mean_loss's reductions) until
+    // their timeouts -- after an error before the first action (a refused master sync) or after the last.
+    abort_with({impl_->data_parallel, transport_.get()}, rank(), e);
     if (std::exception_ptr root = detail::as_root_type(e)) std::rethrow_exception(root);
     throw;
   }

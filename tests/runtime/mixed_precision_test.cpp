@@ -375,6 +375,23 @@ TEST(MixedPrecision, WritingAComputeParameterIsRefused) {
         });
       },
       {"rank 1 stage 1: parameter 'fc1.weight' (its BFloat16 compute copy) was written", "Pipeline::master_weight"});
+  // Evaluation copies the masters too: refused alike, and the peer fails at once with the cause (not at its
+  // timeout with a TimeoutError).
+  auto again = make_local_transports(2);
+  MixedRun run = run_mixed(schedule, inputs, targets, again, 1);
+  const RankErrors errors = run_rank_threads(again, [&](Transport& t) {
+    Pipeline& p = *run.pipelines[t.rank()];
+    if (t.rank() == 1) {
+      torch::NoGradGuard no_grad;
+      p.stage(1).module().named_parameters()["fc1.weight"].fill_(0.5);
+    }
+    p.evaluate(inputs, targets);
+  }, /*abort_on_error=*/false);  // the pipeline itself must tell its peers
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    expect_error<UsageError>([&] { std::rethrow_exception(errors.errors.at(r)); },
+                             {"rank 1 stage 1: parameter 'fc1.weight'"});
+  }
 }
 
 }  // namespace
