@@ -278,6 +278,11 @@ Stage& Executor::stage(const Action& a) {
 
 namespace {
 
+// LibTorch's errors from the chunk's code or the transport (a shape or dtype mismatch, an out-of-memory) say what
+// went wrong but not where in the pipeline. The place goes into the error itself, which keeps its type: a caller
+// may catch c10::OutOfMemoryError to retry with smaller micro-batches.
+void add_where(c10::Error& e, const std::string& where) { e.add_context(fmt::format("in {}", where)); }
+
 void put(std::map<std::tuple<Item, int, int>, NamedTensors>& mailbox, const ItemRef& it, NamedTensors t) {
   mailbox[{it.item, it.stage, it.micro_batch}] = std::move(t);
 }
@@ -411,7 +416,16 @@ void Executor::backward_weight(Step& st, const Action& a) {
 // A deferred W run before the schedule's W of it (which then skips it): gradients are unchanged, since W only
 // ever runs after its I and accumulates into .grad in any order.
 void Executor::run_weight_early(Step& st, int stage_index, int micro_batch) {
-  stages_.at(stage_index)->backward_weight({micro_batch});
+  try {
+    stages_.at(stage_index)->backward_weight({micro_batch});
+  } catch (c10::Error& e) {
+    Action w;
+    w.type = ActionType::kBackwardWeight;
+    w.stage = stage_index;
+    w.micro_batches = {micro_batch};
+    add_where(e, fmt::format("{}, run early to bound the deferred W's", st.where(rank_, w)));
+    throw;
+  }
   st.early_weight.insert({stage_index, micro_batch});
   st.weights_started.insert(stage_index);
 }
@@ -489,7 +503,12 @@ void Executor::execute(Step& st, const Action& a, bool scheduled) {
   const Clock::time_point t0 = Clock::now();
   st.timeline->begin_action();
   if (scheduled) {
-    (this->*kHandlers[static_cast<int>(a.type)])(st, a);
+    try {
+      (this->*kHandlers[static_cast<int>(a.type)])(st, a);
+    } catch (c10::Error& e) {
+      add_where(e, st.where(rank_, a));
+      throw;
+    }
   } else {
     run_weight_early(st, a.stage, a.micro_batches.at(0));
   }
@@ -538,7 +557,12 @@ void Executor::execute_pair(Step& st, const Action& f, const Action& b) {
     at::ThreadLocalStateGuard guard(state);
     compute(pb);
   };
-  options_.overlap_forward_backward(f, b, run_f, run_b);
+  try {
+    options_.overlap_forward_backward(f, b, run_f, run_b);
+  } catch (c10::Error& e) {
+    add_where(e, fmt::format("{} overlapped with {}", st.where(rank_, f), describe(b)));
+    throw;
+  }
   TWOBP_CHECK(ran_f.load() == 1 && ran_b.load() == 1, UsageError,
               "{}: the overlap hook must run each part of the pair exactly once; it ran the F {} and the {} {} "
               "times",

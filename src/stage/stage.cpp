@@ -194,8 +194,8 @@ NamedTensors Stage::call_forward(int micro_batch, const NamedTensors& inputs, co
     TWOBP_CHECK(!targets.empty(), UsageError, "{}: the last stage computes a loss and needs a target",
                 where(micro_batch));
     at::Tensor loss = options_.loss.call(outputs, targets, where(micro_batch));
-    TWOBP_CHECK(loss.defined() && loss.numel() == 1, UsageError, "{}: the loss must be a scalar, got {}",
-                where(micro_batch), shape_of(loss));
+    TWOBP_CHECK(loss.defined() && loss.numel() == 1 && loss.is_floating_point(), UsageError,
+                "{}: the loss must be a floating-point scalar, got {}", where(micro_batch), shape_of(loss));
     outputs = NamedTensors{{"loss", loss}};
   }
   for (const auto& [name, tensor] : outputs) {

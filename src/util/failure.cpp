@@ -1,5 +1,6 @@
 #include "util/failure.h"
 
+#include <c10/util/Exception.h>
 #include <fmt/format.h>
 
 #include <regex>
@@ -18,7 +19,15 @@ const char* type_name(const std::exception& e) {
   if (dynamic_cast<const TransportError*>(&e) != nullptr) return "TransportError";
   if (dynamic_cast<const IOError*>(&e) != nullptr) return "IOError";
   if (dynamic_cast<const Error*>(&e) != nullptr) return "Error";
+  if (dynamic_cast<const c10::OutOfMemoryError*>(&e) != nullptr) return "c10::OutOfMemoryError";
+  if (dynamic_cast<const c10::Error*>(&e) != nullptr) return "c10::Error";
   return "exception";
+}
+
+// LibTorch's what() carries a C++ backtrace of dozens of lines; the peers get the message and its context.
+const char* message(const std::exception& e) {
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) return c10_error->what_without_backtrace();
+  return e.what();
 }
 
 template <class E>
@@ -31,7 +40,7 @@ std::exception_ptr peer(const std::string& what, int rank) {
 std::string failure_reason(int rank, const std::exception& e) {
   // A re-raised peer error already quotes its root's reason: passing it on unchanged keeps that rank as the root.
   if (dynamic_cast<const RaisedOnAnotherRank*>(&e) != nullptr) return e.what();
-  return fmt::format("rank {} failed ({}): {}", rank, type_name(e), e.what());
+  return fmt::format("rank {} failed ({}): {}", rank, type_name(e), message(e));
 }
 
 std::exception_ptr as_root_type(const std::exception& e) {

@@ -398,6 +398,70 @@ TEST_F(PipelineFailures, PeerThatNeverSendsTimesOut) {
   EXPECT_NE(what.find("micro-batch"), std::string::npos) << what;
 }
 
+// LibTorch's own errors inside an action -- a dtype mismatch in the chunk's forward, a hook that fails in the
+// backward -- say where in the pipeline they happened and keep their type (a caller may catch
+// c10::OutOfMemoryError); the peers get the message without LibTorch's C++ backtrace.
+TEST_F(PipelineFailures, LibTorchErrorsNameTheActionAndKeepTheirType) {
+  auto expect_peer_names = [](const RankRun& peer, const std::string& type, const std::string& where) {
+    ASSERT_TRUE(peer.error) << "the peer must fail too, not hang";
+    const std::string what = error_message(peer.error);
+    EXPECT_NE(what.find("failed (" + type + "): "), std::string::npos) << what;
+    EXPECT_NE(what.find(where), std::string::npos) << what;
+    EXPECT_EQ(what.find("Exception raised from"), std::string::npos) << what;
+  };
+  {
+    SCOPED_TRACE("float32 inputs to a float64 chunk");
+    auto runs = run_pipeline(schedule_, inputs_.to(torch::kFloat), targets_, fixture_options());
+    ASSERT_TRUE(runs[0].error);
+    try {
+      std::rethrow_exception(runs[0].error);
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what_without_backtrace()).find("(in rank 0: F stage 0 micro-batch 0)"),
+                std::string::npos)
+          << e.what_without_backtrace();
+    }
+    expect_peer_names(runs[1], "c10::Error", "in rank 0: F stage 0 micro-batch 0");
+  }
+  for (BackwardMode mode : {BackwardMode::kSplit, BackwardMode::kStandard}) {
+    // A gradient hook on a general-path parameter runs in W with 2BP, in B without.
+    const std::string where = std::string("in rank 1: ") + (mode == BackwardMode::kSplit ? "W" : "B") +
+                              " stage 1 micro-batch" + (mode == BackwardMode::kSplit ? "es 0,1" : " 0");
+    SCOPED_TRACE(where);
+    const Schedule schedule = make_schedule("1f1b", ScheduleOptions{2, 2, 1, mode});
+    auto runs = run_pipeline(schedule, inputs_, targets_, fixture_options(), 1, [](int rank, Pipeline& p) {
+      if (rank != 1) return;
+      p.parameters().front().register_hook([](const at::Tensor& grad) {
+        TORCH_CHECK_WITH(OutOfMemoryError, false, "injected out of memory");
+        return grad;
+      });
+    });
+    ASSERT_TRUE(runs[1].error);
+    EXPECT_TRUE(is_a<c10::OutOfMemoryError>(runs[1].error)) << error_message(runs[1].error);
+    EXPECT_NE(error_message(runs[1].error).find(where), std::string::npos) << error_message(runs[1].error);
+    // Rank 0 waits for the B's gradient; 2BP's deferred W's of the last rank come after it got all of them.
+    if (mode == BackwardMode::kStandard) expect_peer_names(runs[0], "c10::OutOfMemoryError", where);
+  }
+}
+
+// As loss.backward(): the loss must be one floating-point number per micro-batch.
+TEST_F(PipelineFailures, LossThatIsNotAFloatingPointScalarIsRefused) {
+  const std::vector<std::pair<std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)>, std::string>>
+      losses = {{[](const torch::Tensor& out, const torch::Tensor& t) { return (out - t).pow(2); }, "[2, 4] Double"},
+                {[](const torch::Tensor& out, const torch::Tensor& t) { return (out - t).sum().gt(0).to(at::kLong); },
+                 "[] Long"}};
+  for (const auto& [loss, got] : losses) {
+    auto options = fixture_options();
+    options.loss = loss;
+    auto runs = run_pipeline(schedule_, inputs_, targets_, options);
+    ASSERT_TRUE(runs[1].error);
+    EXPECT_TRUE(is_a<UsageError>(runs[1].error)) << error_message(runs[1].error);
+    EXPECT_NE(error_message(runs[1].error)
+                  .find("rank 1 stage 1 micro-batch 0: the loss must be a floating-point scalar, got " + got),
+              std::string::npos)
+        << error_message(runs[1].error);
+  }
+}
+
 TEST_F(PipelineFailures, BatchThatDoesNotSplitIntoMicroBatches) {
   auto runs = run_pipeline(schedule_, torch::randn({3, kDim}, torch::kDouble), targets_, fixture_options());
   ASSERT_TRUE(runs[0].error);
