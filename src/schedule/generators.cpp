@@ -233,31 +233,32 @@ Schedule one_f_one_b(const ScheduleOptions& o) {
 
 // ---- interleaved-1f1b (Megatron-LM's virtual pipeline) -----------------------------------------------------------
 
-// The order of virtual micro-batches: groups of g micro-batches, each group through chunk 0, then chunk 1, ...
+// The order of virtual micro-batches: groups of micro-batches, each group through chunk 0, then chunk 1, ...
 // (Megatron-LM's get_schedule_table). Entry k: (micro-batch, chunk) of the k-th forward; the k-th backward takes
 // the same micro-batch through the chunks in reverse.
-std::vector<std::pair<int, int>> interleaved_table(int m, int v, int g) {
+std::vector<std::pair<int, int>> interleaved_table(const std::vector<int>& groups, int v) {
   std::vector<std::pair<int, int>> table;
-  for (int first = 0; first < m; first += g) {
+  int first = 0;
+  for (int g : groups) {
     for (int chunk = 0; chunk < v; ++chunk) {
       for (int mb = first; mb < first + g; ++mb) table.emplace_back(mb, chunk);
     }
+    first += g;
   }
   return table;
 }
 
-// The micro-batch groups of the interleaved schedules (PyTorch's relaxation of Megatron-LM's m % p == 0): the
-// micro-batches run in rounds = max(1, m / p) groups of g = m / rounds (so g >= p, or g = m < p), which needs
-// rounds to divide m. Returns g.
-int interleaved_group_size(std::string_view name, const ScheduleOptions& o) {
+// The micro-batch groups of the interleaved schedules: rounds = max(1, m / p) groups (PyTorch's rounds), as equal
+// as m allows -- the first m % rounds one larger -- so every group holds at least p micro-batches, or all m < p.
+// Where rounds divides m this is PyTorch's (and, for m % p == 0, Megatron-LM's) grouping exactly; other m PyTorch
+// refuses. Sizes in order.
+std::vector<int> interleaved_groups(std::string_view name, const ScheduleOptions& o) {
   const int p = o.ranks, m = o.micro_batches, v = o.chunks_per_rank;
   TWOBP_CHECK(v >= 1, ScheduleError, "{}: expected chunks_per_rank >= 1, got {}", name, v);
   const int rounds = std::max(1, m / p);
-  TWOBP_CHECK(m % rounds == 0, ScheduleError,
-              "{} runs the micro-batches in max(1, m / p) = {} equal groups, which needs m to be a multiple of {}: "
-              "got micro_batches={} and ranks={} (e.g. use {} or {} micro-batches)",
-              name, rounds, rounds, m, p, m / rounds * rounds, (m / rounds + 1) * rounds);
-  return m / rounds;
+  std::vector<int> groups(rounds, m / rounds);
+  for (int k = 0; k < m % rounds; ++k) ++groups[k];
+  return groups;
 }
 
 std::vector<int> looped_placement(int p, int v) {
@@ -266,16 +267,16 @@ std::vector<int> looped_placement(int p, int v) {
   return placement;
 }
 
-// Megatron-LM's interleaved 1F1B in groups of g (interleaved_group_size; PyTorch's ScheduleInterleaved1F1B): the
-// warm-up is 2 (p - 1 - rank) + (v - 1) g forwards.
+// Megatron-LM's interleaved 1F1B in groups (interleaved_groups; PyTorch's ScheduleInterleaved1F1B): the warm-up
+// is 2 (p - 1 - rank) + (v - 1) g forwards, g the first (largest) group.
 Schedule interleaved(const ScheduleOptions& o) {
   check_basic("interleaved-1f1b", o);
-  const int g = interleaved_group_size("interleaved-1f1b", o);
-  const int p = o.ranks, m = o.micro_batches, v = o.chunks_per_rank;
+  const std::vector<int> groups = interleaved_groups("interleaved-1f1b", o);
+  const int p = o.ranks, m = o.micro_batches, v = o.chunks_per_rank, g = groups.front();
   Schedule sc = empty_schedule("interleaved-1f1b", p, looped_placement(p, v), m, o.backward);
   const ActionType bwd = o.backward == BackwardMode::kSplit ? ActionType::kBackwardInput : ActionType::kBackward;
   const int total = m * v;
-  const auto table = interleaved_table(m, v, g);
+  const auto table = interleaved_table(groups, v);
   RankTasks main(p);
   for (int r = 0; r < p; ++r) {
     auto forward = [&](int k) { return Task{ActionType::kForward, table[k].second * p + r, table[k].first}; };
@@ -293,17 +294,18 @@ Schedule interleaved(const ScheduleOptions& o) {
 
 // ---- interleaved-zb (PyTorch's ScheduleInterleavedZeroBubble: the zero-bubble paper's ZB1P over v chunks) ----------
 
-// The interleaved order of F's and I's in groups of g, with a warm-up of only (p - 1 - rank) + (v - 1) g forwards
-// (one per hop from the last rank instead of 1F1B's two: the W's fill the slots that second forward filled), and
-// ZB-H1's W placement: rank r runs the W of its k-th backward right after its (k + r)-th I, the last r + 1 W's close
-// the step. Any v >= 1 (zb-v is the V-shaped v = 2 variant); the split form is PyTorch's action for action.
+// The interleaved order of F's and I's in groups (interleaved_groups; g the first), with a warm-up of only
+// (p - 1 - rank) + (v - 1) g forwards (one per hop from the last rank instead of 1F1B's two: the W's fill the
+// slots that second forward filled), and ZB-H1's W placement: rank r runs the W of its k-th backward right after
+// its (k + r)-th I, the last r + 1 W's close the step. Any v >= 1 (zb-v is the V-shaped v = 2 variant); the split
+// form is PyTorch's action for action.
 Schedule interleaved_zb(const ScheduleOptions& o) {
   check_basic("interleaved-zb", o);
-  const int g = interleaved_group_size("interleaved-zb", o);
-  const int p = o.ranks, m = o.micro_batches, v = o.chunks_per_rank;
+  const std::vector<int> groups = interleaved_groups("interleaved-zb", o);
+  const int p = o.ranks, m = o.micro_batches, v = o.chunks_per_rank, g = groups.front();
   Schedule sc = empty_schedule("interleaved-zb", p, looped_placement(p, v), m, o.backward);
   const int total = m * v;
-  const auto table = interleaved_table(m, v, g);
+  const auto table = interleaved_table(groups, v);
   std::vector<std::vector<Action>> order(p);
   for (int r = 0; r < p; ++r) {
     auto& out = order[r];
@@ -692,7 +694,7 @@ std::vector<ScheduleInfo> builtin_schedules() {
   return {
       builtin("gpipe", gpipe, 1, "all F, then all B (or I, then one batched W)"),
       builtin("1f1b", one_f_one_b, 1, "one F one B after a warm-up of p - rank forwards"),
-      builtin("interleaved-1f1b", interleaved, 2, "1F1B over v chunks per rank (m in max(1, m/p) equal groups)"),
+      builtin("interleaved-1f1b", interleaved, 2, "1F1B over v chunks per rank (m in max(1, m/p) groups)"),
       builtin("zb-h1", zb_h1, 1, "zero bubble H1: 1F1B memory, W fills the cool-down"),
       builtin("zb-h2", zb_h2, 1, "zero bubble H2: more warm-up forwards, no bubble"),
       builtin("zb-v", zb_v, 2, "zero bubble V: two chunks per rank in a V"),

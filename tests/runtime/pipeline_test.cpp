@@ -220,9 +220,9 @@ std::vector<ParityCase> all_cases() {
   std::vector<ParityCase> cases;
   for (const auto& name : builtin_schedule_names()) {
     for (BackwardMode mode : {BackwardMode::kStandard, BackwardMode::kSplit}) {
-      // {4, 6} and {4, 3}: micro-batch counts that are not multiples of p (interleaved-1f1b's equal groups; the
-      // other schedules take any m).
-      for (auto [p, m] : std::vector<std::pair<int, int>>{{2, 2}, {2, 4}, {4, 4}, {4, 8}, {4, 6}, {4, 3}}) {
+      // {4, 6}, {4, 3} and {3, 7}: micro-batch counts that are not multiples of p (for the interleaved schedules,
+      // groups of 6, 3, and 4 + 3 micro-batches).
+      for (auto [p, m] : std::vector<std::pair<int, int>>{{2, 2}, {2, 4}, {4, 4}, {4, 8}, {4, 6}, {4, 3}, {3, 7}}) {
         for (Pairing pairing : {Pairing::kByTag, Pairing::kInOrderPerChannel}) {
           cases.push_back({name, mode, p, m, pairing});
         }

@@ -17,14 +17,15 @@ namespace twobp {
 ///
 /// Placement and requirements (p = ranks, m = micro-batches, v = chunks_per_rank; all need p >= 1, m >= 1):
 /// - gpipe, 1f1b, zb-h1, zb-h2: one stage per rank (v must be 1), stage s on rank s; any m.
-/// - interleaved-1f1b: p * v stages, stage s on rank s % p; the micro-batches run in max(1, m / p) equal groups
-///   through the chunks, so that count must divide m (PyTorch's relaxation of Megatron-LM's m % p == 0).
+/// - interleaved-1f1b: p * v stages, stage s on rank s % p; any m: the micro-batches run through the chunks in
+///   max(1, m / p) groups as equal as m allows (each of at least p micro-batches, or all m < p). Where that count
+///   divides m these are PyTorch's groups (and for m % p == 0 Megatron-LM's); PyTorch refuses the other m.
 /// - zb-v: always 2 stages per rank (v must be 2; 1, the default, is read as 2), stage s on rank s for s < p and
 ///   on rank 2p-1-s otherwise; any m (below 2p - 1 the V is not full and the bubble is not removed).
 /// - looped-bfs: p * v stages, stage s on rank s % p (v = 2 by default); any m. Each rank runs all forwards of
 ///   its chunk 0, then of chunk 1, ..., then the backwards chunk by chunk in reverse, micro-batches from the last
 ///   (PyTorch's ScheduleLoopedBFS; its backward order is the exception to the increasing order below).
-/// - interleaved-zb: p * v stages, stage s on rank s % p (v = 2 by default); m in max(1, m / p) equal groups as
+/// - interleaved-zb: p * v stages, stage s on rank s % p (v = 2 by default); any m, in groups as
 ///   interleaved-1f1b. PyTorch's ScheduleInterleavedZeroBubble (the zero-bubble paper's ZB1P over v chunks).
 /// - dualpipev, v-half, v-min: zb-v's V placement (v must be 2; 1 is read as 2); any m. dualpipev is DeepSeek's
 ///   DualPipeV (PyTorch's ScheduleDualPipeV), written for max(m, 2p) micro-batches with the missing ones dropped
