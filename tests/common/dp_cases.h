@@ -63,7 +63,13 @@ enum class Precision { kDefault, kMixedBf16 };
 /// ParameterOnlyInput): the reference runs without a pipeline, where fast-path layers fall back to ATen, and the
 /// fast RMSNorm's bfloat16 backward rounds differently (~1e-3 relative, measured), which would hide a reduction
 /// error of that size. DataDependent keeps the undefined-vs-defined cases.
-inline std::shared_ptr<CaseModule> make_chunk(int s, Precision precision = Precision::kDefault) {
+/// `frozen`: every parameter of the chunk frozen (a frozen encoder or embedding on the leading stages).
+inline std::shared_ptr<CaseModule> make_chunk(int s, Precision precision = Precision::kDefault, bool frozen = false) {
+  if (frozen) {
+    auto chunk = make_chunk(s, precision);
+    for (auto& p : chunk->parameters()) p.set_requires_grad(false);
+    return chunk;
+  }
   torch::manual_seed(100 + s);
   if (s == 0) return std::make_shared<DataDependent>();
   static const std::vector<std::string> kClasses = {"RegisteredTwice", "Frozen", "SharedAcrossPaths",
@@ -115,13 +121,13 @@ using BeforeStep = std::function<void(int step, CaseModule& chunk)>;
 
 /// One process, the whole batch: the mean loss over all dp * kMicroBatches micro-batches, backward, twice. With
 /// kMixedBf16 the chunks and inputs are bfloat16 and every micro-batch's gradient is added to a float32 sum (what
-/// the masters accumulate), the chunks' own .grad reset after each.
+/// the masters accumulate), the chunks' own .grad reset after each. The first `frozen_stages` chunks are frozen.
 inline Reference reference(int stages, const GlobalBatch& b, Precision precision = Precision::kDefault,
-                           const BeforeStep& before_step = nullptr) {
+                           const BeforeStep& before_step = nullptr, int frozen_stages = 0) {
   const bool mixed = precision == Precision::kMixedBf16;
   Reference ref;
   for (int s = 0; s < stages; ++s) {
-    ref.chunks.push_back(make_chunk(s, precision));
+    ref.chunks.push_back(make_chunk(s, precision, s < frozen_stages));
     if (mixed) ref.chunks.back()->to(at::kBFloat16);
   }
   if (mixed) ref.mixed_grads.resize(stages);
@@ -184,7 +190,7 @@ struct RankRun {
 inline void run_rank(Transport& world, int dp, const Schedule& schedule, bool overlap, const GlobalBatch& batch,
                      RankRun& out, Precision precision = Precision::kDefault, bool start_during_backward = true,
                      bool overlap_pairs = false, const Schedule* then = nullptr,
-                     const BeforeStep& before_step = nullptr) {
+                     const BeforeStep& before_step = nullptr, int frozen_stages = 0) {
   const bool mixed = precision == Precision::kMixedBf16;
   ParallelGroups groups(world, dp, std::chrono::seconds(60));
   out.replica = groups.replica();
@@ -197,7 +203,10 @@ inline void run_rank(Transport& world, int dp, const Schedule& schedule, bool ov
   o.timeout = std::chrono::seconds(60);
   o.loss = mse;
   const at::ScalarType dtype = mixed ? at::kBFloat16 : at::kDouble;
-  o.activation_spec = [dtype](int) { return TensorSpec{{kMbs, kSeq, kDim}, dtype}; };
+  // The outputs of frozen leading stages carry no gradient, and their specs say so.
+  o.activation_spec = [dtype, frozen_stages](int s) {
+    return TensorSpec{{kMbs, kSeq, kDim}, dtype, "", /*requires_grad=*/s >= frozen_stages};
+  };
   o.data_parallel.group = groups.data_parallel();
   o.data_parallel.overlap = overlap;
   o.data_parallel.start_during_backward = start_during_backward;
@@ -239,9 +248,10 @@ inline void run_rank(Transport& world, int dp, const Schedule& schedule, bool ov
 
 /// The chunks a pipeline rank owns, built exactly as the reference builds them.
 inline std::map<int, std::shared_ptr<CaseModule>> chunks_of(const Schedule& schedule, int pipeline_rank,
-                                                             Precision precision = Precision::kDefault) {
+                                                             Precision precision = Precision::kDefault,
+                                                             int frozen_stages = 0) {
   std::map<int, std::shared_ptr<CaseModule>> chunks;
-  for (int s : schedule.stages_of(pipeline_rank)) chunks[s] = make_chunk(s, precision);
+  for (int s : schedule.stages_of(pipeline_rank)) chunks[s] = make_chunk(s, precision, s < frozen_stages);
   return chunks;
 }
 

@@ -72,7 +72,8 @@ class DataPipelineParity : public ::testing::TestWithParam<DpCase> {
 };
 
 // One dp x pp job on threads against one process on the global batch (common/dp_cases.h).
-void expect_parity(const DpCase& c, dp::Precision precision, const dp::BeforeStep& before_step = nullptr) {
+void expect_parity(const DpCase& c, dp::Precision precision, const dp::BeforeStep& before_step = nullptr,
+                   int frozen_stages = 0) {
   Schedule schedule;
   try {
     schedule = dp::replica_schedule(c.schedule, c.mode, c.pp);
@@ -80,14 +81,17 @@ void expect_parity(const DpCase& c, dp::Precision precision, const dp::BeforeSte
     GTEST_SKIP() << "schedule rejects this shape: " << e.what();
   }
   const dp::GlobalBatch batch = dp::global_batch(c.dp);
-  const dp::Reference ref = dp::reference(schedule.num_stages, batch, precision, before_step);
+  if (frozen_stages >= schedule.num_stages) GTEST_SKIP() << "the last stage trains";
+  const dp::Reference ref = dp::reference(schedule.num_stages, batch, precision, before_step, frozen_stages);
   // Chunks are built on this thread (torch::manual_seed is process-wide), then trained by one thread per rank.
   std::vector<dp::RankRun> runs(c.dp * c.pp);
-  for (int r = 0; r < c.dp * c.pp; ++r) runs[r].chunks = dp::chunks_of(schedule, r % c.pp, precision);
+  for (int r = 0; r < c.dp * c.pp; ++r) {
+    runs[r].chunks = dp::chunks_of(schedule, r % c.pp, precision, frozen_stages);
+  }
   auto world = make_local_transports(c.dp * c.pp);
   run_rank_threads(world, [&](Transport& t) {
     dp::run_rank(t, c.dp, schedule, c.overlap, batch, runs[t.rank()], precision, true, false, nullptr,
-                 before_step);
+                 before_step, frozen_stages);
   }).rethrow_root_cause();
   for (int r = 0; r < c.dp * c.pp; ++r) {
     dp::expect_matches(runs[r], ref, "world rank " + std::to_string(r), precision);
@@ -146,6 +150,16 @@ TEST_P(DataPipelineParity, ParametersFrozenBetweenSteps) {
 
 TEST_P(MixedDataPipelineParity, ParametersFrozenBetweenSteps) {
   expect_parity(GetParam(), dp::Precision::kMixedBf16, freeze_every_other_before_step_1);
+}
+
+// A leading stage entirely frozen from the start (a frozen encoder or embedding): no gradient flows into it, the
+// reducer has nothing of it to average (and mixed precision no master), the stages after it train as usual.
+TEST_P(DataPipelineParity, LeadingStageEntirelyFrozen) {
+  expect_parity(GetParam(), dp::Precision::kDefault, nullptr, /*frozen_stages=*/1);
+}
+
+TEST_P(MixedDataPipelineParity, LeadingStageEntirelyFrozen) {
+  expect_parity(GetParam(), dp::Precision::kMixedBf16, nullptr, /*frozen_stages=*/1);
 }
 
 std::vector<DpCase> mixed_dp_cases() {
