@@ -2,6 +2,10 @@
 // Error types of twobp. Every error the library raises derives from twobp::Error, so a training loop can catch
 // one type; the subclasses say who is at fault (the caller, a peer, the clock), which decides whether a retry,
 // a restart or a bug report is the right reaction.
+//
+// LibTorch's own errors raised inside a pipeline action (c10::Error and its subclasses: a dtype mismatch in the
+// chunk's code, c10::OutOfMemoryError) are not wrapped: they keep their type and carry the action as context
+// ("... (in rank 1: W stage 3 micro-batches 0,1)"); the rank's peers get a TransportError quoting that message.
 
 #include <stdexcept>
 #include <string>
