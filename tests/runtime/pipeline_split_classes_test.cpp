@@ -322,6 +322,45 @@ TEST_P(PipelineSplitCases, FirstStageWithoutGradientInSomeMicroBatches) {
       nullptr, o);
 }
 
+/// Stages without parameters: the identity (its output is its input, the received tensor itself) and a pure
+/// function of its input; and a stage whose output does not depend on its input (a learned tensor plus a detached
+/// copy of the input), so that no gradient reaches the stages before it. Each on the even and on the odd stages,
+/// the other stages of the split classes; announced shapes (the identity on stage 0 passes data on, which carries
+/// no gradient, and a fixed spec would say it does).
+struct Identity : CaseModule {
+  torch::Tensor forward(const torch::Tensor& x) override { return x; }
+};
+struct ParameterFree : CaseModule {
+  torch::Tensor forward(const torch::Tensor& x) override { return torch::sin(x) * 2.0 + x; }
+};
+struct IgnoresItsInput : CaseModule {
+  IgnoresItsInput() { w = register_parameter("w", torch::randn({kMbs, kSeq, kDim})); }
+  torch::Tensor forward(const torch::Tensor& x) override { return torch::tanh(w) + x.detach() * 0.5; }
+  torch::Tensor w;
+};
+
+TEST_P(PipelineSplitCases, StagesWithoutParametersOrIgnoringTheirInput) {
+  const auto classes = supported_module_classes();
+  const std::vector<std::pair<std::string, std::function<std::shared_ptr<CaseModule>()>>> odd = {
+      {"Identity", [] { return std::make_shared<Identity>(); }},
+      {"ParameterFree", [] { return std::make_shared<ParameterFree>(); }},
+      {"IgnoresItsInput", [] { return std::make_shared<IgnoresItsInput>(); }}};
+  PipelineOptions o = options();
+  o.activation_spec = nullptr;
+  for (const auto& [name, make] : odd) {
+    for (int parity : {0, 1}) {
+      SCOPED_TRACE(name + (parity == 0 ? " on the even stages" : " on the odd stages"));
+      expect_parity(
+          GetParam().schedule, GetParam().mode,
+          [&](int s) -> std::shared_ptr<CaseModule> {
+            if (s % 2 == parity) return make();
+            return classes[(s + 1) % classes.size()].make(kDim);
+          },
+          nullptr, o);
+    }
+  }
+}
+
 // Every parameter frozen: the loss carries no gradient and the step would train nothing. loss.backward() refuses
 // that; so does the pipeline, at the last stage's first F.
 TEST(RankThreads, LossWithoutGradientIsRefused) {
