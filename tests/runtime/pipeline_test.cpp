@@ -441,6 +441,26 @@ TEST_F(PipelineFailures, LibTorchErrorsNameTheActionAndKeepTheirType) {
     // Rank 0 waits for the B's gradient; 2BP's deferred W's of the last rank come after it got all of them.
     if (mode == BackwardMode::kStandard) expect_peer_names(runs[0], "c10::OutOfMemoryError", where);
   }
+  {
+    // A W run early to bound the deferred W's (at most 1 pending): it names itself and the I it ran in.
+    SCOPED_TRACE("a W run early");
+    auto options = fixture_options();
+    options.max_pending_weight_micro_batches = 1;
+    auto runs = run_pipeline(schedule_, inputs_, targets_, options, 1, [](int rank, Pipeline& p) {
+      if (rank != 1) return;
+      p.parameters().front().register_hook([](const at::Tensor& grad) {
+        TORCH_CHECK_WITH(OutOfMemoryError, false, "injected out of memory");
+        return grad;
+      });
+    });
+    ASSERT_TRUE(runs[1].error);
+    EXPECT_TRUE(is_a<c10::OutOfMemoryError>(runs[1].error)) << error_message(runs[1].error);
+    const std::string what = error_message(runs[1].error);
+    for (const char* where : {"in rank 1: W stage 1 micro-batch 0, run early to bound the deferred W's",
+                              "in rank 1: I stage 1 micro-batch 1"}) {
+      EXPECT_NE(what.find(where), std::string::npos) << what;
+    }
+  }
 }
 
 // As loss.backward(): the loss must be one floating-point number per micro-batch.
