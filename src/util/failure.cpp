@@ -19,6 +19,7 @@ const char* type_name(const std::exception& e) {
   if (dynamic_cast<const TransportError*>(&e) != nullptr) return "TransportError";
   if (dynamic_cast<const IOError*>(&e) != nullptr) return "IOError";
   if (dynamic_cast<const Error*>(&e) != nullptr) return "Error";
+  // LibTorch's types: named for the reader; as_root_type's pattern (\w+) skips them, so peers raise TransportError.
   if (dynamic_cast<const c10::OutOfMemoryError*>(&e) != nullptr) return "c10::OutOfMemoryError";
   if (dynamic_cast<const c10::Error*>(&e) != nullptr) return "c10::Error";
   return "exception";
