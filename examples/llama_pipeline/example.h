@@ -50,6 +50,10 @@ struct Args {
   int auto_steps = 4;  // --schedule auto: steps measured before choosing, and before keeping the choice
   int auto_candidates = 3;  // --schedule auto: the fastest predicted candidates measured before choosing
   double auto_memory_limit_gb = 0;  // --schedule auto: candidates' predicted peak tensor memory per rank, GiB (0: any)
+  bool auto_recompute = false;  // --schedule auto: also the forms with every stage recomputing
+  /// --schedule auto: the starting schedule's forms it measures before choosing (each mode, with and without
+  /// recomputation with --auto-recompute).
+  int auto_probes() const { return auto_recompute ? 4 : 2; }
   bool two_bp = true;
   int microbatches = 4;
   int micro_batch_size = 2;
@@ -169,6 +173,7 @@ struct Shared {
   std::vector<std::pair<int, std::string>> auto_decisions;
   std::string final_schedule;
   bool final_two_bp = false;
+  bool final_recompute = false;  // every stage recomputing at the end (--recompute, or auto's choice)
   std::vector<twobp::ScheduleCandidate> auto_ranking;  // the candidates, fastest predicted first
 };
 

@@ -273,12 +273,16 @@ int run(Args args, int& argc, char**& argv) {
       nlohmann::json ranking = nlohmann::json::array();
       for (const auto& c : shared.auto_ranking) {
         ranking.push_back({{"schedule", c.name}, {"2bp", c.mode == twobp::BackwardMode::kSplit},
-                           {"predicted_ms", c.predicted_ms}});
+                           {"recompute", c.recompute}, {"predicted_ms", c.predicted_ms},
+                           {"predicted_peak_bytes", c.predicted_peak_bytes}});
       }
       j["auto_schedule"] = {{"start", plan.schedule.name},
                             {"decisions", decisions},
                             {"ranking", ranking},
-                            {"final", {{"schedule", shared.final_schedule}, {"2bp", shared.final_two_bp}}}};
+                            {"final",
+                             {{"schedule", shared.final_schedule},
+                              {"2bp", shared.final_two_bp},
+                              {"recompute", shared.final_recompute}}}};
     }
     j["steps"] = nlohmann::json::array();
     if (args.eval_every > 0) {

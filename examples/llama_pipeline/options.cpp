@@ -54,6 +54,10 @@ void add_options(CLI::App& app, Args& a) {
                  "With --schedule auto: only candidates whose peak tensor memory per rank, predicted from the memory "
                  "measured while probing, stays within this many GiB (0: any)")
       ->check(cli::number_in(0, 1e6, " (0: any)"))->group(pipeline);
+  app.add_flag("--auto-recompute", a.auto_recompute,
+               "With --schedule auto: the candidates include every form with every stage recomputing (slower, less "
+               "memory: useful with --auto-memory-limit-gb); the starting schedule is measured with it too")
+      ->group(pipeline);
   app.add_option("--schedule-file", a.schedule_file,
                  "A schedule file: twobp's text form, or PyTorch's compute_only CSV (*.csv); overrides --schedule, "
                  "keeps its own 2BP mode")
@@ -183,10 +187,10 @@ std::vector<std::string> ignored_options(const CLI::App& app, const Args& a) {
   }
   if (given("--schedule") && !a.schedule_file.empty()) ignored.emplace_back("--schedule (--schedule-file decides)");
   if ((given("--auto-start") || given("--auto-steps") || given("--auto-candidates") ||
-       given("--auto-memory-limit-gb")) &&
+       given("--auto-memory-limit-gb") || given("--auto-recompute")) &&
       (a.schedule != "auto" || !a.schedule_file.empty())) {
-    ignored.emplace_back("--auto-start/--auto-steps/--auto-candidates/--auto-memory-limit-gb (only with --schedule "
-                         "auto)");
+    ignored.emplace_back("--auto-start/--auto-steps/--auto-candidates/--auto-memory-limit-gb/--auto-recompute (only "
+                         "with --schedule auto)");
   }
   if (given("--zero") && a.zero == 1 && a.dp == 1) ignored.emplace_back("--zero 1 (nothing to shard with --dp 1)");
   return ignored;
@@ -198,10 +202,14 @@ void validate_args(const Args& a) {
               "--schedule auto cannot keep --memory-limit-gb or --max-pending-w (the simulator does not model the "
               "W's such a bound moves); bound the candidates' memory with --auto-memory-limit-gb, or choose the "
               "schedule yourself (twobp_bench plan predicts time and memory)");
-  TWOBP_CHECK(!a.auto_schedule() || a.steps >= (2 + a.auto_candidates) * a.auto_steps, twobp::UsageError,
-              "--schedule auto measures --auto-steps {} steps of the starting schedule in each mode before choosing "
+  TWOBP_CHECK(!a.auto_schedule() || !(a.auto_recompute && a.recompute), twobp::UsageError,
+              "--auto-recompute with --recompute: every stage recomputes already; give one of them");
+  TWOBP_CHECK(!a.auto_schedule() || a.steps >= (a.auto_probes() + a.auto_candidates) * a.auto_steps,
+              twobp::UsageError,
+              "--schedule auto measures --auto-steps {} steps of the starting schedule in each mode{} before choosing "
               "and as many for each of up to --auto-candidates {}; give --steps >= {}",
-              a.auto_steps, a.auto_candidates, (2 + a.auto_candidates) * a.auto_steps);
+              a.auto_steps, a.auto_recompute ? ", with and without recomputation," : "", a.auto_candidates,
+              (a.auto_probes() + a.auto_candidates) * a.auto_steps);
 }
 
 }  // namespace llama_example

@@ -278,6 +278,7 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
                 "memory statistics are the whole process's); run one rank per GPU",
                 pipeline.rank(), device.str());
     o.memory_limit_bytes = a.auto_memory_limit_gb * 1024.0 * 1024.0 * 1024.0;
+    o.recompute = a.auto_recompute;
     o.replicas = groups.data_parallel();
     o.timeout = timeout;
     chooser.emplace(pipeline, o);
@@ -353,6 +354,7 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
     std::lock_guard<std::mutex> lock(shared.mutex);
     shared.final_schedule = pipeline.schedule().name;
     shared.final_two_bp = pipeline.schedule().backward == twobp::BackwardMode::kSplit;
+    shared.final_recompute = a.recompute || (chooser && chooser->recomputing());
   }
   if (!attributions.empty()) {  // every rank ran the same steps: all of a pipeline call this, or none
     auto ranks = twobp::gather_attributions(transport, twobp::mean_attribution(attributions), timeout);

@@ -214,6 +214,9 @@ class Stage {
   void reset();
 
   const StageOptions& options() const { return options_; }
+  /// Turns activation recomputation (StageOptions::recompute) on or off for the following micro-batches. Only
+  /// between steps: throws UsageError, naming the stage, while it holds a micro-batch. Gradients are unchanged.
+  void set_recompute(bool on);
   torch::nn::Module& module() const { return *module_; }
   /// The module's parameters, each tensor once (a submodule registered under two names, or a tied weight, is
   /// listed once). Trainable leaves the forward uses without registering them still get gradients, as with

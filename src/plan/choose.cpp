@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <limits>
 #include <utility>
 
 #include "twobp/error.h"
@@ -19,7 +20,19 @@ namespace {
 
 const char* mode_label(BackwardMode mode) { return mode == BackwardMode::kSplit ? "2BP" : "standard"; }
 
-std::string describe(const Schedule& s) { return fmt::format("{} {}", s.name, mode_label(s.backward)); }
+std::string describe(const Schedule& s, bool recompute = false) {
+  return fmt::format("{} {}{}", s.name, mode_label(s.backward), recompute ? " with recomputation" : "");
+}
+std::string describe(const ScheduleCandidate& c) { return describe(c.schedule, c.recompute); }
+
+bool same_form(const ScheduleCandidate& a, const ScheduleCandidate& b) {
+  return a.name == b.name && a.mode == b.mode && a.recompute == b.recompute;
+}
+
+double max_peak(const Schedule& schedule, const MemoryModel& memory) {
+  const std::vector<double> peaks = simulate_peak_memory(schedule, memory);
+  return *std::max_element(peaks.begin(), peaks.end());
+}
 
 bool all_positive(const std::vector<double>& v) {
   return !v.empty() && std::all_of(v.begin(), v.end(), [](double x) { return x > 0.0; });
@@ -61,7 +74,7 @@ std::vector<ScheduleCandidate> rank_schedules(const Schedule& running, const Mea
   std::vector<ScheduleCandidate> out;
   for (const std::string& name : options.names.empty() ? schedule_names() : options.names) {
     for (const auto& [mode, model] : models) {
-      ScheduleCandidate c{name, mode, {}, 0.0, 0.0};
+      ScheduleCandidate c{name, mode, {}, 0.0, 0.0, options.recompute};
       try {
         c.schedule = make_schedule(
             name, ScheduleOptions{running.num_ranks, running.num_micro_batches, running.num_stages / running.num_ranks,
@@ -74,8 +87,7 @@ std::vector<ScheduleCandidate> rank_schedules(const Schedule& running, const Mea
         continue;
       }
       if (options.memory != nullptr) {
-        const std::vector<double> peaks = simulate_peak_memory(c.schedule, *options.memory);
-        c.predicted_peak_bytes = *std::max_element(peaks.begin(), peaks.end());
+        c.predicted_peak_bytes = max_peak(c.schedule, *options.memory);
         if (options.memory_limit_bytes > 0.0 && c.predicted_peak_bytes > options.memory_limit_bytes) continue;
       }
       c.predicted_ms = simulate(c.schedule, model).step_time;
@@ -91,8 +103,7 @@ std::vector<ScheduleCandidate> rank_schedules(const Schedule& running, const Mea
 AutoSchedule::AutoSchedule(Pipeline& pipeline, AutoScheduleOptions options)
     : pipeline_(pipeline),
       options_(std::move(options)),
-      start_(pipeline.schedule()),
-      costs_(pipeline.schedule().num_stages) {
+      start_(pipeline.schedule()) {
   const int rank = pipeline.rank();
   TWOBP_CHECK(options_.probe_steps >= 2 && options_.verify_steps >= 2, UsageError,
               "rank {}: AutoScheduleOptions: probe_steps and verify_steps must be >= 2 (the first step of each is "
@@ -115,11 +126,17 @@ AutoSchedule::AutoSchedule(Pipeline& pipeline, AutoScheduleOptions options)
                 "rank {}: AutoScheduleOptions::memory_limit_bytes needs the candidates' memory, measured per action: "
                 "run the pipeline with PipelineOptions::record_memory = true",
                 rank);
-    memory_.emplace(pipeline.schedule().num_stages, stage_gradient_bytes(pipeline));
   }
+  const int settings = options_.recompute ? 2 : 1;  // as built, and with every stage recomputing
+  for (int k = 0; k < settings; ++k) {
+    costs_.emplace_back(start_.num_stages);
+    if (options_.memory_limit_bytes > 0.0) memory_.emplace_back(start_.num_stages, stage_gradient_bytes(pipeline));
+  }
+  for (int s : pipeline.stage_indices()) built_recompute_.emplace_back(s, pipeline.stage(s).options().recompute);
   // The starting schedule, then its other form where the candidates include that mode: a 2BP run measures I and
-  // W but not what a fused B costs (less than I + W), a standard run B but not I and W.
-  probes_.push_back(start_);
+  // W but not what a fused B costs (less than I + W), a standard run B but not I and W. With recompute, both again
+  // with every stage recomputing.
+  probes_.push_back(ScheduleCandidate{start_.name, start_.backward, start_, 0.0, 0.0, false});
   const BackwardMode other =
       start_.backward == BackwardMode::kSplit ? BackwardMode::kStandard : BackwardMode::kSplit;
   if (std::find(options_.modes.begin(), options_.modes.end(), other) != options_.modes.end()) {
@@ -128,9 +145,16 @@ AutoSchedule::AutoSchedule(Pipeline& pipeline, AutoScheduleOptions options)
           start_.name, ScheduleOptions{start_.num_ranks, start_.num_micro_batches, start_.num_stages / start_.num_ranks,
                                        other});
       if (form.stage_to_rank == start_.stage_to_rank && form.num_micro_batches == start_.num_micro_batches) {
-        probes_.push_back(std::move(form));
+        probes_.push_back(ScheduleCandidate{form.name, form.backward, std::move(form), 0.0, 0.0, false});
       }
     } catch (const UsageError&) {  // a schedule from a file, or a generator without that form
+    }
+  }
+  if (options_.recompute) {
+    const std::size_t built = probes_.size();
+    for (std::size_t k = 0; k < built; ++k) {
+      probes_.push_back(probes_[k]);
+      probes_.back().recompute = true;
     }
   }
 }
@@ -147,21 +171,25 @@ std::optional<std::string> AutoSchedule::after_step(const StepResult& result) {
   ++steps_in_phase_;
   if (steps_in_phase_ > 1) {  // the first step of a phase is warm-up
     if (phase_ == Phase::kProbing) {
-      costs_.add(result.trace);
-      if (memory_) memory_->add(result.trace);
+      const int setting = probes_[probe_ms_.size()].recompute ? 1 : 0;
+      costs_[setting].add(result.trace);
+      if (!memory_.empty()) memory_[setting].add(result.trace);
     }
     step_ms_.push_back(result.pipeline_us / 1000.0);
   }
   if (phase_ == Phase::kProbing && steps_in_phase_ == options_.probe_steps) {
     probe_ms_.push_back(slowest_median_ms());
     if (probe_ms_.size() < probes_.size()) {
-      const Schedule& measured = probes_[probe_ms_.size() - 1];
-      start_phase(probes_[probe_ms_.size()]);
-      return fmt::format("auto schedule: {} measured {:.2f} ms/step; measuring its {} form too (what {} costs); "
-                         "switching to {}",
-                         describe(measured), probe_ms_.back(), mode_label(pipeline_.schedule().backward),
-                         pipeline_.schedule().backward == BackwardMode::kSplit ? "an I and a W" : "a fused B",
-                         describe(pipeline_.schedule()));
+      const ScheduleCandidate& measured = probes_[probe_ms_.size() - 1];
+      const ScheduleCandidate& next = probes_[probe_ms_.size()];
+      start_phase(next);
+      const std::string why =
+          next.recompute != measured.recompute
+              ? "with every stage recomputing too (what recomputation costs and saves)"
+              : fmt::format("its {} form too (what {} costs)", mode_label(next.mode),
+                            next.mode == BackwardMode::kSplit ? "an I and a W" : "a fused B");
+      return fmt::format("auto schedule: {} measured {:.2f} ms/step; measuring {}; switching to {}", describe(measured),
+                         probe_ms_.back(), why, describe(next));
     }
     return end_probe();
   }
@@ -170,54 +198,74 @@ std::optional<std::string> AutoSchedule::after_step(const StepResult& result) {
 }
 
 std::string AutoSchedule::memory_note() const {
-  return memory_ ? fmt::format(" within {:.4g} MiB", options_.memory_limit_bytes / (1 << 20)) : "";
+  return memory_.empty() ? "" : fmt::format(" within {:.4g} MiB", options_.memory_limit_bytes / (1 << 20));
 }
 
-void AutoSchedule::start_phase(const Schedule& next) {
-  pipeline_.switch_schedule(next);
+void AutoSchedule::set_recompute(bool every_stage) {
+  for (const auto& [stage, built] : built_recompute_) pipeline_.stage(stage).set_recompute(every_stage || built);
+  recomputing_ = every_stage;
+}
+
+void AutoSchedule::start_phase(const ScheduleCandidate& next) {
+  set_recompute(next.recompute);
+  pipeline_.switch_schedule(next.schedule);
   steps_in_phase_ = 0;
   step_ms_.clear();
 }
 
 std::string AutoSchedule::end_probe() {
-  const MeasuredCosts agreed =
-      agree_costs(pipeline_.transport(), costs_.local_medians(), options_.timeout, options_.replicas);
-  RankOptions ro;
-  ro.names = options_.names;
-  ro.modes = options_.modes;
-  std::optional<MemoryModel> memory;
-  if (memory_) {
-    Transport& t = pipeline_.transport();
-    memory = agree_memory(t, memory_->local_medians(t.rank(), t.world_size()), options_.timeout, options_.replicas);
-    ro.memory = &*memory;
-    ro.memory_limit_bytes = options_.memory_limit_bytes;
+  // Per recomputation setting probed: the agreed costs and memory model, and the candidates ranked under them.
+  Transport& t = pipeline_.transport();
+  std::vector<MeasuredCosts> agreed;
+  std::vector<MemoryModel> memory;
+  memory.reserve(costs_.size());  // RankOptions::memory points into it
+  ranking_.clear();
+  for (std::size_t k = 0; k < costs_.size(); ++k) {
+    agreed.push_back(agree_costs(t, costs_[k].local_medians(), options_.timeout, options_.replicas));
+    RankOptions ro;
+    ro.names = options_.names;
+    ro.modes = options_.modes;
+    ro.recompute = k == 1;
+    if (!memory_.empty()) {
+      memory.push_back(
+          agree_memory(t, memory_[k].local_medians(t.rank(), t.world_size()), options_.timeout, options_.replicas));
+      ro.memory = &memory.back();
+      ro.memory_limit_bytes = options_.memory_limit_bytes;
+    }
+    std::vector<ScheduleCandidate> ranked = rank_schedules(start_, agreed.back(), ro);
+    ranking_.insert(ranking_.end(), ranked.begin(), ranked.end());
   }
-  // A probed form other than the starting schedule is kept only if it fits the limit too.
+  // Fastest first; ties keep the forms as built before those recomputing.
+  std::stable_sort(ranking_.begin(), ranking_.end(), [](const ScheduleCandidate& a, const ScheduleCandidate& b) {
+    return a.predicted_ms < b.predicted_ms;
+  });
+  // The probes' predictions; a probed form is kept only if it fits the limit (see settle() for the start).
   probe_fits_.assign(probes_.size(), true);
-  for (std::size_t k = 1; k < probes_.size() && memory; ++k) {
-    const std::vector<double> peaks = simulate_peak_memory(probes_[k], *memory);
-    probe_fits_[k] = *std::max_element(peaks.begin(), peaks.end()) <= options_.memory_limit_bytes;
+  for (std::size_t k = 0; k < probes_.size(); ++k) {
+    ScheduleCandidate& p = probes_[k];
+    const int setting = p.recompute ? 1 : 0;
+    const std::optional<CostModel> model = candidate_costs(agreed[setting], p.mode);
+    p.predicted_ms = model ? simulate(p.schedule, *model).step_time : 0.0;
+    if (!memory.empty()) {
+      p.predicted_peak_bytes = max_peak(p.schedule, memory[setting]);
+      probe_fits_[k] = p.predicted_peak_bytes <= options_.memory_limit_bytes;
+    }
   }
-  ranking_ = rank_schedules(start_, agreed, ro);
-  auto predicted = [&](const Schedule& s) {
-    const std::optional<CostModel> model = candidate_costs(agreed, s.backward);
-    return model ? simulate(s, *model).step_time : 0.0;
-  };
-  const double start_predicted = predicted(start_);
+  const double start_predicted = probes_.front().predicted_ms;
   // The shortlist: the fastest predictions not measured yet, within `measure_within` of the best of them and of the
   // starting schedule's prediction (the simulator cannot tell closer ones apart reliably).
-  const double bar = (ranking_.empty() ? start_predicted : std::min(ranking_.front().predicted_ms, start_predicted)) *
-                     (1.0 + options_.measure_within);
+  double best = probe_fits_.front() ? start_predicted : std::numeric_limits<double>::infinity();
+  if (!ranking_.empty()) best = std::min(best, ranking_.front().predicted_ms);
+  const double bar = best * (1.0 + options_.measure_within);
   for (const ScheduleCandidate& c : ranking_) {
     if (static_cast<int>(trials_.size()) == options_.measure_candidates || c.predicted_ms > bar) break;
-    const bool probed = std::any_of(probes_.begin(), probes_.end(), [&](const Schedule& p) {
-      return c.name == p.name && c.mode == p.backward;
-    });
+    const bool probed =
+        std::any_of(probes_.begin(), probes_.end(), [&](const ScheduleCandidate& p) { return same_form(c, p); });
     if (!probed) trials_.push_back(c);
   }
+  const ScheduleCandidate& last = probes_[probe_ms_.size() - 1];
   const std::string probed = fmt::format("auto schedule: {} measured {:.2f} ms/step (predicted {:.2f})",
-                                         describe(pipeline_.schedule()), probe_ms_.back(),
-                                         predicted(pipeline_.schedule()));
+                                         describe(last), probe_ms_.back(), last.predicted_ms);
   if (trials_.empty()) {
     return settle(fmt::format("{}; no other candidate of this placement{} is predicted faster or within {:.0f} % of "
                               "it",
@@ -225,49 +273,67 @@ std::string AutoSchedule::end_probe() {
   }
   std::vector<std::string> listed;
   for (const ScheduleCandidate& c : trials_) {
-    listed.push_back(fmt::format("{} ({:.2f}{})", describe(c.schedule), c.predicted_ms,
-                                 memory_ ? fmt::format(", peak {:.4g} MiB", c.predicted_peak_bytes / (1 << 20)) : ""));
+    const std::string peak =
+        memory_.empty() ? "" : fmt::format(", peak {:.4g} MiB", c.predicted_peak_bytes / (1 << 20));
+    listed.push_back(fmt::format("{} ({:.2f}{})", describe(c), c.predicted_ms, peak));
   }
   phase_ = Phase::kVerifying;
-  start_phase(trials_.front().schedule);
+  start_phase(trials_.front());
   return fmt::format("{}; measuring the {} of {} candidates of this placement{} predicted fastest: {}; switching to {}",
                      probed, trials_.size(), ranking_.size(), memory_note(), fmt::join(listed, ", "),
-                     describe(trials_.front().schedule));
+                     describe(trials_.front()));
 }
 
 std::string AutoSchedule::end_trial() {
   const ScheduleCandidate& tried = trials_[trial_ms_.size()];
   trial_ms_.push_back(slowest_median_ms());
   const std::string measured = fmt::format("auto schedule: {} measured {:.2f} ms/step (predicted {:.2f})",
-                                           describe(tried.schedule), trial_ms_.back(), tried.predicted_ms);
+                                           describe(tried), trial_ms_.back(), tried.predicted_ms);
   if (trial_ms_.size() < trials_.size()) {
-    start_phase(trials_[trial_ms_.size()].schedule);
-    return fmt::format("{}; switching to {}", measured, describe(pipeline_.schedule()));
+    const ScheduleCandidate& next = trials_[trial_ms_.size()];
+    start_phase(next);
+    return fmt::format("{}; switching to {}", measured, describe(next));
   }
   return settle(measured);
 }
 
 std::string AutoSchedule::settle(const std::string& prefix) {
-  // Every schedule measured -- the probed forms, then the trials -- by the same slowest-rank medians.
-  std::vector<std::pair<const Schedule*, double>> all;
+  // Every form measured -- the probed ones, then the trials -- by the same slowest-rank medians.
+  std::vector<std::pair<const ScheduleCandidate*, double>> all;
   for (std::size_t k = 0; k < probes_.size(); ++k) {
     if (probe_fits_[k]) all.emplace_back(&probes_[k], probe_ms_[k]);
   }
-  for (std::size_t k = 0; k < trials_.size(); ++k) all.emplace_back(&trials_[k].schedule, trial_ms_[k]);
+  for (std::size_t k = 0; k < trials_.size(); ++k) all.emplace_back(&trials_[k], trial_ms_[k]);
+  // Nothing measured fits the memory limit: the job goes on with the starting schedule, over the limit.
+  const bool over_limit = all.empty();
+  if (over_limit) all.emplace_back(&probes_.front(), probe_ms_.front());
   const auto best = std::min_element(all.begin(), all.end(), [](const auto& a, const auto& b) {
     return a.second < b.second;  // ties: the first measured (the starting schedule first)
   });
   phase_ = Phase::kDone;
   chosen_ms_ = best->second;
-  const Schedule& chosen = *best->first;
-  const bool running = chosen.name == pipeline_.schedule().name && chosen.backward == pipeline_.schedule().backward;
-  if (!running) pipeline_.switch_schedule(chosen);
-  const std::string verb = running ? "keeping" : best == all.begin() ? "back to" : "switching to";
-  if (all.size() == 1) return fmt::format("{}; {} {}", prefix, verb, describe(chosen));
+  const ScheduleCandidate& chosen = *best->first;
+  const Schedule& now = pipeline_.schedule();
+  const bool running = chosen.name == now.name && chosen.mode == now.backward && chosen.recompute == recomputing_;
+  if (!running) {
+    set_recompute(chosen.recompute);
+    pipeline_.switch_schedule(chosen.schedule);
+  }
+  const std::string verb = running ? "keeping" : &chosen == &probes_.front() ? "back to" : "switching to";
+  const ScheduleCandidate& first = probes_.front();
+  if (over_limit) {
+    return fmt::format("{}; nothing measured fits{}: {} {}, the starting schedule (predicted peak {:.4g} MiB)", prefix,
+                       memory_note(), verb, describe(chosen), first.predicted_peak_bytes / (1 << 20));
+  }
+  const std::string start_over =
+      probe_fits_.front() ? ""
+                          : fmt::format(" (the starting schedule's predicted peak, {:.4g} MiB, is over the limit)",
+                                        first.predicted_peak_bytes / (1 << 20));
+  if (all.size() == 1) return fmt::format("{}; {} {}{}", prefix, verb, describe(chosen), start_over);
   return fmt::format("{}; {} {}: {:.2f} ms/step measured against {:.2f} for {} ({:.2f}x), the fastest of {} "
-                     "measured",
+                     "measured{}",
                      prefix, verb, describe(chosen), chosen_ms_, starting_ms(), describe(start_),
-                     starting_ms() / chosen_ms_, all.size());
+                     starting_ms() / chosen_ms_, all.size(), start_over);
 }
 
 }  // namespace twobp

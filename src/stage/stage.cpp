@@ -521,6 +521,14 @@ at::Tensor Stage::single_gradient(int micro_batch, const SingleCall& call, const
   return g.defined() ? g : at::zeros_like(call.input);
 }
 
+void Stage::set_recompute(bool on) {
+  TWOBP_CHECK(micro_batches_.empty(), UsageError,
+              "rank {} stage {}: recomputation can be switched between steps only; the stage holds {} micro-batch(es) "
+              "of a step that has not finished (micro-batch {} first)",
+              options_.rank, options_.stage_index, micro_batches_.size(), micro_batches_.begin()->first);
+  options_.recompute = on;
+}
+
 void Stage::reset() {
   micro_batches_.clear();
   recompute_us_ = 0.0;

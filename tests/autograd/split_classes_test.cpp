@@ -288,6 +288,33 @@ TEST_P(SplitClasses, TorchDropoutWithRecomputationDrawsTheSameMasks) {
   EXPECT_TRUE(mismatch.empty()) << mismatch;
 }
 
+TEST_P(SplitClasses, RecomputationSwitchedBetweenStepsKeepsTheGradients) {
+  // Stage::set_recompute between steps (what twobp::AutoSchedule does): a step without, one with, one without
+  // again -- dropout's masks and the summed gradients are those of loss.backward() over the three steps, and only
+  // the middle step re-runs forwards. Inside a step (a micro-batch held) the switch is refused, naming the stage.
+  const Mode mode = GetParam();
+  torch::manual_seed(7);
+  auto reference = std::make_shared<TorchDropout>();
+  torch::manual_seed(7);
+  auto candidate = std::make_shared<TorchDropout>();
+  Stage stage(candidate, [&](const at::Tensor& x) { return candidate->forward(x); }, random_stage_options(false));
+  torch::manual_seed(1000);
+  for (int step = 0; step < 3; ++step) run_reference(*reference);
+  torch::manual_seed(1000);
+  for (int step = 0; step < 3; ++step) {
+    stage.set_recompute(step == 1);
+    EXPECT_EQ(stage.options().recompute, step == 1);
+    run_stage(stage, mode, {1, 2, 0}, nullptr, [&] {
+      EXPECT_EQ(stage.take_recompute_us() > 0.0, step == 1) << "step " << step;
+    });
+  }
+  const std::string mismatch = compare_modules(*candidate, *reference, 1e-10);
+  EXPECT_TRUE(mismatch.empty()) << mismatch;
+  stage.forward(0, activation(0, 1), activation(0, 2));
+  expect_error([&] { stage.set_recompute(true); }, {"rank 0 stage 1", "between steps", "micro-batch 0"});
+  EXPECT_FALSE(stage.options().recompute);
+}
+
 TEST_P(SplitClasses, RecomputationOfAPrivateGeneratorIsRefusedUnlessReplayed) {
   // A module drawing from a generator of its own: recomputation cannot replay it unless told about it; the re-run
   // differs from F and is refused, naming the stage, micro-batch and what to do. Listed in replay_generators, the

@@ -2,6 +2,7 @@
 // over exactly the schedules a running pipeline can switch to; AutoSchedule decides alike on every rank, switches
 // at step boundaries, and the steps around its switches keep the single-process gradients (float64).
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -301,6 +302,157 @@ TEST(AutoSchedule, AMemoryLimitRanksOnlyCandidatesThatFit) {
       EXPECT_EQ(rankings[0][k].predicted_peak_bytes, rankings[1][k].predicted_peak_bytes) << rankings[0][k].name;
     }
   }
+}
+
+// What one rank saw of an AutoSchedule run (RunRecomputingAuto).
+struct Seen {
+  std::vector<std::pair<int, std::string>> news;
+  std::vector<std::string> problems;
+  std::vector<bool> recomputing;  // after each step's decision
+  std::vector<ScheduleCandidate> ranking, probes;
+  bool done = false;
+  bool recomputing_at_end = false;
+};
+
+// 1f1b standard on 2 rank threads for `steps` steps under AutoSchedule with recompute, probe and verify steps of 2,
+// `names` as candidates and `limit` on their memory. Checks on every step that the gradients are the
+// single-process ones, that the stages recompute exactly when the chooser says so and that the trace's I's and B's
+// re-run forwards exactly then.
+std::vector<Seen> run_recomputing_auto(int steps, std::vector<std::string> names, int candidates, double limit) {
+  constexpr int kMicroBatches = 4;
+  const Schedule start = make_schedule("1f1b", ScheduleOptions{2, kMicroBatches, 1, BackwardMode::kStandard});
+  torch::manual_seed(3);
+  const auto inputs = torch::randn({kMicroBatches * kMicroBatchSize, kDim});
+  const auto targets = torch::randn({kMicroBatches * kMicroBatchSize, kDim});
+  const Reference ref = run_reference(2, kMicroBatches, inputs, targets);
+  auto transports = make_local_transports(2);
+  std::vector<std::unique_ptr<Pipeline>> pipelines;
+  std::vector<std::shared_ptr<torch::nn::Module>> modules(2);
+  std::vector<Transport*> ts;
+  PipelineOptions po = fixture_options();
+  po.record_memory = true;
+  for (int r = 0; r < 2; ++r) {
+    modules[r] = make_chunk(r);
+    auto* raw = modules[r].get();
+    std::vector<PipelineChunk> chunks;
+    chunks.push_back({r, modules[r], [raw, r](const at::Tensor& x) { return run_chunk(*raw, r, x); }});
+    pipelines.push_back(std::make_unique<Pipeline>(start, std::move(chunks),
+                                                   std::shared_ptr<Transport>(std::move(transports[r])), po));
+    ts.push_back(&pipelines[r]->transport());
+  }
+  std::vector<Seen> seen(2);
+  run_rank_threads(ts, [&](Transport& t) {
+    const int r = t.rank();
+    Pipeline& pipeline = *pipelines[r];
+    Seen& mine = seen[r];
+    AutoScheduleOptions o;
+    o.probe_steps = 2;
+    o.verify_steps = 2;
+    o.measure_candidates = candidates;
+    o.measure_within = 10.0;  // the trials happen whatever the timings
+    o.memory_limit_bytes = limit;
+    o.recompute = true;
+    o.names = names;
+    AutoSchedule chooser(pipeline, o);
+    bool recomputing = false;  // what the step about to run does
+    for (int step = 0; step < steps; ++step) {
+      pipeline.zero_grad();
+      const StepResult result = pipeline.step(inputs, targets);
+      for (const auto& item : ref.chunks[r]->named_parameters()) {
+        const at::Tensor g = modules[r]->named_parameters()[item.key()].grad();
+        if (!g.defined() || (g - item.value().grad()).abs().max().item<double>() > 1e-12) {
+          mine.problems.push_back("step " + std::to_string(step) + " " + item.key());
+        }
+      }
+      for (const TraceEvent& e : result.trace.events) {
+        const bool backward = e.action.type == ActionType::kBackward || e.action.type == ActionType::kBackwardInput;
+        if (backward && (e.recompute_us > 0.0) != recomputing) {
+          mine.problems.push_back(fmt::format("step {}: {} recompute_us {} while recomputing is {}", step,
+                                              describe(e.action), e.recompute_us, recomputing));
+        }
+      }
+      if (std::optional<std::string> line = chooser.after_step(result)) mine.news.emplace_back(step, *line);
+      recomputing = chooser.recomputing();
+      mine.recomputing.push_back(recomputing);
+      if (pipeline.stage(r).options().recompute != recomputing) {
+        mine.problems.push_back("step " + std::to_string(step) + ": the stage's recompute is not the chooser's");
+      }
+    }
+    mine.done = chooser.phase() == AutoSchedule::Phase::kDone;
+    mine.ranking = chooser.ranking();
+    mine.probes = chooser.probes();
+    mine.recomputing_at_end = pipeline.stage(r).options().recompute;
+  }).rethrow_root_cause();
+  for (const Seen& s : seen) {
+    EXPECT_TRUE(s.problems.empty()) << s.problems.front();
+    EXPECT_TRUE(s.done);
+  }
+  EXPECT_EQ(seen[0].news, seen[1].news);
+  EXPECT_EQ(seen[0].recomputing, seen[1].recomputing);
+  return seen;
+}
+
+// AutoScheduleOptions::recompute: the starting schedule's two forms are probed again with every stage recomputing,
+// on costs and a memory model of their own (F keeps only its inputs: recomputing forms predict no more memory, and
+// less in standard mode, where the activations are the peak); the ranking holds both settings; the stages
+// recompute exactly while a recomputing form runs, and every step keeps the single-process gradients. A memory
+// limit that only recomputing forms fit moves the job off its starting schedule onto one of them.
+TEST(AutoSchedule, RecomputingFormsAreProbedRankedAndKeepTheGradients) {
+  Float64Default float64;
+  memory::count_cpu_allocations();
+  // Candidates 1f1b and gpipe: 1f1b's four forms are probed, gpipe's four are the trials.
+  constexpr int kProbe = 2, kVerify = 2, kCandidates = 4, kProbes = 4;
+  const std::vector<Seen> seen =
+      run_recomputing_auto(kProbes * kProbe + kCandidates * kVerify + 1, {"1f1b", "gpipe"}, kCandidates, 1e15);
+  // 1f1b standard, 1f1b 2BP, then both with every stage recomputing: the third probe starts at step 2 kProbe.
+  const Seen& s = seen[0];
+  ASSERT_EQ(s.probes.size(), static_cast<std::size_t>(kProbes));
+  for (int k = 0; k < kProbes; ++k) {
+    EXPECT_EQ(s.probes[k].recompute, k >= 2);
+    EXPECT_EQ(s.probes[k].mode, k % 2 == 0 ? BackwardMode::kStandard : BackwardMode::kSplit);
+    EXPECT_GT(s.probes[k].predicted_ms, 0.0);
+    EXPECT_GT(s.probes[k].predicted_peak_bytes, 0.0);
+  }
+  ASSERT_GE(s.news.size(), 3u);
+  EXPECT_NE(s.news[1].second.find("with every stage recomputing too"), std::string::npos) << s.news[1].second;
+  EXPECT_NE(s.news[1].second.find("switching to 1f1b standard with recomputation"), std::string::npos)
+      << s.news[1].second;
+  for (int step = 0; step < kProbes * kProbe; ++step) {
+    EXPECT_EQ(s.recomputing[step], step >= 2 * kProbe - 1 && step < kProbes * kProbe - 1) << step;
+  }
+  // Both settings ranked, each with its own memory model.
+  int recomputing_candidates = 0;
+  for (const ScheduleCandidate& c : s.ranking) {
+    if (!c.recompute) continue;
+    ++recomputing_candidates;
+    for (const ScheduleCandidate& d : s.ranking) {
+      if (d.recompute || d.name != c.name || d.mode != c.mode) continue;
+      EXPECT_LE(c.predicted_peak_bytes, d.predicted_peak_bytes) << c.name;
+      if (c.mode == BackwardMode::kStandard) EXPECT_LT(c.predicted_peak_bytes, d.predicted_peak_bytes) << c.name;
+    }
+  }
+  EXPECT_EQ(recomputing_candidates, 4);
+  EXPECT_EQ(s.ranking.size(), 8u);
+  // The trials: gpipe's four forms, two of them recomputing.
+  int verified_recomputing = 0;
+  for (int k = 0; k < kCandidates; ++k) {
+    const int first = kProbes * kProbe + k * kVerify;  // the trial's first step
+    verified_recomputing += s.recomputing[first - 1] ? 1 : 0;
+  }
+  EXPECT_EQ(verified_recomputing, 2);
+
+  // A limit between 1f1b standard's peak with recomputation and the smallest without: the starting schedule is
+  // over it, so the job ends on a recomputing form (whichever of those that fit measured faster), and says why.
+  const double with = s.probes[2].predicted_peak_bytes;
+  const double without = std::min(s.probes[0].predicted_peak_bytes, s.probes[1].predicted_peak_bytes);
+  ASSERT_LT(with, without);
+  const std::vector<Seen> limited = run_recomputing_auto(kProbes * kProbe + 1, {"1f1b"}, 1, (with + without) / 2);
+  EXPECT_TRUE(limited[0].recomputing_at_end && limited[1].recomputing_at_end);
+  ASSERT_FALSE(limited[0].news.empty());
+  EXPECT_NE(limited[0].news.back().second.find("the starting schedule's predicted peak"), std::string::npos)
+      << limited[0].news.back().second;
+  EXPECT_NE(limited[0].news.back().second.find("is over the limit"), std::string::npos)
+      << limited[0].news.back().second;
 }
 
 TEST(AutoSchedule, RefusesBadOptionsAndMemoryBoundPipelines) {

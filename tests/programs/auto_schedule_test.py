@@ -2,9 +2,10 @@
 """llama_pipeline --schedule auto (twobp::AutoSchedule) as a user runs it, on threads and under mpirun.
 
 Each run must print its decisions and record them in --json; then the same job started with the schedule auto
-ended on (--schedule NAME, --2bp or --no-2bp) must give the same loss at every step, within 1e-6 relative: a
-switch changes the order of the work, not what is computed. Which schedule it picks depends on this machine's
-timings; any pick must keep the losses. Refused combinations say why.
+ended on (--schedule NAME, --2bp or --no-2bp, --recompute) must give the same loss at every step, within 1e-6
+relative: a switch changes the order of the work, not what is computed. With --auto-recompute the starting schedule
+is measured with every stage recomputing too, and the candidates include those forms. Which schedule it picks
+depends on this machine's timings; any pick must keep the losses. Refused combinations say why.
 
 With --timing (the opt-in ctest programs_auto_schedule_timing, label timing): a 30-step auto run on threads (4 x 4
 sequences of 256 tokens per step), then
@@ -33,9 +34,10 @@ def losses(path):
         return [s["loss"] for s in json.load(f)["steps"]]
 
 
-def check(launch, example, work, name):
+def check(launch, example, work, name, extra=()):
     auto_json = os.path.join(work, f"{name}_auto.json")
-    out = run(launch + [example, *JOB, "--schedule", "auto", "--auto-steps", str(AUTO_STEPS), "--json", auto_json])
+    out = run(launch + [example, *JOB, "--schedule", "auto", "--auto-steps", str(AUTO_STEPS), *extra,
+                        "--json", auto_json])
     with open(auto_json) as f:
         doc = json.load(f)
     decisions = doc["auto_schedule"]["decisions"]
@@ -44,14 +46,18 @@ def check(launch, example, work, name):
     for d in decisions:
         assert d["decision"] in out, f"{name}: decision not printed: {d['decision']}"
     final = doc["auto_schedule"]["final"]
+    if "--auto-recompute" in extra:
+        assert "with every stage recomputing too" in decisions[1]["decision"], decisions[1]
+        settings = {c["recompute"] for c in doc["auto_schedule"]["ranking"]}
+        assert settings == {False, True}, f"{name}: the ranking holds recompute {settings}"
     again_json = os.path.join(work, f"{name}_{final['schedule']}.json")
     run(launch + [example, *JOB, "--schedule", final["schedule"], "--2bp" if final["2bp"] else "--no-2bp",
-                  "--json", again_json])
+                  *(["--recompute"] if final["recompute"] else []), "--json", again_json])
     a, b = losses(auto_json), losses(again_json)
     assert len(a) == len(b) == STEPS, f"{name}: {len(a)} and {len(b)} steps"
     worst = max(abs(x - y) / abs(y) for x, y in zip(a, b))
     assert worst <= 1e-6, f"{name}: losses differ by {worst:.3g} relative from a run started with {final}:\n{a}\n{b}"
-    mode = "2BP" if final["2bp"] else "standard"
+    mode = ("2BP" if final["2bp"] else "standard") + (" with recomputation" if final["recompute"] else "")
     print(f"{name}: {len(decisions)} decision(s), ended on {final['schedule']} {mode}; losses of {STEPS} steps "
           f"within {worst:.2g} relative of a run started with it")
 
@@ -96,12 +102,18 @@ def main():
         timing(example, work)
         return
     check([], example, work, "threads")
+    # Four probes (each mode, with and without recomputation) and one candidate fit the 15 steps.
+    check([], example, work, "threads_recompute", ["--auto-recompute", "--auto-candidates", "1"])
     if mpiexec:
         check([mpiexec, "-n", "2", *MPI_FLAGS], example, work, "mpi")
     # Refused before any step, saying why.
     run([example, "--schedule", "auto", "--max-pending-w", "1"], ok=False,
         must_say="cannot keep --memory-limit-gb or --max-pending-w")
     run([example, "--schedule", "auto", "--steps", "14", "--auto-steps", "3"], ok=False, must_say="--steps >= 15")
+    run([example, "--schedule", "auto", "--steps", "20", "--auto-steps", "3", "--auto-recompute"], ok=False,
+        must_say="--steps >= 21")
+    run([example, "--schedule", "auto", "--auto-recompute", "--recompute"], ok=False,
+        must_say="every stage recomputes already")
     # A memory bound on the candidates that nothing fits: the starting schedule is kept, and said so.
     out = run([example, *JOB, "--schedule", "auto", "--auto-steps", str(AUTO_STEPS), "--auto-memory-limit-gb",
                "1e-9"])

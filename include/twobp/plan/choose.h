@@ -24,7 +24,15 @@
 // Memory: with AutoScheduleOptions::memory_limit_bytes the probe also records each action's tensor memory
 // (PipelineOptions::record_memory), the ranks agree on the memory model, and only candidates whose simulated peak
 // (simulate_peak_memory) stays within the limit on every rank are ranked and measured; the starting schedule's
-// other form is kept only if it fits too. The starting schedule itself is always eligible (it is the user's).
+// other form is kept only if it fits too. So is the starting schedule: it is kept over the limit only when nothing
+// measured fits (the job then goes on as the user started it, and says so).
+//
+// Recomputation (AutoScheduleOptions::recompute): the candidates are then also every form with every stage
+// recomputing its activations (StageOptions::recompute; Stage::set_recompute switches it at a step boundary), which
+// trades a re-run forward in every I and B for F keeping only the stage's inputs -- slower, but with a memory limit
+// it may fit where the forms without do not, or let a faster order fit. The probe measures the starting schedule's
+// forms once more with every stage recomputing, so that those candidates are ranked on their own measured costs
+// and memory model, never on a guess of what recomputation costs or saves.
 //
 // Not covered: candidates of another placement (that moves stages between ranks: a new Pipeline and a checkpoint),
 // and pipelines whose runtime bounds memory (PipelineOptions::memory_limit_bytes, max_pending_weight_micro_batches:
@@ -50,6 +58,9 @@ struct ScheduleCandidate {
   double predicted_ms = 0.0;  ///< simulate(schedule, costs).step_time
   /// max over ranks of simulate_peak_memory(schedule, memory) (bytes); 0 when ranked without a memory model.
   double predicted_peak_bytes = 0.0;
+  /// Every stage recomputes its activations (AutoScheduleOptions::recompute); false: each stage as the pipeline
+  /// was built. rank_schedules copies RankOptions::recompute here.
+  bool recompute = false;
 };
 
 /// What rank_schedules considers besides the costs.
@@ -60,6 +71,8 @@ struct RankOptions {
   const MemoryModel* memory = nullptr;
   /// With `memory`: candidates whose predicted peak exceeds this on some rank are left out. 0: no limit.
   double memory_limit_bytes = 0.0;
+  /// What the costs (and memory model) were measured with: copied into every candidate's `recompute`.
+  bool recompute = false;
 };
 
 /// The registered schedules × modes (`names` / `modes`; empty `names`: every registered schedule) that keep
@@ -88,6 +101,10 @@ struct AutoScheduleOptions {
   /// Per-rank bound on the candidates' simulated peak tensor memory (bytes; 0: none). Needs the pipeline to run
   /// with PipelineOptions::record_memory (on CPU also memory::count_cpu_allocations(), twobp/metrics/memory.h).
   double memory_limit_bytes = 0.0;
+  /// Also the forms with every stage recomputing (see the top). The probe then runs each starting form again with
+  /// recomputation, probe_steps steps each (4 probes instead of 2 where both modes are candidates). Meant for a
+  /// pipeline built without recomputation (one built with it on every stage gets the same forms twice).
+  bool recompute = false;
   /// Data parallelism: the rank's data-parallel group, so that the replicas agree (collective over it too).
   Transport* replicas = nullptr;
   Duration timeout = std::chrono::minutes(5);
@@ -105,8 +122,8 @@ class AutoSchedule {
   /// Call after every Pipeline::step() with its result, on every rank. Collective (a few all-reduces over the
   /// pipeline and the replicas) on the step that ends the probe and on the steps that end each candidate's
   /// measurement; a no-op once done. Returns what it decided on those steps (one line, the same on every rank),
-  /// else nullopt. Steps until done: probe_steps × (forms probed: 1 or 2) + verify_steps × (candidates measured,
-  /// at most measure_candidates).
+  /// else nullopt. Steps until done: probe_steps × (forms probed: 1 or 2, twice that with recompute) +
+  /// verify_steps × (candidates measured, at most measure_candidates).
   std::optional<std::string> after_step(const StepResult& result);
 
   Phase phase() const { return phase_; }
@@ -115,22 +132,26 @@ class AutoSchedule {
   /// The schedule the pipeline started with, and its measured step time (slowest rank's median, ms; 0 before).
   const Schedule& starting_schedule() const { return start_; }
   double starting_ms() const { return probe_ms_.empty() ? 0.0 : probe_ms_.front(); }
-  /// The forms probed (the starting schedule, then its other form when the candidates include that mode) and
-  /// their measured step times so far.
-  const std::vector<Schedule>& probes() const { return probes_; }
+  /// The forms probed (the starting schedule, then its other form when the candidates include that mode; with
+  /// AutoScheduleOptions::recompute the same again with every stage recomputing) and their measured step times so
+  /// far. Each probe's `predicted_ms` and `predicted_peak_bytes` are set once the probe ends (0 before).
+  const std::vector<ScheduleCandidate>& probes() const { return probes_; }
   const std::vector<double>& probe_ms() const { return probe_ms_; }
   /// The candidates measured after the probe (fastest predicted first) and their measured step times so far.
   const std::vector<ScheduleCandidate>& trials() const { return trials_; }
   const std::vector<double>& trial_ms() const { return trial_ms_; }
   /// The final choice's measured step time (the starting schedule's when kept; 0 before done).
   double chosen_ms() const { return chosen_ms_; }
+  /// Whether the pipeline runs with every stage recomputing now (a recomputing probe or candidate, or the choice).
+  bool recomputing() const { return recomputing_; }
 
  private:
   double slowest_median_ms();  // collective: max over ranks (and replicas) of this rank's median pipeline_us
   std::string end_probe();     // ranks, shortlists, starts the first trial
   std::string end_trial();     // records a trial; starts the next or settles
   std::string settle(const std::string& prefix);  // keeps the fastest measured; done
-  void start_phase(const Schedule& next);
+  void start_phase(const ScheduleCandidate& next);  // switches the schedule and the recomputation
+  void set_recompute(bool every_stage);
   std::string memory_note() const;
 
   Pipeline& pipeline_;
@@ -138,13 +159,16 @@ class AutoSchedule {
   Schedule start_;
   Phase phase_ = Phase::kProbing;
   int steps_in_phase_ = 0;
-  CostRecorder costs_;
-  std::optional<MemoryRecorder> memory_;  // with a memory limit
+  // [0]: the probes as the pipeline was built, [1]: with every stage recomputing (AutoScheduleOptions::recompute).
+  std::vector<CostRecorder> costs_;
+  std::vector<MemoryRecorder> memory_;  // with a memory limit
+  std::vector<std::pair<int, bool>> built_recompute_;  // this rank's stages as built: (stage, recompute)
+  bool recomputing_ = false;
   std::vector<double> step_ms_;  // this rank's measured steps of the phase
   std::vector<ScheduleCandidate> ranking_;
-  std::vector<Schedule> probes_;
+  std::vector<ScheduleCandidate> probes_;
   std::vector<double> probe_ms_;
-  std::vector<bool> probe_fits_;  // within the memory limit (the starting schedule always counts)
+  std::vector<bool> probe_fits_;  // within the memory limit (all, without one)
   std::vector<ScheduleCandidate> trials_;
   std::vector<double> trial_ms_;
   double chosen_ms_ = 0.0;
