@@ -15,6 +15,7 @@
 #include <numeric>
 #include <optional>
 #include <random>
+#include <utility>
 
 #include "common/expect_error.h"
 #include "common/split_cases.h"
@@ -57,15 +58,22 @@ struct Inputs {
   bool recompute = false;  // StageOptions::recompute: F keeps only the input, I/B re-run the forward
 };
 
+// Two modules built alike (from seed 7): the reference that loss.backward() trains and the candidate a Stage does.
+template <class Make>
+auto twin_modules(const Make& make) {
+  torch::manual_seed(7);
+  auto reference = make();
+  torch::manual_seed(7);
+  return std::make_pair(reference, make());
+}
+
 // Runs kSteps steps of kMicroBatches through a Stage in `mode` and through loss.backward() on a twin module, then
 // compares everything. Any exception of the Stage propagates (rejection tests catch it).
 void run_class(const std::function<std::shared_ptr<CaseModule>()>& make, Mode mode, const Inputs& in = {}) {
   SCOPED_TRACE(mode_name(mode) + (in.recompute ? " with recomputation" : ""));
   const double scale = 1.0 / kMicroBatches;
-  torch::manual_seed(7);
-  auto reference = make();
-  torch::manual_seed(7);
-  auto candidate = make();
+  auto twins = twin_modules(make);
+  auto reference = twins.first, candidate = twins.second;
 
   StageOptions options;
   options.stage_index = in.stage_index;
@@ -254,10 +262,8 @@ void run_stage(Stage& stage, Mode mode, const std::vector<int>& order, const std
 TEST_P(SplitClasses, TorchDropoutWithFixedSeed) {
   // The global generator is reseeded before each micro-batch's forward, in the reference and in the stage alike.
   const Mode mode = GetParam();
-  torch::manual_seed(7);
-  auto reference = std::make_shared<TorchDropout>();
-  torch::manual_seed(7);
-  auto candidate = std::make_shared<TorchDropout>();
+  auto twins = twin_modules([] { return std::make_shared<TorchDropout>(); });
+  auto reference = twins.first, candidate = twins.second;
   Stage stage(candidate, [&](const at::Tensor& x) { return candidate->forward(x); }, random_stage_options(false));
   auto reseed = [](int mb) { torch::manual_seed(1000 + mb); };
   run_reference(*reference, reseed);
@@ -270,10 +276,8 @@ TEST_P(SplitClasses, TorchDropoutWithRecomputationDrawsTheSameMasks) {
   // Recomputation replays each forward with the random state its F started from, whatever was drawn since, and
   // leaves the random stream where it was.
   const Mode mode = GetParam();
-  torch::manual_seed(7);
-  auto reference = std::make_shared<TorchDropout>();
-  torch::manual_seed(7);
-  auto candidate = std::make_shared<TorchDropout>();
+  auto twins = twin_modules([] { return std::make_shared<TorchDropout>(); });
+  auto reference = twins.first, candidate = twins.second;
   Stage stage(candidate, [&](const at::Tensor& x) { return candidate->forward(x); }, random_stage_options(true));
   torch::manual_seed(1000);
   run_reference(*reference);
@@ -293,10 +297,8 @@ TEST_P(SplitClasses, RecomputationSwitchedBetweenStepsKeepsTheGradients) {
   // again -- dropout's masks and the summed gradients are those of loss.backward() over the three steps, and only
   // the middle step re-runs forwards. Inside a step (a micro-batch held) the switch is refused, naming the stage.
   const Mode mode = GetParam();
-  torch::manual_seed(7);
-  auto reference = std::make_shared<TorchDropout>();
-  torch::manual_seed(7);
-  auto candidate = std::make_shared<TorchDropout>();
+  auto twins = twin_modules([] { return std::make_shared<TorchDropout>(); });
+  auto reference = twins.first, candidate = twins.second;
   Stage stage(candidate, [&](const at::Tensor& x) { return candidate->forward(x); }, random_stage_options(false));
   torch::manual_seed(1000);
   for (int step = 0; step < 3; ++step) run_reference(*reference);
@@ -330,10 +332,8 @@ TEST_P(SplitClasses, RecomputationOfAPrivateGeneratorIsRefusedUnlessReplayed) {
       },
       {"rank 0 stage 1 micro-batch 0", "recompute", "replay_generators"});
 
-  torch::manual_seed(7);
-  auto reference = make();
-  torch::manual_seed(7);
-  auto candidate = make();
+  auto twins = twin_modules(make);
+  auto reference = twins.first, candidate = twins.second;
   StageOptions options = random_stage_options(true);
   options.replay_generators = {candidate->generator};
   Stage stage(candidate, [&](const at::Tensor& x) { return candidate->forward(x); }, options);

@@ -34,6 +34,28 @@ MeasuredCosts split_costs(int stages, double f, double i, double w) {
   return c;
 }
 
+// Two rank threads' pipelines running `start` with `options`, stage r = make_chunk(r) on rank r.
+struct TwoRanks {
+  std::vector<std::unique_ptr<Pipeline>> pipelines;
+  std::vector<std::shared_ptr<torch::nn::Module>> modules;
+  std::vector<Transport*> transports;
+};
+
+TwoRanks two_rank_pipelines(const Schedule& start, const PipelineOptions& options) {
+  TwoRanks out;
+  auto transports = make_local_transports(2);
+  for (int r = 0; r < 2; ++r) {
+    out.modules.push_back(make_chunk(r));
+    auto* raw = out.modules[r].get();
+    std::vector<PipelineChunk> chunks;
+    chunks.push_back({r, out.modules[r], [raw, r](const at::Tensor& x) { return run_chunk(*raw, r, x); }});
+    out.pipelines.push_back(std::make_unique<Pipeline>(start, std::move(chunks),
+                                                       std::shared_ptr<Transport>(std::move(transports[r])), options));
+    out.transports.push_back(&out.pipelines[r]->transport());
+  }
+  return out;
+}
+
 TEST(RankSchedules, AreTheSimulatorsStepTimesOverTheSchedulesOfTheRunningPlacement) {
   for (const auto& [start, v] : std::vector<std::pair<std::string, int>>{{"1f1b", 1}, {"interleaved-1f1b", 2},
                                                                          {"zb-v", 2}}) {
@@ -153,20 +175,9 @@ TEST(AutoSchedule, DecidesAlikeOnEveryRankAndKeepsTheGradients) {
   const auto inputs = torch::randn({kMicroBatches * kMicroBatchSize, kDim});
   const auto targets = torch::randn({kMicroBatches * kMicroBatchSize, kDim});
   const Reference ref = run_reference(2, kMicroBatches, inputs, targets);
-  auto transports = make_local_transports(2);
-  std::vector<std::unique_ptr<Pipeline>> pipelines;
-  std::vector<std::shared_ptr<torch::nn::Module>> modules(2);
-  std::vector<Transport*> ts;
-  for (int r = 0; r < 2; ++r) {
-    modules[r] = make_chunk(r);
-    auto* raw = modules[r].get();
-    std::vector<PipelineChunk> chunks;
-    chunks.push_back({r, modules[r], [raw, r](const at::Tensor& x) { return run_chunk(*raw, r, x); }});
-    pipelines.push_back(std::make_unique<Pipeline>(start, std::move(chunks),
-                                                   std::shared_ptr<Transport>(std::move(transports[r])),
-                                                   fixture_options()));
-    ts.push_back(&pipelines[r]->transport());
-  }
+  TwoRanks ranks = two_rank_pipelines(start, fixture_options());
+  auto& pipelines = ranks.pipelines;
+  auto& modules = ranks.modules;
   std::vector<std::vector<std::pair<int, std::string>>> news(2);     // (step, line) per rank
   std::vector<std::vector<std::string>> schedule_at(2);              // schedule name after each step
   std::vector<std::vector<std::string>> mismatches(2);
@@ -174,7 +185,7 @@ TEST(AutoSchedule, DecidesAlikeOnEveryRankAndKeepsTheGradients) {
   std::vector<double> start_ms(2), chosen_ms(2);
   std::vector<std::vector<double>> probe_ms(2);
   std::mutex mutex;
-  run_rank_threads(ts, [&](Transport& t) {
+  run_rank_threads(ranks.transports, [&](Transport& t) {
     const int r = t.rank();
     Pipeline& pipeline = *pipelines[r];
     AutoScheduleOptions o;
@@ -257,23 +268,13 @@ TEST(AutoSchedule, AMemoryLimitRanksOnlyCandidatesThatFit) {
   const auto targets = torch::randn({kMicroBatches * kMicroBatchSize, kDim});
   for (const double limit : {1.0, 1e15}) {
     SCOPED_TRACE("limit " + std::to_string(limit));
-    auto transports = make_local_transports(2);
-    std::vector<std::unique_ptr<Pipeline>> pipelines;
-    std::vector<Transport*> ts;
     PipelineOptions po = fixture_options();
     po.record_memory = true;
-    for (int r = 0; r < 2; ++r) {
-      auto module = make_chunk(r);
-      auto* raw = module.get();
-      std::vector<PipelineChunk> chunks;
-      chunks.push_back({r, module, [raw, r](const at::Tensor& x) { return run_chunk(*raw, r, x); }});
-      pipelines.push_back(std::make_unique<Pipeline>(start, std::move(chunks),
-                                                     std::shared_ptr<Transport>(std::move(transports[r])), po));
-      ts.push_back(&pipelines[r]->transport());
-    }
+    TwoRanks ranks = two_rank_pipelines(start, po);
+    auto& pipelines = ranks.pipelines;
     std::vector<std::vector<ScheduleCandidate>> rankings(2);
     std::vector<std::string> first_news(2);  // the last decision of the 4 steps
-    run_rank_threads(ts, [&](Transport& t) {
+    run_rank_threads(ranks.transports, [&](Transport& t) {
       const int r = t.rank();
       AutoScheduleOptions o;
       o.probe_steps = 2;
@@ -325,23 +326,13 @@ std::vector<Seen> run_recomputing_auto(int steps, std::vector<std::string> names
   const auto inputs = torch::randn({kMicroBatches * kMicroBatchSize, kDim});
   const auto targets = torch::randn({kMicroBatches * kMicroBatchSize, kDim});
   const Reference ref = run_reference(2, kMicroBatches, inputs, targets);
-  auto transports = make_local_transports(2);
-  std::vector<std::unique_ptr<Pipeline>> pipelines;
-  std::vector<std::shared_ptr<torch::nn::Module>> modules(2);
-  std::vector<Transport*> ts;
   PipelineOptions po = fixture_options();
   po.record_memory = true;
-  for (int r = 0; r < 2; ++r) {
-    modules[r] = make_chunk(r);
-    auto* raw = modules[r].get();
-    std::vector<PipelineChunk> chunks;
-    chunks.push_back({r, modules[r], [raw, r](const at::Tensor& x) { return run_chunk(*raw, r, x); }});
-    pipelines.push_back(std::make_unique<Pipeline>(start, std::move(chunks),
-                                                   std::shared_ptr<Transport>(std::move(transports[r])), po));
-    ts.push_back(&pipelines[r]->transport());
-  }
+  TwoRanks ranks = two_rank_pipelines(start, po);
+  auto& pipelines = ranks.pipelines;
+  auto& modules = ranks.modules;
   std::vector<Seen> seen(2);
-  run_rank_threads(ts, [&](Transport& t) {
+  run_rank_threads(ranks.transports, [&](Transport& t) {
     const int r = t.rank();
     Pipeline& pipeline = *pipelines[r];
     Seen& mine = seen[r];
