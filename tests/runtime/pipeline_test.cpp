@@ -422,19 +422,21 @@ TEST_F(PipelineFailures, LibTorchErrorsNameTheActionAndKeepTheirType) {
     }
     expect_peer_names(runs[1], "c10::Error", "in rank 0: F stage 0 micro-batch 0");
   }
+  // An out-of-memory error from a gradient hook on rank 1's first (general-path) parameter.
+  const auto inject_out_of_memory_on_rank_1 = [](int rank, Pipeline& p) {
+    if (rank != 1) return;
+    p.parameters().front().register_hook([](const at::Tensor& grad) {
+      TORCH_CHECK_WITH(OutOfMemoryError, false, "injected out of memory");
+      return grad;
+    });
+  };
   for (BackwardMode mode : {BackwardMode::kSplit, BackwardMode::kStandard}) {
     // A gradient hook on a general-path parameter runs in W with 2BP, in B without.
     const std::string where = std::string("in rank 1: ") + (mode == BackwardMode::kSplit ? "W" : "B") +
                               " stage 1 micro-batch" + (mode == BackwardMode::kSplit ? "es 0,1" : " 0");
     SCOPED_TRACE(where);
     const Schedule schedule = make_schedule("1f1b", ScheduleOptions{2, 2, 1, mode});
-    auto runs = run_pipeline(schedule, inputs_, targets_, fixture_options(), 1, [](int rank, Pipeline& p) {
-      if (rank != 1) return;
-      p.parameters().front().register_hook([](const at::Tensor& grad) {
-        TORCH_CHECK_WITH(OutOfMemoryError, false, "injected out of memory");
-        return grad;
-      });
-    });
+    auto runs = run_pipeline(schedule, inputs_, targets_, fixture_options(), 1, inject_out_of_memory_on_rank_1);
     ASSERT_TRUE(runs[1].error);
     EXPECT_TRUE(is_a<c10::OutOfMemoryError>(runs[1].error)) << error_message(runs[1].error);
     EXPECT_NE(error_message(runs[1].error).find(where), std::string::npos) << error_message(runs[1].error);
@@ -446,13 +448,7 @@ TEST_F(PipelineFailures, LibTorchErrorsNameTheActionAndKeepTheirType) {
     SCOPED_TRACE("a W run early");
     auto options = fixture_options();
     options.max_pending_weight_micro_batches = 1;
-    auto runs = run_pipeline(schedule_, inputs_, targets_, options, 1, [](int rank, Pipeline& p) {
-      if (rank != 1) return;
-      p.parameters().front().register_hook([](const at::Tensor& grad) {
-        TORCH_CHECK_WITH(OutOfMemoryError, false, "injected out of memory");
-        return grad;
-      });
-    });
+    auto runs = run_pipeline(schedule_, inputs_, targets_, options, 1, inject_out_of_memory_on_rank_1);
     ASSERT_TRUE(runs[1].error);
     EXPECT_TRUE(is_a<c10::OutOfMemoryError>(runs[1].error)) << error_message(runs[1].error);
     const std::string what = error_message(runs[1].error);
