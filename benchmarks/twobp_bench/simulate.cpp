@@ -115,6 +115,7 @@ struct CostSource {
   std::string schedule;
   int p = 0, m = 0, v = 0;
   std::vector<double> F, I, W, B;
+  std::vector<double> W0;  // the fixed part of each W (MeasuredCosts::backward_weight_fixed); empty: none
   std::vector<int> stage_to_rank;
 };
 
@@ -157,6 +158,7 @@ CostSource load_costs(const SimulateArgs& a) {
   c.F = measured.forward;
   c.I = measured.backward_input;
   c.W = measured.backward_weight;
+  c.W0 = measured.backward_weight_fixed;
   c.B = measured.backward;
   std::string partner_note;
   const Json* partner = nullptr;
@@ -172,6 +174,7 @@ CostSource load_costs(const SimulateArgs& a) {
   if (!any_positive(c.I) && other) {
     c.I = other->backward_input;
     c.W = other->backward_weight;
+    c.W0 = other->backward_weight_fixed;
     partner_note += " I,W from its 2bp partner;";
   }
   if (!any_positive(c.I)) {
@@ -189,7 +192,7 @@ CostSource load_costs(const SimulateArgs& a) {
   }
   if (!any_positive(c.B)) {
     c.B.resize(S);
-    for (std::size_t s = 0; s < S; ++s) c.B[s] = c.I[s] + c.W[s];
+    for (std::size_t s = 0; s < S; ++s) c.B[s] = c.I[s] + (c.W0.empty() ? 0.0 : c.W0[s]) + c.W[s];
     partner_note += " B = I + W (no standard result);";
   } else if (c.B.size() != S) {
     throw std::runtime_error(fmt::format("{}: result {}: costs_ms B has {} stages, F {}", a.from_json, a.result,
@@ -217,12 +220,15 @@ CostModel costs_for(const Schedule& target, const CostSource& src, std::string& 
   c.backward_input.resize(S);
   c.backward_weight.resize(S);
   c.backward.resize(S);
-  auto fill = [&](int s, double f, double i, double w, double b) {
+  if (!src.W0.empty()) c.backward_weight_fixed.resize(S);  // mapped as W is
+  auto fill = [&](int s, double f, double i, double w, double b, double w0 = 0.0) {
     c.forward[s] = f;
     c.backward_input[s] = i;
     c.backward_weight[s] = w;
     c.backward[s] = b;
+    if (!c.backward_weight_fixed.empty()) c.backward_weight_fixed[s] = w0;
   };
+  auto w0_of = [&](std::size_t s) { return src.W0.empty() ? 0.0 : src.W0[s]; };
   if (!src.measured) {
     rule = "per-rank / v";
     for (int s = 0; s < S; ++s) fill(s, src.f / v, src.i / v, src.w / v, src.b / v);
@@ -230,29 +236,30 @@ CostModel costs_for(const Schedule& target, const CostSource& src, std::string& 
   }
   if (P == src.p && target.stage_to_rank == src.stage_to_rank) {
     rule = "per-stage";
-    for (int s = 0; s < S; ++s) fill(s, src.F[s], src.I[s], src.W[s], src.B[s]);
+    for (int s = 0; s < S; ++s) fill(s, src.F[s], src.I[s], src.W[s], src.B[s], w0_of(s));
     return c;
   }
   // Per measured rank totals.
-  std::vector<double> f(src.p), i(src.p), w(src.p), b(src.p);
+  std::vector<double> f(src.p), i(src.p), w(src.p), b(src.p), w0(src.p);
   for (std::size_t s = 0; s < src.F.size(); ++s) {
     const int r = src.stage_to_rank[s];
     f[r] += src.F[s];
     i[r] += src.I[s];
     w[r] += src.W[s];
     b[r] += src.B[s];
+    w0[r] += w0_of(s);
   }
   if (P == src.p) {
     rule = "per-rank / v";
     for (int s = 0; s < S; ++s) {
       const int r = target.stage_to_rank[s];
-      fill(s, f[r] / v, i[r] / v, w[r] / v, b[r] / v);
+      fill(s, f[r] / v, i[r] / v, w[r] / v, b[r] / v, w0[r] / v);
     }
     return c;
   }
   rule = "mean-rank / v";
   auto mean = [&](const std::vector<double>& x) { return std::accumulate(x.begin(), x.end(), 0.0) / x.size(); };
-  for (int s = 0; s < S; ++s) fill(s, mean(f) / v, mean(i) / v, mean(w) / v, mean(b) / v);
+  for (int s = 0; s < S; ++s) fill(s, mean(f) / v, mean(i) / v, mean(w) / v, mean(b) / v, mean(w0) / v);
   return c;
 }
 

@@ -50,7 +50,7 @@ struct Args {
   int auto_steps = 4;  // --schedule auto: steps measured before choosing, and before keeping the choice
   int auto_candidates = 3;  // --schedule auto: the fastest predicted candidates measured before choosing
   double auto_memory_limit_gb = 0;  // --schedule auto: candidates' predicted peak tensor memory per rank, GiB (0: any)
-  bool auto_recompute = false;  // --schedule auto: also the forms with every stage recomputing
+  bool auto_recompute = false;  // --schedule auto: also the forms with the stages of the first 1..p ranks recomputing
   /// --schedule auto: the starting schedule's forms it measures before choosing (each mode, with and without
   /// recomputation with --auto-recompute).
   int auto_probes() const { return auto_recompute ? 4 : 2; }
@@ -81,6 +81,9 @@ struct Args {
   int doc_separator = 10;  // the token that ends a document ('\n' for the byte-level corpus)
   int seq_len_warmup = 0;  // steps over which the sequence length grows to --seq-len (0: none)
   bool recompute = false;  // activation recomputation on every chunk
+  int recompute_ranks = 0;  // with recompute: only the chunks of pipeline ranks 0 .. recompute_ranks - 1 (0: all)
+  /// Whether pipeline rank `rank`'s chunks recompute (--recompute, --recompute-ranks).
+  bool recomputes(int rank) const { return recompute && (recompute_ranks == 0 || rank < recompute_ranks); }
   int chunks_per_rank = 0;  // 0: the schedule's default
   std::string schedule_file;
   std::string dump_schedule;  // write the run's schedule here (.csv: PyTorch's compute_only form) and go on
@@ -173,7 +176,7 @@ struct Shared {
   std::vector<std::pair<int, std::string>> auto_decisions;
   std::string final_schedule;
   bool final_two_bp = false;
-  bool final_recompute = false;  // every stage recomputing at the end (--recompute, or auto's choice)
+  int final_recompute_ranks = 0;  // pipeline ranks 0 .. this - 1 recomputing at the end (--recompute, or auto's)
   std::vector<twobp::ScheduleCandidate> auto_ranking;  // the candidates, fastest predicted first
 };
 

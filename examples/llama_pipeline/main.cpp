@@ -273,7 +273,7 @@ int run(Args args, int& argc, char**& argv) {
       nlohmann::json ranking = nlohmann::json::array();
       for (const auto& c : shared.auto_ranking) {
         ranking.push_back({{"schedule", c.name}, {"2bp", c.mode == twobp::BackwardMode::kSplit},
-                           {"recompute", c.recompute}, {"predicted_ms", c.predicted_ms},
+                           {"recompute_ranks", c.recompute_ranks}, {"predicted_ms", c.predicted_ms},
                            {"predicted_peak_bytes", c.predicted_peak_bytes}});
       }
       j["auto_schedule"] = {{"start", plan.schedule.name},
@@ -282,7 +282,7 @@ int run(Args args, int& argc, char**& argv) {
                             {"final",
                              {{"schedule", shared.final_schedule},
                               {"2bp", shared.final_two_bp},
-                              {"recompute", shared.final_recompute}}}};
+                              {"recompute_ranks", shared.final_recompute_ranks}}}};
     }
     j["steps"] = nlohmann::json::array();
     if (args.eval_every > 0) {

@@ -55,8 +55,9 @@ void add_options(CLI::App& app, Args& a) {
                  "measured while probing, stays within this many GiB (0: any)")
       ->check(cli::number_in(0, 1e6, " (0: any)"))->group(pipeline);
   app.add_flag("--auto-recompute", a.auto_recompute,
-               "With --schedule auto: the candidates include every form with every stage recomputing (slower, less "
-               "memory: useful with --auto-memory-limit-gb); the starting schedule is measured with it too")
+               "With --schedule auto: the candidates include every form with the stages of the first 1, 2, ..., "
+               "all pipeline ranks recomputing (slower, less memory: useful with --auto-memory-limit-gb); the "
+               "starting schedule is measured with every stage recomputing too")
       ->group(pipeline);
   app.add_option("--schedule-file", a.schedule_file,
                  "A schedule file: twobp's text form, or PyTorch's compute_only CSV (*.csv); overrides --schedule, "
@@ -95,6 +96,10 @@ void add_options(CLI::App& app, Args& a) {
   app.add_flag("--recompute", a.recompute,
                "Activation recomputation: each stage keeps only its inputs after F and re-runs the forward before "
                "its I (or B)")->group(pipeline);
+  app.add_option("--recompute-ranks", a.recompute_ranks,
+                 "With --recompute: only the stages of pipeline ranks 0 .. N-1 recompute (the first ranks hold the "
+                 "most activations in 1F1B-like schedules; 0: every rank)")
+      ->check(cli::number_in(0, cli::kMaxCount, " (0: every rank)"))->group(pipeline);
   app.add_option("--timeout", a.timeout_s, "Seconds any wait may block before failing")
       ->check(cli::number_in(1e-3, 1e7, " seconds"))->group(pipeline);
 
@@ -193,6 +198,7 @@ std::vector<std::string> ignored_options(const CLI::App& app, const Args& a) {
                          "with --schedule auto)");
   }
   if (given("--zero") && a.zero == 1 && a.dp == 1) ignored.emplace_back("--zero 1 (nothing to shard with --dp 1)");
+  if (given("--recompute-ranks") && !a.recompute) ignored.emplace_back("--recompute-ranks (only with --recompute)");
   return ignored;
 }
 
@@ -203,7 +209,7 @@ void validate_args(const Args& a) {
               "W's such a bound moves); bound the candidates' memory with --auto-memory-limit-gb, or choose the "
               "schedule yourself (twobp_bench plan predicts time and memory)");
   TWOBP_CHECK(!a.auto_schedule() || !(a.auto_recompute && a.recompute), twobp::UsageError,
-              "--auto-recompute with --recompute: every stage recomputes already; give one of them");
+              "--auto-recompute with --recompute: the stages recompute already; give one of them");
   TWOBP_CHECK(!a.auto_schedule() || a.steps >= (a.auto_probes() + a.auto_candidates) * a.auto_steps,
               twobp::UsageError,
               "--schedule auto measures --auto-steps {} steps of the starting schedule in each mode{} before choosing "

@@ -107,6 +107,7 @@ llm::MemoryPlanOptions memory_options(const Plan& p) {
   mo.seq_len = p.seq_len;
   mo.precision = llm::training_precision(training_precision_name(p.args));
   mo.recompute = p.args.recompute;
+  mo.recompute_ranks = p.args.recompute_ranks;
   mo.optimizer_shards = p.args.zero == 1 ? p.dp : 1;
   return mo;
 }
@@ -166,6 +167,7 @@ int dry_run(const Plan& p) {
   j["simulated_bubble_fraction"] = sim.bubble_fraction;
   j["precision"] = mo.precision.name;
   j["recompute"] = mo.recompute;
+  if (mo.recompute && mo.recompute_ranks > 0) j["recompute_ranks"] = mo.recompute_ranks;
   if (budget > 0) j["gpu_memory_gb"] = p.args.gpu_memory_gb;
   j["memory_formula"] =
       "twobp::models::memory_model + twobp::simulate_peak_memory: base = parameters x (compute + master + AdamW "
@@ -175,7 +177,10 @@ int dry_run(const Plan& p) {
              "(imbalance {:.3f}), precision {}{}, micro-batch {} x {} tokens, m = {}\n",
              cfg.name, llm::parameter_count(cfg), llm::parameter_count(cfg) / 1e9, S, p.world_size, p.schedule.name,
              p.schedule.backward == twobp::BackwardMode::kSplit ? "2BP" : "fused backward", p.partition.layout(),
-             p.partition.imbalance(), mo.precision.name, mo.recompute ? ", recompute" : "", mo.micro_batch_size,
+             p.partition.imbalance(), mo.precision.name,
+             !mo.recompute ? "" : mo.recompute_ranks > 0 ? fmt::format(", recompute on ranks < {}", mo.recompute_ranks)
+                                                         : std::string(", recompute"),
+             mo.micro_batch_size,
              mo.seq_len, p.schedule.num_micro_batches);
   j["stages"] = nlohmann::json::array();
   for (int s = 0; s < S; ++s) {

@@ -497,11 +497,13 @@ twobp::MemoryModel make_memory_model(const LlamaConfig& c, const Partition& part
         pending_costs ? static_cast<double>(chunk_pending_weight_bytes(c, spec, o.micro_batch_size, o.seq_len, b))
                       : 0.0;
     // With recomputation F keeps only the input; I and B re-run the forward first (rising to the activations).
-    const double kept = o.recompute ? static_cast<double>(chunk_input_bytes(c, spec, o.micro_batch_size, o.seq_len, b))
-                                    : act;
-    const double opens = o.recompute ? act - kept : 0.0;  // what I or B adds back before it starts
+    const bool recompute =
+        o.recompute && (o.recompute_ranks <= 0 || schedule.stage_to_rank[s] < o.recompute_ranks);
+    const double kept =
+        recompute ? static_cast<double>(chunk_input_bytes(c, spec, o.micro_batch_size, o.seq_len, b)) : act;
+    const double opens = recompute ? act - kept : 0.0;  // what I or B adds back before it starts
     auto& m = model.stages[s];
-    m[static_cast<int>(twobp::ActionType::kForward)] = {kept, o.recompute ? act : kept};
+    m[static_cast<int>(twobp::ActionType::kForward)] = {kept, recompute ? act : kept};
     m[static_cast<int>(twobp::ActionType::kBackwardInput)] = {pend - kept, opens};
     m[static_cast<int>(twobp::ActionType::kBackwardWeight)] = {-pend, 0.0};
     m[static_cast<int>(twobp::ActionType::kBackward)] = {-kept, opens};

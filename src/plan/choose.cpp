@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <optional>
 #include <utility>
 
 #include "twobp/error.h"
@@ -20,13 +21,65 @@ namespace {
 
 const char* mode_label(BackwardMode mode) { return mode == BackwardMode::kSplit ? "2BP" : "standard"; }
 
-std::string describe(const Schedule& s, bool recompute = false) {
-  return fmt::format("{} {}{}", s.name, mode_label(s.backward), recompute ? " with recomputation" : "");
+// "1f1b 2BP", "... with recomputation" (every rank), "... with recomputation on rank 0" / "on ranks 0-2".
+std::string describe(const Schedule& s, int recompute_ranks = 0) {
+  std::string where;
+  if (recompute_ranks == 1 && s.num_ranks > 1) where = " on rank 0";
+  if (recompute_ranks > 1 && recompute_ranks < s.num_ranks) where = fmt::format(" on ranks 0-{}", recompute_ranks - 1);
+  return fmt::format("{} {}{}{}", s.name, mode_label(s.backward), recompute_ranks > 0 ? " with recomputation" : "",
+                     where);
 }
-std::string describe(const ScheduleCandidate& c) { return describe(c.schedule, c.recompute); }
+std::string describe(const ScheduleCandidate& c) { return describe(c.schedule, c.recompute_ranks); }
 
 bool same_form(const ScheduleCandidate& a, const ScheduleCandidate& b) {
-  return a.name == b.name && a.mode == b.mode && a.recompute == b.recompute;
+  return a.name == b.name && a.mode == b.mode && a.recompute_ranks == b.recompute_ranks;
+}
+
+// Per stage, `recomputing`'s entry where the stage's rank is below `ranks`, else `as_built`'s (a list left empty
+// by both stays empty; one left empty by one side reads as 0 per stage there).
+std::vector<double> per_stage(const std::vector<double>& as_built, const std::vector<double>& recomputing,
+                              const std::vector<int>& stage_to_rank, int ranks) {
+  if (as_built.empty() && recomputing.empty()) return {};
+  std::vector<double> out(stage_to_rank.size(), 0.0);
+  for (std::size_t s = 0; s < out.size(); ++s) {
+    const std::vector<double>& from = stage_to_rank[s] < ranks ? recomputing : as_built;
+    if (!from.empty()) out[s] = from.at(s);
+  }
+  return out;
+}
+
+// The costs of a run whose first `ranks` ranks recompute every stage (ScheduleCandidate::recompute_ranks): each
+// stage's measured with its rank's setting.
+MeasuredCosts mixed_costs(const MeasuredCosts& as_built, const MeasuredCosts& recomputing,
+                          const std::vector<int>& stage_to_rank, int ranks) {
+  MeasuredCosts c;
+  c.forward = per_stage(as_built.forward, recomputing.forward, stage_to_rank, ranks);
+  c.backward_input = per_stage(as_built.backward_input, recomputing.backward_input, stage_to_rank, ranks);
+  c.backward_weight = per_stage(as_built.backward_weight, recomputing.backward_weight, stage_to_rank, ranks);
+  c.backward_weight_fixed =
+      per_stage(as_built.backward_weight_fixed, recomputing.backward_weight_fixed, stage_to_rank, ranks);
+  c.backward = per_stage(as_built.backward, recomputing.backward, stage_to_rank, ranks);
+  c.recompute = per_stage(as_built.recompute, recomputing.recompute, stage_to_rank, ranks);
+  c.communication = std::max(as_built.communication, recomputing.communication);
+  auto none = [](const std::vector<double>& v) {
+    return std::none_of(v.begin(), v.end(), [](double x) { return x > 0.0; });
+  };
+  if (none(c.recompute)) c.recompute.clear();
+  if (none(c.backward_weight_fixed)) c.backward_weight_fixed.clear();
+  return c;
+}
+
+// The memory model of the same run: each rank's base and each stage's actions and gradients from its setting.
+MemoryModel mixed_memory(const MemoryModel& as_built, const MemoryModel& recomputing,
+                         const std::vector<int>& stage_to_rank, int ranks) {
+  MemoryModel m = as_built;
+  for (std::size_t r = 0; r < m.base.size() && static_cast<int>(r) < ranks; ++r) m.base[r] = recomputing.base.at(r);
+  for (std::size_t s = 0; s < m.stages.size(); ++s) {
+    if (stage_to_rank.at(s) >= ranks) continue;
+    m.stages[s] = recomputing.stages.at(s);
+    if (!m.gradients.empty() && !recomputing.gradients.empty()) m.gradients[s] = recomputing.gradients.at(s);
+  }
+  return m;
 }
 
 double max_peak(const Schedule& schedule, const MemoryModel& memory) {
@@ -48,8 +101,14 @@ std::optional<CostModel> candidate_costs(const MeasuredCosts& m, BackwardMode mo
   }
   MeasuredCosts fused = m;
   if (fused.backward.size() == fused.backward_input.size() && fused.backward.size() == fused.backward_weight.size()) {
+    CostModel parts;  // the split parts, for CostModel::unfused_backward
+    parts.backward_input = m.backward_input;
+    parts.backward_weight = m.backward_weight;
+    if (m.backward_weight_fixed.size() == m.backward_weight.size()) {
+      parts.backward_weight_fixed = m.backward_weight_fixed;
+    }
     for (std::size_t s = 0; s < fused.backward.size(); ++s) {
-      if (fused.backward[s] <= 0.0) fused.backward[s] = fused.backward_input[s] + fused.backward_weight[s];
+      if (fused.backward[s] <= 0.0) fused.backward[s] = parts.unfused_backward(static_cast<int>(s));
     }
   }
   if (!all_positive(fused.backward)) return std::nullopt;
@@ -67,31 +126,61 @@ std::vector<ScheduleCandidate> rank_schedules(const Schedule& running, const Mea
               "rank_schedules: a memory limit ({} bytes) needs the measured memory model (RankOptions::memory: "
               "MemoryRecorder, agree_memory)",
               options.memory_limit_bytes);
-  std::vector<std::pair<BackwardMode, CostModel>> models;  // the modes the costs can tell, once each
-  for (BackwardMode mode : options.modes) {
-    if (std::optional<CostModel> model = candidate_costs(costs, mode)) models.emplace_back(mode, std::move(*model));
+  const MeasuredCosts* recomputing = options.recompute_costs;
+  TWOBP_CHECK(recomputing == nullptr || recomputing->num_stages() == running.num_stages, UsageError,
+              "rank_schedules: the recomputing costs are of {} stages, schedule '{}' has {}",
+              recomputing == nullptr ? 0 : recomputing->num_stages(), running.name, running.num_stages);
+  TWOBP_CHECK(recomputing == nullptr || options.memory == nullptr || options.recompute_memory != nullptr, UsageError,
+              "rank_schedules: with a memory model and recomputing costs, the recomputing forms need their memory "
+              "model too (RankOptions::recompute_memory)");
+  // Per recompute_ranks setting: the costs of the modes they can tell, once each, and the memory model.
+  struct Setting {
+    int ranks = 0;
+    std::vector<std::pair<BackwardMode, CostModel>> models;
+    std::optional<MemoryModel> memory;
+  };
+  std::vector<Setting> settings;
+  for (int j = 0; j <= (recomputing != nullptr ? running.num_ranks : 0); ++j) {
+    Setting setting;
+    setting.ranks = j;
+    const MeasuredCosts measured = j == 0 ? costs : mixed_costs(costs, *recomputing, running.stage_to_rank, j);
+    for (BackwardMode mode : options.modes) {
+      if (std::optional<CostModel> model = candidate_costs(measured, mode)) {
+        setting.models.emplace_back(mode, std::move(*model));
+      }
+    }
+    if (options.memory != nullptr) {
+      setting.memory = j == 0 ? *options.memory
+                              : mixed_memory(*options.memory, *options.recompute_memory, running.stage_to_rank, j);
+    }
+    settings.push_back(std::move(setting));
   }
   std::vector<ScheduleCandidate> out;
   for (const std::string& name : options.names.empty() ? schedule_names() : options.names) {
-    for (const auto& [mode, model] : models) {
-      ScheduleCandidate c{name, mode, {}, 0.0, 0.0, options.recompute};
+    for (BackwardMode mode : options.modes) {
+      Schedule schedule;
       try {
-        c.schedule = make_schedule(
+        schedule = make_schedule(
             name, ScheduleOptions{running.num_ranks, running.num_micro_batches, running.num_stages / running.num_ranks,
                                   mode});
       } catch (const UsageError&) {  // ScheduleError too: a shape this generator does not take
         continue;
       }
-      if (c.schedule.stage_to_rank != running.stage_to_rank ||
-          c.schedule.num_micro_batches != running.num_micro_batches) {
+      if (schedule.stage_to_rank != running.stage_to_rank || schedule.num_micro_batches != running.num_micro_batches) {
         continue;
       }
-      if (options.memory != nullptr) {
-        c.predicted_peak_bytes = max_peak(c.schedule, *options.memory);
-        if (options.memory_limit_bytes > 0.0 && c.predicted_peak_bytes > options.memory_limit_bytes) continue;
+      for (const Setting& setting : settings) {
+        const auto model = std::find_if(setting.models.begin(), setting.models.end(),
+                                        [mode = mode](const auto& m) { return m.first == mode; });
+        if (model == setting.models.end()) continue;  // the costs cannot tell this mode
+        ScheduleCandidate c{name, mode, schedule, 0.0, 0.0, setting.ranks};
+        if (setting.memory) {
+          c.predicted_peak_bytes = max_peak(c.schedule, *setting.memory);
+          if (options.memory_limit_bytes > 0.0 && c.predicted_peak_bytes > options.memory_limit_bytes) continue;
+        }
+        c.predicted_ms = simulate(c.schedule, model->second).step_time;
+        out.push_back(std::move(c));
       }
-      c.predicted_ms = simulate(c.schedule, model).step_time;
-      out.push_back(std::move(c));
     }
   }
   std::stable_sort(out.begin(), out.end(), [](const ScheduleCandidate& a, const ScheduleCandidate& b) {
@@ -136,7 +225,7 @@ AutoSchedule::AutoSchedule(Pipeline& pipeline, AutoScheduleOptions options)
   // The starting schedule, then its other form where the candidates include that mode: a 2BP run measures I and
   // W but not what a fused B costs (less than I + W), a standard run B but not I and W. With recompute, both again
   // with every stage recomputing.
-  probes_.push_back(ScheduleCandidate{start_.name, start_.backward, start_, 0.0, 0.0, false});
+  probes_.push_back(ScheduleCandidate{start_.name, start_.backward, start_, 0.0, 0.0, 0});
   const BackwardMode other =
       start_.backward == BackwardMode::kSplit ? BackwardMode::kStandard : BackwardMode::kSplit;
   if (std::find(options_.modes.begin(), options_.modes.end(), other) != options_.modes.end()) {
@@ -145,7 +234,7 @@ AutoSchedule::AutoSchedule(Pipeline& pipeline, AutoScheduleOptions options)
           start_.name, ScheduleOptions{start_.num_ranks, start_.num_micro_batches, start_.num_stages / start_.num_ranks,
                                        other});
       if (form.stage_to_rank == start_.stage_to_rank && form.num_micro_batches == start_.num_micro_batches) {
-        probes_.push_back(ScheduleCandidate{form.name, form.backward, std::move(form), 0.0, 0.0, false});
+        probes_.push_back(ScheduleCandidate{form.name, form.backward, std::move(form), 0.0, 0.0, 0});
       }
     } catch (const UsageError&) {  // a schedule from a file, or a generator without that form
     }
@@ -154,7 +243,7 @@ AutoSchedule::AutoSchedule(Pipeline& pipeline, AutoScheduleOptions options)
     const std::size_t built = probes_.size();
     for (std::size_t k = 0; k < built; ++k) {
       probes_.push_back(probes_[k]);
-      probes_.back().recompute = true;
+      probes_.back().recompute_ranks = start_.num_ranks;
     }
   }
 }
@@ -171,7 +260,7 @@ std::optional<std::string> AutoSchedule::after_step(const StepResult& result) {
   ++steps_in_phase_;
   if (steps_in_phase_ > 1) {  // the first step of a phase is warm-up
     if (phase_ == Phase::kProbing) {
-      const int setting = probes_[probe_ms_.size()].recompute ? 1 : 0;
+      const int setting = probes_[probe_ms_.size()].recompute_ranks > 0 ? 1 : 0;
       costs_[setting].add(result.trace);
       if (!memory_.empty()) memory_[setting].add(result.trace);
     }
@@ -184,7 +273,7 @@ std::optional<std::string> AutoSchedule::after_step(const StepResult& result) {
       const ScheduleCandidate& next = probes_[probe_ms_.size()];
       start_phase(next);
       const std::string why =
-          next.recompute != measured.recompute
+          next.recompute_ranks != measured.recompute_ranks
               ? "with every stage recomputing too (what recomputation costs and saves)"
               : fmt::format("its {} form too (what {} costs)", mode_label(next.mode),
                             next.mode == BackwardMode::kSplit ? "an I and a W" : "a fused B");
@@ -201,49 +290,50 @@ std::string AutoSchedule::memory_note() const {
   return memory_.empty() ? "" : fmt::format(" within {:.4g} MiB", options_.memory_limit_bytes / (1 << 20));
 }
 
-void AutoSchedule::set_recompute(bool every_stage) {
-  for (const auto& [stage, built] : built_recompute_) pipeline_.stage(stage).set_recompute(every_stage || built);
-  recomputing_ = every_stage;
+void AutoSchedule::set_recompute(int ranks) {
+  const bool mine = pipeline_.rank() < ranks;
+  for (const auto& [stage, built] : built_recompute_) pipeline_.stage(stage).set_recompute(mine || built);
+  recompute_ranks_ = ranks;
 }
 
 void AutoSchedule::start_phase(const ScheduleCandidate& next) {
-  set_recompute(next.recompute);
+  set_recompute(next.recompute_ranks);
   pipeline_.switch_schedule(next.schedule);
   steps_in_phase_ = 0;
   step_ms_.clear();
 }
 
 std::string AutoSchedule::end_probe() {
-  // Per recomputation setting probed: the agreed costs and memory model, and the candidates ranked under them.
+  // Per recomputation setting probed (as built; every stage recomputing): the agreed costs and memory model.
   Transport& t = pipeline_.transport();
   std::vector<MeasuredCosts> agreed;
   std::vector<MemoryModel> memory;
-  memory.reserve(costs_.size());  // RankOptions::memory points into it
-  ranking_.clear();
   for (std::size_t k = 0; k < costs_.size(); ++k) {
     agreed.push_back(agree_costs(t, costs_[k].local_medians(), options_.timeout, options_.replicas));
-    RankOptions ro;
-    ro.names = options_.names;
-    ro.modes = options_.modes;
-    ro.recompute = k == 1;
     if (!memory_.empty()) {
       memory.push_back(
           agree_memory(t, memory_[k].local_medians(t.rank(), t.world_size()), options_.timeout, options_.replicas));
-      ro.memory = &memory.back();
-      ro.memory_limit_bytes = options_.memory_limit_bytes;
     }
-    std::vector<ScheduleCandidate> ranked = rank_schedules(start_, agreed.back(), ro);
-    ranking_.insert(ranking_.end(), ranked.begin(), ranked.end());
   }
-  // Fastest first; ties keep the forms as built before those recomputing.
-  std::stable_sort(ranking_.begin(), ranking_.end(), [](const ScheduleCandidate& a, const ScheduleCandidate& b) {
-    return a.predicted_ms < b.predicted_ms;
-  });
+  // Every candidate, each recompute_ranks setting's stages costed (and their memory modelled) from the probes of
+  // their ranks' setting.
+  RankOptions ro;
+  ro.names = options_.names;
+  ro.modes = options_.modes;
+  if (!memory.empty()) {
+    ro.memory = &memory[0];
+    ro.memory_limit_bytes = options_.memory_limit_bytes;
+  }
+  if (agreed.size() > 1) {
+    ro.recompute_costs = &agreed[1];
+    if (!memory.empty()) ro.recompute_memory = &memory[1];
+  }
+  ranking_ = rank_schedules(start_, agreed[0], ro);
   // The probes' predictions; a probed form is kept only if it fits the limit (see settle() for the start).
   probe_fits_.assign(probes_.size(), true);
   for (std::size_t k = 0; k < probes_.size(); ++k) {
     ScheduleCandidate& p = probes_[k];
-    const int setting = p.recompute ? 1 : 0;
+    const int setting = p.recompute_ranks > 0 ? 1 : 0;
     const std::optional<CostModel> model = candidate_costs(agreed[setting], p.mode);
     p.predicted_ms = model ? simulate(p.schedule, *model).step_time : 0.0;
     if (!memory.empty()) {
@@ -314,9 +404,10 @@ std::string AutoSchedule::settle(const std::string& prefix) {
   chosen_ms_ = best->second;
   const ScheduleCandidate& chosen = *best->first;
   const Schedule& now = pipeline_.schedule();
-  const bool running = chosen.name == now.name && chosen.mode == now.backward && chosen.recompute == recomputing_;
+  const bool running =
+      chosen.name == now.name && chosen.mode == now.backward && chosen.recompute_ranks == recompute_ranks_;
   if (!running) {
-    set_recompute(chosen.recompute);
+    set_recompute(chosen.recompute_ranks);
     pipeline_.switch_schedule(chosen.schedule);
   }
   const std::string verb = running ? "keeping" : &chosen == &probes_.front() ? "back to" : "switching to";

@@ -201,7 +201,8 @@ LlamaCosts fit_llama_costs(const llm::LlamaConfig& config, int64_t seq, const st
       f_units += run.partition.cost[s];
       if (run.mode == BackwardMode::kSplit) {
         I.add(chunk, c.backward_input[s]);
-        W.add(chunk, c.backward_weight[s]);
+        // A W of one micro-batch: the planned costs have no fixed W part (CostModel::backward_weight_fixed).
+        W.add(chunk, c.backward_weight[s] + (c.backward_weight_fixed.size() == n ? c.backward_weight_fixed[s] : 0.0));
       } else {
         B.add(chunk, c.backward[s]);
       }

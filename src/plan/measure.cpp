@@ -49,10 +49,38 @@ std::vector<double> mean_over_replicas(Transport* replicas, std::vector<double> 
 void check_sizes(const MeasuredCosts& c, const std::string& who) {
   const std::size_t S = c.forward.size();
   TWOBP_CHECK(c.backward_input.size() == S && c.backward_weight.size() == S && c.backward.size() == S &&
-                  (c.recompute.empty() || c.recompute.size() == S),
+                  (c.recompute.empty() || c.recompute.size() == S) &&
+                  (c.backward_weight_fixed.empty() || c.backward_weight_fixed.size() == S),
               UsageError,
-              "{}: per-stage sizes differ (F {}, I {}, W {}, B {}, R {}); every list needs one entry per stage", who,
-              S, c.backward_input.size(), c.backward_weight.size(), c.backward.size(), c.recompute.size());
+              "{}: per-stage sizes differ (F {}, I {}, W {}, B {}, R {}, W0 {}); every list needs one entry per stage",
+              who, S, c.backward_input.size(), c.backward_weight.size(), c.backward.size(), c.recompute.size(),
+              c.backward_weight_fixed.size());
+}
+
+// One stage's W costs from its W durations by micro-batch count (CostRecorder's rule, twobp/plan/measure.h):
+// {fixed part, per micro-batch}.
+std::pair<double, double> weight_costs(const std::map<int, std::vector<double>>& by_size) {
+  if (by_size.empty()) return {0.0, 0.0};
+  std::vector<double> per_micro_batch;
+  for (const auto& [k, samples] : by_size) {
+    for (double ms : samples) per_micro_batch.push_back(ms / k);
+  }
+  const std::pair<double, double> proportional{0.0, median_or_zero(per_micro_batch)};
+  if (by_size.size() < 2) return proportional;
+  // Least squares of ms = a + b k over the (k, median) points, one per size.
+  double n = 0.0, sk = 0.0, sm = 0.0, skk = 0.0, skm = 0.0;
+  for (const auto& [k, samples] : by_size) {
+    const double m = median_or_zero(samples);
+    n += 1.0;
+    sk += k;
+    sm += m;
+    skk += static_cast<double>(k) * k;
+    skm += k * m;
+  }
+  const double b = (n * skm - sk * sm) / (n * skk - sk * sk);  // the sizes differ, so the denominator is > 0
+  const double a = (sm - b * sk) / n;
+  // A fixed part at rounding level (durations exactly proportional) is none.
+  return a > 1e-9 * sm / n && b > 0.0 ? std::pair<double, double>{a, b} : proportional;
 }
 
 void check_stage(int stage, int num_stages, const TraceEvent& e, const char* who) {
@@ -78,12 +106,13 @@ CostModel MeasuredCosts::cost_model(BackwardMode mode) const {
                 "measure a 2BP run, or simulate BackwardMode::kStandard");
     costs.backward_input = backward_input;
     costs.backward_weight = backward_weight;
+    costs.backward_weight_fixed = backward_weight_fixed;
     // A 2BP schedule may fuse some backwards (DualPipeV's last ones): when the run had any, the simulator takes
     // their measured cost, and I + W on the stages that had none.
     if (any_positive(backward)) {
       costs.backward = backward;
       for (std::size_t s = 0; s < S; ++s) {
-        if (costs.backward[s] <= 0.0) costs.backward[s] = backward_input[s] + backward_weight[s];
+        if (costs.backward[s] <= 0.0) costs.backward[s] = costs.unfused_backward(static_cast<int>(s));
       }
     }
   } else {
@@ -98,7 +127,7 @@ CostModel MeasuredCosts::cost_model(BackwardMode mode) const {
 }
 
 CostRecorder::CostRecorder(int num_stages)
-    : num_stages_(num_stages), f_(num_stages), i_(num_stages), w_(num_stages), b_(num_stages), r_(num_stages) {
+    : num_stages_(num_stages), f_(num_stages), i_(num_stages), b_(num_stages), r_(num_stages), w_(num_stages) {
   TWOBP_CHECK(num_stages > 0, UsageError, "CostRecorder: num_stages must be positive, got {}", num_stages);
 }
 
@@ -119,7 +148,7 @@ void CostRecorder::add(const Trace& trace) {
         r_[s].push_back(e.recompute_us / 1000.0);
         break;
       case ActionType::kBackwardWeight:
-        w_[s].push_back(ms / static_cast<double>(std::max<std::size_t>(1, e.action.micro_batches.size())));
+        w_[s][std::max(1, static_cast<int>(e.action.micro_batches.size()))].push_back(ms);
         break;
       default: break;
     }
@@ -131,29 +160,36 @@ MeasuredCosts CostRecorder::local_medians() const {
   MeasuredCosts c;
   c.forward = medians(f_);
   c.backward_input = medians(i_);
-  c.backward_weight = medians(w_);
   c.backward = medians(b_);
   c.recompute = medians(r_);
   if (!any_positive(c.recompute)) c.recompute.clear();
+  for (const auto& by_size : w_) {
+    const auto [fixed, per_micro_batch] = weight_costs(by_size);
+    c.backward_weight_fixed.push_back(fixed);
+    c.backward_weight.push_back(per_micro_batch);
+  }
+  if (!any_positive(c.backward_weight_fixed)) c.backward_weight_fixed.clear();
   return c;
 }
 
 MeasuredCosts agree_costs(Transport& transport, const MeasuredCosts& mine, Duration timeout, Transport* replicas) {
   const std::size_t S = mine.forward.size();
   check_sizes(mine, fmt::format("agree_costs: rank {}", transport.rank()));
-  // Slots: 5 per stage (F, I, W, B, R), then "has recomputation", then communication as a max through a sum of
-  // one-hot slots (one per rank).
+  // Slots: K per stage (F, I, W, B, R, W0), then "has recomputation", then communication as a max through a sum
+  // of one-hot slots (one per rank).
+  constexpr std::size_t K = 6;
   const std::size_t p = static_cast<std::size_t>(transport.world_size());
-  std::vector<double> v(5 * S + 1 + p, 0.0);
+  std::vector<double> v(K * S + 1 + p, 0.0);
   for (std::size_t s = 0; s < S; ++s) {
-    v[5 * s] = mine.forward[s];
-    v[5 * s + 1] = mine.backward_input[s];
-    v[5 * s + 2] = mine.backward_weight[s];
-    v[5 * s + 3] = mine.backward[s];
-    v[5 * s + 4] = mine.recompute.empty() ? 0.0 : mine.recompute[s];
+    v[K * s] = mine.forward[s];
+    v[K * s + 1] = mine.backward_input[s];
+    v[K * s + 2] = mine.backward_weight[s];
+    v[K * s + 3] = mine.backward[s];
+    v[K * s + 4] = mine.recompute.empty() ? 0.0 : mine.recompute[s];
+    v[K * s + 5] = mine.backward_weight_fixed.empty() ? 0.0 : mine.backward_weight_fixed[s];
   }
-  v[5 * S] = mine.recompute.empty() ? 0.0 : 1.0;
-  v[5 * S + 1 + static_cast<std::size_t>(transport.rank())] = mine.communication;
+  v[K * S] = mine.recompute.empty() ? 0.0 : 1.0;
+  v[K * S + 1 + static_cast<std::size_t>(transport.rank())] = mine.communication;
   // Every rank must bring the same number of stages, else the sum mixes fields: agree on S first.
   std::vector<double> sizes(p, 0.0);
   sizes[static_cast<std::size_t>(transport.rank())] = static_cast<double>(S);
@@ -168,14 +204,16 @@ MeasuredCosts agree_costs(Transport& transport, const MeasuredCosts& mine, Durat
   v = mean_over_replicas(replicas, sum_over_ranks(transport, v, timeout), timeout);
   MeasuredCosts out;
   for (std::size_t s = 0; s < S; ++s) {
-    out.forward.push_back(v[5 * s]);
-    out.backward_input.push_back(v[5 * s + 1]);
-    out.backward_weight.push_back(v[5 * s + 2]);
-    out.backward.push_back(v[5 * s + 3]);
-    out.recompute.push_back(v[5 * s + 4]);
+    out.forward.push_back(v[K * s]);
+    out.backward_input.push_back(v[K * s + 1]);
+    out.backward_weight.push_back(v[K * s + 2]);
+    out.backward.push_back(v[K * s + 3]);
+    out.recompute.push_back(v[K * s + 4]);
+    out.backward_weight_fixed.push_back(v[K * s + 5]);
   }
-  if (v[5 * S] == 0.0) out.recompute.clear();
-  out.communication = *std::max_element(v.begin() + static_cast<std::ptrdiff_t>(5 * S + 1), v.end());
+  if (v[K * S] == 0.0) out.recompute.clear();
+  if (!any_positive(out.backward_weight_fixed)) out.backward_weight_fixed.clear();
+  out.communication = *std::max_element(v.begin() + static_cast<std::ptrdiff_t>(K * S + 1), v.end());
   return out;
 }
 
@@ -299,6 +337,7 @@ std::string measured_costs_json(const MeasuredCosts& costs) {
   out["costs_ms"] = {{"F", costs.forward}, {"I", costs.backward_input}, {"W", costs.backward_weight},
                      {"B", costs.backward}};
   if (!costs.recompute.empty()) out["costs_ms"]["R"] = costs.recompute;
+  if (!costs.backward_weight_fixed.empty()) out["costs_ms"]["W0"] = costs.backward_weight_fixed;
   return out.dump();
 }
 
@@ -331,11 +370,13 @@ MeasuredCosts parse_measured_costs(const std::string& json_object, const std::st
   const std::size_t S = c.forward.size();
   TWOBP_CHECK(S > 0, UsageError, "{}: costs_ms.F is empty (no stages)", where);
   std::pair<const char*, std::vector<double>*> rest[] = {
-      {"I", &c.backward_input}, {"W", &c.backward_weight}, {"B", &c.backward}, {"R", &c.recompute}};
+      {"I", &c.backward_input}, {"W", &c.backward_weight}, {"B", &c.backward}, {"R", &c.recompute},
+      {"W0", &c.backward_weight_fixed}};
   for (auto& [key, into] : rest) {
     *into = list(key);
     const bool optional_empty = into->empty() && !costs.contains(key);
-    if (optional_empty && into != &c.recompute) into->assign(S, 0.0);
+    const bool stays_empty = into == &c.recompute || into == &c.backward_weight_fixed;  // "none", not "0 per stage"
+    if (optional_empty && !stays_empty) into->assign(S, 0.0);
     TWOBP_CHECK(optional_empty || into->size() == S, UsageError,
                 "{}: costs_ms.{} has {} stages, costs_ms.F has {}; every list needs one entry per stage", where, key,
                 into->size(), S);

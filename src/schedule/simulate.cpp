@@ -33,6 +33,14 @@ void check_costs(const Schedule& sc, const CostModel& costs) {
   if (has_i || (has_b && costs.backward.empty())) check_size(costs.backward_input, "backward_input");
   if (has_w || (has_b && costs.backward.empty())) check_size(costs.backward_weight, "backward_weight");
   if (has_b && !costs.backward.empty()) check_size(costs.backward, "backward");
+  if (!costs.backward_weight_fixed.empty()) {
+    check_size(costs.backward_weight_fixed, "backward_weight_fixed");
+    for (std::size_t s = 0; s < costs.backward_weight_fixed.size(); ++s) {
+      const double t = costs.backward_weight_fixed[s];
+      TWOBP_CHECK(std::isfinite(t) && t >= 0.0, UsageError,
+                  "simulate: CostModel.backward_weight_fixed[{}] is {}, expected a finite time >= 0", s, t);
+    }
+  }
   if (!costs.recompute.empty()) check_size(costs.recompute, "recompute");
   if (!costs.data_parallel_reduce.empty()) {
     check_size(costs.data_parallel_reduce, "data_parallel_reduce");
@@ -81,6 +89,16 @@ std::vector<double> reduction_ends(const Schedule& sc, const CostModel& costs, c
 
 }  // namespace
 
+double CostModel::weight(int stage, int micro_batches) const {
+  const auto s = static_cast<std::size_t>(stage);
+  const double fixed = backward_weight_fixed.empty() ? 0.0 : backward_weight_fixed.at(s);
+  return fixed + backward_weight.at(s) * static_cast<double>(micro_batches);
+}
+
+double CostModel::unfused_backward(int stage) const {
+  return backward_input.at(static_cast<std::size_t>(stage)) + weight(stage, 1);
+}
+
 CostModel CostModel::uniform(int num_stages, double f, double i, double w, double comm) {
   CostModel costs;
   costs.forward.assign(num_stages, f);
@@ -102,10 +120,9 @@ double action_cost(const Action& action, const CostModel& costs) {
     case ActionType::kBackwardInput:
       return recompute + costs.backward_input.at(s);
     case ActionType::kBackwardWeight:
-      return costs.backward_weight.at(s) * static_cast<double>(action.micro_batches.size());
+      return costs.weight(action.stage, static_cast<int>(action.micro_batches.size()));
     case ActionType::kBackward:
-      return recompute +
-             (costs.backward.empty() ? costs.backward_input.at(s) + costs.backward_weight.at(s) : costs.backward.at(s));
+      return recompute + (costs.backward.empty() ? costs.unfused_backward(action.stage) : costs.backward.at(s));
     default:
       return 0.0;
   }

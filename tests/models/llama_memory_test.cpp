@@ -6,6 +6,9 @@
 #include <torch/torch.h>
 
 #include <iostream>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "twobp/error.h"
 #include "twobp/metrics/memory.h"
@@ -131,6 +134,40 @@ TEST(LlamaMemoryEstimate, PlanParts) {
     EXPECT_LT(mixed[r].activations, 0.6 * twobp[r].activations);
   }
   EXPECT_THROW(llm::training_precision("fp8"), UsageError);
+}
+
+// MemoryPlanOptions::recompute_ranks: a rank's memory changes only by its own actions, so with the first j ranks
+// recomputing each rank's estimate is exactly the all-recomputing one on ranks below j and the one without on the
+// others -- on every placement (one and two stages per rank), in both modes.
+TEST(LlamaMemoryEstimate, RecomputeRanksRecomputeOnTheFirstRanksOnly) {
+  const auto c = llm::config_by_name("small");
+  const int p = 4;
+  llm::MemoryPlanOptions o;
+  o.micro_batch_size = 1;
+  o.seq_len = 256;
+  o.precision = llm::training_precision("fp32");
+  for (const auto& [name, v] : std::vector<std::pair<std::string, int>>{{"1f1b", 1}, {"zb-v", 2}}) {
+    for (BackwardMode mode : {BackwardMode::kStandard, BackwardMode::kSplit}) {
+      const auto sc = make_schedule(name, ScheduleOptions{p, 2 * p, v, mode});
+      const auto partition = llm::make_partition(c, sc.num_stages, o.seq_len);
+      o.recompute = false;
+      const auto none = llm::estimate_memory(c, partition, sc, o);
+      o.recompute = true;
+      o.recompute_ranks = 0;
+      const auto all = llm::estimate_memory(c, partition, sc, o);
+      for (int j = 1; j <= p; ++j) {
+        o.recompute_ranks = j;
+        const auto some = llm::estimate_memory(c, partition, sc, o);
+        for (int r = 0; r < p; ++r) {
+          const auto& want = r < j ? all[r] : none[r];
+          EXPECT_DOUBLE_EQ(some[r].total, want.total) << name << " j=" << j << " rank " << r;
+          EXPECT_DOUBLE_EQ(some[r].activations, want.activations) << name << " j=" << j << " rank " << r;
+        }
+      }
+      EXPECT_LT(all[0].activations, none[0].activations) << name;  // the two differ where it is checked
+      o.recompute_ranks = 0;
+    }
+  }
 }
 
 }  // namespace

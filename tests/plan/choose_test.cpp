@@ -6,10 +6,12 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "common/pipeline_fixtures.h"
@@ -56,12 +58,15 @@ TwoRanks two_rank_pipelines(const Schedule& start, const PipelineOptions& option
   return out;
 }
 
+// Without and with a fixed part of every W (MeasuredCosts::backward_weight_fixed, w0): a 2BP candidate's batched W
+// costs w0 + k W, a standard candidate's fused B I + w0 + W.
 TEST(RankSchedules, AreTheSimulatorsStepTimesOverTheSchedulesOfTheRunningPlacement) {
-  for (const auto& [start, v] : std::vector<std::pair<std::string, int>>{{"1f1b", 1}, {"interleaved-1f1b", 2},
-                                                                         {"zb-v", 2}}) {
+  for (const auto& [start, v, w0] : std::vector<std::tuple<std::string, int, double>>{
+           {"1f1b", 1, 0.0}, {"interleaved-1f1b", 2, 0.0}, {"zb-v", 2, 0.0}, {"1f1b", 1, 0.5}, {"zb-v", 2, 0.5}}) {
     const Schedule running = make_schedule(start, ScheduleOptions{2, 4, v, BackwardMode::kSplit});
     MeasuredCosts costs = split_costs(running.num_stages, 1.0, 1.25, 0.75);
     costs.communication = 0.1;
+    if (w0 > 0.0) costs.backward_weight_fixed.assign(running.num_stages, w0);
     const std::vector<ScheduleCandidate> ranking = rank_schedules(running, costs);
     ASSERT_GE(ranking.size(), 2u) << start;  // at least the running schedule's two forms
     bool has_running = false;
@@ -72,9 +77,10 @@ TEST(RankSchedules, AreTheSimulatorsStepTimesOverTheSchedulesOfTheRunningPlaceme
       EXPECT_EQ(c.schedule.num_micro_batches, running.num_micro_batches);
       EXPECT_EQ(c.schedule.backward, c.mode);
       if (k > 0) EXPECT_LE(ranking[k - 1].predicted_ms, c.predicted_ms);
-      // The same prediction from the costs written out by hand: a fused B costs I + W.
+      // The same prediction from the costs written out by hand: a fused B costs I + w0 + W.
       CostModel model = CostModel::uniform(running.num_stages, 1.0, 1.25, 0.75, 0.1);
-      model.backward.assign(running.num_stages, 2.0);
+      model.backward.assign(running.num_stages, 2.0 + w0);
+      if (c.mode == BackwardMode::kSplit) model.backward_weight_fixed.assign(running.num_stages, w0);
       if (c.mode == BackwardMode::kStandard) {
         model.backward_input.assign(running.num_stages, 0.0);
         model.backward_weight.assign(running.num_stages, 0.0);
@@ -96,6 +102,48 @@ TEST(RankSchedules, AreTheSimulatorsStepTimesOverTheSchedulesOfTheRunningPlaceme
     }
     EXPECT_EQ(static_cast<int>(ranking.size()), expected) << start;
   }
+}
+
+// Whether some W of `sc` runs several micro-batches at once.
+bool batches_w(const Schedule& sc) {
+  for (const auto& list : sc.actions) {
+    for (const Action& a : list) {
+      if (a.type == ActionType::kBackwardWeight && a.micro_batches.size() > 1) return true;
+    }
+  }
+  return false;
+}
+
+// The fastest predicted 2BP form that batches W and the fastest that does not (ranked fastest first).
+std::pair<const ScheduleCandidate*, const ScheduleCandidate*> best_batching_and_not(
+    const std::vector<ScheduleCandidate>& ranking) {
+  const ScheduleCandidate *batching = nullptr, *one_by_one = nullptr;
+  for (const ScheduleCandidate& c : ranking) {
+    const ScheduleCandidate*& slot = batches_w(c.schedule) ? batching : one_by_one;
+    if (slot == nullptr) slot = &c;
+  }
+  return {batching, one_by_one};
+}
+
+// The same W of one micro-batch (1 ms), without and with most of it fixed: when W is proportional to its size, no
+// form that batches W is predicted faster than the best that runs W's one by one (batching only delays the same
+// work); when batching makes W nearly free per micro-batch, the best form batches W, strictly ahead.
+TEST(RankSchedules, AFixedWPartFavoursFormsThatBatchW) {
+  const Schedule running = make_schedule("1f1b", ScheduleOptions{2, 8, 1, BackwardMode::kSplit});
+  RankOptions split_only;
+  split_only.modes = {BackwardMode::kSplit};
+  const auto proportional = rank_schedules(running, split_costs(2, 1.0, 1.0, 1.0), split_only);
+  MeasuredCosts mostly_fixed = split_costs(2, 1.0, 1.0, 0.1);
+  mostly_fixed.backward_weight_fixed = {0.9, 0.9};
+  const auto fixed = rank_schedules(running, mostly_fixed, split_only);
+  const auto [p_batching, p_one_by_one] = best_batching_and_not(proportional);
+  const auto [f_batching, f_one_by_one] = best_batching_and_not(fixed);
+  ASSERT_TRUE(p_batching && p_one_by_one && f_batching && f_one_by_one);
+  EXPECT_LE(p_one_by_one->predicted_ms, p_batching->predicted_ms) << p_one_by_one->name << " " << p_batching->name;
+  EXPECT_LT(f_batching->predicted_ms, f_one_by_one->predicted_ms) << f_batching->name << " " << f_one_by_one->name;
+  EXPECT_EQ(&fixed.front(), f_batching);
+  // W's one by one cost the same under both (0.9 + 0.1 = 1 per W): only the batching forms got faster.
+  EXPECT_DOUBLE_EQ(f_one_by_one->predicted_ms, p_one_by_one->predicted_ms);
 }
 
 TEST(RankSchedules, CostsOfAStandardRunRankOnlyStandardFormsAndNamesFilter) {
@@ -160,6 +208,88 @@ TEST(RankSchedules, AMemoryLimitKeepsTheCandidatesWhosePredictedPeakFits) {
   RankOptions wrong;
   wrong.memory = &other;
   EXPECT_THROW(rank_schedules(running, costs, wrong), UsageError);
+}
+
+// RankOptions::recompute_costs / recompute_memory: every form once per recompute_ranks = 0 .. p, each predicted
+// from per-stage costs and memory taken from the recomputing measurement exactly where the stage's rank is among
+// the first recompute_ranks (written out here stage by stage), on placements of one and two stages per rank. A
+// limit that 1F1B standard only fits with some ranks recomputing keeps those settings of it and not the others.
+TEST(RankSchedules, RecomputingRanksTakeEachStagesCostsAndMemoryFromItsRanksSetting) {
+  for (const auto& [start, p, v] :
+       std::vector<std::tuple<std::string, int, int>>{{"1f1b", 2, 1}, {"1f1b", 4, 1}, {"zb-v", 2, 2}}) {
+    SCOPED_TRACE(start + " p=" + std::to_string(p));
+    const Schedule running = make_schedule(start, ScheduleOptions{p, 2 * p, v, BackwardMode::kSplit});
+    const int S = running.num_stages;
+    MeasuredCosts built = split_costs(S, 1.0, 1.25, 0.75), recomputing = split_costs(S, 0.875, 1.25, 0.75);
+    built.backward.assign(S, 1.75);
+    recomputing.backward.assign(S, 1.75);
+    recomputing.recompute.assign(S, 0.875);
+    recomputing.backward_weight_fixed.assign(S, 0.125);
+    const MemoryModel built_memory = made_up_memory(p, S);
+    MemoryModel recomputing_memory = made_up_memory(p, S);
+    for (int st = 0; st < S; ++st) {  // F keeps only the stage's input; I and B free that much less
+      recomputing_memory.stages[st][static_cast<int>(ActionType::kForward)] = {20.0, 120.0 + 10 * st};
+      recomputing_memory.stages[st][static_cast<int>(ActionType::kBackwardInput)] = {-20.0 + 30.0 + 3 * st, 130.0};
+      recomputing_memory.stages[st][static_cast<int>(ActionType::kBackward)] = {-20.0, 140.0};
+    }
+    recomputing_memory.base.assign(p, 990.0);
+    RankOptions ro;
+    ro.memory = &built_memory;
+    ro.recompute_costs = &recomputing;
+    EXPECT_THROW(rank_schedules(running, built, ro), UsageError);  // recomputing costs without their memory
+    ro.recompute_memory = &recomputing_memory;
+    const std::vector<ScheduleCandidate> ranking = rank_schedules(running, built, ro);
+    RankOptions as_built;
+    as_built.memory = &built_memory;
+    EXPECT_EQ(ranking.size(), (p + 1) * rank_schedules(running, built, as_built).size());
+    std::vector<int> settings_seen(p + 1, 0);
+    for (const ScheduleCandidate& c : ranking) {
+      SCOPED_TRACE(c.name + (c.mode == BackwardMode::kSplit ? " 2bp" : " standard") + " recompute_ranks " +
+                   std::to_string(c.recompute_ranks));
+      ASSERT_GE(c.recompute_ranks, 0);
+      ASSERT_LE(c.recompute_ranks, p);
+      ++settings_seen[c.recompute_ranks];
+      MeasuredCosts mixed = built;
+      mixed.recompute.assign(S, 0.0);
+      mixed.backward_weight_fixed.assign(S, 0.0);
+      MemoryModel memory = built_memory;
+      for (int st = 0; st < S; ++st) {
+        if (running.stage_to_rank[st] >= c.recompute_ranks) continue;
+        mixed.forward[st] = recomputing.forward[st];
+        mixed.recompute[st] = recomputing.recompute[st];
+        mixed.backward_weight_fixed[st] = recomputing.backward_weight_fixed[st];
+        memory.stages[st] = recomputing_memory.stages[st];
+      }
+      for (int r = 0; r < c.recompute_ranks; ++r) memory.base[r] = recomputing_memory.base[r];
+      if (c.recompute_ranks == 0) mixed.recompute.clear();
+      if (c.recompute_ranks == 0) mixed.backward_weight_fixed.clear();
+      EXPECT_DOUBLE_EQ(c.predicted_ms, simulate(c.schedule, mixed.cost_model(c.mode)).step_time);
+      const std::vector<double> peaks = simulate_peak_memory(c.schedule, memory);
+      EXPECT_DOUBLE_EQ(c.predicted_peak_bytes, *std::max_element(peaks.begin(), peaks.end()));
+    }
+    for (int j = 0; j <= p; ++j) EXPECT_GT(settings_seen[j], 0) << j;
+
+    // The limit: 1F1B standard with only rank 0 recomputing.
+    if (start != "1f1b") continue;
+    double limit = 0.0, none = 0.0, all = 0.0;
+    for (const ScheduleCandidate& c : ranking) {
+      if (c.name != "1f1b" || c.mode != BackwardMode::kStandard) continue;
+      if (c.recompute_ranks == 1) limit = c.predicted_peak_bytes;
+      if (c.recompute_ranks == 0) none = c.predicted_peak_bytes;
+      if (c.recompute_ranks == p) all = c.predicted_peak_bytes;
+    }
+    ASSERT_LT(limit, none);  // rank 0 holds the most activations in 1F1B
+    ASSERT_LE(all, limit);
+    ro.memory_limit_bytes = limit;
+    std::vector<int> kept;
+    for (const ScheduleCandidate& c : rank_schedules(running, built, ro)) {
+      EXPECT_LE(c.predicted_peak_bytes, limit);
+      if (c.name == "1f1b" && c.mode == BackwardMode::kStandard) kept.push_back(c.recompute_ranks);
+    }
+    std::sort(kept.begin(), kept.end());
+    EXPECT_FALSE(kept.empty());
+    EXPECT_EQ(kept.front(), 1);
+  }
 }
 
 // AutoSchedule on 2 rank threads: whatever the machine's timings make it choose, every rank prints the same
@@ -309,7 +439,8 @@ TEST(AutoSchedule, AMemoryLimitRanksOnlyCandidatesThatFit) {
 struct Seen {
   std::vector<std::pair<int, std::string>> news;
   std::vector<std::string> problems;
-  std::vector<bool> recomputing;  // after each step's decision
+  std::vector<bool> recomputing;     // this rank, after each step's decision
+  std::vector<int> recompute_ranks;  // after each step's decision
   std::vector<ScheduleCandidate> ranking, probes;
   bool done = false;
   bool recomputing_at_end = false;
@@ -317,7 +448,8 @@ struct Seen {
 
 // 1f1b standard on 2 rank threads for `steps` steps under AutoSchedule with recompute, probe and verify steps of 2,
 // `names` as candidates and `limit` on their memory. Checks on every step that the gradients are the
-// single-process ones, that the stages recompute exactly when the chooser says so and that the trace's I's and B's
+// single-process ones, that each rank's stage recomputes exactly when the chooser says this rank does (rank <
+// recompute_ranks(): rank 0 alone for the candidates with recompute_ranks = 1) and that the trace's I's and B's
 // re-run forwards exactly then.
 std::vector<Seen> run_recomputing_auto(int steps, std::vector<std::string> names, int candidates, double limit) {
   constexpr int kMicroBatches = 4;
@@ -364,7 +496,11 @@ std::vector<Seen> run_recomputing_auto(int steps, std::vector<std::string> names
       }
       if (std::optional<std::string> line = chooser.after_step(result)) mine.news.emplace_back(step, *line);
       recomputing = chooser.recomputing();
+      if (recomputing != (r < chooser.recompute_ranks())) {
+        mine.problems.push_back("step " + std::to_string(step) + ": recomputing() is not rank < recompute_ranks()");
+      }
       mine.recomputing.push_back(recomputing);
+      mine.recompute_ranks.push_back(chooser.recompute_ranks());
       if (pipeline.stage(r).options().recompute != recomputing) {
         mine.problems.push_back("step " + std::to_string(step) + ": the stage's recompute is not the chooser's");
       }
@@ -379,27 +515,29 @@ std::vector<Seen> run_recomputing_auto(int steps, std::vector<std::string> names
     EXPECT_TRUE(s.done);
   }
   EXPECT_EQ(seen[0].news, seen[1].news);
-  EXPECT_EQ(seen[0].recomputing, seen[1].recomputing);
+  EXPECT_EQ(seen[0].recompute_ranks, seen[1].recompute_ranks);
   return seen;
 }
 
 // AutoScheduleOptions::recompute: the starting schedule's two forms are probed again with every stage recomputing,
 // on costs and a memory model of their own (F keeps only its inputs: recomputing forms predict less memory in
-// standard mode, where the activations are the peak, and about as much in 2BP); the ranking holds both settings;
-// the stages recompute exactly while a recomputing form runs, and every step keeps the single-process gradients.
-// A memory limit that only recomputing forms fit moves the job off its starting schedule onto one of them.
+// standard mode, where the activations are the peak, and about as much in 2BP); the ranking holds every form with
+// recompute_ranks 0, 1 (rank 0 only) and 2; each rank's stages recompute exactly while a form that covers the rank
+// runs, and every step keeps the single-process gradients -- with rank 0 recomputing and rank 1 not, too. A memory
+// limit that only recomputing forms fit moves the job off its starting schedule onto one of them.
 TEST(AutoSchedule, RecomputingFormsAreProbedRankedAndKeepTheGradients) {
   Float64Default float64;
   memory::count_cpu_allocations();
-  // Candidates 1f1b and gpipe: 1f1b's four forms are probed, gpipe's four are the trials.
-  constexpr int kProbe = 2, kVerify = 2, kCandidates = 4, kProbes = 4;
+  // Candidates 1f1b and gpipe, 2 forms x 3 recompute settings each: 1f1b's forms with 0 and 2 recomputing ranks are
+  // the four probes, the other eight candidates the trials.
+  constexpr int kProbe = 2, kVerify = 2, kCandidates = 8, kProbes = 4;
   const std::vector<Seen> seen =
       run_recomputing_auto(kProbes * kProbe + kCandidates * kVerify + 1, {"1f1b", "gpipe"}, kCandidates, 1e15);
   // 1f1b standard, 1f1b 2BP, then both with every stage recomputing: the third probe starts at step 2 kProbe.
   const Seen& s = seen[0];
   ASSERT_EQ(s.probes.size(), static_cast<std::size_t>(kProbes));
   for (int k = 0; k < kProbes; ++k) {
-    EXPECT_EQ(s.probes[k].recompute, k >= 2);
+    EXPECT_EQ(s.probes[k].recompute_ranks, k >= 2 ? 2 : 0);
     EXPECT_EQ(s.probes[k].mode, k % 2 == 0 ? BackwardMode::kStandard : BackwardMode::kSplit);
     EXPECT_GT(s.probes[k].predicted_ms, 0.0);
     EXPECT_GT(s.probes[k].predicted_peak_bytes, 0.0);
@@ -409,38 +547,46 @@ TEST(AutoSchedule, RecomputingFormsAreProbedRankedAndKeepTheGradients) {
   EXPECT_NE(s.news[1].second.find("switching to 1f1b standard with recomputation"), std::string::npos)
       << s.news[1].second;
   for (int step = 0; step < kProbes * kProbe; ++step) {
-    EXPECT_EQ(s.recomputing[step], step >= 2 * kProbe - 1 && step < kProbes * kProbe - 1) << step;
+    const bool probing_recomputation = step >= 2 * kProbe - 1 && step < kProbes * kProbe - 1;
+    EXPECT_EQ(s.recompute_ranks[step], probing_recomputation ? 2 : 0) << step;
   }
-  // Both settings ranked, each with its own memory model.
-  int recomputing_candidates = 0;
-  for (const ScheduleCandidate& c : s.ranking) {
-    if (!c.recompute) continue;
-    ++recomputing_candidates;
-    for (const ScheduleCandidate& d : s.ranking) {
-      if (d.recompute || d.name != c.name || d.mode != c.mode) continue;
-      // Standard forms peak on the activations, which recomputation drops; 2BP forms may peak on the deferred W's
-      // inputs, which it keeps, plus a few bytes of its own per micro-batch (seen: +8 bytes of 15 kB under ASan).
-      if (c.mode == BackwardMode::kStandard) EXPECT_LT(c.predicted_peak_bytes, d.predicted_peak_bytes) << c.name;
-      EXPECT_LE(c.predicted_peak_bytes, 1.01 * d.predicted_peak_bytes) << c.name;
+  // Every setting ranked; the recomputing ones predict no more memory than the same form with fewer ranks
+  // recomputing. Standard forms peak on the activations, which recomputation drops (strictly less with every rank
+  // recomputing); 2BP forms may peak on the deferred W's inputs, which it keeps, plus a few bytes of its own per
+  // micro-batch (seen: +8 bytes of 15 kB under ASan).
+  EXPECT_EQ(s.ranking.size(), 12u);
+  auto peak = [&](const std::string& name, BackwardMode mode, int ranks) {
+    for (const ScheduleCandidate& c : s.ranking) {
+      if (c.name == name && c.mode == mode && c.recompute_ranks == ranks) return c.predicted_peak_bytes;
+    }
+    ADD_FAILURE() << name << " with " << ranks << " recomputing ranks is not ranked";
+    return 0.0;
+  };
+  for (const std::string name : {"1f1b", "gpipe"}) {
+    for (BackwardMode mode : {BackwardMode::kStandard, BackwardMode::kSplit}) {
+      EXPECT_LE(peak(name, mode, 1), 1.01 * peak(name, mode, 0)) << name;
+      EXPECT_LE(peak(name, mode, 2), 1.01 * peak(name, mode, 1)) << name;
+      if (mode == BackwardMode::kStandard) EXPECT_LT(peak(name, mode, 2), peak(name, mode, 0)) << name;
     }
   }
-  EXPECT_EQ(recomputing_candidates, 4);
-  EXPECT_EQ(s.ranking.size(), 8u);
-  // The trials: gpipe's four forms, two of them recomputing.
-  int verified_recomputing = 0;
+  // The trials: 1f1b's two forms with rank 0 recomputing, gpipe's two forms in each of the 3 settings.
+  std::map<int, int> trials_by_setting;
   for (int k = 0; k < kCandidates; ++k) {
     const int first = kProbes * kProbe + k * kVerify;  // the trial's first step
-    verified_recomputing += s.recomputing[first - 1] ? 1 : 0;
+    ++trials_by_setting[s.recompute_ranks[first - 1]];
   }
-  EXPECT_EQ(verified_recomputing, 2);
+  EXPECT_EQ(trials_by_setting, (std::map<int, int>{{0, 2}, {1, 4}, {2, 2}}));
 
   // A limit between 1f1b standard's peak with recomputation and the smallest without: the starting schedule is
   // over it, so the job ends on a recomputing form (whichever of those that fit measured faster), and says why.
   const double with = s.probes[2].predicted_peak_bytes;
   const double without = std::min(s.probes[0].predicted_peak_bytes, s.probes[1].predicted_peak_bytes);
   ASSERT_LT(with, without);
-  const std::vector<Seen> limited = run_recomputing_auto(kProbes * kProbe + 1, {"1f1b"}, 1, (with + without) / 2);
-  EXPECT_TRUE(limited[0].recomputing_at_end && limited[1].recomputing_at_end);
+  const std::vector<Seen> limited =
+      run_recomputing_auto(kProbes * kProbe + 2 * kVerify + 1, {"1f1b"}, 2, (with + without) / 2);
+  EXPECT_GT(limited[0].recompute_ranks.back(), 0);
+  EXPECT_TRUE(limited[0].recomputing_at_end);  // rank 0 recomputes in every setting but 0
+  EXPECT_EQ(limited[1].recomputing_at_end, limited[1].recompute_ranks.back() == 2);
   ASSERT_FALSE(limited[0].news.empty());
   EXPECT_NE(limited[0].news.back().second.find("the starting schedule's predicted peak"), std::string::npos)
       << limited[0].news.back().second;

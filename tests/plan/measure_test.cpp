@@ -2,11 +2,14 @@
 // simulator fed with them reproduces the traced step, the ranks agree on every stage, and the JSON form round-trips.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "twobp/error.h"
@@ -21,8 +24,9 @@ namespace {
 
 constexpr std::chrono::seconds kTimeout{30};
 
-// Costs that differ per stage and per action type, so that a stage or type mixed up shows.
-CostModel distinct_costs(int stages, BackwardMode mode, bool recompute) {
+// Costs that differ per stage and per action type, so that a stage or type mixed up shows. With `fixed_w`, every
+// W also has a fixed part (CostModel::backward_weight_fixed).
+CostModel distinct_costs(int stages, BackwardMode mode, bool recompute, bool fixed_w = false) {
   CostModel c;
   for (int s = 0; s < stages; ++s) {
     c.forward.push_back(1.0 + 0.25 * s);
@@ -30,6 +34,7 @@ CostModel distinct_costs(int stages, BackwardMode mode, bool recompute) {
     c.backward_weight.push_back(mode == BackwardMode::kSplit ? 0.75 + 0.5 * s : 0.0);
     c.backward.push_back(2.0 + 0.375 * s);  // in 2BP form only for the B's a schedule fuses (DualPipeV's)
     if (recompute) c.recompute.push_back(0.5 + 0.0625 * s);
+    if (fixed_w) c.backward_weight_fixed.push_back(0.4 + 0.3 * s);
   }
   c.communication = 0.3;
   return c;
@@ -73,6 +78,36 @@ std::vector<Trace> traces_of(const Schedule& sc, const CostModel& costs, const S
   return out;
 }
 
+// Per stage of `sc`: the micro-batch counts of its W's.
+std::vector<std::set<int>> weight_sizes(const Schedule& sc) {
+  std::vector<std::set<int>> out(static_cast<std::size_t>(sc.num_stages));
+  for (const auto& list : sc.actions) {
+    for (const Action& a : list) {
+      if (a.type == ActionType::kBackwardWeight) out[a.stage].insert(static_cast<int>(a.micro_batches.size()));
+    }
+  }
+  return out;
+}
+
+// What CostRecorder gives back of `truth`'s W costs from a run of `sc` (its rule, twobp/plan/measure.h): {per
+// micro-batch, fixed part} per stage -- both where the stage's W's came in several sizes, else the one size's
+// duration per micro-batch and no fixed part; nothing where the stage has no W.
+std::pair<std::vector<double>, std::vector<double>> recorded_weight(const Schedule& sc, const CostModel& truth) {
+  std::vector<double> per_micro_batch(truth.backward_weight.size(), 0.0), fixed(truth.backward_weight.size(), 0.0);
+  const std::vector<std::set<int>> sizes = weight_sizes(sc);
+  for (std::size_t s = 0; s < sizes.size(); ++s) {
+    if (sizes[s].size() >= 2) {
+      per_micro_batch[s] = truth.backward_weight[s];
+      fixed[s] = truth.backward_weight_fixed.empty() ? 0.0 : truth.backward_weight_fixed[s];
+    } else if (sizes[s].size() == 1) {
+      const int k = *sizes[s].begin();
+      per_micro_batch[s] = truth.weight(static_cast<int>(s), k) / k;
+    }
+  }
+  if (std::all_of(fixed.begin(), fixed.end(), [](double x) { return x == 0.0; })) fixed.clear();
+  return {per_micro_batch, fixed};
+}
+
 // Runs `body(rank, transport)` on `ranks` Local rank threads and fails the test on any rank's error.
 template <typename Body>
 void on_rank_threads(int ranks, Body body) {
@@ -86,14 +121,16 @@ void expect_same(const std::vector<double>& got, const std::vector<double>& want
   for (std::size_t s = 0; s < want.size(); ++s) EXPECT_NEAR(got[s], want[s], 1e-9) << what << " stage " << s;
 }
 
-// The class of the case: every built-in schedule × mode × recomputation, at a shape each takes. Each rank records
-// only its own trace, the ranks agree, and the agreed costs are the costs the traces were made from; simulate() fed
-// with them gives back the traced step time.
+// The class of the case: every built-in schedule × mode × recomputation × (2BP) W with and without a fixed part,
+// at a shape each takes. Each rank records only its own trace, the ranks agree, and the agreed costs are the costs
+// the traces were made from (W as recorded_weight says); simulate() fed with them gives back the traced step time.
 TEST(MeasuredCosts, TracesOfKnownCostsGiveThemBackAndReproduceTheStep) {
-  int checked = 0;
+  int checked = 0, fixed_w_fitted = 0;
   for (const std::string& name : builtin_schedule_names()) {
     for (BackwardMode mode : {BackwardMode::kStandard, BackwardMode::kSplit}) {
-      for (bool recompute : {false, true}) {
+      for (auto [recompute, fixed_w] :
+           std::vector<std::pair<bool, bool>>{{false, false}, {true, false}, {false, true}}) {
+        if (fixed_w && mode == BackwardMode::kStandard) continue;
         for (auto [p, m] : std::vector<std::pair<int, int>>{{2, 4}, {3, 7}, {4, 8}}) {
           Schedule sc;
           try {
@@ -102,9 +139,11 @@ TEST(MeasuredCosts, TracesOfKnownCostsGiveThemBackAndReproduceTheStep) {
             continue;  // a shape this schedule does not take
           }
           const std::string what = name + (mode == BackwardMode::kSplit ? " 2bp" : " standard") +
-                                   (recompute ? " recompute" : "") + " p=" + std::to_string(p) +
-                                   " m=" + std::to_string(m);
-          const CostModel truth = distinct_costs(sc.num_stages, mode, recompute);
+                                   (recompute ? " recompute" : "") + (fixed_w ? " fixed W" : "") +
+                                   " p=" + std::to_string(p) + " m=" + std::to_string(m);
+          const CostModel truth = distinct_costs(sc.num_stages, mode, recompute, fixed_w);
+          const auto [want_w, want_w_fixed] = recorded_weight(sc, truth);
+          fixed_w_fitted += want_w_fixed.empty() ? 0 : 1;
           const SimulationResult sim = simulate(sc, truth);
           const std::vector<Trace> traces = traces_of(sc, truth, sim);
           std::vector<MeasuredCosts> agreed(static_cast<std::size_t>(p));
@@ -125,8 +164,8 @@ TEST(MeasuredCosts, TracesOfKnownCostsGiveThemBackAndReproduceTheStep) {
             expect_same(c.forward, truth.forward, who + " F");
             expect_same(c.backward_input, where_present(sc, ActionType::kBackwardInput, truth.backward_input),
                         who + " I");
-            expect_same(c.backward_weight, where_present(sc, ActionType::kBackwardWeight, truth.backward_weight),
-                        who + " W");
+            expect_same(c.backward_weight, want_w, who + " W");
+            expect_same(c.backward_weight_fixed, want_w_fixed, who + " W0");
             expect_same(c.backward, where_present(sc, ActionType::kBackward, truth.backward), who + " B");
             expect_same(c.recompute, truth.recompute, who + " R");
             EXPECT_DOUBLE_EQ(c.communication, truth.communication) << who;
@@ -138,7 +177,8 @@ TEST(MeasuredCosts, TracesOfKnownCostsGiveThemBackAndReproduceTheStep) {
       }
     }
   }
-  EXPECT_GE(checked, 4 * static_cast<int>(builtin_schedule_names().size()));
+  EXPECT_GE(checked, 5 * static_cast<int>(builtin_schedule_names().size()));
+  EXPECT_GT(fixed_w_fitted, 0);  // some built-in runs W's of several sizes on a stage, so a fixed part is fitted
 }
 
 TEST(MeasuredCosts, WOfSeveralMicroBatchesCountsPerMicroBatchAndMediansAreMedians) {
@@ -172,6 +212,64 @@ TEST(MeasuredCosts, WOfSeveralMicroBatchesCountsPerMicroBatchAndMediansAreMedian
   bad.events[0].action.stage = 1;
   EXPECT_THROW(recorder.add(bad), UsageError);
   EXPECT_THROW(CostRecorder(0), UsageError);
+}
+
+// W's of several sizes on one stage: the line through the median of each size, when batching is cheaper per
+// micro-batch; the proportional rule when it is not. The simulator charges a W of k fixed + k * per micro-batch.
+TEST(MeasuredCosts, WOfSeveralSizesFitsAFixedPartAndTheSimulatorChargesIt) {
+  auto weight = [](std::vector<int> mbs, double ms) {
+    TraceEvent e;
+    e.action = Action{ActionType::kBackwardWeight, 0, std::move(mbs)};
+    e.end_us = ms * 1000.0;
+    return e;
+  };
+  {
+    CostRecorder recorder(1);
+    Trace trace;  // W = 0.5 + 1.5 k ms; the 9.0 for k = 1 is an outlier the median drops
+    trace.events = {weight({0}, 2.0), weight({1}, 9.0), weight({2}, 2.0), weight({3, 4}, 3.5),
+                    weight({5, 6, 7, 8}, 6.5)};
+    recorder.add(trace);
+    const MeasuredCosts c = recorder.local_medians();
+    ASSERT_EQ(c.backward_weight_fixed.size(), 1u);
+    EXPECT_NEAR(c.backward_weight_fixed[0], 0.5, 1e-12);
+    EXPECT_NEAR(c.backward_weight[0], 1.5, 1e-12);
+    const MeasuredCosts back = parse_measured_costs(measured_costs_json(c), "round trip with W0");
+    EXPECT_EQ(back.backward_weight_fixed, c.backward_weight_fixed);
+    EXPECT_EQ(back.backward_weight, c.backward_weight);
+
+    // One rank, m = 3, 2BP GPipe: F F F I I I, then one W of the 3 micro-batches.
+    MeasuredCosts run = c;
+    run.forward = {1.0};
+    run.backward_input = {2.0};
+    run.backward = {0.0};
+    const CostModel model = run.cost_model(BackwardMode::kSplit);
+    EXPECT_DOUBLE_EQ(model.weight(0, 3), 0.5 + 3 * 1.5);
+    EXPECT_DOUBLE_EQ(model.unfused_backward(0), 2.0 + 0.5 + 1.5);
+    const Schedule gpipe = make_schedule("gpipe", default_schedule_options("gpipe", 1, 3, BackwardMode::kSplit));
+    EXPECT_DOUBLE_EQ(simulate(gpipe, model).step_time, 3 * 1.0 + 3 * 2.0 + 0.5 + 3 * 1.5);
+    // Its standard form from these 2BP costs: each B is I + a W of one micro-batch.
+    const Schedule standard =
+        make_schedule("gpipe", default_schedule_options("gpipe", 1, 3, BackwardMode::kStandard));
+    CostModel fused = model;
+    fused.backward.clear();
+    EXPECT_DOUBLE_EQ(simulate(standard, fused).step_time, 3 * 1.0 + 3 * (2.0 + 0.5 + 1.5));
+
+    CostModel bad = model;
+    bad.backward_weight_fixed = {-1.0};
+    EXPECT_THROW(simulate(gpipe, bad), UsageError);
+    bad.backward_weight_fixed = {0.5, 0.5};
+    EXPECT_THROW(simulate(gpipe, bad), UsageError);
+  }
+  {
+    CostRecorder recorder(1);
+    Trace trace;  // batched dearer per micro-batch (2 against 2.5): no fixed part, the median of 2 and 2.5
+    trace.events = {weight({0}, 2.0), weight({1, 2, 3, 4}, 10.0)};
+    recorder.add(trace);
+    const MeasuredCosts c = recorder.local_medians();
+    EXPECT_TRUE(c.backward_weight_fixed.empty());
+    EXPECT_DOUBLE_EQ(c.backward_weight[0], 2.25);
+    EXPECT_EQ(measured_costs_json(c).find("W0"), std::string::npos);
+  }
 }
 
 TEST(MeasuredCosts, CostModelRefusesTheModeTheRunDidNotMeasure) {

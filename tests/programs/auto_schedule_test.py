@@ -2,9 +2,10 @@
 """llama_pipeline --schedule auto (twobp::AutoSchedule) as a user runs it, on threads and under mpirun.
 
 Each run must print its decisions and record them in --json; then the same job started with the schedule auto
-ended on (--schedule NAME, --2bp or --no-2bp, --recompute) must give the same loss at every step, within 1e-6
-relative: a switch changes the order of the work, not what is computed. With --auto-recompute the starting schedule
-is measured with every stage recomputing too, and the candidates include those forms. Which schedule it picks
+ended on (--schedule NAME, --2bp or --no-2bp, --recompute --recompute-ranks N) must give the same loss at every
+step, within 1e-6 relative: a switch changes the order of the work, not what is computed. With --auto-recompute the
+starting schedule is measured with every stage recomputing too, and the candidates include every form with the
+first 1 .. p ranks recomputing. Which schedule it picks
 depends on this machine's timings; any pick must keep the losses. Refused combinations say why.
 
 With --timing (the opt-in ctest programs_auto_schedule_timing, label timing): a 30-step auto run on threads (4 x 4
@@ -34,6 +35,11 @@ def losses(path):
         return [s["loss"] for s in json.load(f)["steps"]]
 
 
+def recompute_args(ranks):
+    """The example's flags for the stages of pipeline ranks 0 .. ranks - 1 recomputing (none for 0)."""
+    return ["--recompute", "--recompute-ranks", str(ranks)] if ranks else []
+
+
 def check(launch, example, work, name, extra=()):
     auto_json = os.path.join(work, f"{name}_auto.json")
     out = run(launch + [example, *JOB, "--schedule", "auto", "--auto-steps", str(AUTO_STEPS), *extra,
@@ -48,16 +54,17 @@ def check(launch, example, work, name, extra=()):
     final = doc["auto_schedule"]["final"]
     if "--auto-recompute" in extra:
         assert "with every stage recomputing too" in decisions[1]["decision"], decisions[1]
-        settings = {c["recompute"] for c in doc["auto_schedule"]["ranking"]}
-        assert settings == {False, True}, f"{name}: the ranking holds recompute {settings}"
+        settings = {c["recompute_ranks"] for c in doc["auto_schedule"]["ranking"]}
+        assert settings == {0, 1, 2}, f"{name}: the ranking holds recompute_ranks {settings} (2 ranks)"
     again_json = os.path.join(work, f"{name}_{final['schedule']}.json")
     run(launch + [example, *JOB, "--schedule", final["schedule"], "--2bp" if final["2bp"] else "--no-2bp",
-                  *(["--recompute"] if final["recompute"] else []), "--json", again_json])
+                  *recompute_args(final["recompute_ranks"]), "--json", again_json])
     a, b = losses(auto_json), losses(again_json)
     assert len(a) == len(b) == STEPS, f"{name}: {len(a)} and {len(b)} steps"
     worst = max(abs(x - y) / abs(y) for x, y in zip(a, b))
     assert worst <= 1e-6, f"{name}: losses differ by {worst:.3g} relative from a run started with {final}:\n{a}\n{b}"
-    mode = ("2BP" if final["2bp"] else "standard") + (" with recomputation" if final["recompute"] else "")
+    mode = ("2BP" if final["2bp"] else "standard") + (
+        f" with recomputation on {final['recompute_ranks']} rank(s)" if final["recompute_ranks"] else "")
     print(f"{name}: {len(decisions)} decision(s), ended on {final['schedule']} {mode}; losses of {STEPS} steps "
           f"within {worst:.2g} relative of a run started with it")
 
@@ -113,7 +120,14 @@ def main():
     run([example, "--schedule", "auto", "--steps", "20", "--auto-steps", "3", "--auto-recompute"], ok=False,
         must_say="--steps >= 21")
     run([example, "--schedule", "auto", "--auto-recompute", "--recompute"], ok=False,
-        must_say="every stage recomputes already")
+        must_say="the stages recompute already")
+    # Recomputing on rank 0 only (--recompute-ranks) computes what no recomputation does.
+    plain, partial = os.path.join(work, "plain.json"), os.path.join(work, "rank0_recomputing.json")
+    run([example, *JOB, "--schedule", "1f1b", "--json", plain])
+    run([example, *JOB, "--schedule", "1f1b", *recompute_args(1), "--json", partial])
+    worst = max(abs(x - y) / abs(y) for x, y in zip(losses(partial), losses(plain)))
+    assert worst <= 1e-6, f"--recompute --recompute-ranks 1 changed the losses by {worst:.3g} relative"
+    print(f"threads: --recompute-ranks 1, losses within {worst:.2g} relative of no recomputation")
     # A memory bound on the candidates that nothing fits: the starting schedule is kept, and said so.
     out = run([example, *JOB, "--schedule", "auto", "--auto-steps", str(AUTO_STEPS), "--auto-memory-limit-gb",
                "1e-9"])

@@ -18,8 +18,8 @@
 // (those within measure_within of the best prediction and of the starting schedule's) then each run for
 // verify_steps steps, switching at step boundaries, and the job keeps the fastest measured of everything it ran
 // (the probed forms too): the simulator narrows the field and the run decides, so that effects the per-action
-// costs miss (ranks sharing cores, batched W's) weigh less. Every decision is made from all-reduced numbers, so
-// every rank decides alike.
+// costs miss (ranks sharing cores, W's batched over sizes the probes did not run) weigh less. Every decision is
+// made from all-reduced numbers, so every rank decides alike.
 //
 // Memory: with AutoScheduleOptions::memory_limit_bytes the probe also records each action's tensor memory
 // (PipelineOptions::record_memory), the ranks agree on the memory model, and only candidates whose simulated peak
@@ -27,12 +27,15 @@
 // other form is kept only if it fits too. So is the starting schedule: it is kept over the limit only when nothing
 // measured fits (the job then goes on as the user started it, and says so).
 //
-// Recomputation (AutoScheduleOptions::recompute): the candidates are then also every form with every stage
-// recomputing its activations (StageOptions::recompute; Stage::set_recompute switches it at a step boundary), which
-// trades a re-run forward in every I and B for F keeping only the stage's inputs -- slower, but with a memory limit
-// it may fit where the forms without do not, or let a faster order fit. The probe measures the starting schedule's
-// forms once more with every stage recomputing, so that those candidates are ranked on their own measured costs
-// and memory model, never on a guess of what recomputation costs or saves.
+// Recomputation (AutoScheduleOptions::recompute): the candidates are then also every form with the stages of the
+// first j pipeline ranks recomputing their activations, for j = 1 .. num_ranks (ScheduleCandidate::recompute_ranks;
+// StageOptions::recompute, which Stage::set_recompute switches at a step boundary). Recomputation trades a re-run
+// forward in every I and B for F keeping only the stage's inputs -- slower, but with a memory limit it may fit where
+// the forms without do not, or let a faster order fit; and since 1F1B-like orders hold the most activations on their
+// first ranks, recomputing there alone often fits at a fraction of the cost of recomputing everywhere. The probe
+// measures the starting schedule's forms once more with every stage recomputing, so that each stage has measured
+// costs and memory both ways; a candidate takes each stage's from the setting its rank runs -- never a guess of
+// what recomputation costs or saves.
 //
 // Not covered: candidates of another placement (that moves stages between ranks: a new Pipeline and a checkpoint),
 // and pipelines whose runtime bounds memory (PipelineOptions::memory_limit_bytes, max_pending_weight_micro_batches:
@@ -58,9 +61,9 @@ struct ScheduleCandidate {
   double predicted_ms = 0.0;  ///< simulate(schedule, costs).step_time
   /// max over ranks of simulate_peak_memory(schedule, memory) (bytes); 0 when ranked without a memory model.
   double predicted_peak_bytes = 0.0;
-  /// Every stage recomputes its activations (AutoScheduleOptions::recompute); false: each stage as the pipeline
-  /// was built. rank_schedules copies RankOptions::recompute here.
-  bool recompute = false;
+  /// The stages of pipeline ranks 0 .. recompute_ranks - 1 recompute their activations (AutoScheduleOptions::
+  /// recompute); the others run as the pipeline was built. 0: every stage as built; num_ranks: every stage.
+  int recompute_ranks = 0;
 };
 
 /// What rank_schedules considers besides the costs.
@@ -71,18 +74,23 @@ struct RankOptions {
   const MemoryModel* memory = nullptr;
   /// With `memory`: candidates whose predicted peak exceeds this on some rank are left out. 0: no limit.
   double memory_limit_bytes = 0.0;
-  /// What the costs (and memory model) were measured with: copied into every candidate's `recompute`.
-  bool recompute = false;
+  /// Costs measured with every stage recomputing (and, with `memory`, the memory model so measured). Given, the
+  /// candidates are also every form with recompute_ranks = 1 .. num_ranks, whose stages on the recomputing ranks
+  /// take these costs and memory, the others `costs` and `memory`. nullptr: recompute_ranks = 0 only.
+  const MeasuredCosts* recompute_costs = nullptr;
+  const MemoryModel* recompute_memory = nullptr;
 };
 
 /// The registered schedules × modes (`names` / `modes`; empty `names`: every registered schedule) that keep
 /// `running`'s placement (num_ranks, num_stages, stage_to_rank) and micro-batch count, ranked by their simulated
-/// step time under `costs` (fastest first; ties keep registry order, standard before 2BP). The costs of the
+/// step time under `costs` (fastest first; ties keep registry order, standard before 2BP, then fewer recomputing
+/// ranks; with RankOptions::recompute_costs each form once per recompute_ranks setting). The costs of the
 /// measured stages carry over unchanged, the placement being the same. A standard candidate's fused B is the
 /// measured B where the run had one, else I + W (2BP's split costs the same work); a 2BP candidate needs I and W,
 /// so costs of a standard run rank the standard forms only. Generators that reject the shape are left out, and so
 /// are candidates over the memory limit (RankOptions). Throws UsageError when the memory model does not cover the
-/// placement, or a limit is given without one.
+/// placement, a limit is given without one, the recomputing costs are of other stages, or `memory` is given
+/// with recompute_costs but without recompute_memory.
 std::vector<ScheduleCandidate> rank_schedules(const Schedule& running, const MeasuredCosts& costs,
                                               const RankOptions& options = {});
 
@@ -101,9 +109,10 @@ struct AutoScheduleOptions {
   /// Per-rank bound on the candidates' simulated peak tensor memory (bytes; 0: none). Needs the pipeline to run
   /// with PipelineOptions::record_memory (on CPU also memory::count_cpu_allocations(), twobp/metrics/memory.h).
   double memory_limit_bytes = 0.0;
-  /// Also the forms with every stage recomputing (see the top). The probe then runs each starting form again with
-  /// recomputation, probe_steps steps each (4 probes instead of 2 where both modes are candidates). Meant for a
-  /// pipeline built without recomputation (one built with it on every stage gets the same forms twice).
+  /// Also the forms with the stages of the first 1 .. num_ranks ranks recomputing (see the top). The probe then
+  /// runs each starting form again with every stage recomputing, probe_steps steps each (4 probes instead of 2
+  /// where both modes are candidates). Meant for a pipeline built without recomputation (one built with it on every
+  /// stage gets the same forms num_ranks + 1 times).
   bool recompute = false;
   /// Data parallelism: the rank's data-parallel group, so that the replicas agree (collective over it too).
   Transport* replicas = nullptr;
@@ -142,8 +151,11 @@ class AutoSchedule {
   const std::vector<double>& trial_ms() const { return trial_ms_; }
   /// The final choice's measured step time (the starting schedule's when kept; 0 before done).
   double chosen_ms() const { return chosen_ms_; }
-  /// Whether the pipeline runs with every stage recomputing now (a recomputing probe or candidate, or the choice).
-  bool recomputing() const { return recomputing_; }
+  /// How many ranks, from rank 0, run every stage with recomputation now (a recomputing probe or candidate, or the
+  /// choice; 0: every stage as built). The same on every rank.
+  int recompute_ranks() const { return recompute_ranks_; }
+  /// Whether this rank's stages all recompute now (this rank is among the first recompute_ranks()).
+  bool recomputing() const { return pipeline_.rank() < recompute_ranks_; }
 
  private:
   double slowest_median_ms();  // collective: max over ranks (and replicas) of this rank's median pipeline_us
@@ -151,7 +163,7 @@ class AutoSchedule {
   std::string end_trial();     // records a trial; starts the next or settles
   std::string settle(const std::string& prefix);  // keeps the fastest measured; done
   void start_phase(const ScheduleCandidate& next);  // switches the schedule and the recomputation
-  void set_recompute(bool every_stage);
+  void set_recompute(int ranks);  // the stages of ranks 0 .. ranks - 1 recompute, the others as built
   std::string memory_note() const;
 
   Pipeline& pipeline_;
@@ -163,7 +175,7 @@ class AutoSchedule {
   std::vector<CostRecorder> costs_;
   std::vector<MemoryRecorder> memory_;  // with a memory limit
   std::vector<std::pair<int, bool>> built_recompute_;  // this rank's stages as built: (stage, recompute)
-  bool recomputing_ = false;
+  int recompute_ranks_ = 0;
   std::vector<double> step_ms_;  // this rank's measured steps of the phase
   std::vector<ScheduleCandidate> ranking_;
   std::vector<ScheduleCandidate> probes_;

@@ -15,6 +15,7 @@
 // value of a stage is that rank's median (the others contribute 0).
 
 #include <array>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -32,7 +33,10 @@ class Pipeline;
 struct MeasuredCosts {
   std::vector<double> forward;          ///< F, per stage
   std::vector<double> backward_input;   ///< I, per stage, without its recomputation
-  std::vector<double> backward_weight;  ///< W per micro-batch, per stage (a W of k micro-batches counts k times)
+  std::vector<double> backward_weight;  ///< W per micro-batch, per stage (CostModel::weight)
+  /// The fixed part of every W, per stage (CostModel::backward_weight_fixed): a W of k micro-batches costs
+  /// backward_weight_fixed + k * backward_weight. Empty: no stage's W's showed one (see CostRecorder).
+  std::vector<double> backward_weight_fixed;
   std::vector<double> backward;         ///< fused B, per stage, without its recomputation
   /// The recomputation inside an I or B (StageOptions::recompute), per stage. Empty: the run did not recompute.
   std::vector<double> recompute;
@@ -49,9 +53,14 @@ struct MeasuredCosts {
 };
 
 /// Collects this rank's per-action durations from the traces of measured steps (Pipeline::step's StepResult::trace;
-/// leave the first, warm-up steps out). Each I and B is recorded without its recomputation, which is recorded apart;
-/// a W of k micro-batches counts as k W's of a k-th of its duration. Overlapped F&B pairs count each part's own
-/// span (the simulator runs the parts one after the other).
+/// leave the first, warm-up steps out). Each I and B is recorded without its recomputation, which is recorded apart.
+/// Overlapped F&B pairs count each part's own span (the simulator runs the parts one after the other).
+///
+/// W: a stage whose W's came in one size k (every W per micro-batch, or one batched W per step) gets
+/// backward_weight = the median of duration / k and no fixed part -- one size cannot tell them apart. A stage whose
+/// W's came in two or more sizes gets the least-squares line ms = a + b k through the median duration of each size
+/// (each size counts once, however often it ran): backward_weight_fixed = a, backward_weight = b, when both are
+/// positive; otherwise (W not cheaper per micro-batch when batched) the proportional rule above.
 class CostRecorder {
  public:
   explicit CostRecorder(int num_stages);
@@ -69,15 +78,17 @@ class CostRecorder {
  private:
   int num_stages_;
   int steps_ = 0;
-  // [stage]: samples in ms of F, I, W (per micro-batch), B, and recomputation (per I or B).
-  std::vector<std::vector<double>> f_, i_, w_, b_, r_;
+  // [stage]: samples in ms of F, I, B, and recomputation (per I or B).
+  std::vector<std::vector<double>> f_, i_, b_, r_;
+  // [stage][micro-batches of the W]: samples in ms of whole W's.
+  std::vector<std::map<int, std::vector<double>>> w_;
 };
 
 /// Every rank's local_medians() summed (all-reduces over `transport`, the pipeline's ranks): with each stage
 /// recorded by one rank, every rank gets every stage's costs. Collective: every rank calls it. communication is
-/// the max over ranks; recompute is kept when any rank has it. With data parallelism pass the rank's
-/// data-parallel group as `replicas`: the replicas' costs are then averaged too (one more all-reduce over it), so
-/// that every rank of the job holds the same numbers and makes the same choices from them.
+/// the max over ranks; recompute and backward_weight_fixed are kept when any rank has them. With data parallelism
+/// pass the rank's data-parallel group as `replicas`: the replicas' costs are then averaged too (one more
+/// all-reduce over it), so that every rank of the job holds the same numbers and makes the same choices from them.
 MeasuredCosts agree_costs(Transport& transport, const MeasuredCosts& mine, Duration timeout,
                           Transport* replicas = nullptr);
 
@@ -130,15 +141,16 @@ MemoryModel agree_memory(Transport& transport, const MemoryModel& mine, Duration
 std::vector<double> stage_gradient_bytes(Pipeline& pipeline);
 
 /// The JSON form of measured costs, the one writer of it: an object
-///   {"communication_ms": c, "costs_ms": {"F": [...], "I": [...], "W": [...], "B": [...], "R": [...]}}
-/// (per stage; "R" only when recompute is not empty) -- the two fields every result of `twobp_bench pipeline
-/// --json` carries, so that a result is itself readable by parse_measured_costs().
+///   {"communication_ms": c, "costs_ms": {"F": [...], "I": [...], "W": [...], "B": [...], "R": [...], "W0": [...]}}
+/// (per stage; "R" and "W0" -- backward_weight_fixed -- only when not empty) -- the two fields every result of
+/// `twobp_bench pipeline --json` carries, so that a result is itself readable by parse_measured_costs().
 std::string measured_costs_json(const MeasuredCosts& costs);
 
 /// The one reader of that form: reads "communication_ms" and "costs_ms" from a JSON object (other fields are
 /// ignored, so a whole result of `twobp_bench pipeline --json` can be given). "F" is required; a missing "I", "W"
-/// or "B" reads as 0 for every stage, a missing "R" as no recomputation. Throws UsageError, naming `where`, when
-/// the text is not a JSON object, a field is missing, not a number or negative, or the lists' sizes differ.
+/// or "B" reads as 0 for every stage, a missing "R" as no recomputation, a missing "W0" as no fixed W part.
+/// Throws UsageError, naming `where`, when the text is not a JSON object, a field is missing, not a number or
+/// negative, or the lists' sizes differ.
 MeasuredCosts parse_measured_costs(const std::string& json_object, const std::string& where);
 
 }  // namespace twobp

@@ -13,8 +13,12 @@ namespace twobp {
 struct CostModel {
   std::vector<double> forward;          ///< per stage
   std::vector<double> backward_input;   ///< per stage (I)
-  std::vector<double> backward_weight;  ///< per stage and micro-batch (W of k micro-batches costs k times this)
-  std::vector<double> backward;         ///< per stage (fused B); if empty, I + W
+  std::vector<double> backward_weight;  ///< per stage and micro-batch (see weight())
+  /// Per stage: the part of every W that does not grow with its micro-batches (kernel launches, a GEMM too small to
+  /// fill the device), so that a W batched over several micro-batches -- 2BP's deferred W -- costs less per
+  /// micro-batch than W's one by one, as GPUs measure it. Empty (the default): 0, W proportional to its size.
+  std::vector<double> backward_weight_fixed;
+  std::vector<double> backward;         ///< per stage (fused B); if empty, unfused_backward()
   /// Activation recomputation (StageOptions::recompute), per stage: the time to re-run the forward, added to every
   /// I and B of that stage (usually its forward cost; 0 for stages without). Empty (the default): no recomputation.
   std::vector<double> recompute;
@@ -34,6 +38,12 @@ struct CostModel {
   /// runtime starts a bucket as soon as the W's layers that fill it have run); after a B all are ready at its end
   /// (the runtime reduces B's gradients once the B is over).
   int data_parallel_buckets = 1;
+
+  /// The cost of a W of `micro_batches` micro-batches on `stage`: backward_weight_fixed[stage] + micro_batches *
+  /// backward_weight[stage]. The one place the simulator's W formula is written.
+  double weight(int stage, int micro_batches) const;
+  /// A fused B's cost when `backward` is empty (or not measured): I + a W of one micro-batch.
+  double unfused_backward(int stage) const;
 
   /// The same costs for every stage.
   static CostModel uniform(int num_stages, double f, double i, double w, double comm = 0.0);
