@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <array>
 #include <atomic>
 #include <exception>
 #include <map>
@@ -344,6 +345,60 @@ TEST_F(PipelineFailures, OverlapHookThatSkipsAPartIsRefused) {
     named = named || error_message(run.error).find("exactly once") != std::string::npos;
   }
   EXPECT_TRUE(named);
+}
+
+// A LibTorch error inside an overlapped pair (here an out-of-memory from a gradient hook, raised only while a pair
+// runs) keeps its type and names the pair -- the F and the B it ran beside -- on the failing rank, and the others
+// fail too instead of waiting; in both modes of every schedule with overlapped pairs.
+TEST_F(PipelineFailures, LibTorchErrorsInsideAnOverlappedPairNameThePair) {
+  int checked = 0;
+  for (const std::string& name : builtin_schedule_names()) {
+    for (BackwardMode mode : {BackwardMode::kStandard, BackwardMode::kSplit}) {
+      const Schedule schedule = make_schedule(name, default_schedule_options(name, 2, 4, mode));
+      if (overlapped_pairs(schedule) == 0) continue;
+      SCOPED_TRACE(name + (mode == BackwardMode::kSplit ? " 2bp" : " standard"));
+      auto inputs = torch::randn({4 * kMicroBatchSize, kDim}), targets = torch::randn({4 * kMicroBatchSize, kDim});
+      auto options = fixture_options();
+      std::array<std::atomic<bool>, 2> in_pair{};  // per rank: its overlap hook is running a pair
+      std::array<std::atomic<int>, 2> pairs{};
+      options.overlap_forward_backward = [&](const Action&, const Action& b, const std::function<void()>& f,
+                                             const std::function<void()>& bwd) {
+        const int rank = schedule.stage_to_rank.at(b.stage);
+        ++pairs[rank];
+        in_pair[rank] = true;
+        f();
+        bwd();
+        in_pair[rank] = false;
+      };
+      // On the general-path (odd) stages, whose parameters run gradient hooks: every rank of a V holds one.
+      auto runs = run_pipeline(schedule, inputs, targets, options, 1, [&](int rank, Pipeline& p) {
+        for (int stage : p.stage_indices()) {
+          if (stage % 2 == 0) continue;
+          for (at::Tensor& w : p.stage(stage).parameters()) {
+            w.register_hook([&in_pair, rank](const at::Tensor& grad) {
+              TORCH_CHECK_WITH(OutOfMemoryError, !in_pair[rank].load(), "injected out of memory");
+              return grad;
+            });
+          }
+        }
+      });
+      ASSERT_GT(pairs[0].load() + pairs[1].load(), 0) << (runs[0].error ? error_message(runs[0].error) : "");
+      int failed_in_pair = 0;
+      for (const RankRun& run : runs) {
+        ASSERT_TRUE(run.error) << "every rank must fail, none wait";
+        const std::string what = error_message(run.error);
+        if (is_a<RaisedOnAnotherRank>(run.error)) continue;
+        ++failed_in_pair;
+        EXPECT_TRUE(is_a<c10::OutOfMemoryError>(run.error)) << what;
+        EXPECT_NE(what.find("injected out of memory"), std::string::npos) << what;
+        EXPECT_NE(what.find("micro-batch"), std::string::npos) << what;
+        EXPECT_NE(what.find(" overlapped with B stage "), std::string::npos) << what;
+      }
+      EXPECT_GE(failed_in_pair, 1);
+      ++checked;
+    }
+  }
+  EXPECT_GE(checked, 2);  // dualpipev in both modes at least
 }
 
 // Overlapped parts share one time span: their memory cannot be recorded or bounded per action.
