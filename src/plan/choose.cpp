@@ -41,6 +41,11 @@ std::vector<double> per_stage(const std::vector<double>& as_built, const std::ve
                               const std::vector<int>& stage_to_rank, int ranks) {
   if (as_built.empty() && recomputing.empty()) return {};
   std::vector<double> out(stage_to_rank.size(), 0.0);
+  for (const std::vector<double>* v : {&as_built, &recomputing}) {
+    TWOBP_CHECK(v->empty() || v->size() == out.size(), UsageError,
+                "rank_schedules: a list of costs has {} entries, the schedule {} stages (one per stage)", v->size(),
+                out.size());
+  }
   for (std::size_t s = 0; s < out.size(); ++s) {
     const std::vector<double>& from = stage_to_rank[s] < ranks ? recomputing : as_built;
     if (!from.empty()) out[s] = from.at(s);
@@ -72,12 +77,16 @@ MeasuredCosts mixed_costs(const MeasuredCosts& as_built, const MeasuredCosts& re
 // The memory model of the same run: each rank's base and each stage's actions and gradients from its setting.
 MemoryModel mixed_memory(const MemoryModel& as_built, const MemoryModel& recomputing,
                          const std::vector<int>& stage_to_rank, int ranks) {
+  TWOBP_CHECK(recomputing.base.size() == as_built.base.size() && recomputing.stages.size() == as_built.stages.size(),
+              UsageError,
+              "rank_schedules: the recomputing memory model covers {} ranks and {} stages, the other {} and {}",
+              recomputing.base.size(), recomputing.stages.size(), as_built.base.size(), as_built.stages.size());
   MemoryModel m = as_built;
   for (std::size_t r = 0; r < m.base.size() && static_cast<int>(r) < ranks; ++r) m.base[r] = recomputing.base.at(r);
   for (std::size_t s = 0; s < m.stages.size(); ++s) {
     if (stage_to_rank.at(s) >= ranks) continue;
     m.stages[s] = recomputing.stages.at(s);
-    if (!m.gradients.empty() && !recomputing.gradients.empty()) m.gradients[s] = recomputing.gradients.at(s);
+    if (recomputing.gradients.size() == m.gradients.size()) m.gradients[s] = recomputing.gradients[s];
   }
   return m;
 }

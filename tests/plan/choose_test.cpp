@@ -268,6 +268,15 @@ TEST(RankSchedules, RecomputingRanksTakeEachStagesCostsAndMemoryFromItsRanksSett
       EXPECT_DOUBLE_EQ(c.predicted_peak_bytes, *std::max_element(peaks.begin(), peaks.end()));
     }
     for (int j = 0; j <= p; ++j) EXPECT_GT(settings_seen[j], 0) << j;
+    RankOptions wrong = ro;
+    const MemoryModel other_placement = made_up_memory(p + 1, S + 1);
+    wrong.recompute_memory = &other_placement;
+    EXPECT_THROW(rank_schedules(running, built, wrong), UsageError);
+    MeasuredCosts short_list = recomputing;
+    short_list.recompute.pop_back();
+    wrong = ro;
+    wrong.recompute_costs = &short_list;
+    EXPECT_THROW(rank_schedules(running, built, wrong), UsageError);
 
     // The limit: 1F1B standard with only rank 0 recomputing.
     if (start != "1f1b") continue;
