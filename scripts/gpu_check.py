@@ -690,12 +690,13 @@ class Check:
     def measure_pieces(self):
         m = self.measure
         bench = self.bench_binary()
+        batched_mbs = 4  # the micro-batches of split's batched W, priced by the simulator below
         for seq in m["seqs"]:
             split_json = os.path.join(self.out, "split_seq%d.json" % seq)
             cmd = [bench, "split", "--device", m["device"], "--dtype", m["dtype"], "--dim", m["dim"], "--ffn", m["ffn"],
                    "--heads", m["heads"], "--kv-heads", m["heads"], "--layers", m["layers"], "--seq", seq, "--batch",
-                   1, "--repeats", m["repeats"], "--warmup", 2, "--no-conv", "--batched-w", "--micro-batches", 4,
-                   "--json", split_json]
+                   1, "--repeats", m["repeats"], "--warmup", 2, "--no-conv", "--batched-w", "--micro-batches",
+                   batched_mbs, "--json", split_json]
 
             def split_ok(text, rc, killed, status, detail, split_json=split_json):
                 if status == "pass":
@@ -720,6 +721,10 @@ class Check:
             try:
                 fast = json.load(open(split_json))["fast"]
                 f, i, w, b = (fast[k] for k in ("forward_ms", "stage1_ms", "stage2_ms", "fused_ms"))
+                # The W of batched_mbs micro-batches at once (--batched-w): the simulator then prices every W as a
+                # fixed part + k x per micro-batch (twobp::fit_weight_cost), so batching W costs what it measured.
+                batched = (["--w-batched", batched_mbs, fast["batched_w_ms"]]
+                           if isinstance(fast.get("batched_w_ms"), (int, float)) and fast["batched_w_ms"] > 0 else [])
             except Exception as e:  # noqa: BLE001
                 self.record(name, "fail", 0, "cannot read F, I, W, B from %s: %s" % (split_json, e))
                 continue
@@ -734,7 +739,7 @@ class Check:
                 return status, detail, None
 
             self.piece(name, [bench, "simulate", "--ranks", 4, "--microbatches", 8, "--f", f, "--i", i, "--w", w,
-                              "--b", b, "--comm", 0.1, "--json", sim_json], 30, min_s=3, analyze=sim_ok)
+                              *batched, "--b", b, "--comm", 0.1, "--json", sim_json], 30, min_s=3, analyze=sim_ok)
 
     def example_pieces(self):
         """measure:example_2bp, measure:example_standard: llama_pipeline trains on the device (threads as ranks),

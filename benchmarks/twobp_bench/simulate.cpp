@@ -83,6 +83,8 @@ namespace {
 
 struct SimulateArgs {
   double f = 1, i = 1, w = 1, b = -1, comm = 0;  // b < 0: I + W
+  // --w-batched K MS: a W of K micro-batches costs MS; with --w (one micro-batch's) W is fit_weight_cost's line.
+  std::vector<double> w_batched;
   std::string from_json;
   int result = 0;
   int ranks = 4;
@@ -109,8 +111,8 @@ struct CostSource {
   bool measured = false;
   std::string description;
   double comm = 0;
-  // Command line: per-rank costs.
-  double f = 0, i = 0, w = 0, b = 0;
+  // Command line: per-rank costs (w0: the fixed part of each W, CostModel::backward_weight_fixed).
+  double f = 0, i = 0, w = 0, b = 0, w0 = 0;
   // Measured: per measured stage, and the measured placement.
   std::string schedule;
   int p = 0, m = 0, v = 0;
@@ -129,10 +131,23 @@ CostSource load_costs(const SimulateArgs& a) {
     c.f = a.f;
     c.i = a.i;
     c.w = a.w;
-    c.b = a.b >= 0 ? a.b : a.i + a.w;
+    c.b = a.b >= 0 ? a.b : a.i + a.w;  // a B's weight part is a W of one micro-batch
     c.comm = a.comm;
-    c.description = fmt::format("command line, per rank: F={} I={} W={} B={}{} comm={}", c.f, c.i, c.w, c.b,
-                                a.b >= 0 ? "" : " (I+W)", c.comm);
+    std::string batched;
+    if (!a.w_batched.empty()) {
+      const int k = static_cast<int>(a.w_batched[0]);
+      if (k < 2 || static_cast<double>(k) != a.w_batched[0]) {
+        throw std::runtime_error(fmt::format("--w-batched {} {}: the micro-batch count must be an integer >= 2",
+                                             a.w_batched[0], a.w_batched[1]));
+      }
+      const WeightCost w = fit_weight_cost({{1, {a.w}}, {k, {a.w_batched[1]}}});
+      c.w = w.per_micro_batch;
+      c.w0 = w.fixed;
+      batched = fmt::format(" (a W of 1 micro-batch {} ms, of {} {} ms: W0={:.4g} + W per micro-batch)", a.w, k,
+                            a.w_batched[1], c.w0);
+    }
+    c.description = fmt::format("command line, per rank: F={} I={} W={:.4g} B={}{} comm={}{}", c.f, c.i, c.w, c.b,
+                                a.b >= 0 ? "" : " (I+W)", c.comm, batched);
     return c;
   }
   const Json doc = read_json(a.from_json);
@@ -220,7 +235,7 @@ CostModel costs_for(const Schedule& target, const CostSource& src, std::string& 
   c.backward_input.resize(S);
   c.backward_weight.resize(S);
   c.backward.resize(S);
-  if (!src.W0.empty()) c.backward_weight_fixed.resize(S);  // mapped as W is
+  if (!src.W0.empty() || src.w0 > 0) c.backward_weight_fixed.resize(S);  // mapped as W is
   auto fill = [&](int s, double f, double i, double w, double b, double w0 = 0.0) {
     c.forward[s] = f;
     c.backward_input[s] = i;
@@ -231,7 +246,7 @@ CostModel costs_for(const Schedule& target, const CostSource& src, std::string& 
   auto w0_of = [&](std::size_t s) { return src.W0.empty() ? 0.0 : src.W0[s]; };
   if (!src.measured) {
     rule = "per-rank / v";
-    for (int s = 0; s < S; ++s) fill(s, src.f / v, src.i / v, src.w / v, src.b / v);
+    for (int s = 0; s < S; ++s) fill(s, src.f / v, src.i / v, src.w / v, src.b / v, src.w0 / v);
     return c;
   }
   if (P == src.p && target.stage_to_rank == src.stage_to_rank) {
@@ -397,6 +412,7 @@ Json simulate_json(const SimulateArgs& a, const CostSource& src, const std::vect
                    {"costs", src.description}, {"communication_ms", src.comm}, {"recompute", a.recompute}};
   if (!src.measured) {
     out["config"]["costs_ms_per_rank"] = {{"F", src.f}, {"I", src.i}, {"W", src.w}, {"B", src.b}};
+    if (src.w0 > 0) out["config"]["costs_ms_per_rank"]["W0"] = src.w0;
   }
   if (dp) {
     out["config"]["data_parallel"] = {{"dp", a.dp},
@@ -528,11 +544,17 @@ void add_simulate_command(CLI::App& app) {
                 ->capture_default_str()->check(cli::number_in(0, 1e9));
   auto* b = sub->add_option("--b", a->b, "Fused backward cost per rank, ms (default: I + W)")
                 ->check(cli::number_in(0, 1e9));
+  auto* w_batched =
+      sub->add_option("--w-batched", a->w_batched,
+                      "K MS: a W of K micro-batches at once costs MS per rank (e.g. `split --batched-w`'s "
+                      "batched_w_ms); with --w, one micro-batch's, each W then costs a fixed part + K x per "
+                      "micro-batch (the line through the two, twobp::fit_weight_cost)")
+          ->expected(2)->check(cli::number_in(0, 1e9));
   auto* comm = sub->add_option("--comm", a->comm, "One-way latency of one activation or gradient, ms")
                    ->capture_default_str()->check(cli::number_in(0, 1e9));
   auto* from = sub->add_option("--from-json", a->from_json, "Take costs from a `twobp_bench pipeline` JSON")
                    ->check(CLI::ExistingFile);
-  for (auto* opt : {f, i, w, b, comm}) from->excludes(opt);
+  for (auto* opt : {f, i, w, b, comm, w_batched}) from->excludes(opt);
   sub->add_option("--result", a->result, "Which result of --from-json (index into \"results\")")
       ->capture_default_str()->needs(from)->check(cli::number_in(0, cli::kMaxCount));
   sub->add_option("--ranks", a->ranks, "p: ranks")->capture_default_str()->check(cli::number_in(1, 64));

@@ -57,32 +57,6 @@ void check_sizes(const MeasuredCosts& c, const std::string& who) {
               c.backward_weight_fixed.size());
 }
 
-// One stage's W costs from its W durations by micro-batch count (CostRecorder's rule, twobp/plan/measure.h):
-// {fixed part, per micro-batch}.
-std::pair<double, double> weight_costs(const std::map<int, std::vector<double>>& by_size) {
-  if (by_size.empty()) return {0.0, 0.0};
-  std::vector<double> per_micro_batch;
-  for (const auto& [k, samples] : by_size) {
-    for (double ms : samples) per_micro_batch.push_back(ms / k);
-  }
-  const std::pair<double, double> proportional{0.0, median_or_zero(per_micro_batch)};
-  if (by_size.size() < 2) return proportional;
-  // Least squares of ms = a + b k over the (k, median) points, one per size.
-  double n = 0.0, sk = 0.0, sm = 0.0, skk = 0.0, skm = 0.0;
-  for (const auto& [k, samples] : by_size) {
-    const double m = median_or_zero(samples);
-    n += 1.0;
-    sk += k;
-    sm += m;
-    skk += static_cast<double>(k) * k;
-    skm += k * m;
-  }
-  const double b = (n * skm - sk * sm) / (n * skk - sk * sk);  // the sizes differ, so the denominator is > 0
-  const double a = (sm - b * sk) / n;
-  // A fixed part at rounding level (durations exactly proportional) is none.
-  return a > 1e-9 * sm / n && b > 0.0 ? std::pair<double, double>{a, b} : proportional;
-}
-
 void check_stage(int stage, int num_stages, const TraceEvent& e, const char* who) {
   TWOBP_CHECK(stage >= 0 && stage < num_stages, UsageError,
               "{}: rank {} traced a {} of stage {}, but the recorder was made for {} stages (pass the schedule's "
@@ -91,6 +65,36 @@ void check_stage(int stage, int num_stages, const TraceEvent& e, const char* who
 }
 
 }  // namespace
+
+WeightCost fit_weight_cost(const std::map<int, std::vector<double>>& ms_by_micro_batches) {
+  std::vector<double> per_micro_batch;
+  for (const auto& [k, samples] : ms_by_micro_batches) {
+    TWOBP_CHECK(k >= 1, UsageError, "fit_weight_cost: a W of {} micro-batches (expected >= 1)", k);
+    for (double ms : samples) {
+      TWOBP_CHECK(std::isfinite(ms) && ms >= 0.0, UsageError,
+                  "fit_weight_cost: a W of {} micro-batches took {} ms (expected a finite time >= 0)", k, ms);
+      per_micro_batch.push_back(ms / k);
+    }
+  }
+  const WeightCost proportional{0.0, median_or_zero(per_micro_batch)};
+  if (ms_by_micro_batches.size() < 2) return proportional;
+  // Least squares of ms = a + b k over the (k, median) points, one per count.
+  double n = 0.0, sk = 0.0, sm = 0.0, skk = 0.0, skm = 0.0;
+  for (const auto& [k, samples] : ms_by_micro_batches) {
+    if (samples.empty()) continue;
+    const double m = median_or_zero(samples);
+    n += 1.0;
+    sk += k;
+    sm += m;
+    skk += static_cast<double>(k) * k;
+    skm += k * m;
+  }
+  if (n < 2.0) return proportional;
+  const double b = (n * skm - sk * sm) / (n * skk - sk * sk);  // the counts differ, so the denominator is > 0
+  const double a = (sm - b * sk) / n;
+  // A fixed part at rounding level (durations exactly proportional) is none.
+  return a > 1e-9 * sm / n && b > 0.0 ? WeightCost{a, b} : proportional;
+}
 
 CostModel MeasuredCosts::cost_model(BackwardMode mode) const {
   const std::size_t S = forward.size();
@@ -164,9 +168,9 @@ MeasuredCosts CostRecorder::local_medians() const {
   c.recompute = medians(r_);
   if (!any_positive(c.recompute)) c.recompute.clear();
   for (const auto& by_size : w_) {
-    const auto [fixed, per_micro_batch] = weight_costs(by_size);
-    c.backward_weight_fixed.push_back(fixed);
-    c.backward_weight.push_back(per_micro_batch);
+    const WeightCost w = fit_weight_cost(by_size);
+    c.backward_weight_fixed.push_back(w.fixed);
+    c.backward_weight.push_back(w.per_micro_batch);
   }
   if (!any_positive(c.backward_weight_fixed)) c.backward_weight_fixed.clear();
   return c;

@@ -272,6 +272,23 @@ TEST(MeasuredCosts, WOfSeveralSizesFitsAFixedPartAndTheSimulatorChargesIt) {
   }
 }
 
+// fit_weight_cost on durations measured elsewhere: the same rule, and bad input refused.
+TEST(MeasuredCosts, FitWeightCostIsTheRecordersRule) {
+  const WeightCost line = fit_weight_cost({{1, {8.0}}, {4, {20.0}}});
+  EXPECT_DOUBLE_EQ(line.fixed, 4.0);
+  EXPECT_DOUBLE_EQ(line.per_micro_batch, 4.0);
+  const WeightCost one = fit_weight_cost({{4, {20.0, 24.0, 22.0}}});
+  EXPECT_DOUBLE_EQ(one.fixed, 0.0);
+  EXPECT_DOUBLE_EQ(one.per_micro_batch, 5.5);
+  const WeightCost dearer = fit_weight_cost({{1, {8.0}}, {4, {40.0}}});  // batching dearer: proportional
+  EXPECT_DOUBLE_EQ(dearer.fixed, 0.0);
+  EXPECT_DOUBLE_EQ(dearer.per_micro_batch, 9.0);
+  EXPECT_DOUBLE_EQ(fit_weight_cost({}).per_micro_batch, 0.0);
+  EXPECT_THROW(fit_weight_cost({{0, {1.0}}}), UsageError);
+  EXPECT_THROW(fit_weight_cost({{1, {-1.0}}}), UsageError);
+  EXPECT_THROW(fit_weight_cost({{1, {std::nan("")}}}), UsageError);
+}
+
 TEST(MeasuredCosts, CostModelRefusesTheModeTheRunDidNotMeasure) {
   MeasuredCosts standard;
   standard.forward = {1.0, 1.0};

@@ -52,15 +52,26 @@ struct MeasuredCosts {
   CostModel cost_model(BackwardMode mode) const;
 };
 
+/// A W's cost in the simulator's terms (CostModel::weight): fixed + micro-batches × per_micro_batch.
+struct WeightCost {
+  double fixed = 0.0;
+  double per_micro_batch = 0.0;
+};
+
+/// CostRecorder's W rule (below), for durations measured elsewhere (e.g. `twobp_bench split --batched-w`): from W
+/// durations in ms by their micro-batch count, the cost. One count: no fixed part, the median duration per
+/// micro-batch. Two or more: the least-squares line through each count's median when its fixed part and slope are
+/// both positive, else as for one count. Throws UsageError on a count < 1 or a negative or non-finite duration.
+WeightCost fit_weight_cost(const std::map<int, std::vector<double>>& ms_by_micro_batches);
+
 /// Collects this rank's per-action durations from the traces of measured steps (Pipeline::step's StepResult::trace;
 /// leave the first, warm-up steps out). Each I and B is recorded without its recomputation, which is recorded apart.
 /// Overlapped F&B pairs count each part's own span (the simulator runs the parts one after the other).
 ///
-/// W: a stage whose W's came in one size k (every W per micro-batch, or one batched W per step) gets
-/// backward_weight = the median of duration / k and no fixed part -- one size cannot tell them apart. A stage whose
-/// W's came in two or more sizes gets the least-squares line ms = a + b k through the median duration of each size
-/// (each size counts once, however often it ran): backward_weight_fixed = a, backward_weight = b, when both are
-/// positive; otherwise (W not cheaper per micro-batch when batched) the proportional rule above.
+/// W: each stage's W durations by micro-batch count through fit_weight_cost. A stage whose W's came in one size k
+/// (every W per micro-batch, or one batched W per step) gets the median of duration / k and no fixed part -- one
+/// size cannot tell them apart; W's of two or more sizes (a zero-bubble order's W's one by one and the W's a rank
+/// batches at its end, or two probed schedules) give the line through each size's median.
 class CostRecorder {
  public:
   explicit CostRecorder(int num_stages);
