@@ -77,7 +77,6 @@ WeightCost fit_weight_cost(const std::map<int, std::vector<double>>& ms_by_micro
     }
   }
   const WeightCost proportional{0.0, median_or_zero(per_micro_batch)};
-  if (ms_by_micro_batches.size() < 2) return proportional;
   // Least squares of ms = a + b k over the (k, median) points, one per count.
   double n = 0.0, sk = 0.0, sm = 0.0, skk = 0.0, skm = 0.0;
   for (const auto& [k, samples] : ms_by_micro_batches) {
@@ -89,7 +88,7 @@ WeightCost fit_weight_cost(const std::map<int, std::vector<double>>& ms_by_micro
     skk += static_cast<double>(k) * k;
     skm += k * m;
   }
-  if (n < 2.0) return proportional;
+  if (n < 2.0) return proportional;  // one count (or none) cannot tell a fixed part from the rest
   const double b = (n * skm - sk * sm) / (n * skk - sk * sk);  // the counts differ, so the denominator is > 0
   const double a = (sm - b * sk) / n;
   // A fixed part at rounding level (durations exactly proportional) is none.
