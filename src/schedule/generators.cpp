@@ -588,80 +588,56 @@ Schedule dualpipev(const ScheduleOptions& o) {
 
 // ---- v-half / v-min (controllable activation memory, Qi et al., arXiv 2405.15362) ---------------------------------
 
-// The paper's V schedules are built from a repeating block: on rank r, micro-batch j runs F of chunk 0, F of chunk
-// 1, I of chunk 1 and I of chunk 0 at fixed offsets plus 6 j (six unit slots per micro-batch and rank: 2 F, 2 I,
-// 2 W), and the W's fill the two free slots of every block, oldest first (chunk 1's before chunk 0's). The offsets
-// fix how long a micro-batch's chunk-0 activations wait for their I, and so the activation memory:
-// - v-half: F0 at 2r, F1 at 3p - r - 2, I1 at 3p + d + 2r - 1, I0 at 6p + d - r - 2 (d = 3 for even p, else 0):
-//   about p + 1 chunk activations per rank, half of 1F1B's 2p (1F1B's rank 0 holds p micro-batches of a stage
-//   twice as deep), with 1F1B's bubble or less;
-// - v-min: F0 at r, F1 at 2p - r - 1, I1 at 2p + d + r, I0 at 4p + d - r - 1 (d = 2 when 3 divides p, else 0):
-//   about 2p / 3 + 1, a third of 1F1B's, with a larger bubble.
-// The offsets are the authors' (their repository's stable patterns); each rank's order is the blocks' time order,
-// and the W's left at the end of the step become one batched W per stage. The authors additionally "squeeze" the
-// warm-up and cool-down by moving actions into earlier free slots that keep the memory peak; that pass is not done
-// here (the runtime and simulate() start every action as soon as its inputs are there, in this order).
-using VBlock = std::array<long, 4>;  // times of F0, F1, I1, I0 for micro-batch 0
+// The paper's schedules are unit-slot plans (detail::v_half_blocks / v_min_blocks, squeezed by detail::squeeze_v;
+// controllable_v.h); each rank runs its actions in slot order, the W's where v_weight_slots puts them, and the W's
+// still pending after its last I become one batched W per stage (2BP's end-of-step W).
+}  // namespace
 
-Schedule patterned_v(std::string_view name, const ScheduleOptions& o, const std::function<VBlock(int)>& block) {
+namespace detail {
+
+Schedule v_schedule_from_slots(std::string_view name, const ScheduleOptions& o, const std::vector<VRankSlots>& slots) {
   check_basic(name, o);
   const int p = o.ranks, m = o.micro_batches;
+  TWOBP_CHECK(static_cast<int>(slots.size()) == p, ScheduleError, "internal error: {}: {} ranks of slots for {} ranks",
+              name, slots.size(), p);
   Schedule sc = empty_schedule(std::string(name), p, v_placement(name, o), m, o.backward);
   std::vector<std::vector<Action>> order(p);
   for (int r = 0; r < p; ++r) {
     const std::array<int, 2> stage{r, 2 * p - 1 - r};
-    const VBlock base = block(r);
-    struct Slot {
-      long time;
-      int kind;  // 0: F0, 1: F1, 2: I1, 3: I0
-      int mb;
-    };
-    std::vector<Slot> slots;
+    std::vector<std::pair<long, Action>> timed;
     for (int kind = 0; kind < 4; ++kind) {
-      for (int mb = 0; mb < m; ++mb) slots.push_back({base[kind] + 6L * mb, kind, mb});
+      const int chunk = kind == kVF0 || kind == kVI0 ? 0 : 1;
+      const ActionType type = kind <= kVF1 ? ActionType::kForward : ActionType::kBackwardInput;
+      for (int mb = 0; mb < m; ++mb) timed.emplace_back(slots[r][kind].at(mb), Action{type, stage[chunk], {mb}});
     }
-    std::sort(slots.begin(), slots.end(),
-              [](const Slot& a, const Slot& b) { return a.time != b.time ? a.time < b.time : a.kind < b.kind; });
-    std::array<std::deque<int>, 2> waiting;  // per chunk: micro-batches whose I ran and whose W has not
-    auto& out = order[r];
-    long t = 0;
-    for (const Slot& slot : slots) {
-      for (; t < slot.time; ++t) {  // a free slot: the oldest W, chunk 1's first
-        for (int c : {1, 0}) {
-          if (waiting[c].empty()) continue;
-          out.push_back(Action{ActionType::kBackwardWeight, stage[c], {waiting[c].front()}});
-          waiting[c].pop_front();
-          break;
-        }
-      }
-      const int chunk = slot.kind == 0 || slot.kind == 3 ? 0 : 1;
-      const bool forward = slot.kind < 2;
-      out.push_back(Action{forward ? ActionType::kForward : ActionType::kBackwardInput, stage[chunk], {slot.mb}});
-      if (!forward) waiting[chunk].push_back(slot.mb);
-      t = slot.time + 1;
+    std::array<int, 2> next_w{};  // per chunk: the oldest micro-batch without its W
+    for (const auto& [slot, chunk] : v_weight_slots(slots[r], false)) {
+      timed.emplace_back(slot, Action{ActionType::kBackwardWeight, stage[chunk], {next_w[chunk]++}});
     }
+    std::stable_sort(timed.begin(), timed.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+    for (auto& [slot, action] : timed) order[r].push_back(std::move(action));
     std::deque<std::pair<int, int>> rest;
     for (int c : {1, 0}) {
-      for (int mb : waiting[c]) rest.emplace_back(stage[c], mb);
+      for (int mb = next_w[c]; mb < m; ++mb) rest.emplace_back(stage[c], mb);
     }
-    append_batched_weights(out, rest);
+    append_batched_weights(order[r], rest);
   }
   return finish(std::move(sc), std::move(order));
 }
 
-Schedule v_half(const ScheduleOptions& o) {
-  const long p = o.ranks, d = p % 2 == 0 ? 3 : 0;
-  return patterned_v("v-half", o, [p, d](int r) {
-    return VBlock{2L * r, 3 * p - r - 2, 3 * p + d + 2L * r - 1, 6 * p + d - r - 2};
-  });
+}  // namespace detail
+
+namespace {
+
+Schedule controllable_v(std::string_view name, const ScheduleOptions& o,
+                        std::vector<detail::VRankSlots> (*blocks)(int, int)) {
+  check_basic(name, o);
+  return detail::v_schedule_from_slots(name, o, detail::squeeze_v(blocks(o.ranks, o.micro_batches)));
 }
 
-Schedule v_min(const ScheduleOptions& o) {
-  const long p = o.ranks, d = p % 3 == 0 ? 2 : 0;
-  return patterned_v("v-min", o, [p, d](int r) {
-    return VBlock{static_cast<long>(r), 2 * p - r - 1, 2 * p + d + r, 4 * p + d - r - 1};
-  });
-}
+Schedule v_half(const ScheduleOptions& o) { return controllable_v("v-half", o, detail::v_half_blocks); }
+
+Schedule v_min(const ScheduleOptions& o) { return controllable_v("v-min", o, detail::v_min_blocks); }
 
 // ---- registry ----------------------------------------------------------------------------------------------------
 

@@ -30,7 +30,9 @@ namespace twobp {
 /// - dualpipev, v-half, v-min: zb-v's V placement (v must be 2; 1 is read as 2); any m. dualpipev is DeepSeek's
 ///   DualPipeV (PyTorch's ScheduleDualPipeV), written for max(m, 2p) micro-batches with the missing ones dropped
 ///   as zb-v does. v-half / v-min are the controllable-memory paper's V schedules (arXiv 2405.15362): about p + 2
-///   and 2 floor((p + 3) / 3) stage activations per rank from F to I, against 1F1B's 2p chunk activations.
+///   and 2 floor((p + 3) / 3) stage activations per rank from F to I, against 1F1B's 2p chunk activations; the
+///   authors' repeating blocks with the paper's squeeze of warm-up and cool-down (actions moved into earlier free
+///   slots where that raises no rank's memory peak).
 /// On every stage F's, and likewise I/B's, run in increasing micro-batch order (looped-bfs's backwards excepted).
 ///
 /// Backward modes: kStandard uses B. kSplit (2BP) for gpipe/1f1b/interleaved puts I where B was; in the cool-down
