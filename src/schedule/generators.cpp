@@ -615,12 +615,24 @@ Schedule v_schedule_from_slots(std::string_view name, const ScheduleOptions& o, 
       timed.emplace_back(slot, Action{ActionType::kBackwardWeight, stage[chunk], {next_w[chunk]++}});
     }
     std::stable_sort(timed.begin(), timed.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
-    for (auto& [slot, action] : timed) order[r].push_back(std::move(action));
+    std::vector<Action> in_order;
+    for (auto& [slot, action] : timed) in_order.push_back(std::move(action));
     std::deque<std::pair<int, int>> rest;
     for (int c : {1, 0}) {
       for (int mb = next_w[c]; mb < m; ++mb) rest.emplace_back(stage[c], mb);
     }
-    append_batched_weights(order[r], rest);
+    append_batched_weights(in_order, rest);
+    // W's of one stage back to back (free slots in a row) are one batched W: the same gradients in fewer, larger
+    // GEMMs, and what PyTorch's CSV, one W per cell, reads such a run back as.
+    for (Action& a : in_order) {
+      Action* prev = order[r].empty() ? nullptr : &order[r].back();
+      if (a.type == ActionType::kBackwardWeight && prev != nullptr && prev->type == ActionType::kBackwardWeight &&
+          prev->stage == a.stage) {
+        prev->micro_batches.insert(prev->micro_batches.end(), a.micro_batches.begin(), a.micro_batches.end());
+      } else {
+        order[r].push_back(std::move(a));
+      }
+    }
   }
   return finish(std::move(sc), std::move(order));
 }
