@@ -149,6 +149,7 @@ struct PipelineArgs {
   double timeout_s = 300;
   bool variable_seq = false;  // also run every configuration with announced shapes (see the header)
   bool recompute = false;     // activation recomputation on every stage
+  int recompute_ranks = 0;    // with recompute: only on the stages of pipeline ranks below this (0: every rank)
   double memory_limit_mb = 0;  // > 0: also run every configuration under this memory limit (see the header)
   std::string powercap_root = energy::EnergyOptions{}.powercap_root;
   std::string json, csv, trace_dir, chart;
@@ -287,7 +288,10 @@ std::vector<RunResult> run_config(Transport& world, ParallelGroups& groups, cons
     options.memory_limit_bytes = vk.memory_limit;
     variants[k].variant = vk;
     std::vector<PipelineChunk> chunks = make_model_chunks(a.model, schedule, me);
-    for (auto& chunk : chunks) chunk.recompute = a.recompute;
+    for (auto& chunk : chunks) {
+      chunk.recompute =
+          a.recompute && (a.recompute_ranks <= 0 || schedule.stage_to_rank[chunk.stage] < a.recompute_ranks);
+    }
     variants[k].pipeline = std::make_unique<Pipeline>(schedule, std::move(chunks), transport, options);
     variants[k].costs.emplace(schedule.num_stages);
     variants[k].memory.emplace(schedule.num_stages, stage_gradient_bytes(*variants[k].pipeline));
@@ -675,6 +679,7 @@ Json report_config(const PipelineArgs& a, const std::string& transport_name, boo
                  {"steps", a.steps},       {"warmup", a.warmup},   {"threads", a.threads},
                  {"transport", transport_name}, {"load_average", load_average()},
                  {"recompute", a.recompute}};
+  if (a.recompute && a.recompute_ranks > 0) config["recompute_ranks"] = a.recompute_ranks;
   if (m.model == "resnet") {
     config["channels"] = m.channels;
     config["image_size"] = m.image_size;
@@ -882,8 +887,13 @@ void add_pipeline_command(CLI::App& app) {
   sub->add_option("--powercap-root", a->powercap_root,
                   "Where RAPL's powercap zones are (energy on CPUs; another root for tests or containers)")
       ->capture_default_str();
-  sub->add_flag("--recompute", a->recompute,
-               "Activation recomputation on every stage: F keeps only its inputs, each I/B re-runs the forward");
+  auto* recompute = sub->add_flag("--recompute", a->recompute,
+                                  "Activation recomputation on every stage: F keeps only its inputs, each I/B "
+                                  "re-runs the forward");
+  sub->add_option("--recompute-ranks", a->recompute_ranks,
+                  "With --recompute: only the stages of pipeline ranks 0 .. N-1 recompute (what `plan` ranks)")
+      ->needs(recompute)
+      ->check(cli::number_in(1, cli::kMaxRanks));
   sub->add_flag("--variable-seq", a->variable_seq,
                "Also run every configuration with shapes announced by the senders (no activation spec: what "
                "sequence lengths that vary per step or micro-batch need), same data; reports announce_ratio");

@@ -185,6 +185,13 @@ std::string example_model(const llm::LlamaConfig& c) {
                      c.vocab_size);
 }
 
+// The command-line options of a recomputation setting, the same for the example and `twobp_bench pipeline`.
+std::string recompute_options(const LayoutCandidate& k) {
+  if (k.recompute_ranks <= 0) return "";
+  if (k.recompute_ranks >= k.pp) return " --recompute";
+  return fmt::format(" --recompute --recompute-ranks {}", k.recompute_ranks);
+}
+
 std::string example_command(const PlanArgs& a, const llm::LlamaConfig& c, int64_t seq, const LayoutCandidate& k,
                             const std::string& device) {
   return fmt::format("torchrun --nproc-per-node {} --no-python build/examples/llama_pipeline {} --device {} "
@@ -192,7 +199,7 @@ std::string example_command(const PlanArgs& a, const llm::LlamaConfig& c, int64_
                      "--seq-len {}{}{}{}",
                      a.ranks, example_model(c), device, example_dtype(a.precision), k.schedule, k.v, k.m,
                      a.micro_batch_size, seq, k.dp > 1 ? fmt::format(" --dp {}", k.dp) : "",
-                     k.mode == BackwardMode::kSplit ? "" : " --no-2bp", k.recompute ? " --recompute" : "");
+                     k.mode == BackwardMode::kSplit ? "" : " --no-2bp", recompute_options(k));
 }
 
 // `twobp_bench pipeline` arguments that measure candidate k on this machine (ranks as threads).
@@ -212,7 +219,11 @@ std::vector<std::string> bench_args(const llm::LlamaConfig& c, int64_t seq, int6
                                 "--ffn", std::to_string(c.ffn_dim),
                                 "--vocab", std::to_string(c.vocab_size),
                                 "--seq", std::to_string(seq)};
-  if (k.recompute) args.push_back("--recompute");
+  if (k.recompute_ranks > 0) args.push_back("--recompute");
+  if (k.recompute_ranks > 0 && k.recompute_ranks < k.pp) {
+    args.push_back("--recompute-ranks");
+    args.push_back(std::to_string(k.recompute_ranks));
+  }
   return args;
 }
 
@@ -235,8 +246,10 @@ Reporter<PlanRow> plan_reporter() {
       [](const Row& r) { return std::string(mode_name(r.k->mode)); });
   add("v", [](const Row& r) { return r.k->v; }, "v", [](const Row& r) { return std::to_string(r.k->v); });
   add("m", [](const Row& r) { return r.k->m; }, "m", [](const Row& r) { return std::to_string(r.k->m); });
-  add("recompute", [](const Row& r) { return r.k->recompute; }, "recompute",
-      [](const Row& r) { return std::string(r.k->recompute ? "yes" : "no"); });
+  add("recompute_ranks", [](const Row& r) { return r.k->recompute_ranks; }, "recompute", [](const Row& r) {
+    const int j = r.k->recompute_ranks;
+    return j <= 0 ? std::string("no") : j >= r.k->pp ? std::string("all") : fmt::format("ranks < {}", j);
+  });
   add("dp", [](const Row& r) { return r.k->dp; }, "dp x pp",
       [](const Row& r) { return fmt::format("{} x {}", r.k->dp, r.k->pp); });
   add("pp", [](const Row& r) { return r.k->pp; });

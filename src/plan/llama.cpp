@@ -72,10 +72,14 @@ void warn_negative(const char* name, const ChunkCost& k, std::vector<std::string
   }
 }
 
-// One candidate of plan_llama_layouts: `schedule` on `partition` with dp replicas.
+// One candidate of plan_llama_layouts: `schedule` on `partition` with dp replicas, the stages of pipeline ranks
+// 0 .. recompute_ranks - 1 recomputing.
 LayoutCandidate predict(const llm::LlamaConfig& config, const LlamaCosts& costs, const LayoutPlanOptions& o,
-                        const Schedule& schedule, const llm::Partition& partition, int dp, bool recompute) {
-  CostModel model = costs.cost_model(partition, schedule.backward, recompute, o.communication_ms);
+                        const Schedule& schedule, const llm::Partition& partition, int dp, int recompute_ranks) {
+  CostModel model = costs.cost_model(partition, schedule.backward, recompute_ranks > 0, o.communication_ms);
+  for (std::size_t s = 0; s < model.recompute.size(); ++s) {
+    if (schedule.stage_to_rank[s] >= recompute_ranks) model.recompute[s] = 0.0;  // this stage keeps its activations
+  }
   if (dp > 1) {
     for (const llm::ChunkSpec& chunk : partition.chunks) {
       const double bytes =
@@ -92,7 +96,7 @@ LayoutCandidate predict(const llm::LlamaConfig& config, const LlamaCosts& costs,
   k.pp = schedule.num_ranks;
   k.v = schedule.num_stages / schedule.num_ranks;
   k.m = schedule.num_micro_batches;
-  k.recompute = recompute;
+  k.recompute_ranks = recompute_ranks;
   k.step_ms = sim.step_time;
   k.bubble = sim.bubble_fraction;
   k.tokens_per_s = metrics::tokens_per_s(
@@ -101,7 +105,8 @@ LayoutCandidate predict(const llm::LlamaConfig& config, const LlamaCosts& costs,
   mo.micro_batch_size = o.micro_batch_size;
   mo.seq_len = o.seq;
   mo.precision = o.precision;
-  mo.recompute = recompute;
+  mo.recompute = recompute_ranks > 0;
+  mo.recompute_ranks = recompute_ranks;
   for (const auto& e : llm::estimate_memory(config, partition, schedule, mo)) k.memory_per_rank.push_back(e.total);
   k.peak_memory = *std::max_element(k.memory_per_rank.begin(), k.memory_per_rank.end());
   k.fits = o.memory_limit_bytes <= 0 || k.peak_memory <= o.memory_limit_bytes;
@@ -276,7 +281,9 @@ LayoutPlan plan_llama_layouts(const llm::LlamaConfig& config, const LlamaCosts& 
           continue;
         }
         for (bool recompute : o.recompute) {
-          plan.candidates.push_back(predict(config, costs, o, schedule, partition, dp, recompute));
+          for (int j = recompute ? 1 : 0; j <= (recompute ? pp : 0); ++j) {
+            plan.candidates.push_back(predict(config, costs, o, schedule, partition, dp, j));
+          }
         }
       }
     }

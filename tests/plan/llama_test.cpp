@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <set>
 #include <string>
 #include <vector>
@@ -210,14 +211,58 @@ TEST(PlanLlamaLayouts, EveryLayoutOfTheRanksRankedByTheSimulator) {
     names.insert(c.schedule);
     if (c.dp == 1) {  // no all-reduce: exactly the simulator on the partition's costs
       const Schedule s = make_schedule(c.schedule, default_schedule_options(c.schedule, c.pp, c.m, c.mode));
-      const CostModel m = costs.cost_model(llm::make_partition(config, s.num_stages, kSeq), c.mode, c.recompute,
-                                           o.communication_ms);
+      CostModel m = costs.cost_model(llm::make_partition(config, s.num_stages, kSeq), c.mode, c.recompute_ranks > 0,
+                                     o.communication_ms);
+      for (std::size_t st = 0; st < m.recompute.size(); ++st) {
+        if (s.stage_to_rank[st] >= c.recompute_ranks) m.recompute[st] = 0.0;  // only the first ranks recompute
+      }
       EXPECT_DOUBLE_EQ(c.step_ms, simulate(s, m).step_time);
     }
   }
   EXPECT_EQ(dps, (std::set<int>{1, 2, 4}));
   EXPECT_GE(names.size(), 2u);
   EXPECT_GT(plan.skipped, 0);  // multi-chunk schedules at pp = 1
+}
+
+// Recomputation is planned per pipeline-rank prefix: each form once with no recomputation and once per
+// recompute_ranks = 1 .. pp. A rank's memory is that of the same form with no rank or with every rank recomputing,
+// by whether the rank is in the prefix (its memory changes only by its own recomputation), and the predicted step
+// never gets shorter as more ranks recompute. Where the prefix stops short of pp, the commands say so.
+TEST(PlanLlamaLayouts, RecomputationIsPlannedPerRankPrefix) {
+  const llm::LlamaConfig config = model();
+  const LlamaCosts costs = estimate_llama_costs(config, kSeq, 1, 0.001);
+  LayoutPlanOptions o = plan_options();
+  o.max_dp = 1;
+  o.schedules = {"1f1b", "zb-v", "interleaved-1f1b"};
+  const LayoutPlan plan = plan_llama_layouts(config, costs, o);
+  std::map<std::pair<std::string, BackwardMode>, std::map<int, const LayoutCandidate*>> forms;
+  for (const LayoutCandidate& c : plan.candidates) {
+    const bool first = forms[{c.schedule, c.mode}].emplace(c.recompute_ranks, &c).second;
+    ASSERT_TRUE(first) << "a setting twice";
+  }
+  ASSERT_EQ(forms.size(), 6u);
+  for (const auto& [form, by_ranks] : forms) {
+    SCOPED_TRACE(form.first + (form.second == BackwardMode::kSplit ? " 2bp" : " standard"));
+    std::vector<int> settings;
+    for (const auto& [j, c] : by_ranks) settings.push_back(j);
+    ASSERT_EQ(settings, (std::vector<int>{0, 1, 2, 3, 4}));
+    const LayoutCandidate& none = *by_ranks.at(0);
+    const LayoutCandidate& all = *by_ranks.at(4);
+    for (const auto& [j, c] : by_ranks) {
+      for (int r = 0; r < c->pp; ++r) {
+        EXPECT_DOUBLE_EQ(c->memory_per_rank[r], (r < j ? all : none).memory_per_rank[r]) << "j " << j << " rank " << r;
+      }
+      if (j > 0) EXPECT_GE(c->step_ms, by_ranks.at(j - 1)->step_ms - 1e-9) << "j " << j;
+    }
+    bool fewer_somewhere = false;  // recomputing everywhere costs memory nowhere but saves it somewhere
+    for (int r = 0; r < 4; ++r) fewer_somewhere = fewer_somewhere || all.memory_per_rank[r] < none.memory_per_rank[r];
+    EXPECT_TRUE(fewer_somewhere);
+    EXPECT_GT(all.step_ms, none.step_ms);
+  }
+  o.recompute = {true};
+  for (const LayoutCandidate& c : plan_llama_layouts(config, costs, o).candidates) {
+    EXPECT_GE(c.recompute_ranks, 1) << "recompute {true} plans no candidate without it";
+  }
 }
 
 TEST(PlanLlamaLayouts, AMemoryLimitPutsTheFittingCandidatesFirst) {

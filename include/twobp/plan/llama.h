@@ -95,6 +95,9 @@ struct LayoutPlanOptions {
   int max_dp = 0;                ///< data-parallel degrees up to this (0: up to ranks)
   std::vector<std::string> schedules;  ///< registered names (empty: all)
   std::vector<BackwardMode> modes{BackwardMode::kStandard, BackwardMode::kSplit};
+  /// false: no stage recomputes; true: every prefix of the pipeline recomputes in turn, one candidate per
+  /// LayoutCandidate::recompute_ranks = 1 .. pp (the first ranks hold the most activations in 1F1B-like orders,
+  /// so recomputing there alone can fit a limit at less cost than recomputing everywhere).
   std::vector<bool> recompute{false, true};
   models::TrainingPrecision precision = models::training_precision("bf16-mixed");
   double memory_limit_bytes = 0;  ///< per device; 0: every candidate fits
@@ -108,7 +111,9 @@ struct LayoutCandidate {
   std::string schedule;
   BackwardMode mode = BackwardMode::kSplit;
   int dp = 1, pp = 1, v = 1, m = 1;
-  bool recompute = false;
+  /// The stages of pipeline ranks 0 .. recompute_ranks - 1 recompute their activations (0: none, pp: all; the
+  /// example's --recompute --recompute-ranks, AutoSchedule's ScheduleCandidate::recompute_ranks).
+  int recompute_ranks = 0;
   double step_ms = 0;        ///< simulate(schedule, costs).step_time, dp all-reduces overlapped
   double tokens_per_s = 0;   ///< global_batch · seq per step
   double bubble = 0;         ///< the simulator's bubble fraction
@@ -126,8 +131,8 @@ struct LayoutPlan {
 };
 
 /// Every dp dividing `ranks` (≤ max_dp) with dp · micro_batch_size dividing global_batch, pp = ranks / dp, every
-/// schedule (its default v for pp and m), mode and recomputation: each rank's stages cut by models::make_partition,
-/// costs from `costs.cost_model` plus each stage's gradient all-reduce over dp ranks
+/// schedule (its default v for pp and m), mode and recomputation setting: each rank's stages cut by
+/// models::make_partition, costs from `costs.cost_model` (R only on the recomputing ranks' stages) plus each stage's gradient all-reduce over dp ranks
 /// (metrics::ring_all_reduce_seconds of its parameters · precision.gradient_bytes), the step from simulate(), the
 /// memory from models::estimate_memory. Throws UsageError on bad options or when no candidate remains (naming why).
 LayoutPlan plan_llama_layouts(const models::LlamaConfig& config, const LlamaCosts& costs,
