@@ -132,9 +132,10 @@ struct LayoutPlan {
 
 /// Every dp dividing `ranks` (≤ max_dp) with dp · micro_batch_size dividing global_batch, pp = ranks / dp, every
 /// schedule (its default v for pp and m), mode and recomputation setting: each rank's stages cut by
-/// models::make_partition, costs from `costs.cost_model` (R only on the recomputing ranks' stages) plus each stage's gradient all-reduce over dp ranks
-/// (metrics::ring_all_reduce_seconds of its parameters · precision.gradient_bytes), the step from simulate(), the
-/// memory from models::estimate_memory. Throws UsageError on bad options or when no candidate remains (naming why).
+/// models::make_partition, costs from `costs.cost_model` (R only on the recomputing ranks' stages) plus each
+/// stage's gradient all-reduce over dp ranks (metrics::ring_all_reduce_seconds of its parameters ·
+/// precision.gradient_bytes), the step from simulate(), the memory from models::estimate_memory. Throws UsageError
+/// on bad options or when no candidate remains (naming why).
 LayoutPlan plan_llama_layouts(const models::LlamaConfig& config, const LlamaCosts& costs,
                               const LayoutPlanOptions& options);
 
