@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "schedule/generators.h"
+#include "schedule/weight_runs.h"
 #include "twobp/schedule/registry.h"
 #include "util/check.h"
 
@@ -622,17 +623,7 @@ Schedule v_schedule_from_slots(std::string_view name, const ScheduleOptions& o, 
       for (int mb = next_w[c]; mb < m; ++mb) rest.emplace_back(stage[c], mb);
     }
     append_batched_weights(in_order, rest);
-    // W's of one stage back to back (free slots in a row) are one batched W: the same gradients in fewer, larger
-    // GEMMs, and what PyTorch's CSV, one W per cell, reads such a run back as.
-    for (Action& a : in_order) {
-      Action* prev = order[r].empty() ? nullptr : &order[r].back();
-      if (a.type == ActionType::kBackwardWeight && prev != nullptr && prev->type == ActionType::kBackwardWeight &&
-          prev->stage == a.stage) {
-        prev->micro_batches.insert(prev->micro_batches.end(), a.micro_batches.begin(), a.micro_batches.end());
-      } else {
-        order[r].push_back(std::move(a));
-      }
-    }
+    for (Action& a : in_order) append_joining_weight_runs(order[r], std::move(a));  // W's in free slots in a row
   }
   return finish(std::move(sc), std::move(order));
 }

@@ -11,6 +11,7 @@
 #include <optional>
 #include <vector>
 
+#include "schedule/weight_runs.h"
 #include "util/check.h"
 
 namespace twobp {
@@ -107,10 +108,8 @@ Schedule from_pytorch_csv(std::string_view csv, const PytorchCsvOptions& options
                   rank + 1, rank, column + 1, cell, a.stage, it->second);
       max_mb = std::max(max_mb, a.micro_batches[0]);
       split = split || a.type == ActionType::kBackwardInput || a.type == ActionType::kBackwardWeight;
-      Action* prev = actions.empty() ? nullptr : &actions.back();
-      if (options.merge_weight_runs && a.type == ActionType::kBackwardWeight && prev != nullptr &&
-          prev->type == ActionType::kBackwardWeight && prev->stage == a.stage) {
-        prev->micro_batches.push_back(a.micro_batches[0]);
+      if (options.merge_weight_runs) {
+        detail::append_joining_weight_runs(actions, std::move(a));
       } else {
         actions.push_back(std::move(a));
       }
