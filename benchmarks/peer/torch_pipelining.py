@@ -42,6 +42,11 @@ Notes on what is and is not identical:
   * Timing as twobp_bench's pipeline command: zero_grad (grads set to None) outside the timed region, then
     barrier, t0, schedule.step(...), barrier, t1 on every rank; step time = median over the measured steps of rank
     0's t1 - t0; tokens/s = m * micro_batch_size * seq / step time. No optimizer step on either side.
+  * Which twobp mode computes what torch's schedule computes is read from the actions torch runs ("torch form"):
+    its zero-bubble schedules (interleaved-zb, zb-v, dualpipev) split backward into I and W, as twobp's 2BP mode
+    does, the others run full backwards (B), as twobp's standard mode. "same form/torch" compares those two, and
+    is the measure of per-action overhead; "std/torch" compares twobp's standard mode with torch's schedule
+    whatever its form.
   * torch's schedules scale the gradients by 1/m (scale_grads=True, their default); twobp accumulates the per-micro-
     batch means. This costs one in-place scale per parameter per step, negligible here.
 """
@@ -304,13 +309,29 @@ def torch_rank(rank, world, port, a, name, counts, result_path):
                 cpu.append(cpu_ms)
                 if losses:
                     losses_seen.append(float(torch.stack([l.detach() for l in losses]).mean()))
-        out.update(ok=True, step_ms=times, cpu_ms=cpu, stages=my_stages, mean_loss=losses_seen[-1] if losses_seen else None)
+        out.update(ok=True, step_ms=times, cpu_ms=cpu, stages=my_stages,
+                   mean_loss=losses_seen[-1] if losses_seen else None,
+                   backward_actions=backward_actions(schedule, rank))
         dist.barrier()
         dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - report anything, the parent decides
         out.update(ok=False, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
     with open(result_path, "w") as f:
         json.dump(out, f)
+
+
+def backward_actions(schedule, rank) -> dict:
+    """How many full backwards (B) and split ones (I, W) this rank's torch schedule runs, composite actions (DualPipeV's
+    OVERLAP_F_B) counted by their parts. Read from what the schedule executes (the lowered order with communication
+    where there is one, after torch merged adjacent I and W of one micro-batch into B), not from the class name."""
+    order = getattr(schedule, "pipeline_order_with_comms", None) or getattr(schedule, "pipeline_order", None) or {}
+    counts = {"B": 0, "I": 0, "W": 0}
+    for action in order.get(rank) or []:
+        for part in (getattr(action, "sub_actions", None) or [action]) if action is not None else []:
+            kind = str(getattr(part.computation_type, "value", part.computation_type))
+            if kind in counts:
+                counts[kind] += 1
+    return counts
 
 
 def free_port() -> int:
@@ -354,8 +375,11 @@ def run_torch(a, name, counts):
     med = statistics.median(times)
     tokens = a.microbatches * a.micro_batch_size * a.seq
     loss = next((r["mean_loss"] for r in results if r.get("mean_loss") is not None), None)
+    actions = {k: sum(r["backward_actions"][k] for r in results) for k in ("B", "I", "W")}
     return {"ok": True, "step_ms_median": med, "step_ms": times, "tokens_per_s": tokens / (med / 1000.0),
             "last_loss": loss, "stages_per_rank": [r["stages"] for r in results],
+            # torch's schedule splits backward (I and W, as twobp's 2BP mode) when it runs any W at all.
+            "backward_actions": actions, "form": "2bp" if actions["W"] else "standard",
             # CPU time of each rank's process (all its threads) per measured step, median: how much of the step
             # the rank computed (or spun) rather than waited.
             "cpu_ms_median_per_rank": [statistics.median(r["cpu_ms"]) for r in results]}
@@ -480,7 +504,9 @@ def main():
                "torch_version": torch.__version__, "load_average_start": list(load),
                "partitions": {f"{2 * v}_stages": c for v, c in layouts.items()}, "rows": []}
     rows = [["schedule", "torch class", "twobp schedule", "torch tok/s", "twobp std tok/s", "twobp 2bp tok/s",
-             "std/torch", "2bp/torch", "torch ms (lo-hi)", "twobp std ms (lo-hi)", "twobp 2bp ms (lo-hi)",
+             "std/torch", "2bp/torch", "torch form", "same form/torch", "2bp bound",
+             "of bound", "torch ms (lo-hi)", "twobp std ms (lo-hi)",
+             "twobp 2bp ms (lo-hi)",
              "torch cpu ms r0/r1"]]
     errors = []
     tokens = a.microbatches * a.micro_batch_size * a.seq
@@ -524,18 +550,36 @@ def main():
         bp_tok = tokens / (mode_ms["2bp"]["median"] / 1000.0) if mode_ms["2bp"] else None
         std_ratio = std_tok / t_tok if (std_tok and t_tok) else None
         ratio = bp_tok / t_tok if (bp_tok and t_tok) else None
-        label = n + (" (ref)" if n in REFERENCE_ONLY else "") + ("*" if v == 2 and SCHEDULES.get(n, ("", 0, ""))[2] == "v"
+        # torch's own form of the schedule (B, or I and W): the twobp mode that computes the same thing.
+        forms = {r["form"] for r in t_ok}
+        form = forms.pop() if len(forms) == 1 else None
+        same_ratio = {"standard": std_ratio, "2bp": ratio}.get(form)
+        # What 2BP can gain at most on these costs: the simulator's standard step over its 2BP step, each fed with
+        # the costs its own mode measured (sim_step_ms), medians over the rounds.
+        sim_ms = {mode: over_rounds([r["modes"].get(mode, {}).get("sim_step_ms") for r in twobp_rounds if r["ok"]])
+                  for mode in ("standard", "2bp")}
+        bound = (sim_ms["standard"]["median"] / sim_ms["2bp"]["median"]
+                 if sim_ms["standard"] and sim_ms["2bp"] else None)
+        of_bound = ratio / bound if (ratio and bound) else None
+        label = n + (" (ref)" if n in REFERENCE_ONLY else "") + ("*" if v == 2
+                                                                   and SCHEDULES.get(n, ("", 0, ""))[2] == "v"
                                                                    and a.patch_self_p2p else "")
         t_cell = fmt(t_tok) if t_tok else ("n/a" if n in REFERENCE_ONLY or a.no_torch else "FAILED")
         cpu = [statistics.median(c) for c in zip(*[r["cpu_ms_median_per_rank"] for r in t_ok])] if t_ok else None
         rows.append([label, cls, f"{twobp_name} v={v}", t_cell, fmt(std_tok), fmt(bp_tok),
                      "-" if std_ratio is None else f"{std_ratio:.2f}x", "-" if ratio is None else f"{ratio:.2f}x",
+                     {"standard": "B", "2bp": "I+W"}.get(form, "-"),
+                     "-" if same_ratio is None else f"{same_ratio:.2f}x", "-" if bound is None else f"{bound:.2f}x",
+                     "-" if of_bound is None else f"{of_bound:.2f}",
                      ms_cell(t_ms), ms_cell(mode_ms["standard"]), ms_cell(mode_ms["2bp"]),
                      "/".join(fmt(c) for c in cpu) if cpu else "-"])
         results["rows"].append({"schedule": n, "torch_class": cls, "twobp_schedule": twobp_name,
                                 "stages_per_rank": v, "torch_step_ms": t_ms, "twobp_step_ms": mode_ms,
                                 "torch_rounds": torch_rounds, "twobp_rounds": twobp_rounds,
-                                "ratio_twobp_standard_over_torch": std_ratio, "ratio_twobp_2bp_over_torch": ratio})
+                                "ratio_twobp_standard_over_torch": std_ratio, "ratio_twobp_2bp_over_torch": ratio,
+                                "torch_form": form, "ratio_twobp_same_form_over_torch": same_ratio,
+                                "twobp_sim_step_ms": sim_ms, "sim_bound_2bp_over_standard": bound,
+                                "ratio_2bp_over_torch_of_bound": of_bound})
         print(f"[{n}] torch {fmt(t_tok)} tok/s, twobp std {fmt(std_tok)}, 2bp {fmt(bp_tok)}", file=sys.stderr,
               flush=True)
 
@@ -543,6 +587,10 @@ def main():
     if shared:
         gm = math.exp(sum(math.log(r["ratio_twobp_standard_over_torch"]) for r in shared) / len(shared))
         results["geomean_twobp_standard_over_torch"] = gm
+    same = [r for r in results["rows"] if r["ratio_twobp_same_form_over_torch"]]
+    if same:
+        results["geomean_twobp_same_form_over_torch"] = math.exp(
+            sum(math.log(r["ratio_twobp_same_form_over_torch"]) for r in same) / len(same))
     load_end = os.getloadavg()
     results["load_average_end"] = list(load_end)
     print()
@@ -554,6 +602,12 @@ def main():
     if "geomean_twobp_standard_over_torch" in results:
         print(f"geometric mean of std/torch over the {len(shared)} shared schedules: "
               f"{results['geomean_twobp_standard_over_torch']:.3f}")
+    if "geomean_twobp_same_form_over_torch" in results:
+        print("torch form = the backward torch's schedule runs (B: full backward; I+W: split, as twobp's 2BP mode -- "
+              "its zero-bubble schedules); same form/torch = twobp in that mode over torch; geometric mean over the "
+              f"{len(same)} shared schedules: {results['geomean_twobp_same_form_over_torch']:.3f}")
+    print("2bp bound = twobp's simulated standard step over its simulated 2BP step (each mode's own measured costs): "
+          "what 2BP can gain at most here; of bound = 2bp/torch over it.")
     print("torch cpu ms r0/r1 = median CPU time of each torch rank's process per step: compute the rank did; the "
           "rest of 'torch ms' it waited (pipeline bubbles, communication, or the OS scheduler on a busy machine).")
     if any(SCHEDULES.get(n, ("", 0, ""))[2] == "v" for n in names) and a.patch_self_p2p:

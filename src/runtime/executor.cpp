@@ -144,6 +144,8 @@ struct Executor::Step {
   Clock::time_point start;
   DeviceTimeline* timeline = nullptr;
   bool record_memory = false;
+  // The action an error other than LibTorch's or twobp's own escaped from (see locate()); empty otherwise.
+  std::string failed_in;
 
   std::string where(int rank, const Action& a) const { return fmt::format("rank {}: {}", rank, describe(a)); }
 };
@@ -283,6 +285,26 @@ namespace {
 // may catch c10::OutOfMemoryError to retry with smaller micro-batches.
 void add_where(c10::Error& e, const std::string& where) { e.add_context(fmt::format("in {}", where)); }
 
+// Runs `body` (an action's work); an error escaping it is marked with `where()` ("rank R: F stage s micro-batch m"),
+// computed only then. LibTorch's errors take it as context (add_where); twobp's own say where already; any other
+// exception -- the user's chunk code or hook throwing its own type -- cannot take it without changing its type,
+// which a caller may catch by, so it goes to `failed_in`, from which run() adds it to the reason the peers get and
+// to the status board.
+template <class Body, class Where>
+void locate(std::string& failed_in, Where&& where, Body&& body) {
+  try {
+    body();
+  } catch (c10::Error& e) {
+    add_where(e, where());
+    throw;
+  } catch (const Error&) {
+    throw;
+  } catch (...) {
+    if (failed_in.empty()) failed_in = where();
+    throw;
+  }
+}
+
 void put(std::map<std::tuple<Item, int, int>, NamedTensors>& mailbox, const ItemRef& it, NamedTensors t) {
   mailbox[{it.item, it.stage, it.micro_batch}] = std::move(t);
 }
@@ -416,16 +438,14 @@ void Executor::backward_weight(Step& st, const Action& a) {
 // A deferred W run before the schedule's W of it (which then skips it): gradients are unchanged, since W only
 // ever runs after its I and accumulates into .grad in any order.
 void Executor::run_weight_early(Step& st, int stage_index, int micro_batch) {
-  try {
-    stages_.at(stage_index)->backward_weight({micro_batch});
-  } catch (c10::Error& e) {
+  const auto where = [&] {
     Action w;
     w.type = ActionType::kBackwardWeight;
     w.stage = stage_index;
     w.micro_batches = {micro_batch};
-    add_where(e, fmt::format("{}, run early to bound the deferred W's", st.where(rank_, w)));
-    throw;
-  }
+    return fmt::format("{}, run early to bound the deferred W's", st.where(rank_, w));
+  };
+  locate(st.failed_in, where, [&] { stages_.at(stage_index)->backward_weight({micro_batch}); });
   st.early_weight.insert({stage_index, micro_batch});
   st.weights_started.insert(stage_index);
 }
@@ -503,12 +523,8 @@ void Executor::execute(Step& st, const Action& a, bool scheduled) {
   const Clock::time_point t0 = Clock::now();
   st.timeline->begin_action();
   if (scheduled) {
-    try {
-      (this->*kHandlers[static_cast<int>(a.type)])(st, a);
-    } catch (c10::Error& e) {
-      add_where(e, st.where(rank_, a));
-      throw;
-    }
+    locate(st.failed_in, [&] { return st.where(rank_, a); },
+           [&] { (this->*kHandlers[static_cast<int>(a.type)])(st, a); });
   } else {
     run_weight_early(st, a.stage, a.micro_batches.at(0));
   }
@@ -557,12 +573,8 @@ void Executor::execute_pair(Step& st, const Action& f, const Action& b) {
     at::ThreadLocalStateGuard guard(state);
     compute(pb);
   };
-  try {
-    options_.overlap_forward_backward(f, b, run_f, run_b);
-  } catch (c10::Error& e) {
-    add_where(e, fmt::format("{} overlapped with {}", st.where(rank_, f), describe(b)));
-    throw;
-  }
+  locate(st.failed_in, [&] { return fmt::format("{} overlapped with {}", st.where(rank_, f), describe(b)); },
+         [&] { options_.overlap_forward_backward(f, b, run_f, run_b); });
   TWOBP_CHECK(ran_f.load() == 1 && ran_b.load() == 1, UsageError,
               "{}: the overlap hook must run each part of the pair exactly once; it ran the F {} and the {} {} "
               "times",
@@ -906,16 +918,19 @@ StepResult Executor::run(const std::vector<NamedTensors>& inputs, const std::vec
       const std::string report = hang_report_for();
       if (!report.empty()) reported.emplace(fmt::format("{}\n{}", e.what(), report));
     }
+    const std::string failed_in = std::move(st.failed_in);
     // A rank whose own wait timed out stays "waiting" on the board: that is the edge a later report needs.
     if (dynamic_cast<const TimeoutError*>(&e) == nullptr) {
       const std::string what = e.what();
-      note(RankStatus::State::kFailed, nullptr, -1, what.substr(0, what.find('\n')));
+      note(RankStatus::State::kFailed, nullptr, -1,
+           what.substr(0, what.find('\n')) + (failed_in.empty() ? "" : fmt::format(" (in {})", failed_in)));
     }
     for (auto& [index, stage_ptr] : stages_) stage_ptr->reset();
     st = Step{};
     // Tell every peer now: they would otherwise wait for their timeout on messages this rank will never send.
     try {
-      transport_.abort(detail::failure_reason(rank_, reported ? static_cast<const std::exception&>(*reported) : e));
+      transport_.abort(
+          detail::failure_reason(rank_, reported ? static_cast<const std::exception&>(*reported) : e, failed_in));
     } catch (...) {
     }
     if (reported) throw *reported;

@@ -76,6 +76,15 @@ namespace {
 constexpr std::int32_t kHeaderMagic = 0x74627031;  // "tbp1"
 constexpr int kMaxDims = 8;
 
+/// Longest sleep between two MPI_Test calls of a thread that waits for a request (point-to-point or collective).
+/// WHY this short: a message over shared memory moves in fragments, each needing a progress call on the waiting side
+/// too, and the wait's first MPI_Test after the data is there ends it; the waiting thread has nothing else to do.
+/// Sleeping up to 1 ms made a 13 MB all-reduce take ~400 ms, and left standard 1F1B (p = 2, m = 4, 512 KB
+/// activations, the peer benchmark's shape) 9-14 ms per step above the simulator fed with the run's own costs; at
+/// 20 us it is 0-5 ms above (2026-12-05, four alternated runs each). The sleeps are sleeps (common.h Backoff, after
+/// 16 yields), so a rank waiting on an oversubscribed machine still gives its core away.
+constexpr std::chrono::microseconds kWaitPollCap{20};
+
 /// First message of every point-to-point transfer. Fixed size, so the receiver can post it before knowing
 /// anything; it carries the full 64-bit tag so that collisions of folded MPI tags are detected.
 struct WireHeader {
@@ -403,12 +412,10 @@ struct MpiTransport::Impl {
     for (auto& p : still) parked.push_back(std::move(p));
   }
 
-  /// Polls a single collective request until done or the deadline.
-  /// WHY a short sleep cap: a large reduction moves through shared memory in many fragments, each needing a
-  /// progress call on both sides; sleeping up to 1 ms between polls made a 13 MB all-reduce take ~400 ms.
+  /// Polls a single collective request until done or the deadline (sleeping at most kWaitPollCap between polls).
   void wait_collective(const std::shared_ptr<detail::Pending>& p, const std::string& what, Duration timeout) {
     const auto deadline = detail::deadline_after(timeout);
-    detail::Backoff backoff(std::chrono::microseconds(20));
+    detail::Backoff backoff(detail::kWaitPollCap);
     while (!test(*p)) {
       if (Clock::now() >= deadline) {
         // A collective cannot be cancelled: keep its buffer alive and refuse later collectives, whose
@@ -464,7 +471,7 @@ class MpiWork final : public Work {
   void wait(Duration timeout) override {
     if (finished_) return;
     const auto deadline = deadline_after(timeout);
-    Backoff backoff;
+    Backoff backoff(kWaitPollCap);
     while (!impl_->test(*p_)) {
       if (Clock::now() >= deadline) {
         parked_ = true;

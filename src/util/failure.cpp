@@ -1,9 +1,11 @@
 #include "util/failure.h"
 
 #include <c10/util/Exception.h>
+#include <c10/util/Type.h>
 #include <fmt/format.h>
 
 #include <regex>
+#include <typeinfo>
 
 #include "twobp/error.h"
 
@@ -11,7 +13,7 @@ namespace twobp::detail {
 namespace {
 
 // The most derived twobp type first (ScheduleError is a UsageError).
-const char* type_name(const std::exception& e) {
+std::string type_name(const std::exception& e) {
   if (dynamic_cast<const ScheduleError*>(&e) != nullptr) return "ScheduleError";
   if (dynamic_cast<const UsageError*>(&e) != nullptr) return "UsageError";
   if (dynamic_cast<const NumericalError*>(&e) != nullptr) return "NumericalError";
@@ -22,7 +24,8 @@ const char* type_name(const std::exception& e) {
   // LibTorch's types: named for the reader; as_root_type's pattern (\w+) skips them, so peers raise TransportError.
   if (dynamic_cast<const c10::OutOfMemoryError*>(&e) != nullptr) return "c10::OutOfMemoryError";
   if (dynamic_cast<const c10::Error*>(&e) != nullptr) return "c10::Error";
-  return "exception";
+  // Anything else (the user's own types, the standard library's): its C++ name, e.g. "std::runtime_error".
+  return c10::demangle(typeid(e).name());
 }
 
 // LibTorch's what() carries a C++ backtrace of dozens of lines; the peers get the message and its context.
@@ -38,10 +41,12 @@ std::exception_ptr peer(const std::string& what, int rank) {
 
 }  // namespace
 
-std::string failure_reason(int rank, const std::exception& e) {
+std::string failure_reason(int rank, const std::exception& e, const std::string& where) {
   // A re-raised peer error already quotes its root's reason: passing it on unchanged keeps that rank as the root.
   if (dynamic_cast<const RaisedOnAnotherRank*>(&e) != nullptr) return e.what();
-  return fmt::format("rank {} failed ({}): {}", rank, type_name(e), message(e));
+  std::string reason = fmt::format("rank {} failed ({}): {}", rank, type_name(e), message(e));
+  if (!where.empty()) reason += fmt::format(" (in {})", where);
+  return reason;
 }
 
 std::exception_ptr as_root_type(const std::exception& e) {

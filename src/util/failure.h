@@ -8,8 +8,9 @@
 
 namespace twobp::detail {
 
-/// "rank R failed (Type): what()": the reason given to Transport::abort for an error raised on `rank`.
-std::string failure_reason(int rank, const std::exception& e);
+/// "rank R failed (Type): what()": the reason given to Transport::abort for an error raised on `rank`; with `where`
+/// (the action it was raised in, for an error that cannot carry it itself) "... what() (in where)".
+std::string failure_reason(int rank, const std::exception& e, const std::string& where = "");
 
 /// For a TransportError whose message carries a failure_reason() of a twobp error type: that error as
 /// PeerError<Type> with the same message; null for anything else (including errors already re-raised).
