@@ -288,10 +288,8 @@ std::vector<RunResult> run_config(Transport& world, ParallelGroups& groups, cons
     options.memory_limit_bytes = vk.memory_limit;
     variants[k].variant = vk;
     std::vector<PipelineChunk> chunks = make_model_chunks(a.model, schedule, me);
-    for (auto& chunk : chunks) {
-      chunk.recompute =
-          a.recompute && (a.recompute_ranks <= 0 || schedule.stage_to_rank[chunk.stage] < a.recompute_ranks);
-    }
+    const int recomputing = recomputing_ranks(a.recompute, a.recompute_ranks, schedule.num_ranks);
+    for (auto& chunk : chunks) chunk.recompute = schedule.stage_to_rank[chunk.stage] < recomputing;
     variants[k].pipeline = std::make_unique<Pipeline>(schedule, std::move(chunks), transport, options);
     variants[k].costs.emplace(schedule.num_stages);
     variants[k].memory.emplace(schedule.num_stages, stage_gradient_bytes(*variants[k].pipeline));

@@ -82,8 +82,8 @@ struct Args {
   int seq_len_warmup = 0;  // steps over which the sequence length grows to --seq-len (0: none)
   bool recompute = false;  // activation recomputation on every chunk
   int recompute_ranks = 0;  // with recompute: only the chunks of pipeline ranks 0 .. recompute_ranks - 1 (0: all)
-  /// Whether pipeline rank `rank`'s chunks recompute (--recompute, --recompute-ranks).
-  bool recomputes(int rank) const { return recompute && (recompute_ranks == 0 || rank < recompute_ranks); }
+  /// How many pipeline ranks, from rank 0, recompute their chunks (--recompute, --recompute-ranks).
+  int recomputing_ranks(int pp) const { return twobp::recomputing_ranks(recompute, recompute_ranks, pp); }
   int chunks_per_rank = 0;  // 0: the schedule's default
   std::string schedule_file;
   std::string dump_schedule;  // write the run's schedule here (.csv: PyTorch's compute_only form) and go on

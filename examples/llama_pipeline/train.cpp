@@ -111,7 +111,8 @@ RankModel build_rank_model(const Plan& p, twobp::ParallelGroups& groups, c10::De
                         }});
     }
   }
-  for (auto& chunk : chunks) chunk.recompute = a.recomputes(transport.rank());
+  const bool recompute = transport.rank() < a.recomputing_ranks(p.schedule.num_ranks);
+  for (auto& chunk : chunks) chunk.recompute = recompute;
   twobp::PipelineOptions po;
   po.timeout = timeout;
   const int64_t mbs = a.micro_batch_size, seq = p.seq_len, dim = p.config.dim;
@@ -354,11 +355,9 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
     std::lock_guard<std::mutex> lock(shared.mutex);
     shared.final_schedule = pipeline.schedule().name;
     shared.final_two_bp = pipeline.schedule().backward == twobp::BackwardMode::kSplit;
-    const int p = pipeline.schedule().num_ranks;
-    shared.final_recompute_ranks = chooser && chooser->recompute_ranks() > 0 ? chooser->recompute_ranks()
-                                   : !a.recompute                          ? 0
-                                   : a.recompute_ranks > 0                 ? std::min(a.recompute_ranks, p)
-                                                                           : p;
+    shared.final_recompute_ranks = chooser && chooser->recompute_ranks() > 0
+                                       ? chooser->recompute_ranks()
+                                       : a.recomputing_ranks(pipeline.schedule().num_ranks);
   }
   if (!attributions.empty()) {  // every rank ran the same steps: all of a pipeline call this, or none
     auto ranks = twobp::gather_attributions(transport, twobp::mean_attribution(attributions), timeout);

@@ -844,6 +844,7 @@ StepResult Executor::run(const NamedTensors& inputs, const NamedTensors& targets
 StepResult Executor::run(const std::vector<NamedTensors>& inputs, const std::vector<NamedTensors>& targets) {
   const int m = schedule_.num_micro_batches, last = schedule_.num_stages - 1;
   const auto& actions = schedule_.actions[rank_];
+  failure_reason_.clear();
   // Every rank runs the same runs in the same order, so they agree on the run number without a message.
   const std::int64_t run_number = (*options_.run_counter)++;
   tag_offset_ = run_number * message_tag_span(schedule_);
@@ -922,15 +923,15 @@ StepResult Executor::run(const std::vector<NamedTensors>& inputs, const std::vec
     // A rank whose own wait timed out stays "waiting" on the board: that is the edge a later report needs.
     if (dynamic_cast<const TimeoutError*>(&e) == nullptr) {
       const std::string what = e.what();
-      note(RankStatus::State::kFailed, nullptr, -1,
-           what.substr(0, what.find('\n')) + (failed_in.empty() ? "" : fmt::format(" (in {})", failed_in)));
+      note(RankStatus::State::kFailed, nullptr, -1, detail::placed(what.substr(0, what.find('\n')), failed_in));
     }
     for (auto& [index, stage_ptr] : stages_) stage_ptr->reset();
     st = Step{};
     // Tell every peer now: they would otherwise wait for their timeout on messages this rank will never send.
+    failure_reason_ =
+        detail::failure_reason(rank_, reported ? static_cast<const std::exception&>(*reported) : e, failed_in);
     try {
-      transport_.abort(
-          detail::failure_reason(rank_, reported ? static_cast<const std::exception&>(*reported) : e, failed_in));
+      transport_.abort(failure_reason_);
     } catch (...) {
     }
     if (reported) throw *reported;

@@ -36,8 +36,12 @@ void clip_to(const std::vector<at::Tensor>& params, double norm, double max_norm
 
 // Aborts each non-null transport with `rank`'s failure `e`, so that its peers fail at once instead of at their
 // timeouts. A transport already aborted ignores a second abort; an abort that itself fails changes nothing here.
-void abort_with(std::initializer_list<Transport*> transports, int rank, const std::exception& e) {
-  const std::string reason = detail::failure_reason(rank, e);
+// `executor`: the one whose run `e` may have escaped; where it aborted with a reason of its own (naming the action),
+// every group is told that one.
+void abort_with(std::initializer_list<Transport*> transports, int rank, const std::exception& e,
+                Executor* executor = nullptr) {
+  std::string reason = executor != nullptr ? executor->take_failure_reason() : std::string();
+  if (reason.empty()) reason = detail::failure_reason(rank, e);
   for (Transport* t : transports) {
     if (t == nullptr) continue;
     try {
@@ -522,7 +526,7 @@ StepResult Pipeline::run_step(const std::function<StepResult()>& run) {
     // The other ranks and replicas would otherwise wait for this one (its messages, its reductions, its next step:
     // an error before the first action, e.g. a refused shared tensor, or after the last, e.g. a refused buffer)
     // until their timeouts. The executor already aborted the pipeline transport for an error inside an action.
-    abort_with({impl_->data_parallel, transport_.get()}, rank(), e);
+    abort_with({impl_->data_parallel, transport_.get()}, rank(), e, impl_->executor.get());
     if (std::exception_ptr root = detail::as_root_type(e)) std::rethrow_exception(root);
     throw;
   }
@@ -600,7 +604,7 @@ double Pipeline::run_evaluation(const std::function<StepResult(Executor&)>& run)
   } catch (const std::exception& e) {
     // As in run_step: the peers would otherwise wait for this rank (its messages, mean_loss's reductions) until
     // their timeouts -- after an error before the first action (a refused master sync) or after the last.
-    abort_with({impl_->data_parallel, transport_.get()}, rank(), e);
+    abort_with({impl_->data_parallel, transport_.get()}, rank(), e, impl_->evaluator.get());
     if (std::exception_ptr root = detail::as_root_type(e)) std::rethrow_exception(root);
     throw;
   }

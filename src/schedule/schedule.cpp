@@ -18,6 +18,11 @@ std::vector<int> Schedule::stages_of(int rank) const {
   return stages;
 }
 
+int recomputing_ranks(bool recompute, int ranks, int num_ranks) {
+  if (!recompute) return 0;
+  return ranks > 0 ? std::min(ranks, num_ranks) : num_ranks;
+}
+
 Schedule forward_only(Schedule schedule) {
   for (auto& list : schedule.actions) {
     list.erase(std::remove_if(list.begin(), list.end(),

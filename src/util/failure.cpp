@@ -44,9 +44,12 @@ std::exception_ptr peer(const std::string& what, int rank) {
 std::string failure_reason(int rank, const std::exception& e, const std::string& where) {
   // A re-raised peer error already quotes its root's reason: passing it on unchanged keeps that rank as the root.
   if (dynamic_cast<const RaisedOnAnotherRank*>(&e) != nullptr) return e.what();
-  std::string reason = fmt::format("rank {} failed ({}): {}", rank, type_name(e), message(e));
-  if (!where.empty()) reason += fmt::format(" (in {})", where);
-  return reason;
+  return placed(fmt::format("rank {} failed ({}): {}", rank, type_name(e), message(e)), where);
+}
+
+std::string placed(std::string message, const std::string& where) {
+  if (!where.empty()) message += fmt::format(" (in {})", where);
+  return message;
 }
 
 std::exception_ptr as_root_type(const std::exception& e) {

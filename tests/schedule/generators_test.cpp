@@ -99,6 +99,17 @@ TEST(Generators, PlacementFollowsTheContract) {
   EXPECT_EQ(make_schedule("zb-v", o).num_stages, 8) << "zb-v always has two chunks per rank";
 }
 
+// Recomputation on a rank prefix, as every caller spells it: off is none, 0 ranks is every rank, more ranks than
+// the pipeline has is every rank, and otherwise exactly the ranks asked for.
+TEST(Generators, RecomputationOnARankPrefix) {
+  EXPECT_EQ(recomputing_ranks(false, 0, 4), 0);
+  EXPECT_EQ(recomputing_ranks(false, 2, 4), 0);
+  EXPECT_EQ(recomputing_ranks(true, 0, 4), 4);
+  EXPECT_EQ(recomputing_ranks(true, 1, 4), 1);
+  EXPECT_EQ(recomputing_ranks(true, 3, 4), 3);
+  EXPECT_EQ(recomputing_ranks(true, 9, 4), 4);
+}
+
 // Any micro-batch count: max(1, m / p) groups as equal as m allows (PyTorch's grouping where it divides m, the
 // first m % rounds groups one larger otherwise -- e.g. p = 4, m = 9: 5 + 4). Valid for by-tag and in-order
 // pairing (no deadlock) for every p, v and m tried, and the unequal groups cost nothing: with equal costs the

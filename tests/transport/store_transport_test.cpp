@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -20,6 +21,7 @@
 #include "common/spawn_ranks.h"
 #include "transport/group_cases.h"
 #include "twobp/error.h"
+#include "twobp/runtime/data_parallel.h"
 #include "twobp/runtime/pipeline.h"
 #include "twobp/schedule/registry.h"
 #include "twobp/transport/launch.h"
@@ -158,6 +160,9 @@ TEST(StoreTransportProcesses, GroupsByHalf) { expect_all_passed("groups_half", 4
 TEST(StoreTransportProcesses, AsynchronousAllReduces) { expect_all_passed("async_all_reduce", 4); }
 TEST(StoreTransportProcesses, PeerThatNeverSplitsTimesOut) { expect_all_passed("split_timeout", 4); }
 TEST(StoreTransportProcesses, AbortInAGroupIsSeenByItsMembers) { expect_all_passed("group_abort", 4); }
+TEST(StoreTransportProcesses, ReplicasAreToldTheActionAUserErrorEscapedFrom) {
+  expect_all_passed("replica_user_error", 4);
+}
 
 // The hang report across processes: the ranks that are alive agree on one report through the store, which
 // names a killed rank as not answering and a rank stuck in compute by its action (its process answers from the
@@ -298,6 +303,53 @@ void abort_scenario(StoreTransport& t) {
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5)) << "an abort must be seen at once";
 }
 
+// dp 2 x pp 2, 1F1B without 2BP: world rank 3 (replica 1, pipeline rank 1) throws an exception of the user's own
+// type from a gradient hook in its first B. It keeps its type there; world rank 1, its data-parallel peer waiting
+// for it in the gradient reduction, must be told the type and the action. Store groups do not share aborts (an
+// abort in a group fails its members only), so that is the Pipeline's abort of the replicas, not the executor's
+// abort of the pipeline, that tells it.
+struct ModelBug : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+void replica_user_error(StoreTransport& t) {
+  using namespace testing;
+  Float64Default float64;
+  const int m = 2;
+  const Schedule schedule = make_schedule("1f1b", ScheduleOptions{2, m, 1, BackwardMode::kStandard});
+  {
+    ParallelGroups groups(t, 2, kLong);
+    const int stage = groups.pipeline_rank();
+    auto module = make_chunk(stage);
+    PipelineOptions o;
+    o.timeout = kLong;
+    o.loss = mse;
+    o.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim}, at::kDouble}; };
+    o.data_parallel.group = groups.data_parallel();
+    auto forward = [raw = module.get(), stage](const at::Tensor& x) { return run_chunk(*raw, stage, x); };
+    Pipeline p(schedule, {{stage, module, forward}}, groups.pipeline(), o);
+    if (t.rank() == 3) {
+      p.parameters().front().register_hook([](const at::Tensor&) -> at::Tensor { throw ModelBug("bug"); });
+    }
+    torch::manual_seed(12);
+    const at::Tensor inputs = torch::randn({m * kMicroBatchSize, kDim});
+    const at::Tensor targets = torch::randn({m * kMicroBatchSize, kDim});
+    try {
+      p.step(inputs, targets);
+      ADD_FAILURE() << "rank " << t.rank() << ": the step must fail";
+    } catch (const ModelBug& e) {
+      EXPECT_EQ(t.rank(), 3) << e.what();
+    } catch (const std::exception& e) {
+      EXPECT_NE(t.rank(), 3) << e.what();
+      if (t.rank() == 1) {
+        EXPECT_NE(std::string(e.what()).find("ModelBug): bug (in rank 1: B stage 1 micro-batch 0)"), std::string::npos)
+            << e.what();
+      }
+    }
+  }
+  t.barrier(kLong);  // the world transport (rank 0 serves the store) outlives every rank's reading of an abort
+}
+
 // 4 ranks, 1F1B over 4 stages; rank 3 is killed at its first forward (hang_killed) or sleeps past the timeout in
 // its second (hang_compute). Writes the hang report its error carried to $TWOBP_TEST_OUT/rank<r>.txt.
 void hang_scenario(std::shared_ptr<StoreTransport> t, bool killed) {
@@ -357,6 +409,7 @@ TEST(StoreTransportRank, Run) {
   if (s == "async_all_reduce") testing::check_async_all_reduce(*t, kLong);
   if (s == "split_timeout") testing::check_split_timeout(*t, Duration(1000));
   if (s == "group_abort") testing::check_group_abort(*t, kLong, /*reaches_other_groups=*/false);
+  if (s == "replica_user_error") replica_user_error(*t);
   if (s == "hang_killed" || s == "hang_compute") hang_scenario(t, s == "hang_killed");
 }
 

@@ -9,7 +9,9 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "twobp/schedule/dependencies.h"
@@ -138,6 +140,12 @@ class Executor {
   /// per micro-batch where needed (as above), empty vectors elsewhere.
   StepResult run(const std::vector<NamedTensors>& inputs, const std::vector<NamedTensors>& targets);
 
+  /// The reason this rank aborted its transport with when the last run() failed inside an action (it names the
+  /// action where the error cannot carry it: the user's own exception types), so that whoever tells other groups
+  /// of the same error -- the Pipeline's data-parallel replicas -- tells the same; empty when the last run did not
+  /// fail so. Clears it.
+  std::string take_failure_reason() { return std::exchange(failure_reason_, {}); }
+
  private:
   struct Step;
   struct Part;
@@ -181,6 +189,7 @@ class Executor {
   std::map<MemoryKey, int64_t> memory_rise_, memory_added_;
   std::shared_ptr<Activity> activity_;  // shared with the board's reader, which may outlive this executor
   std::shared_ptr<StatusBoard> board_;  // the transport's; null: no hang report
+  std::string failure_reason_;          // see take_failure_reason()
 };
 
 }  // namespace twobp

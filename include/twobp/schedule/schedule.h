@@ -38,6 +38,12 @@ struct Schedule {
   std::vector<int> stages_of(int rank) const;
 };
 
+/// Recomputation on a prefix of the ranks, the one form the planner, AutoSchedule, the memory estimate and
+/// `--recompute [--recompute-ranks N]` share (the first ranks hold the most activations in 1F1B-like orders): how
+/// many ranks, from rank 0, recompute the activations of every stage they hold -- 0 without `recompute`, else
+/// `ranks` (0: every rank) but at most `num_ranks`. Rank r recomputes iff r < the result.
+int recomputing_ranks(bool recompute, int ranks, int num_ranks);
+
 /// A source of schedules. Implement it to plug a custom schedule into every CLI and the Pipeline.
 class ScheduleGenerator {
  public:
