@@ -294,6 +294,7 @@ void report_plan(const PlanArgs& a, const llm::LlamaConfig& config, const Layout
   out["config"]["cost_model"] = {{"kind", llama_costs_kind_name(c.kind)}, {"F", cost_terms_json(c.forward)},
                                  {"I", cost_terms_json(c.backward_input)}, {"W", cost_terms_json(c.backward_weight)},
                                  {"B", cost_terms_json(c.backward)}};
+  if (!c.backward_weight_fixed.is_zero()) out["config"]["cost_model"]["W0"] = cost_terms_json(c.backward_weight_fixed);
   out["config"]["device"] = rates.device;
   out["warnings"] = c.warnings;
   for (const std::string& w : c.warnings) std::cerr << "twobp_bench plan: warning: " << w << "\n";

@@ -163,6 +163,9 @@ CostModel LlamaCosts::cost_model(const llm::Partition& partition, BackwardMode m
     costs.backward_weight.push_back(mode == BackwardMode::kSplit ? cost(backward_weight) : 0.0);
     costs.backward.push_back(cost(backward));
     if (recompute) costs.recompute.push_back(f);
+    if (mode == BackwardMode::kSplit && !backward_weight_fixed.is_zero()) {
+      costs.backward_weight_fixed.push_back(std::max(0.0, backward_weight_fixed.of(chunk)));
+    }
   }
   return costs;
 }
@@ -185,7 +188,7 @@ LlamaCosts estimate_llama_costs(const llm::LlamaConfig& config, int64_t seq, int
 }
 
 LlamaCosts fit_llama_costs(const llm::LlamaConfig& config, int64_t seq, const std::vector<MeasuredLlamaRun>& runs) {
-  Samples F, I, W, B;
+  Samples F, I, W, W0, B;
   double f_split = 0, f_standard = 0;  // F summed over the 2BP and over the standard runs (for the ratios)
   double f_units = 0;                  // Σ partition cost (blocks + head share) of the chunks behind F
   bool any_split = false;
@@ -206,8 +209,8 @@ LlamaCosts fit_llama_costs(const llm::LlamaConfig& config, int64_t seq, const st
       f_units += run.partition.cost[s];
       if (run.mode == BackwardMode::kSplit) {
         I.add(chunk, c.backward_input[s]);
-        // A W of one micro-batch: the planned costs have no fixed W part (CostModel::backward_weight_fixed).
-        W.add(chunk, c.backward_weight[s] + (c.backward_weight_fixed.size() == n ? c.backward_weight_fixed[s] : 0.0));
+        W.add(chunk, c.backward_weight[s]);
+        W0.add(chunk, c.backward_weight_fixed.size() == n ? c.backward_weight_fixed[s] : 0.0);
       } else {
         B.add(chunk, c.backward[s]);
       }
@@ -224,26 +227,35 @@ LlamaCosts fit_llama_costs(const llm::LlamaConfig& config, int64_t seq, const st
     out.forward = *f;
     out.backward_input = *i;
     out.backward_weight = *w;
+    if (W0.total() != 0) out.backward_weight_fixed = W0.fit().value();  // the same rows as W's
     const std::optional<ChunkCost> b = B.fit();
-    out.backward = b ? *b : *i + *w;
+    out.backward = b ? *b : *i + out.backward_weight_fixed + *w;
     // Noise can make a fitted term negative; cost_model clamps every chunk's cost at 0, but say so.
     warn_negative("F", out.forward, out.warnings);
     warn_negative("I", out.backward_input, out.warnings);
     warn_negative("W", out.backward_weight, out.warnings);
+    warn_negative("W0", out.backward_weight_fixed, out.warnings);
     warn_negative("B", out.backward, out.warnings);
-    out.how = fmt::format("fitted per chunk: F {}; I {}; W {}; B {}", out.forward.str(), out.backward_input.str(),
-                          out.backward_weight.str(), out.backward.str());
+    out.how = fmt::format("fitted per chunk: F {}; I {}; W {}{}; B {}", out.forward.str(), out.backward_input.str(),
+                          out.backward_weight.str(),
+                          W0.total() != 0 ? fmt::format(" per micro-batch + {} per W", out.backward_weight_fixed.str())
+                                          : "",
+                          out.backward.str());
     return out;
   }
   out.kind = LlamaCosts::Kind::kFlopShares;
   out.forward = flop_shares(config, seq, F.total() / f_units);
-  const double ratio_i = I.total() / f_split, ratio_w = W.total() / f_split;
+  const double ratio_i = I.total() / f_split, ratio_w = W.total() / f_split, ratio_w0 = W0.total() / f_split;
   out.backward_input = out.forward.scaled(ratio_i);
   out.backward_weight = out.forward.scaled(ratio_w);
-  out.backward = out.forward.scaled(B.total() > 0 && f_standard > 0 ? B.total() / f_standard : ratio_i + ratio_w);
+  out.backward_weight_fixed = out.forward.scaled(ratio_w0);
+  out.backward =
+      out.forward.scaled(B.total() > 0 && f_standard > 0 ? B.total() / f_standard : ratio_i + ratio_w0 + ratio_w);
   out.how = fmt::format("FLOP shares (one chunk shape: measure a v = 2 schedule too to fit per-action and head "
-                        "costs): {:.3g} ms per block, I/F {:.3f}, W/F {:.3f}, B/F {:.3f}",
-                        out.forward.per_block, ratio_i, ratio_w, out.backward.per_block / out.forward.per_block);
+                        "costs): {:.3g} ms per block, I/F {:.3f}, W/F {:.3f}{}, B/F {:.3f}",
+                        out.forward.per_block, ratio_i, ratio_w,
+                        ratio_w0 != 0 ? fmt::format(" per micro-batch + {:.3f} per W", ratio_w0) : "",
+                        out.backward.per_block / out.forward.per_block);
   return out;
 }
 

@@ -27,12 +27,14 @@ const ChunkCost kF{0.25, 1.5, 0.75, 3.0};
 const ChunkCost kI{0.125, 1.75, 0.5, 2.5};
 const ChunkCost kW{0.375, 1.25, 0.0625, 4.0};
 const ChunkCost kB{0.5, 3.5, 0.625, 6.25};
+const ChunkCost kW0{0.875, 0.3125, 0.25, 0.5};  // the fixed part of every W
 
 llm::LlamaConfig model() { return llm::config_by_name("small"); }
 constexpr int64_t kSeq = 64;
 
-// A run of `chunks` chunks in `mode` whose measured costs are exactly the made-up ones.
-MeasuredLlamaRun exact_run(int chunks, BackwardMode mode) {
+// A run of `chunks` chunks in `mode` whose measured costs are exactly the made-up ones; with `fixed_w`, its W's
+// also showed a fixed part (kW0: MeasuredCosts::backward_weight_fixed).
+MeasuredLlamaRun exact_run(int chunks, BackwardMode mode, bool fixed_w = false) {
   MeasuredLlamaRun run;
   run.partition = llm::make_partition(model(), chunks, kSeq);
   run.mode = mode;
@@ -42,6 +44,7 @@ MeasuredLlamaRun exact_run(int chunks, BackwardMode mode) {
     run.costs.backward_input.push_back(split ? kI.of(c) : 0.0);
     run.costs.backward_weight.push_back(split ? kW.of(c) : 0.0);
     run.costs.backward.push_back(split ? 0.0 : kB.of(c));
+    if (fixed_w && split) run.costs.backward_weight_fixed.push_back(kW0.of(c));
   }
   return run;
 }
@@ -75,6 +78,36 @@ TEST(FitLlamaCosts, WithoutAStandardRunBIsIPlusW) {
   expect_terms(c.backward, kI + kW, "B = I + W");
 }
 
+// W's measured in two sizes give a fixed part (W0 + k W): fitted back as its own terms, not folded into W, so that
+// the planner charges a batched W of k micro-batches W0 + k W as the simulator fed from the run would; a fused B
+// without a standard run is I + W0 + W. Runs whose W's had one size only leave it zero (and CostModel without it).
+TEST(FitLlamaCosts, AFixedWPartIsFittedAndPlanned) {
+  const LlamaCosts c = fit_llama_costs(
+      model(), kSeq, {exact_run(2, BackwardMode::kSplit, true), exact_run(4, BackwardMode::kSplit, true)});
+  ASSERT_EQ(c.kind, LlamaCosts::Kind::kFitted) << c.how;
+  expect_terms(c.backward_weight, kW, "W");
+  expect_terms(c.backward_weight_fixed, kW0, "W0");
+  expect_terms(c.backward, kI + kW0 + kW, "B = I + W0 + W");
+  EXPECT_NE(c.how.find("per W"), std::string::npos) << c.how;
+  const llm::Partition partition = llm::make_partition(model(), 3, kSeq);
+  const CostModel split = c.cost_model(partition, BackwardMode::kSplit, false, 0.0);
+  ASSERT_EQ(split.backward_weight_fixed.size(), partition.chunks.size());
+  for (std::size_t s = 0; s < partition.chunks.size(); ++s) {
+    EXPECT_NEAR(split.backward_weight_fixed[s], kW0.of(partition.chunks[s]), 1e-9) << "stage " << s;
+    EXPECT_NEAR(split.weight(static_cast<int>(s), 4), kW0.of(partition.chunks[s]) + 4 * kW.of(partition.chunks[s]),
+                1e-9)
+        << "stage " << s;
+  }
+  EXPECT_TRUE(c.cost_model(partition, BackwardMode::kStandard, false, 0.0).backward_weight_fixed.empty());
+  // Carried to another shape: the fixed part is not the micro-batches' work, so it stays.
+  expect_terms(c.carried(model(), kSeq, 1, model(), 2 * kSeq, 4).backward_weight_fixed, kW0, "W0 carried");
+
+  const LlamaCosts none =
+      fit_llama_costs(model(), kSeq, {exact_run(2, BackwardMode::kSplit), exact_run(4, BackwardMode::kSplit)});
+  EXPECT_TRUE(none.backward_weight_fixed.is_zero());
+  EXPECT_TRUE(none.cost_model(partition, BackwardMode::kSplit, false, 0.0).backward_weight_fixed.empty());
+}
+
 TEST(FitLlamaCosts, OneChunkShapeFallsBackToFlopShares) {
   // Two chunks: one row with the embedding, one with the head: the four terms are not determined.
   const MeasuredLlamaRun split = exact_run(2, BackwardMode::kSplit);
@@ -97,6 +130,19 @@ TEST(FitLlamaCosts, OneChunkShapeFallsBackToFlopShares) {
   EXPECT_NEAR(c.backward_input.per_block / c.forward.per_block, sum(split.costs.backward_input) / f_split, 1e-12);
   EXPECT_NEAR(c.backward_weight.per_block / c.forward.per_block, sum(split.costs.backward_weight) / f_split, 1e-12);
   EXPECT_NEAR(c.backward.per_block / c.forward.per_block, sum(standard.costs.backward) / f_standard, 1e-12);
+  EXPECT_TRUE(c.backward_weight_fixed.is_zero());
+
+  // A fixed W part at its summed ratio to F too, and in B = I + W0 + W without a standard run.
+  const MeasuredLlamaRun fixed = exact_run(2, BackwardMode::kSplit, true);
+  const LlamaCosts w0 = fit_llama_costs(model(), kSeq, {fixed});
+  ASSERT_EQ(w0.kind, LlamaCosts::Kind::kFlopShares);
+  const double f_fixed = sum(fixed.costs.forward);
+  EXPECT_NEAR(w0.backward_weight_fixed.per_block / w0.forward.per_block,
+              sum(fixed.costs.backward_weight_fixed) / f_fixed, 1e-12);
+  EXPECT_NEAR(w0.backward.per_block / w0.forward.per_block,
+              (sum(fixed.costs.backward_input) + sum(fixed.costs.backward_weight_fixed) +
+               sum(fixed.costs.backward_weight)) / f_fixed,
+              1e-12);
 }
 
 TEST(FitLlamaCosts, NegativeTermsWarnAndBadRunsAreRefused) {

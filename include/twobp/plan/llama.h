@@ -28,6 +28,7 @@ struct ChunkCost {
   double per_action = 0, per_block = 0, embedding = 0, head = 0;
 
   double of(const models::ChunkSpec& chunk) const;
+  bool is_zero() const { return per_action == 0 && per_block == 0 && embedding == 0 && head == 0; }
   ChunkCost scaled(double k) const;
   ChunkCost operator+(const ChunkCost& other) const;
   /// "a + b/block + e embedding + h head" (3 significant digits).
@@ -43,18 +44,23 @@ struct LlamaCosts {
   };
   Kind kind = Kind::kEstimated;
   ChunkCost forward, backward_input, backward_weight, backward;
+  /// The fixed part of every W, whatever its number of micro-batches (CostModel::backward_weight_fixed): a W of k
+  /// micro-batches costs backward_weight_fixed + k · backward_weight. All terms 0: none (estimated costs, and
+  /// measured runs whose W's came in one size only).
+  ChunkCost backward_weight_fixed;
   std::string how;                    ///< one line for people: the terms, or the rate and ratios
   std::vector<std::string> warnings;  ///< e.g. a fitted term that came out negative (noise)
 
   /// The same costs on model `to` at `to_seq` tokens and `to_micro_batch_size` sequences per micro-batch:
   /// block and head terms scaled by their FLOPs (models::block_forward_flops, head_forward_flops), the embedding
-  /// by its output elements (sequences · tokens · dim), the per-action term unchanged.
+  /// by its output elements (sequences · tokens · dim), the per-action term unchanged. The fixed W part is not
+  /// scaled: it is what a W costs apart from its micro-batches' work (per block as many weights, not FLOPs).
   LlamaCosts carried(const models::LlamaConfig& from, int64_t from_seq, int64_t from_micro_batch_size,
                      const models::LlamaConfig& to, int64_t to_seq, int64_t to_micro_batch_size) const;
 
-  /// The simulator's costs of `partition`'s chunks as stages in `mode`: F; I and W (kSplit; 0 in kStandard);
-  /// B (the fused backward: every B of a standard form, the fused ones of a 2BP form); R = F when `recompute`;
-  /// `communication_ms` per message. A chunk's cost is clamped at 1e-9 ms: a fitted term may be negative and no
+  /// The simulator's costs of `partition`'s chunks as stages in `mode`: F; I and W (kSplit; 0 in kStandard), and
+  /// in kSplit W's fixed part where there is one (at least 0 per chunk); B (the fused backward: every B of a
+  /// standard form, the fused ones of a 2BP form); R = F when `recompute`; `communication_ms` per message. A chunk's cost is clamped at 1e-9 ms: a fitted term may be negative and no
   /// action is free.
   CostModel cost_model(const models::Partition& partition, BackwardMode mode, bool recompute,
                        double communication_ms) const;
@@ -79,10 +85,11 @@ struct MeasuredLlamaRun {
 
 /// Fits each action type's ChunkCost to the runs' chunks by least squares. All four terms need chunks of enough
 /// shapes (full column rank of the rows (1, blocks, embedding?, head?): e.g. the chunks of one v = 1 and one v = 2
-/// pipeline); B falls back to I + W when no standard run determines it. With too few shapes (a single v = 1
-/// pipeline cannot tell the head from the per-action cost) the result is Kind::kFlopShares: F per block = Σ F /
-/// Σ partition cost (blocks + head share), the head at its share, and I, W, B at their summed ratios to F
-/// (B = I + W without a standard run). A negative fitted term adds a warning. Throws UsageError when the runs hold
+/// pipeline); B falls back to I + W0 + W when no standard run determines it. W0, the fixed part of every W, is fitted
+/// as the others from the runs' measured MeasuredCosts::backward_weight_fixed (0 for a run without); all zero
+/// when no run has one. With too few shapes (a single v = 1 pipeline cannot tell the head from the per-action
+/// cost) the result is Kind::kFlopShares: F per block = Σ F / Σ partition cost (blocks + head share), the head at
+/// its share, and I, W, W0, B at their summed ratios to F (B = I + W0 + W without a standard run). A negative fitted term adds a warning. Throws UsageError when the runs hold
 /// no 2BP run (I and W) or no forward cost, or a run's cost lists are not one entry per chunk of its partition.
 LlamaCosts fit_llama_costs(const models::LlamaConfig& config, int64_t seq, const std::vector<MeasuredLlamaRun>& runs);
 
