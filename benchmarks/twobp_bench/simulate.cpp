@@ -206,8 +206,12 @@ CostSource load_costs(const SimulateArgs& a) {
     throw std::runtime_error(fmt::format("{}: result {}: costs_ms F/I/W sizes differ or are empty", a.from_json, a.result));
   }
   if (!any_positive(c.B)) {
+    CostModel parts;  // the measured stages' split parts, for the simulator's fused-B rule
+    parts.backward_input = c.I;
+    parts.backward_weight = c.W;
+    parts.backward_weight_fixed = c.W0;
     c.B.resize(S);
-    for (std::size_t s = 0; s < S; ++s) c.B[s] = c.I[s] + (c.W0.empty() ? 0.0 : c.W0[s]) + c.W[s];
+    for (std::size_t s = 0; s < S; ++s) c.B[s] = parts.unfused_backward(static_cast<int>(s));
     partner_note += " B = I + W (no standard result);";
   } else if (c.B.size() != S) {
     throw std::runtime_error(fmt::format("{}: result {}: costs_ms B has {} stages, F {}", a.from_json, a.result,

@@ -229,7 +229,7 @@ LlamaCosts fit_llama_costs(const llm::LlamaConfig& config, int64_t seq, const st
     out.backward_weight = *w;
     if (W0.total() != 0) out.backward_weight_fixed = W0.fit().value();  // the same rows as W's
     const std::optional<ChunkCost> b = B.fit();
-    out.backward = b ? *b : *i + out.backward_weight_fixed + *w;
+    out.backward = b ? *b : *i + out.backward_weight_fixed + *w;  // CostModel::unfused_backward, per term
     // Noise can make a fitted term negative; cost_model clamps every chunk's cost at 0, but say so.
     warn_negative("F", out.forward, out.warnings);
     warn_negative("I", out.backward_input, out.warnings);
