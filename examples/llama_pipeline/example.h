@@ -51,9 +51,10 @@ struct Args {
   int auto_candidates = 3;  // --schedule auto: the fastest predicted candidates measured before choosing
   double auto_memory_limit_gb = 0;  // --schedule auto: candidates' predicted peak tensor memory per rank, GiB (0: any)
   bool auto_recompute = false;  // --schedule auto: also the forms with the stages of the first 1..p ranks recomputing
-  /// --schedule auto: the starting schedule's forms it measures before choosing (each mode, with and without
-  /// recomputation with --auto-recompute).
-  int auto_probes() const { return auto_recompute ? 4 : 2; }
+  bool auto_weight_sizes = false;  // --schedule auto: also the 2BP form with its W's one micro-batch at a time
+  /// --schedule auto: the starting schedule's forms it measures before choosing, at most (each mode, with and
+  /// without recomputation with --auto-recompute, the 2BP form's W's one by one with --auto-weight-sizes).
+  int auto_probes() const { return (auto_recompute ? 4 : 2) + (auto_weight_sizes ? 1 : 0); }
   bool two_bp = true;
   int microbatches = 4;
   int micro_batch_size = 2;

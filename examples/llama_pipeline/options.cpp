@@ -59,6 +59,11 @@ void add_options(CLI::App& app, Args& a) {
                "all pipeline ranks recomputing (slower, less memory: useful with --auto-memory-limit-gb); the "
                "starting schedule is measured with every stage recomputing too")
       ->group(pipeline);
+  app.add_flag("--auto-weight-sizes", a.auto_weight_sizes,
+               "With --schedule auto: also measure the starting 2BP form with its batched W's one micro-batch at a "
+               "time, so that a W's fixed cost is known and candidates that batch W's differently are predicted "
+               "right (useful on GPUs, where a batched W is cheaper per micro-batch)")
+      ->group(pipeline);
   app.add_option("--schedule-file", a.schedule_file,
                  "A schedule file: twobp's text form, or PyTorch's compute_only CSV (*.csv); overrides --schedule, "
                  "keeps its own 2BP mode")
@@ -192,10 +197,10 @@ std::vector<std::string> ignored_options(const CLI::App& app, const Args& a) {
   }
   if (given("--schedule") && !a.schedule_file.empty()) ignored.emplace_back("--schedule (--schedule-file decides)");
   if ((given("--auto-start") || given("--auto-steps") || given("--auto-candidates") ||
-       given("--auto-memory-limit-gb") || given("--auto-recompute")) &&
+       given("--auto-memory-limit-gb") || given("--auto-recompute") || given("--auto-weight-sizes")) &&
       (a.schedule != "auto" || !a.schedule_file.empty())) {
-    ignored.emplace_back("--auto-start/--auto-steps/--auto-candidates/--auto-memory-limit-gb/--auto-recompute (only "
-                         "with --schedule auto)");
+    ignored.emplace_back("--auto-start/--auto-steps/--auto-candidates/--auto-memory-limit-gb/--auto-recompute/"
+                         "--auto-weight-sizes (only with --schedule auto)");
   }
   if (given("--zero") && a.zero == 1 && a.dp == 1) ignored.emplace_back("--zero 1 (nothing to shard with --dp 1)");
   if (given("--recompute-ranks") && !a.recompute) ignored.emplace_back("--recompute-ranks (only with --recompute)");

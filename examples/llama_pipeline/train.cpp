@@ -280,6 +280,7 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
                 pipeline.rank(), device.str());
     o.memory_limit_bytes = a.auto_memory_limit_gb * 1024.0 * 1024.0 * 1024.0;
     o.recompute = a.auto_recompute;
+    o.probe_weight_sizes = a.auto_weight_sizes;
     o.replicas = groups.data_parallel();
     o.timeout = timeout;
     chooser.emplace(pipeline, o);

@@ -248,9 +248,22 @@ AutoSchedule::AutoSchedule(Pipeline& pipeline, AutoScheduleOptions options)
     } catch (const UsageError&) {  // a schedule from a file, or a generator without that form
     }
   }
+  if (options_.probe_weight_sizes) {
+    for (std::size_t k = 0; k < probes_.size(); ++k) {
+      if (probes_[k].mode != BackwardMode::kSplit) continue;
+      Schedule single = one_micro_batch_per_weight(probes_[k].schedule);
+      if (single.name == probes_[k].schedule.name) break;  // its W's are one micro-batch each already
+      weight_probe_ = k + 1;                               // measured right after the 2BP form
+      std::string name = single.name;
+      probes_.insert(probes_.begin() + static_cast<std::ptrdiff_t>(weight_probe_),
+                     ScheduleCandidate{std::move(name), BackwardMode::kSplit, std::move(single), 0.0, 0.0, 0});
+      break;
+    }
+  }
   if (options_.recompute) {
     const std::size_t built = probes_.size();
     for (std::size_t k = 0; k < built; ++k) {
+      if (k == weight_probe_) continue;
       probes_.push_back(probes_[k]);
       probes_.back().recompute_ranks = start_.num_ranks;
     }
@@ -281,11 +294,15 @@ std::optional<std::string> AutoSchedule::after_step(const StepResult& result) {
       const ScheduleCandidate& measured = probes_[probe_ms_.size() - 1];
       const ScheduleCandidate& next = probes_[probe_ms_.size()];
       start_phase(next);
-      const std::string why =
-          next.recompute_ranks != measured.recompute_ranks
-              ? "with every stage recomputing too (what recomputation costs and saves)"
-              : fmt::format("its {} form too (what {} costs)", mode_label(next.mode),
-                            next.mode == BackwardMode::kSplit ? "an I and a W" : "a fused B");
+      std::string why;
+      if (probe_ms_.size() == weight_probe_) {
+        why = "its W's one micro-batch at a time too (W's in two sizes: their fixed part)";
+      } else if (next.recompute_ranks != measured.recompute_ranks) {
+        why = "with every stage recomputing too (what recomputation costs and saves)";
+      } else {
+        why = fmt::format("its {} form too (what {} costs)", mode_label(next.mode),
+                          next.mode == BackwardMode::kSplit ? "an I and a W" : "a fused B");
+      }
       return fmt::format("auto schedule: {} measured {:.2f} ms/step; measuring {}; switching to {}", describe(measured),
                          probe_ms_.back(), why, describe(next));
     }
@@ -400,7 +417,7 @@ std::string AutoSchedule::settle(const std::string& prefix) {
   // Every form measured -- the probed ones, then the trials -- by the same slowest-rank medians.
   std::vector<std::pair<const ScheduleCandidate*, double>> all;
   for (std::size_t k = 0; k < probes_.size(); ++k) {
-    if (probe_fits_[k]) all.emplace_back(&probes_[k], probe_ms_[k]);
+    if (probe_fits_[k] && k != weight_probe_) all.emplace_back(&probes_[k], probe_ms_[k]);  // that one only measures
   }
   for (std::size_t k = 0; k < trials_.size(); ++k) all.emplace_back(&trials_[k], trial_ms_[k]);
   // Nothing measured fits the memory limit: the job goes on with the starting schedule, over the limit.

@@ -37,6 +37,28 @@ Schedule forward_only(Schedule schedule) {
   return schedule;
 }
 
+Schedule one_micro_batch_per_weight(Schedule schedule) {
+  bool split = false;
+  for (auto& list : schedule.actions) {
+    std::vector<Action> out;
+    for (const Action& a : list) {
+      if (a.type != ActionType::kBackwardWeight || a.micro_batches.size() < 2) {
+        out.push_back(a);
+        continue;
+      }
+      split = true;
+      for (int mb : a.micro_batches) {
+        Action one = a;
+        one.micro_batches = {mb};
+        out.push_back(std::move(one));
+      }
+    }
+    list = std::move(out);
+  }
+  if (split) schedule.name += " (one micro-batch per W)";
+  return schedule;
+}
+
 namespace {
 
 // For an overlapped pair opened at `list[i]`: the index of its second part (the next compute action), or npos.

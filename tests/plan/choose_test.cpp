@@ -6,11 +6,14 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <chrono>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -601,6 +604,73 @@ TEST(AutoSchedule, RecomputingFormsAreProbedRankedAndKeepTheGradients) {
       << limited[0].news.back().second;
   EXPECT_NE(limited[0].news.back().second.find("is over the limit"), std::string::npos)
       << limited[0].news.back().second;
+}
+
+// AutoScheduleOptions::probe_weight_sizes: 1F1B's 2BP form runs one batched W per stage, so it is probed again
+// with its W's one micro-batch at a time, right after it; that probe only measures. Every phase but that probe is
+// slowed down here (a hook sleeps after each action), so it measures fastest of all -- and is still not chosen.
+TEST(AutoSchedule, WeightSizesProbeMeasuresButIsNeverChosen) {
+  Float64Default float64;
+  constexpr int kProbe = 2, kMicroBatches = 4;
+  const Schedule start = make_schedule("1f1b", ScheduleOptions{2, kMicroBatches, 1, BackwardMode::kSplit});
+  torch::manual_seed(3);
+  const auto inputs = torch::randn({kMicroBatches * kMicroBatchSize, kDim});
+  const auto targets = torch::randn({kMicroBatches * kMicroBatchSize, kDim});
+  TwoRanks ranks = two_rank_pipelines(start, fixture_options());
+  const std::string single = "1f1b (one micro-batch per W)";
+  std::vector<std::vector<ScheduleCandidate>> probes(2);
+  std::vector<std::vector<double>> probe_ms(2);
+  std::vector<std::string> last_line(2), final_name(2), second_line(2);
+  std::mutex mutex;
+  run_rank_threads(ranks.transports, [&](Transport& t) {
+    const int r = t.rank();
+    Pipeline& pipeline = *ranks.pipelines[r];
+    pipeline.add_hook([&pipeline, &single](const ActionEvent&) {
+      if (pipeline.schedule().name != single) std::this_thread::sleep_for(std::chrono::milliseconds(3));
+    });
+    AutoScheduleOptions o;
+    o.probe_steps = o.verify_steps = kProbe;
+    o.measure_candidates = 1;
+    o.names = {"1f1b"};  // one name: the candidates are its two forms, both probed, so no trial follows
+    o.probe_weight_sizes = true;
+    AutoSchedule chooser(pipeline, o);
+    std::vector<std::string> lines;
+    for (int step = 0; step < 3 * kProbe; ++step) {
+      std::optional<std::string> line = chooser.after_step(pipeline.step(inputs, targets));
+      if (line) lines.push_back(*line);
+    }
+    EXPECT_EQ(chooser.phase(), AutoSchedule::Phase::kDone);
+    std::lock_guard<std::mutex> lock(mutex);
+    probes[r] = chooser.probes();
+    probe_ms[r] = chooser.probe_ms();
+    last_line[r] = lines.empty() ? "" : lines.back();
+    second_line[r] = lines.size() < 2 ? "" : lines[0];
+    final_name[r] = pipeline.schedule().name;
+  }).rethrow_root_cause();
+  EXPECT_EQ(probe_ms[0], probe_ms[1]);
+  ASSERT_EQ(probes[0].size(), 3u);  // 1f1b 2BP, its W's one by one, 1f1b standard
+  EXPECT_EQ(probes[0][0].schedule.name, "1f1b");
+  EXPECT_EQ(probes[0][1].schedule.name, single);
+  EXPECT_EQ(probes[0][1].mode, BackwardMode::kSplit);
+  EXPECT_EQ(probes[0][2].mode, BackwardMode::kStandard);
+  for (const auto& list : probes[0][1].schedule.actions) {
+    for (const Action& a : list) {
+      if (a.type == ActionType::kBackwardWeight) EXPECT_EQ(a.micro_batches.size(), 1u) << describe(a);
+    }
+  }
+  EXPECT_NE(second_line[0].find("its W's one micro-batch at a time too"), std::string::npos) << second_line[0];
+  ASSERT_EQ(probe_ms[0].size(), 3u);
+  EXPECT_LT(probe_ms[0][1], std::min(probe_ms[0][0], probe_ms[0][2])) << "the hook must slow the others down";
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(final_name[r], "1f1b") << last_line[r];
+    EXPECT_EQ(last_line[r].find("per W"), std::string::npos) << last_line[r];
+  }
+  // A 2BP form that batches no W (ZB-H1 runs each W alone) gets no such probe.
+  TwoRanks zb = two_rank_pipelines(make_schedule("zb-h1", ScheduleOptions{2, kMicroBatches, 1, BackwardMode::kSplit}),
+                                   fixture_options());
+  AutoScheduleOptions o;
+  o.probe_weight_sizes = true;
+  EXPECT_EQ(AutoSchedule(*zb.pipelines[0], o).probes().size(), 2u);
 }
 
 TEST(AutoSchedule, RefusesBadOptionsAndMemoryBoundPipelines) {

@@ -56,6 +56,9 @@ def check(launch, example, work, name, extra=()):
         assert "with every stage recomputing too" in decisions[1]["decision"], decisions[1]
         settings = {c["recompute_ranks"] for c in doc["auto_schedule"]["ranking"]}
         assert settings == {0, 1, 2}, f"{name}: the ranking holds recompute_ranks {settings} (2 ranks)"
+    if "--auto-weight-sizes" in extra:  # 1f1b 2BP batches its W's: probed again with them one by one, never chosen
+        assert "its W's one micro-batch at a time too" in decisions[0]["decision"], decisions[0]
+        assert "per W" not in final["schedule"], final
     again_json = os.path.join(work, f"{name}_{final['schedule']}.json")
     run(launch + [example, *JOB, "--schedule", final["schedule"], "--2bp" if final["2bp"] else "--no-2bp",
                   *recompute_args(final["recompute_ranks"]), "--json", again_json])
@@ -111,6 +114,7 @@ def main():
     check([], example, work, "threads")
     # Four probes (each mode, with and without recomputation) and one candidate fit the 15 steps.
     check([], example, work, "threads_recompute", ["--auto-recompute", "--auto-candidates", "1"])
+    check([], example, work, "threads_weight_sizes", ["--auto-weight-sizes", "--auto-candidates", "1"])
     if mpiexec:
         check([mpiexec, "-n", "2", *MPI_FLAGS], example, work, "mpi")
     # Refused before any step, saying why.

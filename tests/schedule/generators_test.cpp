@@ -4,6 +4,7 @@
 #include <map>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "twobp/error.h"
 #include "twobp/schedule/messages.h"
@@ -178,6 +179,35 @@ TEST(Generators, WideSweepValidates) {
       }
     }
   }
+}
+
+// one_micro_batch_per_weight: every W of several micro-batches becomes that many W's of one, in its place and
+// order; nothing else moves, and the result validates (both pairings) wherever the schedule does.
+TEST(Generators, OneMicroBatchPerWeightKeepsTheOrderAndValidates) {
+  int split_any = 0;
+  for (const std::string& name : builtin_schedule_names()) {
+    for (int m : {4, 7}) {
+      const Schedule sc = make_schedule(name, default_schedule_options(name, 3, m, BackwardMode::kSplit));
+      const Schedule one = one_micro_batch_per_weight(sc);
+      for (std::size_t r = 0; r < sc.actions.size(); ++r) {
+        std::vector<Action> expanded;
+        for (const Action& a : sc.actions[r]) {
+          for (int mb : a.type == ActionType::kBackwardWeight ? a.micro_batches : std::vector<int>{-1}) {
+            Action part = a;
+            if (mb >= 0) part.micro_batches = {mb};
+            expanded.push_back(part);
+          }
+        }
+        EXPECT_EQ(one.actions[r], expanded) << name << " m=" << m << " rank " << r;
+      }
+      const bool changed = one.actions != sc.actions;
+      split_any += changed;
+      EXPECT_EQ(one.name, changed ? sc.name + " (one micro-batch per W)" : sc.name);
+      EXPECT_NO_THROW(validate(one)) << name << " m=" << m;
+      EXPECT_NO_THROW(validate(one, Pairing::kInOrderPerChannel)) << name << " m=" << m;
+    }
+  }
+  EXPECT_GT(split_any, 0) << "no built-in batches W's: the test tests nothing";
 }
 
 // The built-in generators run micro-batches in increasing order per stage for F and for I/B (a property of theirs:

@@ -21,6 +21,13 @@
 // costs miss (ranks sharing cores, W's batched over sizes the probes did not run) weigh less. Every decision is
 // made from all-reduced numbers, so every rank decides alike.
 //
+// W's in two sizes (AutoScheduleOptions::probe_weight_sizes): a probe sees each stage's W's in the sizes its schedule
+// runs them -- 1F1B's 2BP form one batched W of every micro-batch per stage, ZB-H1 one W per micro-batch -- and from
+// one size the costs cannot tell a W's fixed part from its per-micro-batch work, so a candidate that batches W's
+// otherwise is predicted as if batching neither saved nor cost anything. With the option, the 2BP form is probed a
+// second time with its W's one micro-batch at a time (one_micro_batch_per_weight, when it batches any), and each
+// stage's W's, in two sizes, give W0 + k W (CostRecorder). That probe only measures: it is never the choice.
+//
 // Memory: with AutoScheduleOptions::memory_limit_bytes the probe also records each action's tensor memory
 // (PipelineOptions::record_memory), the ranks agree on the memory model, and only candidates whose simulated peak
 // (simulate_peak_memory) stays within the limit on every rank are ranked and measured; the starting schedule's
@@ -114,6 +121,11 @@ struct AutoScheduleOptions {
   /// where both modes are candidates). Meant for a pipeline built without recomputation (one built with it on every
   /// stage gets the same forms num_ranks + 1 times).
   bool recompute = false;
+  /// Also probe the 2BP form with each of its batched W's run one micro-batch at a time (probe_steps more steps;
+  /// see the top), so that the W's fixed part is measured. Worth it where batching W's is cheaper per micro-batch
+  /// (GPUs: fewer, larger GEMMs); nothing is added when the 2BP form runs no W of several micro-batches, or `modes`
+  /// has no 2BP. Not for the recomputing probes (a W runs no forward again, so its costs are the same).
+  bool probe_weight_sizes = false;
   /// Data parallelism: the rank's data-parallel group, so that the replicas agree (collective over it too).
   Transport* replicas = nullptr;
   Duration timeout = std::chrono::minutes(5);
@@ -131,8 +143,8 @@ class AutoSchedule {
   /// Call after every Pipeline::step() with its result, on every rank. Collective (a few all-reduces over the
   /// pipeline and the replicas) on the step that ends the probe and on the steps that end each candidate's
   /// measurement; a no-op once done. Returns what it decided on those steps (one line, the same on every rank),
-  /// else nullopt. Steps until done: probe_steps × (forms probed: 1 or 2, twice that with recompute) +
-  /// verify_steps × (candidates measured, at most measure_candidates).
+  /// else nullopt. Steps until done: probe_steps × (forms probed: 1 or 2, twice that with recompute, one more with
+  /// probe_weight_sizes) + verify_steps × (candidates measured, at most measure_candidates).
   std::optional<std::string> after_step(const StepResult& result);
 
   Phase phase() const { return phase_; }
@@ -141,8 +153,9 @@ class AutoSchedule {
   /// The schedule the pipeline started with, and its measured step time (slowest rank's median, ms; 0 before).
   const Schedule& starting_schedule() const { return start_; }
   double starting_ms() const { return probe_ms_.empty() ? 0.0 : probe_ms_.front(); }
-  /// The forms probed (the starting schedule, then its other form when the candidates include that mode; with
-  /// AutoScheduleOptions::recompute the same again with every stage recomputing) and their measured step times so
+  /// The forms probed (the starting schedule, then its other form when the candidates include that mode, the 2BP
+  /// form followed by its W's one micro-batch at a time with AutoScheduleOptions::probe_weight_sizes; with
+  /// AutoScheduleOptions::recompute the forms again with every stage recomputing) and their measured step times so
   /// far. Each probe's `predicted_ms` and `predicted_peak_bytes` are set once the probe ends (0 before).
   const std::vector<ScheduleCandidate>& probes() const { return probes_; }
   const std::vector<double>& probe_ms() const { return probe_ms_; }
@@ -181,6 +194,7 @@ class AutoSchedule {
   std::vector<ScheduleCandidate> probes_;
   std::vector<double> probe_ms_;
   std::vector<bool> probe_fits_;  // within the memory limit (all, without one)
+  std::size_t weight_probe_ = static_cast<std::size_t>(-1);  // index in probes_ of the W-size probe (none: -1)
   std::vector<ScheduleCandidate> trials_;
   std::vector<double> trial_ms_;
   double chosen_ms_ = 0.0;

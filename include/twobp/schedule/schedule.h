@@ -64,6 +64,13 @@ Schedule add_communication(Schedule schedule);
 /// pairs wherever `schedule` pairs. Same name (with " (forward only)"), placement and micro-batches.
 Schedule forward_only(Schedule schedule);
 
+/// `schedule` with each W of k > 1 micro-batches run as k W's of one, in its place, in the same micro-batch order:
+/// the same work in smaller actions, so that W's costs come in two sizes and their fixed part can be told from the
+/// rest (AutoScheduleOptions::probe_weight_sizes, CostRecorder). Valid wherever `schedule` is: a W sends and
+/// receives nothing, and each part still comes after its micro-batch's I. Named "<name> (one micro-batch per W)";
+/// unchanged (name too) when no W batches micro-batches.
+Schedule one_micro_batch_per_weight(Schedule schedule);
+
 /// The layout in which a runtime runs `schedule`'s overlapped F&B pairs (Action::overlapped_with_next) at once:
 /// each pair's receives (those between its parts: the B's) move before its F, its sends (the F's) after its B.
 /// Unchanged where there are no pairs. validate() checks this layout as well as the given one, and the Pipeline
