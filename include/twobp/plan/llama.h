@@ -60,8 +60,8 @@ struct LlamaCosts {
 
   /// The simulator's costs of `partition`'s chunks as stages in `mode`: F; I and W (kSplit; 0 in kStandard), and
   /// in kSplit W's fixed part where there is one (at least 0 per chunk); B (the fused backward: every B of a
-  /// standard form, the fused ones of a 2BP form); R = F when `recompute`; `communication_ms` per message. A chunk's cost is clamped at 1e-9 ms: a fitted term may be negative and no
-  /// action is free.
+  /// standard form, the fused ones of a 2BP form); R = F when `recompute`; `communication_ms` per message. A
+  /// chunk's cost is clamped at 1e-9 ms: a fitted term may be negative and no action is free.
   CostModel cost_model(const models::Partition& partition, BackwardMode mode, bool recompute,
                        double communication_ms) const;
 };
@@ -89,8 +89,9 @@ struct MeasuredLlamaRun {
 /// as the others from the runs' measured MeasuredCosts::backward_weight_fixed (0 for a run without); all zero
 /// when no run has one. With too few shapes (a single v = 1 pipeline cannot tell the head from the per-action
 /// cost) the result is Kind::kFlopShares: F per block = Σ F / Σ partition cost (blocks + head share), the head at
-/// its share, and I, W, W0, B at their summed ratios to F (B = I + W0 + W without a standard run). A negative fitted term adds a warning. Throws UsageError when the runs hold
-/// no 2BP run (I and W) or no forward cost, or a run's cost lists are not one entry per chunk of its partition.
+/// its share, and I, W, W0, B at their summed ratios to F (B = I + W0 + W without a standard run). A negative
+/// fitted term adds a warning. Throws UsageError when the runs hold no 2BP run (I and W) or no forward cost, or a
+/// run's cost lists are not one entry per chunk of its partition.
 LlamaCosts fit_llama_costs(const models::LlamaConfig& config, int64_t seq, const std::vector<MeasuredLlamaRun>& runs);
 
 /// What plan_llama_layouts considers.
