@@ -12,7 +12,9 @@ and checks that `twobp_bench plan --costs-json` (config.cost_model of its JSON)
     was measured;
   - carries the fit to another micro-batch size (b, e, h scale with it, a does not);
   - predicts from them what the simulator predicts from the measured costs themselves (`twobp_bench simulate
-    --from-json` of the same result, whose stages keep their measured costs).
+    --from-json` of the same result, whose stages keep their measured costs);
+  - with a fixed W part (costs_ms.W0: W0 + k W for a W of k micro-batches), fits W0's terms apart from W's, so that
+    1F1B's batched 2BP tail is planned as the simulator charges it from the measured costs.
 """
 
 import json
@@ -104,21 +106,44 @@ modelled_f = sum(f["per_action"] + f["per_block"] * b + f["embedding"] * e + f["
 if f["per_action"] != 0 or f["embedding"] != 0 or not math.isclose(modelled_f, measured_f, rel_tol=1e-9):
     problems.append(f"one chunk shape: F {f} sums to {modelled_f} per step of chunks, measured {measured_f}")
 
+
+def expect_simulated(name, doc, index, schedule, v):
+    """The plan's 2BP prediction for `schedule` equals the simulator's from result `index` of `name`'s costs."""
+    sim_out = os.path.join(WORK, f"{name}_simulate.json")
+    run = subprocess.run([BENCH, "simulate", "--from-json", os.path.join(WORK, f"{name}_costs.json"), "--result",
+                          str(index), "--ranks", "2", "--microbatches", "4", "--chunks-per-rank", str(v),
+                          "--schedule", schedule, "--json", sim_out], capture_output=True, text=True)
+    if run.returncode != 0:
+        sys.exit(f"twobp_bench simulate failed ({run.returncode}):\n{run.stdout}{run.stderr}")
+    with open(sim_out) as f:
+        sim = [r for r in json.load(f)["results"] if r["mode"] == "2bp"]
+    planned = [c for c in doc["candidates"] if c["schedule"] == schedule and c["mode"] == "2bp"]
+    if len(sim) != 1 or len(planned) != 1 or planned[0]["m"] != 4:
+        problems.append(f"{name}: expected one {schedule} 2bp row at m = 4 from simulate ({len(sim)}) and plan")
+    elif not math.isclose(planned[0]["sim_step_ms"], sim[0]["sim_step_ms"], rel_tol=1e-6):
+        problems.append(f"{name}: {schedule} 2bp: plan predicts {planned[0]['sim_step_ms']} ms, the simulator "
+                        f"{sim[0]['sim_step_ms']} ms from the measured costs")
+
+
 # The prediction of a candidate that was measured equals the simulator's from its measured costs.
-sim_out = os.path.join(WORK, "simulate.json")
-run = subprocess.run([BENCH, "simulate", "--from-json", os.path.join(WORK, "two_shapes_costs.json"), "--result", "3",
-                      "--ranks", "2", "--microbatches", "4", "--chunks-per-rank", "2", "--schedule",
-                      "interleaved-1f1b", "--json", sim_out], capture_output=True, text=True)
-if run.returncode != 0:
-    sys.exit(f"twobp_bench simulate failed ({run.returncode}):\n{run.stdout}{run.stderr}")
-with open(sim_out) as f:
-    sim = [r for r in json.load(f)["results"] if r["mode"] == "2bp"]
-planned = [c for c in fitted["candidates"] if c["schedule"] == "interleaved-1f1b" and c["mode"] == "2bp"]
-if len(sim) != 1 or len(planned) != 1 or planned[0]["m"] != 4:
-    problems.append(f"expected one interleaved-1f1b 2bp row at m = 4 from simulate ({len(sim)}) and plan")
-elif not math.isclose(planned[0]["sim_step_ms"], sim[0]["sim_step_ms"], rel_tol=1e-6):
-    problems.append(f"interleaved-1f1b 2bp: plan predicts {planned[0]['sim_step_ms']} ms, the simulator "
-                    f"{sim[0]['sim_step_ms']} ms from the measured costs")
+expect_simulated("two_shapes", fitted, 3, "interleaved-1f1b", 2)
+
+# A fixed W part in the 2BP results: fitted as its own terms, W's unchanged, and 1F1B 2BP -- whose tail runs one W
+# of all 4 micro-batches per stage -- planned at W0 + 4 W, as the simulator charges it.
+W0_TERMS = (0.3, 0.25, 0.05, 0.15)
+
+
+def with_fixed_w(r):
+    if r["mode"] == "2bp":
+        r["costs_ms"]["W0"] = [cost(W0_TERMS, c) for c in CHUNKS[r["v"]]]
+    return r
+
+
+fixed = plan("fixed_w", [with_fixed_w(r) for r in two])
+expect_terms(fixed, {"W": TERMS["W"], "W0": W0_TERMS}, "fixed W part")
+expect_simulated("fixed_w", fixed, 1, "1f1b", 1)
+if "W0" in fitted["config"]["cost_model"]:
+    problems.append(f"no W0 measured, yet the plan has {fitted['config']['cost_model']['W0']}")
 
 # A measured model's command line gives its sizes (no preset has them).
 if "--dim 96 --layers 4 --heads 4 --kv-heads 2 --ffn 256 --vocab 256" not in fitted["best"]["command"]:
