@@ -47,9 +47,9 @@ std::string failure_reason(int rank, const std::exception& e, const std::string&
   return placed(fmt::format("rank {} failed ({}): {}", rank, type_name(e), message(e)), where);
 }
 
-std::string placed(std::string message, const std::string& where) {
-  if (!where.empty()) message += fmt::format(" (in {})", where);
-  return message;
+std::string placed(std::string text, const std::string& where) {
+  if (!where.empty()) text += fmt::format(" (in {})", where);
+  return text;
 }
 
 std::exception_ptr as_root_type(const std::exception& e) {

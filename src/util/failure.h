@@ -12,9 +12,9 @@ namespace twobp::detail {
 /// (the action it was raised in, for an error that cannot carry it itself) "... what() (in where)".
 std::string failure_reason(int rank, const std::exception& e, const std::string& where = "");
 
-/// `message` with " (in where)" appended when `where` is not empty: how an error that cannot carry its place itself
+/// `text` with " (in where)" appended when `where` is not empty: how an error that cannot carry its place itself
 /// is told with it (failure_reason, the status board).
-std::string placed(std::string message, const std::string& where);
+std::string placed(std::string text, const std::string& where);
 
 /// For a TransportError whose message carries a failure_reason() of a twobp error type: that error as
 /// PeerError<Type> with the same message; null for anything else (including errors already re-raised).
