@@ -150,6 +150,7 @@ struct PipelineArgs {
   bool variable_seq = false;  // also run every configuration with announced shapes (see the header)
   bool recompute = false;     // activation recomputation on every stage
   int recompute_ranks = 0;    // with recompute: only on the stages of pipeline ranks below this (0: every rank)
+  std::string recompute_on;   // with recompute: only on the stages of these pipeline ranks ("0-1,3"; "": as above)
   double memory_limit_mb = 0;  // > 0: also run every configuration under this memory limit (see the header)
   std::string powercap_root = energy::EnergyOptions{}.powercap_root;
   std::string json, csv, trace_dir, chart;
@@ -288,8 +289,9 @@ std::vector<RunResult> run_config(Transport& world, ParallelGroups& groups, cons
     options.memory_limit_bytes = vk.memory_limit;
     variants[k].variant = vk;
     std::vector<PipelineChunk> chunks = make_model_chunks(a.model, schedule, me);
-    const int recomputing = recomputing_ranks(a.recompute, a.recompute_ranks, schedule.num_ranks);
-    for (auto& chunk : chunks) chunk.recompute = schedule.stage_to_rank[chunk.stage] < recomputing;
+    const std::vector<int> recomputing =
+        recomputing_ranks(a.recompute, a.recompute_ranks, a.recompute_on, schedule.num_ranks);
+    for (auto& chunk : chunks) chunk.recompute = has_rank(recomputing, schedule.stage_to_rank[chunk.stage]);
     variants[k].pipeline = std::make_unique<Pipeline>(schedule, std::move(chunks), transport, options);
     variants[k].costs.emplace(schedule.num_stages);
     variants[k].memory.emplace(schedule.num_stages, stage_gradient_bytes(*variants[k].pipeline));
@@ -678,6 +680,7 @@ Json report_config(const PipelineArgs& a, const std::string& transport_name, boo
                  {"transport", transport_name}, {"load_average", load_average()},
                  {"recompute", a.recompute}};
   if (a.recompute && a.recompute_ranks > 0) config["recompute_ranks"] = a.recompute_ranks;
+  if (a.recompute && !a.recompute_on.empty()) config["recompute_on"] = a.recompute_on;
   if (m.model == "resnet") {
     config["channels"] = m.channels;
     config["image_size"] = m.image_size;
@@ -888,10 +891,15 @@ void add_pipeline_command(CLI::App& app) {
   auto* recompute = sub->add_flag("--recompute", a->recompute,
                                   "Activation recomputation on every stage: F keeps only its inputs, each I/B "
                                   "re-runs the forward");
-  sub->add_option("--recompute-ranks", a->recompute_ranks,
-                  "With --recompute: only the stages of pipeline ranks 0 .. N-1 recompute (what `plan` ranks)")
+  auto* first_ranks = sub->add_option("--recompute-ranks", a->recompute_ranks,
+                                      "With --recompute: only the stages of pipeline ranks 0 .. N-1 recompute")
+                          ->needs(recompute)
+                          ->check(cli::number_in(1, cli::kMaxRanks));
+  sub->add_option("--recompute-on", a->recompute_on,
+                  "With --recompute: only the stages of these pipeline ranks recompute (ranks and ranges, e.g. 3 or "
+                  "0-1,3; what `plan` ranks)")
       ->needs(recompute)
-      ->check(cli::number_in(1, cli::kMaxRanks));
+      ->excludes(first_ranks);
   sub->add_flag("--variable-seq", a->variable_seq,
                "Also run every configuration with shapes announced by the senders (no activation spec: what "
                "sequence lengths that vary per step or micro-batch need), same data; reports announce_ratio");

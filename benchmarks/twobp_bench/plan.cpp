@@ -185,11 +185,21 @@ std::string example_model(const llm::LlamaConfig& c) {
                      c.vocab_size);
 }
 
-// The command-line options of a recomputation setting, the same for the example and `twobp_bench pipeline`.
+// The command-line options of a recomputation setting, the same for the example and `twobp_bench pipeline`: none,
+// --recompute (every rank), --recompute-ranks N (the first N), else --recompute-on with the ranks.
+std::vector<std::string> recompute_args(const LayoutCandidate& k) {
+  const std::vector<int>& ranks = k.recompute_ranks;
+  const int n = static_cast<int>(ranks.size());
+  if (n == 0) return {};
+  if (n == k.pp) return {"--recompute"};
+  if (ranks.back() == n - 1) return {"--recompute", "--recompute-ranks", std::to_string(n)};  // ranks 0 .. n - 1
+  return {"--recompute", "--recompute-on", format_ranks(ranks)};
+}
+
 std::string recompute_options(const LayoutCandidate& k) {
-  if (k.recompute_ranks <= 0) return "";
-  if (k.recompute_ranks >= k.pp) return " --recompute";
-  return fmt::format(" --recompute --recompute-ranks {}", k.recompute_ranks);
+  std::string out;
+  for (const std::string& arg : recompute_args(k)) out += " " + arg;
+  return out;
 }
 
 std::string example_command(const PlanArgs& a, const llm::LlamaConfig& c, int64_t seq, const LayoutCandidate& k,
@@ -219,11 +229,7 @@ std::vector<std::string> bench_args(const llm::LlamaConfig& c, int64_t seq, int6
                                 "--ffn", std::to_string(c.ffn_dim),
                                 "--vocab", std::to_string(c.vocab_size),
                                 "--seq", std::to_string(seq)};
-  if (k.recompute_ranks > 0) args.push_back("--recompute");
-  if (k.recompute_ranks > 0 && k.recompute_ranks < k.pp) {
-    args.push_back("--recompute-ranks");
-    args.push_back(std::to_string(k.recompute_ranks));
-  }
+  for (std::string& arg : recompute_args(k)) args.push_back(std::move(arg));
   return args;
 }
 
@@ -247,8 +253,9 @@ Reporter<PlanRow> plan_reporter() {
   add("v", [](const Row& r) { return r.k->v; }, "v", [](const Row& r) { return std::to_string(r.k->v); });
   add("m", [](const Row& r) { return r.k->m; }, "m", [](const Row& r) { return std::to_string(r.k->m); });
   add("recompute_ranks", [](const Row& r) { return r.k->recompute_ranks; }, "recompute", [](const Row& r) {
-    const int j = r.k->recompute_ranks;
-    return j <= 0 ? std::string("no") : j >= r.k->pp ? std::string("all") : fmt::format("ranks < {}", j);
+    const std::vector<int>& ranks = r.k->recompute_ranks;
+    const int n = static_cast<int>(ranks.size());
+    return n == 0 ? std::string("no") : n == r.k->pp ? std::string("all") : "ranks " + format_ranks(ranks);
   });
   add("dp", [](const Row& r) { return r.k->dp; }, "dp x pp",
       [](const Row& r) { return fmt::format("{} x {}", r.k->dp, r.k->pp); });

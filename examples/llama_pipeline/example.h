@@ -83,8 +83,7 @@ struct Args {
   int seq_len_warmup = 0;  // steps over which the sequence length grows to --seq-len (0: none)
   bool recompute = false;  // activation recomputation on every chunk
   int recompute_ranks = 0;  // with recompute: only the chunks of pipeline ranks 0 .. recompute_ranks - 1 (0: all)
-  /// How many pipeline ranks, from rank 0, recompute their chunks (--recompute, --recompute-ranks).
-  int recomputing_ranks(int pp) const { return twobp::recomputing_ranks(recompute, recompute_ranks, pp); }
+  std::string recompute_on;  // with recompute: only the chunks of these pipeline ranks ("0-1,3"; "": see above)
   int chunks_per_rank = 0;  // 0: the schedule's default
   std::string schedule_file;
   std::string dump_schedule;  // write the run's schedule here (.csv: PyTorch's compute_only form) and go on
@@ -129,6 +128,8 @@ struct Plan {
   // (recorded, not checked: checkpoints load by global tensor name into any pp, dp, schedule and partition).
   ck::CheckpointConfig checkpoint_config;
   ck::CheckpointConfig checkpoint_layout;
+  // The pipeline ranks whose chunks recompute their activations (--recompute, --recompute-ranks, --recompute-on).
+  std::vector<int> recompute_ranks;
 };
 
 /// `world_size`: the pipeline ranks of one replica. Model, schedule and partition errors surface here.
@@ -177,7 +178,7 @@ struct Shared {
   std::vector<std::pair<int, std::string>> auto_decisions;
   std::string final_schedule;
   bool final_two_bp = false;
-  int final_recompute_ranks = 0;  // pipeline ranks 0 .. this - 1 recomputing at the end (--recompute, or auto's)
+  std::vector<int> final_recompute_ranks;  // pipeline ranks recomputing at the end (--recompute..., or auto's)
   std::vector<twobp::ScheduleCandidate> auto_ranking;  // the candidates, fastest predicted first
 };
 

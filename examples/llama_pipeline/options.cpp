@@ -105,6 +105,10 @@ void add_options(CLI::App& app, Args& a) {
                  "With --recompute: only the stages of pipeline ranks 0 .. N-1 recompute (the first ranks hold the "
                  "most activations in 1F1B-like schedules; 0: every rank)")
       ->check(cli::number_in(0, cli::kMaxCount, " (0: every rank)"))->group(pipeline);
+  app.add_option("--recompute-on", a.recompute_on,
+                 "With --recompute: only the stages of these pipeline ranks recompute (ranks and ranges, e.g. 3 or "
+                 "0-1,3: what `twobp_bench plan` ranks where the memory is not on the first ranks)")
+      ->excludes("--recompute-ranks")->group(pipeline);
   app.add_option("--timeout", a.timeout_s, "Seconds any wait may block before failing")
       ->check(cli::number_in(1e-3, 1e7, " seconds"))->group(pipeline);
 
@@ -204,6 +208,7 @@ std::vector<std::string> ignored_options(const CLI::App& app, const Args& a) {
   }
   if (given("--zero") && a.zero == 1 && a.dp == 1) ignored.emplace_back("--zero 1 (nothing to shard with --dp 1)");
   if (given("--recompute-ranks") && !a.recompute) ignored.emplace_back("--recompute-ranks (only with --recompute)");
+  if (given("--recompute-on") && !a.recompute) ignored.emplace_back("--recompute-on (only with --recompute)");
   return ignored;
 }
 

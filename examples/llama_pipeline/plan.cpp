@@ -29,6 +29,8 @@ Plan make_plan(const Args& args, int world_size) {
                                           args.microbatches,
                                           args.two_bp ? twobp::BackwardMode::kSplit : twobp::BackwardMode::kStandard);
   plan.partition = llm::make_partition(plan.config, plan.schedule.num_stages, plan.seq_len, args.partition);
+  plan.recompute_ranks =
+      twobp::recomputing_ranks(args.recompute, args.recompute_ranks, args.recompute_on, plan.schedule.num_ranks);
   plan.dtype = args.dtype == "fp32" ? at::kFloat : at::kBFloat16;
   plan.mixed_precision = args.dtype == "bf16";
   plan.checkpoint_config = {{"model", plan.config.name}, {"dtype", args.dtype}, {"seed", std::to_string(args.seed)}};
@@ -106,8 +108,8 @@ llm::MemoryPlanOptions memory_options(const Plan& p) {
   mo.micro_batch_size = p.args.micro_batch_size;
   mo.seq_len = p.seq_len;
   mo.precision = llm::training_precision(training_precision_name(p.args));
-  mo.recompute = p.args.recompute;
-  mo.recompute_ranks = p.args.recompute_ranks;
+  mo.recompute = !p.recompute_ranks.empty();
+  mo.recompute_ranks = p.recompute_ranks;
   mo.optimizer_shards = p.args.zero == 1 ? p.dp : 1;
   return mo;
 }
@@ -167,21 +169,24 @@ int dry_run(const Plan& p) {
   j["simulated_bubble_fraction"] = sim.bubble_fraction;
   j["precision"] = mo.precision.name;
   j["recompute"] = mo.recompute;
-  if (mo.recompute && mo.recompute_ranks > 0) j["recompute_ranks"] = mo.recompute_ranks;
+  const bool every_rank = static_cast<int>(mo.recompute_ranks.size()) == p.world_size;
+  if (mo.recompute && !every_rank) j["recompute_ranks"] = mo.recompute_ranks;
   if (budget > 0) j["gpu_memory_gb"] = p.args.gpu_memory_gb;
   j["memory_formula"] =
       "twobp::models::memory_model + twobp::simulate_peak_memory: base = parameters x (compute + master + AdamW "
       "bytes); per stage F keeps chunk_activation_bytes (recompute: the input), I keeps chunk_pending_weight_bytes "
       "until W, the first W or B allocates the gradients; message buffers not counted";
+  const std::string recompute_note = !mo.recompute ? ""
+                                     : every_rank  ? ", recompute"
+                                                   : fmt::format(", recompute on rank{} {}",
+                                                                 mo.recompute_ranks.size() > 1 ? "s" : "",
+                                                                 twobp::format_ranks(mo.recompute_ranks));
   fmt::print("model {}: {} parameters ({:.3f} B), {} stages over {} ranks, schedule {} ({}), partition {} "
              "(imbalance {:.3f}), precision {}{}, micro-batch {} x {} tokens, m = {}\n",
              cfg.name, llm::parameter_count(cfg), llm::parameter_count(cfg) / 1e9, S, p.world_size, p.schedule.name,
              p.schedule.backward == twobp::BackwardMode::kSplit ? "2BP" : "fused backward", p.partition.layout(),
-             p.partition.imbalance(), mo.precision.name,
-             !mo.recompute ? "" : mo.recompute_ranks > 0 ? fmt::format(", recompute on ranks < {}", mo.recompute_ranks)
-                                                         : std::string(", recompute"),
-             mo.micro_batch_size,
-             mo.seq_len, p.schedule.num_micro_batches);
+             p.partition.imbalance(), mo.precision.name, recompute_note, mo.micro_batch_size, mo.seq_len,
+             p.schedule.num_micro_batches);
   j["stages"] = nlohmann::json::array();
   for (int s = 0; s < S; ++s) {
     const auto& spec = p.partition.chunks[s];

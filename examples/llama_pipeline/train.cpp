@@ -111,7 +111,7 @@ RankModel build_rank_model(const Plan& p, twobp::ParallelGroups& groups, c10::De
                         }});
     }
   }
-  const bool recompute = transport.rank() < a.recomputing_ranks(p.schedule.num_ranks);
+  const bool recompute = twobp::has_rank(p.recompute_ranks, transport.rank());
   for (auto& chunk : chunks) chunk.recompute = recompute;
   twobp::PipelineOptions po;
   po.timeout = timeout;
@@ -356,9 +356,8 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
     std::lock_guard<std::mutex> lock(shared.mutex);
     shared.final_schedule = pipeline.schedule().name;
     shared.final_two_bp = pipeline.schedule().backward == twobp::BackwardMode::kSplit;
-    shared.final_recompute_ranks = chooser && chooser->recompute_ranks() > 0
-                                       ? chooser->recompute_ranks()
-                                       : a.recomputing_ranks(pipeline.schedule().num_ranks);
+    shared.final_recompute_ranks =
+        chooser && !chooser->recompute_ranks().empty() ? chooser->recompute_ranks() : p.recompute_ranks;
   }
   if (!attributions.empty()) {  // every rank ran the same steps: all of a pipeline call this, or none
     auto ranks = twobp::gather_attributions(transport, twobp::mean_attribution(attributions), timeout);

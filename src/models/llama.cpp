@@ -497,8 +497,8 @@ twobp::MemoryModel make_memory_model(const LlamaConfig& c, const Partition& part
         pending_costs ? static_cast<double>(chunk_pending_weight_bytes(c, spec, o.micro_batch_size, o.seq_len, b))
                       : 0.0;
     // With recomputation F keeps only the input; I and B re-run the forward first (rising to the activations).
-    const bool recompute =
-        schedule.stage_to_rank[s] < twobp::recomputing_ranks(o.recompute, o.recompute_ranks, schedule.num_ranks);
+    const bool recompute = o.recompute && (o.recompute_ranks.empty() ||
+                                           twobp::has_rank(o.recompute_ranks, schedule.stage_to_rank[s]));
     const double kept =
         recompute ? static_cast<double>(chunk_input_bytes(c, spec, o.micro_batch_size, o.seq_len, b)) : act;
     const double opens = recompute ? act - kept : 0.0;  // what I or B adds back before it starts

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <map>
 #include <optional>
 #include <utility>
 
@@ -21,13 +22,14 @@ namespace {
 
 const char* mode_label(BackwardMode mode) { return mode == BackwardMode::kSplit ? "2BP" : "standard"; }
 
-// "1f1b 2BP", "... with recomputation" (every rank), "... with recomputation on rank 0" / "on ranks 0-2".
-std::string describe(const Schedule& s, int recompute_ranks = 0) {
-  std::string where;
-  if (recompute_ranks == 1 && s.num_ranks > 1) where = " on rank 0";
-  if (recompute_ranks > 1 && recompute_ranks < s.num_ranks) where = fmt::format(" on ranks 0-{}", recompute_ranks - 1);
-  return fmt::format("{} {}{}{}", s.name, mode_label(s.backward), recompute_ranks > 0 ? " with recomputation" : "",
-                     where);
+// "1f1b 2BP", "... with recomputation" (every rank), "... with recomputation on rank 3" / "on ranks 0-2,5".
+std::string describe(const Schedule& s, const std::vector<int>& recompute_ranks = {}) {
+  if (recompute_ranks.empty()) return fmt::format("{} {}", s.name, mode_label(s.backward));
+  const int n = static_cast<int>(recompute_ranks.size());
+  return fmt::format("{} {} with recomputation{}", s.name, mode_label(s.backward),
+                     n == s.num_ranks ? ""
+                     : n == 1         ? fmt::format(" on rank {}", recompute_ranks.front())
+                                      : fmt::format(" on ranks {}", format_ranks(recompute_ranks)));
 }
 std::string describe(const ScheduleCandidate& c) { return describe(c.schedule, c.recompute_ranks); }
 
@@ -35,10 +37,10 @@ bool same_form(const ScheduleCandidate& a, const ScheduleCandidate& b) {
   return a.name == b.name && a.mode == b.mode && a.recompute_ranks == b.recompute_ranks;
 }
 
-// Per stage, `recomputing`'s entry where the stage's rank is below `ranks`, else `as_built`'s (a list left empty
-// by both stays empty; one left empty by one side reads as 0 per stage there).
+// Per stage, `recomputing`'s entry where the stage's rank is in `ranks`, else `as_built`'s (a list left empty by
+// both stays empty; one left empty by one side reads as 0 per stage there).
 std::vector<double> per_stage(const std::vector<double>& as_built, const std::vector<double>& recomputing,
-                              const std::vector<int>& stage_to_rank, int ranks) {
+                              const std::vector<int>& stage_to_rank, const std::vector<int>& ranks) {
   if (as_built.empty() && recomputing.empty()) return {};
   std::vector<double> out(stage_to_rank.size(), 0.0);
   for (const std::vector<double>* v : {&as_built, &recomputing}) {
@@ -47,16 +49,16 @@ std::vector<double> per_stage(const std::vector<double>& as_built, const std::ve
                 out.size());
   }
   for (std::size_t s = 0; s < out.size(); ++s) {
-    const std::vector<double>& from = stage_to_rank[s] < ranks ? recomputing : as_built;
+    const std::vector<double>& from = has_rank(ranks, stage_to_rank[s]) ? recomputing : as_built;
     if (!from.empty()) out[s] = from.at(s);
   }
   return out;
 }
 
-// The costs of a run whose first `ranks` ranks recompute every stage (ScheduleCandidate::recompute_ranks): each
-// stage's measured with its rank's setting.
+// The costs of a run whose ranks `ranks` recompute every stage (ScheduleCandidate::recompute_ranks): each stage's
+// measured with its rank's setting.
 MeasuredCosts mixed_costs(const MeasuredCosts& as_built, const MeasuredCosts& recomputing,
-                          const std::vector<int>& stage_to_rank, int ranks) {
+                          const std::vector<int>& stage_to_rank, const std::vector<int>& ranks) {
   MeasuredCosts c;
   c.forward = per_stage(as_built.forward, recomputing.forward, stage_to_rank, ranks);
   c.backward_input = per_stage(as_built.backward_input, recomputing.backward_input, stage_to_rank, ranks);
@@ -76,15 +78,15 @@ MeasuredCosts mixed_costs(const MeasuredCosts& as_built, const MeasuredCosts& re
 
 // The memory model of the same run: each rank's base and each stage's actions and gradients from its setting.
 MemoryModel mixed_memory(const MemoryModel& as_built, const MemoryModel& recomputing,
-                         const std::vector<int>& stage_to_rank, int ranks) {
+                         const std::vector<int>& stage_to_rank, const std::vector<int>& ranks) {
   TWOBP_CHECK(recomputing.base.size() == as_built.base.size() && recomputing.stages.size() == as_built.stages.size(),
               UsageError,
               "rank_schedules: the recomputing memory model covers {} ranks and {} stages, the other {} and {}",
               recomputing.base.size(), recomputing.stages.size(), as_built.base.size(), as_built.stages.size());
   MemoryModel m = as_built;
-  for (std::size_t r = 0; r < m.base.size() && static_cast<int>(r) < ranks; ++r) m.base[r] = recomputing.base.at(r);
+  for (int r : ranks) m.base.at(r) = recomputing.base.at(r);
   for (std::size_t s = 0; s < m.stages.size(); ++s) {
-    if (stage_to_rank.at(s) >= ranks) continue;
+    if (!has_rank(ranks, stage_to_rank.at(s))) continue;
     m.stages[s] = recomputing.stages.at(s);
     if (recomputing.gradients.size() == m.gradients.size()) m.gradients[s] = recomputing.gradients[s];
   }
@@ -142,28 +144,30 @@ std::vector<ScheduleCandidate> rank_schedules(const Schedule& running, const Mea
   TWOBP_CHECK(recomputing == nullptr || options.memory == nullptr || options.recompute_memory != nullptr, UsageError,
               "rank_schedules: with a memory model and recomputing costs, the recomputing forms need their memory "
               "model too (RankOptions::recompute_memory)");
-  // Per recompute_ranks setting: the costs of the modes they can tell, once each, and the memory model.
+  // Per set of recomputing ranks, built when a form first asks for it: the costs of the modes they can tell, once
+  // each, and the memory model.
   struct Setting {
-    int ranks = 0;
     std::vector<std::pair<BackwardMode, CostModel>> models;
     std::optional<MemoryModel> memory;
   };
-  std::vector<Setting> settings;
-  for (int j = 0; j <= (recomputing != nullptr ? running.num_ranks : 0); ++j) {
+  std::map<std::vector<int>, Setting> settings;
+  auto setting_of = [&](const std::vector<int>& ranks) -> const Setting& {
+    if (auto known = settings.find(ranks); known != settings.end()) return known->second;
     Setting setting;
-    setting.ranks = j;
-    const MeasuredCosts measured = j == 0 ? costs : mixed_costs(costs, *recomputing, running.stage_to_rank, j);
+    const MeasuredCosts measured =
+        ranks.empty() ? costs : mixed_costs(costs, *recomputing, running.stage_to_rank, ranks);
     for (BackwardMode mode : options.modes) {
       if (std::optional<CostModel> model = candidate_costs(measured, mode)) {
         setting.models.emplace_back(mode, std::move(*model));
       }
     }
     if (options.memory != nullptr) {
-      setting.memory = j == 0 ? *options.memory
-                              : mixed_memory(*options.memory, *options.recompute_memory, running.stage_to_rank, j);
+      setting.memory = ranks.empty()
+                           ? *options.memory
+                           : mixed_memory(*options.memory, *options.recompute_memory, running.stage_to_rank, ranks);
     }
-    settings.push_back(std::move(setting));
-  }
+    return settings.emplace(ranks, std::move(setting)).first->second;
+  };
   std::vector<ScheduleCandidate> out;
   for (const std::string& name : options.names.empty() ? schedule_names() : options.names) {
     for (BackwardMode mode : options.modes) {
@@ -178,11 +182,20 @@ std::vector<ScheduleCandidate> rank_schedules(const Schedule& running, const Mea
       if (schedule.stage_to_rank != running.stage_to_rank || schedule.num_micro_batches != running.num_micro_batches) {
         continue;
       }
-      for (const Setting& setting : settings) {
+      // Every stage as built, then the first 1 .. num_ranks ranks of recompute_order by this form's peaks.
+      std::vector<std::vector<int>> recomputing_sets{{}};
+      if (recomputing != nullptr) {
+        const std::vector<int> order = recompute_order(
+            options.memory != nullptr ? simulate_peak_memory(schedule, *options.memory) : std::vector<double>{},
+            running.num_ranks);
+        for (int j = 1; j <= running.num_ranks; ++j) recomputing_sets.push_back(first_ranks_of(order, j));
+      }
+      for (const std::vector<int>& ranks : recomputing_sets) {
+        const Setting& setting = setting_of(ranks);
         const auto model = std::find_if(setting.models.begin(), setting.models.end(),
                                         [mode = mode](const auto& m) { return m.first == mode; });
         if (model == setting.models.end()) continue;  // the costs cannot tell this mode
-        ScheduleCandidate c{name, mode, schedule, 0.0, 0.0, setting.ranks};
+        ScheduleCandidate c{name, mode, schedule, 0.0, 0.0, ranks};
         if (setting.memory) {
           c.predicted_peak_bytes = max_peak(c.schedule, *setting.memory);
           if (options.memory_limit_bytes > 0.0 && c.predicted_peak_bytes > options.memory_limit_bytes) continue;
@@ -234,7 +247,7 @@ AutoSchedule::AutoSchedule(Pipeline& pipeline, AutoScheduleOptions options)
   // The starting schedule, then its other form where the candidates include that mode: a 2BP run measures I and
   // W but not what a fused B costs (less than I + W), a standard run B but not I and W. With recompute, both again
   // with every stage recomputing.
-  probes_.push_back(ScheduleCandidate{start_.name, start_.backward, start_, 0.0, 0.0, 0});
+  probes_.push_back(ScheduleCandidate{start_.name, start_.backward, start_, 0.0, 0.0, {}});
   const BackwardMode other =
       start_.backward == BackwardMode::kSplit ? BackwardMode::kStandard : BackwardMode::kSplit;
   if (std::find(options_.modes.begin(), options_.modes.end(), other) != options_.modes.end()) {
@@ -243,7 +256,7 @@ AutoSchedule::AutoSchedule(Pipeline& pipeline, AutoScheduleOptions options)
           start_.name, ScheduleOptions{start_.num_ranks, start_.num_micro_batches, start_.num_stages / start_.num_ranks,
                                        other});
       if (form.stage_to_rank == start_.stage_to_rank && form.num_micro_batches == start_.num_micro_batches) {
-        probes_.push_back(ScheduleCandidate{form.name, form.backward, std::move(form), 0.0, 0.0, 0});
+        probes_.push_back(ScheduleCandidate{form.name, form.backward, std::move(form), 0.0, 0.0, {}});
       }
     } catch (const UsageError&) {  // a schedule from a file, or a generator without that form
     }
@@ -256,7 +269,7 @@ AutoSchedule::AutoSchedule(Pipeline& pipeline, AutoScheduleOptions options)
       weight_probe_ = k + 1;                               // measured right after the 2BP form
       std::string name = single.name;
       probes_.insert(probes_.begin() + static_cast<std::ptrdiff_t>(weight_probe_),
-                     ScheduleCandidate{std::move(name), BackwardMode::kSplit, std::move(single), 0.0, 0.0, 0});
+                     ScheduleCandidate{std::move(name), BackwardMode::kSplit, std::move(single), 0.0, 0.0, {}});
       break;
     }
   }
@@ -265,7 +278,7 @@ AutoSchedule::AutoSchedule(Pipeline& pipeline, AutoScheduleOptions options)
     for (std::size_t k = 0; k < built; ++k) {
       if (k == weight_probe_) continue;
       probes_.push_back(probes_[k]);
-      probes_.back().recompute_ranks = start_.num_ranks;
+      probes_.back().recompute_ranks = recomputing_ranks(true, 0, "", start_.num_ranks);  // every rank
     }
   }
 }
@@ -282,7 +295,7 @@ std::optional<std::string> AutoSchedule::after_step(const StepResult& result) {
   ++steps_in_phase_;
   if (steps_in_phase_ > 1) {  // the first step of a phase is warm-up
     if (phase_ == Phase::kProbing) {
-      const int setting = probes_[probe_ms_.size()].recompute_ranks > 0 ? 1 : 0;
+      const int setting = probes_[probe_ms_.size()].recompute_ranks.empty() ? 0 : 1;
       costs_[setting].add(result.trace);
       if (!memory_.empty()) memory_[setting].add(result.trace);
     }
@@ -316,8 +329,8 @@ std::string AutoSchedule::memory_note() const {
   return memory_.empty() ? "" : fmt::format(" within {:.4g} MiB", options_.memory_limit_bytes / (1 << 20));
 }
 
-void AutoSchedule::set_recompute(int ranks) {
-  const bool mine = pipeline_.rank() < ranks;
+void AutoSchedule::set_recompute(const std::vector<int>& ranks) {
+  const bool mine = has_rank(ranks, pipeline_.rank());
   for (const auto& [stage, built] : built_recompute_) pipeline_.stage(stage).set_recompute(mine || built);
   recompute_ranks_ = ranks;
 }
@@ -359,7 +372,7 @@ std::string AutoSchedule::end_probe() {
   probe_fits_.assign(probes_.size(), true);
   for (std::size_t k = 0; k < probes_.size(); ++k) {
     ScheduleCandidate& p = probes_[k];
-    const int setting = p.recompute_ranks > 0 ? 1 : 0;
+    const int setting = p.recompute_ranks.empty() ? 0 : 1;
     const std::optional<CostModel> model = candidate_costs(agreed[setting], p.mode);
     p.predicted_ms = model ? simulate(p.schedule, *model).step_time : 0.0;
     if (!memory.empty()) {

@@ -72,13 +72,26 @@ void warn_negative(const char* name, const ChunkCost& k, std::vector<std::string
   }
 }
 
-// One candidate of plan_llama_layouts: `schedule` on `partition` with dp replicas, the stages of pipeline ranks
-// 0 .. recompute_ranks - 1 recomputing.
+// The memory estimate's options of a candidate whose ranks `recompute_ranks` recompute (none: empty).
+llm::MemoryPlanOptions memory_options(const LayoutPlanOptions& o, const std::vector<int>& recompute_ranks) {
+  llm::MemoryPlanOptions mo;
+  mo.micro_batch_size = o.micro_batch_size;
+  mo.seq_len = o.seq;
+  mo.precision = o.precision;
+  mo.recompute = !recompute_ranks.empty();
+  mo.recompute_ranks = recompute_ranks;
+  return mo;
+}
+
+// One candidate of plan_llama_layouts: `schedule` on `partition` with dp replicas, the stages of the pipeline ranks
+// `recompute_ranks` recomputing.
 LayoutCandidate predict(const llm::LlamaConfig& config, const LlamaCosts& costs, const LayoutPlanOptions& o,
-                        const Schedule& schedule, const llm::Partition& partition, int dp, int recompute_ranks) {
-  CostModel model = costs.cost_model(partition, schedule.backward, recompute_ranks > 0, o.communication_ms);
+                        const Schedule& schedule, const llm::Partition& partition, int dp,
+                        const std::vector<int>& recompute_ranks) {
+  CostModel model = costs.cost_model(partition, schedule.backward, !recompute_ranks.empty(), o.communication_ms);
   for (std::size_t s = 0; s < model.recompute.size(); ++s) {
-    if (schedule.stage_to_rank[s] >= recompute_ranks) model.recompute[s] = 0.0;  // this stage keeps its activations
+    // A stage of a rank that does not recompute keeps its activations.
+    if (!has_rank(recompute_ranks, schedule.stage_to_rank[s])) model.recompute[s] = 0.0;
   }
   if (dp > 1) {
     for (const llm::ChunkSpec& chunk : partition.chunks) {
@@ -101,13 +114,9 @@ LayoutCandidate predict(const llm::LlamaConfig& config, const LlamaCosts& costs,
   k.bubble = sim.bubble_fraction;
   k.tokens_per_s = metrics::tokens_per_s(
       metrics::per_second(static_cast<double>(o.global_batch), sim.step_time / 1000.0), o.seq);
-  llm::MemoryPlanOptions mo;
-  mo.micro_batch_size = o.micro_batch_size;
-  mo.seq_len = o.seq;
-  mo.precision = o.precision;
-  mo.recompute = recompute_ranks > 0;
-  mo.recompute_ranks = recompute_ranks;
-  for (const auto& e : llm::estimate_memory(config, partition, schedule, mo)) k.memory_per_rank.push_back(e.total);
+  for (const auto& e : llm::estimate_memory(config, partition, schedule, memory_options(o, recompute_ranks))) {
+    k.memory_per_rank.push_back(e.total);
+  }
   k.peak_memory = *std::max_element(k.memory_per_rank.begin(), k.memory_per_rank.end());
   k.fits = o.memory_limit_bytes <= 0 || k.peak_memory <= o.memory_limit_bytes;
   return k;
@@ -293,8 +302,18 @@ LayoutPlan plan_llama_layouts(const llm::LlamaConfig& config, const LlamaCosts& 
           continue;
         }
         for (bool recompute : o.recompute) {
-          for (int j = recompute ? 1 : 0; j <= (recompute ? pp : 0); ++j) {
-            plan.candidates.push_back(predict(config, costs, o, schedule, partition, dp, j));
+          if (!recompute) {
+            plan.candidates.push_back(predict(config, costs, o, schedule, partition, dp, {}));
+            continue;
+          }
+          // Each rank's peak without recomputation orders the ranks that take it up (recompute_order).
+          std::vector<double> peaks;
+          for (const auto& e : llm::estimate_memory(config, partition, schedule, memory_options(o, {}))) {
+            peaks.push_back(e.total);
+          }
+          const std::vector<int> order = recompute_order(peaks, pp);
+          for (int j = 1; j <= pp; ++j) {
+            plan.candidates.push_back(predict(config, costs, o, schedule, partition, dp, first_ranks_of(order, j)));
           }
         }
       }

@@ -136,10 +136,10 @@ TEST(LlamaMemoryEstimate, PlanParts) {
   EXPECT_THROW(llm::training_precision("fp8"), UsageError);
 }
 
-// MemoryPlanOptions::recompute_ranks: a rank's memory changes only by its own actions, so with the first j ranks
-// recomputing each rank's estimate is exactly the all-recomputing one on ranks below j and the one without on the
-// others -- on every placement (one and two stages per rank), in both modes.
-TEST(LlamaMemoryEstimate, RecomputeRanksRecomputeOnTheFirstRanksOnly) {
+// MemoryPlanOptions::recompute_ranks: a rank's memory changes only by its own actions, so with any set of ranks
+// recomputing each rank's estimate is exactly the all-recomputing one on the ranks of the set and the one without
+// on the others -- every set of the 4 ranks, on every placement (one and two stages per rank), in both modes.
+TEST(LlamaMemoryEstimate, RecomputeRanksRecomputeOnTheirRanksOnly) {
   const auto c = llm::config_by_name("small");
   const int p = 4;
   llm::MemoryPlanOptions o;
@@ -153,19 +153,24 @@ TEST(LlamaMemoryEstimate, RecomputeRanksRecomputeOnTheFirstRanksOnly) {
       o.recompute = false;
       const auto none = llm::estimate_memory(c, partition, sc, o);
       o.recompute = true;
-      o.recompute_ranks = 0;
+      o.recompute_ranks.clear();
       const auto all = llm::estimate_memory(c, partition, sc, o);
-      for (int j = 1; j <= p; ++j) {
-        o.recompute_ranks = j;
+      for (unsigned set = 1; set < (1u << p); ++set) {
+        o.recompute_ranks.clear();
+        for (int r = 0; r < p; ++r) {
+          if (set & (1u << r)) o.recompute_ranks.push_back(r);
+        }
         const auto some = llm::estimate_memory(c, partition, sc, o);
         for (int r = 0; r < p; ++r) {
-          const auto& want = r < j ? all[r] : none[r];
-          EXPECT_DOUBLE_EQ(some[r].total, want.total) << name << " j=" << j << " rank " << r;
-          EXPECT_DOUBLE_EQ(some[r].activations, want.activations) << name << " j=" << j << " rank " << r;
+          const auto& want = (set & (1u << r)) != 0 ? all[r] : none[r];
+          const std::string what = name + " ranks " + twobp::format_ranks(o.recompute_ranks) + " rank " +
+                                   std::to_string(r);
+          EXPECT_DOUBLE_EQ(some[r].total, want.total) << what;
+          EXPECT_DOUBLE_EQ(some[r].activations, want.activations) << what;
         }
       }
       EXPECT_LT(all[0].activations, none[0].activations) << name;  // the two differ where it is checked
-      o.recompute_ranks = 0;
+      o.recompute_ranks.clear();
     }
   }
 }

@@ -213,10 +213,11 @@ TEST(RankSchedules, AMemoryLimitKeepsTheCandidatesWhosePredictedPeakFits) {
   EXPECT_THROW(rank_schedules(running, costs, wrong), UsageError);
 }
 
-// RankOptions::recompute_costs / recompute_memory: every form once per recompute_ranks = 0 .. p, each predicted
-// from per-stage costs and memory taken from the recomputing measurement exactly where the stage's rank is among
-// the first recompute_ranks (written out here stage by stage), on placements of one and two stages per rank. A
-// limit that 1F1B standard only fits with some ranks recomputing keeps those settings of it and not the others.
+// RankOptions::recompute_costs / recompute_memory: every form once with no rank recomputing and once with the
+// first j = 1 .. p ranks of recompute_order by its peaks recomputing, each predicted from per-stage costs and
+// memory taken from the recomputing measurement exactly where the stage's rank is among recompute_ranks (written
+// out here stage by stage), on placements of one and two stages per rank. A limit that 1F1B standard only fits
+// with some ranks recomputing keeps those settings of it and not the others.
 TEST(RankSchedules, RecomputingRanksTakeEachStagesCostsAndMemoryFromItsRanksSetting) {
   for (const auto& [start, p, v] :
        std::vector<std::tuple<std::string, int, int>>{{"1f1b", 2, 1}, {"1f1b", 4, 1}, {"zb-v", 2, 2}}) {
@@ -248,24 +249,29 @@ TEST(RankSchedules, RecomputingRanksTakeEachStagesCostsAndMemoryFromItsRanksSett
     std::vector<int> settings_seen(p + 1, 0);
     for (const ScheduleCandidate& c : ranking) {
       SCOPED_TRACE(c.name + (c.mode == BackwardMode::kSplit ? " 2bp" : " standard") + " recompute_ranks " +
-                   std::to_string(c.recompute_ranks));
-      ASSERT_GE(c.recompute_ranks, 0);
-      ASSERT_LE(c.recompute_ranks, p);
-      ++settings_seen[c.recompute_ranks];
+                   format_ranks(c.recompute_ranks));
+      const int j = static_cast<int>(c.recompute_ranks.size());
+      ASSERT_LE(j, p);
+      ++settings_seen[j];
+      const std::vector<double> peaks_without = simulate_peak_memory(c.schedule, built_memory);
+      EXPECT_EQ(c.recompute_ranks, first_ranks_of(recompute_order(peaks_without, p), j));
       MeasuredCosts mixed = built;
       mixed.recompute.assign(S, 0.0);
       mixed.backward_weight_fixed.assign(S, 0.0);
       MemoryModel memory = built_memory;
       for (int st = 0; st < S; ++st) {
-        if (running.stage_to_rank[st] >= c.recompute_ranks) continue;
+        if (std::find(c.recompute_ranks.begin(), c.recompute_ranks.end(), running.stage_to_rank[st]) ==
+            c.recompute_ranks.end()) {
+          continue;
+        }
         mixed.forward[st] = recomputing.forward[st];
         mixed.recompute[st] = recomputing.recompute[st];
         mixed.backward_weight_fixed[st] = recomputing.backward_weight_fixed[st];
         memory.stages[st] = recomputing_memory.stages[st];
       }
-      for (int r = 0; r < c.recompute_ranks; ++r) memory.base[r] = recomputing_memory.base[r];
-      if (c.recompute_ranks == 0) mixed.recompute.clear();
-      if (c.recompute_ranks == 0) mixed.backward_weight_fixed.clear();
+      for (int r : c.recompute_ranks) memory.base[r] = recomputing_memory.base[r];
+      if (j == 0) mixed.recompute.clear();
+      if (j == 0) mixed.backward_weight_fixed.clear();
       EXPECT_DOUBLE_EQ(c.predicted_ms, simulate(c.schedule, mixed.cost_model(c.mode)).step_time);
       const std::vector<double> peaks = simulate_peak_memory(c.schedule, memory);
       EXPECT_DOUBLE_EQ(c.predicted_peak_bytes, *std::max_element(peaks.begin(), peaks.end()));
@@ -286,22 +292,80 @@ TEST(RankSchedules, RecomputingRanksTakeEachStagesCostsAndMemoryFromItsRanksSett
     double limit = 0.0, none = 0.0, all = 0.0;
     for (const ScheduleCandidate& c : ranking) {
       if (c.name != "1f1b" || c.mode != BackwardMode::kStandard) continue;
-      if (c.recompute_ranks == 1) limit = c.predicted_peak_bytes;
-      if (c.recompute_ranks == 0) none = c.predicted_peak_bytes;
-      if (c.recompute_ranks == p) all = c.predicted_peak_bytes;
+      if (c.recompute_ranks == std::vector<int>{0}) limit = c.predicted_peak_bytes;
+      if (c.recompute_ranks.empty()) none = c.predicted_peak_bytes;
+      if (static_cast<int>(c.recompute_ranks.size()) == p) all = c.predicted_peak_bytes;
     }
-    ASSERT_LT(limit, none);  // rank 0 holds the most activations in 1F1B
+    ASSERT_GT(limit, 0.0);   // rank 0 holds the most activations in 1F1B: it recomputes first
+    ASSERT_LT(limit, none);
     ASSERT_LE(all, limit);
     ro.memory_limit_bytes = limit;
-    std::vector<int> kept;
+    std::vector<std::vector<int>> kept;
     for (const ScheduleCandidate& c : rank_schedules(running, built, ro)) {
       EXPECT_LE(c.predicted_peak_bytes, limit);
       if (c.name == "1f1b" && c.mode == BackwardMode::kStandard) kept.push_back(c.recompute_ranks);
     }
-    std::sort(kept.begin(), kept.end());
-    EXPECT_FALSE(kept.empty());
-    EXPECT_EQ(kept.front(), 1);
+    std::sort(kept.begin(), kept.end(), [](const auto& a, const auto& b) { return a.size() < b.size(); });
+    ASSERT_FALSE(kept.empty());
+    EXPECT_EQ(kept.front(), std::vector<int>{0});
   }
+}
+
+// Recomputation goes where the memory is: under a memory limit, each form's fitting candidate with the fewest
+// recomputing ranks recomputes on exactly the ranks whose peak without recomputation is over the limit (a rank's
+// peak depends on its own actions alone), wherever those ranks are: the first of a 1F1B-like order, the last of a
+// GPipe-like order whose last stage keeps the most (a large vocabulary's logits). p = 4, m = 8.
+TEST(RankSchedules, RecomputationGoesToTheRanksOverTheLimit) {
+  const int p = 4;
+  const Schedule running = make_schedule("1f1b", ScheduleOptions{p, 2 * p, 1, BackwardMode::kSplit});
+  const MeasuredCosts built = split_costs(p, 1.0, 1.25, 0.75);
+  MeasuredCosts recomputing = split_costs(p, 1.0, 1.25, 0.75);
+  recomputing.recompute.assign(p, 1.0);
+  auto at = [](MemoryModel& m, int stage, ActionType type) -> auto& { return m.stages[stage][static_cast<int>(type)]; };
+  MemoryModel built_memory = made_up_memory(p, p);
+  at(built_memory, p - 1, ActionType::kForward) = {480.0, 500.0};  // the head's logits: 4x the others' activations
+  at(built_memory, p - 1, ActionType::kBackwardInput) = {-420.0, 30.0};
+  at(built_memory, p - 1, ActionType::kBackwardWeight) = {-60.0, 5.0};
+  at(built_memory, p - 1, ActionType::kBackward) = {-480.0, 40.0};
+  MemoryModel recomputing_memory = made_up_memory(p, p);
+  for (int st = 0; st < p; ++st) {  // F keeps only the stage's input; I and B rise to the activations first
+    const double act = st == p - 1 ? 480.0 : 100.0 + 10 * st;
+    at(recomputing_memory, st, ActionType::kForward) = {20.0, act};
+    at(recomputing_memory, st, ActionType::kBackwardInput) = {-20.0 + 30.0 + 3 * st, act};
+    at(recomputing_memory, st, ActionType::kBackwardWeight) = {-30.0 - 3 * st, 5.0};
+    at(recomputing_memory, st, ActionType::kBackward) = {-20.0, act};
+  }
+  RankOptions ro;
+  ro.memory = &built_memory;
+  ro.recompute_costs = &recomputing;
+  ro.recompute_memory = &recomputing_memory;
+  // The limit: just under GPipe standard's last rank, over its other ranks.
+  const Schedule gpipe = make_schedule("gpipe", ScheduleOptions{p, 2 * p, 1, BackwardMode::kStandard});
+  std::vector<double> gpipe_peaks = simulate_peak_memory(gpipe, built_memory);
+  ASSERT_EQ(std::max_element(gpipe_peaks.begin(), gpipe_peaks.end()) - gpipe_peaks.begin(), p - 1);
+  std::vector<double> sorted = gpipe_peaks;
+  std::sort(sorted.begin(), sorted.end());
+  ro.memory_limit_bytes = (sorted[p - 1] + sorted[p - 2]) / 2;
+  // Per form, the fitting candidate with the fewest recomputing ranks.
+  std::map<std::pair<std::string, BackwardMode>, const ScheduleCandidate*> fewest;
+  const std::vector<ScheduleCandidate> ranking = rank_schedules(running, built, ro);
+  for (const ScheduleCandidate& c : ranking) {
+    EXPECT_LE(c.predicted_peak_bytes, ro.memory_limit_bytes) << c.name;
+    const ScheduleCandidate*& f = fewest[{c.name, c.mode}];
+    if (f == nullptr || c.recompute_ranks.size() < f->recompute_ranks.size()) f = &c;
+  }
+  for (const auto& [form, c] : fewest) {
+    SCOPED_TRACE(form.first + (form.second == BackwardMode::kSplit ? " 2bp" : " standard"));
+    std::vector<int> over;
+    const std::vector<double> peaks = simulate_peak_memory(c->schedule, built_memory);
+    for (int r = 0; r < p; ++r) {
+      if (peaks[r] > ro.memory_limit_bytes) over.push_back(r);
+    }
+    EXPECT_EQ(format_ranks(c->recompute_ranks), format_ranks(over));
+  }
+  const auto gpipe_kept = fewest.find({"gpipe", BackwardMode::kStandard});
+  ASSERT_NE(gpipe_kept, fewest.end()) << "GPipe fits with its last rank recomputing";
+  EXPECT_EQ(gpipe_kept->second->recompute_ranks, std::vector<int>{p - 1});
 }
 
 // AutoSchedule on 2 rank threads: whatever the machine's timings make it choose, every rank prints the same
@@ -452,7 +516,7 @@ struct Seen {
   std::vector<std::pair<int, std::string>> news;
   std::vector<std::string> problems;
   std::vector<bool> recomputing;     // this rank, after each step's decision
-  std::vector<int> recompute_ranks;  // after each step's decision
+  std::vector<std::vector<int>> recompute_ranks;  // after each step's decision
   std::vector<ScheduleCandidate> ranking, probes;
   bool done = false;
   bool recomputing_at_end = false;
@@ -460,8 +524,8 @@ struct Seen {
 
 // 1f1b standard on 2 rank threads for `steps` steps under AutoSchedule with recompute, probe and verify steps of 2,
 // `names` as candidates and `limit` on their memory. Checks on every step that the gradients are the
-// single-process ones, that each rank's stage recomputes exactly when the chooser says this rank does (rank <
-// recompute_ranks(): rank 0 alone for the candidates with recompute_ranks = 1) and that the trace's I's and B's
+// single-process ones, that each rank's stage recomputes exactly when the chooser says this rank does (it is in
+// recompute_ranks(): one rank alone for the candidates with one recomputing rank) and that the trace's I's and B's
 // re-run forwards exactly then.
 std::vector<Seen> run_recomputing_auto(int steps, std::vector<std::string> names, int candidates, double limit) {
   constexpr int kMicroBatches = 4;
@@ -508,8 +572,8 @@ std::vector<Seen> run_recomputing_auto(int steps, std::vector<std::string> names
       }
       if (std::optional<std::string> line = chooser.after_step(result)) mine.news.emplace_back(step, *line);
       recomputing = chooser.recomputing();
-      if (recomputing != (r < chooser.recompute_ranks())) {
-        mine.problems.push_back("step " + std::to_string(step) + ": recomputing() is not rank < recompute_ranks()");
+      if (recomputing != has_rank(chooser.recompute_ranks(), r)) {
+        mine.problems.push_back("step " + std::to_string(step) + ": recomputing() is not rank in recompute_ranks()");
       }
       mine.recomputing.push_back(recomputing);
       mine.recompute_ranks.push_back(chooser.recompute_ranks());
@@ -534,9 +598,10 @@ std::vector<Seen> run_recomputing_auto(int steps, std::vector<std::string> names
 // AutoScheduleOptions::recompute: the starting schedule's two forms are probed again with every stage recomputing,
 // on costs and a memory model of their own (F keeps only its inputs: recomputing forms predict less memory in
 // standard mode, where the activations are the peak, and about as much in 2BP); the ranking holds every form with
-// recompute_ranks 0, 1 (rank 0 only) and 2; each rank's stages recompute exactly while a form that covers the rank
-// runs, and every step keeps the single-process gradients -- with rank 0 recomputing and rank 1 not, too. A memory
-// limit that only recomputing forms fit moves the job off its starting schedule onto one of them.
+// no rank, one rank (the one the form's predicted peak is highest on) and both recomputing; each rank's stages
+// recompute exactly while a form that covers the rank runs, and every step keeps the single-process gradients --
+// with one rank recomputing and the other not, too. A memory limit that only recomputing forms fit moves the job off
+// its starting schedule onto one of them.
 TEST(AutoSchedule, RecomputingFormsAreProbedRankedAndKeepTheGradients) {
   Float64Default float64;
   memory::count_cpu_allocations();
@@ -549,7 +614,7 @@ TEST(AutoSchedule, RecomputingFormsAreProbedRankedAndKeepTheGradients) {
   const Seen& s = seen[0];
   ASSERT_EQ(s.probes.size(), static_cast<std::size_t>(kProbes));
   for (int k = 0; k < kProbes; ++k) {
-    EXPECT_EQ(s.probes[k].recompute_ranks, k >= 2 ? 2 : 0);
+    EXPECT_EQ(s.probes[k].recompute_ranks.size(), k >= 2 ? 2u : 0u);
     EXPECT_EQ(s.probes[k].mode, k % 2 == 0 ? BackwardMode::kStandard : BackwardMode::kSplit);
     EXPECT_GT(s.probes[k].predicted_ms, 0.0);
     EXPECT_GT(s.probes[k].predicted_peak_bytes, 0.0);
@@ -560,16 +625,16 @@ TEST(AutoSchedule, RecomputingFormsAreProbedRankedAndKeepTheGradients) {
       << s.news[1].second;
   for (int step = 0; step < kProbes * kProbe; ++step) {
     const bool probing_recomputation = step >= 2 * kProbe - 1 && step < kProbes * kProbe - 1;
-    EXPECT_EQ(s.recompute_ranks[step], probing_recomputation ? 2 : 0) << step;
+    EXPECT_EQ(s.recompute_ranks[step].size(), probing_recomputation ? 2u : 0u) << step;
   }
   // Every setting ranked; the recomputing ones predict no more memory than the same form with fewer ranks
   // recomputing. Standard forms peak on the activations, which recomputation drops (strictly less with every rank
   // recomputing); 2BP forms may peak on the deferred W's inputs, which it keeps, plus a few bytes of its own per
   // micro-batch (seen: +8 bytes of 15 kB under ASan).
   EXPECT_EQ(s.ranking.size(), 12u);
-  auto peak = [&](const std::string& name, BackwardMode mode, int ranks) {
+  auto peak = [&](const std::string& name, BackwardMode mode, std::size_t ranks) {
     for (const ScheduleCandidate& c : s.ranking) {
-      if (c.name == name && c.mode == mode && c.recompute_ranks == ranks) return c.predicted_peak_bytes;
+      if (c.name == name && c.mode == mode && c.recompute_ranks.size() == ranks) return c.predicted_peak_bytes;
     }
     ADD_FAILURE() << name << " with " << ranks << " recomputing ranks is not ranked";
     return 0.0;
@@ -581,13 +646,13 @@ TEST(AutoSchedule, RecomputingFormsAreProbedRankedAndKeepTheGradients) {
       if (mode == BackwardMode::kStandard) EXPECT_LT(peak(name, mode, 2), peak(name, mode, 0)) << name;
     }
   }
-  // The trials: 1f1b's two forms with rank 0 recomputing, gpipe's two forms in each of the 3 settings.
-  std::map<int, int> trials_by_setting;
+  // The trials: 1f1b's two forms with one rank recomputing, gpipe's two forms in each of the 3 settings.
+  std::map<std::size_t, int> trials_by_setting;
   for (int k = 0; k < kCandidates; ++k) {
     const int first = kProbes * kProbe + k * kVerify;  // the trial's first step
-    ++trials_by_setting[s.recompute_ranks[first - 1]];
+    ++trials_by_setting[s.recompute_ranks[first - 1].size()];
   }
-  EXPECT_EQ(trials_by_setting, (std::map<int, int>{{0, 2}, {1, 4}, {2, 2}}));
+  EXPECT_EQ(trials_by_setting, (std::map<std::size_t, int>{{0, 2}, {1, 4}, {2, 2}}));
 
   // A limit between 1f1b standard's peak with recomputation and the smallest without: the starting schedule is
   // over it, so the job ends on a recomputing form (whichever of those that fit measured faster), and says why.
@@ -596,9 +661,8 @@ TEST(AutoSchedule, RecomputingFormsAreProbedRankedAndKeepTheGradients) {
   ASSERT_LT(with, without);
   const std::vector<Seen> limited =
       run_recomputing_auto(kProbes * kProbe + 2 * kVerify + 1, {"1f1b"}, 2, (with + without) / 2);
-  EXPECT_GT(limited[0].recompute_ranks.back(), 0);
-  EXPECT_TRUE(limited[0].recomputing_at_end);  // rank 0 recomputes in every setting but 0
-  EXPECT_EQ(limited[1].recomputing_at_end, limited[1].recompute_ranks.back() == 2);
+  EXPECT_FALSE(limited[0].recompute_ranks.back().empty());
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(limited[r].recomputing_at_end, has_rank(limited[r].recompute_ranks.back(), r));
   ASSERT_FALSE(limited[0].news.empty());
   EXPECT_NE(limited[0].news.back().second.find("the starting schedule's predicted peak"), std::string::npos)
       << limited[0].news.back().second;

@@ -2,11 +2,11 @@
 """llama_pipeline --schedule auto (twobp::AutoSchedule) as a user runs it, on threads and under mpirun.
 
 Each run must print its decisions and record them in --json; then the same job started with the schedule auto
-ended on (--schedule NAME, --2bp or --no-2bp, --recompute --recompute-ranks N) must give the same loss at every
+ended on (--schedule NAME, --2bp or --no-2bp, --recompute --recompute-on RANKS) must give the same loss at every
 step, within 1e-6 relative: a switch changes the order of the work, not what is computed. With --auto-recompute the
-starting schedule is measured with every stage recomputing too, and the candidates include every form with the
-first 1 .. p ranks recomputing. Which schedule it picks
-depends on this machine's timings; any pick must keep the losses. Refused combinations say why.
+starting schedule is measured with every stage recomputing too, and the candidates include every form with 1 .. p
+ranks recomputing. Which schedule it picks depends on this machine's timings; any pick must keep the losses.
+Recomputing on one rank alone (either) keeps them too. Refused combinations say why.
 
 With --timing (the opt-in ctest programs_auto_schedule_timing, label timing): a 30-step auto run on threads (4 x 4
 sequences of 256 tokens per step), then
@@ -36,8 +36,8 @@ def losses(path):
 
 
 def recompute_args(ranks):
-    """The example's flags for the stages of pipeline ranks 0 .. ranks - 1 recomputing (none for 0)."""
-    return ["--recompute", "--recompute-ranks", str(ranks)] if ranks else []
+    """The example's flags for the stages of the pipeline ranks listed recomputing (none for an empty list)."""
+    return ["--recompute", "--recompute-on", ",".join(map(str, ranks))] if ranks else []
 
 
 def check(launch, example, work, name, extra=()):
@@ -54,8 +54,8 @@ def check(launch, example, work, name, extra=()):
     final = doc["auto_schedule"]["final"]
     if "--auto-recompute" in extra:
         assert "with every stage recomputing too" in decisions[1]["decision"], decisions[1]
-        settings = {c["recompute_ranks"] for c in doc["auto_schedule"]["ranking"]}
-        assert settings == {0, 1, 2}, f"{name}: the ranking holds recompute_ranks {settings} (2 ranks)"
+        settings = {len(c["recompute_ranks"]) for c in doc["auto_schedule"]["ranking"]}
+        assert settings == {0, 1, 2}, f"{name}: the ranking holds {settings} recomputing ranks (2 ranks)"
     if "--auto-weight-sizes" in extra:  # 1f1b 2BP batches its W's: probed again with them one by one, never chosen
         assert "its W's one micro-batch at a time too" in decisions[0]["decision"], decisions[0]
         assert "per W" not in final["schedule"], final
@@ -67,7 +67,7 @@ def check(launch, example, work, name, extra=()):
     worst = max(abs(x - y) / abs(y) for x, y in zip(a, b))
     assert worst <= 1e-6, f"{name}: losses differ by {worst:.3g} relative from a run started with {final}:\n{a}\n{b}"
     mode = ("2BP" if final["2bp"] else "standard") + (
-        f" with recomputation on {final['recompute_ranks']} rank(s)" if final["recompute_ranks"] else "")
+        f" with recomputation on ranks {final['recompute_ranks']}" if final["recompute_ranks"] else "")
     print(f"{name}: {len(decisions)} decision(s), ended on {final['schedule']} {mode}; losses of {STEPS} steps "
           f"within {worst:.2g} relative of a run started with it")
 
@@ -125,13 +125,17 @@ def main():
         must_say="--steps >= 21")
     run([example, "--schedule", "auto", "--auto-recompute", "--recompute"], ok=False,
         must_say="the stages recompute already")
-    # Recomputing on rank 0 only (--recompute-ranks) computes what no recomputation does.
-    plain, partial = os.path.join(work, "plain.json"), os.path.join(work, "rank0_recomputing.json")
+    # Recomputing on one rank only (--recompute-ranks 1: rank 0; --recompute-on 1: rank 1) computes what no
+    # recomputation does.
+    plain = os.path.join(work, "plain.json")
     run([example, *JOB, "--schedule", "1f1b", "--json", plain])
-    run([example, *JOB, "--schedule", "1f1b", *recompute_args(1), "--json", partial])
-    worst = max(abs(x - y) / abs(y) for x, y in zip(losses(partial), losses(plain)))
-    assert worst <= 1e-6, f"--recompute --recompute-ranks 1 changed the losses by {worst:.3g} relative"
-    print(f"threads: --recompute-ranks 1, losses within {worst:.2g} relative of no recomputation")
+    for flags in (["--recompute-ranks", "1"], ["--recompute-on", "1"]):
+        partial = os.path.join(work, f"recomputing_{flags[0][2:]}.json")
+        run([example, *JOB, "--schedule", "1f1b", "--recompute", *flags, "--json", partial])
+        worst = max(abs(x - y) / abs(y) for x, y in zip(losses(partial), losses(plain)))
+        assert worst <= 1e-6, f"--recompute {' '.join(flags)} changed the losses by {worst:.3g} relative"
+        print(f"threads: --recompute {' '.join(flags)}, losses within {worst:.2g} relative of no recomputation")
+    run([example, "--recompute", "--recompute-on", "2"], ok=False, must_say="no rank 2 in a pipeline of 2")
     # A memory bound on the candidates that nothing fits: the starting schedule is kept, and said so.
     out = run([example, *JOB, "--schedule", "auto", "--auto-steps", str(AUTO_STEPS), "--auto-memory-limit-gb",
                "1e-9"])

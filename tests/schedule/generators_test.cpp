@@ -102,13 +102,42 @@ TEST(Generators, PlacementFollowsTheContract) {
 
 // Recomputation on a rank prefix, as every caller spells it: off is none, 0 ranks is every rank, more ranks than
 // the pipeline has is every rank, and otherwise exactly the ranks asked for.
-TEST(Generators, RecomputationOnARankPrefix) {
-  EXPECT_EQ(recomputing_ranks(false, 0, 4), 0);
-  EXPECT_EQ(recomputing_ranks(false, 2, 4), 0);
-  EXPECT_EQ(recomputing_ranks(true, 0, 4), 4);
-  EXPECT_EQ(recomputing_ranks(true, 1, 4), 1);
-  EXPECT_EQ(recomputing_ranks(true, 3, 4), 3);
-  EXPECT_EQ(recomputing_ranks(true, 9, 4), 4);
+// The command lines' recomputation (--recompute [--recompute-ranks N | --recompute-on RANKS]) as a set of ranks,
+// the rank lists' text form both ways, and the order in which ranks take up recomputation.
+TEST(Generators, RecomputationOnASetOfRanks) {
+  using Ranks = std::vector<int>;
+  EXPECT_EQ(recomputing_ranks(false, 0, "", 4), Ranks{});
+  EXPECT_EQ(recomputing_ranks(false, 2, "1", 4), Ranks{});
+  EXPECT_EQ(recomputing_ranks(true, 0, "", 4), (Ranks{0, 1, 2, 3}));
+  EXPECT_EQ(recomputing_ranks(true, 1, "", 4), Ranks{0});
+  EXPECT_EQ(recomputing_ranks(true, 3, "", 4), (Ranks{0, 1, 2}));
+  EXPECT_EQ(recomputing_ranks(true, 9, "", 4), (Ranks{0, 1, 2, 3}));
+  EXPECT_EQ(recomputing_ranks(true, 0, "3", 4), Ranks{3});
+  EXPECT_EQ(recomputing_ranks(true, 0, "3,0-1,1", 4), (Ranks{0, 1, 3}));
+  EXPECT_THROW(recomputing_ranks(true, 2, "3", 4), UsageError);  // both forms
+  for (const char* bad : {"4", "-1", "0-", "2-1", "0,,1", "a", "1 ", ",", "0-1-2"}) {
+    EXPECT_THROW(parse_ranks(bad, 4), UsageError) << bad;
+  }
+  try {
+    parse_ranks("0,5", 4);
+    ADD_FAILURE() << "rank 5 of 4 accepted";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("no rank 5 in a pipeline of 4"), std::string::npos) << e.what();
+  }
+  for (const Ranks& ranks : {Ranks{}, Ranks{0}, Ranks{2}, Ranks{0, 1, 2, 5}, Ranks{1, 3, 5}, Ranks{0, 1, 3, 4, 7}}) {
+    const std::string text = format_ranks(ranks);
+    if (!ranks.empty()) EXPECT_EQ(parse_ranks(text, 8), ranks) << text;
+  }
+  EXPECT_EQ(format_ranks({0, 1, 2, 5}), "0-2,5");
+  EXPECT_EQ(format_ranks({1, 3}), "1,3");
+  EXPECT_TRUE(has_rank({1, 3}, 3));
+  EXPECT_FALSE(has_rank({1, 3}, 2));
+  EXPECT_EQ(recompute_order({}, 3), (Ranks{0, 1, 2}));
+  EXPECT_EQ(recompute_order({5.0, 7.0, 5.0, 9.0}, 4), (Ranks{3, 1, 0, 2}));  // ties by rank
+  EXPECT_THROW(recompute_order({1.0}, 2), UsageError);
+  EXPECT_EQ(first_ranks_of({3, 1, 0, 2}, 2), (Ranks{1, 3}));
+  EXPECT_EQ(first_ranks_of({3, 1, 0, 2}, 0), Ranks{});
+  EXPECT_EQ(first_ranks_of({3, 1, 0, 2}, 9), (Ranks{0, 1, 2, 3}));
 }
 
 // Any micro-batch count: max(1, m / p) groups as equal as m allows (PyTorch's grouping where it divides m, the

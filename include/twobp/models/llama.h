@@ -265,8 +265,9 @@ struct MemoryPlanOptions {
   int64_t seq_len = 0;
   TrainingPrecision precision;
   bool recompute = false;
-  /// With recompute: only the stages of pipeline ranks 0 .. recompute_ranks - 1 recompute (0: every rank).
-  int recompute_ranks = 0;
+  /// With recompute: only the stages of these pipeline ranks recompute (ascending, as twobp::recomputing_ranks
+  /// gives them; empty: every rank).
+  std::vector<int> recompute_ranks;
   /// Replicas the optimizer state is sharded over (twobp::ShardedOptimizer, ZeRO-1): each rank holds 1/n of it
   /// (an even split; the greedy split by whole tensors is within one tensor of it). 1: not sharded.
   int optimizer_shards = 1;

@@ -34,13 +34,15 @@
 // other form is kept only if it fits too. So is the starting schedule: it is kept over the limit only when nothing
 // measured fits (the job then goes on as the user started it, and says so).
 //
-// Recomputation (AutoScheduleOptions::recompute): the candidates are then also every form with the stages of the
-// first j pipeline ranks recomputing their activations, for j = 1 .. num_ranks (ScheduleCandidate::recompute_ranks;
-// StageOptions::recompute, which Stage::set_recompute switches at a step boundary). Recomputation trades a re-run
-// forward in every I and B for F keeping only the stage's inputs -- slower, but with a memory limit it may fit where
-// the forms without do not, or let a faster order fit; and since 1F1B-like orders hold the most activations on their
-// first ranks, recomputing there alone often fits at a fraction of the cost of recomputing everywhere. The probe
-// measures the starting schedule's forms once more with every stage recomputing, so that each stage has measured
+// Recomputation (AutoScheduleOptions::recompute): the candidates are then also every form with the stages of j
+// pipeline ranks recomputing their activations, for j = 1 .. num_ranks (ScheduleCandidate::recompute_ranks;
+// StageOptions::recompute, which Stage::set_recompute switches at a step boundary): the first j of recompute_order
+// -- the ranks by the form's predicted peak without recomputation, highest first (by rank without a memory limit).
+// Recomputation trades a re-run forward in every I and B for F keeping only the stage's inputs -- slower, but with
+// a memory limit it may fit where the forms without do not, or let a faster order fit; and since a rank's peak
+// depends on its own actions alone, recomputing on the ranks over the limit alone (1F1B-like orders: the first
+// ranks; GPipe-like with a large vocabulary: the last) fits at a fraction of the cost of recomputing everywhere.
+// The probe measures the starting schedule's forms once more with every stage recomputing, so each stage has measured
 // costs and memory both ways; a candidate takes each stage's from the setting its rank runs -- never a guess of
 // what recomputation costs or saves.
 //
@@ -68,9 +70,9 @@ struct ScheduleCandidate {
   double predicted_ms = 0.0;  ///< simulate(schedule, costs).step_time
   /// max over ranks of simulate_peak_memory(schedule, memory) (bytes); 0 when ranked without a memory model.
   double predicted_peak_bytes = 0.0;
-  /// The stages of pipeline ranks 0 .. recompute_ranks - 1 recompute their activations (AutoScheduleOptions::
-  /// recompute); the others run as the pipeline was built. 0: every stage as built; num_ranks: every stage.
-  int recompute_ranks = 0;
+  /// The pipeline ranks whose stages recompute their activations (AutoScheduleOptions::recompute), ascending; the
+  /// others run as the pipeline was built. Empty: every stage as built; every rank: every stage.
+  std::vector<int> recompute_ranks;
 };
 
 /// What rank_schedules considers besides the costs.
@@ -82,8 +84,9 @@ struct RankOptions {
   /// With `memory`: candidates whose predicted peak exceeds this on some rank are left out. 0: no limit.
   double memory_limit_bytes = 0.0;
   /// Costs measured with every stage recomputing (and, with `memory`, the memory model so measured). Given, the
-  /// candidates are also every form with recompute_ranks = 1 .. num_ranks, whose stages on the recomputing ranks
-  /// take these costs and memory, the others `costs` and `memory`. nullptr: recompute_ranks = 0 only.
+  /// candidates are also every form with the first 1 .. num_ranks ranks of recompute_order recomputing (by the
+  /// form's peaks under `memory`; by rank without it), whose stages on the recomputing ranks take these costs and
+  /// memory, the others `costs` and `memory`. nullptr: no recomputing candidates.
   const MeasuredCosts* recompute_costs = nullptr;
   const MemoryModel* recompute_memory = nullptr;
 };
@@ -116,7 +119,7 @@ struct AutoScheduleOptions {
   /// Per-rank bound on the candidates' simulated peak tensor memory (bytes; 0: none). Needs the pipeline to run
   /// with PipelineOptions::record_memory (on CPU also memory::count_cpu_allocations(), twobp/metrics/memory.h).
   double memory_limit_bytes = 0.0;
-  /// Also the forms with the stages of the first 1 .. num_ranks ranks recomputing (see the top). The probe then
+  /// Also the forms with the stages of 1 .. num_ranks ranks recomputing (see the top). The probe then
   /// runs each starting form again with every stage recomputing, probe_steps steps each (4 probes instead of 2
   /// where both modes are candidates). Meant for a pipeline built without recomputation (one built with it on every
   /// stage gets the same forms num_ranks + 1 times).
@@ -164,11 +167,11 @@ class AutoSchedule {
   const std::vector<double>& trial_ms() const { return trial_ms_; }
   /// The final choice's measured step time (the starting schedule's when kept; 0 before done).
   double chosen_ms() const { return chosen_ms_; }
-  /// How many ranks, from rank 0, run every stage with recomputation now (a recomputing probe or candidate, or the
-  /// choice; 0: every stage as built). The same on every rank.
-  int recompute_ranks() const { return recompute_ranks_; }
-  /// Whether this rank's stages all recompute now (this rank is among the first recompute_ranks()).
-  bool recomputing() const { return pipeline_.rank() < recompute_ranks_; }
+  /// The ranks that run every stage with recomputation now (a recomputing probe or candidate, or the choice;
+  /// ascending; empty: every stage as built). The same on every rank.
+  const std::vector<int>& recompute_ranks() const { return recompute_ranks_; }
+  /// Whether this rank's stages all recompute now (this rank is among recompute_ranks()).
+  bool recomputing() const { return has_rank(recompute_ranks_, pipeline_.rank()); }
 
  private:
   double slowest_median_ms();  // collective: max over ranks (and replicas) of this rank's median pipeline_us
@@ -176,7 +179,7 @@ class AutoSchedule {
   std::string end_trial();     // records a trial; starts the next or settles
   std::string settle(const std::string& prefix);  // keeps the fastest measured; done
   void start_phase(const ScheduleCandidate& next);  // switches the schedule and the recomputation
-  void set_recompute(int ranks);  // the stages of ranks 0 .. ranks - 1 recompute, the others as built
+  void set_recompute(const std::vector<int>& ranks);  // the stages of `ranks` recompute, the others as built
   std::string memory_note() const;
 
   Pipeline& pipeline_;
@@ -188,7 +191,7 @@ class AutoSchedule {
   std::vector<CostRecorder> costs_;
   std::vector<MemoryRecorder> memory_;  // with a memory limit
   std::vector<std::pair<int, bool>> built_recompute_;  // this rank's stages as built: (stage, recompute)
-  int recompute_ranks_ = 0;
+  std::vector<int> recompute_ranks_;
   std::vector<double> step_ms_;  // this rank's measured steps of the phase
   std::vector<ScheduleCandidate> ranking_;
   std::vector<ScheduleCandidate> probes_;

@@ -103,9 +103,10 @@ struct LayoutPlanOptions {
   int max_dp = 0;                ///< data-parallel degrees up to this (0: up to ranks)
   std::vector<std::string> schedules;  ///< registered names (empty: all)
   std::vector<BackwardMode> modes{BackwardMode::kStandard, BackwardMode::kSplit};
-  /// false: no stage recomputes; true: every prefix of the pipeline recomputes in turn, one candidate per
-  /// LayoutCandidate::recompute_ranks = 1 .. pp (the first ranks hold the most activations in 1F1B-like orders,
-  /// so recomputing there alone can fit a limit at less cost than recomputing everywhere).
+  /// false: no stage recomputes; true: the stages of the first 1 .. pp ranks of recompute_order (by each rank's
+  /// estimated peak without recomputation, highest first) recompute, one candidate each
+  /// (LayoutCandidate::recompute_ranks): recomputing where the memory is alone can fit a limit at less cost than
+  /// recomputing everywhere.
   std::vector<bool> recompute{false, true};
   models::TrainingPrecision precision = models::training_precision("bf16-mixed");
   double memory_limit_bytes = 0;  ///< per device; 0: every candidate fits
@@ -119,9 +120,9 @@ struct LayoutCandidate {
   std::string schedule;
   BackwardMode mode = BackwardMode::kSplit;
   int dp = 1, pp = 1, v = 1, m = 1;
-  /// The stages of pipeline ranks 0 .. recompute_ranks - 1 recompute their activations (0: none, pp: all; the
-  /// example's --recompute --recompute-ranks, AutoSchedule's ScheduleCandidate::recompute_ranks).
-  int recompute_ranks = 0;
+  /// The pipeline ranks whose stages recompute their activations, ascending (empty: none; format_ranks and the
+  /// example's --recompute --recompute-on write them; AutoSchedule's ScheduleCandidate::recompute_ranks).
+  std::vector<int> recompute_ranks;
   double step_ms = 0;        ///< simulate(schedule, costs).step_time, dp all-reduces overlapped
   double tokens_per_s = 0;   ///< global_batch · seq per step
   double bubble = 0;         ///< the simulator's bubble fraction
