@@ -8,8 +8,10 @@
 // Costs (milliseconds, or any unit: the results use the same one; with --dp > 1 milliseconds, the all-reduce's unit):
 //   --f/--i/--w/--b are per RANK, i.e. per stage of a v = 1 pipeline (B defaults to I + W; W is per micro-batch).
 //   A schedule with v chunks per rank runs the same model on the same ranks cut into v times more stages, so each
-//   chunk costs (per-rank cost) / v. --comm is per message and is not scaled.
-//   --from-json FILE takes costs_ms and communication_ms of result K (--result, default 0) of a `pipeline` JSON.
+//   chunk costs (per-rank cost) / v. --comm is per message and is not scaled. --overlap S: overlapped F&B pairs
+//   (DualPipeV's) run at once, hiding the share S of the shorter part (CostModel::overlap; default 0, in order).
+//   --from-json FILE takes costs_ms, communication_ms and overlap (unless --overlap) of result K (--result,
+//   default 0) of a `pipeline` JSON.
 //   A pipeline result holds only its own mode's backward (standard: B; 2bp: I and W), so the result with the same
 //   schedule, p, m, v and the other mode, when the file has it, supplies the missing one (B = I + W otherwise;
 //   without any 2bp result there are no I/W costs and the command fails). Measured per-stage costs are mapped
@@ -104,6 +106,7 @@ struct SimulateArgs {
   double grad_bytes = 2;
   std::string dp_overlap = "both";
   bool recompute = false;  // activation recomputation: every I and B first re-runs its stage's forward
+  double overlap = -1;     // overlapped pairs run at once, this share hidden (CostModel::overlap); < 0: the costs'
 };
 
 /// Where the costs come from: per-rank constants (command line) or a measured pipeline result.
@@ -111,6 +114,7 @@ struct CostSource {
   bool measured = false;
   std::string description;
   double comm = 0;
+  double overlap = 0;  // CostModel::overlap: --overlap, else what the measured run's pairs hid (else 0)
   // Command line: per-rank costs (w0: the fixed part of each W, CostModel::backward_weight_fixed).
   double f = 0, i = 0, w = 0, b = 0, w0 = 0;
   // Measured: per measured stage, and the measured placement.
@@ -146,8 +150,10 @@ CostSource load_costs(const SimulateArgs& a) {
       batched = fmt::format(" (a W of 1 micro-batch {} ms, of {} {} ms: W0={:.4g} + W per micro-batch)", a.w, k,
                             a.w_batched[1], c.w0);
     }
-    c.description = fmt::format("command line, per rank: F={} I={} W={:.4g} B={}{} comm={}{}", c.f, c.i, c.w, c.b,
-                                a.b >= 0 ? "" : " (I+W)", c.comm, batched);
+    c.overlap = std::max(a.overlap, 0.0);
+    c.description = fmt::format("command line, per rank: F={} I={} W={:.4g} B={}{} comm={}{}{}", c.f, c.i, c.w, c.b,
+                                a.b >= 0 ? "" : " (I+W)", c.comm, batched,
+                                c.overlap > 0 ? fmt::format(" overlap={}", c.overlap) : "");
     return c;
   }
   const Json doc = read_json(a.from_json);
@@ -170,6 +176,7 @@ CostSource load_costs(const SimulateArgs& a) {
   c.v = r["v"].get<int>();
   const MeasuredCosts measured = parse_measured_costs(r.dump(), fmt::format("{}: result {}", a.from_json, a.result));
   c.comm = measured.communication;
+  c.overlap = a.overlap >= 0 ? a.overlap : measured.overlap;
   c.F = measured.forward;
   c.I = measured.backward_input;
   c.W = measured.backward_weight;
@@ -224,8 +231,9 @@ CostSource load_costs(const SimulateArgs& a) {
     throw std::runtime_error(fmt::format("{}: result {}: {} stage costs, but {} p={} v={} has {} stages", a.from_json,
                                          a.result, S, c.schedule, c.p, c.v, c.stage_to_rank.size()));
   }
-  c.description = fmt::format("{} result {} ({} {} p={} m={} v={}),{} comm={}", a.from_json, a.result, c.schedule,
-                              r["mode"].get<std::string>(), c.p, c.m, c.v, partner_note, c.comm);
+  c.description = fmt::format("{} result {} ({} {} p={} m={} v={}),{} comm={}{}", a.from_json, a.result, c.schedule,
+                              r["mode"].get<std::string>(), c.p, c.m, c.v, partner_note, c.comm,
+                              c.overlap > 0 ? fmt::format(" overlap={:.3g}", c.overlap) : "");
   return c;
 }
 
@@ -235,6 +243,7 @@ CostModel costs_for(const Schedule& target, const CostSource& src, std::string& 
   const double v = static_cast<double>(S) / P;
   CostModel c;
   c.communication = src.comm;
+  c.overlap = src.overlap;
   c.forward.resize(S);
   c.backward_input.resize(S);
   c.backward_weight.resize(S);
@@ -414,6 +423,7 @@ Json simulate_json(const SimulateArgs& a, const CostSource& src, const std::vect
   Json out;
   out["config"] = {{"ranks", a.ranks},     {"microbatches", a.microbatches}, {"chunks_per_rank", a.chunks_per_rank},
                    {"costs", src.description}, {"communication_ms", src.comm}, {"recompute", a.recompute}};
+  if (src.overlap > 0) out["config"]["overlap"] = src.overlap;
   if (!src.measured) {
     out["config"]["costs_ms_per_rank"] = {{"F", src.f}, {"I", src.i}, {"W", src.w}, {"B", src.b}};
     if (src.w0 > 0) out["config"]["costs_ms_per_rank"]["W0"] = src.w0;
@@ -559,6 +569,11 @@ void add_simulate_command(CLI::App& app) {
   auto* from = sub->add_option("--from-json", a->from_json, "Take costs from a `twobp_bench pipeline` JSON")
                    ->check(CLI::ExistingFile);
   for (auto* opt : {f, i, w, b, comm, w_batched}) from->excludes(opt);
+  sub->add_option("--overlap", a->overlap,
+                  "Overlapped F&B pairs (DualPipeV's) run at once, hiding this share of the shorter part "
+                  "(CostModel::overlap; 0: in order, as without an overlap hook). Default: 0, or what the "
+                  "--from-json run's pairs hid")
+      ->check(cli::number_in(0, 1));
   sub->add_option("--result", a->result, "Which result of --from-json (index into \"results\")")
       ->capture_default_str()->needs(from)->check(cli::number_in(0, cli::kMaxCount));
   sub->add_option("--ranks", a->ranks, "p: ranks")->capture_default_str()->check(cli::number_in(1, 64));

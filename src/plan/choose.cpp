@@ -68,6 +68,10 @@ MeasuredCosts mixed_costs(const MeasuredCosts& as_built, const MeasuredCosts& re
   c.backward = per_stage(as_built.backward, recomputing.backward, stage_to_rank, ranks);
   c.recompute = per_stage(as_built.recompute, recomputing.recompute, stage_to_rank, ranks);
   c.communication = std::max(as_built.communication, recomputing.communication);
+  // Overlapped pairs hide as much with recomputation (inside the I or B) as without: the setting that measured more.
+  const MeasuredCosts& pairs = as_built.overlapped_pairs >= recomputing.overlapped_pairs ? as_built : recomputing;
+  c.overlap = pairs.overlap;
+  c.overlapped_pairs = pairs.overlapped_pairs;
   auto none = [](const std::vector<double>& v) {
     return std::none_of(v.begin(), v.end(), [](double x) { return x > 0.0; });
   };

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
+#include <optional>
 #include <set>
 #include <utility>
 
@@ -99,9 +101,12 @@ CostModel MeasuredCosts::cost_model(BackwardMode mode) const {
   const std::size_t S = forward.size();
   TWOBP_CHECK(S > 0, UsageError, "MeasuredCosts::cost_model: no stages (measure a run first)");
   check_sizes(*this, "MeasuredCosts::cost_model");
+  TWOBP_CHECK(overlap >= 0.0 && overlap <= 1.0, UsageError,
+              "MeasuredCosts::cost_model: overlap is {}, expected a share in [0, 1]", overlap);
   CostModel costs;
   costs.forward = forward;
   costs.communication = communication;
+  costs.overlap = overlap;
   if (any_positive(recompute)) costs.recompute = recompute;
   if (mode == BackwardMode::kSplit) {
     TWOBP_CHECK(any_positive(backward_input), UsageError,
@@ -135,10 +140,19 @@ CostRecorder::CostRecorder(int num_stages)
 }
 
 void CostRecorder::add(const Trace& trace) {
-  for (const TraceEvent& e : trace.events) {
+  const std::vector<TraceEvent>& events = trace.events;
+  for (std::size_t k = 0; k < events.size(); ++k) {
+    const TraceEvent& e = events[k];
     if (!is_compute(e.action.type)) continue;
     const int s = e.action.stage;
     check_stage(s, num_stages_, e, "CostRecorder::add");
+    if (ran_as_pair(events, k)) {  // the pair's span only; resolve_pairs() makes costs of it
+      const TraceEvent& second = events[++k];
+      check_stage(second.action.stage, num_stages_, second, "CostRecorder::add");
+      pairs_.push_back({s, second.action.type, second.action.stage, (e.end_us - e.start_us) / 1000.0});
+      if (second.action.type != ActionType::kForward) r_[second.action.stage].push_back(second.recompute_us / 1000.0);
+      continue;
+    }
     const double ms = (e.end_us - e.start_us - e.recompute_us) / 1000.0;
     switch (e.action.type) {
       case ActionType::kForward: f_[s].push_back(ms); break;
@@ -172,17 +186,69 @@ MeasuredCosts CostRecorder::local_medians() const {
     c.backward_weight.push_back(w.per_micro_batch);
   }
   if (!any_positive(c.backward_weight_fixed)) c.backward_weight_fixed.clear();
+  if (!pairs_.empty()) resolve_pairs(c);
   return c;
+}
+
+void CostRecorder::resolve_pairs(MeasuredCosts& c) const {
+  // A part's cost as the simulator charges it (detail::action_cost): F, or I / B with its recomputation. Known
+  // when the stage ran that type outside pairs; nullopt otherwise.
+  auto recompute = [&](int s) { return c.recompute.empty() ? 0.0 : c.recompute[s]; };
+  auto known = [&](ActionType type, int s) -> std::optional<double> {
+    switch (type) {
+      case ActionType::kForward:
+        if (!f_[s].empty()) return c.forward[s];
+        break;
+      case ActionType::kBackwardInput:
+        if (!i_[s].empty()) return c.backward_input[s] + recompute(s);
+        break;
+      case ActionType::kBackward:
+        if (!b_[s].empty()) return c.backward[s] + recompute(s);
+        break;
+      default: break;
+    }
+    return std::nullopt;
+  };
+  // The overlap, from the pairs whose both parts are known: the model t = f + x - overlap * min(f, x), inverted.
+  std::vector<double> shares;
+  for (const PairSample& p : pairs_) {
+    const auto f = known(ActionType::kForward, p.forward_stage), x = known(p.second_type, p.second_stage);
+    if (f && x && std::min(*f, *x) > 0.0) shares.push_back(std::clamp((*f + *x - p.ms) / std::min(*f, *x), 0.0, 1.0));
+  }
+  const double o = median_or_zero(shares);
+  c.overlap = o;
+  c.overlapped_pairs = static_cast<int>(pairs_.size());
+  // A part known from no action outside pairs: the cost u with which the model gives each of its pairs' span, the
+  // other part costing k (known) -- t = max(u, k) + (1 - o) min(u, k) -- or, both unknown, u = t / (2 - o).
+  auto solve = [o](double t, std::optional<double> k) {
+    if (!k) return t / (2.0 - o);
+    const double longer = t - (1.0 - o) * *k;  // u >= k
+    if (longer >= *k || o >= 1.0) return std::max(longer, 0.0);
+    return std::max((t - *k) / (1.0 - o), 0.0);  // u < k
+  };
+  std::map<std::pair<ActionType, int>, std::vector<double>> solved;
+  for (const PairSample& p : pairs_) {
+    const auto f = known(ActionType::kForward, p.forward_stage), x = known(p.second_type, p.second_stage);
+    if (!f) solved[{ActionType::kForward, p.forward_stage}].push_back(solve(p.ms, x));
+    if (!x) solved[{p.second_type, p.second_stage}].push_back(solve(p.ms, f));
+  }
+  for (const auto& [part, samples] : solved) {
+    const auto [type, s] = part;
+    const double u = median_or_zero(samples);
+    if (type == ActionType::kForward) c.forward[s] = u;
+    if (type == ActionType::kBackwardInput) c.backward_input[s] = std::max(u - recompute(s), 0.0);
+    if (type == ActionType::kBackward) c.backward[s] = std::max(u - recompute(s), 0.0);
+  }
 }
 
 MeasuredCosts agree_costs(Transport& transport, const MeasuredCosts& mine, Duration timeout, Transport* replicas) {
   const std::size_t S = mine.forward.size();
   check_sizes(mine, fmt::format("agree_costs: rank {}", transport.rank()));
-  // Slots: K per stage (F, I, W, B, R, W0), then "has recomputation", then communication as a max through a sum
-  // of one-hot slots (one per rank).
+  // Slots: K per stage (F, I, W, B, R, W0), then "has recomputation", overlap x pairs and pairs, then
+  // communication as a max through a sum of one-hot slots (one per rank).
   constexpr std::size_t K = 6;
   const std::size_t p = static_cast<std::size_t>(transport.world_size());
-  std::vector<double> v(K * S + 1 + p, 0.0);
+  std::vector<double> v(K * S + 3 + p, 0.0);
   for (std::size_t s = 0; s < S; ++s) {
     v[K * s] = mine.forward[s];
     v[K * s + 1] = mine.backward_input[s];
@@ -192,7 +258,9 @@ MeasuredCosts agree_costs(Transport& transport, const MeasuredCosts& mine, Durat
     v[K * s + 5] = mine.backward_weight_fixed.empty() ? 0.0 : mine.backward_weight_fixed[s];
   }
   v[K * S] = mine.recompute.empty() ? 0.0 : 1.0;
-  v[K * S + 1 + static_cast<std::size_t>(transport.rank())] = mine.communication;
+  v[K * S + 1] = mine.overlap * mine.overlapped_pairs;
+  v[K * S + 2] = mine.overlapped_pairs;
+  v[K * S + 3 + static_cast<std::size_t>(transport.rank())] = mine.communication;
   // Every rank must bring the same number of stages, else the sum mixes fields: agree on S first.
   std::vector<double> sizes(p, 0.0);
   sizes[static_cast<std::size_t>(transport.rank())] = static_cast<double>(S);
@@ -216,7 +284,11 @@ MeasuredCosts agree_costs(Transport& transport, const MeasuredCosts& mine, Durat
   }
   if (v[K * S] == 0.0) out.recompute.clear();
   if (!any_positive(out.backward_weight_fixed)) out.backward_weight_fixed.clear();
-  out.communication = *std::max_element(v.begin() + static_cast<std::ptrdiff_t>(K * S + 1), v.end());
+  if (v[K * S + 2] > 0.0) {  // the replicas' mean of both keeps the weighted mean
+    out.overlap = v[K * S + 1] / v[K * S + 2];
+    out.overlapped_pairs = static_cast<int>(std::lround(v[K * S + 2]));
+  }
+  out.communication = *std::max_element(v.begin() + static_cast<std::ptrdiff_t>(K * S + 3), v.end());
   return out;
 }
 
@@ -341,6 +413,7 @@ std::string measured_costs_json(const MeasuredCosts& costs) {
                      {"B", costs.backward}};
   if (!costs.recompute.empty()) out["costs_ms"]["R"] = costs.recompute;
   if (!costs.backward_weight_fixed.empty()) out["costs_ms"]["W0"] = costs.backward_weight_fixed;
+  if (costs.overlapped_pairs > 0) out["overlap"] = {{"share", costs.overlap}, {"pairs", costs.overlapped_pairs}};
   return out.dump();
 }
 
@@ -383,6 +456,18 @@ MeasuredCosts parse_measured_costs(const std::string& json_object, const std::st
     TWOBP_CHECK(optional_empty || into->size() == S, UsageError,
                 "{}: costs_ms.{} has {} stages, costs_ms.F has {}; every list needs one entry per stage", where, key,
                 into->size(), S);
+  }
+  if (doc.contains("overlap")) {
+    const nlohmann::json& o = doc["overlap"];
+    TWOBP_CHECK(o.is_object() && o.contains("share") && o.contains("pairs") && o["pairs"].is_number_integer() &&
+                    o["pairs"].get<int64_t>() > 0,
+                UsageError, "{}: \"overlap\" must be {{\"share\": s, \"pairs\": n}} with n > 0, got {}", where,
+                o.dump());
+    const nlohmann::json& share = o["share"];
+    TWOBP_CHECK(share.is_number() && share.get<double>() >= 0.0 && share.get<double>() <= 1.0, UsageError,
+                "{}: overlap.share must be a number in [0, 1], got {}", where, share.dump());
+    c.overlap = share.get<double>();
+    c.overlapped_pairs = o["pairs"].get<int>();
   }
   return c;
 }

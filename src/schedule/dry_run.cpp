@@ -130,16 +130,16 @@ DryRun dry_run(const Schedule& sc, const CostModel& costs, bool force) {
     return times[k] + latency;
   };
 
-  // Returns false when `a` cannot run yet; otherwise runs it on rank r and records its times.
-  auto try_run = [&](int r, const Action& a, bool forced) {
+  // When `a` could start on rank r: once the rank is free and every input has arrived; kNotRun while one has not
+  // (`forced`: as if it had).
+  auto ready_time = [&](int r, const Action& a, bool forced) {
     double ready = clock[r];
     auto need = [&](double t) {
       if (t == kNotRun) return forced;
       ready = std::max(ready, t);
       return true;
     };
-    const ActionDependencies deps = dependencies(a, S);
-    for (const ItemRef& it : deps.needs) {
+    for (const ItemRef& it : dependencies(a, S).needs) {
       std::size_t k = item_slot(it, r);
       double latency = 0.0;
       const int owner = sc.stage_to_rank[it.stage];
@@ -149,15 +149,20 @@ DryRun dry_run(const Schedule& sc, const CostModel& costs, bool force) {
         k = item_slot(it, owner);
         latency = costs.communication;
       }
-      if (!need(available(item_loc, item_time, k, latency))) return false;
+      if (!need(available(item_loc, item_time, k, latency))) return kNotRun;
     }
-    const bool is_recv = is_receive(a.type);
-    if (is_recv && !need(available(send_loc, send_time, message_slot(a), costs.communication))) return false;
-    const double end = ready + action_cost(a, costs);
-    clock[r] = end;
-    const Loc here{r, result.next[r]};
+    if (is_receive(a.type) && !need(available(send_loc, send_time, message_slot(a), costs.communication))) {
+      return kNotRun;
+    }
+    return ready;
+  };
+
+  // Records action `index` of rank r as run from `start` to `end`.
+  auto record = [&](int r, std::size_t index, const Action& a, double start, double end) {
+    clock[r] = std::max(clock[r], end);
+    const Loc here{r, index};
     auto is_here = [&](const Loc& l) { return l.rank == here.rank && l.index == here.index; };
-    for (const ItemRef& made : deps.produces) {
+    for (const ItemRef& made : dependencies(a, S).produces) {
       const std::size_t k = item_slot(made, r);
       if (is_here(item_loc[k])) item_time[k] = end;
     }
@@ -165,9 +170,34 @@ DryRun dry_run(const Schedule& sc, const CostModel& costs, bool force) {
       const std::size_t k = message_slot(a);
       if (is_here(send_loc[k])) send_time[k] = end;
     }
-    result.event_index[r][result.next[r]] = static_cast<long>(result.events.size());
-    result.events.push_back(SimulatedEvent{r, a, ready, end});
-    return true;
+    result.event_index[r][index] = static_cast<long>(result.events.size());
+    result.events.push_back(SimulatedEvent{r, a, start, end});
+  };
+
+  // Runs rank r's next action, or, with CostModel::overlap > 0, the overlapped pair it opens when its partner
+  // follows at once (the for_overlapped_pairs layout): both parts from when both can start, over f + x - overlap *
+  // min(f, x). Returns how many actions ran (0: the next one cannot run yet).
+  auto try_run = [&](int r, bool forced) -> std::size_t {
+    const auto& list = sc.actions[r];
+    const std::size_t i = result.next[r];
+    const Action& a = list[i];
+    const double ready = ready_time(r, a, forced);
+    if (ready == kNotRun) return 0;
+    const bool pair = costs.overlap > 0.0 && a.overlapped_with_next && i + 1 < list.size() &&
+                      is_compute(list[i + 1].type);
+    if (!pair) {
+      record(r, i, a, ready, ready + action_cost(a, costs));
+      return 1;
+    }
+    const Action& x = list[i + 1];
+    const double ready_x = ready_time(r, x, forced);
+    if (ready_x == kNotRun) return 0;
+    const double start = std::max(ready, ready_x);
+    const double f = action_cost(a, costs), b = action_cost(x, costs);
+    const double end = start + f + b - costs.overlap * std::min(f, b);
+    record(r, i, a, start, end);
+    record(r, i + 1, x, start, end);
+    return 2;
   };
 
   while (true) {
@@ -175,9 +205,10 @@ DryRun dry_run(const Schedule& sc, const CostModel& costs, bool force) {
     while (progress) {
       progress = false;
       for (int r = 0; r < R; ++r) {
-        const auto& list = sc.actions[r];
-        while (result.next[r] < list.size() && try_run(r, list[result.next[r]], false)) {
-          ++result.next[r];
+        while (result.next[r] < sc.actions[r].size()) {
+          const std::size_t ran = try_run(r, false);
+          if (ran == 0) break;
+          result.next[r] += ran;
           progress = true;
         }
       }
@@ -189,8 +220,7 @@ DryRun dry_run(const Schedule& sc, const CostModel& costs, bool force) {
     }
     if (victim < 0) break;
     result.forced.emplace_back(victim, result.next[victim]);
-    try_run(victim, sc.actions[victim][result.next[victim]], true);
-    ++result.next[victim];
+    result.next[victim] += try_run(victim, true);
   }
   for (int r = 0; r < R; ++r) {
     if (result.next[r] < sc.actions[r].size()) result.complete = false;

@@ -32,6 +32,8 @@ struct DryRun {
 /// When no rank can move, the run stops (complete = false); with `force` it instead runs the blocked action of the
 /// rank that is earliest in time as if its inputs were there, records it in `forced`, and goes on, so that a
 /// picture of the whole (broken) schedule can be drawn.
+/// With costs.overlap > 0, an overlapped pair (Action::overlapped_with_next) whose second part follows at once runs
+/// as one: both parts from when both can start, for the time CostModel::overlap describes.
 /// Precondition: stage, rank and micro-batch indices are in range (check_structure() passed).
 DryRun dry_run(const Schedule& schedule, const CostModel& costs, bool force = false);
 

@@ -50,8 +50,7 @@ StepAttribution attribute_step(const Schedule& schedule, const Trace& trace, con
     const double span = e.end_us - e.start_us;
     cursor = std::max(cursor, e.end_us);
     // An overlapped pair is recorded as two events over the same span (Executor::execute_pair): count it once.
-    if (e.action.overlapped_with_next && k + 1 < events.size() && events[k + 1].start_us == e.start_us &&
-        events[k + 1].end_us == e.end_us) {
+    if (ran_as_pair(events, k)) {
       a[StepPart::kOverlappedPair] += span;
       ++k;
       continue;

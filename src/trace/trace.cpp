@@ -12,10 +12,18 @@
 
 namespace twobp {
 
+bool ran_as_pair(const std::vector<TraceEvent>& events, std::size_t k) {
+  const TraceEvent& e = events.at(k);
+  return e.action.overlapped_with_next && e.action.type == ActionType::kForward && k + 1 < events.size() &&
+         events[k + 1].start_us == e.start_us && events[k + 1].end_us == e.end_us;
+}
+
 double Trace::busy_us() const {
   double busy = 0.0;
-  for (const auto& e : events) {
+  for (std::size_t k = 0; k < events.size(); ++k) {
+    const TraceEvent& e = events[k];
     if (is_compute(e.action.type)) busy += e.end_us - e.start_us;
+    if (ran_as_pair(events, k)) ++k;  // its second part spans the same time
   }
   return busy;
 }

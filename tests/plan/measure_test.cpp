@@ -9,6 +9,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -17,6 +18,7 @@
 #include "twobp/runtime/launch.h"
 #include "twobp/schedule/registry.h"
 #include "twobp/schedule/simulate.h"
+#include "twobp/trace/trace.h"
 #include "twobp/transport/local.h"
 
 namespace twobp {
@@ -121,15 +123,29 @@ void expect_same(const std::vector<double>& got, const std::vector<double>& want
   for (std::size_t s = 0; s < want.size(); ++s) EXPECT_NEAR(got[s], want[s], 1e-9) << what << " stage " << s;
 }
 
-// The class of the case: every built-in schedule × mode × recomputation × (2BP) W with and without a fixed part,
-// at a shape each takes. Each rank records only its own trace, the ranks agree, and the agreed costs are the costs
-// the traces were made from (W as recorded_weight says); simulate() fed with them gives back the traced step time.
+// Overlapped pairs (Action::overlapped_with_next) in `sc`.
+int pairs_in(const Schedule& sc) {
+  int n = 0;
+  for (const auto& list : sc.actions) {
+    for (const Action& a : list) n += a.overlapped_with_next ? 1 : 0;
+  }
+  return n;
+}
+
+// The class of the case: every built-in schedule × mode × recomputation × (2BP) W with and without a fixed part ×
+// overlapped pairs in order or run at once (CostModel::overlap: the traces then hold each pair as two events over
+// its span, as the executor records a pair its hook ran), at a shape each takes. Each rank records only its own
+// trace, the ranks agree, and the agreed costs are the costs the traces were made from (W as recorded_weight
+// says; a part seen only inside pairs, as the B's of DualPipeV 2BP's first stage, solved from its pairs' spans),
+// with the overlap; simulate() fed with them gives back the traced step time, and the traces' bubble is the
+// simulator's (a pair's span counted once by both).
 TEST(MeasuredCosts, TracesOfKnownCostsGiveThemBackAndReproduceTheStep) {
-  int checked = 0, fixed_w_fitted = 0;
+  int checked = 0, fixed_w_fitted = 0, overlapped = 0;
   for (const std::string& name : builtin_schedule_names()) {
     for (BackwardMode mode : {BackwardMode::kStandard, BackwardMode::kSplit}) {
-      for (auto [recompute, fixed_w] :
-           std::vector<std::pair<bool, bool>>{{false, false}, {true, false}, {false, true}}) {
+      for (auto [recompute, fixed_w, overlap] : std::vector<std::tuple<bool, bool, double>>{
+               {false, false, 0.0}, {true, false, 0.0}, {false, true, 0.0}, {false, false, 0.375},
+               {true, false, 0.75}}) {
         if (fixed_w && mode == BackwardMode::kStandard) continue;
         for (auto [p, m] : std::vector<std::pair<int, int>>{{2, 4}, {3, 7}, {4, 8}}) {
           Schedule sc;
@@ -138,14 +154,19 @@ TEST(MeasuredCosts, TracesOfKnownCostsGiveThemBackAndReproduceTheStep) {
           } catch (const ScheduleError&) {
             continue;  // a shape this schedule does not take
           }
+          if (overlap > 0.0 && pairs_in(sc) == 0) continue;  // nothing to overlap
           const std::string what = name + (mode == BackwardMode::kSplit ? " 2bp" : " standard") +
                                    (recompute ? " recompute" : "") + (fixed_w ? " fixed W" : "") +
-                                   " p=" + std::to_string(p) + " m=" + std::to_string(m);
-          const CostModel truth = distinct_costs(sc.num_stages, mode, recompute, fixed_w);
+                                   (overlap > 0.0 ? " overlap " + std::to_string(overlap) : "") + " p=" +
+                                   std::to_string(p) + " m=" + std::to_string(m);
+          CostModel truth = distinct_costs(sc.num_stages, mode, recompute, fixed_w);
+          truth.overlap = overlap;
+          overlapped += overlap > 0.0 ? 1 : 0;
           const auto [want_w, want_w_fixed] = recorded_weight(sc, truth);
           fixed_w_fitted += want_w_fixed.empty() ? 0 : 1;
           const SimulationResult sim = simulate(sc, truth);
           const std::vector<Trace> traces = traces_of(sc, truth, sim);
+          EXPECT_NEAR(bubble_fraction(traces), sim.bubble_fraction, 1e-9) << what;
           std::vector<MeasuredCosts> agreed(static_cast<std::size_t>(p));
           std::mutex mutex;
           on_rank_threads(p, [&](int rank, Transport& t) {
@@ -169,6 +190,8 @@ TEST(MeasuredCosts, TracesOfKnownCostsGiveThemBackAndReproduceTheStep) {
             expect_same(c.backward, where_present(sc, ActionType::kBackward, truth.backward), who + " B");
             expect_same(c.recompute, truth.recompute, who + " R");
             EXPECT_DOUBLE_EQ(c.communication, truth.communication) << who;
+            EXPECT_NEAR(c.overlap, overlap, 1e-12) << who;
+            EXPECT_EQ(c.overlapped_pairs, overlap > 0.0 ? 2 * pairs_in(sc) : 0) << who;  // 2 steps recorded
             const SimulationResult again = simulate(sc, c.cost_model(mode));
             EXPECT_NEAR(again.step_time, sim.step_time, 1e-9 * sim.step_time) << who;
           }
@@ -179,6 +202,7 @@ TEST(MeasuredCosts, TracesOfKnownCostsGiveThemBackAndReproduceTheStep) {
   }
   EXPECT_GE(checked, 5 * static_cast<int>(builtin_schedule_names().size()));
   EXPECT_GT(fixed_w_fitted, 0);  // some built-in runs W's of several sizes on a stage, so a fixed part is fitted
+  EXPECT_GT(overlapped, 0);      // some built-in overlaps pairs (DualPipeV)
 }
 
 TEST(MeasuredCosts, WOfSeveralMicroBatchesCountsPerMicroBatchAndMediansAreMedians) {
@@ -352,6 +376,37 @@ TEST(MeasuredCosts, JsonRoundTripsAndReadsAWholeBenchmarkResult) {
       "result");
   EXPECT_EQ(back.backward, (std::vector<double>{0.0, 0.0}));
   EXPECT_EQ(back.backward_weight, (std::vector<double>{5.0, 6.0}));
+  EXPECT_EQ(back.overlapped_pairs, 0);
+
+  // Overlapped pairs run at once: written only when there were some, read back.
+  EXPECT_EQ(measured_costs_json(c).find("overlap"), std::string::npos);
+  c.overlap = 0.375;
+  c.overlapped_pairs = 12;
+  back = parse_measured_costs(measured_costs_json(c), "round trip with pairs");
+  EXPECT_EQ(back.overlap, 0.375);
+  EXPECT_EQ(back.overlapped_pairs, 12);
+  EXPECT_EQ(back.cost_model(BackwardMode::kSplit).overlap, 0.375);
+}
+
+// agree_costs: the overlap of the job is the mean over every rank's pairs (a rank that ran none does not count),
+// and the pairs add up.
+TEST(MeasuredCosts, OverlapIsTheMeanOverTheRanksPairs) {
+  std::vector<MeasuredCosts> agreed(3);
+  std::mutex mutex;
+  on_rank_threads(3, [&](int rank, Transport& t) {
+    MeasuredCosts mine;
+    mine.forward = mine.backward_input = mine.backward_weight = mine.backward = std::vector<double>(3, 0.0);
+    mine.forward[rank] = 1.0;
+    mine.overlap = std::vector<double>{0.25, 0.0, 1.0}[rank];
+    mine.overlapped_pairs = std::vector<int>{3, 0, 1}[rank];
+    MeasuredCosts all = agree_costs(t, mine, kTimeout);
+    std::lock_guard<std::mutex> lock(mutex);
+    agreed[rank] = std::move(all);
+  });
+  for (const MeasuredCosts& c : agreed) {
+    EXPECT_DOUBLE_EQ(c.overlap, (3 * 0.25 + 1 * 1.0) / 4);
+    EXPECT_EQ(c.overlapped_pairs, 4);
+  }
 }
 
 TEST(MeasuredCosts, JsonReaderNamesWhatIsWrong) {
@@ -374,6 +429,11 @@ TEST(MeasuredCosts, JsonReaderNamesWhatIsWrong) {
   fails_with(R"({"communication_ms": 0, "costs_ms": {"F": [1, -2]}})", "costs_ms.F[1]");
   fails_with(R"({"communication_ms": "x", "costs_ms": {"F": [1]}})", "communication_ms must be");
   fails_with(R"({"communication_ms": 0, "costs_ms": {"F": [1], "R": 3}})", "costs_ms.R must be a list");
+  fails_with(R"({"communication_ms": 0, "costs_ms": {"F": [1]}, "overlap": 0.5})", "\"overlap\" must be");
+  fails_with(R"({"communication_ms": 0, "costs_ms": {"F": [1]}, "overlap": {"share": 0.5, "pairs": 0}})",
+             "with n > 0");
+  fails_with(R"({"communication_ms": 0, "costs_ms": {"F": [1]}, "overlap": {"share": 1.5, "pairs": 2}})",
+             "overlap.share must be a number in [0, 1]");
 }
 
 // The memory model: traces written by walking a known model through each rank's actions (the walk

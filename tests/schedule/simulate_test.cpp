@@ -217,6 +217,86 @@ TEST(Simulate, DualPipeVIsNearZeroBubble) {
   }
 }
 
+// CostModel::overlap: DualPipeV's overlapped pairs run at once. Each pair's two events span the same time, f + x -
+// overlap * min(f, x) from when both parts could start; every other action lasts its cost; with overlap 0 a pair's
+// parts run one after the other. Once pairs run at once, the step never gets longer as the overlap grows; the
+// bubble counts a pair's span once (busy time never exceeds the step); schedules without pairs do not change.
+TEST(Simulate, OverlappedPairsRunAtOnce) {
+  CostModel costs;
+  for (int p : {2, 3, 4}) {
+    for (int m : {2 * p, 2 * p + 1}) {
+      for (BackwardMode mode : {BackwardMode::kStandard, BackwardMode::kSplit}) {
+        const Schedule sc = make("dualpipev", p, m, mode, 2);
+        costs = CostModel::uniform(sc.num_stages, 1.0, 1.25, 0.75);
+        for (int s = 0; s < sc.num_stages; ++s) {
+          costs.forward[s] = 1.0 + 0.125 * s;  // parts of unequal cost, so that min(f, x) matters
+          costs.backward.push_back(1.5 + 0.25 * s);
+        }
+        double previous = 0.0;
+        int pairs = 0;
+        for (double overlap : {0.0, 0.25, 0.5, 1.0}) {
+          const std::string what = std::string(mode == BackwardMode::kSplit ? "2bp" : "standard") + " p=" +
+                                   std::to_string(p) + " m=" + std::to_string(m) + " overlap " +
+                                   std::to_string(overlap);
+          costs.overlap = overlap;
+          const SimulationResult sim = simulate(sc, costs);
+          std::vector<std::vector<SimulatedEvent>> by_rank(p);
+          for (const SimulatedEvent& e : sim.events) by_rank[e.rank].push_back(e);
+          double idle = 0.0;  // over ranks, each pair's span once
+          for (auto& events : by_rank) {  // in the rank's order (pairs start together: F first)
+            idle += sim.step_time;
+            std::stable_sort(events.begin(), events.end(), [](const auto& a, const auto& b) {
+              return a.start < b.start;
+            });
+            for (std::size_t k = 0; k < events.size(); ++k) {
+              const SimulatedEvent& e = events[k];
+              auto cost = [&](const Action& a) {
+                if (a.type == ActionType::kForward) return costs.forward[a.stage];
+                if (a.type == ActionType::kBackward) return costs.backward[a.stage];
+                if (a.type == ActionType::kBackwardInput) return costs.backward_input[a.stage];
+                return costs.weight(a.stage, static_cast<int>(a.micro_batches.size()));
+              };
+              idle -= e.end - e.start;
+              if (!e.action.overlapped_with_next) {
+                EXPECT_NEAR(e.end - e.start, cost(e.action), 1e-12) << what << " " << describe(e.action);
+                continue;
+              }
+              ASSERT_LT(k + 1, events.size()) << what;
+              const SimulatedEvent& x = events[k + 1];
+              const double f = cost(e.action), b = cost(x.action);
+              if (overlap == 0.0) {
+                EXPECT_LE(e.end, x.start + 1e-12) << what << " " << describe(e.action);
+              } else {
+                EXPECT_DOUBLE_EQ(x.start, e.start) << what << " " << describe(e.action);
+                EXPECT_DOUBLE_EQ(x.end, e.end) << what << " " << describe(e.action);
+                EXPECT_NEAR(e.end - e.start, f + b - overlap * std::min(f, b), 1e-12) << what;
+                ++k;
+              }
+              ++pairs;
+            }
+          }
+          // Once pairs run at once, more overlap never lengthens the step. (From 0, it may: run at once, an F's
+          // output leaves at the pair's end, not its own -- a small overlap can delay more than it hides.)
+          if (overlap > 0.25) EXPECT_LE(sim.step_time, previous + 1e-12) << what;
+          EXPECT_NEAR(sim.bubble_fraction, idle / (p * sim.step_time), 1e-12) << what;
+          previous = sim.step_time;
+        }
+        EXPECT_GT(pairs, 0);
+      }
+    }
+  }
+  costs.overlap = 0.5;  // no pairs: nothing changes
+  const Schedule plain = make("zb-v", 3, 6, BackwardMode::kSplit, 2);
+  CostModel in_order = CostModel::uniform(plain.num_stages, 1.0, 1.25, 0.75);
+  CostModel at_once = in_order;
+  at_once.overlap = 0.5;
+  EXPECT_DOUBLE_EQ(simulate(plain, at_once).step_time, simulate(plain, in_order).step_time);
+  for (double bad : {-0.25, 1.5, std::nan("")}) {
+    at_once.overlap = bad;
+    EXPECT_THROW(simulate(plain, at_once), UsageError) << bad;
+  }
+}
+
 TEST(Simulate, CommunicationLatencyAndEvents) {
   const Schedule sc = make("1f1b", 2, 1, BackwardMode::kStandard);
   CostModel c = CostModel::uniform(2, 1.0, 1.0, 1.0, 0.5);

@@ -14,6 +14,7 @@
 #include "common/overlap_hook.h"
 #include "common/pipeline_fixtures.h"
 #include "twobp/error.h"
+#include "twobp/plan/measure.h"
 #include "twobp/runtime/launch.h"
 #include "twobp/runtime/pipeline.h"
 #include "twobp/schedule/registry.h"
@@ -237,6 +238,7 @@ TEST_P(RealPipeline, PartsSumToTheStepAndNameTheSlowPeer) {
   const auto inputs = torch::randn({kMicroBatches * kMicroBatchSize, kDim});
   const auto targets = torch::randn({kMicroBatches * kMicroBatchSize, kDim});
   std::vector<StepAttribution> got(kRanks);
+  std::vector<MeasuredCosts> measured(kRanks);
   std::vector<Transport*> ts;
   for (auto& p : pipelines) ts.push_back(&p->transport());
   const RankErrors errors = run_rank_threads(ts, [&](Transport& t) {
@@ -251,6 +253,10 @@ TEST_P(RealPipeline, PartsSumToTheStepAndNameTheSlowPeer) {
       times.step_us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
       got[t.rank()] = attribute_step(p.schedule(), result.trace, times);
       ASSERT_GE(result.pipeline_us, result.trace.step_us);
+      ASSERT_LE(result.trace.busy_us(), result.trace.step_us);  // a pair run at once counts once
+      CostRecorder costs(p.schedule().num_stages);
+      costs.add(result.trace);
+      measured[t.rank()] = costs.local_medians();
     }
   });
   ASSERT_TRUE(errors.ok()) << error_message(errors.root_cause());
@@ -278,6 +284,12 @@ TEST_P(RealPipeline, PartsSumToTheStepAndNameTheSlowPeer) {
     }
     EXPECT_EQ(a[StepPart::kRecompute] > 0.0, c.recompute);
     EXPECT_EQ(a[StepPart::kOverlappedPair] > 0.0, c.overlap && overlap_pairs_on(schedule, r));
+    // The cost recorder tells the pairs the hook ran at once by the same rule (ran_as_pair): all of them.
+    int pairs = 0;
+    for (const Action& action : schedule.actions[r]) pairs += action.overlapped_with_next ? 1 : 0;
+    EXPECT_EQ(measured[r].overlapped_pairs, c.overlap ? pairs : 0);
+    EXPECT_GE(measured[r].overlap, 0.0);
+    EXPECT_LE(measured[r].overlap, 1.0);
   }
   // The slow stage's forwards (each sleeps; within a pair, or recomputed, the sleep counts where the pair or the
   // recomputation does) take at least their sleeps on its rank.

@@ -46,6 +46,10 @@
 // costs and memory both ways; a candidate takes each stage's from the setting its rank runs -- never a guess of
 // what recomputation costs or saves.
 //
+// Overlapped pairs (DualPipeV's) on a pipeline with PipelineOptions::overlap_forward_backward: the candidates are
+// simulated with the overlap the probes' pairs measured (MeasuredCosts::overlap; in order where the probed
+// schedules ran no pair).
+//
 // Not covered: candidates of another placement (that moves stages between ranks: a new Pipeline and a checkpoint),
 // and pipelines whose runtime bounds memory (PipelineOptions::memory_limit_bytes, max_pending_weight_micro_batches:
 // the W's such a bound moves are not simulated) -- AutoSchedule refuses those; bound the candidates with

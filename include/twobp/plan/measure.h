@@ -42,13 +42,19 @@ struct MeasuredCosts {
   std::vector<double> recompute;
   /// One send of an activation, sender to receiver (measured apart from the steps, e.g. by a ping-pong).
   double communication = 0.0;
+  /// Overlapped F&B pairs the run ran at once (PipelineOptions::overlap_forward_backward): the share of a pair's
+  /// shorter part hidden under the longer (CostModel::overlap, in [0, 1]), and how many pairs it was measured from.
+  /// 0 and 0 when the run ran none at once (pairs run in order are ordinary actions).
+  double overlap = 0.0;
+  int overlapped_pairs = 0;
 
   int num_stages() const { return static_cast<int>(forward.size()); }
 
-  /// The simulator's costs for running the measured stages in `mode`: F, recomputation and communication as
-  /// measured; kSplit takes I and W (and B where the run had fused B's, as DualPipeV's 2BP form has; else the
-  /// simulator's B is I + W), kStandard takes B (I and W 0). Throws UsageError when the costs `mode` needs
-  /// are all 0 (a standard run holds no I/W, a 2BP run no B), or when the vectors' sizes differ.
+  /// The simulator's costs for running the measured stages in `mode`: F, recomputation, communication and the
+  /// pairs' overlap as measured; kSplit takes I and W (and B where the run had fused B's, as DualPipeV's 2BP form
+  /// has; else the simulator's B is I + W), kStandard takes B (I and W 0). Throws UsageError when the costs `mode`
+  /// needs are all 0 (a standard run holds no I/W, a 2BP run no B), when the vectors' sizes differ, or when overlap
+  /// is outside [0, 1].
   CostModel cost_model(BackwardMode mode) const;
 };
 
@@ -66,7 +72,13 @@ WeightCost fit_weight_cost(const std::map<int, std::vector<double>>& ms_by_micro
 
 /// Collects this rank's per-action durations from the traces of measured steps (Pipeline::step's StepResult::trace;
 /// leave the first, warm-up steps out). Each I and B is recorded without its recomputation, which is recorded apart.
-/// Overlapped F&B pairs count each part's own span (the simulator runs the parts one after the other).
+///
+/// Overlapped F&B pairs run one part after the other (no hook) are ordinary actions. A pair run at once
+/// (ran_as_pair: both events span the pair) tells neither part's own cost, only the pair's span t; the parts' costs
+/// come from the same stages' actions outside pairs, and the overlap from the pairs whose both parts have such
+/// costs f and x: the median over them of (f + x - t) / min(f, x), clamped to [0, 1] (CostModel::overlap's model,
+/// inverted). A part seen only inside pairs (DualPipeV's 2BP form fuses the B's of its first stage in pairs only)
+/// gets the cost that makes the model give its pairs' measured span, the median over its pairs.
 ///
 /// W: each stage's W durations by micro-batch count through fit_weight_cost. A stage whose W's came in one size k
 /// (every W per micro-batch, or one batched W per step) gets the median of duration / k and no fixed part -- one
@@ -93,11 +105,21 @@ class CostRecorder {
   std::vector<std::vector<double>> f_, i_, b_, r_;
   // [stage][micro-batches of the W]: samples in ms of whole W's.
   std::vector<std::map<int, std::vector<double>>> w_;
+  // Overlapped pairs run at once: the F's stage, the second part's type and stage, the pair's span in ms.
+  struct PairSample {
+    int forward_stage = 0;
+    ActionType second_type = ActionType::kBackward;
+    int second_stage = 0;
+    double ms = 0.0;
+  };
+  std::vector<PairSample> pairs_;
+  void resolve_pairs(MeasuredCosts& costs) const;  // the overlap, and the parts seen only in pairs
 };
 
 /// Every rank's local_medians() summed (all-reduces over `transport`, the pipeline's ranks): with each stage
 /// recorded by one rank, every rank gets every stage's costs. Collective: every rank calls it. communication is
-/// the max over ranks; recompute and backward_weight_fixed are kept when any rank has them. With data parallelism
+/// the max over ranks; recompute and backward_weight_fixed are kept when any rank has them; overlap is the mean
+/// over the ranks' pairs (weighted by overlapped_pairs, which is summed). With data parallelism
 /// pass the rank's data-parallel group as `replicas`: the replicas' costs are then averaged too (one more
 /// all-reduce over it), so that every rank of the job holds the same numbers and makes the same choices from them.
 MeasuredCosts agree_costs(Transport& transport, const MeasuredCosts& mine, Duration timeout,
@@ -152,14 +174,17 @@ MemoryModel agree_memory(Transport& transport, const MemoryModel& mine, Duration
 std::vector<double> stage_gradient_bytes(Pipeline& pipeline);
 
 /// The JSON form of measured costs, the one writer of it: an object
-///   {"communication_ms": c, "costs_ms": {"F": [...], "I": [...], "W": [...], "B": [...], "R": [...], "W0": [...]}}
-/// (per stage; "R" and "W0" -- backward_weight_fixed -- only when not empty) -- the two fields every result of
-/// `twobp_bench pipeline --json` carries, so that a result is itself readable by parse_measured_costs().
+///   {"communication_ms": c, "costs_ms": {"F": [...], "I": [...], "W": [...], "B": [...], "R": [...], "W0": [...]},
+///    "overlap": {"share": o, "pairs": n}}
+/// (per stage; "R" and "W0" -- backward_weight_fixed -- only when not empty, "overlap" only when pairs ran at
+/// once) -- the fields every result of `twobp_bench pipeline --json` carries, so that a result is itself readable
+/// by parse_measured_costs().
 std::string measured_costs_json(const MeasuredCosts& costs);
 
 /// The one reader of that form: reads "communication_ms" and "costs_ms" from a JSON object (other fields are
 /// ignored, so a whole result of `twobp_bench pipeline --json` can be given). "F" is required; a missing "I", "W"
-/// or "B" reads as 0 for every stage, a missing "R" as no recomputation, a missing "W0" as no fixed W part.
+/// or "B" reads as 0 for every stage, a missing "R" as no recomputation, a missing "W0" as no fixed W part, a
+/// missing "overlap" as no pair run at once.
 /// Throws UsageError, naming `where`, when the text is not a JSON object, a field is missing, not a number or
 /// negative, or the lists' sizes differ.
 MeasuredCosts parse_measured_costs(const std::string& json_object, const std::string& where);

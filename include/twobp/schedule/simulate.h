@@ -23,6 +23,13 @@ struct CostModel {
   /// I and B of that stage (usually its forward cost; 0 for stages without). Empty (the default): no recomputation.
   std::vector<double> recompute;
   double communication = 0.0;           ///< latency of one send, sender to receiver
+  /// Overlapped F&B pairs (Action::overlapped_with_next) run at once, as a runtime with
+  /// PipelineOptions::overlap_forward_backward runs them: the share of the shorter part hidden under the longer, in
+  /// [0, 1]. A pair of parts costing f and x then takes f + x - overlap * min(f, x), from when both parts' inputs
+  /// are there, and both parts' outputs are ready at its end (the for_overlapped_pairs() layout, which simulate()
+  /// then runs). 0 (the default): the parts run one after the other, as the executor runs them without a hook.
+  /// Measured by CostRecorder (MeasuredCosts::overlap).
+  double overlap = 0.0;
 
   /// Data parallelism (dp replicas of the pipeline): per stage, the time to all-reduce that stage's gradients over
   /// its data-parallel group (e.g. metrics::ring_all_reduce_seconds of its gradient bytes, in this model's unit).
@@ -73,14 +80,16 @@ struct SimulationResult {
 };
 
 /// Event-driven simulation of `schedule` under `costs`: each rank runs its actions in order, an F/I/B waits for
-/// its input to arrive (communication latency after the producer finished).
+/// its input to arrive (communication latency after the producer finished). With CostModel::overlap > 0 the
+/// schedule's overlapped pairs run at once, in the for_overlapped_pairs() layout (both events span the pair; the
+/// bubble counts the pair's span once).
 /// With data parallelism (costs.data_parallel_reduce not empty) each rank also has one reduction link, separate from
 /// compute and from pipeline communication: each bucket of each of its stages (CostModel::data_parallel_buckets)
 /// starts at max(when it is ready -- see CostModel::overlap_data_parallel --, when the link is free), in the order
 /// they become ready (ties: lower stage first), and lasts data_parallel_reduce[stage] / buckets. The optimizer step
 /// needs every reduction, so the rank's step ends when both its actions and its reductions are done.
-/// Throws UsageError when a cost vector the schedule needs has the wrong size, or a data_parallel_reduce entry is
-/// negative or not finite.
+/// Throws UsageError when a cost vector the schedule needs has the wrong size, a data_parallel_reduce entry is
+/// negative or not finite, or overlap is outside [0, 1].
 SimulationResult simulate(const Schedule& schedule, const CostModel& costs);
 
 /// Tensor memory of one kind of action on one stage, in bytes, for simulate_peak_memory(): what one action leaves

@@ -29,11 +29,17 @@ struct TraceEvent {
   int64_t memory_before = -1, memory_after = -1, memory_peak = -1;
 };
 
+/// Whether events[k] opens an overlapped F&B pair that ran at once (PipelineOptions::overlap_forward_backward): an
+/// F with Action::overlapped_with_next whose next event has the same span -- the executor records both parts over
+/// the pair's span. (Pairs run without a hook, one part after the other, are two ordinary events.) The one rule
+/// for telling such a pair in a trace.
+bool ran_as_pair(const std::vector<TraceEvent>& events, std::size_t k);
+
 struct Trace {
   std::vector<TraceEvent> events;
   double step_us = 0.0;  ///< wall time of the step on the recording rank
 
-  /// Time spent in compute actions (F, I, W, B).
+  /// Time spent in compute actions (F, I, W, B); a pair that ran at once (ran_as_pair) counts once.
   double busy_us() const;
   /// metrics::bubble_fraction of this rank alone, (step - busy) / step: the share of the step it spent waiting
   /// (bubble plus communication waits).
