@@ -8,16 +8,9 @@ Usage: check_overlap.py TWOBP_BENCH WORK_DIR
 """
 import json
 import os
-import subprocess
 import sys
 
-
-def simulate(bench, path, extra):
-    subprocess.run([bench, "simulate", "--schedule", "all", *extra, "--json", path], check=True,
-                   stdout=subprocess.DEVNULL)
-    with open(path) as f:
-        doc = json.load(f)
-    return doc, {(r["schedule"], r["mode"]): r["sim_step_ms"] for r in doc["results"]}
+from simulate_steps import simulate
 
 
 def main():

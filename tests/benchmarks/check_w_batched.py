@@ -6,18 +6,15 @@ do not move, and standard forms (B = I + a W of one micro-batch) do not either.
 
 Usage: check_w_batched.py TWOBP_BENCH WORK_DIR
 """
-import json
 import os
-import subprocess
 import sys
+
+import simulate_steps
 
 
 def simulate(bench, path, extra):
-    subprocess.run([bench, "simulate", "--ranks", "4", "--microbatches", "8", "--f", "10", "--i", "12", "--w", "8",
-                    *extra, "--json", path], check=True, stdout=subprocess.DEVNULL)
-    with open(path) as f:
-        doc = json.load(f)
-    return doc, {(r["schedule"], r["mode"]): r["sim_step_ms"] for r in doc["results"]}
+    return simulate_steps.simulate(bench, path, ["--ranks", "4", "--microbatches", "8", "--f", "10", "--i", "12",
+                                                 "--w", "8", *extra])
 
 
 def main():
