@@ -130,16 +130,16 @@ DryRun dry_run(const Schedule& sc, const CostModel& costs, bool force) {
     return times[k] + latency;
   };
 
-  // When `a` could start on rank r: once the rank is free and every input has arrived; kNotRun while one has not
-  // (`forced`: as if it had).
-  auto ready_time = [&](int r, const Action& a, bool forced) {
+  // When `a` (whose dependencies() are `deps`) could start on rank r: once the rank is free and every input has
+  // arrived; kNotRun while one has not (`forced`: as if it had).
+  auto ready_time = [&](int r, const Action& a, const ActionDependencies& deps, bool forced) {
     double ready = clock[r];
     auto need = [&](double t) {
       if (t == kNotRun) return forced;
       ready = std::max(ready, t);
       return true;
     };
-    for (const ItemRef& it : dependencies(a, S).needs) {
+    for (const ItemRef& it : deps.needs) {
       std::size_t k = item_slot(it, r);
       double latency = 0.0;
       const int owner = sc.stage_to_rank[it.stage];
@@ -158,11 +158,12 @@ DryRun dry_run(const Schedule& sc, const CostModel& costs, bool force) {
   };
 
   // Records action `index` of rank r as run from `start` to `end`.
-  auto record = [&](int r, std::size_t index, const Action& a, double start, double end) {
+  auto record = [&](int r, std::size_t index, const Action& a, const ActionDependencies& deps, double start,
+                    double end) {
     clock[r] = std::max(clock[r], end);
     const Loc here{r, index};
     auto is_here = [&](const Loc& l) { return l.rank == here.rank && l.index == here.index; };
-    for (const ItemRef& made : dependencies(a, S).produces) {
+    for (const ItemRef& made : deps.produces) {
       const std::size_t k = item_slot(made, r);
       if (is_here(item_loc[k])) item_time[k] = end;
     }
@@ -181,22 +182,24 @@ DryRun dry_run(const Schedule& sc, const CostModel& costs, bool force) {
     const auto& list = sc.actions[r];
     const std::size_t i = result.next[r];
     const Action& a = list[i];
-    const double ready = ready_time(r, a, forced);
+    const ActionDependencies deps = dependencies(a, S);
+    const double ready = ready_time(r, a, deps, forced);
     if (ready == kNotRun) return 0;
     const bool pair = costs.overlap > 0.0 && a.overlapped_with_next && i + 1 < list.size() &&
                       is_compute(list[i + 1].type);
     if (!pair) {
-      record(r, i, a, ready, ready + action_cost(a, costs));
+      record(r, i, a, deps, ready, ready + action_cost(a, costs));
       return 1;
     }
     const Action& x = list[i + 1];
-    const double ready_x = ready_time(r, x, forced);
+    const ActionDependencies deps_x = dependencies(x, S);
+    const double ready_x = ready_time(r, x, deps_x, forced);
     if (ready_x == kNotRun) return 0;
     const double start = std::max(ready, ready_x);
     const double f = action_cost(a, costs), b = action_cost(x, costs);
     const double end = start + f + b - costs.overlap * std::min(f, b);
-    record(r, i, a, start, end);
-    record(r, i + 1, x, start, end);
+    record(r, i, a, deps, start, end);
+    record(r, i + 1, x, deps_x, start, end);
     return 2;
   };
 
