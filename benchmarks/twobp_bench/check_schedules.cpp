@@ -2,7 +2,7 @@
 //
 //   twobp_bench check-schedules --transport nccl --json out.json
 //
-// For every built-in schedule x {standard, 2bp} x p in {2, 3, 4, 8} x m in {p, 2p, 3p} (v = the
+// For every built-in schedule x {standard, 2bp} x p in {2, 3, 4, 8} x m in {p, p + 1, 2p, 3p} (v = the
 // schedule's default), it generates the schedule and validates it against the transport's pairing rule
 // (twobp::pairing_of(transport)): for "nccl" and "local-in-order" that includes "on every channel the sender posts
 // its messages in the order the receiver posts its receives". Output: {"transport", "pairing", "results":
@@ -42,7 +42,7 @@ int run_check(const CheckArgs& a) {
   for (const auto& name : builtin_schedule_names()) {
     for (BackwardMode mode : {BackwardMode::kStandard, BackwardMode::kSplit}) {
       for (int p : a.ranks) {
-        for (int m : {p, 2 * p, 3 * p}) {
+        for (int m : {p, p + 1, 2 * p, 3 * p}) {  // p + 1: a count that is no multiple of p
           const ScheduleOptions so = default_schedule_options(name, p, m, mode);
           Json r;
           r["schedule"] = name;
@@ -85,7 +85,7 @@ void add_check_schedules_command(CLI::App& app) {
   auto* cmd = app.add_subcommand("check-schedules",
                                  "check that every built-in schedule pairs its messages correctly on a transport");
   cmd->add_option("--transport", args->transport, "local | local-in-order | mpi | store | nccl")->capture_default_str();
-  cmd->add_option("--ranks", args->ranks, "pipeline sizes p (m = p, 2p, 3p each)")->capture_default_str()
+  cmd->add_option("--ranks", args->ranks, "pipeline sizes p (m = p, p + 1, 2p, 3p each)")->capture_default_str()
       ->check(cli::number_in(1, 64));
   cmd->add_option("--json", args->json, "write the results here")->check(cli::writable_file());
   cmd->callback([args] {

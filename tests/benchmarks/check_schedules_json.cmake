@@ -1,4 +1,4 @@
-# cmake -DJSON=file -DEXPECTED=264 -P check_schedules_json.cmake
+# cmake -DJSON=file -DEXPECTED=352 -P check_schedules_json.cmake
 # Checks the output of `twobp_bench check-schedules`: JSON["results"] holds EXPECTED entries, each with schedule,
 # mode, p, m and "ok": true. Fails naming every configuration that does not pair.
 if(NOT DEFINED JSON OR NOT DEFINED EXPECTED)

@@ -309,7 +309,7 @@ TEST(ValidatePairing, EveryBuiltinSchedulePairsInOrder) {
   for (const auto& name : builtin_schedule_names()) {
     for (BackwardMode mode : {BackwardMode::kStandard, BackwardMode::kSplit}) {
       for (int p : {2, 3, 4}) {
-        for (int m : {p, 2 * p, 3 * p}) {
+        for (int m : {p, p + 1, 2 * p, 3 * p}) {
           const ScheduleOptions so = default_schedule_options(name, p, m, mode);
           EXPECT_NO_THROW(validate(make_schedule(name, so), Pairing::kInOrderPerChannel))
               << name << " p=" << p << " m=" << m;
