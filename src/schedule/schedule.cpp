@@ -30,7 +30,11 @@ std::vector<int> recomputing_ranks(bool recompute, int first, std::string_view o
                 "recomputation on the first {} ranks and on ranks '{}': give one of them (--recompute-ranks or "
                 "--recompute-on)",
                 first, on);
-    return parse_ranks(on, num_ranks);
+    try {
+      return parse_ranks(on, num_ranks);
+    } catch (const UsageError& e) {
+      throw UsageError(fmt::format("--recompute-on: {}", e.what()));  // the flag the command lines spell it with
+    }
   }
   const int count = first > 0 ? std::min(first, num_ranks) : num_ranks;
   std::vector<int> ranks(static_cast<std::size_t>(std::max(count, 0)));

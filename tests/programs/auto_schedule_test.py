@@ -135,7 +135,8 @@ def main():
         worst = max(abs(x - y) / abs(y) for x, y in zip(losses(partial), losses(plain)))
         assert worst <= 1e-6, f"--recompute {' '.join(flags)} changed the losses by {worst:.3g} relative"
         print(f"threads: --recompute {' '.join(flags)}, losses within {worst:.2g} relative of no recomputation")
-    run([example, "--recompute", "--recompute-on", "2"], ok=False, must_say="no rank 2 in a pipeline of 2")
+    run([example, "--recompute", "--recompute-on", "2"], ok=False,
+        must_say="--recompute-on: ranks '2': no rank 2 in a pipeline of 2")
     # A memory bound on the candidates that nothing fits: the starting schedule is kept, and said so.
     out = run([example, *JOB, "--schedule", "auto", "--auto-steps", str(AUTO_STEPS), "--auto-memory-limit-gb",
                "1e-9"])

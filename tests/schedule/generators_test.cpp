@@ -100,8 +100,6 @@ TEST(Generators, PlacementFollowsTheContract) {
   EXPECT_EQ(make_schedule("zb-v", o).num_stages, 8) << "zb-v always has two chunks per rank";
 }
 
-// Recomputation on a rank prefix, as every caller spells it: off is none, 0 ranks is every rank, more ranks than
-// the pipeline has is every rank, and otherwise exactly the ranks asked for.
 // The command lines' recomputation (--recompute [--recompute-ranks N | --recompute-on RANKS]) as a set of ranks,
 // the rank lists' text form both ways, and the order in which ranks take up recomputation.
 TEST(Generators, RecomputationOnASetOfRanks) {
@@ -115,6 +113,12 @@ TEST(Generators, RecomputationOnASetOfRanks) {
   EXPECT_EQ(recomputing_ranks(true, 0, "3", 4), Ranks{3});
   EXPECT_EQ(recomputing_ranks(true, 0, "3,0-1,1", 4), (Ranks{0, 1, 3}));
   EXPECT_THROW(recomputing_ranks(true, 2, "3", 4), UsageError);  // both forms
+  try {
+    recomputing_ranks(true, 0, "1,4", 4);
+    ADD_FAILURE() << "rank 4 of 4 accepted";
+  } catch (const UsageError& e) {  // names the flag and the value
+    EXPECT_NE(std::string(e.what()).find("--recompute-on: ranks '1,4': no rank 4"), std::string::npos) << e.what();
+  }
   for (const char* bad : {"4", "-1", "0-", "2-1", "0,,1", "a", "1 ", ",", "0-1-2"}) {
     EXPECT_THROW(parse_ranks(bad, 4), UsageError) << bad;
   }

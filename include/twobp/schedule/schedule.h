@@ -43,7 +43,8 @@ struct Schedule {
 /// a set of pipeline ranks whose stages all recompute their activations, ascending without repeats.
 /// `--recompute [--recompute-ranks N | --recompute-on RANKS]`: none without `recompute`; else the ranks `on` lists
 /// ("0-1,3", parse_ranks) when it is not empty; else the first `first` ranks (0: every rank), at most num_ranks.
-/// Throws UsageError for a list parse_ranks refuses, or for both `first` > 0 and a list.
+/// Throws UsageError for a list parse_ranks refuses (its message, after "--recompute-on: "), or for both `first` > 0
+/// and a list.
 std::vector<int> recomputing_ranks(bool recompute, int first, std::string_view on, int num_ranks);
 
 /// Whether `rank` is in `ranks` (ascending, as recomputing_ranks returns them).
