@@ -21,6 +21,8 @@
 //              schedule); with one shape, F at its FLOP shares (b_F = Σ F / Σ (blocks + head share)) and I, W, B
 //              at their Σ ratios to F. Carried to another model, seq or micro-batch size: b and h by their FLOPs,
 //              e by tokens · dim (the embedding's output), a unchanged (LlamaCosts::carried).
+//   pairs      DualPipeV's overlapped F&B pairs in order, or at once hiding --overlap S of each pair's shorter part
+//              (default: the share the measured results' pairs ran at, LlamaCosts::overlap; 0 without)
 //   messages   estimated: activation bytes / (--link-gbps) + --link-latency-us; measured: the first 2bp result's
 //              communication_ms per byte of its activation, times the planned activation's bytes
 //   dp         each stage's gradients (parameters · gradient bytes of --precision) all-reduced over dp ranks:
@@ -70,6 +72,7 @@ struct PlanArgs {
   std::string precision = "bf16-mixed";
   double tflops = 400;
   std::string costs_json;
+  double overlap = -1;  // < 0: the measured share (0 for estimated costs)
   double link_gbps = 100;
   double link_latency_us = 5;
   std::string schedule = "all";
@@ -302,7 +305,12 @@ void report_plan(const PlanArgs& a, const llm::LlamaConfig& config, const Layout
                                  {"I", cost_terms_json(c.backward_input)}, {"W", cost_terms_json(c.backward_weight)},
                                  {"B", cost_terms_json(c.backward)}};
   if (!c.backward_weight_fixed.is_zero()) out["config"]["cost_model"]["W0"] = cost_terms_json(c.backward_weight_fixed);
+  out["config"]["cost_model"]["overlap"] = c.overlap;
   out["config"]["device"] = rates.device;
+  if (c.overlap > 0) {
+    std::cout << "  note: dualpipev's predictions run its F&B pairs at once; the example commands below run them in "
+                 "order (a runtime hook overlaps them: PipelineOptions::overlap_forward_backward)\n";
+  }
   out["warnings"] = c.warnings;
   for (const std::string& w : c.warnings) std::cerr << "twobp_bench plan: warning: " << w << "\n";
   const std::vector<LayoutCandidate>& candidates = plan.candidates;
@@ -359,9 +367,13 @@ void run_plan(const PlanArgs& a) {
   o.memory_limit_bytes = a.gpu_memory_gb * kGiB;
   o.link_bytes_per_s = a.link_gbps * 1e9 / 8;
   o.link_latency_s = a.link_latency_us * 1e-6;
-  const Rates rates = measured_config != nullptr
-                          ? measured_rates(measured_doc, a.costs_json, config, o.seq, a.micro_batch_size)
-                          : estimated_rates(a, config, o.seq);
+  Rates rates = measured_config != nullptr
+                    ? measured_rates(measured_doc, a.costs_json, config, o.seq, a.micro_batch_size)
+                    : estimated_rates(a, config, o.seq);
+  if (a.overlap >= 0) {
+    rates.costs.overlap = a.overlap;
+    rates.source += fmt::format("; F&B pairs at once hiding {:g} of the shorter part (--overlap)", a.overlap);
+  }
   o.communication_ms =
       activation_bytes(config, a.micro_batch_size, o.seq, o.precision.compute_bytes) * rates.comm_ms_per_byte +
       rates.comm_latency_ms;
@@ -408,6 +420,11 @@ void add_plan_command(CLI::App& app) {
                   "is planned, with any --dim ... sizes replacing its own; measure a v = 2 schedule too, e.g. "
                   "--schedule 1f1b,interleaved-1f1b, to fit per-action and head costs)")
       ->check(CLI::ExistingFile);
+  sub->add_option("--overlap", a->overlap,
+                  "DualPipeV's F&B pairs run at once, hiding this share (0..1) of each pair's shorter part: what a "
+                  "runtime hook that overlaps them reaches (PipelineOptions::overlap_forward_backward; the example "
+                  "runs pairs in order). Default: the share --costs-json measured, else 0 (in order)")
+      ->check(cli::number_in(0, 1));
   sub->add_option("--link-gbps", a->link_gbps, "Link bandwidth per rank, Gb/s (messages and data-parallel rings)")
       ->capture_default_str()->check(cli::number_in(1e-3, 1e6));
   sub->add_option("--link-latency-us", a->link_latency_us, "Per message / ring step latency, us")

@@ -59,6 +59,22 @@ ChunkCost carried_cost(const ChunkCost& k, const llm::LlamaConfig& from, int64_t
           k.head * batch * llm::head_forward_flops(to, to_seq) / llm::head_forward_flops(from, from_seq)};
 }
 
+// `out` with the runs' overlap (LlamaCosts::overlap: their shares weighted by the pairs each ran at once), said in
+// its `how` when pairs ran at once.
+LlamaCosts with_overlap(LlamaCosts out, const std::vector<MeasuredLlamaRun>& runs) {
+  double weighted = 0;
+  int pairs = 0;
+  for (const MeasuredLlamaRun& run : runs) {
+    weighted += run.costs.overlap * run.costs.overlapped_pairs;
+    pairs += run.costs.overlapped_pairs;
+  }
+  out.overlap = pairs > 0 ? weighted / pairs : 0.0;
+  if (pairs > 0) {
+    out.how += fmt::format("; F&B pairs at once, {:.3f} of the shorter part hidden ({} pairs)", out.overlap, pairs);
+  }
+  return out;
+}
+
 // A warning per negative term of a fitted cost.
 void warn_negative(const char* name, const ChunkCost& k, std::vector<std::string>& warnings) {
   const std::pair<const char*, double> terms[] = {
@@ -164,6 +180,7 @@ CostModel LlamaCosts::cost_model(const llm::Partition& partition, BackwardMode m
                                  double communication_ms) const {
   CostModel costs;
   costs.communication = communication_ms;
+  costs.overlap = overlap;
   for (const llm::ChunkSpec& chunk : partition.chunks) {
     auto cost = [&](const ChunkCost& k) { return std::max(1e-9, k.of(chunk)); };
     const double f = cost(forward);
@@ -250,7 +267,7 @@ LlamaCosts fit_llama_costs(const llm::LlamaConfig& config, int64_t seq, const st
                           W0.total() != 0 ? fmt::format(" per micro-batch + {} per W", out.backward_weight_fixed.str())
                                           : "",
                           out.backward.str());
-    return out;
+    return with_overlap(std::move(out), runs);
   }
   out.kind = LlamaCosts::Kind::kFlopShares;
   out.forward = flop_shares(config, seq, F.total() / f_units);
@@ -265,7 +282,7 @@ LlamaCosts fit_llama_costs(const llm::LlamaConfig& config, int64_t seq, const st
                         out.forward.per_block, ratio_i, ratio_w,
                         ratio_w0 != 0 ? fmt::format(" per micro-batch + {:.3f} per W", ratio_w0) : "",
                         out.backward.per_block / out.forward.per_block);
-  return out;
+  return with_overlap(std::move(out), runs);
 }
 
 LayoutPlan plan_llama_layouts(const llm::LlamaConfig& config, const LlamaCosts& costs, const LayoutPlanOptions& o) {

@@ -14,7 +14,10 @@ and checks that `twobp_bench plan --costs-json` (config.cost_model of its JSON)
   - predicts from them what the simulator predicts from the measured costs themselves (`twobp_bench simulate
     --from-json` of the same result, whose stages keep their measured costs);
   - with a fixed W part (costs_ms.W0: W0 + k W for a W of k micro-batches), fits W0's terms apart from W's, so that
-    1F1B's batched 2BP tail is planned as the simulator charges it from the measured costs.
+    1F1B's batched 2BP tail is planned as the simulator charges it from the measured costs;
+  - with results whose overlapped F&B pairs ran at once ("overlap": {"share", "pairs"}), plans at their share
+    weighted by pairs (config.cost_model.overlap), DualPipeV as the simulator predicts it from such a result, and
+    --overlap replaces the share (0: the same plan as results without pairs at once).
 """
 
 import json
@@ -57,14 +60,14 @@ def result(schedule, mode, v, terms=TERMS):
     return {"schedule": schedule, "mode": mode, "p": 2, "m": 4, "v": v, "communication_ms": 0.1, "costs_ms": costs}
 
 
-def plan(name, results, mbs=2):
+def plan(name, results, mbs=2, extra=()):
     costs = os.path.join(WORK, name + "_costs.json")
     out = os.path.join(WORK, name + "_plan.json")
     with open(costs, "w") as f:
         json.dump({"config": CONFIG, "results": results}, f)
     run = subprocess.run([BENCH, "plan", "--costs-json", costs, "--ranks", "2", "--global-batch", "8",
                           "--micro-batch-size", str(mbs), "--precision", "fp32", "--recompute", "off",
-                          "--max-dp", "1", "--json", out], capture_output=True, text=True)
+                          "--max-dp", "1", "--json", out, *extra], capture_output=True, text=True)
     if run.returncode != 0:
         sys.exit(f"twobp_bench plan --costs-json {costs} failed ({run.returncode}):\n{run.stdout}{run.stderr}")
     with open(out) as f:
@@ -144,6 +147,42 @@ expect_terms(fixed, {"W": TERMS["W"], "W0": W0_TERMS}, "fixed W part")
 expect_simulated("fixed_w", fixed, 1, "1f1b", 1)
 if "W0" in fitted["config"]["cost_model"]:
     problems.append(f"no W0 measured, yet the plan has {fitted['config']['cost_model']['W0']}")
+
+# Pairs run at once: a dualpipev 2BP result whose 6 pairs hid 0.5 of their shorter parts. DualPipeV's 2BP form
+# runs fused B's too (in its pairs), so its result measured B as well.
+def with_pairs(r, share, pairs):
+    r["costs_ms"]["B"] = [cost(TERMS["B"], c) for c in CHUNKS[r["v"]]]
+    r["overlap"] = {"share": share, "pairs": pairs}
+    return r
+
+
+def overlap_of(doc):
+    return doc["config"]["cost_model"].get("overlap")
+
+
+def dualpipev_2bp_ms(doc):
+    return [c["sim_step_ms"] for c in doc["candidates"] if c["schedule"] == "dualpipev" and c["mode"] == "2bp"]
+
+
+# (fresh results: with_fixed_w above gave `two`'s 2BP result a W0)
+base = [result("1f1b", "standard", 1), result("1f1b", "2bp", 1), result("zb-v", "standard", 2)]
+at_once = base + [with_pairs(result("dualpipev", "2bp", 2), 0.5, 6)]
+paired = plan("pairs", at_once)
+if overlap_of(paired) != 0.5:
+    problems.append(f"one result with pairs at 0.5: the plan's overlap is {overlap_of(paired)}")
+expect_simulated("pairs", paired, 3, "dualpipev", 2)
+weighted = plan("pairs_weighted", at_once + [with_pairs(result("dualpipev", "2bp", 2), 0.25, 2)])
+if not math.isclose(overlap_of(weighted) or -1, (0.5 * 6 + 0.25 * 2) / 8, rel_tol=1e-12):
+    problems.append(f"shares 0.5 over 6 pairs and 0.25 over 2: the plan's overlap is {overlap_of(weighted)}")
+in_order = plan("pairs_in_order", at_once, extra=("--overlap", "0"))
+in_order_result = with_pairs(result("dualpipev", "2bp", 2), 0.5, 6)
+del in_order_result["overlap"]
+no_pairs = plan("no_pairs", base + [in_order_result])
+if overlap_of(in_order) != 0 or overlap_of(no_pairs) != 0:
+    problems.append(f"--overlap 0 / no pairs at once: overlap {overlap_of(in_order)} / {overlap_of(no_pairs)}")
+if dualpipev_2bp_ms(in_order) != dualpipev_2bp_ms(no_pairs) or dualpipev_2bp_ms(in_order) == dualpipev_2bp_ms(paired):
+    problems.append(f"dualpipev 2bp: {dualpipev_2bp_ms(in_order)} ms with --overlap 0, {dualpipev_2bp_ms(no_pairs)} "
+                    f"without pairs at once, {dualpipev_2bp_ms(paired)} at 0.5")
 
 # A measured model's command line gives its sizes (no preset has them).
 if "--dim 96 --layers 4 --heads 4 --kv-heads 2 --ffn 256 --vocab 256" not in fitted["best"]["command"]:

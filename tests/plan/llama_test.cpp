@@ -270,6 +270,67 @@ TEST(PlanLlamaLayouts, EveryLayoutOfTheRanksRankedByTheSimulator) {
   EXPECT_GT(plan.skipped, 0);  // multi-chunk schedules at pp = 1
 }
 
+// Runs whose overlapped F&B pairs ran at once give the fit their share of the shorter part hidden, weighted by the
+// pairs each ran (both fit paths), carried to other shapes unchanged; the planner then runs DualPipeV's pairs at
+// once in the simulator, and only schedules with pairs change.
+TEST(PlanLlamaLayouts, OverlappedPairsArePlannedAtTheFittedShare) {
+  auto overlapped = [](MeasuredLlamaRun run, double share, int pairs) {
+    run.costs.overlap = share;
+    run.costs.overlapped_pairs = pairs;
+    return run;
+  };
+  const LlamaCosts fitted = fit_llama_costs(model(), kSeq,
+                                            {overlapped(exact_run(2, BackwardMode::kSplit), 0.5, 6),
+                                             overlapped(exact_run(4, BackwardMode::kSplit), 0.25, 2),
+                                             exact_run(4, BackwardMode::kStandard)});
+  ASSERT_EQ(fitted.kind, LlamaCosts::Kind::kFitted) << fitted.how;
+  EXPECT_DOUBLE_EQ(fitted.overlap, (0.5 * 6 + 0.25 * 2) / 8);
+  EXPECT_NE(fitted.how.find("pairs at once"), std::string::npos) << fitted.how;
+  const LlamaCosts shares = fit_llama_costs(model(), kSeq, {overlapped(exact_run(2, BackwardMode::kSplit), 0.5, 6)});
+  ASSERT_EQ(shares.kind, LlamaCosts::Kind::kFlopShares);
+  EXPECT_DOUBLE_EQ(shares.overlap, 0.5);
+  const LlamaCosts in_order =
+      fit_llama_costs(model(), kSeq, {exact_run(2, BackwardMode::kSplit), exact_run(4, BackwardMode::kSplit)});
+  EXPECT_EQ(in_order.overlap, 0.0);
+  EXPECT_EQ(in_order.how.find("pairs at once"), std::string::npos) << in_order.how;
+  EXPECT_EQ(fitted.carried(model(), kSeq, 1, model(), 2 * kSeq, 4).overlap, fitted.overlap);
+  const llm::Partition partition = llm::make_partition(model(), 4, kSeq);
+  EXPECT_EQ(fitted.cost_model(partition, BackwardMode::kSplit, false, 0.0).overlap, fitted.overlap);
+
+  const llm::LlamaConfig config = model();
+  LayoutPlanOptions o = plan_options();
+  o.schedules = {"dualpipev", "1f1b"};
+  o.recompute = {false};
+  LlamaCosts costs = estimate_llama_costs(config, kSeq, 1, 0.001);
+  const LayoutPlan before = plan_llama_layouts(config, costs, o);
+  costs.overlap = 0.75;
+  const LayoutPlan after = plan_llama_layouts(config, costs, o);
+  ASSERT_EQ(before.candidates.size(), after.candidates.size());
+  auto key = [](const LayoutCandidate& c) {
+    return c.schedule + (c.mode == BackwardMode::kSplit ? " 2bp" : " standard") + " dp " + std::to_string(c.dp);
+  };
+  std::map<std::string, double> step_before;
+  for (const LayoutCandidate& c : before.candidates) step_before[key(c)] = c.step_ms;
+  int changed = 0;
+  for (const LayoutCandidate& c : after.candidates) {
+    SCOPED_TRACE(key(c));
+    ASSERT_EQ(step_before.count(key(c)), 1u);
+    if (c.schedule != "dualpipev") {
+      EXPECT_EQ(c.step_ms, step_before[key(c)]);
+      continue;
+    }
+    changed += c.step_ms != step_before[key(c)];
+    if (c.dp == 1) {  // no all-reduce: exactly the simulator with the pairs at once
+      const Schedule s = make_schedule(c.schedule, default_schedule_options(c.schedule, c.pp, c.m, c.mode));
+      const CostModel m = costs.cost_model(llm::make_partition(config, s.num_stages, kSeq), c.mode, false,
+                                           o.communication_ms);
+      EXPECT_EQ(m.overlap, 0.75);
+      EXPECT_DOUBLE_EQ(c.step_ms, simulate(s, m).step_time);
+    }
+  }
+  EXPECT_GT(changed, 0);
+}
+
 // Recomputation is planned per set of pipeline ranks: each form once with no recomputation and once with the first
 // j = 1 .. pp ranks of recompute_order by its peaks without recomputation (the ranks where the memory is first:
 // with this model's vocabulary the last rank of GPipe, which holds every micro-batch's logits). A rank's memory is

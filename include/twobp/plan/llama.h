@@ -48,6 +48,11 @@ struct LlamaCosts {
   /// micro-batches costs backward_weight_fixed + k · backward_weight. All terms 0: none (estimated costs, and
   /// measured runs whose W's came in one size only).
   ChunkCost backward_weight_fixed;
+  /// Overlapped F&B pairs (DualPipeV's) run at once: the share of a pair's shorter part hidden under the longer
+  /// (CostModel::overlap, [0, 1]); 0: in order. Fitted as the mean of the runs' MeasuredCosts::overlap weighted by
+  /// their overlapped_pairs (0 when no run ran pairs at once); a share, so carried() keeps it. It holds only for a
+  /// runtime that overlaps the pairs (PipelineOptions::overlap_forward_backward).
+  double overlap = 0.0;
   std::string how;                    ///< one line for people: the terms, or the rate and ratios
   std::vector<std::string> warnings;  ///< e.g. a fitted term that came out negative (noise)
 
@@ -60,7 +65,8 @@ struct LlamaCosts {
 
   /// The simulator's costs of `partition`'s chunks as stages in `mode`: F; I and W (kSplit; 0 in kStandard), and
   /// in kSplit W's fixed part where there is one (at least 0 per chunk); B (the fused backward: every B of a
-  /// standard form, the fused ones of a 2BP form); R = F when `recompute`; `communication_ms` per message. A
+  /// standard form, the fused ones of a 2BP form); R = F when `recompute`; `communication_ms` per message; the
+  /// overlap. A
   /// chunk's cost is clamped at 1e-9 ms: a fitted term may be negative and no action is free.
   CostModel cost_model(const models::Partition& partition, BackwardMode mode, bool recompute,
                        double communication_ms) const;
@@ -90,8 +96,8 @@ struct MeasuredLlamaRun {
 /// when no run has one. With too few shapes (a single v = 1 pipeline cannot tell the head from the per-action
 /// cost) the result is Kind::kFlopShares: F per block = Σ F / Σ partition cost (blocks + head share), the head at
 /// its share, and I, W, W0, B at their summed ratios to F (B = I + W0 + W without a standard run). A negative
-/// fitted term adds a warning. Throws UsageError when the runs hold no 2BP run (I and W) or no forward cost, or a
-/// run's cost lists are not one entry per chunk of its partition.
+/// fitted term adds a warning. The overlap: see LlamaCosts::overlap. Throws UsageError when the runs hold no 2BP run
+/// (I and W) or no forward cost, or a run's cost lists are not one entry per chunk of its partition.
 LlamaCosts fit_llama_costs(const models::LlamaConfig& config, int64_t seq, const std::vector<MeasuredLlamaRun>& runs);
 
 /// What plan_llama_layouts considers.
