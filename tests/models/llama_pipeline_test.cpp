@@ -158,8 +158,9 @@ TEST(LlamaPipeline, RecomputationKeepsTheLosses) {
 }
 
 // Energy per step and per token (twobp/metrics/energy.h) on a RAPL zone whose counter a thread of this test
-// advances while the example runs: every step has energy_j > 0 and j_per_token = energy_j / tokens per step
-// (4 micro-batches x 2 sequences x 32 tokens); without RAPL both are null and energy_note says why.
+// advances while the example runs: every step has energy_j >= 0, their sum > 0 (one short step can pass between two
+// ticks of a writer starved on a busy machine), and j_per_token = energy_j / tokens per step (4 micro-batches x 2
+// sequences x 32 tokens); without RAPL both are null and energy_note says why.
 TEST(LlamaPipeline, EnergyPerStepAndToken) {
   const std::string root = work_dir() + "/powercap", zone = root + "/intel-rapl:0";
   ::mkdir(root.c_str(), 0755);
@@ -185,11 +186,14 @@ TEST(LlamaPipeline, EnergyPerStepAndToken) {
   const auto j = nlohmann::json::parse(in);
   EXPECT_EQ(j.at("energy_source"), "rapl");
   ASSERT_EQ(j.at("steps").size(), 3u);
+  double total_j = 0;
   for (const auto& s : j.at("steps")) {
     ASSERT_TRUE(s.at("energy_j").is_number()) << s;
-    EXPECT_GT(s.at("energy_j").get<double>(), 0.0) << s;
+    EXPECT_GE(s.at("energy_j").get<double>(), 0.0) << s;
     EXPECT_DOUBLE_EQ(s.at("j_per_token").get<double>(), s.at("energy_j").get<double>() / (4 * 2 * 32)) << s;
+    total_j += s.at("energy_j").get<double>();
   }
+  EXPECT_GT(total_j, 0.0) << j.at("steps");
 
   const auto unmeasured = run(kBase + "--schedule 1f1b --steps 1 --powercap-root " + root + "/nowhere --json " +
                               work_dir() + "/no_energy.json");
