@@ -632,7 +632,9 @@ TEST(AutoSchedule, RecomputingFormsAreProbedRankedAndKeepTheGradients) {
   // Every setting ranked; the recomputing ones predict no more memory than the same form with fewer ranks
   // recomputing. Standard forms peak on the activations, which recomputation drops (strictly less with every rank
   // recomputing); 2BP forms may peak on the deferred W's inputs, which it keeps, plus a few bytes of its own per
-  // micro-batch (seen: +8 bytes of 15 kB under ASan).
+  // micro-batch (seen: +8 bytes of 15 kB under ASan). Each memory model comes from its own probe, whose peaks move
+  // by the few boundary messages a peer has not taken yet (a sent payload lives until the receiver takes it): 1 %
+  // and 4 messages of slack.
   EXPECT_EQ(s.ranking.size(), 12u);
   auto peak = [&](const std::string& name, BackwardMode mode, std::size_t ranks) {
     for (const ScheduleCandidate& c : s.ranking) {
@@ -643,8 +645,9 @@ TEST(AutoSchedule, RecomputingFormsAreProbedRankedAndKeepTheGradients) {
   };
   for (const std::string name : {"1f1b", "gpipe"}) {
     for (BackwardMode mode : {BackwardMode::kStandard, BackwardMode::kSplit}) {
-      EXPECT_LE(peak(name, mode, 1), 1.01 * peak(name, mode, 0)) << name;
-      EXPECT_LE(peak(name, mode, 2), 1.01 * peak(name, mode, 1)) << name;
+      const double messages = 4.0 * kMicroBatchSize * kDim * sizeof(double);
+      EXPECT_LE(peak(name, mode, 1), 1.01 * peak(name, mode, 0) + messages) << name;
+      EXPECT_LE(peak(name, mode, 2), 1.01 * peak(name, mode, 1) + messages) << name;
       if (mode == BackwardMode::kStandard) EXPECT_LT(peak(name, mode, 2), peak(name, mode, 0)) << name;
     }
   }
