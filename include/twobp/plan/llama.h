@@ -66,8 +66,7 @@ struct LlamaCosts {
   /// The simulator's costs of `partition`'s chunks as stages in `mode`: F; I and W (kSplit; 0 in kStandard), and
   /// in kSplit W's fixed part where there is one (at least 0 per chunk); B (the fused backward: every B of a
   /// standard form, the fused ones of a 2BP form); R = F when `recompute`; `communication_ms` per message; the
-  /// overlap. A
-  /// chunk's cost is clamped at 1e-9 ms: a fitted term may be negative and no action is free.
+  /// overlap. A chunk's cost is clamped at 1e-9 ms: a fitted term may be negative and no action is free.
   CostModel cost_model(const models::Partition& partition, BackwardMode mode, bool recompute,
                        double communication_ms) const;
 };
