@@ -77,6 +77,7 @@ struct Args {
   int dp = 1;  // data-parallel replicas
   int max_pending_w = 0;  // memory-bounded 2BP: 0 = no limit
   double memory_limit_gb = 0;  // memory-bounded 2BP in GiB of tensor memory per rank: 0 = no limit
+  int64_t memory_limit_bytes() const { return static_cast<int64_t>(memory_limit_gb * 1024.0 * 1024.0 * 1024.0); }
   double gpu_memory_gb = 0;    // dry run: say whether each rank fits this much (0: do not judge)
   bool pack = false;      // packed documents: positions and document mask cross every stage boundary
   int doc_separator = 10;  // the token that ends a document ('\n' for the byte-level corpus)
@@ -161,12 +162,16 @@ struct StepRecord {
   std::optional<double> j_per_token;
   std::optional<double> eval_loss;  // the held-out split's mean loss after this step's update, when evaluated
   bool skipped = false;             // --on-nonfinite skip dropped this step's update
+  // --memory-limit-gb: whether the peak (of the pipeline's ranks) stayed within it (nullopt: no limit, or memory not measured). It
+  // bounds deferred W's only, so a schedule needing more without them exceeds it, and so may a first step.
+  std::optional<bool> memory_limit_held;
 };
 
 /// What rank 0 reports and the threads share.
 struct Shared {
   std::mutex mutex;
   std::vector<StepRecord> records;
+  bool memory_limit_noted = false;  // rank 0 said once why the memory limit was exceeded
   std::vector<twobp::Trace> traces;  // the last step's, by world rank (gather_traces: threads or processes)
   int64_t resumed_from = 0;
   std::string energy_source, energy_note;  // rank 0's meter ("nvml", "rapl" or ""), and why it has none

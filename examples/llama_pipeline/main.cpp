@@ -294,6 +294,7 @@ int run(Args args, int& argc, char**& argv) {
                           {"grad_norm", r.grad_norm}, {"lr", r.lr}, {"peak_memory_bytes", r.peak_memory_bytes},
                           {"energy_j", optional_json(r.energy_j)}, {"j_per_token", optional_json(r.j_per_token)}};
       if (r.skipped) step["skipped"] = true;
+      if (r.memory_limit_held) step["memory_limit_held"] = *r.memory_limit_held;
       if (r.eval_loss) {
         step["eval_loss"] = *r.eval_loss;
         step["eval_perplexity"] = std::exp(*r.eval_loss);

@@ -146,7 +146,7 @@ RankModel build_rank_model(const Plan& p, twobp::ParallelGroups& groups, c10::De
               transport.ranks_sharing_device(), device.str());
   po.record_memory = !shared_device;
   po.memory_device = device;
-  po.memory_limit_bytes = static_cast<int64_t>(a.memory_limit_gb * 1024.0 * 1024.0 * 1024.0);
+  po.memory_limit_bytes = a.memory_limit_bytes();
   if (p.mixed_precision) po.mixed_precision.compute_dtype = at::kBFloat16;
   model.pipeline = std::make_unique<twobp::Pipeline>(p.schedule, std::move(chunks), transport, po);
   // With mixed precision the optimizer and the checkpoints hold the float32 masters.
@@ -186,6 +186,10 @@ void report_step(const Plan& p, twobp::Transport& world, twobp::Transport& pipel
   peaks[pipeline_ranks.rank()] = static_cast<double>(result.peak_memory_bytes);
   pipeline_ranks.all_reduce_sum(peaks, timeout);
   record.peak_memory_bytes = peaks.max().item<double>();
+  const int64_t limit = p.args.memory_limit_bytes();
+  if (limit > 0 && record.peak_memory_bytes >= 0) {
+    record.memory_limit_held = record.peak_memory_bytes <= static_cast<double>(limit);
+  }
   record.energy_j = twobp::energy::job_energy(world, energy_j, timeout);
   if (record.energy_j) record.j_per_token = twobp::metrics::per_item(*record.energy_j, tokens);
   record.tokens_per_s = twobp::metrics::per_second(tokens, step_s);
@@ -199,11 +203,23 @@ void report_step(const Plan& p, twobp::Transport& world, twobp::Transport& pipel
                  ? fmt::format("val loss {:.4f} (ppl {:.2f}) | ", *record.eval_loss, std::exp(*record.eval_loss))
                  : "",
              record.grad_norm, record.lr, record.tokens_per_s,
-             record.peak_memory_bytes < 0 ? std::string("n/a (rank threads share the GPU)")
-                                          : fmt::format("{:.1f} MiB", record.peak_memory_bytes / (1024.0 * 1024.0)),
+             record.peak_memory_bytes < 0
+                 ? std::string("n/a (rank threads share the GPU)")
+                 : fmt::format("{:.1f} MiB{}", record.peak_memory_bytes / (1024.0 * 1024.0),
+                               record.memory_limit_held == false
+                                   ? fmt::format(" (over the {:.3g} MiB limit)", limit / (1024.0 * 1024.0))
+                                   : ""),
              record.j_per_token ? fmt::format("{:.3g} J/tok | ", *record.j_per_token) : "", elapsed_s, remaining);
-  std::fflush(stdout);
   std::lock_guard<std::mutex> lock(shared.mutex);
+  if (record.memory_limit_held == false && !shared.memory_limit_noted) {
+    shared.memory_limit_noted = true;
+    fmt::print("note: the memory limit ({:.3g} MiB per rank, --memory-limit-gb) was exceeded: it moves deferred W's earlier, nothing else, so what the "
+               "schedule holds without them (activations, gradients) is not bounded, and a first step has no "
+               "measurement to plan with yet; a lower-memory schedule (v-half, v-min), --recompute or fewer "
+               "--microbatches lower the rest\n",
+               limit / (1024.0 * 1024.0));
+  }
+  std::fflush(stdout);
   shared.records.push_back(record);
 }
 
@@ -390,6 +406,15 @@ void print_summary(const std::vector<StepRecord>& records, const std::vector<two
   fmt::print("done: {} steps (to step {}) in {:.1f} s | final loss {:.4f} | mean loss {:.4f} | median {:.0f} tok/s\n",
              records.size(), records.back().step + 1, wall_s, records.back().loss, loss_sum / records.size(),
              rates[rates.size() / 2]);
+  const auto limited = std::count_if(records.begin(), records.end(), [](const StepRecord& r) {
+    return r.memory_limit_held.has_value();
+  });
+  if (limited > 0) {
+    const auto held = std::count_if(records.begin(), records.end(), [](const StepRecord& r) {
+      return r.memory_limit_held.value_or(false);
+    });
+    fmt::print("memory limit held on {} of {} steps\n", held, limited);
+  }
   if (!attribution.empty()) {
     fmt::print("where each rank's step went (mean over {} steps; replica 0):\n",
                records.size() > 1 ? records.size() - 1 : records.size());

@@ -108,7 +108,8 @@ double later_peak_memory(const std::string& name) {
 }
 
 // A memory limit in bytes runs W's early: the losses stay, the peak falls (1 MiB is below what the schedule
-// needs, so the run goes as low as moving W's can get).
+// needs, so the run goes as low as moving W's can get) -- and the run says that the limit was exceeded: per step in
+// the JSON (memory_limit_held, only with a limit) and the step lines, with the reason once, and in the summary.
 TEST(LlamaPipeline, MemoryLimitKeepsTheLossesAndLowersThePeak) {
   const auto unbounded = train("limit_none", "--schedule zb-h2 --microbatches 8 --steps 3");
   const auto bounded = train("limit_1mib", "--schedule zb-h2 --microbatches 8 --steps 3 --memory-limit-gb 0.0009765625");
@@ -116,6 +117,28 @@ TEST(LlamaPipeline, MemoryLimitKeepsTheLossesAndLowersThePeak) {
   const double before = later_peak_memory("limit_none"), after = later_peak_memory("limit_1mib");
   EXPECT_GT(before, 0.0);
   EXPECT_LT(after, 0.95 * before) << "peak " << after << " bytes with the limit, " << before << " without";
+  for (const char* name : {"limit_none", "limit_1mib"}) {
+    std::ifstream in(work_dir() + "/" + name + ".json");
+    for (const auto& step : nlohmann::json::parse(in).at("steps")) {
+      if (std::string(name) == "limit_none") {
+        EXPECT_FALSE(step.contains("memory_limit_held")) << step;
+      } else {
+        ASSERT_TRUE(step.contains("memory_limit_held")) << step;
+        EXPECT_EQ(step.at("memory_limit_held").get<bool>(), step.at("peak_memory_bytes").get<double>() <= 1 << 20)
+            << step;
+      }
+    }
+  }
+  const auto out = run(kBase + "--schedule zb-h2 --microbatches 8 --steps 2 --memory-limit-gb 0.0009765625");
+  ASSERT_EQ(out.exit_code, 0) << out.output;
+  EXPECT_NE(out.output.find("MiB (over the 1 MiB limit)"), std::string::npos) << out.output;
+  EXPECT_NE(out.output.find("note: the memory limit (1 MiB per rank, --memory-limit-gb) was exceeded"), std::string::npos) << out.output;
+  EXPECT_NE(out.output.find("memory limit held on 0 of 2 steps"), std::string::npos) << out.output;
+  // A limit the run keeps to: no note, every step held.
+  const auto roomy = run(kBase + "--schedule zb-h2 --microbatches 8 --steps 2 --memory-limit-gb 1");
+  ASSERT_EQ(roomy.exit_code, 0) << roomy.output;
+  EXPECT_EQ(roomy.output.find("was exceeded"), std::string::npos) << roomy.output;
+  EXPECT_NE(roomy.output.find("memory limit held on 2 of 2 steps"), std::string::npos) << roomy.output;
 }
 
 // The mean of the last `n` losses of a run: one step's loss scatters with its batch, a tail mean much less.
