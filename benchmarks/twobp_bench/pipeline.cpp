@@ -215,27 +215,6 @@ double peak_rss_bytes() {
 // Sums `values` over ranks (every rank gets the sum); the tool for sharing per-rank measurements.
 using detail::sum_over_ranks;
 
-// Half the median round trip of one activation between ranks 0 and 1.
-double measure_comm_ms(Transport& t, const std::vector<int64_t>& shape, Duration timeout) {
-  if (t.world_size() < 2) return 0.0;
-  std::vector<double> trips;
-  at::Tensor buf = at::randn(shape);
-  for (int i = 0; i < 25; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    if (t.rank() == 0) {
-      t.isend(buf, {1, 1'000'000 + 2 * i, "ping"})->wait(timeout);
-      t.irecv(buf, {1, 1'000'001 + 2 * i, "pong"})->wait(timeout);
-    } else if (t.rank() == 1) {
-      t.irecv(buf, {0, 1'000'000 + 2 * i, "ping"})->wait(timeout);
-      t.isend(buf, {0, 1'000'001 + 2 * i, "pong"})->wait(timeout);
-    }
-    trips.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-  }
-  std::vector<double> mine{t.rank() == 0 ? summarize(trips).median / 2.0 : 0.0};
-  t.barrier(timeout);
-  return sum_over_ranks(t, mine, timeout)[0];
-}
-
 // One pipeline of a configuration: how its shapes travel and its memory limit (0: none).
 struct Variant {
   bool announced = false;
@@ -304,7 +283,7 @@ std::vector<RunResult> run_config(Transport& world, ParallelGroups& groups, cons
   const auto [inputs, targets] =
       make_model_batch(a.model, batch, /*seed=*/7 + static_cast<uint64_t>(groups.replica()));
 
-  const double comm_ms = measure_comm_ms(transport, act_shape, timeout);
+  const double comm_ms = measure_message_ms(transport, at::empty(act_shape), timeout);
   for (int step = 0; step < a.warmup + a.steps; ++step) {
     for (Measurements& v : variants) {
       Pipeline& pipeline = *v.pipeline;

@@ -136,7 +136,9 @@ Rates measured_rates(const Json& doc, const std::string& path, const llm::LlamaC
     const Json& r = doc.at("results")[k];
     if (r.value("dp", 1) != 1 || r.contains("memory_limit_bytes") || r.value("shapes", "fixed") != "fixed") continue;
     MeasuredLlamaRun run;
-    run.partition = llm::make_partition(c, r.at("p").get<int>() * r.at("v").get<int>(), seq);
+    // The balanced partition, or the one the result names (llama_pipeline --costs-json of a --partition run).
+    run.partition = llm::make_partition(c, r.at("p").get<int>() * r.at("v").get<int>(), seq,
+                                        r.value("partition", std::string()));
     run.mode = r.value("mode", "") == "2bp" ? BackwardMode::kSplit : BackwardMode::kStandard;
     run.costs = parse_measured_costs(r.dump(), fmt::format("{}: result {}", path, k));
     if (run.mode == BackwardMode::kSplit && comm_ms < 0) comm_ms = run.costs.communication;

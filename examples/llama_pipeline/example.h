@@ -91,6 +91,7 @@ struct Args {
   std::string partition;
   bool dry_run = false;
   std::string json;
+  std::string costs_json;  // the run's measured per-stage costs, in the form `twobp_bench plan --costs-json` reads
   std::string powercap_root = twobp::energy::EnergyOptions{}.powercap_root;  // RAPL zones (energy on CPUs)
   uint64_t seed = 1234;
   int zero = 0;                // 1: AdamW state sharded over the data-parallel replicas (ZeRO-1)

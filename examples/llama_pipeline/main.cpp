@@ -242,6 +242,7 @@ int run(Args args, int& argc, char**& argv) {
   std::vector<std::string> written;
   if (!args.dump_schedule.empty()) written.push_back(args.dump_schedule);
   if (!args.checkpoint_dir.empty() && !shared.records.empty()) written.push_back(args.checkpoint_dir + "/");
+  if (!args.costs_json.empty() && !shared.records.empty()) written.push_back(args.costs_json);
   if (!args.trace.empty()) {
     std::ofstream out(args.trace);
     out << twobp::to_chrome_trace(shared.traces);

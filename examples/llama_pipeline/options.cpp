@@ -160,6 +160,11 @@ void add_options(CLI::App& app, Args& a) {
   const std::string output = "Output and checkpoints";
   app.add_option("--json", a.json, "Write the per-step losses (or the dry-run plan) as JSON")
       ->check(cli::writable_file())->group(output);
+  app.add_option("--costs-json", a.costs_json,
+                 "Write the run's measured per-stage costs (F, I, W, B; every full-length step after the first, agreed "
+                 "over the ranks) and message time here, in the form `twobp_bench plan --costs-json` plans any "
+                 "placement from (a 2BP run, or --schedule auto, measures I and W)")
+      ->check(cli::writable_file())->group(output);
   app.add_option("--trace", a.trace, "Chrome trace of the last step, every rank (one track per world rank)")
       ->check(cli::writable_file())->group(output);
   app.add_option("--checkpoint-dir", a.checkpoint_dir, "Write a checkpoint here at the end (and every N steps)")
@@ -192,6 +197,7 @@ std::vector<std::string> ignored_options(const CLI::App& app, const Args& a) {
   std::vector<std::string> ignored;
   auto given = [&](const char* name) { return app.count(name) > 0; };
   if (given("--gpu-memory-gb") && !a.dry_run) ignored.emplace_back("--gpu-memory-gb (only with --dry-run)");
+  if (given("--costs-json") && a.dry_run) ignored.emplace_back("--costs-json (nothing runs with --dry-run)");
   if (given("--doc-separator") && !a.pack) ignored.emplace_back("--doc-separator (only with --pack)");
   if ((given("--eval-batches") || given("--eval-fraction")) && a.eval_every == 0) {
     ignored.emplace_back("--eval-batches/--eval-fraction (only with --eval-every)");

@@ -10,6 +10,7 @@
 #include "twobp/metrics/energy.h"
 #include "twobp/metrics/metrics.h"
 #include "twobp/plan/choose.h"
+#include "twobp/plan/measure.h"
 #include "twobp/runtime/data_parallel.h"
 #include "twobp/runtime/pipeline.h"
 #include "twobp/runtime/sharded_optimizer.h"
@@ -235,6 +236,56 @@ void save(const Plan& p, const ck::NamedTensors& named, Optimizer& optimizer, tw
   ck::save_checkpoint(p.args.checkpoint_dir, steps_done, config, state, groups.pipeline(), timeout, replicas);
 }
 
+/// --costs-json: the run's per-stage costs, agreed over the pipeline's ranks and the replicas, and the time of one
+/// activation message, as a `twobp_bench pipeline --json` document -- the model's sizes in "config", a "2bp" result
+/// (F, I, W) and a "standard" one (F, B) where the run measured those -- from which `twobp_bench plan --costs-json`
+/// fits per-chunk costs and plans any placement. Collective over the pipeline (and the replicas); world rank 0
+/// writes.
+void write_costs(const Plan& p, twobp::ParallelGroups& groups, const twobp::CostRecorder& recorder,
+                 const std::string& schedule, c10::Device device, bool writes, twobp::Duration timeout) {
+  twobp::Transport& transport = groups.pipeline();
+  twobp::MeasuredCosts costs =
+      twobp::agree_costs(transport, recorder.local_medians(), timeout, groups.data_parallel());
+  const llm::LlamaConfig& c = p.config;
+  const at::Tensor activation =
+      at::empty({p.args.micro_batch_size, p.seq_len, c.dim}, at::TensorOptions().dtype(p.dtype).device(device));
+  costs.communication = twobp::measure_message_ms(transport, activation, timeout);
+  if (!writes) return;
+  nlohmann::json doc;
+  doc["config"] = {{"model", "llama"}, {"source", "llama_pipeline --costs-json"}, {"dim", c.dim},
+                   {"layers", c.n_layers}, {"heads", c.n_heads}, {"kv_heads", c.n_kv_heads}, {"ffn", c.ffn_dim},
+                   {"vocab", c.vocab_size}, {"seq", p.seq_len}, {"micro_batch_size", p.args.micro_batch_size},
+                   {"dtype", p.args.dtype}, {"device", device.str()}, {"steps_measured", recorder.steps()}};
+  doc["results"] = nlohmann::json::array();
+  const nlohmann::json measured = nlohmann::json::parse(twobp::measured_costs_json(costs));
+  auto result = [&](const char* mode) {
+    nlohmann::json r = measured;
+    r["schedule"] = schedule;
+    r["mode"] = mode;
+    r["p"] = p.world_size;
+    r["v"] = p.schedule.num_stages / p.world_size;
+    r["m"] = p.args.microbatches;
+    r["partition"] = p.partition.layout();
+    r["replicas"] = p.dp;
+    return r;
+  };
+  auto measured_any = [](const std::vector<double>& ms) {
+    return std::any_of(ms.begin(), ms.end(), [](double x) { return x > 0; });
+  };
+  if (measured_any(costs.backward_input) || measured_any(costs.backward_weight)) {
+    doc["results"].push_back(result("2bp"));
+  }
+  if (measured_any(costs.backward)) {  // a fused B's costs: the F and B of a standard result
+    nlohmann::json r = result("standard");
+    const std::vector<double> zeros(costs.forward.size(), 0.0);
+    r["costs_ms"]["I"] = zeros;
+    r["costs_ms"]["W"] = zeros;
+    r["costs_ms"].erase("W0");
+    doc["results"].push_back(std::move(r));
+  }
+  write_json(p.args.costs_json, doc);
+}
+
 }  // namespace
 
 void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, const std::vector<uint16_t>& tokens,
@@ -302,6 +353,15 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
     chooser.emplace(pipeline, o);
   }
   std::vector<twobp::StepAttribution> attributions;
+  // --costs-json: every full-length step's actions after the run's first step (warm-up).
+  std::optional<twobp::CostRecorder> costs;
+  if (!a.costs_json.empty()) {
+    TWOBP_CHECK(end - start >= 2, twobp::UsageError,
+                "--costs-json measures the steps after this run's first (warm-up); this run has {} step(s): give "
+                "--steps (and --stop-after) for at least 2",
+                end - start);
+    costs.emplace(p.schedule.num_stages);
+  }
   const auto t0 = std::chrono::steady_clock::now();
   for (int step = start; step < end; ++step) {
     const auto ts = std::chrono::steady_clock::now();
@@ -316,6 +376,7 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
     const auto step_start = std::chrono::steady_clock::now();
     const twobp::StepResult result = pipeline.step(batch.inputs, batch.targets);
     const auto step_end = std::chrono::steady_clock::now();
+    if (costs && step > start && len == p.seq_len) costs->add(result.trace);
     // The gate: no optimizer step on a NaN or Inf loss or gradient (--on-nonfinite stop: NumericalError naming the
     // step and stages; skip: this step's update is dropped on every rank), gradients clipped to --clip (0: not).
     const bool updated = pipeline.ready_for_optimizer(
@@ -367,6 +428,13 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
       save(p, model.named, optimizer, groups, step + 1, timeout);
       if (reports) fmt::print("checkpoint of step {} written to {}\n", step + 1, a.checkpoint_dir);
     }
+  }
+  if (costs) {
+    TWOBP_CHECK(costs->steps() > 0, twobp::UsageError,
+                "--costs-json: no full-length step after the first was measured (--seq-len-warmup {} covers the "
+                "run's steps); run more steps",
+                a.seq_len_warmup);
+    write_costs(p, groups, *costs, pipeline.schedule().name, device, reports, timeout);
   }
   if (reports) {
     std::lock_guard<std::mutex> lock(shared.mutex);

@@ -1,9 +1,11 @@
 #include "twobp/plan/measure.h"
 
+#include <ATen/ATen.h>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <map>
 #include <optional>
@@ -239,6 +241,30 @@ void CostRecorder::resolve_pairs(MeasuredCosts& c) const {
     if (type == ActionType::kBackwardInput) c.backward_input[s] = std::max(u - recompute(s), 0.0);
     if (type == ActionType::kBackward) c.backward[s] = std::max(u - recompute(s), 0.0);
   }
+}
+
+double measure_message_ms(Transport& transport, const at::Tensor& message, Duration timeout, int round_trips) {
+  TWOBP_CHECK(round_trips >= 1, UsageError, "measure_message_ms: round_trips must be >= 1 (got {})", round_trips);
+  if (transport.world_size() < 2) return 0.0;
+  std::vector<double> trips;
+  at::Tensor buffer = at::randn_like(message);
+  const int rank = transport.rank();
+  for (int i = 0; i < round_trips && rank < 2; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const int peer = 1 - rank;
+    const int64_t ping = 1'000'000 + 2 * static_cast<int64_t>(i), pong = ping + 1;
+    if (rank == 0) {
+      transport.isend(buffer, {peer, ping, "ping"})->wait(timeout);
+      transport.irecv(buffer, {peer, pong, "pong"})->wait(timeout);
+    } else {
+      transport.irecv(buffer, {peer, ping, "ping"})->wait(timeout);
+      transport.isend(buffer, {peer, pong, "pong"})->wait(timeout);
+    }
+    trips.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  const std::vector<double> mine{rank == 0 ? median_or_zero(trips) / 2.0 : 0.0};
+  transport.barrier(timeout);
+  return detail::sum_over_ranks(transport, mine, timeout)[0];
 }
 
 MeasuredCosts agree_costs(Transport& transport, const MeasuredCosts& mine, Duration timeout, Transport* replicas) {

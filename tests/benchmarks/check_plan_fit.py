@@ -15,6 +15,8 @@ and checks that `twobp_bench plan --costs-json` (config.cost_model of its JSON)
     --from-json` of the same result, whose stages keep their measured costs);
   - with a fixed W part (costs_ms.W0: W0 + k W for a W of k micro-batches), fits W0's terms apart from W's, so that
     1F1B's batched 2BP tail is planned as the simulator charges it from the measured costs;
+  - with a result that names its partition (llama_pipeline --costs-json of a --partition run), fits its chunks as
+    cut by that partition;
   - with results whose overlapped F&B pairs ran at once ("overlap": {"share", "pairs"}), plans at their share
     weighted by pairs (config.cost_model.overlap), DualPipeV as the simulator predicts it from such a result, and
     --overlap replaces the share (0: the same plan as results without pairs at once).
@@ -183,6 +185,16 @@ if overlap_of(in_order) != 0 or overlap_of(no_pairs) != 0:
 if dualpipev_2bp_ms(in_order) != dualpipev_2bp_ms(no_pairs) or dualpipev_2bp_ms(in_order) == dualpipev_2bp_ms(paired):
     problems.append(f"dualpipev 2bp: {dualpipev_2bp_ms(in_order)} ms with --overlap 0, {dualpipev_2bp_ms(no_pairs)} "
                     f"without pairs at once, {dualpipev_2bp_ms(paired)} at 0.5")
+
+# A result that names its partition: its chunks are that partition's (3 blocks with the embedding, 1 with the head),
+# so the same terms come back only when the plan cuts the model as the result says.
+uneven = result("1f1b", "2bp", 1)
+uneven["partition"] = "3,1"
+uneven["costs_ms"] = {k: [cost(TERMS[k], c) for c in [(3, 1, 0), (1, 0, 1)]] for k in "FIW"}
+uneven["costs_ms"]["B"] = [0.0, 0.0]
+named = plan("named_partition", [uneven, result("interleaved-1f1b", "2bp", 2), result("1f1b", "standard", 1),
+                                  result("zb-v", "standard", 2)])
+expect_terms(named, {k: TERMS[k] for k in "FIW"}, "a result naming its partition")
 
 # A measured model's command line gives its sizes (no preset has them).
 if "--dim 96 --layers 4 --heads 4 --kv-heads 2 --ffn 256 --vocab 256" not in fitted["best"]["command"]:

@@ -60,7 +60,7 @@ OUTPUTS = {
         "plan": ["--json"],
         "check-schedules": ["--json"],
     },
-    "example": {None: ["--json", "--trace", "--dump-schedule", "--checkpoint-dir"]},
+    "example": {None: ["--json", "--trace", "--dump-schedule", "--checkpoint-dir", "--costs-json"]},
 }
 # Other bad inputs: (program, arguments, the option the message must name).
 OTHER = [

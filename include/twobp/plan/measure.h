@@ -125,6 +125,11 @@ class CostRecorder {
 MeasuredCosts agree_costs(Transport& transport, const MeasuredCosts& mine, Duration timeout,
                           Transport* replicas = nullptr);
 
+/// MeasuredCosts::communication as the measurements take it: half the median round trip of a message like
+/// `message` (its shape, dtype and device) between ranks 0 and 1 of `transport`, over `round_trips` round trips.
+/// Collective over the transport (the other ranks wait); every rank gets rank 0's number; 0 with one rank.
+double measure_message_ms(Transport& transport, const at::Tensor& message, Duration timeout, int round_trips = 25);
+
 /// Collects the memory model of simulate_peak_memory() from this rank's measured steps (the pipeline must run with
 /// PipelineOptions::record_memory, else add() throws UsageError). `gradient_bytes[s]` is the .grad bytes stage s's
 /// parameters allocate on this rank (0 for stages of other ranks; a tensor shared by two stages counted once): a
