@@ -1,5 +1,6 @@
 // Measured costs and memory (twobp/plan/measure.h): traces written from known costs give those costs back, the
 // simulator fed with them reproduces the traced step, the ranks agree on every stage, and the JSON form round-trips.
+#include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -552,6 +553,27 @@ TEST(MeasuredMemory, RefusesTracesWithoutMemoryAndWrongSizes) {
   EXPECT_THROW(recorder.add(trace), UsageError);
   EXPECT_THROW(MemoryRecorder(2, {0.0}), UsageError);
   EXPECT_THROW(recorder.local_medians(2, 2), UsageError);
+}
+
+// measure_message_ms: a message's one-way time between ranks 0 and 1 (half a round trip), the same number on every
+// rank of the transport (the ranks beyond 1 only wait); 0 with one rank; at least one round trip.
+TEST(MeasureMessage, HalfARoundTripTheSameOnEveryRank) {
+  std::mutex mutex;
+  std::vector<double> got(3, -1.0);
+  on_rank_threads(3, [&](int rank, Transport& t) {
+    const double ms = measure_message_ms(t, at::zeros({64, 32}), std::chrono::seconds(30), 5);
+    std::lock_guard<std::mutex> lock(mutex);
+    got[rank] = ms;
+  });
+  EXPECT_GT(got[0], 0.0);
+  EXPECT_EQ(got[1], got[0]);
+  EXPECT_EQ(got[2], got[0]);
+  on_rank_threads(1, [&](int, Transport& t) {
+    EXPECT_EQ(measure_message_ms(t, at::zeros({4}), std::chrono::seconds(1)), 0.0);
+  });
+  on_rank_threads(2, [&](int, Transport& t) {
+    EXPECT_THROW(measure_message_ms(t, at::zeros({4}), std::chrono::seconds(1), 0), UsageError);
+  });
 }
 
 }  // namespace
