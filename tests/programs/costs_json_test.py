@@ -6,7 +6,8 @@ partition; a --schedule auto run, which measures both modes, a "standard" one to
 sizes are the config's, so `twobp_bench plan --costs-json` plans the same model on any placement from them (one
 chunk shape: by FLOP shares) and prints the example's command for the same model. A run under mpirun (MPI transport:
 the message time is a round trip between processes) writes the same form. A run too short to measure is refused
-before it trains.
+before it trains. The loop closes: a job that wrote its costs and a checkpoint resumes on the placement the plan
+ranks first (checkpoints load in any layout).
 
 Usage: costs_json_test.py LLAMA_PIPELINE TWOBP_BENCH WORK_DIR [MPIEXEC]
 """
@@ -52,7 +53,8 @@ def main(args):
     mpiexec = args[3] if len(args) > 3 else None
     os.makedirs(work, exist_ok=True)
 
-    two_bp = written([], example, os.path.join(work, "2bp.json"), "--steps", "4")
+    checkpoint = os.path.join(work, "checkpoint")
+    two_bp = written([], example, os.path.join(work, "2bp.json"), "--steps", "4", "--checkpoint-dir", checkpoint)
     cfg = two_bp["config"]
     assert (cfg["model"], cfg["dim"], cfg["layers"], cfg["seq"], cfg["micro_batch_size"]) == ("llama", 64, 4, 32, 2), \
         cfg
@@ -63,6 +65,11 @@ def main(args):
     assert planned["config"]["cost_model"]["kind"] == "flop_shares", planned["config"]["cost_model"]
     assert "--model tiny" in planned["best"]["command"], planned["best"]["command"]
     assert {c["v"] for c in planned["candidates"]} >= {1, 2}, "the plan should hold other placements"
+    best = planned["best"]
+    out = run([example, *JOB, "--steps", "6", "--schedule", best["schedule"], "--chunks-per-rank", str(best["v"]),
+               "--2bp" if best["mode"] == "2bp" else "--no-2bp", "--checkpoint-dir", checkpoint, "--resume"],
+              must_say="resuming from step 4")
+    assert "step     6/6" in out, out
 
     # --schedule auto measures both modes: a standard result beside the 2BP one; a custom partition is recorded.
     auto = written([], example, os.path.join(work, "auto.json"), "--steps", "12", "--schedule", "auto",
