@@ -163,8 +163,9 @@ struct StepRecord {
   std::optional<double> j_per_token;
   std::optional<double> eval_loss;  // the held-out split's mean loss after this step's update, when evaluated
   bool skipped = false;             // --on-nonfinite skip dropped this step's update
-  // --memory-limit-gb: whether the peak (of the pipeline's ranks) stayed within it (nullopt: no limit, or memory not measured). It
-  // bounds deferred W's only, so a schedule needing more without them exceeds it, and so may a first step.
+  // --memory-limit-gb: whether the peak (of the pipeline's ranks) stayed within it (nullopt: no limit, or memory
+  // not measured). It bounds deferred W's only, so a schedule needing more without them exceeds it, and so may a
+  // first step.
   std::optional<bool> memory_limit_held;
 };
 

@@ -214,10 +214,10 @@ void report_step(const Plan& p, twobp::Transport& world, twobp::Transport& pipel
   std::lock_guard<std::mutex> lock(shared.mutex);
   if (record.memory_limit_held == false && !shared.memory_limit_noted) {
     shared.memory_limit_noted = true;
-    fmt::print("note: the memory limit ({:.3g} MiB per rank, --memory-limit-gb) was exceeded: it moves deferred W's earlier, nothing else, so what the "
-               "schedule holds without them (activations, gradients) is not bounded, and a first step has no "
-               "measurement to plan with yet; a lower-memory schedule (v-half, v-min), --recompute or fewer "
-               "--microbatches lower the rest\n",
+    fmt::print("note: the memory limit ({:.3g} MiB per rank, --memory-limit-gb) was exceeded: it moves deferred W's "
+               "earlier, nothing else, so what the schedule holds without them (activations, gradients) is not "
+               "bounded, and a first step has no measurement to plan with yet; a lower-memory schedule (v-half, "
+               "v-min), --recompute or fewer --microbatches lower the rest\n",
                limit / (1024.0 * 1024.0));
   }
   std::fflush(stdout);
@@ -238,9 +238,9 @@ void save(const Plan& p, const ck::NamedTensors& named, Optimizer& optimizer, tw
 
 /// --costs-json: the run's per-stage costs, agreed over the pipeline's ranks and the replicas, and the time of one
 /// activation message, as a `twobp_bench pipeline --json` document -- the model's sizes in "config", a "2bp" result
-/// (F, I, W) and a "standard" one (F, B) where the run measured those -- from which `twobp_bench plan --costs-json`
-/// fits per-chunk costs and plans any placement. Collective over the pipeline (and the replicas); world rank 0
-/// writes.
+/// (F, I, W) and a "standard" one (F, B) where the run measured those on every stage (a stage without them would
+/// read as free to the fit) -- from which `twobp_bench plan --costs-json` fits per-chunk costs and plans any
+/// placement. Collective over the pipeline (and the replicas); world rank 0 writes.
 void write_costs(const Plan& p, twobp::ParallelGroups& groups, const twobp::CostRecorder& recorder,
                  const std::string& schedule, c10::Device device, bool writes, twobp::Duration timeout) {
   twobp::Transport& transport = groups.pipeline();
@@ -269,13 +269,13 @@ void write_costs(const Plan& p, twobp::ParallelGroups& groups, const twobp::Cost
     r["replicas"] = p.dp;
     return r;
   };
-  auto measured_any = [](const std::vector<double>& ms) {
-    return std::any_of(ms.begin(), ms.end(), [](double x) { return x > 0; });
+  auto every_stage = [](const std::vector<double>& ms) {
+    return !ms.empty() && std::all_of(ms.begin(), ms.end(), [](double x) { return x > 0; });
   };
-  if (measured_any(costs.backward_input) || measured_any(costs.backward_weight)) {
+  if (every_stage(costs.backward_input) && every_stage(costs.backward_weight)) {
     doc["results"].push_back(result("2bp"));
   }
-  if (measured_any(costs.backward)) {  // a fused B's costs: the F and B of a standard result
+  if (every_stage(costs.backward)) {  // fused B's on every stage: the F and B of a standard result
     nlohmann::json r = result("standard");
     const std::vector<double> zeros(costs.forward.size(), 0.0);
     r["costs_ms"]["I"] = zeros;

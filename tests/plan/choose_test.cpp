@@ -661,11 +661,27 @@ TEST(AutoSchedule, RecomputingFormsAreProbedRankedAndKeepTheGradients) {
 
   // A limit between 1f1b standard's peak with recomputation and the smallest without: the starting schedule is
   // over it, so the job ends on a recomputing form (whichever of those that fit measured faster), and says why.
+  // The limited job measures its own memory models, whose peaks move by a few boundary messages from the first
+  // job's (a payload lives until its receiver takes it; seen under load: 2 of 40 runs put 1f1b's forms under the
+  // limit); the job is run again, up to 3 times, until its own models put the limit where it was meant to be.
   const double with = s.probes[2].predicted_peak_bytes;
   const double without = std::min(s.probes[0].predicted_peak_bytes, s.probes[1].predicted_peak_bytes);
   ASSERT_LT(with, without);
-  const std::vector<Seen> limited =
-      run_recomputing_auto(kProbes * kProbe + 2 * kVerify + 1, {"1f1b"}, 2, (with + without) / 2);
+  const double limit = (with + without) / 2;
+  std::vector<Seen> limited;
+  std::string measured;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    limited = run_recomputing_auto(kProbes * kProbe + 2 * kVerify + 1, {"1f1b"}, 2, limit);
+    const std::vector<ScheduleCandidate>& p = limited[0].probes;
+    ASSERT_EQ(p.size(), static_cast<std::size_t>(kProbes));
+    measured += fmt::format(" [{}, {}, {}]", p[0].predicted_peak_bytes, p[1].predicted_peak_bytes,
+                            p[2].predicted_peak_bytes);
+    if (std::min(p[0].predicted_peak_bytes, p[1].predicted_peak_bytes) > limit && p[2].predicted_peak_bytes < limit) {
+      break;
+    }
+  }
+  SCOPED_TRACE(fmt::format("limit {}; the limited job's 1f1b standard, 2BP, standard recomputing peaks:{}", limit,
+                           measured));
   EXPECT_FALSE(limited[0].recompute_ranks.back().empty());
   for (int r = 0; r < 2; ++r) EXPECT_EQ(limited[r].recomputing_at_end, has_rank(limited[r].recompute_ranks.back(), r));
   ASSERT_FALSE(limited[0].news.empty());
