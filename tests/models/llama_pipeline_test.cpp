@@ -119,7 +119,8 @@ TEST(LlamaPipeline, MemoryLimitKeepsTheLossesAndLowersThePeak) {
   EXPECT_LT(after, 0.95 * before) << "peak " << after << " bytes with the limit, " << before << " without";
   for (const char* name : {"limit_none", "limit_1mib"}) {
     std::ifstream in(work_dir() + "/" + name + ".json");
-    for (const auto& step : nlohmann::json::parse(in).at("steps")) {
+    const nlohmann::json run_json = nlohmann::json::parse(in);  // named: the loop below reads into it
+    for (const auto& step : run_json.at("steps")) {
       if (std::string(name) == "limit_none") {
         EXPECT_FALSE(step.contains("memory_limit_held")) << step;
       } else {
