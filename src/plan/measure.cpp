@@ -247,11 +247,12 @@ double measure_message_ms(Transport& transport, const at::Tensor& message, Durat
   TWOBP_CHECK(round_trips >= 1, UsageError, "measure_message_ms: round_trips must be >= 1 (got {})", round_trips);
   if (transport.world_size() < 2) return 0.0;
   std::vector<double> trips;
-  at::Tensor buffer = at::randn_like(message);
-  const int rank = transport.rank();
+  // Zeros, not random values: the content does not change the time, and drawing them would advance the global
+  // generator that rank threads share.
+  at::Tensor buffer = at::zeros_like(message);
+  const int rank = transport.rank(), peer = 1 - rank;
   for (int i = 0; i < round_trips && rank < 2; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
-    const int peer = 1 - rank;
     const int64_t ping = 1'000'000 + 2 * static_cast<int64_t>(i), pong = ping + 1;
     if (rank == 0) {
       transport.isend(buffer, {peer, ping, "ping"})->wait(timeout);
