@@ -52,9 +52,16 @@ struct Args {
   double auto_memory_limit_gb = 0;  // --schedule auto: candidates' predicted peak tensor memory per rank, GiB (0: any)
   bool auto_recompute = false;  // --schedule auto: also the forms with the stages of the first 1..p ranks recomputing
   bool auto_weight_sizes = false;  // --schedule auto: also the 2BP form with its W's one micro-batch at a time
+  /// --schedule auto: after choosing among the starting placement's forms, also measure up to --auto-candidates
+  /// forms of other placements (the planner's fastest predicted from the probes' costs), moving the weights and
+  /// optimizer state through a checkpoint in --checkpoint-dir/placement, and keep the fastest measured.
+  bool auto_placements = false;
+  double auto_within = 0.10;  // --schedule auto: candidates measured when predicted within this of the best
   /// --schedule auto: the starting schedule's forms it measures before choosing, at most (each mode, with and
   /// without recomputation with --auto-recompute, the 2BP form's W's one by one with --auto-weight-sizes).
   int auto_probes() const { return (auto_recompute ? 4 : 2) + (auto_weight_sizes ? 1 : 0); }
+  /// --schedule auto: the steps it may measure before the job runs its choice to the end.
+  int auto_steps_needed() const { return (auto_probes() + auto_candidates * (auto_placements ? 2 : 1)) * auto_steps; }
   bool two_bp = true;
   int microbatches = 4;
   int micro_batch_size = 2;
@@ -136,6 +143,30 @@ struct Plan {
 
 /// `world_size`: the pipeline ranks of one replica. Model, schedule and partition errors surface here.
 Plan make_plan(const Args& args, int world_size);
+/// Whether two plans put the same stages (chunks of the same layers) on the same ranks: a job moves between them
+/// by switching the schedule; otherwise its state moves (--auto-placements).
+bool same_placement(const Plan& a, const Plan& b);
+
+/// --auto-placements: a plan of another placement (other chunks per rank, or another order of stages on the ranks,
+/// the layers cut by make_partition) for the same ranks, micro-batches and model, and its predicted step time.
+struct PlacementCandidate {
+  Plan plan;
+  double predicted_ms = 0;
+};
+struct PlacementRanking {
+  double current_ms = 0;  // `current`'s form under the same fitted costs
+  std::vector<PlacementCandidate> others;  // the other placements' forms that fit, fastest predicted first
+  std::string fit;  // how the costs were fitted (LlamaCosts::how)
+  std::string why_none;  // when `others` is empty
+};
+/// The costs per chunk fitted to `measured` (the probes of `current`'s stages, AutoSchedule::measured_costs;
+/// twobp::fit_llama_costs) and every schedule, mode (and, with --auto-recompute, recomputation setting) of the
+/// other placements ranked by twobp::plan_llama_layouts under them (one replica's view: no data-parallel term; with
+/// --auto-memory-limit-gb, the planner's memory estimate -- formulas, not a measurement -- bounds them). Pure: the
+/// same on every rank given the same inputs.
+PlacementRanking rank_placements(const Plan& current, const twobp::MeasuredCosts& measured, double communication_ms);
+/// "interleaved-1f1b 2BP (2 chunk(s) per rank, layers 1,1,1,1)"; the recomputing ranks where some recompute.
+std::string describe_placement(const Plan& p);
 /// The training precision of the memory estimates (twobp::models::training_precision) for --dtype.
 std::string training_precision_name(const Args& a);
 /// The learning rate of `step`: linear warm-up, then cosine decay to 10 % of --lr at --steps.
@@ -186,6 +217,8 @@ struct Shared {
   std::string final_schedule;
   bool final_two_bp = false;
   std::vector<int> final_recompute_ranks;  // pipeline ranks recomputing at the end (--recompute..., or auto's)
+  int final_chunks_per_rank = 1;  // and the placement it ended on (--auto-placements may move it)
+  std::string final_partition;
   std::vector<twobp::ScheduleCandidate> auto_ranking;  // the candidates, fastest predicted first
 };
 

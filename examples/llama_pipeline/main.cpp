@@ -283,7 +283,9 @@ int run(Args args, int& argc, char**& argv) {
                             {"final",
                              {{"schedule", shared.final_schedule},
                               {"2bp", shared.final_two_bp},
-                              {"recompute_ranks", shared.final_recompute_ranks}}}};
+                              {"recompute_ranks", shared.final_recompute_ranks},
+                              {"chunks_per_rank", shared.final_chunks_per_rank},
+                              {"partition", shared.final_partition}}}};
     }
     j["steps"] = nlohmann::json::array();
     if (args.eval_every > 0) {

@@ -47,8 +47,9 @@ void add_options(CLI::App& app, Args& a) {
                  "of each is warm-up)")
       ->check(cli::number_in(2, 1000))->group(pipeline);
   app.add_option("--auto-candidates", a.auto_candidates,
-                 "With --schedule auto: how many of the fastest predicted candidates (within 10 % of the best) are "
-                 "measured; the job keeps the fastest measured of them and the starting schedule")
+                 "With --schedule auto: how many of the fastest predicted candidates (within --auto-within of the "
+                 "best) are measured (and as many of other placements with --auto-placements); the job keeps the "
+                 "fastest measured of them and the starting schedule")
       ->check(cli::number_in(1, 100))->group(pipeline);
   app.add_option("--auto-memory-limit-gb", a.auto_memory_limit_gb,
                  "With --schedule auto: only candidates whose peak tensor memory per rank, predicted from the memory "
@@ -64,6 +65,16 @@ void add_options(CLI::App& app, Args& a) {
                "time, so that a W's fixed cost is known and candidates that batch W's differently are predicted "
                "right (useful on GPUs, where a batched W is cheaper per micro-batch)")
       ->group(pipeline);
+  app.add_flag("--auto-placements", a.auto_placements,
+               "With --schedule auto: after choosing among the starting placement's forms, also measure up to "
+               "--auto-candidates forms of other placements (chunks per rank, order of stages on ranks) that the "
+               "planner, fitted to the measured costs, predicts fastest; the weights and optimizer state move "
+               "through a checkpoint in --checkpoint-dir/placement, and the job keeps the fastest measured")
+      ->group(pipeline);
+  app.add_option("--auto-within", a.auto_within,
+                 "With --schedule auto: a candidate is measured when its prediction is within this share of the "
+                 "best prediction (and of the running form's)")
+      ->check(cli::number_in(0, 100))->group(pipeline);
   app.add_option("--schedule-file", a.schedule_file,
                  "A schedule file: twobp's text form, or PyTorch's compute_only CSV (*.csv); overrides --schedule, "
                  "keeps its own 2BP mode")
@@ -188,6 +199,7 @@ void add_options(CLI::App& app, Args& a) {
   mpirun -n 4 llama_pipeline --model small --device cuda     # one rank per process (torchrun, srun alike)
   llama_pipeline --dp 2 --zero 1 --eval-every 10 --json run.json
   llama_pipeline --schedule auto --steps 30                 # measure, then run the fastest schedule
+  llama_pipeline --schedule auto --steps 60 --auto-placements --checkpoint-dir ck   # other placements too
 Documentation: README.md and docs/ in the source tree.)");
 }
 
@@ -207,10 +219,11 @@ std::vector<std::string> ignored_options(const CLI::App& app, const Args& a) {
   }
   if (given("--schedule") && !a.schedule_file.empty()) ignored.emplace_back("--schedule (--schedule-file decides)");
   if ((given("--auto-start") || given("--auto-steps") || given("--auto-candidates") ||
-       given("--auto-memory-limit-gb") || given("--auto-recompute") || given("--auto-weight-sizes")) &&
+       given("--auto-memory-limit-gb") || given("--auto-recompute") || given("--auto-weight-sizes") ||
+       given("--auto-placements") || given("--auto-within")) &&
       (a.schedule != "auto" || !a.schedule_file.empty())) {
     ignored.emplace_back("--auto-start/--auto-steps/--auto-candidates/--auto-memory-limit-gb/--auto-recompute/"
-                         "--auto-weight-sizes (only with --schedule auto)");
+                         "--auto-weight-sizes/--auto-placements/--auto-within (only with --schedule auto)");
   }
   if (given("--zero") && a.zero == 1 && a.dp == 1) ignored.emplace_back("--zero 1 (nothing to shard with --dp 1)");
   if (given("--recompute-ranks") && !a.recompute) ignored.emplace_back("--recompute-ranks (only with --recompute)");
@@ -226,12 +239,14 @@ void validate_args(const Args& a) {
               "schedule yourself (twobp_bench plan predicts time and memory)");
   TWOBP_CHECK(!a.auto_schedule() || !(a.auto_recompute && a.recompute), twobp::UsageError,
               "--auto-recompute with --recompute: the stages recompute already; give one of them");
-  TWOBP_CHECK(!a.auto_schedule() || a.steps >= (a.auto_probes() + a.auto_candidates) * a.auto_steps,
-              twobp::UsageError,
+  TWOBP_CHECK(!a.auto_schedule() || a.steps >= a.auto_steps_needed(), twobp::UsageError,
               "--schedule auto measures --auto-steps {} steps of the starting schedule in each mode{} before choosing "
-              "and as many for each of up to --auto-candidates {}; give --steps >= {}",
+              "and as many for each of up to --auto-candidates {}{}; give --steps >= {}",
               a.auto_steps, a.auto_recompute ? ", with and without recomputation," : "", a.auto_candidates,
-              (a.auto_probes() + a.auto_candidates) * a.auto_steps);
+              a.auto_placements ? " of its placement and as many of other placements" : "", a.auto_steps_needed());
+  TWOBP_CHECK(!a.auto_schedule() || !a.auto_placements || !a.checkpoint_dir.empty(), twobp::UsageError,
+              "--auto-placements moves the weights and optimizer state between placements through a checkpoint in "
+              "--checkpoint-dir/placement, a directory every rank can read: give --checkpoint-dir");
 }
 
 }  // namespace llama_example

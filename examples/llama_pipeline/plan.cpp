@@ -7,6 +7,7 @@
 
 #include "example.h"
 #include "twobp/error.h"
+#include "twobp/plan/llama.h"
 #include "twobp/schedule/registry.h"
 #include "twobp/schedule/simulate.h"
 
@@ -44,6 +45,89 @@ Plan make_plan(const Args& args, int world_size) {
                                                   c.n_layers, c.n_heads, c.n_kv_heads, c.ffn_dim, c.vocab_size);
   }
   return plan;
+}
+
+bool same_placement(const Plan& a, const Plan& b) {
+  return a.schedule.num_stages == b.schedule.num_stages && a.schedule.stage_to_rank == b.schedule.stage_to_rank &&
+         a.partition.layout() == b.partition.layout();
+}
+
+PlacementRanking rank_placements(const Plan& current, const twobp::MeasuredCosts& measured, double communication_ms) {
+  const Args& a = current.args;
+  PlacementRanking out;
+  auto every_stage = [](const std::vector<double>& ms) {
+    return !ms.empty() && std::all_of(ms.begin(), ms.end(), [](double x) { return x > 0; });
+  };
+  if (!every_stage(measured.forward) || !every_stage(measured.backward_input) ||
+      !every_stage(measured.backward_weight)) {
+    out.why_none = "the probes did not measure F, I and W on every stage (a 2BP form that runs them all)";
+    return out;
+  }
+  // The run's chunks: I and W from its 2BP probe, B from its standard one where that ran (fit_llama_costs).
+  std::vector<twobp::MeasuredLlamaRun> runs{{current.partition, twobp::BackwardMode::kSplit, measured}};
+  if (every_stage(measured.backward)) runs.push_back({current.partition, twobp::BackwardMode::kStandard, measured});
+  const twobp::LlamaCosts costs = twobp::fit_llama_costs(current.config, current.seq_len, runs);
+  // One replica's view (its ranks, its micro-batches): the data-parallel reduction differs little between
+  // placements of the same parameters, and the measurement decides anyway.
+  twobp::LayoutPlanOptions o;
+  o.ranks = current.world_size;
+  o.max_dp = 1;
+  o.seq = current.seq_len;
+  o.micro_batch_size = a.micro_batch_size;
+  o.global_batch = static_cast<int64_t>(a.microbatches) * a.micro_batch_size;
+  o.recompute = a.auto_recompute ? std::vector<bool>{false, true} : std::vector<bool>{false};
+  o.precision = llm::training_precision(training_precision_name(a));
+  o.memory_limit_bytes = a.auto_memory_limit_gb * 1024.0 * 1024.0 * 1024.0;
+  o.communication_ms = communication_ms;
+  twobp::LayoutPlan plan;
+  try {
+    plan = twobp::plan_llama_layouts(current.config, costs, o);
+  } catch (const twobp::UsageError& e) {
+    out.why_none = e.what();
+    return out;
+  }
+  const twobp::BackwardMode mode = current.schedule.backward;
+  for (const twobp::LayoutCandidate& c : plan.candidates) {
+    if (!c.fits) continue;
+    Args b = a;
+    b.auto_start = c.schedule;
+    b.chunks_per_rank = c.v;
+    b.two_bp = c.mode == twobp::BackwardMode::kSplit;
+    b.partition.clear();  // balanced (make_partition), as the planner cut it
+    Plan other = make_plan(b, current.world_size);
+    other.recompute_ranks = c.recompute_ranks;
+    if (!same_placement(other, current)) {
+      out.others.push_back({std::move(other), c.step_ms});
+    } else if (c.schedule == current.schedule.name && c.mode == mode && c.recompute_ranks == current.recompute_ranks) {
+      out.current_ms = c.step_ms;
+    }
+  }
+  if (out.current_ms == 0) {  // not among the planner's forms (a --partition of its own): simulated directly
+    out.current_ms = twobp::simulate(current.schedule, costs.cost_model(current.partition, mode,
+                                                                        !current.recompute_ranks.empty(),
+                                                                        communication_ms))
+                         .step_time;
+  }
+  std::stable_sort(out.others.begin(), out.others.end(), [](const PlacementCandidate& x, const PlacementCandidate& y) {
+    return x.predicted_ms < y.predicted_ms;
+  });
+  out.fit = costs.how;
+  if (out.others.empty()) {
+    out.why_none = "no other placement of these ranks and micro-batches fits";
+    if (o.memory_limit_bytes > 0) {
+      out.why_none +=
+          fmt::format(" within {} per rank (the planner's memory estimate)", human_bytes(o.memory_limit_bytes));
+    }
+  }
+  return out;
+}
+
+std::string describe_placement(const Plan& p) {
+  std::string s = fmt::format("{} {} ({} chunk(s) per rank, layers {})", p.schedule.name,
+                              p.schedule.backward == twobp::BackwardMode::kSplit ? "2BP" : "standard",
+                              p.schedule.num_stages / p.world_size, p.partition.layout());
+  if (!p.recompute_ranks.empty()) s += fmt::format(" recomputing on ranks {}", fmt::join(p.recompute_ranks, ","));
+  return s;
 }
 
 double learning_rate(const Args& a, int step) {

@@ -177,16 +177,20 @@ struct RankData {
   }
 };
 
+/// The largest of every rank's `mine` in `ranks` (collective): each rank's value in its own slot of a sum.
+double max_over(twobp::Transport& ranks, double mine, twobp::Duration timeout) {
+  at::Tensor slots = at::zeros({ranks.world_size()}, at::kDouble);  // host values, reduced on the host
+  slots[ranks.rank()] = mine;
+  ranks.all_reduce_sum(slots, timeout);
+  return slots.max().item<double>();
+}
+
 /// What a step measured on every rank (the peak over the pipeline's ranks, the job's energy), printed by rank 0
 /// and kept for the JSON.
 void report_step(const Plan& p, twobp::Transport& world, twobp::Transport& pipeline_ranks, StepRecord record,
                  const twobp::StepResult& result, double step_s, double elapsed_s, int start, int end,
                  std::optional<double> energy_j, double tokens, twobp::Duration timeout, Shared& shared) {
-  // Each pipeline rank's peak in its own slot; the sum over ranks then holds every rank's.
-  at::Tensor peaks = at::zeros({pipeline_ranks.world_size()}, at::kDouble);  // host values, reduced on the host
-  peaks[pipeline_ranks.rank()] = static_cast<double>(result.peak_memory_bytes);
-  pipeline_ranks.all_reduce_sum(peaks, timeout);
-  record.peak_memory_bytes = peaks.max().item<double>();
+  record.peak_memory_bytes = max_over(pipeline_ranks, static_cast<double>(result.peak_memory_bytes), timeout);
   const int64_t limit = p.args.memory_limit_bytes();
   if (limit > 0 && record.peak_memory_bytes >= 0) {
     record.memory_limit_held = record.peak_memory_bytes <= static_cast<double>(limit);
@@ -225,16 +229,174 @@ void report_step(const Plan& p, twobp::Transport& world, twobp::Transport& pipel
 }
 
 /// Weights and AdamW state of every replica's stages, by global name (collective; replica 0 writes).
-void save(const Plan& p, const ck::NamedTensors& named, Optimizer& optimizer, twobp::ParallelGroups& groups,
-          int steps_done, twobp::Duration timeout) {
+void save(const Plan& p, const std::string& dir, const ck::NamedTensors& named, Optimizer& optimizer,
+          twobp::ParallelGroups& groups, int steps_done, twobp::Duration timeout) {
   ck::NamedTensors state = named;
   auto opt = optimizer.state(named);
   state.insert(state.end(), opt.begin(), opt.end());
   ck::CheckpointConfig config = p.checkpoint_config;
   config.insert(p.checkpoint_layout.begin(), p.checkpoint_layout.end());
   const ck::DataParallelCheckpoint replicas{p.dp, groups.replica(), groups.data_parallel()};
-  ck::save_checkpoint(p.args.checkpoint_dir, steps_done, config, state, groups.pipeline(), timeout, replicas);
+  ck::save_checkpoint(dir, steps_done, config, state, groups.pipeline(), timeout, replicas);
 }
+
+/// This rank's model, optimizer and data of one placement (what a move between placements rebuilds).
+struct RankState {
+  Plan plan;  // the placement, schedule and recomputation running now
+  RankModel model;
+  std::unique_ptr<Optimizer> optimizer;
+  RankData data;
+  int moves = 0;  // between placements, so far
+  twobp::Pipeline& pipeline() { return *model.pipeline; }
+};
+
+std::unique_ptr<Optimizer> make_optimizer(const Args& a, RankModel& model, twobp::ParallelGroups& groups,
+                                          twobp::Duration timeout) {
+  // Each tensor once (pipeline.parameters()): with tied embeddings the head chunk lists its table under two names.
+  return std::make_unique<Optimizer>(model.pipeline->parameters(),
+                                     torch::optim::AdamWOptions(a.lr).betas({0.9, 0.95}).weight_decay(a.weight_decay),
+                                     groups.data_parallel(), a.zero == 1, timeout);
+}
+
+/// Which ends of the pipeline this rank feeds under `p`.
+void set_ends(const Plan& p, int rank, RankData& data) {
+  data.owns_first = p.schedule.stage_to_rank.front() == rank;
+  data.owns_last = p.schedule.stage_to_rank.back() == rank;
+}
+
+/// Runs `to` from the next step on (collective over the job when the placement changes). The same placement: the
+/// schedule and the stages' recomputation switch at the step boundary. Another: the weights and AdamW state are
+/// saved by global name (a checkpoint of step `steps_done` in --checkpoint-dir/placement), this rank's chunks of
+/// `to` are built with their Pipeline and optimizer, and the state is loaded into them, as --resume does.
+void move_to(const Plan& to, RankState& state, twobp::ParallelGroups& groups, c10::Device device, int steps_done,
+             twobp::Duration timeout) {
+  const int rank = groups.pipeline().rank();
+  if (same_placement(state.plan, to)) {
+    for (int s : to.schedule.stages_of(rank)) {
+      state.pipeline().stage(s).set_recompute(twobp::has_rank(to.recompute_ranks, rank));
+    }
+    state.pipeline().switch_schedule(to.schedule);
+  } else {
+    const std::string dir = to.args.checkpoint_dir + "/placement";
+    save(state.plan, dir, state.model.named, *state.optimizer, groups, steps_done, timeout);
+    state.optimizer.reset();  // the old placement's memory goes before the new one's is allocated
+    state.model = RankModel{};
+    state.model = build_rank_model(to, groups, device, timeout);
+    state.optimizer = make_optimizer(to.args, state.model, groups, timeout);
+    auto loaded = ck::load_checkpoint_by_name(dir, to.checkpoint_config, ck::state_of(state.model.named),
+                                              fmt::format("rank {} (replica {})", rank, groups.replica()));
+    state.optimizer->restore(loaded.tensors, state.model.named);
+    set_ends(to, rank, state.data);
+    ++state.moves;
+  }
+  state.plan = to;
+}
+
+/// --auto-placements: after twobp::AutoSchedule has chosen among the forms of the starting placement, up to
+/// --auto-candidates forms of other placements -- those the LLaMa planner, with costs fitted to the probes
+/// (rank_placements), predicts within --auto-within of the best -- run --auto-steps steps each (the first is
+/// warm-up), and the job keeps the fastest measured, AutoSchedule's choice included. Measured as AutoSchedule
+/// measures (the slowest rank's median pipeline time, over the replicas too), so every rank decides alike.
+class PlacementSearch {
+ public:
+  /// Collective (one message time). Returns the decision; moves `state` to the first trial when there is one.
+  std::string start(RankState& state, const twobp::MeasuredCosts& measured, double chosen_ms,
+                    twobp::ParallelGroups& groups, c10::Device device, int steps_done, twobp::Duration timeout) {
+    const Plan& cur = state.plan;
+    const Args& a = cur.args;
+    chosen_ = {cur, 0};
+    chosen_ms_ = chosen_ms;
+    const at::Tensor activation = at::zeros({a.micro_batch_size, cur.seq_len, cur.config.dim},
+                                            at::TensorOptions().dtype(cur.dtype).device(device));
+    double message_ms = twobp::measure_message_ms(groups.pipeline(), activation, timeout);
+    if (groups.data_parallel() != nullptr) message_ms = max_over(*groups.data_parallel(), message_ms, timeout);
+    const PlacementRanking ranking = rank_placements(cur, measured, message_ms);
+    chosen_.predicted_ms = ranking.current_ms;
+    const std::string head = fmt::format("auto placement: {} predicted {:.2f} ms/step from costs fitted to the probes "
+                                         "({})",
+                                         describe_placement(cur), ranking.current_ms, ranking.fit);
+    const double best = std::min(ranking.current_ms,
+                                 ranking.others.empty() ? ranking.current_ms : ranking.others.front().predicted_ms);
+    for (const PlacementCandidate& c : ranking.others) {
+      if (static_cast<int>(trials_.size()) == a.auto_candidates || c.predicted_ms > best * (1 + a.auto_within)) break;
+      trials_.push_back(c);
+    }
+    if (trials_.empty()) {
+      done_ = true;
+      return fmt::format("{}; {}: keeping it", head,
+                         ranking.others.empty()
+                             ? ranking.why_none
+                             : fmt::format("no other placement is predicted faster or within {:.0f} % of it (the "
+                                           "fastest, {}, {:.2f})",
+                                           100 * a.auto_within, describe_placement(ranking.others.front().plan),
+                                           ranking.others.front().predicted_ms));
+    }
+    std::vector<std::string> listed;
+    for (const PlacementCandidate& c : trials_) {
+      listed.push_back(fmt::format("{} ({:.2f})", describe_placement(c.plan), c.predicted_ms));
+    }
+    move_to(trials_.front().plan, state, groups, device, steps_done, timeout);
+    return fmt::format("{}; measuring the {} of {} forms of other placements predicted fastest: {}; moving to {}",
+                       head, trials_.size(), ranking.others.size(), fmt::join(listed, ", "),
+                       describe_placement(trials_.front().plan));
+  }
+
+  bool done() const { return done_; }
+
+  /// Call after every step while not done(), on every rank. Collective (a max over the ranks, a move) on the step
+  /// that ends a trial; returns the decision then.
+  std::optional<std::string> after_step(RankState& state, const twobp::StepResult& result,
+                                        twobp::ParallelGroups& groups, c10::Device device, int steps_done,
+                                        twobp::Duration timeout) {
+    if (++steps_in_trial_ > 1) step_ms_.push_back(result.pipeline_us / 1000.0);  // the first is warm-up
+    if (steps_in_trial_ < state.plan.args.auto_steps) return std::nullopt;
+    const double mine = twobp::metrics::quantile(step_ms_, 0.5);
+    double ms = max_over(groups.pipeline(), mine, timeout);
+    if (groups.data_parallel() != nullptr) ms = max_over(*groups.data_parallel(), ms, timeout);
+    const PlacementCandidate& tried = trials_[trial_ms_.size()];
+    trial_ms_.push_back(ms);
+    steps_in_trial_ = 0;
+    step_ms_.clear();
+    const std::string measured = fmt::format("auto placement: {} measured {:.2f} ms/step (predicted {:.2f})",
+                                             describe_placement(tried.plan), ms, tried.predicted_ms);
+    if (trial_ms_.size() < trials_.size()) {
+      const Plan& next = trials_[trial_ms_.size()].plan;
+      const char* verb = same_placement(state.plan, next) ? "switching to" : "moving to";
+      move_to(next, state, groups, device, steps_done, timeout);
+      return fmt::format("{}; {} {}", measured, verb, describe_placement(next));
+    }
+    // The fastest measured; ties keep AutoSchedule's choice, then the first tried.
+    const PlacementCandidate* best = &chosen_;
+    double best_ms = chosen_ms_;
+    for (std::size_t k = 0; k < trials_.size(); ++k) {
+      if (trial_ms_[k] < best_ms) {
+        best = &trials_[k];
+        best_ms = trial_ms_[k];
+      }
+    }
+    done_ = true;
+    const bool running = best == &trials_.back();
+    const char* verb = running ? "keeping" : same_placement(state.plan, best->plan) ? "switching to" : "moving to";
+    if (!running) move_to(best->plan, state, groups, device, steps_done, timeout);
+    if (best == &chosen_) {
+      return fmt::format("{}; back to {}: {:.2f} ms/step, the fastest of {} measured", measured,
+                         describe_placement(best->plan), best_ms, trials_.size() + 1);
+    }
+    return fmt::format("{}; {} {}: {:.2f} ms/step measured against {:.2f} for {} ({:.2f}x), the fastest of {} "
+                       "measured",
+                       measured, verb, describe_placement(best->plan), best_ms,
+                       chosen_ms_, describe_placement(chosen_.plan), chosen_ms_ / best_ms, trials_.size() + 1);
+  }
+
+ private:
+  PlacementCandidate chosen_;  // AutoSchedule's choice in the starting placement
+  double chosen_ms_ = 0;
+  std::vector<PlacementCandidate> trials_;
+  std::vector<double> trial_ms_;
+  int steps_in_trial_ = 0;
+  std::vector<double> step_ms_;
+  bool done_ = false;
+};
 
 /// --costs-json: the run's per-stage costs, agreed over the pipeline's ranks and the replicas, and the time of one
 /// activation message, as a `twobp_bench pipeline --json` document -- the model's sizes in "config", a "2bp" result
@@ -297,31 +459,27 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
   twobp::Transport& transport = groups.pipeline();
   const int rank = transport.rank();  // in the pipeline
   const bool reports = world.rank() == 0;
-  RankModel model = build_rank_model(p, groups, device, timeout);
-  twobp::Pipeline& pipeline = *model.pipeline;
-  // Each tensor once (pipeline.parameters()): with tied embeddings the head chunk lists its table under two names.
-  Optimizer optimizer(pipeline.parameters(),
-                      torch::optim::AdamWOptions(a.lr).betas({0.9, 0.95}).weight_decay(a.weight_decay),
-                      groups.data_parallel(), a.zero == 1, timeout);
+  // One global batch per step, the same for every --dp; replica d trains on its d-th share.
+  const int64_t replica_batch = a.microbatches * a.micro_batch_size, global_batch = p.dp * replica_batch;
+  RankState state{p, build_rank_model(p, groups, device, timeout), nullptr,
+                  RankData{twobp::data::BatchSampler(tokens, p.seq_len, global_batch, a.seed), std::nullopt,
+                           replica_batch, groups.replica() * replica_batch}};
+  state.optimizer = make_optimizer(a, state.model, groups, timeout);
+  set_ends(p, rank, state.data);
+  if (a.eval_every > 0) state.data.held_out.emplace(held_out, p.seq_len, global_batch, a.seed);
   int start = 0;
   if (a.resume) {
     // By global name: the parameters of this rank's chunks, wherever the checkpoint's layout had them.
-    auto loaded = ck::load_checkpoint_by_name(a.checkpoint_dir, p.checkpoint_config, ck::state_of(model.named),
+    auto loaded = ck::load_checkpoint_by_name(a.checkpoint_dir, p.checkpoint_config,
+                                              ck::state_of(state.model.named),
                                               fmt::format("rank {} (replica {})", rank, groups.replica()));
-    optimizer.restore(loaded.tensors, model.named);
+    state.optimizer->restore(loaded.tensors, state.model.named);
     start = static_cast<int>(loaded.step);
     if (reports) {
       shared.resumed_from = start;
       fmt::print("resuming from step {} of {} ({})\n", start, a.steps, a.checkpoint_dir);
     }
   }
-  // One global batch per step, the same for every --dp; replica d trains on its d-th share.
-  const int64_t replica_batch = a.microbatches * a.micro_batch_size, global_batch = p.dp * replica_batch;
-  const int last = p.schedule.num_stages - 1;
-  RankData data{twobp::data::BatchSampler(tokens, p.seq_len, global_batch, a.seed), std::nullopt, replica_batch,
-                groups.replica() * replica_batch, p.schedule.stage_to_rank[0] == rank,
-                p.schedule.stage_to_rank[last] == rank};
-  if (a.eval_every > 0) data.held_out.emplace(held_out, p.seq_len, global_batch, a.seed);
   // Energy of the device the chunks compute on (NVML) or of the node's CPUs (RAPL), summed over the job.
   twobp::energy::EnergyOptions energy_options;
   energy_options.powercap_root = a.powercap_root;
@@ -340,18 +498,20 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
     twobp::AutoScheduleOptions o;
     o.probe_steps = o.verify_steps = a.auto_steps;
     o.measure_candidates = a.auto_candidates;
+    o.measure_within = a.auto_within;
     // Needs the per-action memory readings, which rank threads sharing a GPU do not take (build_rank_model).
-    TWOBP_CHECK(a.auto_memory_limit_gb <= 0 || pipeline.options().record_memory, twobp::UsageError,
+    TWOBP_CHECK(a.auto_memory_limit_gb <= 0 || state.pipeline().options().record_memory, twobp::UsageError,
                 "--auto-memory-limit-gb: rank {}'s memory is not measured per action (rank threads sharing {}, whose "
                 "memory statistics are the whole process's); run one rank per GPU",
-                pipeline.rank(), device.str());
+                rank, device.str());
     o.memory_limit_bytes = a.auto_memory_limit_gb * 1024.0 * 1024.0 * 1024.0;
     o.recompute = a.auto_recompute;
     o.probe_weight_sizes = a.auto_weight_sizes;
     o.replicas = groups.data_parallel();
     o.timeout = timeout;
-    chooser.emplace(pipeline, o);
+    chooser.emplace(state.pipeline(), o);
   }
+  std::optional<PlacementSearch> placements;  // --auto-placements, once the chooser is done
   std::vector<twobp::StepAttribution> attributions;
   // --costs-json: every full-length step's actions after the run's first step (warm-up).
   std::optional<twobp::CostRecorder> costs;
@@ -362,12 +522,16 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
                 end - start);
     costs.emplace(p.schedule.num_stages);
   }
+  int costs_from = start + 1;  // the first step the recorder takes (after a move: the new placement's second)
+  int costs_moves = 0;
   const auto t0 = std::chrono::steady_clock::now();
   for (int step = start; step < end; ++step) {
+    twobp::Pipeline& pipeline = state.pipeline();  // this step's (a move between steps builds another)
+    RankData& data = state.data;
     const auto ts = std::chrono::steady_clock::now();
     const std::optional<double> e0 = rank_energy.share();
     const double lr = learning_rate(a, step);
-    optimizer.set_lr(lr);
+    state.optimizer->set_lr(lr);
     pipeline.zero_grad();
     // The step's sequence length (shorter during --seq-len-warmup): a prefix of the full-length windows, so the
     // batch of a step still depends only on (--seed, step).
@@ -376,13 +540,13 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
     const auto step_start = std::chrono::steady_clock::now();
     const twobp::StepResult result = pipeline.step(batch.inputs, batch.targets);
     const auto step_end = std::chrono::steady_clock::now();
-    if (costs && step > start && len == p.seq_len) costs->add(result.trace);
+    if (costs && step >= costs_from && len == p.seq_len) costs->add(result.trace);
     // The gate: no optimizer step on a NaN or Inf loss or gradient (--on-nonfinite stop: NumericalError naming the
     // step and stages; skip: this step's update is dropped on every rank), gradients clipped to --clip (0: not).
     const bool updated = pipeline.ready_for_optimizer(
         step + 1, a.on_nonfinite == "skip" ? twobp::NonFinitePolicy::kSkipStep : twobp::NonFinitePolicy::kStop,
         a.clip);
-    if (updated) optimizer.step();
+    if (updated) state.optimizer->step();
     if (step > start || end - start == 1) {
       // The step from the pipeline's start to the optimizer's end (gradient gate, clipping and update included).
       const auto optimizer_end = std::chrono::steady_clock::now();
@@ -395,19 +559,41 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
     }
     // After the step's own accounting (which reads the schedule it ran), before the next step: a switch lands on
     // the step boundary. Collective on the steps where it decides.
-    if (chooser) {
-      if (std::optional<std::string> news = chooser->after_step(result); news && reports) {
-        fmt::print("{}\n", *news);
-        std::lock_guard<std::mutex> lock(shared.mutex);
-        shared.auto_decisions.emplace_back(step, *news);
-        shared.auto_ranking = chooser->ranking();
-      }
-    }
+    // The record first: a move to another placement below replaces the pipeline.
     StepRecord record{step, pipeline.mean_loss(result), 0, pipeline.last_gradient_check().norm, lr, 0};
+    auto decided = [&](const std::string& news) {
+      if (!reports) return;
+      fmt::print("{}\n", news);
+      std::lock_guard<std::mutex> lock(shared.mutex);
+      shared.auto_decisions.emplace_back(step, news);
+      if (chooser) shared.auto_ranking = chooser->ranking();
+    };
+    if (chooser) {
+      if (std::optional<std::string> news = chooser->after_step(result)) {
+        decided(*news);
+        state.plan.schedule = pipeline.schedule();
+        const std::vector<int>& chosen = chooser->recompute_ranks();  // empty: as built
+        state.plan.recompute_ranks = chosen.empty() ? p.recompute_ranks : chosen;
+      }
+      if (chooser->phase() == twobp::AutoSchedule::Phase::kDone && a.auto_placements && !placements) {
+        const twobp::MeasuredCosts measured = chooser->measured_costs();
+        const double chosen_ms = chooser->chosen_ms();
+        chooser.reset();  // it holds the pipeline, which a move replaces
+        placements.emplace();
+        decided(placements->start(state, measured, chosen_ms, groups, device, step + 1, timeout));
+      }
+    } else if (placements && !placements->done()) {
+      if (auto news = placements->after_step(state, result, groups, device, step + 1, timeout)) decided(*news);
+    }
+    if (costs && state.moves != costs_moves) {  // moved: the new placement's stages from its second step
+      costs.emplace(state.plan.schedule.num_stages);
+      costs_moves = state.moves;
+      costs_from = step + 2;
+    }
     record.skipped = !updated;
     // Held-out loss of the updated weights.
     if (data.held_out && ((step + 1) % a.eval_every == 0 || step + 1 == end)) {
-      record.eval_loss = data.evaluate(a, pipeline, p.seq_len);
+      record.eval_loss = data.evaluate(a, state.pipeline(), p.seq_len);
     }
     const std::optional<double> e1 = rank_energy.share();
     const auto now = std::chrono::steady_clock::now();
@@ -425,7 +611,7 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
     }
     const bool periodic = a.checkpoint_every > 0 && (step + 1) % a.checkpoint_every == 0;
     if (!a.checkpoint_dir.empty() && (periodic || step + 1 == end)) {
-      save(p, model.named, optimizer, groups, step + 1, timeout);
+      save(state.plan, a.checkpoint_dir, state.model.named, *state.optimizer, groups, step + 1, timeout);
       if (reports) fmt::print("checkpoint of step {} written to {}\n", step + 1, a.checkpoint_dir);
     }
   }
@@ -434,14 +620,16 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
                 "--costs-json: no full-length step after the first was measured (--seq-len-warmup {} covers the "
                 "run's steps); run more steps",
                 a.seq_len_warmup);
-    write_costs(p, groups, *costs, pipeline.schedule().name, device, reports, timeout);
+    write_costs(state.plan, groups, *costs, state.pipeline().schedule().name, device, reports, timeout);
   }
   if (reports) {
     std::lock_guard<std::mutex> lock(shared.mutex);
-    shared.final_schedule = pipeline.schedule().name;
-    shared.final_two_bp = pipeline.schedule().backward == twobp::BackwardMode::kSplit;
-    shared.final_recompute_ranks =
-        chooser && !chooser->recompute_ranks().empty() ? chooser->recompute_ranks() : p.recompute_ranks;
+    const twobp::Schedule& final_schedule = state.pipeline().schedule();
+    shared.final_schedule = final_schedule.name;
+    shared.final_two_bp = final_schedule.backward == twobp::BackwardMode::kSplit;
+    shared.final_recompute_ranks = state.plan.recompute_ranks;
+    shared.final_chunks_per_rank = final_schedule.num_stages / final_schedule.num_ranks;
+    shared.final_partition = state.plan.partition.layout();
   }
   if (!attributions.empty()) {  // every rank ran the same steps: all of a pipeline call this, or none
     auto ranks = twobp::gather_attributions(transport, twobp::mean_attribution(attributions), timeout);
@@ -452,7 +640,7 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
   }
   // The optimizer state each rank holds (with --zero 1, its share), every world rank's in its slot.
   at::Tensor state_bytes = at::zeros({world.world_size()}, at::kDouble);  // host values, reduced on the host
-  state_bytes[world.rank()] = static_cast<double>(optimizer.state_bytes());
+  state_bytes[world.rank()] = static_cast<double>(state.optimizer->state_bytes());
   world.all_reduce_sum(state_bytes, timeout);
   if (reports) {
     std::lock_guard<std::mutex> lock(shared.mutex);

@@ -372,6 +372,7 @@ std::string AutoSchedule::end_probe() {
     if (!memory.empty()) ro.recompute_memory = &memory[1];
   }
   ranking_ = rank_schedules(start_, agreed[0], ro);
+  measured_ = agreed[0];
   // The probes' predictions; a probed form is kept only if it fits the limit (see settle() for the start).
   probe_fits_.assign(probes_.size(), true);
   for (std::size_t k = 0; k < probes_.size(); ++k) {

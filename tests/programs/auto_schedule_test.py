@@ -5,7 +5,10 @@ Each run must print its decisions and record them in --json; then the same job s
 ended on (--schedule NAME, --2bp or --no-2bp, --recompute --recompute-on RANKS) must give the same loss at every
 step, within 1e-6 relative: a switch changes the order of the work, not what is computed. With --auto-recompute the
 starting schedule is measured with every stage recomputing too, and the candidates include every form with 1 .. p
-ranks recomputing. Which schedule it picks depends on this machine's timings; any pick must keep the losses.
+ranks recomputing. With --auto-placements forms of other placements (chunks per rank, stage order) are measured too,
+the weights and optimizer state moving through a checkpoint; the rerun then starts on the placement it ended on
+(--chunks-per-rank, --partition). Which schedule it picks depends on this machine's timings; any pick must keep the
+losses.
 Recomputing on one rank alone (either) keeps them too. Refused combinations say why.
 
 With --timing (the opt-in ctest programs_auto_schedule_timing, label timing): a 30-step auto run on threads (4 x 4
@@ -40,9 +43,10 @@ def recompute_args(ranks):
     return ["--recompute", "--recompute-on", ",".join(map(str, ranks))] if ranks else []
 
 
-def check(launch, example, work, name, extra=()):
+def check(launch, example, work, name, extra=(), job=()):
+    """`extra`: the auto run's options; `job`: options of both runs (the job's shape)."""
     auto_json = os.path.join(work, f"{name}_auto.json")
-    out = run(launch + [example, *JOB, "--schedule", "auto", "--auto-steps", str(AUTO_STEPS), *extra,
+    out = run(launch + [example, *JOB, *job, "--schedule", "auto", "--auto-steps", str(AUTO_STEPS), *extra,
                         "--json", auto_json])
     with open(auto_json) as f:
         doc = json.load(f)
@@ -59,9 +63,16 @@ def check(launch, example, work, name, extra=()):
     if "--auto-weight-sizes" in extra:  # 1f1b 2BP batches its W's: probed again with them one by one, never chosen
         assert "its W's one micro-batch at a time too" in decisions[0]["decision"], decisions[0]
         assert "per W" not in final["schedule"], final
+    if "--auto-placements" in extra:  # the planner's forms of other placements: at least one measured
+        said = [d["decision"] for d in decisions if d["decision"].startswith("auto placement:")]
+        assert len(said) >= 2 and "moving to" in said[0], f"{name}: no other placement measured: {said}"
+        changes = sum(line.count(verb) for line in said for verb in ("moving to", "switching to", "back to"))
+        print(f"{name}: {changes} change(s) of placement or schedule; {said[-1]}")
     again_json = os.path.join(work, f"{name}_{final['schedule']}.json")
-    run(launch + [example, *JOB, "--schedule", final["schedule"], "--2bp" if final["2bp"] else "--no-2bp",
-                  *recompute_args(final["recompute_ranks"]), "--json", again_json])
+    placement = ["--chunks-per-rank", str(final["chunks_per_rank"]), "--partition", final["partition"]]
+    run(launch + [example, *JOB, *job, "--schedule", final["schedule"], *placement,
+                  "--2bp" if final["2bp"] else "--no-2bp", *recompute_args(final["recompute_ranks"]),
+                  "--json", again_json])
     a, b = losses(auto_json), losses(again_json)
     assert len(a) == len(b) == STEPS, f"{name}: {len(a)} and {len(b)} steps"
     worst = max(abs(x - y) / abs(y) for x, y in zip(a, b))
@@ -115,14 +126,29 @@ def main():
     # Four probes (each mode, with and without recomputation) and one candidate fit the 15 steps.
     check([], example, work, "threads_recompute", ["--auto-recompute", "--auto-candidates", "1"])
     check([], example, work, "threads_weight_sizes", ["--auto-weight-sizes", "--auto-candidates", "1"])
+    # Other placements: whatever the predictions, --auto-within 100 measures the fastest predicted one (the state
+    # moves there through a checkpoint, and back when it measures slower); from v = 1 (costs by FLOP shares) and
+    # from v = 2 (costs fitted per chunk); with data parallelism and a sharded optimizer, whose replicas must agree.
+    placements = ["--auto-placements", "--auto-within", "100", "--auto-candidates", "1"]
+    check([], example, work, "threads_placements", [*placements, "--checkpoint-dir", os.path.join(work, "ck_v1")])
+    check([], example, work, "threads_placements_v2",
+          [*placements, "--auto-start", "interleaved-1f1b", "--checkpoint-dir", os.path.join(work, "ck_v2")])
+    check([], example, work, "threads_placements_dp",
+          [*placements, "--checkpoint-dir", os.path.join(work, "ck_dp")], ["--dp", "2", "--zero", "1"])
     if mpiexec:
         check([mpiexec, "-n", "2", *MPI_FLAGS], example, work, "mpi")
+        check([mpiexec, "-n", "2", *MPI_FLAGS], example, work, "mpi_placements",
+              [*placements, "--checkpoint-dir", os.path.join(work, "ck_mpi")])
     # Refused before any step, saying why.
     run([example, "--schedule", "auto", "--max-pending-w", "1"], ok=False,
         must_say="cannot keep --memory-limit-gb or --max-pending-w")
     run([example, "--schedule", "auto", "--steps", "14", "--auto-steps", "3"], ok=False, must_say="--steps >= 15")
     run([example, "--schedule", "auto", "--steps", "20", "--auto-steps", "3", "--auto-recompute"], ok=False,
         must_say="--steps >= 21")
+    run([example, "--schedule", "auto", "--steps", "40", "--auto-placements"], ok=False,
+        must_say="give --checkpoint-dir")
+    run([example, "--schedule", "auto", "--steps", "23", "--auto-steps", "3", "--auto-placements", "--checkpoint-dir",
+         os.path.join(work, "ck_refused")], ok=False, must_say="--steps >= 24")
     run([example, "--schedule", "auto", "--auto-recompute", "--recompute"], ok=False,
         must_say="the stages recompute already")
     # Recomputing on one rank only (--recompute-ranks 1: rank 0; --recompute-on 1: rank 1) computes what no

@@ -50,7 +50,9 @@
 // simulated with the overlap the probes' pairs measured (MeasuredCosts::overlap; in order where the probed
 // schedules ran no pair).
 //
-// Not covered: candidates of another placement (that moves stages between ranks: a new Pipeline and a checkpoint),
+// Not covered: candidates of another placement (that moves stages between ranks: a new Pipeline and a checkpoint;
+// examples/llama_pipeline's --auto-placements does it for its model from measured_costs(), twobp/plan/llama.h's
+// planner and a checkpoint loaded by global name),
 // and pipelines whose runtime bounds memory (PipelineOptions::memory_limit_bytes, max_pending_weight_micro_batches:
 // the W's such a bound moves are not simulated) -- AutoSchedule refuses those; bound the candidates with
 // AutoScheduleOptions::memory_limit_bytes instead.
@@ -157,6 +159,11 @@ class AutoSchedule {
   Phase phase() const { return phase_; }
   /// The candidates of the last ranking, fastest first (empty before the probe ends).
   const std::vector<ScheduleCandidate>& ranking() const { return ranking_; }
+  /// The per-stage costs the ranking was made from: the probes as the pipeline was built (F; I and W from the 2BP
+  /// form, B from the standard one, where those were probed), agreed over the ranks and the replicas, so the same
+  /// on every rank (empty before the probe ends). E.g. for fitting the costs of another placement
+  /// (twobp/plan/llama.h), which this class does not switch to.
+  const MeasuredCosts& measured_costs() const { return measured_; }
   /// The schedule the pipeline started with, and its measured step time (slowest rank's median, ms; 0 before).
   const Schedule& starting_schedule() const { return start_; }
   double starting_ms() const { return probe_ms_.empty() ? 0.0 : probe_ms_.front(); }
@@ -198,6 +205,7 @@ class AutoSchedule {
   std::vector<int> recompute_ranks_;
   std::vector<double> step_ms_;  // this rank's measured steps of the phase
   std::vector<ScheduleCandidate> ranking_;
+  MeasuredCosts measured_;  // the probes' agreed costs as built
   std::vector<ScheduleCandidate> probes_;
   std::vector<double> probe_ms_;
   std::vector<bool> probe_fits_;  // within the memory limit (all, without one)
