@@ -15,7 +15,8 @@
 //                X(chunk) = a_X + b_X · blocks + e_X · [embedding] + h_X · [head]      (ChunkCost), recompute R = F
 //              estimated (estimate_llama_costs): b_F = models::block_forward_flops(config, seq) ·
 //              micro-batch-size / (--tflops), h_F = models::head_cost_in_blocks · b_F, a = e = 0; I = W = F, B = 2F
-//              measured (--costs-json, a `twobp_bench pipeline` JSON; fit_llama_costs): a, b, e, h of each X
+//              measured (--costs-json, `twobp_bench pipeline` JSONs or a job's --costs-json files, their
+//              results fitted together; fit_llama_costs): a, b, e, h of each X
 //              fitted by least squares over the chunks of its plain results (F from every mode, I and W from 2bp,
 //              B from standard, else B = I + W), which needs two chunk shapes per end (e.g. a v = 1 and a v = 2
 //              schedule); with one shape, F at its FLOP shares (b_F = Σ F / Σ (blocks + head share)) and I, W, B
@@ -71,7 +72,7 @@ struct PlanArgs {
   int64_t global_batch = 0;  // sequences per step; 0: 8 · ranks · micro-batch-size
   std::string precision = "bf16-mixed";
   double tflops = 400;
-  std::string costs_json;
+  std::vector<std::string> costs_json;  // one or more `twobp_bench pipeline` / `llama_pipeline --costs-json` files
   double overlap = -1;  // < 0: the measured share (0 for estimated costs)
   double link_gbps = 100;
   double link_latency_us = 5;
@@ -340,15 +341,39 @@ void report_plan(const PlanArgs& a, const llm::LlamaConfig& config, const Layout
   }
 }
 
+// The measured files as one document: the first one's config, every file's results in order. The files must have
+// measured the same model at the same sequence length and micro-batch size (e.g. a v = 1 and a v = 2 job, whose
+// chunks of two shapes let fit_llama_costs fit every term).
+Json merged_costs(const std::vector<std::string>& paths) {
+  Json merged;
+  for (const std::string& path : paths) {
+    Json doc = read_json(path);
+    if (!doc.contains("config") || !doc.contains("results")) {
+      throw std::runtime_error(path + ": not a `twobp_bench pipeline` JSON (no config/results)");
+    }
+    if (merged.is_null()) {
+      merged = std::move(doc);
+      continue;
+    }
+    for (const char* key : {"model", "dim", "layers", "heads", "kv_heads", "ffn", "vocab", "seq", "micro_batch_size"}) {
+      const Json mine = doc["config"].value(key, Json()), first = merged["config"].value(key, Json());
+      if (mine != first) {
+        throw std::runtime_error(fmt::format("--costs-json: {} measured {} {} and {} measured {}: the files must "
+                                             "measure the same model, sequence length and micro-batch size",
+                                             paths.front(), key, first.dump(), path, mine.dump()));
+      }
+    }
+    for (Json& r : doc["results"]) merged["results"].push_back(std::move(r));
+  }
+  return merged;
+}
+
 void run_plan(const PlanArgs& a) {
   if (a.ranks < 1 || a.micro_batch_size < 1) throw std::invalid_argument("--ranks and --micro-batch-size must be >= 1");
   Json measured_doc;
   const Json* measured_config = nullptr;
   if (!a.costs_json.empty()) {
-    measured_doc = read_json(a.costs_json);
-    if (!measured_doc.contains("config") || !measured_doc.contains("results")) {
-      throw std::runtime_error(a.costs_json + ": not a `twobp_bench pipeline` JSON (no config/results)");
-    }
+    measured_doc = merged_costs(a.costs_json);
     measured_config = &measured_doc["config"];
   }
   const llm::LlamaConfig config = config_of(a, measured_config);
@@ -370,7 +395,8 @@ void run_plan(const PlanArgs& a) {
   o.link_bytes_per_s = a.link_gbps * 1e9 / 8;
   o.link_latency_s = a.link_latency_us * 1e-6;
   Rates rates = measured_config != nullptr
-                    ? measured_rates(measured_doc, a.costs_json, config, o.seq, a.micro_batch_size)
+                    ? measured_rates(measured_doc, fmt::format("{}", fmt::join(a.costs_json, " + ")), config, o.seq,
+                                     a.micro_batch_size)
                     : estimated_rates(a, config, o.seq);
   if (a.overlap >= 0) {
     rates.costs.overlap = a.overlap;
@@ -420,8 +446,10 @@ void add_plan_command(CLI::App& app) {
   sub->add_option("--costs-json", a->costs_json,
                   "Measured costs: a `twobp_bench pipeline --mode both` JSON from the target machine (its model "
                   "is planned, with any --dim ... sizes replacing its own; measure a v = 2 schedule too, e.g. "
-                  "--schedule 1f1b,interleaved-1f1b, to fit per-action and head costs)")
-      ->check(CLI::ExistingFile);
+                  "--schedule 1f1b,interleaved-1f1b, to fit per-action and head costs), or `llama_pipeline "
+                  "--costs-json` files; several files (of the same model, sequence length and micro-batch size) "
+                  "are fitted together, e.g. a v = 1 and a v = 2 job's")
+      ->check(CLI::ExistingFile)->expected(1, -1);
   sub->add_option("--overlap", a->overlap,
                   "DualPipeV's F&B pairs run at once, hiding this share (0..1) of each pair's shorter part: what a "
                   "runtime hook that overlaps them reaches (PipelineOptions::overlap_forward_backward; the example "

@@ -6,7 +6,8 @@ partition; a --schedule auto run, which measures both modes, a "standard" one to
 sizes are the config's, so `twobp_bench plan --costs-json` plans the same model on any placement from them (one
 chunk shape: by FLOP shares) and prints the example's command for the same model. A run under mpirun (MPI transport:
 the message time is a round trip between processes) writes the same form. A run too short to measure is refused
-before it trains. The loop closes: a job that wrote its costs and a checkpoint resumes on the placement the plan
+before it trains. Two jobs' files (v = 1 and v = 2) are fitted together, every term; files of different sizes are
+refused. The loop closes: a job that wrote its costs and a checkpoint resumes on the placement the plan
 ranks first (checkpoints load in any layout).
 
 Usage: costs_json_test.py LLAMA_PIPELINE TWOBP_BENCH WORK_DIR [MPIEXEC]
@@ -42,7 +43,9 @@ def check_result(name, r, mode, partition):
 
 
 def plan(bench, costs_path, out_path):
-    run([bench, "plan", "--costs-json", costs_path, "--ranks", "2", "--global-batch", "8", "--micro-batch-size",
+    """`costs_path`: one file, or a list of files fitted together."""
+    paths = costs_path if isinstance(costs_path, list) else [costs_path]
+    run([bench, "plan", "--costs-json", *paths, "--ranks", "2", "--global-batch", "8", "--micro-batch-size",
          "2", "--precision", "fp32", "--recompute", "off", "--max-dp", "1", "--json", out_path])
     with open(out_path) as f:
         return json.load(f)
@@ -78,6 +81,20 @@ def main(args):
     for r in auto["results"]:
         check_result("auto run", r, r["mode"], "3,1")
     plan(bench, os.path.join(work, "auto.json"), os.path.join(work, "auto_plan.json"))
+
+    # Two jobs' files, v = 1 and v = 2: chunks of two shapes, so every term is fitted (not FLOP shares); both jobs'
+    # results are used. A file of another sequence length is refused, naming both files.
+    v2 = written([], example, os.path.join(work, "v2.json"), "--steps", "4", "--schedule", "interleaved-1f1b",
+                 "--chunks-per-rank", "2")
+    check_result("v = 2 run", v2["results"][0], "2bp", "1,1,1,1")
+    both = plan(bench, [os.path.join(work, "2bp.json"), os.path.join(work, "v2.json")],
+                os.path.join(work, "both_plan.json"))
+    assert both["config"]["cost_model"]["kind"] == "fitted", both["config"]["cost_model"]
+    run([example, "--microbatches", "4", "--micro-batch-size", "2", "--seq-len", "16", "--steps", "3",
+         "--costs-json", os.path.join(work, "seq16.json")])
+    run([bench, "plan", "--costs-json", os.path.join(work, "2bp.json"), os.path.join(work, "seq16.json"), "--ranks",
+         "2", "--global-batch", "8", "--micro-batch-size", "2"], ok=False,
+        must_say="must measure the same model, sequence length and micro-batch size")
 
     # Too short to measure: refused before training, naming the option.
     run([example, *JOB, "--steps", "1", "--costs-json", os.path.join(work, "short.json")], ok=False,
