@@ -480,6 +480,8 @@ TEST(AutoSchedule, AMemoryLimitRanksOnlyCandidatesThatFit) {
     auto& pipelines = ranks.pipelines;
     std::vector<std::vector<ScheduleCandidate>> rankings(2);
     std::vector<std::string> first_news(2);  // the last decision of the 4 steps
+    std::vector<MeasuredCosts> measured(2);  // measured_costs() after the probe
+    std::vector<int> measured_before(2, -1);  // its stages before the probe ended
     run_rank_threads(ranks.transports, [&](Transport& t) {
       const int r = t.rank();
       AutoScheduleOptions o;
@@ -488,12 +490,25 @@ TEST(AutoSchedule, AMemoryLimitRanksOnlyCandidatesThatFit) {
       o.memory_limit_bytes = limit;
       AutoSchedule chooser(*pipelines[r], o);
       for (int step = 0; step < 4; ++step) {  // both forms of gpipe probed: the ranking exists
+        if (step == 3) measured_before[r] = chooser.measured_costs().num_stages();
         pipelines[r]->zero_grad();
         std::optional<std::string> line = chooser.after_step(pipelines[r]->step(inputs, targets));
         if (line) first_news[r] = *line;
       }
       rankings[r] = chooser.ranking();
+      measured[r] = chooser.measured_costs();
     }).rethrow_root_cause();
+    // The costs the ranking came from, as built and agreed: every stage's F, I and W (2BP probe) and B (standard).
+    EXPECT_EQ(measured_before[0], 0);
+    const MeasuredCosts& m = measured[0];
+    for (const std::vector<double>& ms : {m.forward, m.backward_input, m.backward_weight, m.backward}) {
+      ASSERT_EQ(ms.size(), 2u);
+      for (double x : ms) EXPECT_GT(x, 0.0);
+    }
+    EXPECT_EQ(measured[1].forward, m.forward);  // every rank holds the same numbers
+    EXPECT_EQ(measured[1].backward_input, m.backward_input);
+    EXPECT_EQ(measured[1].backward_weight, m.backward_weight);
+    EXPECT_EQ(measured[1].backward, m.backward);
     EXPECT_EQ(first_news[0], first_news[1]);
     ASSERT_EQ(rankings[0].size(), rankings[1].size());
     if (limit < 2.0) {  // nothing fits in one byte: back to the starting schedule, not its measured other form
