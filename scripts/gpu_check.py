@@ -38,6 +38,9 @@ PIECE_TAIL = 480 << 10
 
 SUMMARY_RESERVE_S = 10     # left for the summary at the end of the deadline
 KILL_GRACE_S = 5           # SIGTERM -> SIGKILL
+# An injected hang (GPU_CHECK_INJECT) tests the kill path: its piece times out after this long, whatever its own
+# timeout, so that the check of it (tests/scripts, gpu_check_injected) does not wait for nothing.
+INJECTED_HANG_S = 3
 THIRD_PARTY_MAX_MIB = 48   # with the tree, under the device's 64 MiB carry limit
 PREBUILT = os.path.join(ROOT, ".gpu-prebuilt")   # `prebuild`: GPU binaries built here, carried (git-ignored)
 PREBUILT_MAX_MIB = 24      # with .third_party and the tree, under the 64 MiB carry limit
@@ -404,6 +407,8 @@ class Check:
         limit = min(timeout, left, self.max_piece or timeout)
         why = "own timeout %.0f s" % timeout if limit == timeout else (
             "deadline" if limit == left else "GPU_CHECK_MAX_PIECE_SECONDS")
+        if action == "hang" and limit > INJECTED_HANG_S:
+            limit, why = INJECTED_HANG_S, "an injected hang"
         extra = {}
         if action == "fail":
             cmd = ["sh", "-c", 'echo "gpu_check: injected failure of piece $0" >&2; exit 1', name]

@@ -3,8 +3,10 @@
 #
 #   scripts/sanitize.sh [asan|tsan] [extra ctest arguments, e.g. -L unit or -R schedule]
 #
-#   asan  build-asan/, -fsanitize=address,undefined, the whole suite (unit, parity, mpi, bench; gpu tests skip
-#         themselves without a GPU).
+#   asan  build-asan/, -fsanitize=address,undefined: the tests labelled "sanitize" (every part of src/, the thread,
+#         store and MPI transports, the example; docs/TESTING.md lists them and what each covers), built alone
+#         (target twobp_sanitize_targets; no benchmarks, no NCCL: its code runs only on a GPU), their parameter grids
+#         reduced (TWOBP_TEST_SCALE=reduced: every kind of case, fewer repetitions; tests/common/test_scale.h).
 #   tsan  build-tsan/, -fsanitize=thread, only what runs several ranks as threads of one process: the Local
 #         transport tests, the pipeline, split-class, executor, run_ranks, data-parallel, memory (counter and limit)
 #         and mixed-precision tests on threads (MPI ranks are separate processes, which
@@ -41,7 +43,10 @@ if [[ "$mode" == asan ]]; then
 protect_shadow_gap=0:detect_odr_violation=0")
 fi
 twobp_use_venv
+mode_args=()
+[[ "$mode" == asan ]] && mode_args=(-DTWOBP_BUILD_BENCHMARKS=OFF -DTWOBP_WITH_NCCL=OFF)
 cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1" \
+      "${mode_args[@]}" \
       -DPython3_EXECUTABLE="$TWOBP_VENV/bin/python" \
       "-DTWOBP_SANITIZE=$sanitize" "${mpi_flags[@]}" "${launcher[@]}" ${TWOBP_CMAKE_ARGS:-}
 
@@ -72,9 +77,11 @@ write_suppressions
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:suppressions=$supp_dir/ubsan.supp"
 # -LE timing: tests whose verdict compares measured throughputs (the planner check) mean nothing under a
 # sanitizer, which slows twobp's code and not LibTorch's kernels; their code paths run in the bench smoke tests.
-ctest_args=(--output-on-failure --test-dir "$build_dir" -LE timing)
+ctest_args=(--output-on-failure --test-dir "$build_dir" -LE timing -j "${TWOBP_TEST_JOBS:-$(nproc)}")
 if [[ "$mode" == asan ]]; then
-  cmake --build "$build_dir" -j "$jobs"
+  cmake --build "$build_dir" -j "$jobs" --target twobp_sanitize_targets
+  ctest_args+=(-L sanitize)
+  export TWOBP_TEST_SCALE=reduced
   # detect_leaks: on everywhere; lsan.supp only excuses Open MPI (LibTorch's own start-up state is reachable).
   # protect_shadow_gap=0: the CUDA driver (GPU machines, LibTorch's CUDA build) maps memory in ASan's shadow
   #   gap and fails to initialise otherwise; harmless on CPU-only machines.

@@ -26,6 +26,8 @@ TWOBP_VENV="${TWOBP_VENV:-$PWD/.venv}"
 # of the same tree (CI's, a worktree's) reuses the cache. Harmless where ccache is not installed.
 export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$PWD}"
 export CCACHE_NOHASHDIR="${CCACHE_NOHASHDIR:-true}"
+# Precompiled headers (cmake/TwobpPch.cmake): ccache caches the PCH and the objects built with it only with these.
+export CCACHE_SLOPPINESS="${CCACHE_SLOPPINESS:-pch_defines,time_macros}"
 [[ -d /usr/local/cuda/bin ]] && export PATH="/usr/local/cuda/bin:$PATH"
 
 # cuda or cpu, as described above.

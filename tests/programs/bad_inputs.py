@@ -3,14 +3,19 @@
 
 Usage: bad_inputs.py [--bench TWOBP_BENCH] [--example LLAMA_PIPELINE]
 
-Every numeric option of every command gets -1, nan, inf and 1e300 (and 0 where 0 is not allowed); every output
-option gets a path that cannot be written; a few other inputs (unknown names, missing files, rules between options)
-too. Each run must: exit with a non-zero status (not a signal), within 30 s, print a message naming the option,
-never print "wrote" or "written", and show no backtrace (c10's "Exception raised from" / "frame #", "terminate
-called"). Fails listing every case that did not.
+Numeric options: each program's --help (one per command) must show every option of the table below with the one
+check all of them use (twobp::cli::number_in, examples/common/twobp_cli.h: "in [lo, hi]"), its lower bound as the
+table says (above 0 where 0 is refused, -1 where -1 means something, else 0 or more); twobp_cli_test shows
+in-process that this check refuses every kind of bad value (-1, 0, nan, inf, 1e300, text). Then every option gets
+one bad value on the command line, the next kind for the next option (so that every kind runs end to end). Every
+output option gets a path that cannot be written; a few other inputs (unknown names, missing files, rules between
+options) too. Each run must: exit with a non-zero status (not a signal), within 30 s, print a message naming the
+option, never print "wrote" or "written", and show no backtrace (c10's "Exception raised from" / "frame #",
+"terminate called"). Fails listing every case that did not.
 """
 import argparse
 import concurrent.futures
+import re
 import subprocess
 import sys
 
@@ -84,19 +89,53 @@ BACKTRACE = ("Exception raised from", "frame #", "terminate called")
 
 
 def cases(programs):
+    turn = 0
     for program in programs:
         for command, options in NUMERIC[program].items():
             prefix = [command] if command else []
             for option, zero_refused, *minus_one_ok in options:
-                values = [v for v in ALWAYS_BAD if not (v == "-1" and minus_one_ok)]
-                for value in values + (["0"] if zero_refused else []):
-                    yield program, prefix + [option, value], option
+                values = [v for v in ALWAYS_BAD if not (v == "-1" and minus_one_ok)] + (["0"] if zero_refused else [])
+                yield program, prefix + [option, values[turn % len(values)]], option
+                turn += 1
         for command, options in OUTPUTS[program].items():
             for option in options:
                 yield program, ([command] if command else []) + [option, UNWRITABLE], option
     for program, args, option in OTHER:
         if program in programs:
             yield program, args, option
+
+
+# CLI11's help line of an option checked by number_in, "--dim INT:in [1, 1e+06]=64", or by a set of numbers,
+# "--zero INT:{0,1}=0" (which refuses every other value); its aliases come before it.
+DECLARED = re.compile(r"^\s*((?:-[\w-]+,)*--[\w-]+)\s+\S+?:(?:in \[([^,\]]+), [^\]]+\]|\{([-\d.,]+)\})", re.M)
+
+
+def declared_problems(programs):
+    """Problems of the table's numeric options as each program's --help declares them."""
+    problems = []
+    for program in programs:
+        for command, options in NUMERIC[program].items():
+            args = ([command] if command else []) + ["--help"]
+            out = subprocess.run([programs[program]] + args, capture_output=True, text=True, timeout=30).stdout
+            bounds = {}
+            for names, lo, members in DECLARED.findall(out):
+                for name in names.split(","):
+                    bounds[name] = float(lo) if lo else min(float(m) for m in members.split(","))
+            for option, zero_refused, *minus_one_ok in options:
+                what = f"{program} {' '.join(args[:-1])} {option}".replace("  ", " ")
+                if option not in bounds:
+                    problems.append(f"{what}: --help shows no 'in [lo, hi]' check (twobp::cli::number_in) nor a set")
+                    continue
+                lo = bounds[option]
+                if zero_refused and lo <= 0:
+                    problems.append(f"{what}: 0 should be refused, but the lower bound is {lo:g}")
+                if not zero_refused and lo > 0:
+                    problems.append(f"{what}: 0 should be allowed, but the lower bound is {lo:g}")
+                if minus_one_ok and lo > -1:
+                    problems.append(f"{what}: -1 should be allowed, but the lower bound is {lo:g}")
+                if not minus_one_ok and lo < 0:
+                    problems.append(f"{what}: -1 should be refused, but the lower bound is {lo:g}")
+    return problems
 
 
 def run(programs, case):
@@ -133,8 +172,9 @@ def main():
     if not programs:
         parser.error("give --bench and/or --example")
     table = list(cases(programs))
+    failures = declared_problems(programs)
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        failures = [f for f in pool.map(lambda c: run(programs, c), table) if f]
+        failures += [f for f in pool.map(lambda c: run(programs, c), table) if f]
     if failures:
         print(f"{len(failures)} of {len(table)} bad inputs were not refused cleanly:")
         for f in failures:

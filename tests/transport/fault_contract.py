@@ -2,7 +2,7 @@
 """The fault contract over every transport: each fault x transport cell either gives the fault-free result or ends
 every rank in time with an error naming the fault's rank and message -- never a hang, never a different result.
 
-    fault_contract.py --probe BIN [--mpiexec PATH [--mpiexec-flag F ...]] [--markdown FILE]
+    fault_contract.py --probe BIN [--mpiexec PATH [--mpiexec-flag F ...]] [--markdown FILE] [--jobs N]
 
 A corrupted message gives a different result unless PipelineOptions::verify_messages is on (the "corrupt" row
 expects exactly that, so the table also proves the suite detects a wrong result); with it, a clear error.
@@ -11,10 +11,12 @@ Each cell runs fault_contract_probe (2 steps of 1F1B with 2BP on 4 ranks, checke
   local-by-tag, local-in-order  4 rank threads in one process (Local transport, both pairing rules)
   store                         4 processes meeting at a c10d TCPStore (torchrun-like environment)
   mpi                           mpiexec -n 4 (when --mpiexec is given)
-Prints the table (markdown with --markdown) and exits 1 when a cell breaks the contract.
+Cells run --jobs at a time (default 2: most of a cell is processes starting and waits for timeouts). Prints the
+table (markdown with --markdown) and exits 1 when a cell breaks the contract.
 """
 
 import argparse
+import concurrent.futures
 import os
 import socket
 import subprocess
@@ -132,14 +134,18 @@ def main():
     p.add_argument("--mpiexec")
     p.add_argument("--mpiexec-flag", action="append", default=[])
     p.add_argument("--markdown")
+    p.add_argument("--jobs", type=int, default=2)
     a = p.parse_args()
     transports = ["local-by-tag", "local-in-order", "store"] + (["mpi"] if a.mpiexec else [])
 
+    cells = [(fault, transport) for fault in FAULTS for transport in transports]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, a.jobs)) as pool:
+        results = dict(zip(cells, pool.map(lambda cell: run_cell(a, cell[1], cell[0]), cells)))
     rows, failures = [], []
     for fault in FAULTS:
         row = []
         for transport in transports:
-            outcome, seconds, output = run_cell(a, transport, fault)
+            outcome, seconds, output = results[(fault, transport)]
             problem = check(transport, fault, outcome, seconds, output)
             text = {"same": "same result", "error": "clear error", "different": "DIFFERENT RESULT",
                     "hang": "HANG"}[outcome] + f" ({seconds:.1f} s)"
