@@ -69,12 +69,13 @@ struct SynthesisResult {
   Schedule schedule;          ///< named "synth"; validated, pairs in order per channel
   SimulationResult simulated;  ///< simulate(schedule, costs)
   /// Where the winning order came from: "list scheduling" or "<generator> <standard|2bp>", with " + local search"
-  /// when local search improved it.
+  /// and " + iterated local search" when those improved it.
   std::string origin;
   int evaluations = 0;       ///< orders evaluated
   int memory_budget = 0;     ///< the budget used (SynthesisProblem::memory_budget, or its default)
-  /// A lower bound on any schedule's step time under the costs (see docs/PERFORMANCE.md): the busiest rank's
-  /// work with each backward as the cheaper of B and I + W, plus the idle time before its first input can arrive.
+  /// A lower bound on any schedule's step time under the costs, whatever the memory (docs/PERFORMANCE.md): the
+  /// busiest rank's work with each backward as the cheaper of B and I + W, plus the time before its first input
+  /// can arrive; at least one micro-batch's F's and backwards one after the other.
   double lower_bound = 0.0;
 };
 
