@@ -39,6 +39,10 @@
 //                      one by one during it (bucket j at (j+1)/K of the W), as the runtime starts a bucket once the
 //                      layers that fill it ran in the stage's last W; after a B all at its end (CostModel docs)
 //
+// synth (twobp/plan/synthesize.h) is synthesized for these costs instead of taken from the registry with its
+// textbook ones: once per v of --synth-chunks (default: the v every schedule gets), within --synth-memory
+// micro-batches of a whole rank's activations (default 1F1B standard's, min(p, m)), searching --synth-work.
+//
 // Metrics (docs/BENCHMARKS.md repeats them), per schedule and mode, from simulate(schedule, costs):
 //   sim_step_ms              the simulated step time: each rank runs its actions in order; an F/I/B waits until
 //                            its input arrived, `comm` after the producing action finished
@@ -46,6 +50,8 @@
 //   peak_live_microbatches   max over ranks of micro-batches whose activations are alive at once
 //   speedup_vs_standard      sim_step_ms(standard) / sim_step_ms(2bp), same schedule, p, m, v (2bp rows only;
 //                            with --dp > 1 also the same dp_overlap)
+//   speedup_vs_1f1b_standard sim_step_ms of 1F1B standard (v = 1, the same costs, p, m and dp_overlap) /
+//                            sim_step_ms (not with --schedule-file); the table's "2bp vs 1f1b std"
 //   with --dp > 1 (sim_step_ms and sim_bubble_fraction then include the exposed all-reduce time):
 //   dp, dp_overlap           N, and whether the all-reduces overlap (true) or follow the rank's last action
 //   dp_reduce_ms             the all-reduce time of one rank per step: max over ranks of the sum of its stages'
@@ -72,6 +78,7 @@
 #include "commands.h"
 #include "twobp/metrics/metrics.h"
 #include "twobp/plan/measure.h"
+#include "twobp/plan/synthesize.h"
 #include "twobp/schedule/pytorch_csv.h"
 #include "twobp/schedule/registry.h"
 #include "twobp/schedule/schedule.h"
@@ -107,6 +114,10 @@ struct SimulateArgs {
   std::string dp_overlap = "both";
   bool recompute = false;  // activation recomputation: every I and B first re-runs its stage's forward
   double overlap = -1;     // overlapped pairs run at once, this share hidden (CostModel::overlap); < 0: the costs'
+  // synth (twobp/plan/synthesize.h): its v's (empty: as every schedule), budget and search effort.
+  std::vector<int> synth_chunks;
+  int synth_memory = 0;  // activations per rank in a whole rank's micro-batches (0: 1F1B's, min(p, m))
+  double synth_work = 20e6;
 };
 
 /// Where the costs come from: per-rank constants (command line) or a measured pipeline result.
@@ -321,6 +332,7 @@ struct SimRow {
   std::string rule;
   bool dp_overlap = false;  // only meaningful with --dp > 1
   double dp_reduce_ms = 0, dp_exposed_ms = 0;
+  double vs_1f1b_standard = 0;  // 1F1B standard's step (v = 1, same costs) / this step; 0: not computed
 };
 
 struct Rejected {
@@ -331,6 +343,39 @@ struct Rejected {
 
 int chunks_for(const SimulateArgs& a, const std::string& schedule) {
   return a.chunks_per_rank > 0 ? a.chunks_per_rank : schedule_info(schedule).default_chunks_per_rank;
+}
+
+// The v's `schedule` is simulated with: --synth-chunks for synth, else the one of chunks_for.
+std::vector<int> chunk_counts(const SimulateArgs& a, const std::string& schedule) {
+  if (schedule == "synth" && !a.synth_chunks.empty()) return a.synth_chunks;
+  return {chunks_for(a, schedule)};
+}
+
+// synth for the run's costs: each placement it tries priced as costs_for() prices a schedule of that placement.
+Schedule synthesize_for(const SimulateArgs& a, const CostSource& src, const ScheduleOptions& options) {
+  auto costs = [&](const std::vector<int>& stage_to_rank) {
+    Schedule shape;
+    shape.num_ranks = options.ranks;
+    shape.num_stages = static_cast<int>(stage_to_rank.size());
+    shape.stage_to_rank = stage_to_rank;
+    std::string rule;
+    CostModel c = costs_for(shape, src, rule);
+    if (a.recompute) c.recompute = c.forward;
+    return c;
+  };
+  SynthesisOptions search;
+  search.max_work = static_cast<std::int64_t>(a.synth_work);
+  return SynthesizedScheduleGenerator(costs, a.synth_memory, search).generate(options);
+}
+
+// 1F1B standard's step time (v = 1) under the same costs: the reference of the "vs 1f1b std" column.
+double one_f_one_b_standard_ms(const SimulateArgs& a, const CostSource& src, bool overlap) {
+  const Schedule sched = make_schedule("1f1b", ScheduleOptions{a.ranks, a.microbatches, 1, BackwardMode::kStandard});
+  std::string rule;
+  CostModel costs = costs_for(sched, src, rule);
+  if (a.recompute) costs.recompute = costs.forward;
+  if (a.dp > 1) add_data_parallel(sched, a, overlap, costs);
+  return simulate(sched, costs).step_time;
 }
 
 double ms_since(std::chrono::steady_clock::time_point t0) {
@@ -363,55 +408,73 @@ SimulatePlan simulate_plan(const SimulateArgs& a) {
   return plan;
 }
 
-// Generates (or takes from the file), validates and simulates every schedule × mode × overlap setting; a
-// schedule that rejects the shape is recorded once per reason.
-void simulate_all(const SimulateArgs& a, const CostSource& src, const SimulatePlan& plan, std::vector<SimRow>& rows,
+// One schedule x mode x v: generated (synth: for these costs), validated, dumped if asked, and simulated once per
+// overlap setting; a shape the schedule rejects is recorded once per reason.
+// `reference`: 1F1B standard's step per overlap setting of the plan (empty: none).
+void simulate_one(const SimulateArgs& a, const CostSource& src, const SimulatePlan& plan, const std::string& name,
+                  int v, BackwardMode mode, const std::vector<double>& reference, std::vector<SimRow>& rows,
                   std::vector<Rejected>& rejected) {
   const bool from_file = !a.schedule_file.empty();
+  SimRow row;
+  row.schedule = name;
+  row.mode = mode;
+  row.p = from_file ? plan.from_file.num_ranks : a.ranks;
+  row.m = from_file ? plan.from_file.num_micro_batches : a.microbatches;
+  auto t0 = std::chrono::steady_clock::now();
+  Schedule sched;
+  try {
+    const ScheduleOptions options{a.ranks, a.microbatches, v, mode};
+    sched = from_file         ? plan.from_file
+            : name == "synth" ? synthesize_for(a, src, options)
+                              : make_schedule(name, options);
+  } catch (const std::exception& e) {
+    std::string reason = e.what();
+    reason = reason.substr(0, reason.find('\n'));  // validation errors append a grid
+    const bool seen = !rejected.empty() && rejected.back().schedule == name && rejected.back().reason == reason;
+    if (!seen) rejected.push_back({name, v, reason});
+    return;
+  }
+  row.generate_ms = ms_since(t0);
+  if (!a.dump_schedules.empty()) {
+    // The schedule as simulated, to read back with --schedule-file (here or in llama_pipeline) or in PyTorch.
+    const std::string base = fmt::format("{}/{}_{}_p{}_m{}_v{}", a.dump_schedules, name, mode_name(mode),
+                                         sched.num_ranks, sched.num_micro_batches, sched.num_stages / sched.num_ranks);
+    write_text(base + ".txt", dump_schedule(sched));
+    write_text(base + ".csv", to_pytorch_csv(sched));
+  }
+  row.v = sched.num_stages / sched.num_ranks;
+  row.stages = sched.num_stages;
+  for (std::size_t k = 0; k < plan.overlaps.size(); ++k) {
+    const bool overlap = plan.overlaps[k];
+    CostModel costs = costs_for(sched, src, row.rule);
+    if (a.recompute) costs.recompute = costs.forward;  // the re-run forward costs what F costs
+    if (a.dp > 1) row.dp_reduce_ms = add_data_parallel(sched, a, overlap, costs);
+    row.dp_overlap = overlap;
+    t0 = std::chrono::steady_clock::now();
+    const SimulationResult sim = simulate(sched, costs);
+    row.simulate_ms = ms_since(t0);
+    row.step = sim.step_time;
+    row.bubble = sim.bubble_fraction;
+    row.peak_live = *std::max_element(sim.peak_live_micro_batches.begin(), sim.peak_live_micro_batches.end());
+    row.dp_exposed_ms = sim.data_parallel_exposed;
+    row.vs_1f1b_standard = reference.empty() ? 0.0 : reference[k] / sim.step_time;
+    rows.push_back(row);
+  }
+}
+
+// Every schedule x v (synth: each of --synth-chunks) x mode of the plan, or the one schedule of the file.
+void simulate_all(const SimulateArgs& a, const CostSource& src, const SimulatePlan& plan, std::vector<SimRow>& rows,
+                  std::vector<Rejected>& rejected) {
+  std::vector<double> reference;
+  if (a.schedule_file.empty()) {
+    for (bool overlap : plan.overlaps) reference.push_back(one_f_one_b_standard_ms(a, src, overlap));
+  }
   for (const auto& name : plan.names) {
-    const int v = from_file ? plan.from_file.num_stages / plan.from_file.num_ranks : chunks_for(a, name);
-    for (BackwardMode mode : plan.modes) {
-      SimRow row;
-      row.schedule = name;
-      row.mode = mode;
-      row.p = from_file ? plan.from_file.num_ranks : a.ranks;
-      row.m = from_file ? plan.from_file.num_micro_batches : a.microbatches;
-      auto t0 = std::chrono::steady_clock::now();
-      Schedule sched;
-      try {
-        sched = from_file ? plan.from_file : make_schedule(name, ScheduleOptions{a.ranks, a.microbatches, v, mode});
-      } catch (const std::exception& e) {
-        std::string reason = e.what();
-        reason = reason.substr(0, reason.find('\n'));  // validation errors append a grid
-        const bool seen = !rejected.empty() && rejected.back().schedule == name && rejected.back().reason == reason;
-        if (!seen) rejected.push_back({name, v, reason});
-        continue;
-      }
-      row.generate_ms = ms_since(t0);
-      if (!a.dump_schedules.empty()) {
-        // The schedule as simulated, to read back with --schedule-file (here or in llama_pipeline) or in PyTorch.
-        const std::string base = fmt::format("{}/{}_{}_p{}_m{}_v{}", a.dump_schedules, name, mode_name(mode),
-                                             sched.num_ranks, sched.num_micro_batches,
-                                             sched.num_stages / sched.num_ranks);
-        write_text(base + ".txt", dump_schedule(sched));
-        write_text(base + ".csv", to_pytorch_csv(sched));
-      }
-      row.v = sched.num_stages / sched.num_ranks;
-      row.stages = sched.num_stages;
-      for (bool overlap : plan.overlaps) {
-        CostModel costs = costs_for(sched, src, row.rule);
-        if (a.recompute) costs.recompute = costs.forward;  // the re-run forward costs what F costs
-        if (a.dp > 1) row.dp_reduce_ms = add_data_parallel(sched, a, overlap, costs);
-        row.dp_overlap = overlap;
-        t0 = std::chrono::steady_clock::now();
-        const SimulationResult sim = simulate(sched, costs);
-        row.simulate_ms = ms_since(t0);
-        row.step = sim.step_time;
-        row.bubble = sim.bubble_fraction;
-        row.peak_live = *std::max_element(sim.peak_live_micro_batches.begin(), sim.peak_live_micro_batches.end());
-        row.dp_exposed_ms = sim.data_parallel_exposed;
-        rows.push_back(row);
-      }
+    const std::vector<int> counts = a.schedule_file.empty()
+                                        ? chunk_counts(a, name)
+                                        : std::vector<int>{plan.from_file.num_stages / plan.from_file.num_ranks};
+    for (int v : counts) {
+      for (BackwardMode mode : plan.modes) simulate_one(a, src, plan, name, v, mode, reference, rows, rejected);
     }
   }
 }
@@ -451,6 +514,7 @@ Json simulate_json(const SimulateArgs& a, const CostSource& src, const std::vect
            {"cost_rule", r.rule},
            {"generate_ms", r.generate_ms},
            {"simulate_ms", r.simulate_ms}};
+    if (r.vs_1f1b_standard > 0) j["speedup_vs_1f1b_standard"] = r.vs_1f1b_standard;
     if (dp) {
       j["dp"] = a.dp;
       j["dp_overlap"] = r.dp_overlap;
@@ -478,17 +542,23 @@ Json simulate_json(const SimulateArgs& a, const CostSource& src, const std::vect
 std::vector<std::vector<std::string>> simulate_table(const SimulateArgs& a, const SimulatePlan& plan,
                                                      const std::vector<SimRow>& rows) {
   const bool dp = a.dp > 1;
-  std::vector<std::vector<std::string>> table{{"schedule", "v", "stages", "std ms", "2bp ms", "speedup", "std bubble",
-                                               "2bp bubble", "std peak mbs", "2bp peak mbs", "cost rule", "tool ms"}};
+  std::vector<std::vector<std::string>> table{{"schedule", "v", "stages", "std ms", "2bp ms", "speedup",
+                                               "2bp vs 1f1b std", "std bubble", "2bp bubble", "std peak mbs",
+                                               "2bp peak mbs", "cost rule", "tool ms"}};
   if (dp) {
     for (const char* column : {"dp reduce ms", "std exposed", "2bp exposed"}) table[0].push_back(column);
     table[0].insert(table[0].begin() + 1, "dp overlap");
   }
-  for (const auto& name : plan.names) {
+  std::vector<std::pair<std::string, int>> lines;  // (schedule, v) in the order simulated (synth: several v)
+  for (const auto& r : rows) {
+    const std::pair<std::string, int> line{r.schedule, r.v};
+    if (std::find(lines.begin(), lines.end(), line) == lines.end()) lines.push_back(line);
+  }
+  for (const auto& [name, v] : lines) {
     for (bool overlap : plan.overlaps) {
       const SimRow *s = nullptr, *t = nullptr;
       for (const auto& r : rows) {
-        if (r.schedule != name || r.dp_overlap != overlap) continue;
+        if (r.schedule != name || r.v != v || r.dp_overlap != overlap) continue;
         (r.mode == BackwardMode::kStandard ? s : t) = &r;
       }
       if (!s && !t) continue;
@@ -497,7 +567,9 @@ std::vector<std::vector<std::string>> simulate_table(const SimulateArgs& a, cons
       auto peak = [](const SimRow* r) { return r ? std::to_string(r->peak_live) : ""; };
       std::vector<std::string> line{
           name, std::to_string(any.v), std::to_string(any.stages), num(s, &SimRow::step, 2), num(t, &SimRow::step, 2),
-          s && t ? fmt_num(s->step / t->step, 3) : "", num(s, &SimRow::bubble, 3), num(t, &SimRow::bubble, 3),
+          s && t ? fmt_num(s->step / t->step, 3) : "",
+          t && t->vs_1f1b_standard > 0 ? fmt_num(t->vs_1f1b_standard, 3) : "", num(s, &SimRow::bubble, 3),
+          num(t, &SimRow::bubble, 3),
           peak(s), peak(t), any.rule,
           fmt_num((s ? s->generate_ms + s->simulate_ms : 0) + (t ? t->generate_ms + t->simulate_ms : 0), 0)};
       if (dp) {
@@ -593,6 +665,18 @@ void add_simulate_command(CLI::App& app) {
       ->check(CLI::ExistingFile);
   sub->add_option("--mode", a->mode, "standard, 2bp or both")->check(CLI::IsMember({"standard", "2bp", "both"}))
       ->capture_default_str();
+  sub->add_option("--synth-chunks", a->synth_chunks,
+                  "v's to synthesize the synth schedule for, one table line each (default: as every schedule, "
+                  "--chunks-per-rank or 2): 1 linear, 2 the V or interleaved (the faster), >= 3 interleaved")
+      ->delimiter(',')->check(cli::number_in(1, 16));
+  sub->add_option("--synth-memory", a->synth_memory,
+                  "synth's activation budget per rank, in micro-batches of a whole rank's activations (its v chunks "
+                  "each hold 1/v); 0: 1F1B standard's, min(p, m)")
+      ->capture_default_str()->check(cli::number_in(0, 65536));
+  sub->add_option("--synth-work", a->synth_work,
+                  "synth's search effort: the orders it evaluates x their actions (SynthesisOptions::max_work; "
+                  "about 25 ns each)")
+      ->capture_default_str()->check(cli::number_in(1.0, 1e12));
   sub->add_flag("--recompute", a->recompute,
                "Activation recomputation: every I and B first re-runs its stage's forward (CostModel::recompute = F)");
   sub->add_option("--dump-schedules", a->dump_schedules,

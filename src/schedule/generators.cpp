@@ -1,5 +1,5 @@
 // Built-in schedule generators: gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, zb-v, looped-bfs, interleaved-zb,
-// dualpipev, v-half, v-min.
+// dualpipev, v-half, v-min (and the registry entry of synth, src/plan/synthesize.cpp).
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -683,6 +683,7 @@ std::vector<ScheduleInfo> builtin_schedules() {
       builtin("dualpipev", dualpipev, 2, "DeepSeek's DualPipeV: V, F of one micro-batch beside B of another"),
       builtin("v-half", v_half, 2, "V with about half of 1F1B's activation memory"),
       builtin("v-min", v_min, 2, "V with about a third of 1F1B's activation memory"),
+      synthesized_schedule_info(),
   };
 }
 

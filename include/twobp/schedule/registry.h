@@ -13,7 +13,7 @@
 namespace twobp {
 
 /// Built-in names: "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "looped-bfs", "interleaved-zb",
-/// "dualpipev", "v-half", "v-min".
+/// "dualpipev", "v-half", "v-min", "synth".
 ///
 /// Placement and requirements (p = ranks, m = micro-batches, v = chunks_per_rank; all need p >= 1, m >= 1):
 /// - gpipe, 1f1b, zb-h1, zb-h2: one stage per rank (v must be 1), stage s on rank s; any m.
@@ -33,6 +33,11 @@ namespace twobp {
 ///   and 2 floor((p + 3) / 3) stage activations per rank from F to I, against 1F1B's 2p chunk activations; the
 ///   authors' repeating blocks with the paper's squeeze of warm-up and cool-down (actions moved into earlier free
 ///   slots where that raises no rank's memory peak).
+/// - synth: synthesized by search (twobp/plan/synthesize.h, SynthesizedScheduleGenerator) for the textbook costs F
+///   = I = W = 1, B = 2 within 1F1B standard's activation memory, after a short search; v = 1 linear, v = 2 (the
+///   default) the V or the interleaved placement, whichever is faster (stage_to_rank says which), v >= 3
+///   interleaved; any m. Its split form fuses each backward or splits it, whichever the search found faster.
+///   Build a SynthesizedScheduleGenerator with measured costs to synthesize for them.
 /// On every stage F's, and likewise I/B's, run in increasing micro-batch order (looped-bfs's backwards excepted).
 ///
 /// Backward modes: kStandard uses B. kSplit (2BP) for gpipe/1f1b/interleaved puts I where B was; in the cool-down
