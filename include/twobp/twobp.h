@@ -33,6 +33,7 @@
 #include "twobp/plan/choose.h"
 #include "twobp/plan/llama.h"
 #include "twobp/plan/measure.h"
+#include "twobp/plan/synthesize.h"
 #include "twobp/runtime/data_parallel.h"
 #include "twobp/runtime/executor.h"
 #include "twobp/runtime/hang_report.h"
