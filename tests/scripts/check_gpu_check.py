@@ -183,22 +183,20 @@ def self_test(mode, s, files, rc, wall):
 def carried_binaries(script, cpu_build, dest, stale):
     """What `gpu_check.sh prebuild` would leave, made of this CPU build's binaries: twobp_bench, the gpu tests that
     run without MPI, and a manifest with the sources' digest (another one when stale) and the build's torch."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(os.path.dirname(script), "gpu_check.py"))
-    gc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gc)
+    sys.path.insert(0, os.path.dirname(script))
+    from gpucheck import carry, util
     show = subprocess.run(["ctest", "--test-dir", cpu_build, "-L", "gpu", "--show-only=json-v1"],
                           capture_output=True, text=True, check=True).stdout
-    tests = [t for t in gc.gpu_tests_from_ctest(show, cpu_build) if not t["mpi"]]
+    tests = [t for t in carry.gpu_tests_from_ctest(show, cpu_build) if not t["mpi"]]
     os.makedirs(dest)
     shutil.copy2(os.path.join(cpu_build, "benchmarks", "twobp_bench"), os.path.join(dest, "twobp_bench"))
     shutil.copy2(os.path.join(cpu_build, "examples", "llama_pipeline"),
                  os.path.join(dest, "llama_pipeline"))
     for t in tests:
         shutil.copy2(t["binary"], os.path.join(dest, t["name"]))
-    version = gc.torch_version(gc.torch_root_from_cache(cpu_build))
-    gc.write_json(os.path.join(dest, "manifest.json"), {
-        "digest": "0" * 64 if stale else gc.source_digest(), "torch": version, "bench": "twobp_bench",
+    version = carry.torch_version(carry.torch_root_from_cache(cpu_build))
+    util.write_json(os.path.join(dest, "manifest.json"), {
+        "digest": "0" * 64 if stale else carry.source_digest(), "torch": version, "bench": "twobp_bench",
         "example": "llama_pipeline", "targets": ["twobp_bench", "llama_pipeline"] + [t["name"] for t in tests],
         "built_utc": "test",
         "tests": [dict(t, binary=t["name"]) for t in tests]})
