@@ -3,7 +3,7 @@
 describes the usage, the profiles, the environment and the output files. This file parses the command line and
 hands over: scripts/gpucheck/runner.py runs pieces (timeouts, process groups, the deadline, summary.json),
 scripts/gpucheck/profiles.py says which pieces run in which order, and the other modules of scripts/gpucheck are the
-pieces (environment, build and carry, measure, gputests)."""
+pieces (environment, build and carry, measure, gputests, split_costs, partition, nccl4, emulation)."""
 
 import argparse
 import datetime
@@ -25,15 +25,19 @@ from gpucheck.util import now, write_json  # noqa: E402
 def parse(argv):
     ap = argparse.ArgumentParser(prog="scripts/gpu_check.sh", description="see the header of scripts/gpu_check.sh")
     ap.add_argument("--dry-run", action="store_true", help="the CPU-side check (this machine)")
-    ap.add_argument("--profile", choices=("default",), default="default", help="default: the suites and "
-                                                                                  "measurements")
-    ap.add_argument("--deadline", type=float, help="overall deadline in seconds (GPU_CHECK_DEADLINE; default 450)")
+    ap.add_argument("--profile", choices=("default", "perf"), default="default",
+                    help="default: the suites and measurements; perf: the performance evidence (issue 61)")
+    ap.add_argument("--part", type=int, choices=(1, 2), help="perf only: run this part (default: both)")
+    ap.add_argument("--deadline", type=float, help="overall deadline in seconds (GPU_CHECK_DEADLINE; default 450, "
+                                                   "perf 280 per part)")
     ap.add_argument("--build-dir", help="the GPU configuration's build directory (GPU_CHECK_BUILD_DIR)")
     ap.add_argument("--only", help="comma-separated globs: run only the measure:/test: pieces they match (with or "
                                    "without the prefix); set-up pieces always run")
     ap.add_argument("outdir")
     args = ap.parse_args(argv)
-    args.parts = ()
+    if args.part and args.profile != "perf":
+        ap.error("--part needs --profile perf")
+    args.parts = (args.part,) if args.part else (1, 2)
     if args.deadline is None:
         env = os.environ.get("GPU_CHECK_DEADLINE")
         args.deadline = float(env) if env else float(profiles.deadline(args.profile, args.parts))

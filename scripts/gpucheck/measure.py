@@ -161,8 +161,7 @@ class Measurements:
                 raise RuntimeError(detail)
             return detail
 
-        if not run.skip_unselected("measure:example_compare"):
-            run.func_piece("measure:example_compare", compare)
+        run.func_piece("measure:example_compare", compare)
 
     def example_memory_pieces(self):
         """measure:example_memory_2bp / _standard: the example's --dry-run estimate of a rank's memory, then real

@@ -191,13 +191,6 @@ class Runner:
         return "not selected (%s)" % ("--only " + ",".join(self.only) if self.only else
                                       "runs only when --only names it: " + ", ".join(self.opt_in))
 
-    def skip_unselected(self, name):
-        """Records name as skipped when --only leaves it out; returns whether it did."""
-        if self.selected(name):
-            return False
-        self.record(name, "skipped", 0, self.not_selected())
-        return True
-
     def provide(self, name, what):
         """Records a set-up piece that carried prebuilt binaries make unnecessary; later pieces may need it."""
         self.provided.add(name)
@@ -214,6 +207,19 @@ class Runner:
         cap_file(path)
 
     # ---- running a piece ----
+    def skipped(self, name, needs, reason, action):
+        """Records name as skipped and returns its record when it does not run: a reason given or not selected by
+        --only (unless a fault is injected there: it stands for the piece), or a piece it needs did not pass."""
+        if reason and not action:
+            return self.record(name, "skipped", 0, reason)
+        if not self.selected(name) and not action:
+            return self.record(name, "skipped", 0, self.not_selected())
+        for need in needs:
+            if not self.passed(need):
+                st = self.by_name[need]["status"] if need in self.by_name else "not run"
+                return self.record(name, "skipped", 0, "needs %s (%s)" % (need, st))
+        return None
+
     def piece(self, name, cmd, timeout, min_s=5, log="check.log", needs=(), cwd=None, env=None, analyze=None,
               skip_reason=None):
         """Runs cmd as one piece. analyze(text, rc, timed_out, status, detail) -> (status, detail, extra) refines
@@ -221,14 +227,9 @@ class Runner:
         action = self.injected(name)
         if action == "crash":
             raise RuntimeError("injected crash of the orchestrator at piece %s" % name)
-        if skip_reason and not action:
-            return self.record(name, "skipped", 0, skip_reason), ""
-        if not self.selected(name) and not action:
-            return self.record(name, "skipped", 0, self.not_selected()), ""
-        for need in needs:
-            if not self.passed(need):
-                st = self.by_name[need]["status"] if need in self.by_name else "not run"
-                return self.record(name, "skipped", 0, "needs %s (%s)" % (need, st)), ""
+        skipped = self.skipped(name, needs, skip_reason, action)
+        if skipped:
+            return skipped, ""
         left = self.left() - SUMMARY_RESERVE_S - KILL_GRACE_S
         if left < min_s:
             return self.record(name, "skipped", 0, "skipped: %.0f s left of the deadline, needs %.0f" %
@@ -306,11 +307,14 @@ class Runner:
             raise Interrupted(interrupted)
         return piece, text
 
-    def func_piece(self, name, fn, log="check.log"):
+    def func_piece(self, name, fn, log="check.log", needs=()):
         """An in-process piece: fn() -> detail or raises; fault injection still replaces it by a command. Only for
         work that cannot hang (reading files, arithmetic): it has no timeout."""
         if self.injected(name):
             return self.piece(name, ["true"], 30, log=log)[0]
+        skipped = self.skipped(name, needs, None, None)
+        if skipped:
+            return skipped
         start = now()
         try:
             detail = fn()
