@@ -6,28 +6,28 @@ between ranks), with 2BP and standard, and writes each stage's measured F, I, W,
 import os
 
 from . import sizing
-from .measure import example_command
+from .measure import COMMUNICATION_MS, example_command
 from .util import load_json
 
 # 1f1b places one chunk per rank; with four chunks on one rank the same order is interleaved-1f1b with p = 1.
 PARTITION_GPU = dict(device="cuda", model="7b", dtype="bf16-pure", ranks=1, chunks_per_rank=4,
                      schedule="interleaved-1f1b", micro_batch_size=1, steps=3,
-                     candidates=((4, 1024), (2, 1024), (1, 1024)), dim=4096, dtype_bytes=2)
+                     candidates=((4, 1024), (2, 1024), (1, 1024)))
 # The dry run: the tiny model with 8 blocks (so that the planner has two chunks per rank to place), fp32 on the CPU;
 # a pretend 80 GB card.
 PARTITION_DRY = dict(device="cpu", model="tiny", layers=8, dtype="fp32", ranks=1, chunks_per_rank=4,
                      schedule="interleaved-1f1b", micro_batch_size=1, steps=2, candidates=((2, 16), (1, 16)),
-                     dim=64, dtype_bytes=4, card_gib=sizing.H100_GIB)
+                     card_gib=sizing.H100_GIB)
 MODES = ("2bp", "standard")
+ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "bf16-pure": 2}   # per element of a message, by the example's --dtype
 
 # The planner's pipeline: 4 GPUs, one replica, no recomputation, 8 micro-batches of one sequence.
 PLAN_RANKS, PLAN_MICRO_BATCHES = 4, 8
-# One GPU cannot measure a link, so the message time is ASSUMED: 0.1 ms per activation message at seq 1024, as the
-# default profile's simulation assumed (NVLink-class: an H100's NVLink moves the 8 MiB [1, 1024, 4096] bf16
-# activation in ~0.02 ms at 450 GB/s per direction; 0.1 ms leaves room for protocol and launch overheads). The
-# planner takes a link, not a time: the bandwidth that gives this time at the run's sequence length, with 5 us of
-# latency.
-MESSAGE_MS = 0.1
+# One GPU cannot measure a link, so the message time is ASSUMED: the default profile's (measure.COMMUNICATION_MS,
+# 0.1 ms per activation message: NVLink-class; an H100's NVLink moves the 8 MiB [1, 1024, 4096] bf16 activation in
+# ~0.02 ms at 450 GB/s per direction, and 0.1 ms leaves room for protocol and launch overheads). The planner takes a
+# link, not a time: the bandwidth that gives this time at the run's sequence length, with 5 us of latency.
+MESSAGE_MS = COMMUNICATION_MS
 LINK_LATENCY_US = 5.0
 
 
@@ -119,7 +119,11 @@ class RealPartition:
             return run.record(name, "skipped", 0, "no size: see the measure:stage_costs_size_* pieces")
         bench = self.build.bench_binary()
         plan_json = os.path.join(run.out, "plan.json")
-        gbps = link_gbps(chosen["seq"], c["dim"], c["dtype_bytes"], c["micro_batch_size"])
+        try:  # the model's width as the measured run wrote it
+            dim = load_json(os.path.join(run.out, "costs_2bp.json"))["config"]["dim"]
+        except (OSError, ValueError, KeyError):
+            return run.piece(name, [], 30, needs=("measure:stage_costs_2bp",))
+        gbps = link_gbps(chosen["seq"], dim, ACTIVATION_BYTES[c["dtype"]], c["micro_batch_size"])
         link = {"message_ms_assumed": MESSAGE_MS, "link_gbps": round(gbps, 3), "link_latency_us": LINK_LATENCY_US,
                 "why": "one GPU cannot measure a link: NVLink-class, 0.1 ms per [1, seq, dim] activation message "
                        "(partition.MESSAGE_MS)"}
