@@ -38,18 +38,13 @@ PROVIDED = ("configure", "targets", "discover", "build:library", "build:twobp_be
 INJECT = "env:tools:hang,measure:split_seq16:fail"
 
 
-def validate(mode, s, files, rc, wall):
-    """Problems of one run: its summary s, the files of its output directory {name: bytes}, its exit code and
-    wall time."""
-    bad = []
-
-    def need(cond, msg):
-        if not cond:
-            bad.append(msg)
-        return cond
-
+def check_common(s, files, wall, deadline, need):
+    """What every dry run's summary must be, whatever its profile (need(cond, msg) records a problem): an object,
+    "gpu" false, at most 8 files of at most 16 MiB, well-formed pieces (a name, a status, seconds, a detail; a
+    reason when skipped), the deadline as expected and kept, the NCCL settings. Returns the pieces by name, or None
+    when the summary is too broken to look further."""
     if not need(isinstance(s, dict), "summary.json is not an object"):
-        return bad
+        return None
     need(s.get("gpu") is False, '"gpu" is %r, not false' % s.get("gpu"))
     need(s.get("mode") == "dry-run", '"mode" is %r' % s.get("mode"))
     need(len(files) <= 8, "%d files in the output directory (at most 8): %s" % (len(files), sorted(files)))
@@ -57,7 +52,7 @@ def validate(mode, s, files, rc, wall):
     need("summary.json" in files, "no summary.json among the files")
     pieces = s.get("pieces")
     if not need(isinstance(pieces, list) and pieces, '"pieces" is missing or empty'):
-        return bad
+        return None
     by_name = {}
     for p in pieces:
         if not need(isinstance(p, dict) and isinstance(p.get("name"), str) and p["name"], "a piece without a name: %r"
@@ -72,15 +67,32 @@ def validate(mode, s, files, rc, wall):
         need(isinstance(p.get("detail"), str), "piece %s: detail %r" % (name, p.get("detail")))
         if p.get("status") == "skipped":
             need(bool(p.get("detail")), "piece %s skipped without a reason" % name)
-    deadline, total = s.get("deadline_s"), s.get("total_s")
-    need(deadline == DEADLINE[mode], "deadline_s %r, expected %r" % (deadline, DEADLINE[mode]))
-    need(isinstance(total, (int, float)) and isinstance(deadline, (int, float)) and total < deadline,
-         "total_s %r is not under deadline_s %r" % (total, deadline))
+    got, total = s.get("deadline_s"), s.get("total_s")
+    need(got == deadline, "deadline_s %r, expected %r" % (got, deadline))
+    need(isinstance(total, (int, float)) and isinstance(got, (int, float)) and total < got,
+         "total_s %r is not under deadline_s %r" % (total, got))
     need(s.get("ended_before_deadline") is True, "ended_before_deadline is %r" % s.get("ended_before_deadline"))
-    need(wall < DEADLINE[mode] + 15, "the run took %.0f s, deadline %d s" % (wall, DEADLINE[mode]))
+    need(wall < deadline + 15, "the run took %.0f s, deadline %d s" % (wall, deadline))
     env = s.get("test_env") or {}
     need(env.get("NCCL_DEBUG") and env.get("NCCL_DEBUG_SUBSYS") and "NCCL_MNNVL_ENABLE" in env,
          "test_env lacks the NCCL settings: %r" % env)
+    return by_name
+
+
+def validate(mode, s, files, rc, wall):
+    """Problems of one run: its summary s, the files of its output directory {name: bytes}, its exit code and
+    wall time."""
+    bad = []
+
+    def need(cond, msg):
+        if not cond:
+            bad.append(msg)
+        return cond
+
+    by_name = check_common(s, files, wall, DEADLINE[mode], need)
+    if by_name is None:
+        return bad
+    pieces = s["pieces"]
     need(isinstance(s.get("gpu_tests"), dict) and s["gpu_tests"], "gpu_tests is empty")
     carried = mode == "prebuilt"
     for name in ("env:torch", "third_party", "measure:split_seq32", "measure:simulate_seq32", "measure:example_2bp",
@@ -183,67 +195,65 @@ def self_test(mode, s, files, rc, wall):
 def carried_binaries(script, cpu_build, dest, stale):
     """What `gpu_check.sh prebuild` would leave, made of this CPU build's binaries: twobp_bench, the gpu tests that
     run without MPI, and a manifest with the sources' digest (another one when stale) and the build's torch."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(os.path.dirname(script), "gpu_check.py"))
-    gc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gc)
+    sys.path.insert(0, os.path.dirname(script))
+    from gpucheck import carry, util
     show = subprocess.run(["ctest", "--test-dir", cpu_build, "-L", "gpu", "--show-only=json-v1"],
                           capture_output=True, text=True, check=True).stdout
-    tests = [t for t in gc.gpu_tests_from_ctest(show, cpu_build) if not t["mpi"]]
+    tests = [t for t in carry.gpu_tests_from_ctest(show, cpu_build) if not t["mpi"]]
     os.makedirs(dest)
     shutil.copy2(os.path.join(cpu_build, "benchmarks", "twobp_bench"), os.path.join(dest, "twobp_bench"))
     shutil.copy2(os.path.join(cpu_build, "examples", "llama_pipeline"),
                  os.path.join(dest, "llama_pipeline"))
     for t in tests:
         shutil.copy2(t["binary"], os.path.join(dest, t["name"]))
-    version = gc.torch_version(gc.torch_root_from_cache(cpu_build))
-    gc.write_json(os.path.join(dest, "manifest.json"), {
-        "digest": "0" * 64 if stale else gc.source_digest(), "torch": version, "bench": "twobp_bench",
+    version = carry.torch_version(carry.torch_root_from_cache(cpu_build))
+    util.write_json(os.path.join(dest, "manifest.json"), {
+        "digest": "0" * 64 if stale else carry.source_digest(), "torch": version, "bench": "twobp_bench",
         "example": "llama_pipeline", "targets": ["twobp_bench", "llama_pipeline"] + [t["name"] for t in tests],
         "built_utc": "test",
         "tests": [dict(t, binary=t["name"]) for t in tests]})
     return dest
 
 
-def main():
-    if len(sys.argv) != 5 or sys.argv[1] not in DEADLINE:
-        sys.exit(__doc__)
-    mode, script, cpu_build, work = sys.argv[1:]
-    shutil.rmtree(work, ignore_errors=True)
+def dry_run(script, options, env, deadline, work):
+    """Runs `gpu_check.sh --dry-run OPTIONS WORK/out` under env (deadline GPU_CHECK_DEADLINE). Returns (exit code,
+    wall seconds, {file: bytes} of the output directory, the summary or None)."""
     out = os.path.join(work, "out")
-    os.makedirs(work)
-    env = dict(os.environ, GPU_CHECK_CPU_BUILD=cpu_build, GPU_CHECK_DEADLINE=str(DEADLINE[mode]))
-    env.pop("GPU_CHECK_BUILD_DIR", None)
-    env.pop("GPU_CHECK_INJECT", None)
-    env.setdefault("PYTHON", sys.executable)
-    if mode == "injected":
-        env.update(GPU_CHECK_INJECT=INJECT, GPU_CHECK_MAX_PIECE_SECONDS="90")
-    if mode.startswith("prebuilt"):
-        env["GPU_CHECK_PREBUILT"] = carried_binaries(script, cpu_build, os.path.join(work, "prebuilt"),
-                                                     stale=mode == "prebuilt-stale")
+    env = dict(env, GPU_CHECK_DEADLINE=str(deadline))
     start = time.monotonic()
     try:
-        # The prebuilt run names every measurement and test, so the opt-in pieces (the example's memory) run too.
-        only = ["--only", "measure:*,test:*"] if mode == "prebuilt" else []
-        rc = subprocess.run(["bash", script, "--dry-run"] + only + [out], env=env,
-                            timeout=DEADLINE[mode] + 60).returncode
+        rc = subprocess.run(["bash", script, "--dry-run"] + options + [out], env=env, timeout=deadline + 60).returncode
     except subprocess.TimeoutExpired:
-        rc = "killed after %d s" % (DEADLINE[mode] + 60)
+        rc = "killed after %d s" % (deadline + 60)
     wall = time.monotonic() - start
-    print("check_gpu_check: %s: exit %s after %.1f s" % (mode, rc, wall))
+    print("check_gpu_check: %s: exit %s after %.1f s" % (" ".join(options) or "default", rc, wall))
     files = {n: os.path.getsize(os.path.join(out, n)) for n in os.listdir(out)} if os.path.isdir(out) else {}
     try:
         with open(os.path.join(out, "summary.json")) as f:
             summary = json.load(f)
     except (OSError, ValueError) as e:
-        print("check_gpu_check: FAILED: no readable summary.json: %s" % e)
-        return 1
-    problems = validate(mode, summary, files, rc, wall)
+        print("check_gpu_check: no readable summary.json: %s" % e)
+        summary = None
+    return rc, wall, files, summary
+
+
+def check_environment(cpu_build, work):
+    """The environment of a checked dry run: this CPU build, no inherited build dir or fault injection, a fresh WORK
+    directory."""
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    env = dict(os.environ, GPU_CHECK_CPU_BUILD=cpu_build)
+    for k in ("GPU_CHECK_BUILD_DIR", "GPU_CHECK_INJECT", "GPU_CHECK_DEADLINE"):
+        env.pop(k, None)
+    env.setdefault("PYTHON", sys.executable)
+    return env
+
+
+def report(mode, summary, files, problems, work):
+    """Prints the pieces and the verdict; returns the exit code of the checker."""
     leftovers = [n for n in os.listdir(work) if n.startswith("build-gpu-dry.")]
     if leftovers:
         problems.append("the dry run's build directory was left behind: %s" % leftovers)
-    if not problems:
-        problems = self_test(mode, summary, files, rc, wall)
     for p in summary.get("pieces", []) if isinstance(summary, dict) else []:
         print("  %-72s %-7s %6.1f s  %s" % (p.get("name"), p.get("status"), p.get("seconds") or 0,
                                            str(p.get("detail"))[:100]))
@@ -253,6 +263,27 @@ def main():
     print("check_gpu_check: %s OK (%d pieces, %d files, %.1f s of a %d s deadline)" % (
         mode, len(summary["pieces"]), len(files), summary["total_s"], summary["deadline_s"]))
     return 0
+
+
+def main():
+    if len(sys.argv) != 5 or sys.argv[1] not in DEADLINE:
+        sys.exit(__doc__)
+    mode, script, cpu_build, work = sys.argv[1:]
+    env = check_environment(cpu_build, work)
+    if mode == "injected":
+        env.update(GPU_CHECK_INJECT=INJECT, GPU_CHECK_MAX_PIECE_SECONDS="90")
+    if mode.startswith("prebuilt"):
+        env["GPU_CHECK_PREBUILT"] = carried_binaries(script, cpu_build, os.path.join(work, "prebuilt"),
+                                                     stale=mode == "prebuilt-stale")
+    # The prebuilt run names every measurement and test, so the opt-in pieces (the example's memory) run too.
+    only = ["--only", "measure:*,test:*"] if mode == "prebuilt" else []
+    rc, wall, files, summary = dry_run(script, only, env, DEADLINE[mode], work)
+    if summary is None:
+        return report(mode, summary, files, ["no readable summary.json"], work)
+    problems = validate(mode, summary, files, rc, wall)
+    if not problems:
+        problems = self_test(mode, summary, files, rc, wall)
+    return report(mode, summary, files, problems, work)
 
 
 if __name__ == "__main__":
