@@ -164,7 +164,14 @@ std::string fmt_num(double value, int digits) {
   return buf;
 }
 
-const char* mode_name(BackwardMode mode) { return mode == BackwardMode::kSplit ? "2bp" : "standard"; }
+std::vector<BackwardMode> mode_list(const std::string& value) {
+  if (value == "both") return {BackwardMode::kStandard, BackwardMode::kSplit};
+  return {parse_backward_mode(value)};
+}
+
+std::vector<std::string> mode_choices() {
+  return {to_string(BackwardMode::kStandard), to_string(BackwardMode::kSplit), "both"};
+}
 
 std::vector<std::string> name_list(const std::string& value, const std::vector<std::string>& known,
                                    const std::string& what) {

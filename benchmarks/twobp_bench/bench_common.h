@@ -172,8 +172,11 @@ class Reporter {
   std::vector<std::size_t> table_;  // indices into columns_, in table order
 };
 
-/// "standard" or "2bp": how every twobp_bench output names a backward mode.
-const char* mode_name(BackwardMode mode);
+/// A --mode value: "both" (standard, then 2bp), or one mode as parse_backward_mode() reads it. Every output names
+/// a mode by to_string(BackwardMode).
+std::vector<BackwardMode> mode_list(const std::string& value);
+/// What --mode offers: each mode's to_string() and "both".
+std::vector<std::string> mode_choices();
 
 /// A command-line list of names: "all" (every `known` name) or names of `known` separated by commas, in the given
 /// order. Throws std::invalid_argument naming the unknown one, `what` it should be ("schedule") and the known ones.

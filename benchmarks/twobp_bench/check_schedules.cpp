@@ -46,7 +46,7 @@ int run_check(const CheckArgs& a) {
           const ScheduleOptions so = default_schedule_options(name, p, m, mode);
           Json r;
           r["schedule"] = name;
-          r["mode"] = mode_name(mode);
+          r["mode"] = to_string(mode);
           r["p"] = p;
           r["m"] = m;
           try {

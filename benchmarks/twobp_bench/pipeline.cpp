@@ -30,7 +30,7 @@
 //                       they partition the rank's timeline), wait_ms_by_peer ({peer: {F, B}}: who it waited for)
 //                       and unaccounted_ms (step_ms − Σ parts)
 //
-// Tensor memory (twobp/metrics/memory.h; every run records it: PipelineOptions::record_memory):
+// Tensor memory (twobp/metrics/memory.h; every run records it: PipelineOptions::executor.record_memory):
 //   peak_memory_bytes       max over the pipeline's ranks and measured steps of StepResult::peak_memory_bytes
 //                           (CPU: twobp's allocation counter, one account per rank; CUDA: the caching allocator's
 //                           allocated bytes). memory_source in "config" says which.
@@ -42,7 +42,7 @@
 //   sim_memory_error        peak_memory_bytes / sim_peak_memory_bytes − 1
 //   ..._per_rank            the same per pipeline rank
 //   (rows with a memory limit have no sim_ memory fields: the simulator does not model the W's a limit moves)
-// Memory-bounded 2BP (--memory-limit-mb X): every configuration also runs with PipelineOptions::memory_limit_bytes
+// Memory-bounded 2BP (--memory-limit-mb X): every configuration also runs with ExecutorOptions::memory_limit_bytes
 // = X MiB, the two pipelines taking turns step by step, and the limited rows report
 //   memory_limit_bytes      the limit
 //   limit_held              peak_memory_bytes <= memory_limit_bytes (the first, unmeasured steps may exceed it)
@@ -124,10 +124,10 @@
 #include "twobp/schedule/text.h"
 #include "twobp/trace/attribution.h"
 #include "twobp/trace/trace.h"
+#include "twobp/transport/collectives.h"
 #include "twobp/transport/local.h"
 #include "twobp/transport/mpi.h"
 #include "twobp_cli.h"
-#include "util/reduce.h"
 
 namespace twobp::bench {
 namespace {
@@ -213,7 +213,6 @@ double peak_rss_bytes() {
 }
 
 // Sums `values` over ranks (every rank gets the sum); the tool for sharing per-rank measurements.
-using detail::sum_over_ranks;
 
 // One pipeline of a configuration: how its shapes travel and its memory limit (0: none).
 struct Variant {
@@ -258,14 +257,16 @@ std::vector<RunResult> run_config(Transport& world, ParallelGroups& groups, cons
   for (std::size_t k = 0; k < variant_list.size(); ++k) {
     const Variant& vk = variant_list[k];
     PipelineOptions options;
-    options.timeout = timeout;
+    options.executor.timeout = timeout;
     options.loss = model_loss(a.model);
-    if (!vk.announced) options.activation_spec = [model](int stage) { return model_activation_spec(model, stage); };
+    if (!vk.announced) {
+      options.executor.activation_spec = [model](int stage) { return model_activation_spec(model, stage); };
+    }
     options.data_parallel.group = groups.data_parallel();
     options.data_parallel.overlap = buckets.overlap;
     options.data_parallel.start_during_backward = buckets.during_backward;
-    options.record_memory = true;
-    options.memory_limit_bytes = vk.memory_limit;
+    options.executor.record_memory = true;
+    options.executor.memory_limit_bytes = vk.memory_limit;
     variants[k].variant = vk;
     std::vector<PipelineChunk> chunks = make_model_chunks(a.model, schedule, me);
     const std::vector<int> recomputing =
@@ -334,10 +335,8 @@ void summarize_memory(Transport& transport, const Schedule& sched, const Measure
                       RunResult& r) {
   const int p = transport.world_size(), me = transport.rank();
   const MemoryModel model = agree_memory(transport, m.memory->local_medians(me, p), timeout);
-  std::vector<double> mem(static_cast<std::size_t>(p), 0.0);  // [pipeline rank]: its measured peak
-  mem[me] = m.peak_memory.empty() ? 0.0 : *std::max_element(m.peak_memory.begin(), m.peak_memory.end());
-  mem = sum_over_ranks(transport, mem, timeout);
-  r.peak_memory_per_rank.assign(mem.begin(), mem.begin() + p);
+  const double peak = m.peak_memory.empty() ? 0.0 : *std::max_element(m.peak_memory.begin(), m.peak_memory.end());
+  r.peak_memory_per_rank = gather_over_ranks(transport, peak, timeout);  // [pipeline rank]: its measured peak
   r.sim_peak_memory_per_rank = simulate_peak_memory(sched, model);
   r.peak_memory = *std::max_element(r.peak_memory_per_rank.begin(), r.peak_memory_per_rank.end());
   r.sim_peak_memory = *std::max_element(r.sim_peak_memory_per_rank.begin(), r.sim_peak_memory_per_rank.end());
@@ -432,7 +431,7 @@ RunResult summarize_run(Transport& world, ParallelGroups& groups, const Pipeline
   if (world.rank() == 0 && !a.trace_dir.empty()) {
     make_directories(a.trace_dir);
     std::string base = fmt::format("{}/{}_{}_p{}_m{}", a.trace_dir, name,
-                                   mode_name(mode), p, a.microbatches);
+                                   to_string(mode), p, a.microbatches);
     if (dp > 1) {
       base += fmt::format("_dp{}_{}", dp,
                           r.dp_overlap ? (r.dp_after_backward ? "overlap_after_b" : "overlap") : "nooverlap");
@@ -441,8 +440,7 @@ RunResult summarize_run(Transport& world, ParallelGroups& groups, const Pipeline
     if (m.variant.memory_limit > 0) base += "_limited";
     write_text(base + ".trace.json", to_chrome_trace(traces));
     r.trace_files = {base + ".trace.json", base + ".svg", base + ".attribution.svg"};
-    const std::string what = fmt::format("{} {} — p={} m={} v={}", name,
-                                         mode == BackwardMode::kSplit ? "2BP" : "standard", p, a.microbatches, r.v);
+    const std::string what = fmt::format("{} {} — p={} m={} v={}", name, to_string(mode), p, a.microbatches, r.v);
     write_text(base + ".svg", to_svg(traces, what + ", last measured step"));
     write_text(base + ".attribution.svg",
                to_attribution_svg(r.attribution, fmt::format("{}: where each rank's step went (mean of {} steps)",
@@ -456,7 +454,7 @@ std::vector<std::string> schedule_list(const std::string& value) {
   return name_list(value, schedule_names(), "schedule");
 }
 
-// "2BP ×1.234" labels and tokens/s (or samples/s) bars per schedule.
+// "2bp ×1.234" labels and tokens/s (or samples/s) bars per schedule.
 void write_chart(const PipelineArgs& a, const std::vector<RunResult>& results, bool tokens) {
   std::vector<BarGroup> groups;
   int p = 0;
@@ -475,12 +473,15 @@ void write_chart(const PipelineArgs& a, const std::vector<RunResult>& results, b
     it->values[r.mode == BackwardMode::kSplit ? 1 : 0] = tokens ? r.tokens_per_s : r.samples_per_s;
   }
   for (auto& g : groups) {
-    if (g.values[0] > 0 && g.values[1] > 0) g.label = fmt::format("2BP \u00d7{:.3f}", g.values[1] / g.values[0]);
+    if (g.values[0] > 0 && g.values[1] > 0) {
+      g.label = fmt::format("{} \u00d7{:.3f}", to_string(BackwardMode::kSplit), g.values[1] / g.values[0]);
+    }
   }
   std::string title = fmt::format("twobp pipeline throughput: {} model, p={}, m={}, micro-batch {}", a.model.model, p,
                                   a.microbatches, a.model.micro_batch_size);
   if (a.dp > 1) title += fmt::format(", dp={} (global batch)", a.dp);
-  write_text(a.chart, bar_chart_svg(title, tokens ? "tokens/s" : "samples/s", {"standard", "2BP"}, groups));
+  write_text(a.chart, bar_chart_svg(title, tokens ? "tokens/s" : "samples/s",
+                                    {to_string(BackwardMode::kStandard), to_string(BackwardMode::kSplit)}, groups));
 }
 
 // One result with what the report derives from it and its standard-mode partner (same schedule, p, m, v, dp
@@ -537,8 +538,8 @@ std::vector<Column<ResultRow>> result_columns(const PipelineArgs& a, bool tokens
   auto add = [&](auto&&... args) { cols.push_back(column<Row>(std::forward<decltype(args)>(args)...)); };
   auto add_if = [&](auto&&... args) { cols.push_back(column_if<Row>(std::forward<decltype(args)>(args)...)); };
   add("schedule", [](const Row& r) { return r.r->schedule; }, "schedule", [](const Row& r) { return r.r->schedule; });
-  add("mode", [](const Row& r) { return mode_name(r.r->mode); }, "mode",
-      [](const Row& r) { return std::string(mode_name(r.r->mode)); });
+  add("mode", [](const Row& r) { return to_string(r.r->mode); }, "mode",
+      [](const Row& r) { return std::string(to_string(r.r->mode)); });
   add("p", [](const Row& r) { return r.r->p; }, "p", [](const Row& r) { return std::to_string(r.r->p); });
   add("m", [](const Row& r) { return r.r->m; }, "m", [](const Row& r) { return std::to_string(r.r->m); });
   add("v", [](const Row& r) { return r.r->v; }, "v", [](const Row& r) { return std::to_string(r.r->v); });
@@ -716,9 +717,7 @@ void run_pipeline_bench(const PipelineArgs& a) {
   memory::count_cpu_allocations();
   at::set_num_threads(a.threads);
   std::vector<std::string> names = schedule_list(a.schedule);
-  std::vector<BackwardMode> modes;
-  if (a.mode != "2bp") modes.push_back(BackwardMode::kStandard);
-  if (a.mode != "standard") modes.push_back(BackwardMode::kSplit);
+  std::vector<BackwardMode> modes = mode_list(a.mode);
   if (!a.schedule_file.empty()) {
     // The file fixes the schedule and its mode; ranks and micro-batches are checked against it when it is used.
     const Schedule s = load_schedule_file(a.schedule_file);
@@ -756,7 +755,7 @@ void run_pipeline_bench(const PipelineArgs& a) {
       for (BackwardMode mode : modes) {
         for (const DpBuckets& buckets : bucket_settings(mode)) {
           if (t.rank() == 0) {
-            std::cerr << fmt::format("[pipeline] {} {} p={} m={}{}{} ...\n", name, mode_name(mode),
+            std::cerr << fmt::format("[pipeline] {} {} p={} m={}{}{} ...\n", name, to_string(mode),
                                      groups.layout().pp, a.microbatches,
                                      a.dp > 1 ? fmt::format(" dp={} buckets={}", a.dp, buckets.name()) : "",
                                      a.variable_seq ? ", fixed specs and announced shapes in turn"
@@ -815,7 +814,7 @@ void add_pipeline_command(CLI::App& app) {
   sub->add_option("--schedule-file", a->schedule_file,
                   "Run this schedule (text form, see dump_schedule) instead; it keeps its own 2BP mode")
       ->check(CLI::ExistingFile);
-  sub->add_option("--mode", a->mode, "standard, 2bp or both")->check(CLI::IsMember({"standard", "2bp", "both"}))
+  sub->add_option("--mode", a->mode, "standard, 2bp or both")->check(CLI::IsMember(mode_choices()))
       ->capture_default_str();
   sub->add_option("--ranks", a->ranks,
                   "Pipeline ranks p; ranks run as dp x p threads (ignored under mpirun: one rank per process, "
@@ -883,7 +882,7 @@ void add_pipeline_command(CLI::App& app) {
                "Also run every configuration with shapes announced by the senders (no activation spec: what "
                "sequence lengths that vary per step or micro-batch need), same data; reports announce_ratio");
   sub->add_option("--memory-limit-mb", a->memory_limit_mb,
-                  "Also run every configuration with PipelineOptions::memory_limit_bytes = this many MiB of tensor "
+                  "Also run every configuration with ExecutorOptions::memory_limit_bytes = this many MiB of tensor "
                   "memory per rank (memory-bounded 2BP); reports limit_held and limit_ratio")
       ->check(cli::number_in(1e-6, 1e9))
       ->excludes("--variable-seq");

@@ -70,7 +70,7 @@ struct PlanArgs {
   int64_t seq = 0;  // 0: the model's max_seq_len
   int64_t micro_batch_size = 1;
   int64_t global_batch = 0;  // sequences per step; 0: 8 · ranks · micro-batch-size
-  std::string precision = "bf16-mixed";
+  Precision precision = Precision::kMixedBFloat16;
   double tflops = 400;
   std::vector<std::string> costs_json;  // one or more `twobp_bench pipeline` / `llama_pipeline --costs-json` files
   double overlap = -1;  // < 0: the measured share (0 for estimated costs)
@@ -140,7 +140,7 @@ Rates measured_rates(const Json& doc, const std::string& path, const llm::LlamaC
     // The balanced partition, or the one the result names (llama_pipeline --costs-json of a --partition run).
     run.partition = llm::make_partition(c, r.at("p").get<int>() * r.at("v").get<int>(), seq,
                                         r.value("partition", std::string()));
-    run.mode = r.value("mode", "") == "2bp" ? BackwardMode::kSplit : BackwardMode::kStandard;
+    run.mode = parse_backward_mode(r.value("mode", to_string(BackwardMode::kStandard)));
     run.costs = parse_measured_costs(r.dump(), fmt::format("{}: result {}", path, k));
     if (run.mode == BackwardMode::kSplit && comm_ms < 0) comm_ms = run.costs.communication;
     runs.push_back(std::move(run));
@@ -166,14 +166,6 @@ Rates estimated_rates(const PlanArgs& a, const llm::LlamaConfig& config, int64_t
   rates.source = fmt::format("estimated: {}, links {} Gb/s + {} us", rates.costs.how, a.link_gbps,
                              a.link_latency_us);
   return rates;
-}
-
-// The example's --dtype for a training precision (llm::training_precision's names), and back.
-std::string example_dtype(const std::string& precision) {
-  return precision == "bf16-mixed" ? "bf16" : precision == "bf16" ? "bf16-pure" : "fp32";
-}
-std::string precision_of_dtype(const std::string& dtype) {
-  return dtype == "bf16" ? "bf16-mixed" : dtype == "bf16-pure" ? "bf16" : "fp32";
 }
 
 // The example's model options for `c`: its preset, or a preset's options and every size (the presets differ
@@ -213,7 +205,7 @@ std::string example_command(const PlanArgs& a, const llm::LlamaConfig& c, int64_
   return fmt::format("torchrun --nproc-per-node {} --no-python build/examples/llama_pipeline {} --device {} "
                      "--dtype {} --schedule {} --chunks-per-rank {} --microbatches {} --micro-batch-size {} "
                      "--seq-len {}{}{}{}",
-                     a.ranks, example_model(c), device, example_dtype(a.precision), k.schedule, k.v, k.m,
+                     a.ranks, example_model(c), device, to_string(a.precision), k.schedule, k.v, k.m,
                      a.micro_batch_size, seq, k.dp > 1 ? fmt::format(" --dp {}", k.dp) : "",
                      k.mode == BackwardMode::kSplit ? "" : " --no-2bp", recompute_options(k));
 }
@@ -225,7 +217,7 @@ std::vector<std::string> bench_args(const llm::LlamaConfig& c, int64_t seq, int6
                                 "--dp", std::to_string(k.dp),
                                 "--schedule", k.schedule,
                                 "--chunks-per-rank", std::to_string(k.v),
-                                "--mode", mode_name(k.mode),
+                                "--mode", to_string(k.mode),
                                 "--microbatches", std::to_string(k.m),
                                 "--micro-batch-size", std::to_string(mbs),
                                 "--dim", std::to_string(c.dim),
@@ -254,8 +246,8 @@ Reporter<PlanRow> plan_reporter() {
   auto add = [&](auto&&... args) { cols.push_back(column<Row>(std::forward<decltype(args)>(args)...)); };
   add("rank", [](const Row& r) { return r.rank; }, "#", [](const Row& r) { return std::to_string(r.rank); });
   add("schedule", [](const Row& r) { return r.k->schedule; }, "schedule", [](const Row& r) { return r.k->schedule; });
-  add("mode", [](const Row& r) { return mode_name(r.k->mode); }, "mode",
-      [](const Row& r) { return std::string(mode_name(r.k->mode)); });
+  add("mode", [](const Row& r) { return to_string(r.k->mode); }, "mode",
+      [](const Row& r) { return std::string(to_string(r.k->mode)); });
   add("v", [](const Row& r) { return r.k->v; }, "v", [](const Row& r) { return std::to_string(r.k->v); });
   add("m", [](const Row& r) { return r.k->m; }, "m", [](const Row& r) { return std::to_string(r.k->m); });
   add("recompute_ranks", [](const Row& r) { return r.k->recompute_ranks; }, "recompute", [](const Row& r) {
@@ -293,14 +285,14 @@ void report_plan(const PlanArgs& a, const llm::LlamaConfig& config, const Layout
   std::cout << fmt::format("plan: model {} ({:.3g} B parameters), {} ranks, global batch {} x {} tokens, "
                            "precision {}, memory per device {}\n  costs {}\n",
                            config.name, static_cast<double>(llm::parameter_count(config)) / 1e9, a.ranks,
-                           o.global_batch, o.seq, o.precision.name,
+                           o.global_batch, o.seq, to_string(a.precision),
                            a.gpu_memory_gb > 0 ? fmt::format("{:g} GiB", a.gpu_memory_gb) : "not limited",
                            rates.source);
   Json out;
   out["config"] = {{"model", config.name},      {"parameters", llm::parameter_count(config)},
                    {"ranks", a.ranks},          {"seq", o.seq},
                    {"micro_batch_size", a.micro_batch_size}, {"global_batch", o.global_batch},
-                   {"precision", o.precision.name}, {"gpu_memory_gb", a.gpu_memory_gb},
+                   {"precision", to_string(a.precision)}, {"gpu_memory_gb", a.gpu_memory_gb},
                    {"costs", rates.source},     {"skipped_shapes", plan.skipped}};
   // The per-chunk cost terms (ms) the predictions used, on the planned model.
   const LlamaCosts& c = rates.costs;
@@ -312,7 +304,7 @@ void report_plan(const PlanArgs& a, const llm::LlamaConfig& config, const Layout
   out["config"]["device"] = rates.device;
   if (c.overlap > 0) {
     std::cout << "  note: dualpipev's predictions run its F&B pairs at once; the example commands below run them in "
-                 "order (a runtime hook overlaps them: PipelineOptions::overlap_forward_backward)\n";
+                 "order (a runtime hook overlaps them: PipelineOptions::executor.overlap_forward_backward)\n";
   }
   out["warnings"] = c.warnings;
   for (const std::string& w : c.warnings) std::cerr << "twobp_bench plan: warning: " << w << "\n";
@@ -384,9 +376,7 @@ void run_plan(const PlanArgs& a) {
   o.global_batch = a.global_batch > 0 ? a.global_batch : 8 * a.ranks * a.micro_batch_size;
   o.max_dp = a.max_dp;
   o.schedules = name_list(a.schedule, schedule_names(), "schedule");
-  o.modes.clear();
-  if (a.mode != "2bp") o.modes.push_back(BackwardMode::kStandard);
-  if (a.mode != "standard") o.modes.push_back(BackwardMode::kSplit);
+  o.modes = mode_list(a.mode);
   o.recompute.clear();
   if (a.recompute != "on") o.recompute.push_back(false);
   if (a.recompute != "off") o.recompute.push_back(true);
@@ -432,15 +422,25 @@ void add_plan_command(CLI::App& app) {
       ->check(cli::number_in(1, cli::kMaxCount));
   sub->add_option("--global-batch", a->global_batch, "Sequences per step (default 8 x ranks x micro-batch size)")
       ->check(cli::number_in(1, 1e9));
-  // --dtype in llama_pipeline's words (the one vocabulary); --precision is the older name, in the library's words
-  // (llm::training_precision). The last one given wins.
+  // --dtype, as every program spells a precision; --precision is its older name, which spelled bf16-pure "bf16"
+  // (refused there, so that no old command line changes meaning). The last one given wins.
   sub->add_option_function<std::string>(
-         "--dtype", [a](const std::string& dtype) { a->precision = precision_of_dtype(dtype); },
+         "--dtype", [a](const std::string& dtype) { a->precision = parse_precision(dtype); },
          "fp32; bf16: mixed precision (bfloat16 compute, float32 masters); bf16-pure: everything in bfloat16 "
          "(default bf16)")
-      ->check(CLI::IsMember({"fp32", "bf16", "bf16-pure"}));
-  sub->add_option("--precision", a->precision, "The same in the library's words: fp32, bf16-mixed or bf16 (all)")
-      ->check(CLI::IsMember({"fp32", "bf16", "bf16-mixed"}))->capture_default_str();
+      ->check(cli::one_spelling(parse_precision, "fp32, bf16 or bf16-pure"));
+  const CLI::Validator not_bf16(
+      [](std::string& text) -> std::string {
+        return text == "bf16" ? "'bf16' here meant everything in bfloat16: say --dtype bf16-pure for that, or "
+                                "--dtype bf16 for mixed precision"
+                              : std::string();
+      },
+      "");
+  sub->add_option_function<std::string>(
+         "--precision", [a](const std::string& precision) { a->precision = parse_precision(precision); },
+         "The older name of --dtype: fp32, bf16-mixed or bf16-pure")
+      ->check(not_bf16)
+      ->check(cli::one_spelling(parse_precision, "fp32, bf16-mixed or bf16-pure"));
   sub->add_option("--tflops", a->tflops, "Estimated costs: sustained TFLOP/s per device")->capture_default_str()
       ->check(cli::number_in(1e-6, 1e6));
   sub->add_option("--costs-json", a->costs_json,
@@ -452,7 +452,7 @@ void add_plan_command(CLI::App& app) {
       ->check(CLI::ExistingFile)->expected(1, -1);
   sub->add_option("--overlap", a->overlap,
                   "DualPipeV's F&B pairs run at once, hiding this share (0..1) of each pair's shorter part: what a "
-                  "runtime hook that overlaps them reaches (PipelineOptions::overlap_forward_backward; the example "
+                  "runtime hook that overlaps them reaches (ExecutorOptions::overlap_forward_backward; the example "
                   "runs pairs in order). Default: the share --costs-json measured, else 0 (in order)")
       ->check(cli::number_in(0, 1));
   sub->add_option("--link-gbps", a->link_gbps, "Link bandwidth per rank, Gb/s (messages and data-parallel rings)")
@@ -461,7 +461,7 @@ void add_plan_command(CLI::App& app) {
       ->capture_default_str()->check(cli::number_in(0, 1e9));
   sub->add_option("--schedule", a->schedule, "Schedules to consider: all, or a comma-separated list")
       ->capture_default_str();
-  sub->add_option("--mode", a->mode, "standard, 2bp or both")->check(CLI::IsMember({"standard", "2bp", "both"}))
+  sub->add_option("--mode", a->mode, "standard, 2bp or both")->check(CLI::IsMember(mode_choices()))
       ->capture_default_str();
   sub->add_option("--recompute", a->recompute, "Activation recomputation: off, on or both")
       ->check(CLI::IsMember({"off", "on", "both"}))->capture_default_str();

@@ -397,8 +397,7 @@ SimulatePlan simulate_plan(const SimulateArgs& a) {
   if (dp && a.dp_overlap == "off") plan.overlaps = {false};
   if (dp && a.dp_overlap == "both") plan.overlaps = {true, false};
   plan.names = a.schedule == "all" ? schedule_names() : std::vector<std::string>{a.schedule};
-  if (a.mode != "2bp") plan.modes.push_back(BackwardMode::kStandard);
-  if (a.mode != "standard") plan.modes.push_back(BackwardMode::kSplit);
+  plan.modes = mode_list(a.mode);
   if (!a.schedule_file.empty()) {
     plan.from_file = load_schedule_file(a.schedule_file);
     validate(plan.from_file);
@@ -437,7 +436,7 @@ void simulate_one(const SimulateArgs& a, const CostSource& src, const SimulatePl
   row.generate_ms = ms_since(t0);
   if (!a.dump_schedules.empty()) {
     // The schedule as simulated, to read back with --schedule-file (here or in llama_pipeline) or in PyTorch.
-    const std::string base = fmt::format("{}/{}_{}_p{}_m{}_v{}", a.dump_schedules, name, mode_name(mode),
+    const std::string base = fmt::format("{}/{}_{}_p{}_m{}_v{}", a.dump_schedules, name, to_string(mode),
                                          sched.num_ranks, sched.num_micro_batches, sched.num_stages / sched.num_ranks);
     write_text(base + ".txt", dump_schedule(sched));
     write_text(base + ".csv", to_pytorch_csv(sched));
@@ -503,7 +502,7 @@ Json simulate_json(const SimulateArgs& a, const CostSource& src, const std::vect
   out["results"] = Json::array();
   for (const auto& r : rows) {
     Json j{{"schedule", r.schedule},
-           {"mode", mode_name(r.mode)},
+           {"mode", to_string(r.mode)},
            {"p", r.p},
            {"m", r.m},
            {"v", r.v},
@@ -663,7 +662,7 @@ void add_simulate_command(CLI::App& app) {
                   "Simulate this schedule (text form, see dump_schedule) instead; its ranks, micro-batches and mode "
                   "win over --ranks, --microbatches and --mode")
       ->check(CLI::ExistingFile);
-  sub->add_option("--mode", a->mode, "standard, 2bp or both")->check(CLI::IsMember({"standard", "2bp", "both"}))
+  sub->add_option("--mode", a->mode, "standard, 2bp or both")->check(CLI::IsMember(mode_choices()))
       ->capture_default_str();
   sub->add_option("--synth-chunks", a->synth_chunks,
                   "v's to synthesize the synth schedule for, one table line each (default: as every schedule, "

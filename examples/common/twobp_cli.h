@@ -69,6 +69,23 @@ inline CLI::Validator writable_directory() {
       "writable directory");
 }
 
+/// A name of the library's vocabulary, read by its parse function (twobp::parse_precision, parse_backward_mode):
+/// refused with that function's message, else rewritten to its one spelling (to_string), so that the program sees
+/// "bf16" for "bf16-mixed". `shown` is what --help lists.
+template <class Parse>
+CLI::Validator one_spelling(Parse parse, const std::string& shown) {
+  return CLI::Validator(
+      [parse](std::string& text) -> std::string {
+        try {
+          text = to_string(parse(text));
+        } catch (const std::exception& e) {
+          return e.what();
+        }
+        return std::string();
+      },
+      shown);
+}
+
 /// Counts and sizes: at most this much (a bound that keeps every product and allocation within range).
 inline constexpr double kMaxCount = 1e6;
 /// Ranks and replicas run by one process or job.

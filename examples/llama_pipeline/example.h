@@ -23,6 +23,7 @@
 #include "twobp/error.h"
 #include "twobp/metrics/energy.h"
 #include "twobp/models/llama.h"
+#include "twobp/precision.h"
 #include "twobp/plan/choose.h"
 #include "twobp/schedule/schedule.h"
 #include "twobp/trace/attribution.h"
@@ -131,8 +132,8 @@ struct Plan {
   int64_t seq_len = 0;
   twobp::Schedule schedule;
   llm::Partition partition;
-  at::ScalarType dtype = at::kFloat;  // what the chunks compute in (and activations travel in)
-  bool mixed_precision = false;       // bf16 compute with float32 masters (--dtype bf16)
+  // --dtype: twobp::compute_dtype() of it is what the chunks compute in (and activations travel in).
+  twobp::Precision precision = twobp::Precision::kFloat32;
   // What a checkpoint must match to be resumed (the model and its training), and the layout it was written with
   // (recorded, not checked: checkpoints load by global tensor name into any pp, dp, schedule and partition).
   ck::CheckpointConfig checkpoint_config;
@@ -167,8 +168,6 @@ struct PlacementRanking {
 PlacementRanking rank_placements(const Plan& current, const twobp::MeasuredCosts& measured, double communication_ms);
 /// "interleaved-1f1b 2BP (2 chunk(s) per rank, layers 1,1,1,1)"; the recomputing ranks where some recompute.
 std::string describe_placement(const Plan& p);
-/// The training precision of the memory estimates (twobp::models::training_precision) for --dtype.
-std::string training_precision_name(const Args& a);
 /// The learning rate of `step`: linear warm-up, then cosine decay to 10 % of --lr at --steps.
 double learning_rate(const Args& a, int step);
 std::string human_bytes(double b);

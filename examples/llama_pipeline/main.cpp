@@ -177,7 +177,7 @@ int run(Args args, int& argc, char**& argv) {
                mpi ? "MPI" : store ? "processes, " + launch->launcher + " + TCPStore" : std::string("threads"),
                layout.dp, layout.pp, plan.schedule.num_stages,
                args.auto_schedule() ? "auto, starting with " + plan.schedule.name : plan.schedule.name,
-               plan.schedule.backward == twobp::BackwardMode::kSplit ? "2BP" : "fused backward",
+               twobp::to_string(plan.schedule.backward),
                plan.partition.layout(), args.microbatches, args.micro_batch_size, plan.seq_len,
                args.pack ? " (packed documents)" : "",
                args.seq_len_warmup > 0 ? fmt::format(" (length warm-up over {} steps)", args.seq_len_warmup) : "",

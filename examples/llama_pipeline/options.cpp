@@ -145,7 +145,7 @@ void add_options(CLI::App& app, Args& a) {
   app.add_option("--dtype", a.dtype,
                  "fp32; bf16: mixed precision (bfloat16 compute, float32 master weights, gradients and AdamW state); "
                  "bf16-pure: everything in bfloat16")
-      ->check(CLI::IsMember({"fp32", "bf16", "bf16-pure"}))->group(training);
+      ->check(twobp::cli::one_spelling(twobp::parse_precision, "fp32, bf16 or bf16-pure"))->group(training);
 
   const std::string data = "Data and evaluation";
   app.add_option("--data", a.data, "Token file (see twobp/data.h); default: the built-in corpus, byte-level")

@@ -13,10 +13,6 @@
 
 namespace llama_example {
 
-std::string training_precision_name(const Args& a) {
-  return a.dtype == "bf16" ? "bf16-mixed" : a.dtype == "bf16-pure" ? "bf16" : "fp32";
-}
-
 Plan make_plan(const Args& args, int world_size) {
   Plan plan;
   plan.args = args;
@@ -32,8 +28,7 @@ Plan make_plan(const Args& args, int world_size) {
   plan.partition = llm::make_partition(plan.config, plan.schedule.num_stages, plan.seq_len, args.partition);
   plan.recompute_ranks =
       twobp::recomputing_ranks(args.recompute, args.recompute_ranks, args.recompute_on, plan.schedule.num_ranks);
-  plan.dtype = args.dtype == "fp32" ? at::kFloat : at::kBFloat16;
-  plan.mixed_precision = args.dtype == "bf16";
+  plan.precision = twobp::parse_precision(args.dtype);
   plan.checkpoint_config = {{"model", plan.config.name}, {"dtype", args.dtype}, {"seed", std::to_string(args.seed)}};
   plan.checkpoint_layout = {{"stages", std::to_string(plan.schedule.num_stages)},
                             {"world_size", std::to_string(world_size)},
@@ -76,7 +71,7 @@ PlacementRanking rank_placements(const Plan& current, const twobp::MeasuredCosts
   o.micro_batch_size = a.micro_batch_size;
   o.global_batch = static_cast<int64_t>(a.microbatches) * a.micro_batch_size;
   o.recompute = a.auto_recompute ? std::vector<bool>{false, true} : std::vector<bool>{false};
-  o.precision = llm::training_precision(training_precision_name(a));
+  o.precision = llm::training_precision(current.precision);
   o.memory_limit_bytes = a.auto_memory_limit_gb * 1024.0 * 1024.0 * 1024.0;
   o.communication_ms = communication_ms;
   twobp::LayoutPlan plan;
@@ -124,7 +119,7 @@ PlacementRanking rank_placements(const Plan& current, const twobp::MeasuredCosts
 
 std::string describe_placement(const Plan& p) {
   std::string s = fmt::format("{} {} ({} chunk(s) per rank, layers {})", p.schedule.name,
-                              p.schedule.backward == twobp::BackwardMode::kSplit ? "2BP" : "standard",
+                              twobp::to_string(p.schedule.backward),
                               p.schedule.num_stages / p.world_size, p.partition.layout());
   if (!p.recompute_ranks.empty()) s += fmt::format(" recomputing on ranks {}", fmt::join(p.recompute_ranks, ","));
   return s;
@@ -191,7 +186,7 @@ llm::MemoryPlanOptions memory_options(const Plan& p) {
   llm::MemoryPlanOptions mo;
   mo.micro_batch_size = p.args.micro_batch_size;
   mo.seq_len = p.seq_len;
-  mo.precision = llm::training_precision(training_precision_name(p.args));
+  mo.precision = llm::training_precision(p.precision);
   mo.recompute = !p.recompute_ranks.empty();
   mo.recompute_ranks = p.recompute_ranks;
   mo.optimizer_shards = p.args.zero == 1 ? p.dp : 1;
@@ -251,7 +246,7 @@ int dry_run(const Plan& p) {
   nlohmann::json j = config_json(p);
   j["parameters"] = llm::parameter_count(cfg);
   j["simulated_bubble_fraction"] = sim.bubble_fraction;
-  j["precision"] = mo.precision.name;
+  j["precision"] = twobp::to_string(p.precision);
   j["recompute"] = mo.recompute;
   const bool every_rank = static_cast<int>(mo.recompute_ranks.size()) == p.world_size;
   if (mo.recompute && !every_rank) j["recompute_ranks"] = mo.recompute_ranks;
@@ -268,8 +263,8 @@ int dry_run(const Plan& p) {
   fmt::print("model {}: {} parameters ({:.3f} B), {} stages over {} ranks, schedule {} ({}), partition {} "
              "(imbalance {:.3f}), precision {}{}, micro-batch {} x {} tokens, m = {}\n",
              cfg.name, llm::parameter_count(cfg), llm::parameter_count(cfg) / 1e9, S, p.world_size, p.schedule.name,
-             p.schedule.backward == twobp::BackwardMode::kSplit ? "2BP" : "fused backward", p.partition.layout(),
-             p.partition.imbalance(), mo.precision.name, recompute_note, mo.micro_batch_size, mo.seq_len,
+             twobp::to_string(p.schedule.backward), p.partition.layout(),
+             p.partition.imbalance(), twobp::to_string(p.precision), recompute_note, mo.micro_batch_size, mo.seq_len,
              p.schedule.num_micro_batches);
   j["stages"] = nlohmann::json::array();
   for (int s = 0; s < S; ++s) {

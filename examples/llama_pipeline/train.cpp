@@ -14,6 +14,7 @@
 #include "twobp/runtime/data_parallel.h"
 #include "twobp/runtime/pipeline.h"
 #include "twobp/runtime/sharded_optimizer.h"
+#include "twobp/transport/collectives.h"
 
 namespace llama_example {
 namespace {
@@ -89,7 +90,8 @@ RankModel build_rank_model(const Plan& p, twobp::ParallelGroups& groups, c10::De
   for (int s : p.schedule.stages_of(transport.rank())) {
     llm::LlamaChunk chunk(p.config, p.partition.chunks[s], a.seed);
     // Mixed precision: built in float32; the Pipeline keeps float32 masters and converts the chunk to bfloat16.
-    chunk->to(device, p.mixed_precision ? at::kFloat : p.dtype);
+    const bool masters = p.precision == twobp::Precision::kMixedBFloat16;
+    chunk->to(device, masters ? at::kFloat : twobp::compute_dtype(p.precision));
     for (auto& t : ck::module_tensors(*chunk)) model.named.push_back(t);
     const bool is_last = s == last;
     std::shared_ptr<llm::LlamaChunkImpl> impl = chunk.ptr();
@@ -115,19 +117,19 @@ RankModel build_rank_model(const Plan& p, twobp::ParallelGroups& groups, c10::De
   const bool recompute = twobp::has_rank(p.recompute_ranks, transport.rank());
   for (auto& chunk : chunks) chunk.recompute = recompute;
   twobp::PipelineOptions po;
-  po.timeout = timeout;
+  po.executor.timeout = timeout;
   const int64_t mbs = a.micro_batch_size, seq = p.seq_len, dim = p.config.dim;
-  const auto dtype = p.dtype;
+  const auto dtype = twobp::compute_dtype(p.precision);
   // Fixed shapes give every boundary a spec; with a sequence-length warm-up they change from step to step, so the
-  // senders announce them instead (PipelineOptions::activation_spec).
+  // senders announce them instead (PipelineOptions::executor.activation_spec).
   if (a.seq_len_warmup == 0 && a.pack) {
-    po.boundary_spec = [=](int) {
+    po.executor.boundary_spec = [=](int) {
       return twobp::BoundarySpec{{{mbs, seq, dim}, dtype, llm::kHidden},
                                  {{mbs, seq}, at::kLong, llm::kPositions, false},
                                  {{mbs, seq}, at::kLong, llm::kDocIds, false}};
     };
   } else if (a.seq_len_warmup == 0) {
-    po.activation_spec = [=](int) { return twobp::TensorSpec{{mbs, seq, dim}, dtype}; };
+    po.executor.activation_spec = [=](int) { return twobp::TensorSpec{{mbs, seq, dim}, dtype}; };
   }
   if (a.pack) {
     po.loss = llm::masked_cross_entropy_loss;
@@ -137,7 +139,7 @@ RankModel build_rank_model(const Plan& p, twobp::ParallelGroups& groups, c10::De
     };
   }
   po.data_parallel.group = groups.data_parallel();
-  po.max_pending_weight_micro_batches = a.max_pending_w;
+  po.executor.max_pending_weight_micro_batches = a.max_pending_w;
   // Tensor memory of the device the chunks compute on, recorded every step (and bounded with --memory-limit-gb).
   // Not where rank threads share a GPU: its allocator statistics are the whole process's (the Pipeline refuses).
   const bool shared_device = !device.is_cpu() && transport.ranks_sharing_device() > 1;
@@ -145,10 +147,10 @@ RankModel build_rank_model(const Plan& p, twobp::ParallelGroups& groups, c10::De
               "--memory-limit-gb: {} rank threads share {}, whose memory statistics are the whole process's; run one "
               "rank per GPU (fewer --ranks, or a launcher)",
               transport.ranks_sharing_device(), device.str());
-  po.record_memory = !shared_device;
-  po.memory_device = device;
-  po.memory_limit_bytes = a.memory_limit_bytes();
-  if (p.mixed_precision) po.mixed_precision.compute_dtype = at::kBFloat16;
+  po.executor.record_memory = !shared_device;
+  po.executor.memory_device = device;
+  po.executor.memory_limit_bytes = a.memory_limit_bytes();
+  if (p.precision == twobp::Precision::kMixedBFloat16) po.mixed_precision.compute_dtype = at::kBFloat16;
   model.pipeline = std::make_unique<twobp::Pipeline>(p.schedule, std::move(chunks), transport, po);
   // With mixed precision the optimizer and the checkpoints hold the float32 masters.
   for (auto& entry : model.named) entry.second = model.pipeline->master_weight(entry.second);
@@ -177,20 +179,13 @@ struct RankData {
   }
 };
 
-/// The largest of every rank's `mine` in `ranks` (collective): each rank's value in its own slot of a sum.
-double max_over(twobp::Transport& ranks, double mine, twobp::Duration timeout) {
-  at::Tensor slots = at::zeros({ranks.world_size()}, at::kDouble);  // host values, reduced on the host
-  slots[ranks.rank()] = mine;
-  ranks.all_reduce_sum(slots, timeout);
-  return slots.max().item<double>();
-}
-
 /// What a step measured on every rank (the peak over the pipeline's ranks, the job's energy), printed by rank 0
 /// and kept for the JSON.
 void report_step(const Plan& p, twobp::Transport& world, twobp::Transport& pipeline_ranks, StepRecord record,
                  const twobp::StepResult& result, double step_s, double elapsed_s, int start, int end,
                  std::optional<double> energy_j, double tokens, twobp::Duration timeout, Shared& shared) {
-  record.peak_memory_bytes = max_over(pipeline_ranks, static_cast<double>(result.peak_memory_bytes), timeout);
+  record.peak_memory_bytes =
+      twobp::max_over_ranks(pipeline_ranks, static_cast<double>(result.peak_memory_bytes), timeout);
   const int64_t limit = p.args.memory_limit_bytes();
   if (limit > 0 && record.peak_memory_bytes >= 0) {
     record.memory_limit_held = record.peak_memory_bytes <= static_cast<double>(limit);
@@ -306,10 +301,13 @@ class PlacementSearch {
     const Args& a = cur.args;
     chosen_ = {cur, 0};
     chosen_ms_ = chosen_ms;
-    const at::Tensor activation = at::zeros({a.micro_batch_size, cur.seq_len, cur.config.dim},
-                                            at::TensorOptions().dtype(cur.dtype).device(device));
+    const at::Tensor activation =
+        at::zeros({a.micro_batch_size, cur.seq_len, cur.config.dim},
+                  at::TensorOptions().dtype(twobp::compute_dtype(cur.precision)).device(device));
     double message_ms = twobp::measure_message_ms(groups.pipeline(), activation, timeout);
-    if (groups.data_parallel() != nullptr) message_ms = max_over(*groups.data_parallel(), message_ms, timeout);
+    if (groups.data_parallel() != nullptr) {
+      message_ms = twobp::max_over_ranks(*groups.data_parallel(), message_ms, timeout);
+    }
     const PlacementRanking ranking = rank_placements(cur, measured, message_ms);
     chosen_.predicted_ms = ranking.current_ms;
     const std::string head = fmt::format("auto placement: {} predicted {:.2f} ms/step from costs fitted to the probes "
@@ -351,8 +349,8 @@ class PlacementSearch {
     if (++steps_in_trial_ > 1) step_ms_.push_back(result.pipeline_us / 1000.0);  // the first is warm-up
     if (steps_in_trial_ < state.plan.args.auto_steps) return std::nullopt;
     const double mine = twobp::metrics::quantile(step_ms_, 0.5);
-    double ms = max_over(groups.pipeline(), mine, timeout);
-    if (groups.data_parallel() != nullptr) ms = max_over(*groups.data_parallel(), ms, timeout);
+    double ms = twobp::max_over_ranks(groups.pipeline(), mine, timeout);
+    if (groups.data_parallel() != nullptr) ms = twobp::max_over_ranks(*groups.data_parallel(), ms, timeout);
     const PlacementCandidate& tried = trials_[trial_ms_.size()];
     trial_ms_.push_back(ms);
     steps_in_trial_ = 0;
@@ -410,7 +408,8 @@ void write_costs(const Plan& p, twobp::ParallelGroups& groups, const twobp::Cost
       twobp::agree_costs(transport, recorder.local_medians(), timeout, groups.data_parallel());
   const llm::LlamaConfig& c = p.config;
   const at::Tensor activation =
-      at::empty({p.args.micro_batch_size, p.seq_len, c.dim}, at::TensorOptions().dtype(p.dtype).device(device));
+      at::empty({p.args.micro_batch_size, p.seq_len, c.dim},
+                at::TensorOptions().dtype(twobp::compute_dtype(p.precision)).device(device));
   costs.communication = twobp::measure_message_ms(transport, activation, timeout);
   if (!writes) return;
   nlohmann::json doc;
@@ -435,10 +434,10 @@ void write_costs(const Plan& p, twobp::ParallelGroups& groups, const twobp::Cost
     return !ms.empty() && std::all_of(ms.begin(), ms.end(), [](double x) { return x > 0; });
   };
   if (every_stage(costs.backward_input) && every_stage(costs.backward_weight)) {
-    doc["results"].push_back(result("2bp"));
+    doc["results"].push_back(result(twobp::to_string(twobp::BackwardMode::kSplit)));
   }
   if (every_stage(costs.backward)) {  // fused B's on every stage: the F and B of a standard result
-    nlohmann::json r = result("standard");
+    nlohmann::json r = result(twobp::to_string(twobp::BackwardMode::kStandard));
     const std::vector<double> zeros(costs.forward.size(), 0.0);
     r["costs_ms"]["I"] = zeros;
     r["costs_ms"]["W"] = zeros;
@@ -500,7 +499,7 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
     o.measure_candidates = a.auto_candidates;
     o.measure_within = a.auto_within;
     // Needs the per-action memory readings, which rank threads sharing a GPU do not take (build_rank_model).
-    TWOBP_CHECK(a.auto_memory_limit_gb <= 0 || state.pipeline().options().record_memory, twobp::UsageError,
+    TWOBP_CHECK(a.auto_memory_limit_gb <= 0 || state.pipeline().options().executor.record_memory, twobp::UsageError,
                 "--auto-memory-limit-gb: rank {}'s memory is not measured per action (rank threads sharing {}, whose "
                 "memory statistics are the whole process's); run one rank per GPU",
                 rank, device.str());
@@ -639,13 +638,11 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
     }
   }
   // The optimizer state each rank holds (with --zero 1, its share), every world rank's in its slot.
-  at::Tensor state_bytes = at::zeros({world.world_size()}, at::kDouble);  // host values, reduced on the host
-  state_bytes[world.rank()] = static_cast<double>(state.optimizer->state_bytes());
-  world.all_reduce_sum(state_bytes, timeout);
+  std::vector<double> state_bytes =
+      twobp::gather_over_ranks(world, static_cast<double>(state.optimizer->state_bytes()), timeout);
   if (reports) {
     std::lock_guard<std::mutex> lock(shared.mutex);
-    const double* b = state_bytes.data_ptr<double>();
-    shared.optimizer_state_bytes.assign(b, b + state_bytes.numel());
+    shared.optimizer_state_bytes = std::move(state_bytes);
   }
 }
 

@@ -14,6 +14,7 @@
 #include "twobp/nn.h"
 #include "twobp/nn/functional.h"
 #include "twobp/nn/modules.h"
+#include "twobp/precision.h"
 #include "twobp/random.h"
 #include "twobp/stage.h"
 #include "twobp/tensors.h"
@@ -46,6 +47,7 @@
 #include "twobp/trace/trace.h"
 
 #include "twobp/transport/checksum.h"
+#include "twobp/transport/collectives.h"
 #include "twobp/transport/fault_injection.h"
 #include "twobp/transport/launch.h"
 #include "twobp/transport/local.h"

@@ -8,8 +8,9 @@ import re
 
 from .util import relative_difference
 
-# One 7B stage (LLaMa-7B blocks), bf16, batch 1; the dry run: a tiny fp32 model on the CPU.
-MEASURE_GPU = dict(device="cuda", dtype="bf16", dim=4096, ffn=11008, heads=32, layers=8, seqs=(1024, 4096), repeats=10)
+# One 7B stage (LLaMa-7B blocks), all bfloat16, batch 1; the dry run: a tiny fp32 model on the CPU.
+MEASURE_GPU = dict(device="cuda", dtype="bf16-pure", dim=4096, ffn=11008, heads=32, layers=8, seqs=(1024, 4096),
+                   repeats=10)
 MEASURE_DRY = dict(device="cpu", dtype="fp32", dim=64, ffn=176, heads=4, layers=2, seqs=(16, 32), repeats=2)
 # The example, whole training steps (AdamW, clipping, the data loader): ranks as threads on the one GPU, with 2BP and
 # without, the same seed. On one shared GPU the two take the same total work, so their throughput ratio is NOT a

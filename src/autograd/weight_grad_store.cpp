@@ -97,8 +97,7 @@ void WeightGradStore::fire_immediate_hooks() {
   }
 }
 
-void WeightGradStore::run(c10::ArrayRef<std::int64_t> micro_batches, bool batched, const ParametersDone& done,
-                          const std::vector<at::Tensor>& general_leaves) {
+std::vector<WeightGradStore::Entry> WeightGradStore::take_entries(c10::ArrayRef<std::int64_t> micro_batches) {
   std::vector<Entry> entries;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -128,6 +127,12 @@ void WeightGradStore::run(c10::ArrayRef<std::int64_t> micro_batches, bool batche
       queue_.erase(it);
     }
   }
+  return entries;
+}
+
+void WeightGradStore::run(c10::ArrayRef<std::int64_t> micro_batches, bool batched, const ParametersDone& done,
+                          const std::vector<at::Tensor>& general_leaves) {
+  std::vector<Entry> entries = take_entries(micro_batches);
   c10::AutoGradMode no_grad(false);
   // The kernel calls of this run, in order: one per layer over all its items (batched; grouped in first-seen
   // order, so a layer used several times -- tied weights, several micro-batches -- is one concatenated GEMM),

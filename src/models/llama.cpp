@@ -452,11 +452,16 @@ int64_t chunk_pending_weight_bytes(const LlamaConfig& c, const ChunkSpec& spec, 
   return bytes;
 }
 
-TrainingPrecision training_precision(const std::string& name) {
-  if (name == "fp32") return {name, 4, 0, 4, 8};
-  if (name == "bf16") return {name, 2, 0, 2, 4};
-  if (name == "bf16-mixed") return {name, 2, 4, 4, 8};
-  throw UsageError(fmt::format("unknown training precision '{}': expected fp32, bf16 or bf16-mixed", name));
+TrainingPrecision training_precision(Precision precision) {
+  switch (precision) {
+    case Precision::kMixedBFloat16:
+      return {precision, 2, 4, 4, 8};
+    case Precision::kBFloat16:
+      return {precision, 2, 0, 2, 4};
+    case Precision::kFloat32:
+      break;
+  }
+  return {Precision::kFloat32, 4, 0, 4, 8};
 }
 
 namespace {

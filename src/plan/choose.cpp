@@ -13,20 +13,18 @@
 #include "twobp/metrics/metrics.h"
 #include "twobp/schedule/registry.h"
 #include "twobp/schedule/simulate.h"
+#include "twobp/transport/collectives.h"
 #include "util/check.h"
-#include "util/reduce.h"
 
 namespace twobp {
 
 namespace {
 
-const char* mode_label(BackwardMode mode) { return mode == BackwardMode::kSplit ? "2BP" : "standard"; }
-
-// "1f1b 2BP", "... with recomputation" (every rank), "... with recomputation on rank 3" / "on ranks 0-2,5".
+// "1f1b 2bp", "... with recomputation" (every rank), "... with recomputation on rank 3" / "on ranks 0-2,5".
 std::string describe(const Schedule& s, const std::vector<int>& recompute_ranks = {}) {
-  if (recompute_ranks.empty()) return fmt::format("{} {}", s.name, mode_label(s.backward));
+  if (recompute_ranks.empty()) return fmt::format("{} {}", s.name, to_string(s.backward));
   const int n = static_cast<int>(recompute_ranks.size());
-  return fmt::format("{} {} with recomputation{}", s.name, mode_label(s.backward),
+  return fmt::format("{} {} with recomputation{}", s.name, to_string(s.backward),
                      n == s.num_ranks ? ""
                      : n == 1         ? fmt::format(" on rank {}", recompute_ranks.front())
                                       : fmt::format(" on ranks {}", format_ranks(recompute_ranks)));
@@ -227,7 +225,7 @@ AutoSchedule::AutoSchedule(Pipeline& pipeline, AutoScheduleOptions options)
   TWOBP_CHECK(options_.measure_candidates >= 1 && options_.measure_within >= 0.0, UsageError,
               "rank {}: AutoScheduleOptions: measure_candidates must be >= 1 and measure_within >= 0, got {} and {}",
               rank, options_.measure_candidates, options_.measure_within);
-  const PipelineOptions& po = pipeline.options();
+  const ExecutorOptions& po = pipeline.options().executor;
   TWOBP_CHECK(po.memory_limit_bytes == 0 && po.max_pending_weight_micro_batches == 0, UsageError,
               "rank {}: AutoSchedule ranks schedules by time only, and this pipeline bounds memory "
               "(memory_limit_bytes {}, max_pending_weight_micro_batches {}); choose the schedule yourself "
@@ -239,7 +237,7 @@ AutoSchedule::AutoSchedule(Pipeline& pipeline, AutoScheduleOptions options)
   if (options_.memory_limit_bytes > 0.0) {
     TWOBP_CHECK(po.record_memory, UsageError,
                 "rank {}: AutoScheduleOptions::memory_limit_bytes needs the candidates' memory, measured per action: "
-                "run the pipeline with PipelineOptions::record_memory = true",
+                "run the pipeline with PipelineOptions::executor.record_memory = true",
                 rank);
   }
   const int settings = options_.recompute ? 2 : 1;  // as built, and with every stage recomputing
@@ -289,8 +287,8 @@ AutoSchedule::AutoSchedule(Pipeline& pipeline, AutoScheduleOptions options)
 
 double AutoSchedule::slowest_median_ms() {
   const double mine = step_ms_.empty() ? 0.0 : metrics::quantile(step_ms_, 0.5);
-  double slowest = detail::max_over_ranks(pipeline_.transport(), mine, options_.timeout);
-  if (options_.replicas != nullptr) slowest = detail::max_over_ranks(*options_.replicas, slowest, options_.timeout);
+  double slowest = max_over_ranks(pipeline_.transport(), mine, options_.timeout);
+  if (options_.replicas != nullptr) slowest = max_over_ranks(*options_.replicas, slowest, options_.timeout);
   return slowest;
 }
 
@@ -317,7 +315,7 @@ std::optional<std::string> AutoSchedule::after_step(const StepResult& result) {
       } else if (next.recompute_ranks != measured.recompute_ranks) {
         why = "with every stage recomputing too (what recomputation costs and saves)";
       } else {
-        why = fmt::format("its {} form too (what {} costs)", mode_label(next.mode),
+        why = fmt::format("its {} form too (what {} costs)", to_string(next.mode),
                           next.mode == BackwardMode::kSplit ? "an I and a W" : "a fused B");
       }
       return fmt::format("auto schedule: {} measured {:.2f} ms/step; measuring {}; switching to {}", describe(measured),

@@ -16,14 +16,13 @@
 #include "twobp/metrics/metrics.h"
 #include "twobp/runtime/pipeline.h"
 #include "twobp/stage.h"
+#include "twobp/transport/collectives.h"
 #include "util/check.h"
-#include "util/reduce.h"
 
 namespace twobp {
 
 namespace {
 
-using detail::sum_over_ranks;
 
 double median_or_zero(const std::vector<double>& samples) {
   return samples.empty() ? 0.0 : metrics::quantile(samples, 0.5);
@@ -265,7 +264,7 @@ double measure_message_ms(Transport& transport, const at::Tensor& message, Durat
   }
   const std::vector<double> mine{rank == 0 ? median_or_zero(trips) / 2.0 : 0.0};
   transport.barrier(timeout);
-  return detail::sum_over_ranks(transport, mine, timeout)[0];
+  return sum_over_ranks(transport, mine, timeout)[0];
 }
 
 MeasuredCosts agree_costs(Transport& transport, const MeasuredCosts& mine, Duration timeout, Transport* replicas) {
@@ -336,7 +335,7 @@ void MemoryRecorder::add(const Trace& trace) {
   const TraceEvent& first = trace.events.front();
   TWOBP_CHECK(first.memory_before >= 0, UsageError,
               "MemoryRecorder::add: rank {}'s trace has no memory readings; run the pipeline with "
-              "PipelineOptions::record_memory = true",
+              "PipelineOptions::executor.record_memory = true",
               first.rank);
   base_.push_back(static_cast<double>(first.memory_before));
   std::set<int> has_gradients;

@@ -681,8 +681,7 @@ std::vector<Candidate> generator_candidates(const Setup& P) {
         continue;  // the generator does not take this shape
       }
       if (sc.stage_to_rank != P.owner) continue;
-      const char* form = mode == BackwardMode::kSplit ? "2bp" : "standard";
-      Candidate c{compute_orders(sc), {}, fmt::format("{} {}", name, form)};
+      Candidate c{compute_orders(sc), {}, fmt::format("{} {}", name, to_string(mode))};
       c.score = evaluate(P, c.orders);
       if (c.score.ok) out.push_back(std::move(c));
     }

@@ -201,19 +201,25 @@ Pipeline::Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, std::sh
     TWOBP_CHECK(given.count(s) != 0, UsageError, "rank {}: schedule '{}' places stage {} on this rank, but no chunk "
                 "was given for it", rank, schedule_.name, s);
   }
-  TWOBP_CHECK(!(options_.activation_spec && options_.boundary_spec), UsageError,
-              "rank {}: give PipelineOptions::activation_spec (one tensor per boundary) or boundary_spec (several), "
-              "not both",
+  const ExecutorOptions& eo = options_.executor;
+  TWOBP_CHECK(!(eo.activation_spec && eo.boundary_spec), UsageError,
+              "rank {}: give PipelineOptions::executor.activation_spec (one tensor per boundary) or boundary_spec "
+              "(several), not both",
               rank);
-  TWOBP_CHECK(options_.max_pending_weight_micro_batches >= 0, UsageError,
-              "rank {}: PipelineOptions::max_pending_weight_micro_batches must be >= 0 (0: no limit), got {}", rank,
-              options_.max_pending_weight_micro_batches);
+  TWOBP_CHECK(eo.max_pending_weight_micro_batches >= 0, UsageError,
+              "rank {}: PipelineOptions::executor.max_pending_weight_micro_batches must be >= 0 (0: no limit), got {}",
+              rank, eo.max_pending_weight_micro_batches);
+  TWOBP_CHECK(!eo.run_counter && !eo.parameters_done && !eo.evaluate, UsageError,
+              "rank {}: PipelineOptions::executor: run_counter, parameters_done and evaluate are the pipeline's own "
+              "(evaluate() runs the forward-only executor; data parallelism reports finished parameters); leave them "
+              "unset",
+              rank);
   build_executor();
 }
 
 Schedule Pipeline::prepared(Schedule schedule) const {
   // Overlapped pairs run at once need both parts' inputs before the F and send both outputs after the B.
-  if (options_.overlap_forward_backward) schedule = for_overlapped_pairs(std::move(schedule));
+  if (options_.executor.overlap_forward_backward) schedule = for_overlapped_pairs(std::move(schedule));
   // Before step 1: a schedule the transport cannot pair (e.g. NCCL, which pairs in posting order per channel)
   // would deliver tensors to the wrong buffers or hang; refuse it here with the offending action marked.
   validate(schedule, transport_->pairing());
@@ -224,16 +230,7 @@ void Pipeline::build_executor() {
   const int rank = transport_->rank();
   std::map<int, Stage*> stages;
   for (auto& [index, stage] : stages_) stages.emplace(index, stage.get());
-  ExecutorOptions eo;
-  eo.timeout = options_.timeout;
-  eo.activation_spec = options_.activation_spec;
-  eo.boundary_spec = options_.boundary_spec;
-  eo.prefetch_receives = options_.prefetch_receives;
-  eo.max_pending_weight_micro_batches = options_.max_pending_weight_micro_batches;
-  eo.memory_limit_bytes = options_.memory_limit_bytes;
-  eo.record_memory = options_.record_memory;
-  eo.memory_device = options_.memory_device;
-  eo.overlap_forward_backward = options_.overlap_forward_backward;
+  ExecutorOptions eo = options_.executor;
   Transport* dp = options_.data_parallel.group;
   if (dp != nullptr && dp->world_size() > 1) {
     impl_->data_parallel = dp;
@@ -244,7 +241,7 @@ void Pipeline::build_executor() {
         holder = [masters = impl_->masters.get()](const at::Tensor& p) { return masters->master_of(p); };
       }
       impl_->reducer = std::make_unique<detail::GradientReducer>(schedule_, rank, stages, options_.data_parallel,
-                                                                 options_.timeout, holder);
+                                                                 options_.executor.timeout, holder);
     } catch (const std::exception& e) {
       // Replicas that disagree fail here together, but this rank's pipeline peers may already be waiting in
       // step() for it: tell them now rather than at their timeout.
@@ -415,11 +412,11 @@ GradientCheck Pipeline::check_gradients() {
     local[0] += sq;
     local[index + 1] = bad ? 1.0 : 0.0;
   }
-  transport_->all_reduce_sum(total, options_.timeout);
+  transport_->all_reduce_sum(total, options_.executor.timeout);
   if (impl_->data_parallel != nullptr) {
     // The flags over the replicas too (the norm is already the same on every replica: gradients are averaged).
     at::Tensor flags = total.narrow(0, 1, schedule_.num_stages).clone();
-    impl_->data_parallel->all_reduce_sum(flags, options_.timeout);
+    impl_->data_parallel->all_reduce_sum(flags, options_.executor.timeout);
     total.narrow(0, 1, schedule_.num_stages).copy_(flags);
   }
   GradientCheck check;
@@ -491,14 +488,15 @@ void Pipeline::start_once() {
     // initialisation); a forward running meanwhile on another thread would see that generator move and be
     // refused (Stage: ranks_share_process), although its own draws are fine.
     try {
-      transport_->barrier(options_.timeout);
-      if (impl_->data_parallel != nullptr) impl_->data_parallel->barrier(options_.timeout);
+      transport_->barrier(options_.executor.timeout);
+      if (impl_->data_parallel != nullptr) impl_->data_parallel->barrier(options_.executor.timeout);
       if (transport_->ranks_share_process()) {
-        refuse_tensors_shared_with_other_ranks(*transport_, "pipeline rank", rank(), stages_, options_.timeout);
+        refuse_tensors_shared_with_other_ranks(*transport_, "pipeline rank", rank(), stages_,
+                                               options_.executor.timeout);
       }
       if (impl_->data_parallel != nullptr && impl_->data_parallel->ranks_share_process()) {
         refuse_tensors_shared_with_other_ranks(*impl_->data_parallel, "data-parallel replica", rank(), stages_,
-                                               options_.timeout);
+                                               options_.executor.timeout);
       }
     } catch (const TimeoutError& e) {
       throw TimeoutError(fmt::format("rank {}: the first step starts when every rank thread has reached it, "
@@ -621,9 +619,9 @@ double Pipeline::mean_loss(const StepResult& result) {
   double local = 0.0;
   for (double l : result.losses) local += l / static_cast<double>(result.losses.size());
   at::Tensor t = at::tensor({local}, at::TensorOptions().dtype(at::kDouble));  // host values: reduced on the host
-  transport_->all_reduce_sum(t, options_.timeout);
+  transport_->all_reduce_sum(t, options_.executor.timeout);
   if (impl_->data_parallel != nullptr) {
-    impl_->data_parallel->all_reduce_sum(t, options_.timeout);
+    impl_->data_parallel->all_reduce_sum(t, options_.executor.timeout);
     t.div_(impl_->data_parallel->world_size());
   }
   return t.item<double>();

@@ -1,6 +1,8 @@
 #include "schedule/dry_run.h"
 
 #include <algorithm>
+#include <utility>
+#include <vector>
 
 #include "twobp/schedule/dependencies.h"
 #include "twobp/schedule/messages.h"
@@ -79,61 +81,90 @@ void check_plausible_size(const Schedule& sc) {
               sc.name, sc.num_ranks, sc.num_stages, sc.num_micro_batches, actions, sc.actions.size(), needed);
 }
 
-DryRun dry_run(const Schedule& sc, const CostModel& costs, bool force) {
-  check_plausible_size(sc);
-  const int S = sc.num_stages;
-  const int M = sc.num_micro_batches;
-  const int R = sc.num_ranks;
-  const std::size_t n = static_cast<std::size_t>(S) * M;
-  constexpr std::size_t kItems = 4;
-  // An item is available on at most two ranks: the owner of its stage (made by a compute action) and the rank that
-  // receives it (made by a RECV). Slot = (item, stage, mb, received?). Messages are keyed by (channel, sending
-  // stage, mb). What each action needs and makes comes from dependencies(): the one table of action meaning.
-  auto item_slot = [&](const ItemRef& it, int rank) {
-    const bool received = sc.stage_to_rank[it.stage] != rank;
-    return ((static_cast<std::size_t>(it.item) * 2 + (received ? 1 : 0)) * S + it.stage) * M + it.micro_batch;
-  };
-  auto message_slot = [&](const Action& a) {
+namespace {
+
+// One dry run's state. An item is available on at most two ranks: the owner of its stage (made by a compute
+// action) and the rank that receives it (made by a RECV). Slot = (item, stage, mb, received?). Messages are keyed
+// by (channel, sending stage, mb). What each action needs and makes comes from dependencies(): the one table of
+// action meaning.
+class DryRunner {
+ public:
+  DryRunner(const Schedule& sc, const CostModel& costs)
+      : sc_(sc), costs_(costs), S_(sc.num_stages), M_(sc.num_micro_batches), R_(sc.num_ranks) {
+    const std::size_t n = static_cast<std::size_t>(S_) * M_;
+    item_loc_.resize(kItems * 2 * n);
+    send_loc_.resize(2 * n);
+    item_time_.assign(kItems * 2 * n, kNotRun);
+    send_time_.assign(2 * n, kNotRun);
+    clock_.assign(R_, 0.0);
+    result_.next.assign(R_, 0);
+    result_.event_index.resize(R_);
+    for (int r = 0; r < R_; ++r) result_.event_index[r].assign(sc.actions[r].size(), -1);
+    find_producers();
+  }
+
+  DryRun run(bool force) {
+    while (true) {
+      run_until_blocked();
+      if (!force) break;
+      int victim = -1;
+      for (int r = 0; r < R_; ++r) {
+        if (result_.next[r] < sc_.actions[r].size() && (victim < 0 || clock_[r] < clock_[victim])) victim = r;
+      }
+      if (victim < 0) break;
+      result_.forced.emplace_back(victim, result_.next[victim]);
+      result_.next[victim] += try_run(victim, true);
+    }
+    for (int r = 0; r < R_; ++r) {
+      if (result_.next[r] < sc_.actions[r].size()) result_.complete = false;
+    }
+    if (!result_.forced.empty()) result_.complete = false;
+    return std::move(result_);
+  }
+
+ private:
+  static constexpr std::size_t kItems = 4;
+
+  std::size_t item_slot(const ItemRef& it, int rank) const {
+    const bool received = sc_.stage_to_rank[it.stage] != rank;
+    return ((static_cast<std::size_t>(it.item) * 2 + (received ? 1 : 0)) * S_ + it.stage) * M_ + it.micro_batch;
+  }
+  std::size_t message_slot(const Action& a) const {
     const bool send = is_send(a.type);
     const int sender = send ? a.stage : peer_stage(a);
-    return (static_cast<std::size_t>(message_channel(a)) * S + sender) * M + a.micro_batches.front();
-  };
+    return (static_cast<std::size_t>(message_channel(a)) * S_ + sender) * M_ + a.micro_batches.front();
+  }
 
   // Producers; the first occurrence wins, duplicates are validate()'s business.
-  std::vector<Loc> item_loc(kItems * 2 * n), send_loc(2 * n);
-  for (int r = 0; r < R; ++r) {
-    for (std::size_t i = 0; i < sc.actions[r].size(); ++i) {
-      const Action& a = sc.actions[r][i];
-      for (const ItemRef& made : dependencies(a, S).produces) {
-        Loc& l = item_loc[item_slot(made, r)];
-        if (!l.exists()) l = Loc{r, i};
-      }
-      if (is_send(a.type)) {
-        Loc& l = send_loc[message_slot(a)];
-        if (!l.exists()) l = Loc{r, i};
+  void find_producers() {
+    for (int r = 0; r < R_; ++r) {
+      for (std::size_t i = 0; i < sc_.actions[r].size(); ++i) {
+        const Action& a = sc_.actions[r][i];
+        for (const ItemRef& made : dependencies(a, S_).produces) {
+          Loc& l = item_loc_[item_slot(made, r)];
+          if (!l.exists()) l = Loc{r, i};
+        }
+        if (is_send(a.type)) {
+          Loc& l = send_loc_[message_slot(a)];
+          if (!l.exists()) l = Loc{r, i};
+        }
       }
     }
   }
 
-  std::vector<double> item_time(kItems * 2 * n, kNotRun), send_time(2 * n, kNotRun);
-  std::vector<double> clock(R, 0.0);
-  DryRun result;
-  result.next.assign(R, 0);
-  result.event_index.resize(R);
-  for (int r = 0; r < R; ++r) result.event_index[r].assign(sc.actions[r].size(), -1);
-
   // When the output of `locs[k]` (finished at times[k]) is usable: kNotRun while it has not run; a producer that is
   // missing altogether counts as available at time 0 (so that broken schedules can still be drawn).
-  auto available = [](const std::vector<Loc>& locs, const std::vector<double>& times, std::size_t k, double latency) {
+  static double available(const std::vector<Loc>& locs, const std::vector<double>& times, std::size_t k,
+                          double latency) {
     if (!locs[k].exists()) return 0.0;
     if (times[k] == kNotRun) return kNotRun;
     return times[k] + latency;
-  };
+  }
 
   // When `a` (whose dependencies() are `deps`) could start on rank r: once the rank is free and every input has
   // arrived; kNotRun while one has not (`forced`: as if it had).
-  auto ready_time = [&](int r, const Action& a, const ActionDependencies& deps, bool forced) {
-    double ready = clock[r];
+  double ready_time(int r, const Action& a, const ActionDependencies& deps, bool forced) const {
+    double ready = clock_[r];
     auto need = [&](double t) {
       if (t == kNotRun) return forced;
       ready = std::max(ready, t);
@@ -142,94 +173,96 @@ DryRun dry_run(const Schedule& sc, const CostModel& costs, bool force) {
     for (const ItemRef& it : deps.needs) {
       std::size_t k = item_slot(it, r);
       double latency = 0.0;
-      const int owner = sc.stage_to_rank[it.stage];
-      if (owner != r && !item_loc[k].exists()) {
+      const int owner = sc_.stage_to_rank[it.stage];
+      if (owner != r && !item_loc_[k].exists()) {
         // A schedule without communication actions (compute only, as the simulator accepts it): the item arrives
         // from its owner `communication` after it was made there.
         k = item_slot(it, owner);
-        latency = costs.communication;
+        latency = costs_.communication;
       }
-      if (!need(available(item_loc, item_time, k, latency))) return kNotRun;
+      if (!need(available(item_loc_, item_time_, k, latency))) return kNotRun;
     }
-    if (is_receive(a.type) && !need(available(send_loc, send_time, message_slot(a), costs.communication))) {
+    if (is_receive(a.type) && !need(available(send_loc_, send_time_, message_slot(a), costs_.communication))) {
       return kNotRun;
     }
     return ready;
-  };
+  }
 
   // Records action `index` of rank r as run from `start` to `end`.
-  auto record = [&](int r, std::size_t index, const Action& a, const ActionDependencies& deps, double start,
-                    double end) {
-    clock[r] = std::max(clock[r], end);
+  void record(int r, std::size_t index, const Action& a, const ActionDependencies& deps, double start, double end) {
+    clock_[r] = std::max(clock_[r], end);
     const Loc here{r, index};
     auto is_here = [&](const Loc& l) { return l.rank == here.rank && l.index == here.index; };
     for (const ItemRef& made : deps.produces) {
       const std::size_t k = item_slot(made, r);
-      if (is_here(item_loc[k])) item_time[k] = end;
+      if (is_here(item_loc_[k])) item_time_[k] = end;
     }
     if (is_send(a.type)) {
       const std::size_t k = message_slot(a);
-      if (is_here(send_loc[k])) send_time[k] = end;
+      if (is_here(send_loc_[k])) send_time_[k] = end;
     }
-    result.event_index[r][index] = static_cast<long>(result.events.size());
-    result.events.push_back(SimulatedEvent{r, a, start, end});
-  };
+    result_.event_index[r][index] = static_cast<long>(result_.events.size());
+    result_.events.push_back(SimulatedEvent{r, a, start, end});
+  }
 
   // Runs rank r's next action, or, with CostModel::overlap > 0, the overlapped pair it opens when its partner
   // follows at once (the for_overlapped_pairs layout): both parts from when both can start, over f + x - overlap *
   // min(f, x). Returns how many actions ran (0: the next one cannot run yet).
-  auto try_run = [&](int r, bool forced) -> std::size_t {
-    const auto& list = sc.actions[r];
-    const std::size_t i = result.next[r];
+  std::size_t try_run(int r, bool forced) {
+    const auto& list = sc_.actions[r];
+    const std::size_t i = result_.next[r];
     const Action& a = list[i];
-    const ActionDependencies deps = dependencies(a, S);
+    const ActionDependencies deps = dependencies(a, S_);
     const double ready = ready_time(r, a, deps, forced);
     if (ready == kNotRun) return 0;
-    const bool pair = costs.overlap > 0.0 && a.overlapped_with_next && i + 1 < list.size() &&
+    const bool pair = costs_.overlap > 0.0 && a.overlapped_with_next && i + 1 < list.size() &&
                       is_compute(list[i + 1].type);
     if (!pair) {
-      record(r, i, a, deps, ready, ready + action_cost(a, costs));
+      record(r, i, a, deps, ready, ready + action_cost(a, costs_));
       return 1;
     }
     const Action& x = list[i + 1];
-    const ActionDependencies deps_x = dependencies(x, S);
+    const ActionDependencies deps_x = dependencies(x, S_);
     const double ready_x = ready_time(r, x, deps_x, forced);
     if (ready_x == kNotRun) return 0;
     const double start = std::max(ready, ready_x);
-    const double f = action_cost(a, costs), b = action_cost(x, costs);
-    const double end = start + f + b - costs.overlap * std::min(f, b);
+    const double f = action_cost(a, costs_), b = action_cost(x, costs_);
+    const double end = start + f + b - costs_.overlap * std::min(f, b);
     record(r, i, a, deps, start, end);
     record(r, i + 1, x, deps_x, start, end);
     return 2;
-  };
+  }
 
-  while (true) {
+  // Every rank runs what it can, round after round, until no rank can move.
+  void run_until_blocked() {
     bool progress = true;
     while (progress) {
       progress = false;
-      for (int r = 0; r < R; ++r) {
-        while (result.next[r] < sc.actions[r].size()) {
+      for (int r = 0; r < R_; ++r) {
+        while (result_.next[r] < sc_.actions[r].size()) {
           const std::size_t ran = try_run(r, false);
           if (ran == 0) break;
-          result.next[r] += ran;
+          result_.next[r] += ran;
           progress = true;
         }
       }
     }
-    if (!force) break;
-    int victim = -1;
-    for (int r = 0; r < R; ++r) {
-      if (result.next[r] < sc.actions[r].size() && (victim < 0 || clock[r] < clock[victim])) victim = r;
-    }
-    if (victim < 0) break;
-    result.forced.emplace_back(victim, result.next[victim]);
-    result.next[victim] += try_run(victim, true);
   }
-  for (int r = 0; r < R; ++r) {
-    if (result.next[r] < sc.actions[r].size()) result.complete = false;
-  }
-  if (!result.forced.empty()) result.complete = false;
-  return result;
+
+  const Schedule& sc_;
+  const CostModel& costs_;
+  const int S_, M_, R_;
+  std::vector<Loc> item_loc_, send_loc_;
+  std::vector<double> item_time_, send_time_;
+  std::vector<double> clock_;  // per rank: when it is free
+  DryRun result_;
+};
+
+}  // namespace
+
+DryRun dry_run(const Schedule& sc, const CostModel& costs, bool force) {
+  check_plausible_size(sc);
+  return DryRunner(sc, costs).run(force);
 }
 
 }  // namespace twobp::detail

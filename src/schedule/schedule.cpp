@@ -15,6 +15,37 @@
 
 namespace twobp {
 
+namespace {
+
+// Every spelling of a mode, the one to_string() writes first.
+struct ModeSpelling {
+  std::string_view text;
+  BackwardMode mode;
+};
+constexpr ModeSpelling kModeSpellings[] = {
+    {"standard", BackwardMode::kStandard}, {"2bp", BackwardMode::kSplit},
+    {"fused", BackwardMode::kStandard},    {"fused-backward", BackwardMode::kStandard},
+    {"split", BackwardMode::kSplit},       {"2BP", BackwardMode::kSplit},
+};
+
+}  // namespace
+
+const char* to_string(BackwardMode mode) {
+  for (const ModeSpelling& s : kModeSpellings) {
+    if (s.mode == mode) return s.text.data();  // the table's literals end in '\0'
+  }
+  return "unknown";
+}
+
+BackwardMode parse_backward_mode(std::string_view text) {
+  for (const ModeSpelling& s : kModeSpellings) {
+    if (s.text == text) return s.mode;
+  }
+  throw UsageError(fmt::format("unknown backward mode '{}': expected standard or 2bp (aliases: fused, "
+                               "fused-backward; split, 2BP)",
+                               text));
+}
+
 std::vector<int> Schedule::stages_of(int rank) const {
   std::vector<int> stages;
   for (int s = 0; s < static_cast<int>(stage_to_rank.size()); ++s) {

@@ -159,13 +159,12 @@ class Parser {
       fail("expected at most one rank per stage, found {} ranks for {} stages", schedule_.num_ranks,
            schedule_.num_stages);
     }
+    // Any spelling parse_backward_mode() reads: files of before wrote "split" for 2bp.
     const std::string_view mode = fields["backward"];
-    if (mode == "standard") {
-      schedule_.backward = BackwardMode::kStandard;
-    } else if (mode == "split") {
-      schedule_.backward = BackwardMode::kSplit;
-    } else {
-      fail("expected backward=standard or backward=split, found '{}'", mode);
+    try {
+      schedule_.backward = parse_backward_mode(mode);
+    } catch (const UsageError&) {
+      fail("expected backward=standard or backward=2bp (or split), found '{}'", mode);
     }
     for (std::string_view r : split(fields["placement"], ',')) {
       const int rank = number(r, "a placement entry");
@@ -229,7 +228,7 @@ std::string dump_schedule(const Schedule& schedule) {
   std::string out = fmt::format(
       "{} {} name={} ranks={} stages={} microbatches={} backward={} placement={}\n", kMagic, kVersion, schedule.name,
       schedule.num_ranks, schedule.num_stages, schedule.num_micro_batches,
-      schedule.backward == BackwardMode::kSplit ? "split" : "standard", fmt::join(schedule.stage_to_rank, ","));
+      to_string(schedule.backward), fmt::join(schedule.stage_to_rank, ","));
   for (std::size_t r = 0; r < schedule.actions.size(); ++r) {
     for (const Action& a : schedule.actions[r]) {
       out += fmt::format("rank {}: {} {} {}{}\n", r, to_string(a.type), a.stage, fmt::join(a.micro_batches, ","),

@@ -3,13 +3,11 @@
 
 #include <chrono>
 
-#include "twobp/transport/transport.h"  // twobp::Clock
-
 namespace twobp::detail {
 
 /// Microseconds from `since` to now.
-inline double elapsed_us(Clock::time_point since) {
-  return std::chrono::duration<double, std::micro>(Clock::now() - since).count();
+inline double elapsed_us(std::chrono::steady_clock::time_point since) {  // twobp::Clock's time_point
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - since).count();
 }
 
 }  // namespace twobp::detail

@@ -200,18 +200,18 @@ inline void run_rank(Transport& world, int dp, const Schedule& schedule, bool ov
     chunks.push_back({s, out.chunks.at(s), [raw](const at::Tensor& x) { return raw->forward(x); }});
   }
   PipelineOptions o;
-  o.timeout = std::chrono::seconds(60);
+  o.executor.timeout = std::chrono::seconds(60);
   o.loss = mse;
   const at::ScalarType dtype = mixed ? at::kBFloat16 : at::kDouble;
   // The outputs of frozen leading stages carry no gradient, and their specs say so.
-  o.activation_spec = [dtype, frozen_stages](int s) {
+  o.executor.activation_spec = [dtype, frozen_stages](int s) {
     return TensorSpec{{kMbs, kSeq, kDim}, dtype, "", /*requires_grad=*/s >= frozen_stages};
   };
   o.data_parallel.group = groups.data_parallel();
   o.data_parallel.overlap = overlap;
   o.data_parallel.start_during_backward = start_during_backward;
   std::atomic<int> overlap_calls{0};
-  if (overlap_pairs) o.overlap_forward_backward = concurrent_overlap(overlap_calls);
+  if (overlap_pairs) o.executor.overlap_forward_backward = concurrent_overlap(overlap_calls);
   o.data_parallel.bucket_bytes = 256;  // several buckets per chunk
   if (mixed) o.mixed_precision.compute_dtype = at::kBFloat16;
   Pipeline pipeline(schedule, std::move(chunks), groups.pipeline(), o);

@@ -1,5 +1,5 @@
 #pragma once
-// An overlap hook (PipelineOptions::overlap_forward_backward) that really runs an overlapped pair's two parts at
+// An overlap hook (ExecutorOptions::overlap_forward_backward) that really runs an overlapped pair's two parts at
 // once: the F on a thread of its own, the B (or I) on the calling thread; counts its calls.
 
 #include <atomic>

@@ -39,9 +39,9 @@ inline torch::Tensor run_chunk(torch::nn::Module& m, int s, const torch::Tensor&
 // a 60 s timeout.
 inline PipelineOptions fixture_options() {
   PipelineOptions o;
-  o.timeout = std::chrono::seconds(60);
+  o.executor.timeout = std::chrono::seconds(60);
   o.loss = mse;
-  o.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim}, at::kDouble}; };
+  o.executor.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim}, at::kDouble}; };
   return o;
 }
 

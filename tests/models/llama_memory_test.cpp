@@ -97,7 +97,7 @@ TEST(LlamaMemoryEstimate, PlanParts) {
   llm::MemoryPlanOptions o;
   o.micro_batch_size = 1;
   o.seq_len = 256;
-  o.precision = llm::training_precision("fp32");
+  o.precision = llm::training_precision(Precision::kFloat32);
   const auto partition = llm::make_partition(c, p, o.seq_len);
   const auto standard = make_schedule("1f1b", ScheduleOptions{p, m, 1, BackwardMode::kStandard});
   const auto split = make_schedule("1f1b", ScheduleOptions{p, m, 1, BackwardMode::kSplit});
@@ -106,7 +106,7 @@ TEST(LlamaMemoryEstimate, PlanParts) {
   o.recompute = true;
   const auto recomputed = llm::estimate_memory(c, partition, split, o);
   o.recompute = false;
-  o.precision = llm::training_precision("bf16-mixed");
+  o.precision = llm::training_precision(Precision::kMixedBFloat16);
   const auto mixed = llm::estimate_memory(c, partition, split, o);
   for (int r = 0; r < p; ++r) {
     SCOPED_TRACE("rank " + std::to_string(r));
@@ -133,7 +133,11 @@ TEST(LlamaMemoryEstimate, PlanParts) {
     EXPECT_GE(mixed[r].activations, 0.5 * twobp[r].activations);
     EXPECT_LT(mixed[r].activations, 0.6 * twobp[r].activations);
   }
-  EXPECT_THROW(llm::training_precision("fp8"), UsageError);
+  const llm::TrainingPrecision pure = llm::training_precision(Precision::kBFloat16);
+  EXPECT_EQ(pure.precision, Precision::kBFloat16);
+  EXPECT_EQ(pure.compute_bytes, 2);
+  EXPECT_EQ(pure.master_bytes, 0);
+  EXPECT_EQ(pure.gradient_bytes, 2);
 }
 
 // MemoryPlanOptions::recompute_ranks: a rank's memory changes only by its own actions, so with any set of ranks
@@ -145,7 +149,7 @@ TEST(LlamaMemoryEstimate, RecomputeRanksRecomputeOnTheirRanksOnly) {
   llm::MemoryPlanOptions o;
   o.micro_batch_size = 1;
   o.seq_len = 256;
-  o.precision = llm::training_precision("fp32");
+  o.precision = llm::training_precision(Precision::kFloat32);
   for (const auto& [name, v] : std::vector<std::pair<std::string, int>>{{"1f1b", 1}, {"zb-v", 2}}) {
     for (BackwardMode mode : {BackwardMode::kStandard, BackwardMode::kSplit}) {
       const auto sc = make_schedule(name, ScheduleOptions{p, 2 * p, v, mode});

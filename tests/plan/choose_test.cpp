@@ -457,7 +457,7 @@ TEST(AutoSchedule, DecidesAlikeOnEveryRankAndKeepsTheGradients) {
   const double fastest = *std::min_element(all.begin(), all.end());
   EXPECT_EQ(chosen_ms[0], fastest);
   EXPECT_EQ(start_ms[0], probe_ms[0][0]);
-  const bool back = news[0].back().second.find("back to gpipe 2BP") != std::string::npos;
+  const bool back = news[0].back().second.find("back to gpipe 2bp") != std::string::npos;
   EXPECT_EQ(back, fastest == probe_ms[0][0]) << news[0].back().second;
   EXPECT_EQ(schedule_at[0].back() == "gpipe 2bp", back) << news[0].back().second;
 }
@@ -475,7 +475,7 @@ TEST(AutoSchedule, AMemoryLimitRanksOnlyCandidatesThatFit) {
   for (const double limit : {1.0, 1e15}) {
     SCOPED_TRACE("limit " + std::to_string(limit));
     PipelineOptions po = fixture_options();
-    po.record_memory = true;
+    po.executor.record_memory = true;
     TwoRanks ranks = two_rank_pipelines(start, po);
     auto& pipelines = ranks.pipelines;
     std::vector<std::vector<ScheduleCandidate>> rankings(2);
@@ -513,7 +513,7 @@ TEST(AutoSchedule, AMemoryLimitRanksOnlyCandidatesThatFit) {
     ASSERT_EQ(rankings[0].size(), rankings[1].size());
     if (limit < 2.0) {  // nothing fits in one byte: back to the starting schedule, not its measured other form
       EXPECT_TRUE(rankings[0].empty());
-      EXPECT_NE(first_news[0].find("back to gpipe 2BP"), std::string::npos) << first_news[0];
+      EXPECT_NE(first_news[0].find("back to gpipe 2bp"), std::string::npos) << first_news[0];
       EXPECT_NE(first_news[0].find("within"), std::string::npos) << first_news[0];
       for (const auto& p : pipelines) EXPECT_EQ(p->schedule().name, "gpipe");
       continue;
@@ -550,7 +550,7 @@ std::vector<Seen> run_recomputing_auto(int steps, std::vector<std::string> names
   const auto targets = torch::randn({kMicroBatches * kMicroBatchSize, kDim});
   const Reference ref = run_reference(2, kMicroBatches, inputs, targets);
   PipelineOptions po = fixture_options();
-  po.record_memory = true;
+  po.executor.record_memory = true;
   TwoRanks ranks = two_rank_pipelines(start, po);
   auto& pipelines = ranks.pipelines;
   auto& modules = ranks.modules;
@@ -792,7 +792,7 @@ TEST(AutoSchedule, RefusesBadOptionsAndMemoryBoundPipelines) {
   none_measured.measure_candidates = 0;
   EXPECT_THROW(AutoSchedule(*plain, none_measured), UsageError);
   PipelineOptions bounded = fixture_options();
-  bounded.max_pending_weight_micro_batches = 1;
+  bounded.executor.max_pending_weight_micro_batches = 1;
   auto limited = make(bounded);
   try {
     AutoSchedule chooser(*limited, AutoScheduleOptions{});
@@ -810,7 +810,7 @@ TEST(AutoSchedule, RefusesBadOptionsAndMemoryBoundPipelines) {
   }
   memory_limit.memory_limit_bytes = -1;
   PipelineOptions recording = fixture_options();
-  recording.record_memory = true;
+  recording.executor.record_memory = true;
   auto recorded = make(recording);
   EXPECT_THROW(AutoSchedule(*recorded, memory_limit), UsageError);
 }

@@ -230,7 +230,7 @@ LayoutPlanOptions plan_options() {
   o.communication_ms = 0.05;
   o.link_bytes_per_s = 1e9;
   o.link_latency_s = 1e-5;
-  o.precision = llm::training_precision("fp32");
+  o.precision = llm::training_precision(Precision::kFloat32);
   return o;
 }
 

@@ -166,7 +166,7 @@ def main():
     # A memory bound on the candidates that nothing fits: the starting schedule is kept, and said so.
     out = run([example, *JOB, "--schedule", "auto", "--auto-steps", str(AUTO_STEPS), "--auto-memory-limit-gb",
                "1e-9"])
-    assert "back to 1f1b 2BP" in out and "within" in out, f"a limit nothing fits: {out}"
+    assert "back to 1f1b 2bp" in out and "within" in out, f"a limit nothing fits: {out}"
     print("threads: --auto-memory-limit-gb 1e-9 keeps the starting schedule")
 
 

@@ -45,9 +45,9 @@ TEST_P(MpiBoundaryParity, LossesAndGradientsMatchSingleProcess) {
 
   std::map<int, BoundaryChunk> mine;
   PipelineOptions options;
-  options.timeout = std::chrono::seconds(60);
+  options.executor.timeout = std::chrono::seconds(60);
   options.loss = boundary_loss;
-  if (c.fixed_specs) options.boundary_spec = [aux](int) { return boundary_spec(aux); };
+  if (c.fixed_specs) options.executor.boundary_spec = [aux](int) { return boundary_spec(aux); };
   Pipeline pipeline(schedule, boundary_chunks(schedule, me, aux, &mine), std::make_shared<MpiTransport>(env), options);
   const bool first = me == schedule.stage_to_rank.front(), last = me == schedule.stage_to_rank.back();
   for (std::size_t i = 0; i < steps.size(); ++i) {

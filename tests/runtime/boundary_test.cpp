@@ -57,7 +57,7 @@ BoundaryRun run_boundary_pipeline(const Schedule& schedule, bool aux, const std:
 
 PipelineOptions boundary_options() {
   PipelineOptions o;
-  o.timeout = std::chrono::seconds(60);
+  o.executor.timeout = std::chrono::seconds(60);
   o.loss = boundary_loss;
   return o;
 }
@@ -92,7 +92,7 @@ TEST_P(BoundaryParity, LossesAndGradientsMatchSingleProcess) {
   BoundaryReference ref = run_boundary_reference(schedule.num_stages, aux, steps);
 
   PipelineOptions options = boundary_options();
-  if (c.fixed_specs) options.boundary_spec = [aux](int) { return boundary_spec(aux); };
+  if (c.fixed_specs) options.executor.boundary_spec = [aux](int) { return boundary_spec(aux); };
   BoundaryRun run = run_boundary_pipeline(schedule, aux, steps, options, c.pairing, c.recompute);
   if (!run.errors.ok()) std::rethrow_exception(run.errors.root_cause());
 
@@ -162,7 +162,7 @@ TEST_F(BoundaryErrors, FixedSpecsRefuseAGradientThatNothingProduced) {
   // Odd stages use their "aux" input, even ones ignore it: four stages on two ranks give an even receiver.
   schedule_ = make_schedule("interleaved-1f1b", default_schedule_options("interleaved-1f1b", 2, 2, BackwardMode::kSplit));
   auto options = boundary_options();
-  options.boundary_spec = [](int) { return boundary_spec(true); };
+  options.executor.boundary_spec = [](int) { return boundary_spec(true); };
   // Stage 2 (rank 0) receives stage 1's "aux" and ignores it: its SEND_B to stage 1 has no gradient for it.
   expect_failure(options, true, schedule_.stage_to_rank[2],
                  {"no gradient reached input 'aux'", "stage 2", "micro-batch", "requires_grad = false", "no specs"});
@@ -170,7 +170,7 @@ TEST_F(BoundaryErrors, FixedSpecsRefuseAGradientThatNothingProduced) {
 
 TEST_F(BoundaryErrors, SpecOfOtherTensorsNamesBothStages) {
   auto options = boundary_options();
-  options.boundary_spec = [](int) {
+  options.executor.boundary_spec = [](int) {
     BoundarySpec spec = boundary_spec(false);
     spec[2].dtype = at::kLong;  // the mask is bool
     return spec;
@@ -181,7 +181,7 @@ TEST_F(BoundaryErrors, SpecOfOtherTensorsNamesBothStages) {
 
 TEST_F(BoundaryErrors, SpecThatDisagreesOnTheGradientNamesTheTensor) {
   auto options = boundary_options();
-  options.boundary_spec = [](int) {
+  options.executor.boundary_spec = [](int) {
     BoundarySpec spec = boundary_spec(false);
     spec[3].requires_grad = false;  // "enc" carries a gradient
     return spec;

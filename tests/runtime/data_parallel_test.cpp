@@ -258,9 +258,9 @@ RankErrors run_job(const Job& job) {
       pc.push_back({s, m, [raw](const at::Tensor& x) { return raw->forward(x); }});
     }
     PipelineOptions o;
-    o.timeout = std::chrono::seconds(30);
+    o.executor.timeout = std::chrono::seconds(30);
     o.loss = job.loss;
-    o.activation_spec = [](int) { return TensorSpec{{dp::kMbs, dp::kSeq, dp::kDim}, at::kDouble}; };
+    o.executor.activation_spec = [](int) { return TensorSpec{{dp::kMbs, dp::kSeq, dp::kDim}, at::kDouble}; };
     o.data_parallel.group = groups.data_parallel();
     Pipeline pipeline(schedule, std::move(pc), groups.pipeline(), o);
     const auto mine = dp::replica_batch(batch, groups.replica());

@@ -1,5 +1,5 @@
-// Memory in bytes at run time: recorded tensor memory around every action (PipelineOptions::record_memory) and
-// memory-bounded 2BP by bytes (PipelineOptions::memory_limit_bytes), ranks as threads, float64.
+// Memory in bytes at run time: recorded tensor memory around every action (PipelineOptions::executor.record_memory) and
+// memory-bounded 2BP by bytes (PipelineOptions::executor.memory_limit_bytes), ranks as threads, float64.
 // A process of its own: it installs the CPU allocation counter (twobp::memory::count_cpu_allocations).
 
 #include <fmt/format.h>
@@ -79,10 +79,10 @@ std::vector<Run> run(const Schedule& schedule, PipelineOptions options, const to
 
 PipelineOptions options_for_memory() {
   PipelineOptions o;
-  o.timeout = std::chrono::seconds(60);
+  o.executor.timeout = std::chrono::seconds(60);
   o.loss = mse;
-  o.activation_spec = [](int) { return TensorSpec{{kRows, kWide}, at::kDouble}; };
-  o.record_memory = true;
+  o.executor.activation_spec = [](int) { return TensorSpec{{kRows, kWide}, at::kDouble}; };
+  o.executor.record_memory = true;
   return o;
 }
 
@@ -137,7 +137,7 @@ TEST_F(MemoryLimit, RecordsMemoryAroundEveryAction) {
   }
   // Without recording, nothing is recorded.
   PipelineOptions plain = options_for_memory();
-  plain.record_memory = false;
+  plain.executor.record_memory = false;
   auto quiet = run(schedule, plain, inputs, targets);
   rethrow_any(quiet);
   EXPECT_EQ(quiet[0].steps.back().peak_memory_bytes, -1);
@@ -174,7 +174,7 @@ TEST_F(MemoryLimit, HoldsOnEveryScheduleAndKeepsGradients) {
       }
       auto inputs = torch::randn({m * kRows, kWide}), targets = torch::randn({m * kRows, kWide});
       PipelineOptions eager_options = options_for_memory();
-      eager_options.max_pending_weight_micro_batches = 1;
+      eager_options.executor.max_pending_weight_micro_batches = 1;
       auto unbounded = run(split, options_for_memory(), inputs, targets);
       auto eager = run(split, eager_options, inputs, targets);
       rethrow_any(unbounded);
@@ -196,7 +196,7 @@ TEST_F(MemoryLimit, HoldsOnEveryScheduleAndKeepsGradients) {
       const int64_t limit = lo + (hi - lo) / 2;
 
       PipelineOptions bounded_options = options_for_memory();
-      bounded_options.memory_limit_bytes = limit;
+      bounded_options.executor.memory_limit_bytes = limit;
       auto bounded = run(split, bounded_options, inputs, targets);
       rethrow_any(bounded);
       const auto peaks = later_peaks(bounded);
@@ -243,7 +243,7 @@ TEST_F(MemoryLimit, HoldsOnEveryScheduleAndKeepsGradients) {
 TEST_F(MemoryLimit, NegativeLimitIsRefused) {
   const Schedule schedule = make_schedule("1f1b", ScheduleOptions{2, 2, 1, BackwardMode::kSplit});
   PipelineOptions o = options_for_memory();
-  o.memory_limit_bytes = -1;
+  o.executor.memory_limit_bytes = -1;
   auto transports = make_local_transports(2);
   auto module = make_wide_chunk(0);
   std::vector<PipelineChunk> chunks{{0, module, [raw = module.get()](const at::Tensor& x) {

@@ -94,9 +94,9 @@ struct MixedRun {
 
 PipelineOptions mixed_options() {
   PipelineOptions o;
-  o.timeout = std::chrono::seconds(60);
+  o.executor.timeout = std::chrono::seconds(60);
   o.loss = mse;
-  o.activation_spec = [](int) { return TensorSpec{{kRows, kDim}, at::kBFloat16}; };
+  o.executor.activation_spec = [](int) { return TensorSpec{{kRows, kDim}, at::kBFloat16}; };
   o.mixed_precision.compute_dtype = at::kBFloat16;
   return o;
 }
@@ -255,7 +255,7 @@ TEST(MixedPrecision, GradientsAccumulateInFloat32AcrossMicroBatches) {
         weight.fill_(1.0);
       }
       PipelineOptions o = mixed_options();
-      o.activation_spec = nullptr;
+      o.executor.activation_spec = nullptr;
       o.loss = [](const at::Tensor& out, const at::Tensor&) { return out.to(at::kFloat).sum(); };
       auto transports = make_local_transports(1);
       Pipeline pipeline(schedule, {{0, module, forward}}, *transports[0], o);

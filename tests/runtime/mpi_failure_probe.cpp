@@ -29,9 +29,9 @@ int main(int argc, char** argv) {
   auto layer = twobp::nn::Linear(8, 8);
   const int me = env.rank();
   twobp::PipelineOptions options;
-  options.timeout = std::chrono::seconds(1);
+  options.executor.timeout = std::chrono::seconds(1);
   options.loss = [](const at::Tensor& out, const at::Tensor& target) { return (out - target).pow(2).mean(); };
-  options.activation_spec = [](int) { return twobp::TensorSpec{{2, 8}, at::kFloat}; };
+  options.executor.activation_spec = [](int) { return twobp::TensorSpec{{2, 8}, at::kFloat}; };
   auto forward = [&, me](const at::Tensor& x) {
     if (me == 1 && mode == "throw") throw std::runtime_error("injected failure in the forward of rank 1");
     if (me == 1 && mode == "kill") std::raise(SIGKILL);

@@ -76,9 +76,9 @@ TEST_P(PipelineCudaParity, MatchesCpuFloat64Reference) {
   lo.devices = {dev};
   auto transports = make_local_transports(c.p, lo);
   PipelineOptions o;
-  o.timeout = std::chrono::seconds(60);
+  o.executor.timeout = std::chrono::seconds(60);
   o.loss = mse;
-  o.activation_spec = [&](int) { return TensorSpec{{kMicroBatchSize, kDim}, c.dtype}; };
+  o.executor.activation_spec = [&](int) { return TensorSpec{{kMicroBatchSize, kDim}, c.dtype}; };
   std::vector<std::vector<std::shared_ptr<torch::nn::Module>>> modules(c.p);
   std::vector<std::unique_ptr<Pipeline>> pipelines;
   for (int r = 0; r < c.p; ++r) {
@@ -214,9 +214,9 @@ TEST(PipelineCudaSyncs, SteadyStateStepSyncsOnlyWhereDocumented) {
     lo.devices = {dev};
     auto transports = make_local_transports(p, lo);
     PipelineOptions o;
-    o.timeout = std::chrono::seconds(60);
+    o.executor.timeout = std::chrono::seconds(60);
     o.loss = mse;
-    o.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim}, at::kFloat}; };
+    o.executor.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim}, at::kFloat}; };
     std::vector<std::unique_ptr<Pipeline>> pipelines;
     std::vector<std::shared_ptr<torch::nn::Module>> keep;
     for (int r = 0; r < p; ++r) {

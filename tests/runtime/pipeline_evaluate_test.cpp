@@ -54,10 +54,10 @@ Job make_job(const std::string& name, BackwardMode mode, int p, int m, bool anno
       chunks.push_back({s, job.chunks[s], [raw](const at::Tensor& x) { return raw->forward(x); }});
     }
     PipelineOptions o;
-    o.timeout = std::chrono::seconds(60);
+    o.executor.timeout = std::chrono::seconds(60);
     o.loss = mse;
     o.seed = 5;
-    if (!announce_shapes) o.activation_spec = [](int) { return TensorSpec{{kMbs, kSeq, kDim}, at::kDouble}; };
+    if (!announce_shapes) o.executor.activation_spec = [](int) { return TensorSpec{{kMbs, kSeq, kDim}, at::kDouble}; };
     job.pipelines.push_back(std::make_unique<Pipeline>(job.schedule, std::move(chunks), *job.transports[r], o));
   }
   return job;

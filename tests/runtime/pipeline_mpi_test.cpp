@@ -53,9 +53,9 @@ TEST_P(MpiPipelineParity, LossesAndGradientsMatchSingleProcess) {
     chunks.push_back({s, module, [raw, s](const at::Tensor& x) { return run_chunk(*raw, s, x); }});
   }
   PipelineOptions options;
-  options.timeout = std::chrono::seconds(60);
+  options.executor.timeout = std::chrono::seconds(60);
   options.loss = mse;
-  options.activation_spec = [frozen](int s) {
+  options.executor.activation_spec = [frozen](int s) {
     return TensorSpec{{kMicroBatchSize, kDim}, at::kDouble, "", /*requires_grad=*/s >= frozen};
   };
   Pipeline pipeline(schedule, std::move(chunks), std::make_shared<MpiTransport>(env), options);

@@ -127,9 +127,9 @@ Schedule schedule_for(const std::string& name, BackwardMode mode) {
 
 PipelineOptions options() {
   PipelineOptions o;
-  o.timeout = std::chrono::seconds(60);
+  o.executor.timeout = std::chrono::seconds(60);
   o.loss = mse;
-  o.activation_spec = [](int) { return TensorSpec{{kMbs, kSeq, kDim}, at::kDouble}; };
+  o.executor.activation_spec = [](int) { return TensorSpec{{kMbs, kSeq, kDim}, at::kDouble}; };
   return o;
 }
 
@@ -176,11 +176,8 @@ TEST_P(ModuleClassParity, GradientsBuffersAndExtrasMatchLossBackward) {
   expect_parity(c.schedule, c.mode, [&](int) { return c.cls.make(kDim); });
 }
 
-
-std::string mode_name(BackwardMode m) { return m == BackwardMode::kSplit ? "2bp" : "standard"; }
-
 std::string test_name(const std::string& a, const std::string& schedule, BackwardMode m) {
-  std::string n = a + "_" + schedule + "_" + mode_name(m);
+  std::string n = a + "_" + schedule + "_" + to_string(m);
   for (auto& ch : n) {
     if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
   }
@@ -269,9 +266,9 @@ TEST_P(PipelineSplitCases, LeadingStagesEntirelyFrozen) {
     for (bool spec : {true, false}) {
       SCOPED_TRACE(std::to_string(frozen) + " frozen stage(s), " + (spec ? "specs" : "announced shapes"));
       PipelineOptions o = options();
-      o.activation_spec = nullptr;
+      o.executor.activation_spec = nullptr;
       if (spec) {
-        o.activation_spec = [frozen](int s) {
+        o.executor.activation_spec = [frozen](int s) {
           return TensorSpec{{kMbs, kSeq, kDim}, at::kDouble, "", /*requires_grad=*/s >= frozen};
         };
       }
@@ -312,7 +309,7 @@ TEST_P(PipelineSplitCases, FirstStageWithoutGradientInSomeMicroBatches) {
   }
   const auto classes = supported_module_classes();
   PipelineOptions o = options();
-  o.activation_spec = nullptr;
+  o.executor.activation_spec = nullptr;
   expect_parity(
       GetParam().schedule, GetParam().mode,
       [&](int s) -> std::shared_ptr<CaseModule> {
@@ -346,7 +343,7 @@ TEST_P(PipelineSplitCases, StagesWithoutParametersOrIgnoringTheirInput) {
       {"ParameterFree", [] { return std::make_shared<ParameterFree>(); }},
       {"IgnoresItsInput", [] { return std::make_shared<IgnoresItsInput>(); }}};
   PipelineOptions o = options();
-  o.activation_spec = nullptr;
+  o.executor.activation_spec = nullptr;
   for (const auto& [name, make] : odd) {
     for (int parity : {0, 1}) {
       SCOPED_TRACE(name + (parity == 0 ? " on the even stages" : " on the odd stages"));
@@ -369,7 +366,7 @@ TEST(RankThreads, LossWithoutGradientIsRefused) {
   auto inputs = torch::randn({kMicroBatches * kMbs, kSeq, kDim});
   auto targets = torch::randn({kMicroBatches * kMbs, kSeq, kDim});
   PipelineOptions o = options();
-  o.activation_spec = nullptr;
+  o.executor.activation_spec = nullptr;
   PipelineRun run = run_pipeline(schedule_for("1f1b", BackwardMode::kSplit),
                                  [](int) -> std::shared_ptr<CaseModule> {
                                    auto m = std::make_shared<RegisteredTwice>(kDim);
@@ -523,7 +520,7 @@ TEST(RankThreads, TensorSharedByTwoRanksIsRefused) {
   for (const auto& name : builtin_schedule_names()) {
     for (BackwardMode mode : {BackwardMode::kStandard, BackwardMode::kSplit}) {
       for (bool buffers : {false, true}) {
-        SCOPED_TRACE(name + " " + mode_name(mode) + (buffers ? ", a module of buffers shared" : ", a tied weight"));
+        SCOPED_TRACE(name + " " + to_string(mode) + (buffers ? ", a module of buffers shared" : ", a tied weight"));
         const Schedule schedule = schedule_for(name, mode);
         int other = 1;
         while (schedule.stage_to_rank[other] == schedule.stage_to_rank[0]) ++other;

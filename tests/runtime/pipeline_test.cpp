@@ -144,9 +144,9 @@ struct ParityCase {
   BackwardMode mode;
   int p, m;
   Pairing pairing = Pairing::kByTag;  // of the Local transport: kInOrderPerChannel pairs like NCCL
-  int max_pending_weight = 0;          // memory-bounded 2BP (PipelineOptions::max_pending_weight_micro_batches)
+  int max_pending_weight = 0;          // memory-bounded 2BP (ExecutorOptions::max_pending_weight_micro_batches)
   bool recompute = false;              // activation recomputation on every stage (PipelineChunk::recompute)
-  bool overlap = false;  // PipelineOptions::overlap_forward_backward: each pair's F on a thread of its own beside its B
+  bool overlap = false;  // ExecutorOptions::overlap_forward_backward: each pair's F on a thread of its own beside its B
   bool hold = false;     // a transport whose receives hold the device (as NCCL's): none posted ahead of own sends
 };
 
@@ -171,9 +171,9 @@ TEST_P(PipelineParity, LossesAndGradientsMatchSingleProcess) {
   LocalOptions transport_options;
   transport_options.pairing = c.pairing;
   PipelineOptions options = fixture_options();
-  options.max_pending_weight_micro_batches = c.max_pending_weight;
+  options.executor.max_pending_weight_micro_batches = c.max_pending_weight;
   std::atomic<int> overlap_calls{0};
-  if (c.overlap) options.overlap_forward_backward = concurrent_overlap(overlap_calls);
+  if (c.overlap) options.executor.overlap_forward_backward = concurrent_overlap(overlap_calls);
   // With a limit, no stage may hold more deferred W's than it after any action.
   auto check_limit = [&](int, Pipeline& p) {
     if (c.max_pending_weight == 0) return;
@@ -310,7 +310,7 @@ class PipelineFailures : public ::testing::Test {
 
 TEST_F(PipelineFailures, ActivationOfUnexpectedShapeNamesBothStages) {
   auto options = fixture_options();
-  options.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim + 1}, at::kDouble}; };
+  options.executor.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim + 1}, at::kDouble}; };
   const auto t0 = std::chrono::steady_clock::now();
   auto runs = run_pipeline(schedule_, inputs_, targets_, options);
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(30));
@@ -336,7 +336,7 @@ TEST_F(PipelineFailures, OverlapHookThatSkipsAPartIsRefused) {
   ASSERT_GT(overlapped_pairs(schedule), 0);
   auto inputs = torch::randn({4 * kMicroBatchSize, kDim}), targets = torch::randn({4 * kMicroBatchSize, kDim});
   auto options = fixture_options();
-  options.overlap_forward_backward = [](const Action&, const Action&, const std::function<void()>& run_forward,
+  options.executor.overlap_forward_backward = [](const Action&, const Action&, const std::function<void()>& run_forward,
                                         const std::function<void()>&) { run_forward(); };
   auto runs = run_pipeline(schedule, inputs, targets, options);
   bool named = false;
@@ -362,7 +362,7 @@ TEST_F(PipelineFailures, LibTorchErrorsInsideAnOverlappedPairNameThePair) {
       auto options = fixture_options();
       std::array<std::atomic<bool>, 2> in_pair{};  // per rank: its overlap hook is running a pair
       std::array<std::atomic<int>, 2> pairs{};
-      options.overlap_forward_backward = [&](const Action&, const Action& b, const std::function<void()>& f,
+      options.executor.overlap_forward_backward = [&](const Action&, const Action& b, const std::function<void()>& f,
                                              const std::function<void()>& bwd) {
         const int rank = schedule.stage_to_rank.at(b.stage);
         ++pairs[rank];
@@ -412,8 +412,8 @@ TEST_F(PipelineFailures, LibTorchErrorsInsideAnOverlappedPairNameThePair) {
 TEST_F(PipelineFailures, OverlapHookWithMemoryRecordingIsRefusedAtConstruction) {
   const Schedule schedule = make_schedule("dualpipev", ScheduleOptions{2, 4, 2, BackwardMode::kStandard});
   auto options = fixture_options();
-  options.record_memory = true;
-  options.overlap_forward_backward = [](const Action&, const Action&, const std::function<void()>& f,
+  options.executor.record_memory = true;
+  options.executor.overlap_forward_backward = [](const Action&, const Action&, const std::function<void()>& f,
                                         const std::function<void()>& b) {
     f();
     b();
@@ -443,7 +443,7 @@ TEST_F(PipelineFailures, RankThatThrowsMakesPeersFailNamingIt) {
 
 TEST_F(PipelineFailures, PeerThatNeverSendsTimesOut) {
   auto options = fixture_options();
-  options.timeout = std::chrono::milliseconds(300);
+  options.executor.timeout = std::chrono::milliseconds(300);
   std::atomic<bool> release{false};
   // Rank 1 does not take part in the step at all (it sleeps past rank 0's timeout).
   auto runs = run_pipeline(schedule_, inputs_, targets_, options, 1, [&](int rank, Pipeline&) {
@@ -509,7 +509,7 @@ TEST_F(PipelineFailures, LibTorchErrorsNameTheActionAndKeepTheirType) {
     // A W run early to bound the deferred W's (at most 1 pending): it names itself and the I it ran in.
     SCOPED_TRACE("a W run early");
     auto options = fixture_options();
-    options.max_pending_weight_micro_batches = 1;
+    options.executor.max_pending_weight_micro_batches = 1;
     auto runs = run_pipeline(schedule_, inputs_, targets_, options, 1, inject_out_of_memory_on_rank_1);
     ASSERT_TRUE(runs[1].error);
     EXPECT_TRUE(is_a<c10::OutOfMemoryError>(runs[1].error)) << error_message(runs[1].error);
@@ -618,9 +618,9 @@ TEST(PipelineSetup, MemoryInBytesWithoutTheCpuCounterIsRefused) {
     std::vector<PipelineChunk> chunks{{0, module.ptr(), [raw = module.ptr()](const at::Tensor& x) { return raw->forward(x); }}};
     PipelineOptions options = fixture_options();
     if (limit) {
-      options.memory_limit_bytes = 1 << 20;
+      options.executor.memory_limit_bytes = 1 << 20;
     } else {
-      options.record_memory = true;
+      options.executor.record_memory = true;
     }
     try {
       Pipeline(schedule, std::move(chunks), std::move(transports[0]), options);

@@ -74,7 +74,7 @@ std::vector<RankOutcome> run_job(Optim optim, bool mixed, bool check_restore = f
     const int s = groups.pipeline_rank();
     auto* raw = modules[w].get();
     PipelineOptions o;
-    o.timeout = kTimeout;
+    o.executor.timeout = kTimeout;
     o.loss = mse;
     o.data_parallel.group = groups.data_parallel();
     o.data_parallel.bucket_bytes = 256;

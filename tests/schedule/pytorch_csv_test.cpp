@@ -119,9 +119,9 @@ TEST_P(PytorchSchedules, LoadValidateAndTrainExactly) {
       mine.push_back({s, chunks[s], [raw, s](const at::Tensor& x) { return run_chunk(*raw, s, x); }});
     }
     PipelineOptions o;
-    o.timeout = std::chrono::seconds(60);
+    o.executor.timeout = std::chrono::seconds(60);
     o.loss = mse;
-    o.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim}, at::kDouble}; };
+    o.executor.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim}, at::kDouble}; };
     pipelines.push_back(std::make_unique<Pipeline>(schedule, std::move(mine), *transports[r], o));
   }
   std::vector<double> losses;

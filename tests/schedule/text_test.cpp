@@ -15,7 +15,7 @@ TEST(Text, DumpFormat) {
   const Schedule sc = make_schedule("1f1b", ScheduleOptions{2, 2, 1, BackwardMode::kSplit});
   const std::string text = dump_schedule(sc);
   EXPECT_EQ(text.substr(0, text.find('\n')),
-            "twobp-schedule v1 name=1f1b ranks=2 stages=2 microbatches=2 backward=split placement=0,1");
+            "twobp-schedule v1 name=1f1b ranks=2 stages=2 microbatches=2 backward=2bp placement=0,1");
   EXPECT_NE(text.find("\nrank 0: F 0 0\nrank 0: SEND_F 0 0\n"), std::string::npos) << text;
   EXPECT_NE(text.find("\nrank 1: W 1 0,1\n"), std::string::npos) << text;
 }
@@ -39,6 +39,20 @@ TEST(Text, LoadIgnoresCommentsAndBlankLines) {
   EXPECT_EQ(sc.actions[0][4], (Action{ActionType::kBackwardWeight, 0, {0, 1}}));
   EXPECT_NO_THROW(validate(sc));
   EXPECT_EQ(load_schedule(dump_schedule(sc)).actions, sc.actions);
+}
+
+// Files of before wrote "split" for 2bp: they still load, and are written back in today's spelling.
+TEST(Text, ReadsTheOldSpellingOfTwoBp) {
+  const std::string body =
+      " ranks=1 stages=1 microbatches=1 placement=0\nrank 0: F 0 0\nrank 0: I 0 0\nrank 0: W 0 0\n";
+  for (const char* spelling : {"split", "2bp"}) {
+    SCOPED_TRACE(spelling);
+    const Schedule sc = load_schedule(std::string("twobp-schedule v1 name=old backward=") + spelling + body);
+    EXPECT_EQ(sc.backward, BackwardMode::kSplit);
+    const std::string again = dump_schedule(sc);
+    EXPECT_NE(again.find(" backward=2bp "), std::string::npos) << again;
+    EXPECT_EQ(load_schedule(again).actions, sc.actions);
+  }
 }
 
 void expect_load_error(const std::string& text, std::vector<std::string> words) {
@@ -67,8 +81,8 @@ TEST(Text, LoadErrorsNameLineAndExpectation) {
   expect_load_error("twobp-schedule v2 name=x\n", {"unsupported version 'v2'"});
   expect_load_error("twobp-schedule v1 name=x ranks=2 stages=2 microbatches=2 backward=split\n",
                     {"lacks 'placement='"});
-  expect_load_error("twobp-schedule v1 name=x ranks=2 stages=2 microbatches=2 backward=fused placement=0,1\n",
-                    {"backward=standard or backward=split"});
+  expect_load_error("twobp-schedule v1 name=x ranks=2 stages=2 microbatches=2 backward=sideways placement=0,1\n",
+                    {"backward=standard or backward=2bp (or split)", "'sideways'"});
   expect_load_error("twobp-schedule v1 name=x ranks=2 stages=2 microbatches=2 backward=split placement=0\n",
                     {"placement has 1 entries"});
   expect_load_error("twobp-schedule v1 name=x ranks=2 stages=2 microbatches=2 backward=split placement=0,1 x=1\n",

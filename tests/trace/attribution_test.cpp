@@ -215,10 +215,10 @@ TEST_P(RealPipeline, PartsSumToTheStepAndNameTheSlowPeer) {
   auto transports = make_local_transports(kRanks);
   std::vector<std::unique_ptr<Pipeline>> pipelines;
   PipelineOptions options;
-  options.timeout = std::chrono::seconds(60);
+  options.executor.timeout = std::chrono::seconds(60);
   options.loss = mse;
   std::atomic<int> overlap_calls{0};
-  if (c.overlap) options.overlap_forward_backward = concurrent_overlap(overlap_calls);
+  if (c.overlap) options.executor.overlap_forward_backward = concurrent_overlap(overlap_calls);
   for (int r = 0; r < kRanks; ++r) {
     std::vector<PipelineChunk> chunks;
     for (int s : schedule.stages_of(r)) {

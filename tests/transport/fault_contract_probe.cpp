@@ -138,10 +138,10 @@ std::string run_rank(std::shared_ptr<Transport> inner, const std::optional<Fault
   const Schedule schedule = make_schedule("1f1b", ScheduleOptions{kRanks, kMicroBatches, 1, BackwardMode::kSplit});
   const auto& module = job.chunks[me];
   PipelineOptions o;
-  o.timeout = kTimeout;
+  o.executor.timeout = kTimeout;
   o.verify_messages = verify;
   o.loss = mse;
-  o.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim}, at::kDouble}; };
+  o.executor.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim}, at::kDouble}; };
   Pipeline p(schedule, {{me, module, [raw = module.get(), me](const at::Tensor& x) { return run_chunk(*raw, me, x); }}},
              transport, o);
   const auto t0 = std::chrono::steady_clock::now();

@@ -69,9 +69,9 @@ Outcome run(const std::string& schedule_name, BackwardMode mode, Pairing pairing
     }
   }
   PipelineOptions options;
-  options.timeout = timeout;
+  options.executor.timeout = timeout;
   options.loss = testing::mse;
-  options.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim}, at::kDouble}; };
+  options.executor.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim}, at::kDouble}; };
   std::vector<std::unique_ptr<Pipeline>> pipelines;
   std::vector<std::vector<std::shared_ptr<torch::nn::Module>>> modules(kRanks);
   for (int r = 0; r < kRanks; ++r) {

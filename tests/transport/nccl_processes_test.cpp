@@ -216,9 +216,9 @@ void every_schedule(const std::shared_ptr<NcclTransport>& t) {
         chunks.push_back({s, module, [raw = module.get(), s](const at::Tensor& x) { return run_chunk(*raw, s, x); }});
       }
       PipelineOptions o;
-      o.timeout = kLong;
+      o.executor.timeout = kLong;
       o.loss = mse;
-      o.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim}, at::kDouble}; };
+      o.executor.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim}, at::kDouble}; };
       Pipeline p(schedule, std::move(chunks), t, o);
       auto result = p.step(inputs.to(dev), targets.to(dev));
       const std::string what = name + (mode == BackwardMode::kSplit ? " 2bp" : " standard");

@@ -257,9 +257,9 @@ void pipeline(std::shared_ptr<StoreTransport> t) {
   const int me = t->rank();
   auto module = make_chunk(me);
   PipelineOptions o;
-  o.timeout = kLong;
+  o.executor.timeout = kLong;
   o.loss = mse;
-  o.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim}, at::kDouble}; };
+  o.executor.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim}, at::kDouble}; };
   Pipeline p(schedule, {{me, module, [raw = module.get(), me](const at::Tensor& x) { return run_chunk(*raw, me, x); }}},
              t, o);
   auto result = p.step(inputs, targets);
@@ -322,9 +322,9 @@ void replica_user_error(StoreTransport& t) {
     const int stage = groups.pipeline_rank();
     auto module = make_chunk(stage);
     PipelineOptions o;
-    o.timeout = kLong;
+    o.executor.timeout = kLong;
     o.loss = mse;
-    o.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim}, at::kDouble}; };
+    o.executor.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim}, at::kDouble}; };
     o.data_parallel.group = groups.data_parallel();
     auto forward = [raw = module.get(), stage](const at::Tensor& x) { return run_chunk(*raw, stage, x); };
     Pipeline p(schedule, {{stage, module, forward}}, groups.pipeline(), o);
@@ -361,9 +361,9 @@ void hang_scenario(std::shared_ptr<StoreTransport> t, bool killed) {
   auto inputs = torch::randn({m * kMicroBatchSize, kDim}), targets = torch::randn({m * kMicroBatchSize, kDim});
   auto module = make_chunk(me);
   PipelineOptions o;
-  o.timeout = Duration(1500);
+  o.executor.timeout = Duration(1500);
   o.loss = mse;
-  o.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim}, at::kDouble}; };
+  o.executor.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim}, at::kDouble}; };
   auto calls = std::make_shared<int>(0);
   Pipeline p(schedule,
              {{me, module,

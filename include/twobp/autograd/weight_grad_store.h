@@ -115,6 +115,9 @@ class WeightGradStore {
     std::int64_t micro_batch = 0;     // set when taken out of the queue
     std::int64_t grad_version = -1;
   };
+  /// run()'s entries, taken out of the queue in micro-batch order -- or UsageError, the queue unchanged, when a
+  /// saved tensor was modified in place since I.
+  std::vector<Entry> take_entries(c10::ArrayRef<std::int64_t> micro_batches);
   std::atomic<WeightGradPolicy> policy_{WeightGradPolicy::kImmediate};
   mutable std::mutex mutex_;
   std::map<std::int64_t, std::vector<Entry>> queue_;

@@ -1,8 +1,8 @@
 #pragma once
 // Tensor memory of one rank, in bytes: how much it holds now and the most it held since a reset. The runtime reads
-// it around every action (PipelineOptions::record_memory) to report peaks, to feed the memory simulator
+// it around every action (PipelineOptions::executor.record_memory) to report peaks, to feed the memory simulator
 // (simulate_peak_memory in twobp/schedule/simulate.h) and to bound 2BP's deferred work in bytes
-// (PipelineOptions::memory_limit_bytes).
+// (PipelineOptions::executor.memory_limit_bytes).
 //
 // Where the numbers come from:
 //  - CUDA (and other devices with a caching allocator): the allocator's "allocated bytes" statistics

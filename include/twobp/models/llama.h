@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "twobp/nn/modules.h"
+#include "twobp/precision.h"
 #include "twobp/schedule/schedule.h"
 #include "twobp/schedule/simulate.h"
 #include "twobp/tensors.h"
@@ -249,15 +250,15 @@ int64_t chunk_pending_weight_bytes(const LlamaConfig& config, const ChunkSpec& s
 /// How training keeps its tensors, for memory estimates: bytes per parameter of the weights the chunks compute
 /// with, of fp32 master weights (0: none), of gradients, and of AdamW's two moments together.
 struct TrainingPrecision {
-  std::string name;
+  Precision precision = Precision::kFloat32;
   int64_t compute_bytes = 4;
   int64_t master_bytes = 0;
   int64_t gradient_bytes = 4;
   int64_t optimizer_bytes = 8;
 };
-/// "fp32" {4, 0, 4, 8}; "bf16" (everything in bfloat16) {2, 0, 2, 4}; "bf16-mixed" (bfloat16 compute, fp32
-/// masters, gradients and AdamW state) {2, 4, 4, 8}. Throws UsageError naming the known ones otherwise.
-TrainingPrecision training_precision(const std::string& name);
+/// fp32 {4, 0, 4, 8}; bf16 (mixed: bfloat16 compute, fp32 masters, gradients and AdamW state) {2, 4, 4, 8};
+/// bf16-pure (everything in bfloat16) {2, 0, 2, 4}.
+TrainingPrecision training_precision(Precision precision);
 
 /// What a dry run needs to estimate each rank's peak memory in training.
 struct MemoryPlanOptions {

@@ -10,52 +10,12 @@
 //     optimizer.step();
 //   }
 //
-// The pipeline runs its starting schedule for probe_steps steps, then (where `modes` has both) the same
-// schedule's other form for as many: the traces give per-stage F, I, W and B costs (twobp/plan/measure.h; a 2BP run
-// alone cannot tell what a fused B costs, which is less than I + W, nor a standard run I and W), and the ranks agree
-// on them. Every registered schedule × mode that keeps the pipeline's placement and micro-batch count (what
-// Pipeline::switch_schedule can switch to) is simulated under them. The measure_candidates fastest predictions
-// (those within measure_within of the best prediction and of the starting schedule's) then each run for
-// verify_steps steps, switching at step boundaries, and the job keeps the fastest measured of everything it ran
-// (the probed forms too): the simulator narrows the field and the run decides, so that effects the per-action
-// costs miss (ranks sharing cores, W's batched over sizes the probes did not run) weigh less. Every decision is
-// made from all-reduced numbers, so every rank decides alike.
-//
-// W's in two sizes (AutoScheduleOptions::probe_weight_sizes): a probe sees each stage's W's in the sizes its schedule
-// runs them -- 1F1B's 2BP form one batched W of every micro-batch per stage, ZB-H1 one W per micro-batch -- and from
-// one size the costs cannot tell a W's fixed part from its per-micro-batch work, so a candidate that batches W's
-// otherwise is predicted as if batching neither saved nor cost anything. With the option, the 2BP form is probed a
-// second time with its W's one micro-batch at a time (one_micro_batch_per_weight, when it batches any), and each
-// stage's W's, in two sizes, give W0 + k W (CostRecorder). That probe only measures: it is never the choice.
-//
-// Memory: with AutoScheduleOptions::memory_limit_bytes the probe also records each action's tensor memory
-// (PipelineOptions::record_memory), the ranks agree on the memory model, and only candidates whose simulated peak
-// (simulate_peak_memory) stays within the limit on every rank are ranked and measured; the starting schedule's
-// other form is kept only if it fits too. So is the starting schedule: it is kept over the limit only when nothing
-// measured fits (the job then goes on as the user started it, and says so).
-//
-// Recomputation (AutoScheduleOptions::recompute): the candidates are then also every form with the stages of j
-// pipeline ranks recomputing their activations, for j = 1 .. num_ranks (ScheduleCandidate::recompute_ranks;
-// StageOptions::recompute, which Stage::set_recompute switches at a step boundary): the first j of recompute_order
-// -- the ranks by the form's predicted peak without recomputation, highest first (by rank without a memory limit).
-// Recomputation trades a re-run forward in every I and B for F keeping only the stage's inputs -- slower, but with
-// a memory limit it may fit where the forms without do not, or let a faster order fit; and since a rank's peak
-// depends on its own actions alone, recomputing on the ranks over the limit alone (1F1B-like orders: the first
-// ranks; GPipe-like with a large vocabulary: the last) fits at a fraction of the cost of recomputing everywhere.
-// The probe measures the starting schedule's forms once more with every stage recomputing, so each stage has measured
-// costs and memory both ways; a candidate takes each stage's from the setting its rank runs -- never a guess of
-// what recomputation costs or saves.
-//
-// Overlapped pairs (DualPipeV's) on a pipeline with PipelineOptions::overlap_forward_backward: the candidates are
-// simulated with the overlap the probes' pairs measured (MeasuredCosts::overlap; in order where the probed
-// schedules ran no pair).
-//
-// Not covered: candidates of another placement (that moves stages between ranks: a new Pipeline and a checkpoint;
-// examples/llama_pipeline's --auto-placements does it for its model from measured_costs(), twobp/plan/llama.h's
-// planner and a checkpoint loaded by global name),
-// and pipelines whose runtime bounds memory (PipelineOptions::memory_limit_bytes, max_pending_weight_micro_batches:
-// the W's such a bound moves are not simulated) -- AutoSchedule refuses those; bound the candidates with
-// AutoScheduleOptions::memory_limit_bytes instead.
+// AutoSchedule probes the starting schedule's forms for a few steps each, ranks every registered schedule × mode of
+// the same placement by its simulated step time under the costs the ranks agreed on (rank_schedules), runs the
+// fastest few predictions and keeps the fastest measured. Every decision comes from all-reduced numbers, so every
+// rank decides alike. How the probes work (both modes, W's in two sizes, memory limits, recomputation, overlapped
+// pairs) and what is left out (other placements; pipelines whose runtime bounds memory, refused):
+// docs/USAGE.md, "Measured costs and the schedule chosen at run time".
 
 #include <chrono>
 #include <optional>
@@ -123,15 +83,15 @@ struct AutoScheduleOptions {
   std::vector<std::string> names;
   std::vector<BackwardMode> modes = {BackwardMode::kStandard, BackwardMode::kSplit};
   /// Per-rank bound on the candidates' simulated peak tensor memory (bytes; 0: none). Needs the pipeline to run
-  /// with PipelineOptions::record_memory (on CPU also memory::count_cpu_allocations(), twobp/metrics/memory.h).
+  /// with ExecutorOptions::record_memory (on CPU also memory::count_cpu_allocations(), twobp/metrics/memory.h).
   double memory_limit_bytes = 0.0;
-  /// Also the forms with the stages of 1 .. num_ranks ranks recomputing (see the top). The probe then
+  /// Also the forms with the stages of 1 .. num_ranks ranks recomputing (docs/USAGE.md). The probe then
   /// runs each starting form again with every stage recomputing, probe_steps steps each (4 probes instead of 2
   /// where both modes are candidates). Meant for a pipeline built without recomputation (one built with it on every
   /// stage gets the same forms num_ranks + 1 times).
   bool recompute = false;
   /// Also probe the 2BP form with each of its batched W's run one micro-batch at a time (probe_steps more steps;
-  /// see the top), so that the W's fixed part is measured. Worth it where batching W's is cheaper per micro-batch
+  /// docs/USAGE.md), so that the W's fixed part is measured. Worth it where batching W's is cheaper per micro-batch
   /// (GPUs: fewer, larger GEMMs); nothing is added when the 2BP form runs no W of several micro-batches, or `modes`
   /// has no 2BP. Not for the recomputing probes (a W runs no forward again, so its costs are the same).
   bool probe_weight_sizes = false;
@@ -140,13 +100,16 @@ struct AutoScheduleOptions {
   Duration timeout = std::chrono::minutes(5);
 };
 
-/// See the top of this file. One per rank, beside its Pipeline (which must outlive it). Not thread-safe.
+/// See the top of this file and docs/USAGE.md. One per rank, beside its Pipeline (which must outlive it). Not
+/// thread-safe.
 class AutoSchedule {
  public:
   enum class Phase { kProbing, kVerifying, kDone };
 
-  /// Throws UsageError when the options are out of range, the pipeline bounds memory (see the top), or a memory
-  /// limit is asked of a pipeline that does not record memory.
+  /// Throws UsageError when the options are out of range, the pipeline bounds memory (ExecutorOptions::
+  /// memory_limit_bytes, max_pending_weight_micro_batches: the W's such a bound moves are not simulated; bound the
+  /// candidates with AutoScheduleOptions::memory_limit_bytes instead), or a memory limit is asked of a pipeline that
+  /// does not record memory.
   AutoSchedule(Pipeline& pipeline, AutoScheduleOptions options);
 
   /// Call after every Pipeline::step() with its result, on every rank. Collective (a few all-reduces over the

@@ -51,7 +51,7 @@ struct LlamaCosts {
   /// Overlapped F&B pairs (DualPipeV's) run at once: the share of a pair's shorter part hidden under the longer
   /// (CostModel::overlap, [0, 1]); 0: in order. Fitted as the mean of the runs' MeasuredCosts::overlap weighted by
   /// their overlapped_pairs (0 when no run ran pairs at once); a share, so carried() keeps it. It holds only for a
-  /// runtime that overlaps the pairs (PipelineOptions::overlap_forward_backward).
+  /// runtime that overlaps the pairs (PipelineOptions::executor.overlap_forward_backward).
   double overlap = 0.0;
   std::string how;                    ///< one line for people: the terms, or the rate and ratios
   std::vector<std::string> warnings;  ///< e.g. a fitted term that came out negative (noise)
@@ -113,7 +113,7 @@ struct LayoutPlanOptions {
   /// (LayoutCandidate::recompute_ranks): recomputing where the memory is alone can fit a limit at less cost than
   /// recomputing everywhere.
   std::vector<bool> recompute{false, true};
-  models::TrainingPrecision precision = models::training_precision("bf16-mixed");
+  models::TrainingPrecision precision = models::training_precision(Precision::kMixedBFloat16);
   double memory_limit_bytes = 0;  ///< per device; 0: every candidate fits
   double communication_ms = 0;    ///< one activation message between neighbouring stages
   double link_bytes_per_s = 0;    ///< data-parallel all-reduce bandwidth per rank (needed when some dp > 1)

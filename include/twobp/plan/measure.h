@@ -5,7 +5,7 @@
 // `simulate_peak_memory(schedule, memory)` predict another schedule from a run of one (twobp/schedule/simulate.h).
 //
 //   CostRecorder costs(schedule.num_stages);
-//   MemoryRecorder memory(schedule.num_stages, stage_gradient_bytes(pipeline));  // PipelineOptions::record_memory
+//   MemoryRecorder memory(schedule.num_stages, stage_gradient_bytes(pipeline));  // ExecutorOptions::record_memory
 //   for (each measured step) { StepResult r = pipeline.step(x, y); costs.add(r.trace); memory.add(r.trace); }
 //   MeasuredCosts all = agree_costs(transport, costs.local_medians(), timeout);   // collective: every rank
 //   MemoryModel mem = agree_memory(transport, memory.local_medians(rank, p), timeout);
@@ -42,7 +42,7 @@ struct MeasuredCosts {
   std::vector<double> recompute;
   /// One send of an activation, sender to receiver (measured apart from the steps, e.g. by a ping-pong).
   double communication = 0.0;
-  /// Overlapped F&B pairs the run ran at once (PipelineOptions::overlap_forward_backward): the share of a pair's
+  /// Overlapped F&B pairs the run ran at once (ExecutorOptions::overlap_forward_backward): the share of a pair's
   /// shorter part hidden under the longer (CostModel::overlap, in [0, 1]), and how many pairs it was measured from.
   /// 0 and 0 when the run ran none at once (pairs run in order are ordinary actions).
   double overlap = 0.0;
@@ -131,7 +131,7 @@ MeasuredCosts agree_costs(Transport& transport, const MeasuredCosts& mine, Durat
 double measure_message_ms(Transport& transport, const at::Tensor& message, Duration timeout, int round_trips = 25);
 
 /// Collects the memory model of simulate_peak_memory() from this rank's measured steps (the pipeline must run with
-/// PipelineOptions::record_memory, else add() throws UsageError). `gradient_bytes[s]` is the .grad bytes stage s's
+/// ExecutorOptions::record_memory, else add() throws UsageError). `gradient_bytes[s]` is the .grad bytes stage s's
 /// parameters allocate on this rank (0 for stages of other ranks; a tensor shared by two stages counted once): a
 /// stage's first W or B of a step allocates them, and that allocation is taken out of the action and given to
 /// MemoryModel::gradients instead.

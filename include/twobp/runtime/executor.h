@@ -5,6 +5,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
+#include <exception>
 #include <functional>
 #include <map>
 #include <memory>
@@ -22,6 +24,12 @@
 #include "twobp/transport/transport.h"
 
 namespace twobp {
+
+namespace detail {
+class MemoryBound;   // src/runtime/memory_bound.h
+class Messenger;     // src/runtime/messenger.h
+class RankActivity;  // src/runtime/rank_activity.h
+}  // namespace detail
 
 /// What one step produced on this rank.
 struct StepResult {
@@ -51,12 +59,19 @@ struct ActionEvent {
 struct ExecutorOptions {
   /// Every blocking wait gives up after this long with an error naming the peer, the action and the micro-batch.
   Duration timeout = std::chrono::minutes(5);
-  /// Fixed specs of the stage boundaries (see PipelineOptions::activation_spec and boundary_spec); when neither is
-  /// set, senders announce shapes.
+  /// Fixed shapes of the stage boundaries, optional: output of `stage` for one micro-batch (= input of
+  /// stage + 1), asked only for boundaries that cross ranks (so it need not cover the last stage). With a spec,
+  /// receivers allocate from it and post their receives ahead, and every sent tensor is checked against it, so a
+  /// mismatch is reported on the first step naming both stages. Without one, senders announce shapes in a small
+  /// header before each message: shapes may then vary by micro-batch and step (variable sequence lengths), at
+  /// the cost of one more small message per boundary crossing (measured by `twobp_bench pipeline --variable-seq`).
+  /// activation_spec: boundaries of one tensor; boundary_spec: several named tensors (see NamedTensors), in the
+  /// order the stage returns them. At most one of the two.
   std::function<TensorSpec(int stage)> activation_spec;
   std::function<BoundarySpec(int stage)> boundary_spec;
-  /// Receives are posted this many RECV actions ahead of their use -- on a transport whose receives hold the
-  /// device (Transport::receives_hold_device(): NCCL), never ahead of one of this rank's SENDs that precede them.
+  /// Receives are posted this many RECV actions ahead of their use, so data arrives while the rank computes -- on
+  /// a transport whose receives hold the device (Transport::receives_hold_device(): NCCL), never ahead of one of
+  /// this rank's SENDs that precede them.
   int prefetch_receives = 4;
   /// The count of runs whose messages must stay apart (see message_tag_span): each run() takes the next value.
   /// Shared by the executors of one pipeline (training and evaluation); null: the executor counts its own.
@@ -149,6 +164,13 @@ class Executor {
  private:
   struct Step;
   struct Part;
+  // The step: its micro-batches, its actions in order, its end, and what a failure does.
+  void take_micro_batches(Step& st, const std::vector<NamedTensors>& inputs,
+                          const std::vector<NamedTensors>& targets) const;
+  void run_actions(Step& st);
+  void finish_step(Step& st);
+  [[noreturn]] void fail(Step& st, const std::exception& e);
+  // Compute actions, split in three so that an overlapped pair can run two computations at once.
   Part prepare(Step& st, const Action& a, bool allow_parameters_done);
   void compute(Part& part) const;
   void finish(Step& st, Part& part);
@@ -160,21 +182,8 @@ class Executor {
   void execute(Step& st, const Action& a, bool scheduled);
   void run_weight_early(Step& st, int stage, int micro_batch);
   void make_room(Step& st, const Action& next);
-  // Memory-bounded 2BP: an action's kind for its expected rise -- (type, stage, whether it is the stage's first W
-  // or B of the step, which allocates gradients reset by zero_grad()).
-  using MemoryKey = std::tuple<ActionType, int, bool>;
-  static MemoryKey memory_key(const Step& st, ActionType type, int stage_index);
-  static int64_t expected(const std::map<MemoryKey, int64_t>& table, const MemoryKey& key);
-  c10::Device memory_device() const;
-  void prefetch(Step& st, std::size_t up_to_inclusive);
-  void post_tensors(Step& st, std::size_t index);
-  BoundarySpec fixed_spec(int boundary) const;
   NamedTensors take(Step& st, const ItemRef& item, const Action& a);
   Stage& stage(const Action& a);
-  // What this rank is doing, for the hang report (twobp/runtime/hang_report.h): set at every action and wait
-  // (a mutex and a few stores; nothing is formatted until a report asks), read through the transport's board.
-  struct Activity;
-  void note(RankStatus::State state, const Action* action, int peer = -1, std::string detail = {});
   std::string hang_report_for() const;
 
   const Schedule& schedule_;
@@ -184,10 +193,10 @@ class Executor {
   ExecutorOptions options_;
   std::vector<Hook> hooks_;
   std::int64_t tag_offset_ = 0;  // this run's: run number * message_tag_span(schedule_)
-  std::vector<std::size_t> recv_actions_;  // indices of RECV_* in this rank's action list
-  // Memory-bounded 2BP: per MemoryKey, the most tensor memory one such action added while it ran, and by its end.
-  std::map<MemoryKey, int64_t> memory_rise_, memory_added_;
-  std::shared_ptr<Activity> activity_;  // shared with the board's reader, which may outlive this executor
+  // What this rank is doing, shared with the board's reader, which may outlive this executor.
+  std::shared_ptr<detail::RankActivity> activity_;
+  std::unique_ptr<detail::Messenger> messenger_;    // the SEND and RECV actions' messages
+  std::unique_ptr<detail::MemoryBound> memory_;     // memory records and the byte bound
   std::shared_ptr<StatusBoard> board_;  // the transport's; null: no hang report
   std::string failure_reason_;          // see take_failure_reason()
 };

@@ -4,7 +4,6 @@
 
 #include <ATen/core/Tensor.h>
 
-#include <chrono>
 #include <functional>
 #include <map>
 #include <memory>
@@ -57,9 +56,12 @@ struct MixedPrecisionOptions {
 };
 
 struct PipelineOptions {
-  /// Every blocking wait (receive, send completion, collectives) gives up after this long with an error naming
-  /// the peer, the action and the micro-batch.
-  Duration timeout = std::chrono::minutes(5);
+  /// How each step runs (ExecutorOptions): the timeout of every blocking wait -- which also bounds the pipeline's
+  /// own collectives --, fixed boundary specs (at most one of activation_spec and boundary_spec; asked only for
+  /// boundaries that cross ranks), receive prefetch, memory records and bounds, overlapped F&B pairs (the pipeline
+  /// then runs the schedule in its for_overlapped_pairs() layout). The pipeline sets run_counter, parameters_done
+  /// and evaluate itself: leave them unset.
+  ExecutorOptions executor;
   /// Verifies every activation and gradient message end to end with a checksum of its bytes (the pipeline talks
   /// through a ChecksummingTransport, twobp/transport/checksum.h): a message corrupted in transit fails the step
   /// on every rank naming the receiver, the sender and the message, instead of changing the gradients silently.
@@ -70,40 +72,12 @@ struct PipelineOptions {
   /// that draws from twobp::stage_generator() (nn::Dropout) draws the same numbers on every run, whether ranks
   /// are threads or processes, under every schedule, 2BP or fused.
   uint64_t seed = 0;
-  /// Fixed shapes of the stage boundaries, optional: output of `stage` for one micro-batch (= input of
-  /// stage + 1), asked only for boundaries that cross ranks (so it need not cover the last stage). With a spec,
-  /// receivers allocate from it and post their receives ahead, and every sent tensor is checked against it, so a
-  /// mismatch is reported on the first step naming both stages. Without one, senders announce shapes in a small
-  /// header before each message: shapes may then vary by micro-batch and step (variable sequence lengths), at
-  /// the cost of one more small message per boundary crossing (measured by `twobp_bench pipeline --variable-seq`).
-  /// activation_spec: boundaries of one tensor; boundary_spec: several named tensors (see NamedTensors), in the
-  /// order the stage returns them. At most one of the two.
-  std::function<TensorSpec(int stage)> activation_spec;
-  std::function<BoundarySpec(int stage)> boundary_spec;
   /// Loss of the last stage, (output, target) -> scalar, averaged over micro-batches: each micro-batch's loss
   /// gradient is scaled by 1/num_micro_batches, so a step's gradients equal those of the mean loss over the
   /// batch, matching a non-pipelined run of the same batch.
   LossFunction loss;
   /// W actions naming several micro-batches give each layer all of them at once (see StageOptions).
   bool batch_weight_grads = true;
-  /// Receives are posted this many RECV actions ahead of their use, so data arrives while the rank computes; with
-  /// NCCL never ahead of this rank's own earlier SENDs (Transport::receives_hold_device()).
-  int prefetch_receives = 4;
-  /// Memory-bounded 2BP: at most this many micro-batches per stage wait for their W; an I that would leave more
-  /// runs the oldest one's W at once (see ExecutorOptions::max_pending_weight_micro_batches). 0: no limit.
-  int max_pending_weight_micro_batches = 0;
-  /// Memory-bounded 2BP in bytes of tensor memory per rank (see ExecutorOptions::memory_limit_bytes and
-  /// twobp/metrics/memory.h): before an action that would not fit, the rank's oldest deferred W's run. 0: no limit.
-  int64_t memory_limit_bytes = 0;
-  /// Record each rank's tensor memory around every action (TraceEvent::memory_*, StepResult::peak_memory_bytes);
-  /// on CPU, call memory::count_cpu_allocations() first. Implied by memory_limit_bytes.
-  bool record_memory = false;
-  /// The device whose memory is recorded and bounded (see ExecutorOptions::memory_device); unset: the transport's.
-  std::optional<c10::Device> memory_device;
-  /// Runs the schedule's overlapped F&B pairs (Action::overlapped_with_next: dualpipev's, PyTorch's OVERLAP_F_B)
-  /// at once: see ExecutorOptions::overlap_forward_backward. The pipeline then runs the schedule in its
-  /// for_overlapped_pairs() layout. Null: the pairs run in order.
-  decltype(ExecutorOptions::overlap_forward_backward) overlap_forward_backward;
   /// Data parallelism: the group of this stage's replicas and how gradients are averaged over it (see
   /// twobp/runtime/data_parallel.h). With a group of more than one rank, the constructor is collective over it,
   /// step() returns averaged gradients, and mean_loss() / check_gradients() cover every replica.
@@ -216,7 +190,7 @@ class Pipeline {
   StepResult run_step(const std::function<StepResult()>& run);
   double run_evaluation(const std::function<StepResult(Executor&)>& run);
   void start_once();
-  /// `schedule` as this pipeline runs it: overlapped pairs placed (PipelineOptions::overlap_forward_backward),
+  /// `schedule` as this pipeline runs it: overlapped pairs placed (PipelineOptions::executor.overlap_forward_backward),
   /// then validate()d for the transport's pairing.
   Schedule prepared(Schedule schedule) const;
   /// The executor (and data-parallel reducer) of schedule_, with the hooks of add_hook().

@@ -14,6 +14,12 @@ namespace twobp {
 /// Whether a schedule's backward is fused (ordinary backprop, action B) or split by 2BP into I and W.
 enum class BackwardMode { kStandard, kSplit };
 
+/// The one spelling of a mode in every option, JSON key, label and text file: "standard" or "2bp".
+const char* to_string(BackwardMode mode);
+/// Reads to_string()'s spellings and the aliases "fused" and "fused-backward" (standard), "split" and "2BP"
+/// (2bp; "split" is what schedule files of before said); throws UsageError naming the valid spellings otherwise.
+BackwardMode parse_backward_mode(std::string_view text);
+
 /// Everything a generator needs. `chunks_per_rank` is v (stages per rank) for interleaved and V schedules; the
 /// pipeline then has ranks * chunks_per_rank stages.
 struct ScheduleOptions {
@@ -98,7 +104,7 @@ Schedule one_micro_batch_per_weight(Schedule schedule);
 /// The layout in which a runtime runs `schedule`'s overlapped F&B pairs (Action::overlapped_with_next) at once:
 /// each pair's receives (those between its parts: the B's) move before its F, its sends (the F's) after its B.
 /// Unchanged where there are no pairs. validate() checks this layout as well as the given one, and the Pipeline
-/// runs it when PipelineOptions::overlap_forward_backward is set.
+/// runs it when PipelineOptions::executor.overlap_forward_backward is set.
 Schedule for_overlapped_pairs(Schedule schedule);
 
 }  // namespace twobp

@@ -24,7 +24,7 @@ struct CostModel {
   std::vector<double> recompute;
   double communication = 0.0;           ///< latency of one send, sender to receiver
   /// Overlapped F&B pairs (Action::overlapped_with_next) run at once, as a runtime with
-  /// PipelineOptions::overlap_forward_backward runs them: the share of the shorter part hidden under the longer, in
+  /// ExecutorOptions::overlap_forward_backward runs them: the share of the shorter part hidden under the longer, in
   /// [0, 1]. A pair of parts costing f and x then takes f + x - overlap * min(f, x), from when both parts' inputs
   /// are there, and both parts' outputs are ready at its end (the for_overlapped_pairs() layout, which simulate()
   /// then runs). 0 (the default): the parts run one after the other, as the executor runs them without a hook.

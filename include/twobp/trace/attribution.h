@@ -21,7 +21,7 @@ enum class StepPart : int {
   kBackwardWeight,   ///< W actions (2BP stage 2, deferred; also a W run early by a memory bound)
   kBackward,         ///< B actions (ordinary fused backward), less their recomputation
   kRecompute,        ///< the part of I and B spent re-running the forward (StageOptions::recompute)
-  kOverlappedPair,   ///< overlapped F&B pairs (PipelineOptions::overlap_forward_backward): each pair's span once
+  kOverlappedPair,   ///< overlapped F&B pairs (ExecutorOptions::overlap_forward_backward): each pair's span once
   kSend,             ///< SEND actions: handing a message to the transport
   kWaitActivation,   ///< RECV_F actions: waiting for an activation (by peer: StepAttribution::waits_by_peer_us)
   kWaitGradient,     ///< RECV_B actions: waiting for a gradient

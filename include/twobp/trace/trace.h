@@ -24,12 +24,12 @@ struct TraceEvent {
   /// Activation recomputation: the part of this I or B spent re-running the forward first (host time), else 0.
   double recompute_us = 0.0;
   /// Tensor memory of the rank in bytes (twobp/metrics/memory.h), when the pipeline records it
-  /// (PipelineOptions::record_memory), else -1: allocated before the action (including the receives it posts
+  /// (PipelineOptions::executor.record_memory), else -1: allocated before the action (including the receives it posts
   /// ahead), after it, and the most while it ran.
   int64_t memory_before = -1, memory_after = -1, memory_peak = -1;
 };
 
-/// Whether events[k] opens an overlapped F&B pair that ran at once (PipelineOptions::overlap_forward_backward): an
+/// Whether events[k] opens an overlapped F&B pair that ran at once (ExecutorOptions::overlap_forward_backward): an
 /// F with Action::overlapped_with_next whose next event has the same span -- the executor records both parts over
 /// the pair's span. (Pairs run without a hook, one part after the other, are two ordinary events.) The one rule
 /// for telling such a pair in a trace.
