@@ -7,9 +7,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <utility>
 
@@ -55,48 +53,10 @@ struct GeneralLayers {
   static Norm norm(int64_t dim) { return Norm(dim); }
 };
 
-/// Rotary embedding tables [seq, head_dim / 2], computed once.
-struct Rotary {
-  Rotary(int64_t max_seq, int64_t head_dim, double theta = 10000.0) {
-    torch::NoGradGuard no_grad;
-    const int64_t half = head_dim / 2;
-    auto inv_freq = torch::pow(theta, -torch::arange(0, half, torch::kFloat) / static_cast<double>(half));
-    auto angles = torch::outer(torch::arange(max_seq, torch::kFloat), inv_freq);
-    cos = torch::cos(angles);
-    sin = torch::sin(angles);
-  }
-  /// x: [batch, heads, seq, head_dim]
-  torch::Tensor apply(const torch::Tensor& x) const {
-    const int64_t seq = x.size(2), half = x.size(3) / 2;
-    const auto& [cos_x, sin_x] = tables(x);
-    auto c = cos_x.narrow(0, 0, seq), s = sin_x.narrow(0, 0, seq);
-    auto x1 = x.narrow(-1, 0, half), x2 = x.narrow(-1, half, half);
-    return torch::cat({x1 * c - x2 * s, x1 * s + x2 * c}, -1);
-  }
-  torch::Tensor cos, sin;
-
- private:
-  /// The tables in x's device and dtype, converted once and kept. WHY: they are not module buffers (all blocks
-  /// share them), and converting the CPU tables in every call would copy them to the GPU -- a host sync -- four
-  /// times per block and skew the stage timings.
-  const std::pair<torch::Tensor, torch::Tensor>& tables(const torch::Tensor& x) const {
-    const std::string key = x.device().str() + "/" + c10::toString(x.scalar_type());
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = converted_.find(key);
-    if (it == converted_.end()) {
-      torch::NoGradGuard no_grad;
-      it = converted_.emplace(key, std::make_pair(cos.to(x.options()), sin.to(x.options()))).first;
-    }
-    return it->second;
-  }
-  mutable std::mutex mutex_;
-  mutable std::map<std::string, std::pair<torch::Tensor, torch::Tensor>> converted_;
-};
-
 /// LLaMa decoder block: RMSNorm, rotary causal grouped-query attention (SDPA), RMSNorm, SwiGLU MLP.
 template <typename L>
 struct LlamaBlock : torch::nn::Module {
-  LlamaBlock(const LlamaConfig& c, std::shared_ptr<const Rotary> rotary)
+  LlamaBlock(const LlamaConfig& c, std::shared_ptr<const twobp::nn::RotaryEmbedding> rotary)
       : dim(c.dim), heads(c.heads), kv_heads(c.kv_heads), head_dim(c.dim / c.heads), rotary(std::move(rotary)) {
     attn_norm = register_module("attn_norm", L::norm(dim));
     wq = register_module("wq", L::linear(dim, dim));
@@ -111,8 +71,8 @@ struct LlamaBlock : torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x) {
     const int64_t b = x.size(0), s = x.size(1);
     auto h = attn_norm(x);
-    auto q = rotary->apply(wq(h).view({b, s, heads, head_dim}).transpose(1, 2));
-    auto k = rotary->apply(wk(h).view({b, s, kv_heads, head_dim}).transpose(1, 2));
+    auto q = (*rotary)(wq(h).view({b, s, heads, head_dim}).transpose(1, 2));
+    auto k = (*rotary)(wk(h).view({b, s, kv_heads, head_dim}).transpose(1, 2));
     auto v = wv(h).view({b, s, kv_heads, head_dim}).transpose(1, 2);
     if (heads != kv_heads) {
       k = k.repeat_interleave(heads / kv_heads, 1);
@@ -124,7 +84,7 @@ struct LlamaBlock : torch::nn::Module {
     return y + w2(torch::silu(w1(m)) * w3(m));
   }
   int64_t dim, heads, kv_heads, head_dim;
-  std::shared_ptr<const Rotary> rotary;
+  std::shared_ptr<const twobp::nn::RotaryEmbedding> rotary;  ///< both paths: one autograd node per use
   typename L::Norm attn_norm{nullptr}, mlp_norm{nullptr};
   typename L::Linear wq{nullptr}, wk{nullptr}, wv{nullptr}, wo{nullptr}, w1{nullptr}, w2{nullptr}, w3{nullptr};
 };
@@ -133,7 +93,7 @@ struct LlamaBlock : torch::nn::Module {
 template <typename L>
 struct LlamaStack : torch::nn::Module {
   explicit LlamaStack(const LlamaConfig& c) {
-    auto rotary = std::make_shared<const Rotary>(c.max_seq, c.dim / c.heads);
+    auto rotary = std::make_shared<const twobp::nn::RotaryEmbedding>(c.dim / c.heads, 10000.0, c.max_seq);
     for (int64_t i = 0; i < c.layers; ++i) {
       blocks.push_back(register_module("block" + std::to_string(i), std::make_shared<LlamaBlock<L>>(c, rotary)));
     }

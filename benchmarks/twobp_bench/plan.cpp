@@ -14,7 +14,8 @@
 //   costs      per chunk and action type X in {F, I, W, B}, affine in what the chunk holds:
 //                X(chunk) = a_X + b_X · blocks + e_X · [embedding] + h_X · [head]      (ChunkCost), recompute R = F
 //              estimated (estimate_llama_costs): b_F = models::block_forward_flops(config, seq) ·
-//              micro-batch-size / (--tflops), h_F = models::head_cost_in_blocks · b_F, a = e = 0; I = W = F, B = 2F
+//              micro-batch-size / (--tflops), h_F = models::head_cost_in_blocks · b_F, a = e = 0; I, W, B at
+//              measured ratios to F: one 7B stage's (measured_backward_ratios) or --ratios-json's fast path
 //              measured (--costs-json, `twobp_bench pipeline` JSONs or a job's --costs-json files, their
 //              results fitted together; fit_llama_costs): a, b, e, h of each X
 //              fitted by least squares over the chunks of its plain results (F from every mode, I and W from 2bp,
@@ -72,6 +73,7 @@ struct PlanArgs {
   int64_t global_batch = 0;  // sequences per step; 0: 8 · ranks · micro-batch-size
   Precision precision = Precision::kMixedBFloat16;
   double tflops = 400;
+  std::string ratios_json;  // a `twobp_bench split` JSON: its fast path's I/F, W/F, B/F for estimated costs
   std::vector<std::string> costs_json;  // one or more `twobp_bench pipeline` / `llama_pipeline --costs-json` files
   double overlap = -1;  // < 0: the measured share (0 for estimated costs)
   double link_gbps = 100;
@@ -159,8 +161,18 @@ Rates measured_rates(const Json& doc, const std::string& path, const llm::LlamaC
 
 // Estimated costs (--tflops) and links (--link-gbps, --link-latency-us).
 Rates estimated_rates(const PlanArgs& a, const llm::LlamaConfig& config, int64_t seq) {
+  BackwardRatios ratios = measured_backward_ratios();
+  if (!a.ratios_json.empty()) {
+    const Json split = read_json(a.ratios_json);
+    if (!split.contains("fast")) {
+      throw std::runtime_error(a.ratios_json + ": no fast path (a `twobp_bench split` JSON?)");
+    }
+    const Json& fast = split["fast"];
+    ratios = backward_ratios(fast.value("forward_ms", 0.0), fast.value("stage1_ms", 0.0),
+                             fast.value("stage2_ms", 0.0), fast.value("fused_ms", 0.0), a.ratios_json + " fast path");
+  }
   Rates rates;
-  rates.costs = estimate_llama_costs(config, seq, a.micro_batch_size, a.tflops);
+  rates.costs = estimate_llama_costs(config, seq, a.micro_batch_size, a.tflops, ratios);
   rates.comm_ms_per_byte = 1e3 / (a.link_gbps * 1e9 / 8);
   rates.comm_latency_ms = a.link_latency_us * 1e-3;
   rates.source = fmt::format("estimated: {}, links {} Gb/s + {} us", rates.costs.how, a.link_gbps,
@@ -443,6 +455,10 @@ void add_plan_command(CLI::App& app) {
       ->check(cli::one_spelling(parse_precision, "fp32, bf16-mixed or bf16-pure"));
   sub->add_option("--tflops", a->tflops, "Estimated costs: sustained TFLOP/s per device")->capture_default_str()
       ->check(cli::number_in(1e-6, 1e6));
+  sub->add_option("--ratios-json", a->ratios_json,
+                  "Estimated costs: I, W and B at the ratios to F of this `twobp_bench split` JSON's fast path "
+                  "(default: those measured on one 7B stage, docs/GPU.md)")
+      ->check(CLI::ExistingFile);
   sub->add_option("--costs-json", a->costs_json,
                   "Measured costs: a `twobp_bench pipeline --mode both` JSON from the target machine (its model "
                   "is planned, with any --dim ... sizes replacing its own; measure a v = 2 schedule too, e.g. "

@@ -1,38 +1,14 @@
 // `twobp_bench split`: what the 2BP split of the backward costs on one pipeline stage, against the fused backward.
 //
-// Setup: one middle stage (stage_index 1 of 3: its input needs a gradient, no loss), fed a fixed input x and a
-// fixed output gradient dY. Paths, all in the same run:
-//   fast          LLaMa-style stack of twobp::nn::Linear / RMSNorm layers (weight work via WeightGradStore)
-//   general       the same stack with torch::nn::Linear and an op-composed RMSNorm (autograd-graph split)
-//   general_conv  residual conv-BN-ReLU-conv stack (general path), unless --no-conv
-//
-// Every repetition runs, per path, these variants back to back (the order rotates with the repetition so that
-// drift and cache state affect all variants alike); parameter gradients are set to none before each variant,
-// untimed, so that B and W both create .grad the way the first micro-batch of a step does:
-//   split:  t_F = time(Stage::forward)   t_I = time(Stage::backward_input(dY))   t_W = time(Stage::backward_weight({mb}))
-//   fused:  t_F = time(Stage::forward)   t_B = time(Stage::backward(dY))
-// Each phase has its own timer, so t_I is exactly t(F + I) - t(F) of the same repetition.
-// With med(.) the median over --repeats repetitions (after --warmup untimed ones):
-//   forward_ms   = med(t_F)                    over the forward of both variants
-//   stage1_ms    = t(I) = med(t_I)             stage 1: input gradient only
-//   stage2_ms    = t(W) = med(t_W)             stage 2: weight gradients of one micro-batch
-//   fused_ms     = t(B) = med(t_B)             ordinary backprop (input and weight gradients)
-//   stage1_ratio = t(I) / t(B)                 ~0.5 when GEMMs dominate: how early stage 1 can hand dX upstream
-//   split_ratio  = (t(I) + t(W)) / t(B)        1.0 = the split costs nothing extra
-//   split_overhead_ms = t(I) + t(W) - t(B)
-// Times are wall-clock; --clock cpu takes process CPU time instead (steadier on a shared machine, meaningful
-// only with --threads 1).
-// "spread" gives min/p25/median/p75/max of every timed series and of the per-repetition ratios
-// t_I/t_B and (t_I + t_W)/t_B.
-//
-// --batched-w (the paper's batched backward-p2), with m = --micro-batches, two more variants per repetition:
-//   F and I of micro-batches 0..m-1 untimed, then
-//   batched:   batched_w_ms  = med(time(Stage::backward_weight({0, ..., m-1})))   one concatenated GEMM per layer
-//   separate:  separate_w_ms = med(time(Stage::backward_weight({0}); ...; Stage::backward_weight({m-1})))
-//   batched_w_speedup = separate_w_ms / batched_w_ms           > 1: batching W pays off
-// (The general path has no batched W: its speedup only shows the per-call overhead.)
+// One middle stage (stage_index 1 of 3: its input needs a gradient, no loss) fed a fixed input x and output
+// gradient dY, per path (fast: twobp::nn layers; general: the same LLaMa stack of LibTorch layers; general_conv),
+// times F, I, W and B: synced and host times, accumulation into existing gradients, a device-timed back-to-back
+// run on GPUs, and the top-level ATen operators per block with the host time outside them. docs/BENCHMARKS.md
+// defines every variant and output; this file implements them.
 
 #include <ATen/Parallel.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/torch.h>
 #include <torch/version.h>
 
@@ -52,8 +28,10 @@
 #include "twobp_cli.h"
 #include "bench_models.h"
 #include "commands.h"
+#include "runtime/master_weights.h"
 #include "twobp/config.h"
 #include "twobp/precision.h"
+#include "twobp/metrics/op_count.h"
 #include "twobp/stage.h"
 
 #if TWOBP_HAVE_NCCL  // the CUDA toolkit was found: the caching allocator's statistics are reachable
@@ -78,12 +56,19 @@ struct SplitConfig {
   int64_t conv_layers = 2;
   std::string json;
   bool check = false;
+  bool ops_by_name = false;
   std::string clock = "wall";
   std::string device = "cpu";  // cpu | cuda
-  // fp32 or bf16-pure. Mixed precision (bf16: bfloat16 compute, float32 masters) is refused by --dtype's check
-  // (split_precision) until the bench times it: float32 masters gathering each W's bfloat16 gradient.
+  /// fp32; bf16: mixed precision (bfloat16 compute, float32 master weights and gradients, as the pipeline's
+  /// MixedPrecisionOptions); bf16-pure: everything in bfloat16.
   Precision precision = Precision::kFloat32;
+  std::string paths = "all";  // "all" or a comma-separated list of kPathNames
 };
+
+const std::vector<std::string> kPathNames = {"fast", "general", "general_conv"};
+constexpr const char* kPhases[] = {"F", "I", "W", "B"};
+
+bool mixed_precision(const SplitConfig& c) { return c.precision == Precision::kMixedBFloat16; }
 
 at::TensorOptions tensor_options(const SplitConfig& c) {
   return at::TensorOptions()
@@ -91,36 +76,206 @@ at::TensorOptions tensor_options(const SplitConfig& c) {
       .device(c.device == "cuda" ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU));
 }
 
+/// What one path runs on.
+struct PathSetup {
+  std::string name;
+  std::shared_ptr<torch::nn::Module> module;  ///< built in float32
+  StageForward forward;
+  at::Tensor input;    ///< in the compute dtype, on the device
+  int64_t blocks = 1;  ///< repeated blocks of the module: ops_per_block = ops / blocks
+  bool mixed = false;  ///< float32 masters behind a bfloat16 module (SplitConfig::dtype "bf16")
+  Clock clock = Clock::kWall;
+};
+
+/// Host time until a phase's last call returned, and until the device finished it (equal on the CPU).
+struct Timing {
+  double synced_ms = 0, host_ms = 0;
+};
+
 /// One path under test: a stage on a module, with its fixed input and output gradient.
 class PathBench {
  public:
-  PathBench(std::string name, std::shared_ptr<torch::nn::Module> module, StageForward forward, at::Tensor input,
-            Clock clock)
-      : name_(std::move(name)), module_(std::move(module)), input_(std::move(input)), clock_(clock) {
-    module_->to(input_.device(), input_.is_floating_point() ? input_.scalar_type() : at::kFloat);
-    cuda_ = input_.is_cuda();
+  explicit PathBench(PathSetup setup) : setup_(std::move(setup)), cuda_(setup_.input.is_cuda()) {
+    setup_.module->to(setup_.input.device(), at::kFloat);
+    if (setup_.mixed) {
+      // As the pipeline does: float32 masters, the module in bfloat16, each W or B's gradient into the masters'.
+      masters_ = std::make_unique<detail::MasterWeights>(
+          std::map<int, std::shared_ptr<torch::nn::Module>>{{1, setup_.module}}, at::kBFloat16, /*rank=*/0);
+    } else {
+      setup_.module->to(setup_.input.scalar_type());
+    }
+    for (const auto& p : twobp::unique_tensors(setup_.module->parameters())) {
+      if (p.requires_grad()) gradient_holders_.push_back(masters_ ? masters_->master_of(p) : p);
+    }
     StageOptions options;
     options.stage_index = 1;
     options.num_stages = 3;
-    stage_ = std::make_unique<Stage>(module_, std::move(forward), options);
+    stage_ = std::make_unique<Stage>(setup_.module, setup_.forward, options);
     // The output gradient has the output's shape; one untimed forward tells it.
-    at::Tensor out = stage_->forward(0, input_);
+    at::Tensor out = stage_->forward(0, setup_.input);
     stage_->reset();
     grad_output_ = at::randn_like(out);
   }
 
-  const std::string& name() const { return name_; }
-  const Series& samples() const { return samples_; }
+  const std::string& name() const { return setup_.name; }
   int64_t parameter_count() const {
     int64_t n = 0;
-    for (const auto& p : twobp::unique_tensors(module_->parameters())) n += p.numel();
+    for (const auto& p : twobp::unique_tensors(setup_.module->parameters())) n += p.numel();
     return n;
   }
 
+  /// The peak bytes allocated on GPU 0 over the whole run (all paths), kept across the per-phase resets.
+  static std::int64_t& run_peak_bytes() {
+    static std::int64_t peak = 0;
+    return peak;
+  }
+
+  /// F, I and W of micro-batch 0 once, untimed: the output, the input gradient (if any) and every weight
+  /// gradient (the master's under mixed precision) by name, in float32 -- to compare the paths, which start from
+  /// the same weights and data.
+  std::map<std::string, at::Tensor> values() {
+    prepare_gradients(/*existing=*/false);
+    std::map<std::string, at::Tensor> v;
+    v["output"] = stage_->forward(0, setup_.input).detach().to(at::kFloat);
+    const at::Tensor grad_input = stage_->backward_input(0, grad_output_);
+    if (grad_input.defined()) v["input gradient"] = grad_input.to(at::kFloat);
+    stage_->backward_weight({0});
+    for (const auto& item : setup_.module->named_parameters()) {
+      const at::Tensor holder = masters_ ? masters_->master_of(item.value()) : item.value();
+      if (holder.grad().defined()) v[item.key() + ".grad"] = holder.grad().to(at::kFloat);
+    }
+    prepare_gradients(/*existing=*/false);
+    return v;
+  }
+
+  /// F, I, W with the gradients none (headline) or existing (accumulate/...), each phase synced.
+  void split(bool record, bool existing) {
+    prepare_gradients(existing);
+    const Timing f = timed([&] { stage_->forward(0, setup_.input); });
+    const Timing i = timed([&] { stage_->backward_input(0, grad_output_); });
+    const Timing w = timed([&] { stage_->backward_weight({0}); });
+    if (!record) return;
+    if (existing) {
+      samples_.add("accumulate/stage1_ms", i.synced_ms);
+      samples_.add("accumulate/stage2_ms", w.synced_ms);
+      return;
+    }
+    samples_.add("forward_ms", f.synced_ms);
+    samples_.add("stage1_ms", i.synced_ms);
+    samples_.add("stage2_ms", w.synced_ms);
+    samples_.add("host_ms/F", f.host_ms);
+    samples_.add("host_ms/I", i.host_ms);
+    samples_.add("host_ms/W", w.host_ms);
+    pending_i_ = i.synced_ms;
+    pending_w_ = w.synced_ms;
+    pair_ratios();
+  }
+
+  /// F, B with the gradients none (headline) or existing (accumulate/...), each phase synced.
+  void fused(bool record, bool existing) {
+    prepare_gradients(existing);
+    const Timing f = timed([&] { stage_->forward(0, setup_.input); });
+    const Timing b = timed([&] { stage_->backward(0, grad_output_); });
+    if (!record) return;
+    if (existing) {
+      samples_.add("accumulate/fused_ms", b.synced_ms);
+      return;
+    }
+    samples_.add("forward_ms", f.synced_ms);
+    samples_.add("fused_ms", b.synced_ms);
+    samples_.add("host_ms/F", f.host_ms);
+    samples_.add("host_ms/B", b.host_ms);
+    pending_b_ = b.synced_ms;
+    pair_ratios();
+  }
+
+  /// F, I, W and F, B again under an AtenOpCounter, into existing gradients (the steady state of a step): the
+  /// top-level operators of each phase and its host time outside them. Untimed otherwise (the counter slows
+  /// every operator down).
+  void counted(bool record, bool by_name) {
+    metrics::AtenOpCounterOptions options;
+    options.by_name = by_name;
+    options.thread_cpu_time = setup_.clock == Clock::kProcessCpu && !cuda_;
+    metrics::AtenOpCounter counter(options);
+    auto phase = [&](const char* name, const std::function<void()>& fn) {
+      counter.take();
+      const double start = counter.now_us();
+      fn();
+      const double elapsed_us = counter.now_us() - start;
+      metrics::AtenOpCounter::Counts c = counter.take();
+      synchronize();
+      if (!record) return;
+      samples_.add(std::string("ops/") + name, static_cast<double>(c.ops));
+      samples_.add(std::string("host_overhead_us/") + name, counter.outside_us(elapsed_us, c));
+      if (by_name) ops_by_name_[name] = std::move(c.by_name);
+    };
+    prepare_gradients(/*existing=*/true);
+    phase("F", [&] { stage_->forward(0, setup_.input); });
+    phase("I", [&] { stage_->backward_input(0, grad_output_); });
+    phase("W", [&] { stage_->backward_weight({0}); });
+    prepare_gradients(/*existing=*/true);
+    phase("F", [&] { stage_->forward(0, setup_.input); });
+    phase("B", [&] { stage_->backward(0, grad_output_); });
+  }
+
+  /// GPU only: F, I, W (then F, B) enqueued without synchronising in between, timed by events on the stream
+  /// between the phases, as the executor's device timeline times actions.
+  void back_to_back(bool record) {
+    const c10::Device device = setup_.input.device();
+    std::vector<std::unique_ptr<c10::Event>> marks;
+    auto mark = [&] {
+      marks.push_back(std::make_unique<c10::Event>(device.type(), c10::EventFlag::BACKEND_DEFAULT));
+      marks.back()->record(c10::impl::getDeviceGuardImpl(device.type())->getStream(device));
+    };
+    prepare_gradients(/*existing=*/false);
+    mark();
+    stage_->forward(0, setup_.input);
+    mark();
+    stage_->backward_input(0, grad_output_);
+    mark();
+    stage_->backward_weight({0});
+    mark();
+    prepare_gradients(/*existing=*/false);  // sets .grad to none: no device work, nothing to wait for
+    stage_->forward(0, setup_.input);
+    mark();
+    stage_->backward(0, grad_output_);
+    mark();
+    // SYNC POINT: the events are read once everything was enqueued.
+    marks.back()->synchronize();
+    if (!record) return;
+    auto span = [&](std::size_t k) { return marks[k]->elapsedTime(*marks[k + 1]); };
+    samples_.add("device/forward_ms", span(0));
+    samples_.add("device/stage1_ms", span(1));
+    samples_.add("device/stage2_ms", span(2));
+    samples_.add("device/fused_ms", span(4));
+  }
+
+  /// W of m micro-batches in one call (batched) or in m calls (separate); F and I untimed.
+  void weight_batch(int m, bool batched, bool record) {
+    prepare_gradients(/*existing=*/false);
+    std::vector<int> mbs(m);
+    std::iota(mbs.begin(), mbs.end(), 0);
+    for (int mb : mbs) stage_->forward(mb, setup_.input);
+    for (int mb : mbs) stage_->backward_input(mb, grad_output_);
+    const Timing w = timed([&] {
+      if (batched) {
+        stage_->backward_weight(mbs);
+      } else {
+        for (int mb : mbs) stage_->backward_weight({mb});
+      }
+    });
+    if (record) samples_.add(batched ? "batched_w_ms" : "separate_w_ms", w.synced_ms);
+  }
+
+  Json result() const;
+
+  int64_t tokens_ = 0;  ///< tokens per micro-batch, for the TFLOP/s of the LLaMa stacks (0: not reported)
+
+ private:
   // GPU work is asynchronous: each timed phase ends with a device synchronisation, so a phase's time is its own.
   // On a GPU each phase also records the allocator's peak above what was allocated when it began (see memory).
   template <typename Fn>
-  double timed(Fn&& fn) {
+  Timing timed(Fn&& fn) {
 #if TWOBP_HAVE_NCCL
     std::int64_t base = 0;
     if (cuda_) {
@@ -130,12 +285,12 @@ class PathBench {
       c10::cuda::CUDACachingAllocator::resetPeakStats(0);
     }
 #endif
-    const double ms = time_ms(
-        [&] {
-          fn();
-          if (cuda_) torch::cuda::synchronize();
-        },
-        clock_);
+    Timing t;
+    const double start = now_ms(setup_.clock);
+    fn();
+    t.host_ms = now_ms(setup_.clock) - start;
+    synchronize();
+    t.synced_ms = now_ms(setup_.clock) - start;
 #if TWOBP_HAVE_NCCL
     if (cuda_) {
       const std::int64_t peak = c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocated_bytes[0].peak;
@@ -143,109 +298,29 @@ class PathBench {
       peak_above_start_ = std::max(peak_above_start_, peak - base);
     }
 #endif
-    return ms;
+    return t;
   }
 
-  /// The peak bytes allocated on GPU 0 over the whole run (all paths), kept across the per-phase resets above.
-  static std::int64_t& run_peak_bytes() {
-    static std::int64_t peak = 0;
-    return peak;
+  void synchronize() const {
+    if (cuda_) torch::cuda::synchronize();
   }
 
-  /// F, I and W of micro-batch 0 once, untimed: the output, the input gradient (if any) and every weight
-  /// gradient by name, in float32 -- to compare the paths, which start from the same weights and data.
-  std::map<std::string, at::Tensor> values() {
-    module_->zero_grad(/*set_to_none=*/true);
-    std::map<std::string, at::Tensor> v;
-    v["output"] = stage_->forward(0, input_).detach().to(at::kFloat);
-    const at::Tensor grad_input = stage_->backward_input(0, grad_output_);
-    if (grad_input.defined()) v["input gradient"] = grad_input.to(at::kFloat);
-    stage_->backward_weight({0});
-    for (const auto& item : module_->named_parameters()) {
-      if (item.value().grad().defined()) v[item.key() + ".grad"] = item.value().grad().to(at::kFloat);
-    }
-    module_->zero_grad(/*set_to_none=*/true);
-    return v;
-  }
-
-  void split(bool record) {
-    module_->zero_grad(/*set_to_none=*/true);
-    const double f = timed([&] { stage_->forward(0, input_); });
-    const double i = timed([&] { stage_->backward_input(0, grad_output_); });
-    const double w = timed([&] { stage_->backward_weight({0}); });
-    if (!record) return;
-    samples_.add("forward_ms", f);
-    samples_.add("stage1_ms", i);
-    samples_.add("stage2_ms", w);
-    pending_i_ = i;
-    pending_w_ = w;
-    pair_ratios();
-  }
-
-  void fused(bool record) {
-    module_->zero_grad(/*set_to_none=*/true);
-    const double f = timed([&] { stage_->forward(0, input_); });
-    const double b = timed([&] { stage_->backward(0, grad_output_); });
-    if (!record) return;
-    samples_.add("forward_ms", f);
-    samples_.add("fused_ms", b);
-    pending_b_ = b;
-    pair_ratios();
-  }
-
-  /// W of m micro-batches in one call (batched) or in m calls (separate); F and I untimed.
-  void weight_batch(int m, bool batched, bool record) {
-    module_->zero_grad(/*set_to_none=*/true);
-    std::vector<int> mbs(m);
-    std::iota(mbs.begin(), mbs.end(), 0);
-    for (int mb : mbs) stage_->forward(mb, input_);
-    for (int mb : mbs) stage_->backward_input(mb, grad_output_);
-    const double w = timed([&] {
-      if (batched) {
-        stage_->backward_weight(mbs);
-      } else {
-        for (int mb : mbs) stage_->backward_weight({mb});
+  // Gradients as before the first micro-batch of a step (none) or a later one (existing: zeros where there were
+  // none), on the masters under mixed precision (the compute parameters' .grad stays none, as in the pipeline).
+  void prepare_gradients(bool existing) {
+    setup_.module->zero_grad(/*set_to_none=*/true);
+    for (const at::Tensor& holder : gradient_holders_) {
+      at::Tensor& g = const_cast<at::Tensor&>(holder).mutable_grad();
+      if (!existing) {
+        g.reset();
+      } else if (!g.defined()) {
+        g = at::zeros_like(holder);
       }
-    });
-    if (record) samples_.add(batched ? "batched_w_ms" : "separate_w_ms", w);
+    }
+    // WHY: the zeros are device work the next timed phase must not wait for.
+    if (existing) synchronize();
   }
 
-  Json result() const {
-    Json r;
-    const double f = samples_.median("forward_ms"), i = samples_.median("stage1_ms"),
-                 w = samples_.median("stage2_ms"), b = samples_.median("fused_ms");
-    r["stage1_ratio"] = i / b;
-    r["split_ratio"] = (i + w) / b;
-    r["forward_ms"] = f;
-    r["stage1_ms"] = i;
-    r["stage2_ms"] = w;
-    r["fused_ms"] = b;
-    r["split_overhead_ms"] = i + w - b;
-    if (samples_.has("batched_w_ms")) {
-      const double batched = samples_.median("batched_w_ms"), separate = samples_.median("separate_w_ms");
-      r["batched_w_speedup"] = separate / batched;
-      r["batched_w_ms"] = batched;
-      r["separate_w_ms"] = separate;
-    }
-    r["parameters"] = parameter_count();
-    // Matrix-product FLOPs only (attention scores and element-wise work left out): forward 2·P per token for a
-    // stack of P weights applied to every token, I and W 2·P each. Meaningful for the LLaMa stacks, whose
-    // parameters are all GEMM weights but the norms.
-    if (tokens_ > 0) {
-      const double gemm = 2.0 * static_cast<double>(parameter_count()) * static_cast<double>(tokens_);
-      r["forward_tflops"] = gemm / (f * 1e9);
-      r["stage1_tflops"] = gemm / (i * 1e9);
-      r["stage2_tflops"] = gemm / (w * 1e9);
-      r["fused_tflops"] = 2.0 * gemm / (b * 1e9);
-    }
-    r["spread"] = samples_.spread();
-    // The largest transient footprint of one phase (F, I, W, B or a batched W): bytes allocated at its peak
-    // above those allocated when it began -- activations and gradients, not the weights of the paths.
-    if (cuda_) r["peak_above_phase_start_bytes"] = peak_above_start_;
-    return r;
-  }
-
- private:
   // Per-repetition ratios once both the split and the fused variant of a repetition are in.
   void pair_ratios() {
     if (pending_b_ < 0 || pending_i_ < 0) return;
@@ -254,21 +329,83 @@ class PathBench {
     pending_i_ = pending_w_ = pending_b_ = -1;
   }
 
-  std::string name_;
-  std::shared_ptr<torch::nn::Module> module_;
-  std::unique_ptr<Stage> stage_;
-  at::Tensor input_, grad_output_;
-  Clock clock_;
+  Json per_phase(const std::string& series, double scale) const;
+
+  PathSetup setup_;
   bool cuda_ = false;
+  std::unique_ptr<detail::MasterWeights> masters_;
+  std::vector<at::Tensor> gradient_holders_;  // the trainable parameters, or their masters
+  std::unique_ptr<Stage> stage_;
+  at::Tensor grad_output_;
   Series samples_;
-
- public:
-  int64_t tokens_ = 0;  ///< tokens per micro-batch, for the TFLOP/s of the LLaMa stacks (0: not reported)
-
- private:
+  std::map<std::string, std::map<std::string, std::int64_t>> ops_by_name_;  // by phase, from the last count
   double pending_i_ = -1, pending_w_ = -1, pending_b_ = -1;
   std::int64_t peak_above_start_ = 0;
 };
+
+// {"F": med(series/F) · scale, ...} over the phases that have the series.
+Json PathBench::per_phase(const std::string& series, double scale) const {
+  Json out = Json::object();
+  for (const char* phase : kPhases) {
+    const std::string name = series + "/" + phase;
+    if (samples_.has(name)) out[phase] = samples_.median(name) * scale;
+  }
+  return out;
+}
+
+Json PathBench::result() const {
+  Json r;
+  const double f = samples_.median("forward_ms"), i = samples_.median("stage1_ms"),
+               w = samples_.median("stage2_ms"), b = samples_.median("fused_ms");
+  r["stage1_ratio"] = i / b;
+  r["split_ratio"] = (i + w) / b;
+  r["forward_ms"] = f;
+  r["stage1_ms"] = i;
+  r["stage2_ms"] = w;
+  r["fused_ms"] = b;
+  r["split_overhead_ms"] = i + w - b;
+  r["host_ms"] = per_phase("host_ms", 1.0);
+  r["host_overhead_us"] = per_phase("host_overhead_us", 1.0);
+  r["blocks"] = setup_.blocks;
+  r["ops_per_block"] = per_phase("ops", 1.0 / static_cast<double>(setup_.blocks));
+  if (!ops_by_name_.empty()) r["ops_by_name"] = ops_by_name_;
+  const double ai = samples_.median("accumulate/stage1_ms"), aw = samples_.median("accumulate/stage2_ms"),
+               ab = samples_.median("accumulate/fused_ms");
+  r["accumulate"] = Json{{"stage1_ms", ai}, {"stage2_ms", aw}, {"fused_ms", ab}, {"split_ratio", (ai + aw) / ab}};
+  if (samples_.has("device/fused_ms")) {
+    const double di = samples_.median("device/stage1_ms"), dw = samples_.median("device/stage2_ms"),
+                 db = samples_.median("device/fused_ms");
+    r["device_timed"] = Json{{"forward_ms", samples_.median("device/forward_ms")},
+                             {"stage1_ms", di},
+                             {"stage2_ms", dw},
+                             {"fused_ms", db},
+                             {"split_ratio", (di + dw) / db}};
+  } else {
+    r["device_timed"] = nullptr;  // on the CPU the synced times are the device times
+  }
+  if (samples_.has("batched_w_ms")) {
+    const double batched = samples_.median("batched_w_ms"), separate = samples_.median("separate_w_ms");
+    r["batched_w_speedup"] = separate / batched;
+    r["batched_w_ms"] = batched;
+    r["separate_w_ms"] = separate;
+  }
+  r["parameters"] = parameter_count();
+  // Matrix-product FLOPs only (attention scores and element-wise work left out): forward 2·P per token for a
+  // stack of P weights applied to every token, I and W 2·P each. Meaningful for the LLaMa stacks, whose
+  // parameters are all GEMM weights but the norms.
+  if (tokens_ > 0) {
+    const double gemm = 2.0 * static_cast<double>(parameter_count()) * static_cast<double>(tokens_);
+    r["forward_tflops"] = gemm / (f * 1e9);
+    r["stage1_tflops"] = gemm / (i * 1e9);
+    r["stage2_tflops"] = gemm / (w * 1e9);
+    r["fused_tflops"] = 2.0 * gemm / (b * 1e9);
+  }
+  r["spread"] = samples_.spread();
+  // The largest transient footprint of one phase (F, I, W, B or a batched W): bytes allocated at its peak
+  // above those allocated when it began -- activations and gradients, not the weights of the paths.
+  if (cuda_) r["peak_above_phase_start_bytes"] = peak_above_start_;
+  return r;
+}
 
 /// The fast path against the general one on the same weights and data: the largest relative difference (norm of
 /// the difference over norm of the general path's value) over the output, the input gradient and every weight
@@ -308,8 +445,9 @@ std::unique_ptr<PathBench> make_llama(const std::string& name, const SplitConfig
   torch::manual_seed(0);  // same initial weights on both paths
   auto module = std::make_shared<LlamaStack<L>>(c.model);
   auto* raw = module.get();
-  auto bench = std::make_unique<PathBench>(name, module, [raw](const at::Tensor& x) { return raw->forward(x); },
-                                           input, parse_clock(c.clock));
+  auto bench = std::make_unique<PathBench>(PathSetup{name, module,
+                                                     [raw](const at::Tensor& x) { return raw->forward(x); }, input,
+                                                     c.model.layers, mixed_precision(c), parse_clock(c.clock)});
   bench->tokens_ = c.batch * c.seq;
   return bench;
 }
@@ -319,12 +457,12 @@ std::unique_ptr<PathBench> make_conv(const SplitConfig& c) {
   ConvStack module(c.conv_channels, c.conv_layers);
   auto* raw = module.get();
   auto input = torch::randn({c.batch, c.conv_channels, c.conv_size, c.conv_size}).to(tensor_options(c));
-  return std::make_unique<PathBench>("general_conv", module.ptr(),
-                                     [raw](const at::Tensor& x) { return raw->forward(x); }, input,
-                                     parse_clock(c.clock));
+  return std::make_unique<PathBench>(PathSetup{"general_conv", module.ptr(),
+                                               [raw](const at::Tensor& x) { return raw->forward(x); }, input,
+                                               c.conv_layers, mixed_precision(c), parse_clock(c.clock)});
 }
 
-Json config_json(const SplitConfig& c) {
+Json config_json(const SplitConfig& c, const std::vector<std::string>& paths) {
   return Json{{"dim", c.model.dim},
               {"ffn", c.model.ffn},
               {"heads", c.model.heads},
@@ -336,8 +474,11 @@ Json config_json(const SplitConfig& c) {
               {"warmup", c.warmup},
               {"threads", c.threads},
               {"clock", c.clock},
-              {"dtype", to_string(c.precision)},
+              {"precision", to_string(c.precision)},
+              {"dtype", c.precision == Precision::kFloat32 ? "float32" : "bfloat16"},
+              {"master_weights", mixed_precision(c)},
               {"device", c.device},
+              {"paths", paths},
               {"batched_w", c.batched_w},
               {"micro_batches", c.micro_batches},
               {"conv", c.conv},
@@ -349,19 +490,112 @@ Json config_json(const SplitConfig& c) {
 
 std::vector<std::string> required_keys(const Json& json) {
   std::vector<std::string> keys;
-  for (const char* path : {"fast", "general", "general_conv"}) {
-    if (std::string(path) == "general_conv" && !json.contains(path)) continue;
-    for (const char* key : {"stage1_ratio", "split_ratio", "forward_ms", "stage1_ms", "stage2_ms", "fused_ms"}) {
-      keys.push_back(std::string(path) + "/" + key);
+  const Json config = json.value("config", Json::object());
+  for (const std::string& path : kPathNames) {
+    if (!json.contains(path)) continue;
+    for (const char* key : {"stage1_ratio", "split_ratio", "forward_ms", "stage1_ms", "stage2_ms", "fused_ms",
+                            "accumulate/stage2_ms", "accumulate/fused_ms", "accumulate/split_ratio"}) {
+      keys.push_back(path + "/" + key);
     }
-    if (json.value("config", Json::object()).value("batched_w", false)) {
-      keys.push_back(std::string(path) + "/batched_w_speedup");
+    for (const char* phase : kPhases) {
+      for (const char* key : {"host_ms", "host_overhead_us", "ops_per_block"}) {
+        keys.push_back(path + "/" + key + "/" + phase);
+      }
     }
+    if (config.value("device", "cpu") == "cuda") keys.push_back(path + "/device_timed/split_ratio");
+    if (config.value("batched_w", false)) keys.push_back(path + "/batched_w_speedup");
   }
   for (const char* key : {"dim", "layers", "seq", "batch", "repeats", "threads"}) {
     keys.push_back(std::string("config/") + key);
   }
   return keys;
+}
+
+// The paths --paths asks for (general_conv only with --conv), built on the same input.
+std::vector<std::unique_ptr<PathBench>> make_paths(const SplitConfig& c, const std::vector<std::string>& names) {
+  torch::manual_seed(1);
+  const at::Tensor input = torch::randn({c.batch, c.seq, c.model.dim}).to(tensor_options(c));
+  std::vector<std::unique_ptr<PathBench>> paths;
+  for (const std::string& name : names) {
+    if (name == "fast") paths.push_back(make_llama<FastLayers>("fast", c, input));
+    if (name == "general") paths.push_back(make_llama<GeneralLayers>("general", c, input));
+    if (name == "general_conv") paths.push_back(make_conv(c));
+  }
+  return paths;
+}
+
+// Every repetition runs every variant of every path, in an order that rotates with the repetition.
+void run_repetitions(const SplitConfig& c, std::vector<std::unique_ptr<PathBench>>& paths) {
+  using Variant = std::function<void(PathBench&, bool)>;
+  const bool by_name = c.ops_by_name;
+  std::vector<Variant> variants = {
+      [](PathBench& p, bool rec) { p.split(rec, /*existing=*/false); },
+      [](PathBench& p, bool rec) { p.fused(rec, /*existing=*/false); },
+      [](PathBench& p, bool rec) { p.split(rec, /*existing=*/true); },
+      [](PathBench& p, bool rec) { p.fused(rec, /*existing=*/true); },
+      [by_name](PathBench& p, bool rec) { p.counted(rec, by_name); }};
+  if (c.device == "cuda") variants.push_back([](PathBench& p, bool rec) { p.back_to_back(rec); });
+  if (c.batched_w) {
+    const int m = c.micro_batches;
+    variants.push_back([m](PathBench& p, bool rec) { p.weight_batch(m, /*batched=*/true, rec); });
+    variants.push_back([m](PathBench& p, bool rec) { p.weight_batch(m, /*batched=*/false, rec); });
+  }
+  std::cerr << "split: " << c.warmup << " warmup + " << c.repeats << " repetitions, " << c.threads << " threads\n";
+  for (int r = 0; r < c.warmup + c.repeats; ++r) {
+    const bool record = r >= c.warmup;
+    for (auto& path : paths) {
+      for (std::size_t v = 0; v < variants.size(); ++v) variants[(v + r) % variants.size()](*path, record);
+    }
+  }
+}
+
+std::string spread_text(const Json& s, const char* key) {
+  return fmt_num(s[key]["p25"].get<double>(), 3) + "-" + fmt_num(s[key]["p75"].get<double>(), 3);
+}
+
+// The headline table (one row per path) and the phase table (one row per path and phase).
+void print_tables(const SplitConfig& c, const Json& out, const std::vector<std::string>& names) {
+  std::vector<std::vector<std::string>> rows = {{"path", "F ms", "I ms", "W ms", "B ms", "I/B", "I/B p25-p75",
+                                                 "(I+W)/B", "(I+W)/B p25-p75", "(I+W)/B accumulating"}};
+  if (c.batched_w) rows[0].push_back("batched W x" + std::to_string(c.micro_batches));
+  for (const std::string& name : names) {
+    const Json& r = out[name];
+    std::vector<std::string> row = {
+        name, fmt_num(r["forward_ms"].get<double>()), fmt_num(r["stage1_ms"].get<double>()),
+        fmt_num(r["stage2_ms"].get<double>()), fmt_num(r["fused_ms"].get<double>()),
+        fmt_num(r["stage1_ratio"].get<double>(), 3), spread_text(r["spread"], "stage1_ratio"),
+        fmt_num(r["split_ratio"].get<double>(), 3), spread_text(r["spread"], "split_ratio"),
+        fmt_num(r["accumulate"]["split_ratio"].get<double>(), 3)};
+    if (c.batched_w) row.push_back(fmt_num(r["batched_w_speedup"].get<double>(), 3) + "x");
+    rows.push_back(row);
+  }
+  print_table(std::cout, rows);
+  const char* synced[] = {"forward_ms", "stage1_ms", "stage2_ms", "fused_ms"};
+  std::vector<std::vector<std::string>> phases = {
+      {"path", "phase", "synced ms", "host ms", "device-timed ms", "host overhead us", "ops/block"}};
+  for (const std::string& name : names) {
+    const Json& r = out[name];
+    for (int k = 0; k < 4; ++k) {
+      const char* p = kPhases[k];
+      phases.push_back({name, p, fmt_num(r[synced[k]].get<double>()), fmt_num(r["host_ms"][p].get<double>()),
+                        r["device_timed"].is_null() ? "n/a" : fmt_num(r["device_timed"][synced[k]].get<double>()),
+                        fmt_num(r["host_overhead_us"][p].get<double>(), 0),
+                        fmt_num(r["ops_per_block"][p].get<double>(), 1)});
+    }
+  }
+  print_table(std::cout, phases);
+}
+
+void check_written(const std::string& file) {
+  // Re-read the file as a consumer would and check every headline number.
+  const Json back = read_json(file);
+  auto problems = check_numbers(back, required_keys(back), /*positive=*/true);
+  if (back.contains("fast_vs_general") && !back["fast_vs_general"].value("ok", false)) {
+    problems.push_back("fast_vs_general: the fast and general paths disagree beyond their tolerance");
+  }
+  for (const auto& p : problems) std::cerr << "check failed: " << file << ": " << p << "\n";
+  if (!problems.empty()) throw CLI::RuntimeError(2);
+  std::cout << "check: " << required_keys(back).size() << " keys present and positive\n";
 }
 
 void run_split(const SplitConfig& c) {
@@ -370,6 +604,11 @@ void run_split(const SplitConfig& c) {
   if (c.model.dim % c.model.heads != 0 || c.model.heads % c.model.kv_heads != 0 || (c.model.dim / c.model.heads) % 2) {
     throw CLI::ValidationError("split", "--dim must be a multiple of --heads (even head dim), --heads of --kv-heads");
   }
+  std::vector<std::string> names;
+  for (const std::string& name : name_list(c.paths, kPathNames, "path")) {
+    if (name != "general_conv" || c.conv) names.push_back(name);
+  }
+  if (names.empty()) throw CLI::ValidationError("--paths", "no path left to time (general_conv needs --conv)");
   const double load_start = load_average();
   const unsigned cores = std::thread::hardware_concurrency();
   if (cores > 0 && load_start > cores) {
@@ -377,40 +616,18 @@ void run_split(const SplitConfig& c) {
               << " cores; other processes take cores from the timed threads, see the spread (or use --threads 1 "
                  "--clock cpu)\n";
   }
-
-  LlamaConfig model = c.model;
-  model.max_seq = c.seq;
-  if (model.ffn <= 0) model.ffn = (8 * model.dim / 3 + 31) / 32 * 32;  // LLaMa's rule: 512 -> 1376
   SplitConfig cfg = c;
-  cfg.model = model;
-  torch::manual_seed(1);
-  const at::Tensor input = torch::randn({c.batch, c.seq, c.model.dim}).to(tensor_options(c));
-  std::vector<std::unique_ptr<PathBench>> paths;
-  paths.push_back(make_llama<FastLayers>("fast", cfg, input));
-  paths.push_back(make_llama<GeneralLayers>("general", cfg, input));
-  if (c.conv) paths.push_back(make_conv(cfg));
-
-  using Variant = std::function<void(PathBench&, bool)>;
-  std::vector<Variant> variants = {[](PathBench& p, bool rec) { p.split(rec); },
-                                   [](PathBench& p, bool rec) { p.fused(rec); }};
-  if (c.batched_w) {
-    const int m = c.micro_batches;
-    variants.push_back([m](PathBench& p, bool rec) { p.weight_batch(m, /*batched=*/true, rec); });
-    variants.push_back([m](PathBench& p, bool rec) { p.weight_batch(m, /*batched=*/false, rec); });
-  }
-
-  std::cerr << "split: " << c.warmup << " warmup + " << c.repeats << " repetitions, " << c.threads << " threads\n";
-  for (int r = 0; r < c.warmup + c.repeats; ++r) {
-    const bool record = r >= c.warmup;
-    for (auto& path : paths) {
-      for (std::size_t v = 0; v < variants.size(); ++v) variants[(v + r) % variants.size()](*path, record);
-    }
-  }
+  cfg.model.max_seq = c.seq;
+  if (cfg.model.ffn <= 0) cfg.model.ffn = (8 * cfg.model.dim / 3 + 31) / 32 * 32;  // LLaMa's rule: 512 -> 1376
+  std::vector<std::unique_ptr<PathBench>> paths = make_paths(cfg, names);
+  run_repetitions(cfg, paths);
 
   Json out;
   for (const auto& path : paths) out[path->name()] = path->result();
-  out["fast_vs_general"] = compare_paths(*paths[0], *paths[1], tensor_options(c).dtype().toScalarType());
-  Json config = config_json(cfg);
+  if (names.size() >= 2 && names[0] == "fast" && names[1] == "general") {
+    out["fast_vs_general"] = compare_paths(*paths[0], *paths[1], tensor_options(c).dtype().toScalarType());
+  }
+  Json config = config_json(cfg, names);
 #if TWOBP_HAVE_NCCL
   if (c.device == "cuda") {
     // Peak bytes held by live tensors on GPU 0 over the whole run (all paths' weights, activations, gradients).
@@ -422,71 +639,22 @@ void run_split(const SplitConfig& c) {
   config["load_average_end"] = load_average();
   out["config"] = config;
 
-  std::vector<std::vector<std::string>> rows = {{"path", "F ms", "I ms", "W ms", "B ms", "I/B", "I/B p25-p75",
-                                                 "(I+W)/B", "(I+W)/B p25-p75"}};
-  if (c.batched_w) rows[0].push_back("batched W x" + std::to_string(c.micro_batches));
-  for (const auto& path : paths) {
-    const Json& r = out[path->name()];
-    const Json& s = r["spread"];
-    std::vector<std::string> row = {
-        path->name(),
-        fmt_num(r["forward_ms"].get<double>()),
-        fmt_num(r["stage1_ms"].get<double>()),
-        fmt_num(r["stage2_ms"].get<double>()),
-        fmt_num(r["fused_ms"].get<double>()),
-        fmt_num(r["stage1_ratio"].get<double>(), 3),
-        fmt_num(s["stage1_ratio"]["p25"].get<double>(), 3) + "-" + fmt_num(s["stage1_ratio"]["p75"].get<double>(), 3),
-        fmt_num(r["split_ratio"].get<double>(), 3),
-        fmt_num(s["split_ratio"]["p25"].get<double>(), 3) + "-" + fmt_num(s["split_ratio"]["p75"].get<double>(), 3)};
-    if (c.batched_w) row.push_back(fmt_num(r["batched_w_speedup"].get<double>(), 3) + "x");
-    rows.push_back(row);
+  std::cout << "dim " << cfg.model.dim << ", ffn " << cfg.model.ffn << ", layers " << cfg.model.layers << ", seq "
+            << c.seq << ", batch " << c.batch << ", " << to_string(c.precision) << ", " << c.threads << " threads, " << c.clock
+            << " clock, median of " << c.repeats << " (load " << fmt_num(load_start) << " -> "
+            << fmt_num(load_average()) << ")\n";
+  print_tables(c, out, names);
+  if (out.contains("fast_vs_general")) {
+    const Json& agree = out["fast_vs_general"];
+    std::cout << "fast vs general path: max relative difference "
+              << fmt_num(agree["max_relative_difference"].get<double>(), 3) << " over "
+              << agree["compared"].get<int>() << " values (" << agree["worst"].get<std::string>() << "), tolerance "
+              << agree["tolerance"].get<double>() << ": " << (agree["ok"].get<bool>() ? "ok" : "DIFFER") << "\n";
   }
-  std::cout << "dim " << cfg.model.dim << ", ffn " << cfg.model.ffn << ", layers " << cfg.model.layers << ", seq " << c.seq
-            << ", batch " << c.batch << ", " << c.threads << " threads, " << c.clock << " clock, median of " << c.repeats
-            << " (load " << fmt_num(load_start) << " -> " << fmt_num(load_average()) << ")\n";
-  print_table(std::cout, rows);
-  const Json& agree = out["fast_vs_general"];
-  std::cout << "fast vs general path: max relative difference "
-            << fmt_num(agree["max_relative_difference"].get<double>(), 3) << " over " << agree["compared"].get<int>()
-            << " values (" << agree["worst"].get<std::string>() << "), tolerance "
-            << agree["tolerance"].get<double>() << ": " << (agree["ok"].get<bool>() ? "ok" : "DIFFER") << "\n";
-
   if (c.json.empty()) return;
   write_json(c.json, out);
   std::cout << "wrote " << c.json << "\n";
-  if (c.check) {
-    // Re-read the file as a consumer would and check every headline number.
-    const Json back = read_json(c.json);
-    auto problems = check_numbers(back, required_keys(back), /*positive=*/true);
-    if (!back.value("fast_vs_general", Json::object()).value("ok", false)) {
-      problems.push_back("fast_vs_general: the fast and general paths disagree beyond their tolerance");
-    }
-    for (const auto& p : problems) std::cerr << "check failed: " << c.json << ": " << p << "\n";
-    if (!problems.empty()) throw CLI::RuntimeError(2);
-    std::cout << "check: " << required_keys(back).size() << " keys present and positive\n";
-  }
-}
-
-// --dtype's check: a precision as every program spells it (twobp::parse_precision), of those this bench times.
-// HOOK (issue 57): mixed precision lands here -- accept Precision::kMixedBFloat16 once PathBench keeps float32
-// masters beside its bfloat16 module.
-CLI::Validator split_precision() {
-  return CLI::Validator(
-      [](std::string& text) -> std::string {
-        Precision p;
-        try {
-          p = parse_precision(text);
-        } catch (const std::exception& e) {
-          return e.what();
-        }
-        if (p == Precision::kMixedBFloat16) {
-          return "split does not time mixed precision (bf16: bfloat16 compute, float32 masters) yet; --dtype "
-                 "bf16-pure times everything in bfloat16 (what --dtype bf16 meant here before)";
-        }
-        text = to_string(p);
-        return std::string();
-      },
-      "fp32 or bf16-pure");
+  if (c.check) check_written(c.json);
 }
 
 }  // namespace
@@ -537,9 +705,22 @@ void add_split_command(CLI::App& app) {
       ->capture_default_str();
   sub->add_option_function<std::string>(
          "--dtype", [cfg](const std::string& dtype) { cfg->precision = parse_precision(dtype); },
-         "fp32 or bf16-pure (weights and activations in bfloat16; mixed precision, bf16, is not timed here yet) "
-         "(default fp32)")
-      ->check(split_precision());
+         "fp32; bf16: mixed precision (bfloat16 compute, float32 master weights and gradients); bf16-pure: "
+         "everything in bfloat16 (default fp32)")
+      ->check(cli::one_spelling(parse_precision, "fp32, bf16 or bf16-pure"));
+  sub->add_option("--paths", cfg->paths,
+                  "all, or paths separated by commas: fast, general, general_conv (only the fast path: --paths fast "
+                  "builds no general-path stack)")
+      ->check([](const std::string& value) -> std::string {
+        try {
+          name_list(value, kPathNames, "path");
+        } catch (const std::invalid_argument& e) {
+          return e.what();
+        }
+        return "";
+      })
+      ->capture_default_str();
+  sub->add_flag("--ops-by-name", cfg->ops_by_name, "Also write each phase's top-level ATen operators by name");
   sub->add_flag("--check", cfg->check, "Re-read the --json file and fail unless every headline number is there")
       ->needs(sub->get_option("--json"));
   sub->callback([cfg] { run_split(*cfg); });

@@ -276,6 +276,9 @@ class Stage {
   SingleCall single_call(int micro_batch, const char* action, const at::Tensor& grad_output);
   at::Tensor single_gradient(int micro_batch, const SingleCall& call, const NamedTensors& grads) const;
   std::string where(int micro_batch) const;
+  // The module's parameters when all of them belong to fast-path layers (decided at the first I), else null:
+  // I then skips the general split's graph analysis unless a graph uses one through ordinary ops.
+  const std::vector<at::Tensor>* fast_path_parameters();
 
   std::shared_ptr<torch::nn::Module> module_;
   StageForward forward_;
@@ -291,6 +294,8 @@ class Stage {
     at::Tensor errors;  // [norm of the difference, norm of F's output], float64, on the outputs' device
   };
   std::vector<RecomputeCheck> recompute_checks_;
+  bool fast_path_decided_ = false, fast_only_ = false;
+  std::vector<at::Tensor> fast_path_parameters_;
 };
 
 }  // namespace twobp

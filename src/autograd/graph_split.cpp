@@ -142,38 +142,69 @@ StashedHooks::~StashedHooks() {
   for (auto& h : pre_hooks_) node_->pre_hooks().push_back(std::move(h));
 }
 
-InputBackwardResult run_input_backward(const InputBackwardRequest& request) {
-  namespace impl = torch::autograd::impl;
-  TORCH_INTERNAL_ASSERT(request.outputs.size() == request.grad_outputs.size(),
-                        "run_input_backward: one gradient per output");
+namespace {
+
+namespace impl = torch::autograd::impl;
+
+// Whether the graph can reach a registered parameter through ordinary ops: LibTorch keeps a parameter's gradient
+// accumulator alive exactly while some live graph uses it (by a weak reference), so one that is gone means no
+// graph -- this micro-batch's included -- has an edge to it.
+bool reaches_registered_parameter(const std::vector<at::Tensor>& parameters) {
+  for (const at::Tensor& p : parameters) {
+    if (p.defined() && p.requires_grad() && impl::try_get_grad_accumulator(p) != nullptr) return true;
+  }
+  return false;
+}
+
+// The fast-only stage 1: every registered parameter is a fast-path layer's and no graph uses one through ordinary
+// ops, so stage 2 has no general-path work. One engine run, as B runs it (accumulating into the leaves: the stage
+// inputs, and any trainable leaf the module does not register, which then gets its gradient here, exactly),
+// without analysing the graph; the fast-path layers queue their weight work as a side effect.
+InputBackwardResult run_fast_only(const InputBackwardRequest& request, const edge_list& roots) {
   InputBackwardResult result;
-  result.grad_inputs.resize(request.inputs.size());
-  edge_list roots;
-  std::vector<Node*> root_nodes;
-  for (const at::Tensor& out : request.outputs) {
-    roots.push_back(impl::gradient_edge(out));
-    TORCH_INTERNAL_ASSERT(roots.back().is_valid(), "run_input_backward: an output has no autograd history");
-    root_nodes.push_back(roots.back().function.get());
-  }
-
-  std::vector<std::shared_ptr<Node>> input_accs;  // one per input (null when it needs no gradient)
-  std::unordered_set<Node*> a_targets;
+  torch::autograd::Engine::get_default_engine().execute(roots, request.grad_outputs, /*keep_graph=*/false,
+                                                        /*create_graph=*/false, /*accumulate_grad=*/true, {});
   for (const at::Tensor& in : request.inputs) {
-    input_accs.push_back(in.defined() && in.requires_grad() ? impl::try_get_grad_accumulator(in) : nullptr);
-    if (input_accs.back()) a_targets.insert(input_accs.back().get());
+    if (!in.defined() || !in.requires_grad()) {
+      result.grad_inputs.emplace_back();
+      continue;
+    }
+    at::Tensor& g = const_cast<at::Tensor&>(in).mutable_grad();
+    result.grad_inputs.push_back(std::move(g));
+    g.reset();
   }
-  std::shared_ptr<Node> anchor_acc = impl::try_get_grad_accumulator(request.anchor);
-  if (anchor_acc) a_targets.insert(anchor_acc.get());
+  return result;
+}
 
-  const GraphInfo info = analyse(root_nodes, a_targets);
-  auto flag = [&](Node* n) {
-    auto it = info.flags.find(n);
-    return it == info.flags.end() ? std::uint8_t{0} : it->second;
-  };
+// The gradient accumulators stage 1 asks the engine for: the inputs' (null where an input needs no gradient) and
+// the anchor's, and the set of them (the A-targets of the analysis).
+struct Targets {
+  std::vector<std::shared_ptr<Node>> inputs;
+  std::shared_ptr<Node> anchor;
+  std::unordered_set<Node*> all;
+};
 
+Targets find_targets(const InputBackwardRequest& request) {
+  Targets t;
+  for (const at::Tensor& in : request.inputs) {
+    t.inputs.push_back(in.defined() && in.requires_grad() ? impl::try_get_grad_accumulator(in) : nullptr);
+    if (t.inputs.back()) t.all.insert(t.inputs.back().get());
+  }
+  t.anchor = impl::try_get_grad_accumulator(request.anchor);
+  if (t.anchor) t.all.insert(t.anchor.get());
+  return t;
+}
+
+std::uint8_t flag_of(const GraphInfo& info, Node* n) {
+  auto it = info.flags.find(n);
+  return it == info.flags.end() ? std::uint8_t{0} : it->second;
+}
+
+// Nodes of A with an edge into P \ A: the weight-bearing intermediates whose incoming gradient stage 2 needs.
+std::vector<Node*> find_frontier(const GraphInfo& info) {
   std::vector<Node*> frontier;
   for (Node* n : info.nodes) {
-    if (!(flag(n) & kReachesInput)) continue;
+    if (!(flag_of(info, n) & kReachesInput)) continue;
     for (const Edge& e : n->next_edges()) {
       if (e.is_valid() && weight_side(info, e.function.get())) {
         frontier.push_back(n);
@@ -181,6 +212,88 @@ InputBackwardResult run_input_backward(const InputBackwardRequest& request) {
       }
     }
   }
+  return frontier;
+}
+
+// Runs the engine from the A-roots with the targets as outputs, capturing the gradient flowing into each frontier
+// node; fills the input gradients and hands the captured gradients to the plan as stage-2 roots.
+void run_stage1(const GraphInfo& info, const Targets& targets, const std::vector<Node*>& frontier,
+                const edge_list& a_roots, const variable_list& a_seeds, InputBackwardResult& result,
+                SplitPlan& plan) {
+  auto captures = std::make_shared<Captures>();
+  std::vector<std::pair<Node*, const torch::autograd::FunctionPreHook*>> hooks;
+  for (Node* n : frontier) {
+    auto hook = std::make_unique<CaptureHook>(captures, n);
+    hooks.emplace_back(n, hook.get());
+    n->add_pre_hook(std::move(hook));
+  }
+  edge_list outputs;
+  std::vector<std::size_t> output_of_input;  // engine output index -> request input index
+  for (std::size_t i = 0; i < targets.inputs.size(); ++i) {
+    if (targets.inputs[i] && (flag_of(info, targets.inputs[i].get()) & kVisited)) {
+      outputs.emplace_back(targets.inputs[i], 0);
+      output_of_input.push_back(i);
+    }
+  }
+  if (targets.anchor && (flag_of(info, targets.anchor.get()) & kVisited)) outputs.emplace_back(targets.anchor, 0);
+  // keep_graph only when stage 2 must re-enter frontier nodes; a pure fast-path graph is freed right here.
+  variable_list grads;
+  try {
+    grads = torch::autograd::Engine::get_default_engine().execute(
+        a_roots, a_seeds, /*keep_graph=*/!frontier.empty(), /*create_graph=*/false, /*accumulate_grad=*/false,
+        outputs);
+  } catch (...) {
+    for (auto& [node, hook] : hooks) remove_hook(node, hook);
+    throw;
+  }
+  for (auto& [node, hook] : hooks) remove_hook(node, hook);
+  for (std::size_t k = 0; k < output_of_input.size(); ++k) result.grad_inputs[output_of_input[k]] = grads[k];
+  for (Node* n : frontier) {
+    auto it = captures->grads.find(n);
+    if (it == captures->grads.end()) continue;  // received no gradient: contributes nothing to W
+    for (std::size_t i = 0; i < it->second.size(); ++i) {
+      if (!it->second[i].defined()) continue;
+      plan.roots.emplace_back(n->shared_from_this(), static_cast<uint32_t>(i));
+      plan.root_grads.push_back(it->second[i]);
+    }
+  }
+}
+
+// After stage 1: frees what stage 2 does not need, stashes the frontier's hooks (they ran) and cuts every frontier
+// edge that does not lead to weight-side nodes, so that stage 2 does not redo input gradients.
+void prepare_stage2(const GraphInfo& info, const std::vector<Node*>& frontier, SplitPlan& plan) {
+  std::unordered_set<Node*> is_frontier(frontier.begin(), frontier.end());
+  for (Node* n : info.nodes) {
+    if ((flag_of(info, n) & kReachesInput) && !is_frontier.count(n)) n->release_variables();
+  }
+  for (Node* n : frontier) plan.stashed_hooks.emplace_back(n->shared_from_this());
+  for (Node* n : frontier) {
+    for (std::size_t i = 0; i < n->num_outputs(); ++i) {
+      const Edge& e = n->next_edge(i);
+      // Assign through next_edges() rather than set_next_edge(): removing an edge keeps the node's
+      // topological number valid (it only has to exceed its children's), while set_next_edge would assert.
+      if (e.is_valid() && !weight_side(info, e.function.get())) {
+        n->next_edges()[i] = Edge();
+        // An in-place update of a view (h.narrow(...).mul_(scale)) is a CopySlices node whose wrapped function
+        // has edges parallel to its own; both must be cut alike, or CopySlices refuses to run.
+        if (auto* copy_slices = dynamic_cast<torch::autograd::CopySlices*>(n);
+            copy_slices && copy_slices->fn && i < copy_slices->fn->num_outputs()) {
+          copy_slices->fn->next_edges()[i] = Edge();
+        }
+      }
+    }
+  }
+}
+
+// The general stage 1 (see the file comment): analyse, split the roots, run, prepare stage 2.
+InputBackwardResult run_general(const InputBackwardRequest& request, const edge_list& roots) {
+  InputBackwardResult result;
+  result.grad_inputs.resize(request.inputs.size());
+  std::vector<Node*> root_nodes;
+  for (const Edge& r : roots) root_nodes.push_back(r.function.get());
+  const Targets targets = find_targets(request);
+  const GraphInfo info = analyse(root_nodes, targets.all);
+  const std::vector<Node*> frontier = find_frontier(info);
   check_frontier(frontier, request.context);
 
   // Roots reaching A run in stage 1; roots reaching only trainable leaves are all stage-2 work (e.g. a first
@@ -189,7 +302,7 @@ InputBackwardResult run_input_backward(const InputBackwardRequest& request) {
   edge_list a_roots;
   variable_list a_seeds;
   for (std::size_t r = 0; r < roots.size(); ++r) {
-    const std::uint8_t f = flag(roots[r].function.get());
+    const std::uint8_t f = flag_of(info, roots[r].function.get());
     if (f & kReachesInput) {
       a_roots.push_back(roots[r]);
       a_seeds.push_back(request.grad_outputs[r]);
@@ -199,71 +312,9 @@ InputBackwardResult run_input_backward(const InputBackwardRequest& request) {
     }
   }
   if (!a_roots.empty()) {
-    auto captures = std::make_shared<Captures>();
-    std::vector<std::pair<Node*, const torch::autograd::FunctionPreHook*>> hooks;
-    for (Node* n : frontier) {
-      auto hook = std::make_unique<CaptureHook>(captures, n);
-      hooks.emplace_back(n, hook.get());
-      n->add_pre_hook(std::move(hook));
-    }
-    edge_list outputs;
-    std::vector<std::size_t> output_of_input;  // engine output index -> request input index
-    for (std::size_t i = 0; i < input_accs.size(); ++i) {
-      if (input_accs[i] && (flag(input_accs[i].get()) & kVisited)) {
-        outputs.emplace_back(input_accs[i], 0);
-        output_of_input.push_back(i);
-      }
-    }
-    if (anchor_acc && (flag(anchor_acc.get()) & kVisited)) outputs.emplace_back(anchor_acc, 0);
-    // keep_graph only when stage 2 must re-enter frontier nodes; a pure fast-path graph is freed right here.
-    const bool keep_graph = !frontier.empty();
-    variable_list grads;
-    try {
-      grads = torch::autograd::Engine::get_default_engine().execute(
-          a_roots, a_seeds, keep_graph, /*create_graph=*/false, /*accumulate_grad=*/false, outputs);
-    } catch (...) {
-      for (auto& [node, hook] : hooks) remove_hook(node, hook);
-      throw;
-    }
-    for (auto& [node, hook] : hooks) remove_hook(node, hook);
-    for (std::size_t k = 0; k < output_of_input.size(); ++k) result.grad_inputs[output_of_input[k]] = grads[k];
-
-    for (Node* n : frontier) {
-      auto it = captures->grads.find(n);
-      if (it == captures->grads.end()) continue;  // received no gradient: contributes nothing to W
-      for (std::size_t i = 0; i < it->second.size(); ++i) {
-        if (!it->second[i].defined()) continue;
-        plan->roots.emplace_back(n->shared_from_this(), static_cast<uint32_t>(i));
-        plan->root_grads.push_back(it->second[i]);
-      }
-    }
-    if (keep_graph) {
-      std::unordered_set<Node*> is_frontier(frontier.begin(), frontier.end());
-      for (Node* n : info.nodes) {
-        if ((flag(n) & kReachesInput) && !is_frontier.count(n)) n->release_variables();
-      }
-    }
-    // The hooks of frontier nodes already ran on the captured gradients: stage 2 must not apply them again.
-    for (Node* n : frontier) plan->stashed_hooks.emplace_back(n->shared_from_this());
-    // Cut every frontier edge that does not lead to weight-side nodes: stage 2 must not redo input gradients.
-    for (Node* n : frontier) {
-      for (std::size_t i = 0; i < n->num_outputs(); ++i) {
-        const Edge& e = n->next_edge(i);
-        // Assign through next_edges() rather than set_next_edge(): removing an edge keeps the node's
-        // topological number valid (it only has to exceed its children's), while set_next_edge would assert.
-        if (e.is_valid() && !weight_side(info, e.function.get())) {
-          n->next_edges()[i] = Edge();
-          // An in-place update of a view (h.narrow(...).mul_(scale)) is a CopySlices node whose wrapped function
-          // has edges parallel to its own; both must be cut alike, or CopySlices refuses to run.
-          if (auto* copy_slices = dynamic_cast<torch::autograd::CopySlices*>(n);
-              copy_slices && copy_slices->fn && i < copy_slices->fn->num_outputs()) {
-            copy_slices->fn->next_edges()[i] = Edge();
-          }
-        }
-      }
-    }
+    run_stage1(info, targets, frontier, a_roots, a_seeds, result, *plan);
+    if (!frontier.empty()) prepare_stage2(info, frontier, *plan);
   }
-
   if (!plan->roots.empty()) {
     for (Node* leaf : info.leaves) {
       plan->leaf_edges.emplace_back(leaf->shared_from_this(), 0);
@@ -272,6 +323,22 @@ InputBackwardResult run_input_backward(const InputBackwardRequest& request) {
     result.plan = std::move(plan);
   }
   return result;
+}
+
+}  // namespace
+
+InputBackwardResult run_input_backward(const InputBackwardRequest& request) {
+  TORCH_INTERNAL_ASSERT(request.outputs.size() == request.grad_outputs.size(),
+                        "run_input_backward: one gradient per output");
+  edge_list roots;
+  for (const at::Tensor& out : request.outputs) {
+    roots.push_back(impl::gradient_edge(out));
+    TORCH_INTERNAL_ASSERT(roots.back().is_valid(), "run_input_backward: an output has no autograd history");
+  }
+  if (request.fast_path_parameters != nullptr && !reaches_registered_parameter(*request.fast_path_parameters)) {
+    return run_fast_only(request, roots);
+  }
+  return run_general(request, roots);
 }
 
 void run_weight_backward(SplitPlan& plan) {

@@ -21,6 +21,10 @@
 //
 // Several outputs (a stage returning several differentiable tensors) are several roots of one engine run: roots
 // that reach A run in stage 1 together, roots that reach only P are handed to stage 2 whole, with their seeds.
+//
+// Fast-only stages skip all of this: when every registered parameter of the stage is a fast-path layer's and no
+// live graph uses one through ordinary ops (InputBackwardRequest::fast_path_parameters), stage 2 has no
+// general-path work, and stage 1 is the one engine run B makes, minus the weight GEMMs the layers defer.
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/edge.h>
@@ -65,6 +69,10 @@ struct InputBackwardRequest {
   std::vector<at::Tensor> inputs;        ///< stage input leaves (requiring grad) whose gradients are returned
   at::Tensor anchor;                     ///< the WeightGradStore anchor (reached by every fast-path layer)
   std::string context;                   ///< "rank R stage S micro-batch M", prefixed to every error
+  /// Set when every parameter the stage registers belongs to a fast-path layer (the Stage decides once): then,
+  /// unless a live graph uses one of these through ordinary ops, stage 1 runs without analysing the graph. A
+  /// trainable leaf the module does not register then gets its (exact) gradient in stage 1.
+  const std::vector<at::Tensor>* fast_path_parameters = nullptr;
 };
 
 struct InputBackwardResult {

@@ -38,8 +38,29 @@ void check_no_gradient_hooks(const at::Tensor& param, const std::string& layer, 
 
 namespace {
 
+// The hook set_master_gradient installs: moves what autograd accumulated into the compute parameter's .grad (one
+// micro-batch's, from general-path layers) into the master's, so that gradients accumulate in float32.
+struct MasterGradientHook : torch::autograd::PostAccumulateGradHook {
+  explicit MasterGradientHook(at::Tensor master) : master(std::move(master)) {}
+  void operator()(const torch::autograd::Variable& compute) override {
+    at::Tensor& g = const_cast<torch::autograd::Variable&>(compute).mutable_grad();
+    if (!g.defined()) return;
+    at::Tensor moved = std::move(g);
+    g.reset();
+    accumulate_grad(compute, moved);  // into the master's .grad (gradient_holder)
+  }
+  at::Tensor master;
+};
+
+const MasterGradientHook* master_hook(const at::Tensor& p) {
+  if (!p.defined() || !p.requires_grad()) return nullptr;
+  return dynamic_cast<const MasterGradientHook*>(torch::autograd::impl::post_acc_grad_hooks(p).get());
+}
+
+// A user's post-accumulate-grad hook (the master hook is part of the accumulation, see set_master_gradient).
 bool has_post_accumulate_hook(const at::Tensor& p) {
-  return p.defined() && p.requires_grad() && torch::autograd::impl::post_acc_grad_hooks(p) != nullptr;
+  return p.defined() && p.requires_grad() && torch::autograd::impl::post_acc_grad_hooks(p) != nullptr &&
+         master_hook(p) == nullptr;
 }
 
 bool has_hooked_parameter(const WeightGradKernel* kernel) {
@@ -248,17 +269,59 @@ RecordingScope::~RecordingScope() {
 WeightGradStore* current_store() { return t_store; }
 std::int64_t current_micro_batch() { return t_micro_batch; }
 
+void set_master_gradient(const at::Tensor& param, const at::Tensor& master) {
+  TWOBP_CHECK(torch::autograd::impl::post_acc_grad_hooks(param) == nullptr, UsageError,
+              "set_master_gradient: the parameter (shape [{}]) already has a post-accumulate-grad hook; a tensor has "
+              "one slot (register the hook on its master instead)",
+              fmt::join(param.sizes(), ", "));
+  torch::autograd::impl::set_post_acc_grad_hooks(param, std::make_unique<MasterGradientHook>(master));
+}
+
+at::Tensor gradient_holder(const at::Tensor& param) {
+  const MasterGradientHook* hook = master_hook(param);
+  return hook != nullptr ? hook->master : param;
+}
+
 void accumulate_grad(const at::Tensor& param, const at::Tensor& grad, bool fresh) {
   c10::AutoGradMode no_grad(false);
-  at::Tensor& slot = const_cast<at::Tensor&>(param).mutable_grad();
+  const at::Tensor holder = gradient_holder(param);
+  at::Tensor& slot = const_cast<at::Tensor&>(holder).mutable_grad();
   if (!slot.defined()) {
     // A fresh result becomes .grad as it is, whatever its strides (a matrix product's transposed view): copying
     // it into a contiguous tensor costs as much as a small GEMM. Later accumulations add into it in place.
-    slot = fresh ? grad.to(param.scalar_type()) : grad.to(param.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+    if (grad.scalar_type() != holder.scalar_type()) {
+      slot = grad.to(holder.scalar_type());
+    } else {
+      slot = fresh ? grad : grad.clone();
+    }
   } else if (slot.is_sparse() && !grad.is_sparse()) {
     slot = grad + slot;  // a sparse .grad cannot absorb a dense gradient in place (AccumulateGrad does the same)
+  } else if (grad.is_sparse() && grad.scalar_type() != slot.scalar_type()) {
+    slot.add_(grad.to(slot.scalar_type()));
   } else {
-    slot.add_(grad);
+    slot.add_(grad);  // converts a dense bfloat16 gradient on the fly into a float32 .grad: one kernel
+  }
+}
+
+void accumulate_matmul(const at::Tensor& param, const at::Tensor& a, const at::Tensor& b) {
+  c10::AutoGradMode no_grad(false);
+  const at::Tensor holder = gradient_holder(param);
+  at::Tensor& slot = const_cast<at::Tensor&>(holder).mutable_grad();
+  const bool same = holder.scalar_type() == a.scalar_type();
+  // A bfloat16/float16 product into a float32 gradient, written by the GEMM in float32 (CUDA only in LibTorch).
+  const bool widen = !same && a.is_cuda() && holder.scalar_type() == at::kFloat &&
+                     at::isReducedFloatingType(a.scalar_type());
+  if (!slot.defined()) {
+    slot = widen ? at::mm(a, b, at::kFloat) : at::mm(a, b);
+    if (!widen && !same) slot = slot.to(holder.scalar_type());
+  } else if (slot.is_sparse() || slot.dim() != 2 || !(same || widen)) {
+    accumulate_grad(param, at::mm(a, b));
+  } else if (same) {
+    slot.addmm_(a, b);  // beta = 1: the GEMM adds into .grad
+  } else {
+    // baddbmm's out_dtype form accumulates into its float32 output (beta = 1); mm's has no beta.
+    at::Tensor out = slot.unsqueeze(0);
+    at::baddbmm_out(out, out, a.unsqueeze(0), b.unsqueeze(0), at::kFloat);
   }
 }
 

@@ -13,6 +13,7 @@
 #include <fmt/ranges.h>
 
 #include "twobp/error.h"
+#include "twobp/nn/functional.h"
 #include "twobp/schedule/simulate.h"
 #include "util/check.h"
 #include "util/hash.h"
@@ -58,20 +59,6 @@ uint64_t fnv1a(std::string_view s) {
 
 bool ends_with(const std::string& s, std::string_view suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
-// Rotate-half rotary embedding on [batch, heads, seq, head_dim]; angles in float32, applied in x's dtype. Angles
-// follow `positions` ([batch, seq]) when given, else 0..seq-1.
-at::Tensor apply_rotary(const at::Tensor& x, double theta, const at::Tensor& positions) {
-  const int64_t seq = x.size(2), half = x.size(3) / 2;
-  auto fopts = x.options().dtype(at::kFloat);
-  auto inv_freq = at::pow(theta, -at::arange(0, half, fopts) / static_cast<double>(half));
-  at::Tensor angles = positions.defined()
-                          ? (positions.to(at::kFloat).unsqueeze(-1) * inv_freq).unsqueeze(1)  // [batch, 1, seq, half]
-                          : at::outer(at::arange(seq, fopts), inv_freq);                      // [seq, half]
-  auto cos = at::cos(angles).to(x.scalar_type()), sin = at::sin(angles).to(x.scalar_type());
-  auto x1 = x.narrow(-1, 0, half), x2 = x.narrow(-1, half, half);
-  return at::cat({x1 * cos - x2 * sin, x1 * sin + x2 * cos}, -1);
 }
 
 twobp::nn::Linear linear(int64_t in, int64_t out) {
@@ -276,7 +263,11 @@ Partition make_partition(const LlamaConfig& config, int num_chunks, int64_t seq_
 
 // ---- Modules ----
 
-LlamaBlockImpl::LlamaBlockImpl(const LlamaConfig& c) : config(c) {
+LlamaBlockImpl::LlamaBlockImpl(const LlamaConfig& c, std::shared_ptr<const twobp::nn::RotaryEmbedding> rotary_tables)
+    : config(c),
+      rotary(rotary_tables ? std::move(rotary_tables)
+                           : std::make_shared<const twobp::nn::RotaryEmbedding>(c.head_dim(), c.rope_theta,
+                                                                                c.max_seq_len)) {
   attn_norm = register_module("attn_norm", twobp::nn::RMSNorm(twobp::nn::RMSNormOptions(c.dim).eps(c.norm_eps)));
   wq = register_module("wq", linear(c.dim, c.dim));
   wk = register_module("wk", linear(c.dim, c.kv_dim()));
@@ -294,8 +285,9 @@ at::Tensor LlamaBlockImpl::forward(const at::Tensor& x, const at::Tensor& positi
   auto q = wq(h).view({b, s, config.n_heads, hd}).transpose(1, 2);
   auto k = wk(h).view({b, s, config.n_kv_heads, hd}).transpose(1, 2);
   auto v = wv(h).view({b, s, config.n_kv_heads, hd}).transpose(1, 2);
-  q = apply_rotary(q, config.rope_theta, positions);
-  k = apply_rotary(k, config.rope_theta, positions);
+  const twobp::nn::RotaryEmbedding::Tables rope = rotary->tables(q, positions);  // the same for k
+  q = twobp::nn::functional::rotary_embedding(q, rope.cos, rope.sin_signed);
+  k = twobp::nn::functional::rotary_embedding(k, rope.cos, rope.sin_signed);
   if (const int64_t rep = config.n_heads / config.n_kv_heads; rep > 1) {
     k = k.repeat_interleave(rep, 1);
     v = v.repeat_interleave(rep, 1);
@@ -325,8 +317,11 @@ LlamaChunkImpl::LlamaChunkImpl(const LlamaConfig& config, const ChunkSpec& spec,
   if (spec.has_embedding) embed = register_module("embed", twobp::nn::Embedding(config.vocab_size, config.dim));
   if (spec.num_layers() > 0) {
     auto layers = register_module("layers", std::make_shared<torch::nn::Module>());
+    // One set of rotary tables for all blocks.
+    auto rotary = std::make_shared<const twobp::nn::RotaryEmbedding>(config.head_dim(), config.rope_theta,
+                                                                     config.max_seq_len);
     for (int i = spec.first_layer; i < spec.end_layer; ++i) {
-      blocks.push_back(layers->register_module(std::to_string(i), LlamaBlock(config)));
+      blocks.push_back(layers->register_module(std::to_string(i), LlamaBlock(config, rotary)));
     }
   }
   if (spec.has_head) {

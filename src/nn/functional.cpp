@@ -51,12 +51,13 @@ void check_weight_unchanged(AutogradContext* ctx, const at::Tensor& weight, cons
 // Queues the layer's weight work, once per forward: a layer whose input depends on parameters only (a learned
 // query) sits on the general split's frontier and its backward runs again in W for the weight side; that second
 // run must not queue the work a second time.
-void hand_over(AutogradContext* ctx, at::Tensor input, at::Tensor grad_output) {
+void hand_over(AutogradContext* ctx, at::Tensor input, at::Tensor grad_output, at::Tensor aux = {}) {
   if (!ctx->saved_data["trainable"].toBool() || ctx->saved_data.count("queued") != 0) return;
   ctx->saved_data["queued"] = true;
   auto* store = from_handle<WeightGradStore>(ctx->saved_data["store"]);
   auto* kernel = from_handle<const WeightGradKernel>(ctx->saved_data["kernel"]);
-  store->on_backward(ctx->saved_data["mb"].toInt(), kernel, {std::move(input), std::move(grad_output)});
+  store->on_backward(ctx->saved_data["mb"].toInt(), kernel,
+                     {std::move(input), std::move(grad_output), std::move(aux)});
 }
 
 bool trainable(const at::Tensor& t) { return t.defined() && t.requires_grad(); }
@@ -122,35 +123,79 @@ at::ScalarType compute_type(const at::Tensor& t) {
   return at::isReducedFloatingType(t.scalar_type()) ? at::kFloat : t.scalar_type();
 }
 
+// t in `type`, without an operator call when it already is (Tensor::to would still be one).
+at::Tensor as_type(const at::Tensor& t, at::ScalarType type) { return t.scalar_type() == type ? t : t.to(type); }
+
+// The composite RMSNorm forward: x̂ = x / rms(x) in the input's dtype, and 1/rms in the compute type.
+std::pair<at::Tensor, at::Tensor> normalize(const at::Tensor& input, double eps) {
+  const at::Tensor x = as_type(input, compute_type(input));
+  const at::Tensor rstd = at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  return {as_type(x * rstd, input.scalar_type()), rstd};
+}
+
+// RMSNorm on CUDA with `fused`: LibTorch's fused kernels, whose backward takes an output mask -- exactly the input
+// gradient in I, exactly the weight gradient in W (rms_norm_weight_grad). Elsewhere the composite ops above.
 struct RMSNormFunction : torch::autograd::Function<RMSNormFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& anchor,
-                            const Params& params, double eps, const WeightGradKernel* kernel) {
+                            const Params& params, double eps, bool fused, const WeightGradKernel* kernel) {
     const at::Tensor& weight = params.weight;
     remember(ctx, *kernel, weight, params.trainable);
-    const at::Tensor x = input.to(compute_type(input));
-    const at::Tensor rstd = at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps);
-    const at::Tensor normalized = (x * rstd).to(input.scalar_type());
-    ctx->save_for_backward({normalized, rstd});
     ctx->saved_data["weight"] = weight;
+    ctx->saved_data["fused"] = fused;
+    if (fused) {
+      auto [out, rstd] = at::_fused_rms_norm(input, {input.size(-1)}, weight, eps);
+      ctx->save_for_backward({input, rstd});
+      return out;
+    }
+    auto [normalized, rstd] = normalize(input, eps);
+    ctx->save_for_backward({normalized, rstd});
     return normalized * weight;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
-    const at::Tensor& normalized = saved[0];
-    const at::Tensor& rstd = saved[1];
     const at::Tensor weight = ctx->saved_data["weight"].toTensor();
     check_weight_unchanged(ctx, weight, "RMSNorm");
     at::Tensor grad_input;
+    if (ctx->saved_data["fused"].toBool()) {
+      const at::Tensor& input = saved[0];
+      const at::Tensor& rstd = saved[1];
+      if (ctx->needs_input_grad(0)) {
+        grad_input = std::get<0>(
+            at::_fused_rms_norm_backward(grads[0], input, {input.size(-1)}, rstd, weight, {true, false}));
+      }
+      hand_over(ctx, input, grads[0], rstd);
+      return {grad_input, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    }
+    const at::Tensor& normalized = saved[0];
+    const at::Tensor& rstd = saved[1];
     if (ctx->needs_input_grad(0)) {
       // d/dx [x * r] with r = (mean(x^2) + eps)^-1/2:  r * (g - x̂ * mean(g * x̂)), where g = grad_out * weight.
       const auto type = compute_type(normalized);
-      const at::Tensor g = (grads[0] * weight).to(type);
-      const at::Tensor xh = normalized.to(type);
-      grad_input = (rstd * (g - xh * (g * xh).mean(-1, /*keepdim=*/true))).to(normalized.scalar_type());
+      const at::Tensor g = as_type(grads[0] * weight, type);
+      const at::Tensor xh = as_type(normalized, type);
+      grad_input = as_type(rstd * (g - xh * (g * xh).mean(-1, /*keepdim=*/true)), normalized.scalar_type());
     }
     hand_over(ctx, normalized, grads[0]);
-    return {grad_input, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {grad_input, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// Rotary embedding as x ⊙ C + roll(x) ⊙ S: rolling the last dimension by half of it swaps the halves, and S
+// carries the signs ([−s, s]). Rolling by half is its own inverse, so the transposed rotation is
+// g ⊙ C + roll(g ⊙ S).
+struct RotaryFunction : torch::autograd::Function<RotaryFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos,
+                            const at::Tensor& sin_signed) {
+    ctx->saved_data["cos"] = cos;
+    ctx->saved_data["sin"] = sin_signed;
+    return at::addcmul(x * cos, x.roll(x.size(-1) / 2, -1), sin_signed);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const at::Tensor& g = grads[0];
+    const at::Tensor cos = ctx->saved_data["cos"].toTensor(), sin_signed = ctx->saved_data["sin"].toTensor();
+    return {at::addcmul((g * sin_signed).roll(g.size(-1) / 2, -1), g, cos), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -202,14 +247,18 @@ at::Tensor embedding(const at::Tensor& ids, const at::Tensor& weight, const auto
 }
 
 at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps,
-                    const autograd::WeightGradKernel& kernel) {
+                    const autograd::WeightGradKernel& kernel, bool fused_on_cuda) {
   auto* store = autograd::current_store();
   if (store == nullptr || !at::GradMode::is_enabled() || !differentiable({&input, &weight})) {
-    const at::Tensor x = input.to(compute_type(input));
-    return (x * at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps)).to(input.scalar_type()) * weight;
+    return normalize(input, eps).first * weight;
   }
   check_recordable(*store, kernel, weight, {});
-  return RMSNormFunction::apply(input, store->anchor(), detached(weight, {}), eps, &kernel);
+  const bool fused = fused_on_cuda && input.is_cuda();
+  return RMSNormFunction::apply(input, store->anchor(), detached(weight, {}), eps, fused, &kernel);
+}
+
+at::Tensor rotary_embedding(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin_signed) {
+  return RotaryFunction::apply(x, cos, sin_signed);
 }
 
 // Whether W over several items should concatenate them into one GEMM. On GPUs a GEMM with few rows leaves most of
@@ -233,7 +282,7 @@ void linear_weight_grad(const at::Tensor& weight, const at::Tensor& bias,
   const int64_t in = weight.size(1), out = weight.size(0);
   if (items.size() == 1 || concatenate_items(items, in, batching)) {
     auto [x, g] = concat_rows(items, in, out);
-    if (weight_grad) autograd::accumulate_grad(weight, at::mm(g.t(), x));
+    if (weight_grad) autograd::accumulate_matmul(weight, g.t(), x);
     if (bias_grad) autograd::accumulate_grad(bias, g.sum(0));
     return;
   }
@@ -252,24 +301,39 @@ void embedding_weight_grad(const at::Tensor& weight, c10::ArrayRef<autograd::Wei
   // index_add_ sums rows with repeated ids (an index_put_ would keep only one of them). Like ATen's CUDA embedding
   // backward (its CPU kernel sums in the table's dtype), the sum is taken in float32 for reduced-precision tables,
   // so that a frequent token's gradient is not rounded to bf16 once per occurrence, then added to .grad once.
+  // Under mixed precision the float32 sum goes straight into the master's .grad.
   const at::ScalarType type = compute_type(weight);
-  at::Tensor& slot = const_cast<at::Tensor&>(weight).mutable_grad();
-  if (type == weight.scalar_type() && slot.defined()) {
-    slot.index_add_(0, all_ids, all_grads.to(type));
+  const at::Tensor holder = autograd::gradient_holder(weight);
+  at::Tensor& slot = const_cast<at::Tensor&>(holder).mutable_grad();
+  if (type == holder.scalar_type() && slot.defined() && !slot.is_sparse()) {
+    slot.index_add_(0, all_ids, as_type(all_grads, type));
     return;
   }
   at::Tensor sum = at::zeros(weight.sizes(), weight.options().dtype(type));
-  sum.index_add_(0, all_ids, all_grads.to(type));
+  sum.index_add_(0, all_ids, as_type(all_grads, type));
   autograd::accumulate_grad(weight, sum);
 }
 
 void rms_norm_weight_grad(const at::Tensor& weight, c10::ArrayRef<autograd::WeightGradItem> items) {
   if (items.empty() || !trainable(weight)) return;
   const int64_t dim = weight.size(0);
-  auto [xh, g] = concat_rows(items, dim, dim);
-  // Reduce in float32 for reduced-precision activations, like the forward normalisation.
-  const auto type = compute_type(xh);
-  autograd::accumulate_grad(weight, (g.to(type) * xh.to(type)).sum(0));
+  auto [x, g] = concat_rows(items, dim, dim);
+  if (items[0].aux.defined()) {
+    // Fused (CUDA): the items hold the input and its 1/rms; the kernel computes exactly the weight gradient.
+    at::Tensor rstd = items[0].aux.reshape({-1, 1});
+    if (items.size() > 1) {
+      std::vector<at::Tensor> rows;
+      for (const auto& item : items) rows.push_back(item.aux.reshape({-1, 1}));
+      rstd = at::cat(rows);
+    }
+    autograd::accumulate_grad(weight,
+                              std::get<1>(at::_fused_rms_norm_backward(g, x, {dim}, rstd, weight, {false, true})));
+    return;
+  }
+  // Composite: the items hold x̂. Reduce in float32 for reduced-precision activations, like the normalisation,
+  // then round to the weight's dtype as autograd's gradient would be.
+  const auto type = compute_type(x);
+  autograd::accumulate_grad(weight, as_type((as_type(g, type) * as_type(x, type)).sum(0), weight.scalar_type()));
 }
 
 at::Tensor dropout(const at::Tensor& input, double p, bool training) {

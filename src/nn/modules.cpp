@@ -55,11 +55,52 @@ RMSNormImpl::RMSNormImpl(const RMSNormOptions& options_) : options(options_) { r
 void RMSNormImpl::reset() { weight = register_parameter("weight", at::ones({options.dim()})); }
 
 at::Tensor RMSNormImpl::forward(const at::Tensor& input) {
-  return functional::rms_norm(input, weight, options.eps(), *this);
+  return functional::rms_norm(input, weight, options.eps(), *this, options.fused_on_cuda());
 }
 
 void RMSNormImpl::accumulate_weight_grad(c10::ArrayRef<autograd::WeightGradItem> items) const {
   functional::rms_norm_weight_grad(weight, items);
+}
+
+RotaryEmbedding::RotaryEmbedding(int64_t head_dim, double theta, int64_t max_positions)
+    : head_dim_(head_dim), theta_(theta), max_positions_(max_positions) {
+  TWOBP_CHECK(head_dim > 0 && head_dim % 2 == 0, UsageError,
+              "RotaryEmbedding: the head dimension must be positive and even, got {}", head_dim);
+}
+
+const RotaryEmbedding::Tables& RotaryEmbedding::cached(const at::Tensor& x, int64_t length) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& e : entries_) {
+    if (e->length == length && e->dtype == x.scalar_type() && e->device == x.device()) return e->tables;
+  }
+  c10::AutoGradMode no_grad(false);
+  const int64_t half = head_dim_ / 2;
+  const auto fopts = at::TensorOptions().dtype(at::kFloat);
+  // The angles in float32 on the CPU, as the model always computed them, whatever x's dtype.
+  const at::Tensor inv_freq = at::pow(theta_, -at::arange(0, half, fopts) / static_cast<double>(half));
+  const at::Tensor angles = at::outer(at::arange(length, fopts), inv_freq);
+  const at::Tensor cos = at::cos(angles), sin = at::sin(angles);
+  const auto to_x = x.options().requires_grad(false);
+  Tables t{at::cat({cos, cos}, -1).to(to_x), at::cat({-sin, sin}, -1).to(to_x)};
+  entries_.push_back(std::make_unique<Entry>(Entry{x.device(), x.scalar_type(), length, std::move(t)}));
+  return entries_.back()->tables;
+}
+
+RotaryEmbedding::Tables RotaryEmbedding::tables(const at::Tensor& x, const at::Tensor& positions) const {
+  TWOBP_CHECK(x.dim() == 4 && x.size(3) == head_dim_, UsageError,
+              "RotaryEmbedding: expected x of [batch, heads, seq, {}], got {} dimensions (last {})", head_dim_,
+              x.dim(), x.dim() > 0 ? x.size(-1) : 0);
+  const int64_t seq = x.size(2);
+  if (!positions.defined()) return cached(x, seq);
+  const Tables& all = cached(x, std::max(seq, max_positions_));
+  const at::Tensor flat = positions.reshape({-1});
+  const std::vector<int64_t> shape = {positions.size(0), 1, positions.size(1), head_dim_};
+  return {all.cos.index_select(0, flat).view(shape), all.sin_signed.index_select(0, flat).view(shape)};
+}
+
+at::Tensor RotaryEmbedding::operator()(const at::Tensor& x, const at::Tensor& positions) const {
+  const Tables t = tables(x, positions);
+  return functional::rotary_embedding(x, t.cos, t.sin_signed);
 }
 
 DropoutImpl::DropoutImpl(const DropoutOptions& options_) : options(options_) { reset(); }

@@ -196,20 +196,38 @@ CostModel LlamaCosts::cost_model(const llm::Partition& partition, BackwardMode m
   return costs;
 }
 
+BackwardRatios measured_backward_ratios() {
+  return backward_ratios(31.86, 40.49, 22.05, 62.69, "measured on one 7B stage, H200, bf16, seq 4096 (docs/GPU.md)");
+}
+
+BackwardRatios flop_backward_ratios() { return BackwardRatios{}; }
+
+BackwardRatios backward_ratios(double forward_ms, double input_ms, double weight_ms, double fused_ms,
+                               std::string source) {
+  TWOBP_CHECK(forward_ms > 0 && input_ms > 0 && weight_ms > 0 && fused_ms > 0, UsageError,
+              "backward_ratios ({}): F, I, W and B must be positive times (got {}, {}, {}, {} ms)", source, forward_ms,
+              input_ms, weight_ms, fused_ms);
+  return {input_ms / forward_ms, weight_ms / forward_ms, fused_ms / forward_ms, std::move(source)};
+}
+
 LlamaCosts estimate_llama_costs(const llm::LlamaConfig& config, int64_t seq, int64_t micro_batch_size,
-                                double tflops) {
+                                double tflops, const BackwardRatios& ratios) {
   TWOBP_CHECK(tflops > 0 && seq > 0 && micro_batch_size > 0, UsageError,
               "estimate_llama_costs: TFLOP/s, sequence length and micro-batch size must be positive (got {}, {}, {})",
               tflops, seq, micro_batch_size);
+  TWOBP_CHECK(ratios.input > 0 && ratios.weight > 0 && ratios.fused > 0, UsageError,
+              "estimate_llama_costs: the backward ratios ({}) must be positive (got I/F {}, W/F {}, B/F {})",
+              ratios.source, ratios.input, ratios.weight, ratios.fused);
   LlamaCosts c;
   c.kind = LlamaCosts::Kind::kEstimated;
   c.forward = flop_shares(config, seq,
                           llm::block_forward_flops(config, seq) * static_cast<double>(micro_batch_size) * 1e3 /
                               (tflops * 1e12));
-  c.backward_input = c.forward;
-  c.backward_weight = c.forward;
-  c.backward = c.forward.scaled(2.0);
-  c.how = fmt::format("{} TFLOP/s per device, I = W = F, B = 2F", tflops);
+  c.backward_input = c.forward.scaled(ratios.input);
+  c.backward_weight = c.forward.scaled(ratios.weight);
+  c.backward = c.forward.scaled(ratios.fused);
+  c.how = fmt::format("{} TFLOP/s per device, I = {:.3g} F, W = {:.3g} F, B = {:.3g} F ({})", tflops, ratios.input,
+                      ratios.weight, ratios.fused, ratios.source);
   return c;
 }
 

@@ -5,31 +5,11 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include "twobp/autograd/weight_grad_store.h"
 #include "twobp/error.h"
 #include "util/check.h"
 
 namespace twobp::detail {
-namespace {
-
-// Moves one accumulation of the compute parameter's .grad into the master's float32 .grad.
-struct MoveToMaster : torch::autograd::PostAccumulateGradHook {
-  explicit MoveToMaster(at::Tensor master) : master(std::move(master)) {}
-  void operator()(const torch::autograd::Variable& compute) override {
-    at::Tensor& g = const_cast<torch::autograd::Variable&>(compute).mutable_grad();
-    if (!g.defined()) return;
-    c10::AutoGradMode no_grad(false);
-    at::Tensor& mg = master.mutable_grad();
-    if (!mg.defined()) {
-      mg = g.to(at::kFloat);
-    } else {
-      mg = mg.is_sparse() && !g.is_sparse() ? mg + g.to(at::kFloat) : mg.add_(g.to(at::kFloat));
-    }
-    g.reset();
-  }
-  at::Tensor master;
-};
-
-}  // namespace
 
 MasterWeights::MasterWeights(const std::map<int, std::shared_ptr<torch::nn::Module>>& modules,
                              at::ScalarType compute_dtype, int rank)
@@ -60,7 +40,7 @@ MasterWeights::MasterWeights(const std::map<int, std::shared_ptr<torch::nn::Modu
   for (const auto& [stage, module] : modules) module->to(compute_dtype);
   for (Entry& e : entries_) {
     e.version = static_cast<std::int64_t>(e.compute._version());
-    torch::autograd::impl::set_post_acc_grad_hooks(e.compute, std::make_unique<MoveToMaster>(e.master));
+    autograd::set_master_gradient(e.compute, e.master);
   }
 }
 

@@ -4,10 +4,11 @@
 //
 // At construction every trainable floating parameter gets a float32 master (a copy of its float32 value), then
 // the modules are converted to the compute dtype (Module::to: parameters keep their identity, buffers follow).
-// A post-accumulate-grad hook on each compute parameter adds the gradient autograd or W just accumulated (one
-// micro-batch's) to the master's float32 .grad and resets the compute .grad, so gradients accumulate over
-// micro-batches in float32 whatever the compute dtype. The optimizer steps the masters; sync() copies them back
-// into the compute parameters (rounding once) before every step.
+// Each compute parameter's gradient goes to its master's float32 .grad (autograd::set_master_gradient): the
+// fast-path kernels add theirs there directly (on CUDA a bfloat16 GEMM writes its product there in float32),
+// and a post-accumulate-grad hook moves what autograd accumulated (one micro-batch's) there, so gradients
+// accumulate over micro-batches in float32 whatever the compute dtype. The optimizer steps the masters; sync()
+// copies them back into the compute parameters (rounding once) before every step.
 
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>

@@ -10,6 +10,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <mutex>
 #include <set>
@@ -57,6 +58,28 @@ std::vector<at::Tensor> unique_tensors(const std::vector<at::Tensor>& tensors) {
 }
 
 std::vector<at::Tensor> Stage::parameters() const { return unique_tensors(module_->parameters()); }
+
+const std::vector<at::Tensor>* Stage::fast_path_parameters() {
+  if (!fast_path_decided_) {
+    // Once per stage: the parameters the fast-path layers (WeightGradKernels) compute gradients of, and whether
+    // they are all the module registers. Frozen or not: requires_grad may change between steps.
+    std::unordered_set<const c10::TensorImpl*> fast;
+    for (const auto& m : module_->modules()) {
+      if (const auto* kernel = dynamic_cast<const autograd::WeightGradKernel*>(m.get())) {
+        for (const at::Tensor& p : kernel->weight_grad_parameters()) {
+          if (p.defined()) fast.insert(p.unsafeGetTensorImpl());
+        }
+      }
+    }
+    const std::vector<at::Tensor> all = parameters();
+    const bool only_fast = std::all_of(all.begin(), all.end(),
+                                       [&](const at::Tensor& p) { return fast.count(p.unsafeGetTensorImpl()) != 0; });
+    if (only_fast) fast_path_parameters_ = all;
+    fast_path_decided_ = true;
+    fast_only_ = only_fast;
+  }
+  return fast_only_ ? &fast_path_parameters_ : nullptr;
+}
 
 std::size_t Stage::pending_weight_micro_batches() const {
   std::size_t n = 0;
@@ -414,8 +437,10 @@ NamedTensors Stage::backward_input(int micro_batch, const NamedTensors& grad_out
   NamedTensors result;
   if (!roots.empty()) {
     store_.set_policy(autograd::WeightGradPolicy::kDeferred);
-    detail::InputBackwardResult r = detail::run_input_backward(
-        {std::move(roots), std::move(grads), inputs, store_.anchor(), where(micro_batch)});
+    detail::InputBackwardRequest request{std::move(roots), std::move(grads), inputs, store_.anchor(),
+                                         where(micro_batch)};
+    request.fast_path_parameters = fast_path_parameters();
+    detail::InputBackwardResult r = detail::run_input_backward(request);
     state.plan = std::move(r.plan);
     for (std::size_t i = 0; i < names.size(); ++i) result.add(names[i], r.grad_inputs[i]);
   } else {

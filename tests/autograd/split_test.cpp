@@ -5,11 +5,15 @@
 
 #include <algorithm>
 #include <functional>
+#include <map>
 #include <random>
 
 #include "common/expect_error.h"
 #include "common/test_models.h"
+#include "twobp/autograd/weight_grad_store.h"
 #include "twobp/error.h"
+#include "twobp/metrics/op_count.h"
+#include "twobp/models/llama.h"
 #include "twobp/stage.h"
 
 namespace twobp::testing {
@@ -444,6 +448,172 @@ TEST(WeightGradDone, ReportsEachFastParameterOnceWhenItsGradientIsFinal) {
     const auto pos = [&](const std::string& n) { return std::find(order.begin(), order.end(), n) - order.begin(); };
     EXPECT_GT(pos("a.weight"), pos("b.weight"));
   }
+}
+
+}  // namespace
+}  // namespace twobp::testing
+
+namespace twobp::testing {
+namespace {
+
+// The rotary node against the composite formula (test_models.h), forward and backward, float64; the tables of
+// given positions against those of 0..seq-1 gathered by hand.
+TEST(RotaryEmbedding, OneNodeEqualsTheCompositeFormula) {
+  Float64Default f;
+  torch::manual_seed(5);
+  const twobp::nn::RotaryEmbedding rotary(8, 10000.0, 16);
+  const auto x = torch::randn({2, 3, 6, 8}), r = torch::randn({2, 3, 6, 8});
+  auto a = x.clone().requires_grad_(true), b = x.clone().requires_grad_(true);
+  const auto got = rotary(a), want = apply_rotary(b);
+  EXPECT_LE((got - want).abs().max().item<double>(), 1e-5) << "angles in float32, as the model computes them";
+  // The gradient is the transposed rotation of the same tables: exact against autograd through the node's ops.
+  const auto tables = rotary.tables(x);
+  const auto composite = x.clone().requires_grad_(true);
+  const auto rolled = composite * tables.cos + composite.roll(4, -1) * tables.sin_signed;
+  (got * r).sum().backward();
+  (rolled * r).sum().backward();
+  EXPECT_LE((a.grad() - composite.grad()).abs().max().item<double>(), 1e-12);
+  EXPECT_LE((rolled - got).abs().max().item<double>(), 1e-12);
+  (want * r).sum().backward();
+  EXPECT_LE((a.grad() - b.grad()).abs().max().item<double>(), 1e-5);
+  EXPECT_FALSE(tables.cos.requires_grad());
+
+  const auto positions = torch::tensor({{0, 1, 2, 0, 1, 5}, {3, 2, 1, 0, 0, 0}}, torch::kLong);
+  const auto gathered = rotary.tables(x, positions);
+  ASSERT_EQ(gathered.cos.sizes(), torch::IntArrayRef({2, 1, 6, 8}));
+  const auto full = rotary.tables(torch::zeros({1, 1, 16, 8}));
+  for (int64_t bi = 0; bi < 2; ++bi) {
+    for (int64_t s = 0; s < 6; ++s) {
+      const int64_t p = positions[bi][s].item<int64_t>();
+      EXPECT_TRUE(torch::equal(gathered.cos[bi][0][s], full.cos[p])) << bi << "," << s;
+      EXPECT_TRUE(torch::equal(gathered.sin_signed[bi][0][s], full.sin_signed[p])) << bi << "," << s;
+    }
+  }
+}
+
+struct FreeLeafModule : torch::nn::Module {
+  FreeLeafModule() : free_leaf(torch::randn({4}).requires_grad_(true)) {
+    fc = register_module("fc", twobp::nn::Linear(4, 4));
+    norm = register_module("norm", twobp::nn::RMSNorm(4));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return norm(fc(x) * free_leaf); }
+  torch::Tensor free_leaf;  // trainable, not registered
+  twobp::nn::Linear fc{nullptr};
+  twobp::nn::RMSNorm norm{nullptr};
+};
+
+// A stage whose parameters are all fast-path: I is the one engine run B makes (a trainable leaf the module does
+// not register gets its exact gradient there), the weights wait for W. Once the fast weight is used through
+// ordinary ops too, I analyses the graph again and that gradient waits for W as well.
+TEST(FastOnlyStage, InputBackwardRunsWithoutTheGraphAnalysis) {
+  Float64Default f;
+  for (bool ordinary_use : {false, true}) {
+    SCOPED_TRACE(ordinary_use ? "fast weight also used by ordinary ops" : "fast layers only");
+    torch::manual_seed(2);
+    auto module = std::make_shared<FreeLeafModule>();
+    torch::manual_seed(2);
+    auto reference = std::make_shared<FreeLeafModule>();
+    auto forward = [ordinary_use](FreeLeafModule& m, const torch::Tensor& x) {
+      auto y = m.forward(x);
+      return ordinary_use ? y + torch::matmul(x, m.fc->weight.t()) : y;
+    };
+    StageOptions so;
+    so.stage_index = 1;
+    so.num_stages = 3;
+    Stage stage(module, [&, raw = module.get()](const at::Tensor& x) { return forward(*raw, x); }, so);
+    const auto x = torch::randn({3, 4}), dy = torch::randn({3, 4});
+    stage.forward(0, x);
+    const auto dx = stage.backward_input(0, dy);
+    EXPECT_FALSE(module->fc->weight.grad().defined());
+    EXPECT_FALSE(module->norm->weight.grad().defined());
+    // Fast-only: the unregistered leaf's gradient comes with I's engine run; analysed: it is W's work.
+    EXPECT_EQ(module->free_leaf.grad().defined(), !ordinary_use);
+    stage.backward_weight({0});
+    auto xr = x.clone().requires_grad_(true);
+    forward(*reference, xr).backward(dy);
+    EXPECT_LE((dx - xr.grad()).abs().max().item<double>(), 1e-12);
+    for (const auto& [name, p] : std::vector<std::pair<std::string, torch::Tensor>>{
+             {"fc.weight", module->fc->weight}, {"fc.bias", module->fc->bias}, {"norm.weight", module->norm->weight},
+             {"free", module->free_leaf}}) {
+      const torch::Tensor ref = name == "free" ? reference->free_leaf : reference->named_parameters()[name];
+      ASSERT_TRUE(p.grad().defined()) << name;
+      EXPECT_LE((p.grad() - ref.grad()).abs().max().item<double>(), 1e-12) << name;
+    }
+  }
+}
+
+// W adds into .grad inside the GEMM (addmm_ with beta = 1): the same values as a product added afterwards; a
+// bfloat16 parameter with a float32 master (mixed precision) gets nothing in its own .grad.
+TEST(AccumulateMatmul, AddsIntoTheGradientOrItsMaster) {
+  Float64Default f;
+  torch::manual_seed(4);
+  auto w = torch::zeros({5, 3}).requires_grad_(true);
+  const auto a = torch::randn({5, 7}), b = torch::randn({7, 3}), c = torch::randn({5, 7}), d = torch::randn({7, 3});
+  autograd::accumulate_matmul(w, a, b);
+  EXPECT_TRUE(torch::equal(w.grad(), a.mm(b)));
+  const auto before = w.grad().data_ptr();
+  autograd::accumulate_matmul(w, c, d);
+  EXPECT_EQ(w.grad().data_ptr(), before) << "accumulated in place";
+  EXPECT_LE((w.grad() - (a.mm(b) + c.mm(d))).abs().max().item<double>(), 1e-12);
+
+  auto compute = torch::zeros({5, 3}, torch::kBFloat16).requires_grad_(true);
+  auto master = torch::zeros({5, 3}, torch::kFloat).requires_grad_(true);
+  autograd::set_master_gradient(compute, master);
+  EXPECT_TRUE(autograd::gradient_holder(compute).is_same(master));
+  const auto ab = a.to(torch::kBFloat16), bb = b.to(torch::kBFloat16);
+  autograd::accumulate_matmul(compute, ab, bb);
+  autograd::accumulate_matmul(compute, ab, bb);
+  EXPECT_FALSE(compute.grad().defined());
+  ASSERT_EQ(master.grad().scalar_type(), torch::kFloat);
+  // On the CPU the bfloat16 product is rounded once, then added in float32.
+  EXPECT_TRUE(torch::equal(master.grad(), 2 * ab.mm(bb).to(torch::kFloat)));
+  // What autograd accumulates into the compute parameter moves to the master too.
+  (compute * 1.0).sum().backward();
+  EXPECT_FALSE(compute.grad().defined());
+  EXPECT_TRUE(torch::equal(master.grad(), 2 * ab.mm(bb).to(torch::kFloat) + 1));
+  EXPECT_THROW(autograd::set_master_gradient(compute, master), UsageError) << "one slot per tensor";
+}
+
+// Top-level operators per phase of a Stage on the library's LLaMa chunk of `blocks` blocks, F I W then F B,
+// accumulating into existing gradients (deterministic on the CPU).
+std::map<std::string, int64_t> count_phases(int blocks) {
+  torch::manual_seed(6);
+  const models::LlamaConfig c = models::config_by_name("tiny");
+  auto chunk = models::LlamaChunk(c, models::ChunkSpec{0, blocks, false, false});
+  StageOptions so;
+  so.stage_index = 1;
+  so.num_stages = 3;
+  Stage stage(chunk.ptr(), [raw = chunk.ptr()](const at::Tensor& x) { return raw->forward(x); }, so);
+  const auto x = torch::randn({1, 8, c.dim}), dy = torch::randn({1, 8, c.dim});
+  for (const auto& p : chunk->parameters()) p.mutable_grad() = torch::zeros_like(p);
+  std::map<std::string, int64_t> ops;
+  metrics::AtenOpCounter counter;
+  auto count = [&](const std::string& phase, const std::function<void()>& fn) {
+    counter.take();
+    fn();
+    ops[phase] = counter.take().ops;
+  };
+  count("F", [&] { stage.forward(0, x); });
+  count("I", [&] { stage.backward_input(0, dy); });
+  count("W", [&] { stage.backward_weight({0}); });
+  stage.forward(1, x);
+  count("B", [&] { stage.backward(1, dy); });
+  return ops;
+}
+
+// The split's promise at the operator level, per block (two chunks' difference): I and W together launch at most
+// 2 more top-level operators than B, and I no more than it must (the rotary node: 3 operators per use).
+TEST(OperatorCount, InputAndWeightLaunchAtMostTwoMorePerBlockThanFused) {
+  const auto one = count_phases(1), two = count_phases(2);
+  std::map<std::string, int64_t> per_block;
+  for (const auto& [phase, n] : two) per_block[phase] = n - one.at(phase);
+  const std::string counts = "per block: F " + std::to_string(per_block["F"]) + " I " + std::to_string(per_block["I"]) +
+                             " W " + std::to_string(per_block["W"]) + " B " + std::to_string(per_block["B"]);
+  EXPECT_LE(per_block["I"] + per_block["W"], per_block["B"] + 2) << counts;
+  EXPECT_GT(per_block["W"], 0) << counts;
+  // Measured 2026-12-06: F 49 I 49 W 38 B 87 (grouped-query attention adds repeat_interleave). The composite
+  // rotary formula cost I about 18 more per block (twobp_bench split's stack: 66 before, 42 after).
+  EXPECT_LE(per_block["I"], 49) << counts;
 }
 
 }  // namespace

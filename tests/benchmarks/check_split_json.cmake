@@ -1,14 +1,21 @@
-# cmake -DJSON=split.json [-DPATHS=fast;general] [-DBATCHED_W=ON] -P check_split_json.cmake
-# Fails (non-zero exit) unless every headline number of `twobp_bench split` is present and a positive number.
+# cmake -DJSON=split.json [-DPATHS=fast;general] [-DABSENT=general] [-DBATCHED_W=ON] -P check_split_json.cmake
+# Fails (non-zero exit) unless every headline number of `twobp_bench split` is present and a positive number --
+# per path the synced times and ratios, the accumulating ones, and per phase (F, I, W, B) host_ms,
+# host_overhead_us and ops_per_block -- and the paths in ABSENT are not there (--paths left them out).
 if(NOT DEFINED JSON)
-  message(FATAL_ERROR "usage: cmake -DJSON=file [-DPATHS=fast;general] [-DBATCHED_W=ON] -P ${CMAKE_CURRENT_LIST_FILE}")
+  message(FATAL_ERROR "usage: cmake -DJSON=file [-DPATHS=fast;general] [-DABSENT=path;...] [-DBATCHED_W=ON] "
+                      "-P ${CMAKE_CURRENT_LIST_FILE}")
 endif()
 if(NOT DEFINED PATHS)
   set(PATHS fast general)
 endif()
 include(${CMAKE_CURRENT_LIST_DIR}/read_json_object.cmake)
 
-set(_keys stage1_ratio split_ratio forward_ms stage1_ms stage2_ms fused_ms)
+set(_keys stage1_ratio split_ratio forward_ms stage1_ms stage2_ms fused_ms accumulate|stage2_ms accumulate|fused_ms
+          accumulate|split_ratio)
+foreach(phase F I W B)
+  list(APPEND _keys host_ms|${phase} host_overhead_us|${phase} ops_per_block|${phase})
+endforeach()
 if(BATCHED_W)
   list(APPEND _keys batched_w_speedup)
 endif()
@@ -23,6 +30,12 @@ foreach(key dim layers seq batch repeats threads)
 endforeach()
 
 set(_problems)
+foreach(path IN LISTS ABSENT)
+  string(JSON _value ERROR_VARIABLE _err GET "${_doc}" ${path})
+  if(NOT _err)
+    list(APPEND _problems "${path}: present, but --paths left it out")
+  endif()
+endforeach()
 foreach(check IN LISTS _checks)
   string(REPLACE "|" ";" _member "${check}")
   string(JSON _value ERROR_VARIABLE _err GET "${_doc}" ${_member})

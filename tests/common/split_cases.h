@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "twobp/models/llama.h"
 #include "twobp/nn.h"
 
 namespace twobp::testing {
@@ -364,6 +365,31 @@ struct NonContiguousParameter : CaseModule {
   twobp::nn::Linear fast{nullptr};
 };
 
+/// Two blocks of the library's LLaMa model (twobp::models): only fast-path layers, so I runs without the graph
+/// analysis; rotary embedding as one autograd node from tables the blocks share; the second block's angles follow
+/// positions (packed documents restart them), the first's 0..seq-1.
+struct LlamaBlocks : CaseModule {
+  explicit LlamaBlocks(int64_t dim) {
+    models::LlamaConfig c;
+    c.name = "case";
+    c.dim = dim;
+    c.n_layers = 2;
+    c.n_heads = 2;
+    c.n_kv_heads = 1;
+    c.ffn_dim = dim + 2;
+    c.vocab_size = 8;
+    c.max_seq_len = 8;
+    auto rotary = std::make_shared<const twobp::nn::RotaryEmbedding>(c.head_dim(), c.rope_theta, c.max_seq_len);
+    first = register_module("first", models::LlamaBlock(c, rotary));
+    second = register_module("second", models::LlamaBlock(c, rotary));
+  }
+  torch::Tensor forward(const torch::Tensor& x) override {
+    const auto positions = (torch::arange(x.size(1)) % 2).expand({x.size(0), x.size(1)}).contiguous();
+    return second(first(x), positions);
+  }
+  models::LlamaBlock first{nullptr}, second{nullptr};
+};
+
 /// A named factory of one class.
 struct ModuleClass {
   std::string name;
@@ -389,6 +415,7 @@ inline std::vector<ModuleClass> supported_module_classes() {
       {"Routed", [](int64_t d) { return std::make_shared<Routed>(d); }},
       {"CustomFunction", [](int64_t d) { return std::make_shared<CustomFunction>(d); }},
       {"NonContiguousParameter", [](int64_t d) { return std::make_shared<NonContiguousParameter>(d); }},
+      {"LlamaBlocks", [](int64_t d) { return std::make_shared<LlamaBlocks>(d); }},
   };
 }
 

@@ -215,9 +215,26 @@ TEST(EstimateLlamaCosts, FlopsAtTheGivenRate) {
   EXPECT_EQ(e.kind, LlamaCosts::Kind::kEstimated);
   EXPECT_NEAR(e.forward.per_block, llm::block_forward_flops(c, kSeq) * 2 * 1e3 / 50e12, 1e-18);
   EXPECT_NEAR(e.forward.head, llm::head_cost_in_blocks(c, kSeq) * e.forward.per_block, 1e-18);
-  expect_terms(e.backward_input, e.forward, "I = F");
-  expect_terms(e.backward_weight, e.forward, "W = F");
-  expect_terms(e.backward, e.forward.scaled(2.0), "B = 2F");
+  // By default I, W and B at the ratios a run measured (one 7B stage on an H200, docs/GPU.md).
+  const BackwardRatios measured = measured_backward_ratios();
+  EXPECT_NEAR(measured.input, 40.49 / 31.86, 1e-12);
+  EXPECT_NEAR(measured.weight, 22.05 / 31.86, 1e-12);
+  EXPECT_NEAR(measured.fused, 62.69 / 31.86, 1e-12);
+  expect_terms(e.backward_input, e.forward.scaled(measured.input), "I");
+  expect_terms(e.backward_weight, e.forward.scaled(measured.weight), "W");
+  expect_terms(e.backward, e.forward.scaled(measured.fused), "B");
+  EXPECT_NE(e.how.find("docs/GPU.md"), std::string::npos) << e.how;
+  // FLOP counts alone: I = W = F, B = 2F.
+  const LlamaCosts flops = estimate_llama_costs(c, kSeq, 2, 50.0, flop_backward_ratios());
+  expect_terms(flops.backward_input, flops.forward, "I = F");
+  expect_terms(flops.backward_weight, flops.forward, "W = F");
+  expect_terms(flops.backward, flops.forward.scaled(2.0), "B = 2F");
+  // Any measured times, e.g. a `twobp_bench split` path's.
+  const BackwardRatios split = backward_ratios(2.0, 3.0, 1.0, 4.0, "split.json");
+  EXPECT_EQ(split.input, 1.5);
+  EXPECT_EQ(split.weight, 0.5);
+  EXPECT_EQ(split.fused, 2.0);
+  EXPECT_THROW(backward_ratios(0.0, 3.0, 1.0, 4.0, "bad"), UsageError);
   EXPECT_THROW(estimate_llama_costs(c, kSeq, 1, 0.0), UsageError);
 }
 

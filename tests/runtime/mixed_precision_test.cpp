@@ -9,7 +9,9 @@
 
 #include "common/expect_error.h"
 #include "common/test_models.h"
+#include "twobp/autograd/weight_grad_store.h"
 #include "twobp/error.h"
+#include "twobp/nn/functional.h"
 #include "twobp/runtime/launch.h"
 #include "twobp/runtime/pipeline.h"
 #include "twobp/schedule/registry.h"
@@ -392,6 +394,61 @@ TEST(MixedPrecision, WritingAComputeParameterIsRefused) {
     expect_error<UsageError>([&] { std::rethrow_exception(errors.errors.at(r)); },
                              {"rank 1 stage 1: parameter 'fc1.weight'"});
   }
+}
+
+// A fast-path Linear whose W calls are recorded, to see how the store groups them.
+struct RecordedLinear : autograd::WeightGradKernel {
+  RecordedLinear(at::Tensor weight, at::Tensor bias) : weight(std::move(weight)), bias(std::move(bias)) {}
+  void accumulate_weight_grad(c10::ArrayRef<autograd::WeightGradItem> items) const override {
+    calls.push_back(items.size());
+    nn::functional::linear_weight_grad(weight, bias, items, nn::functional::Batching::kConcatenate);
+  }
+  std::string kernel_name() const override { return "Linear"; }
+  std::vector<at::Tensor> weight_grad_parameters() const override { return {weight, bias}; }
+  at::Tensor weight, bias;
+  mutable std::vector<std::size_t> calls;
+};
+
+// Under mixed precision the gradient goes to the float32 master inside the accumulation (not through a user
+// hook), so W stays batched: one call with every micro-batch, one GEMM over their rows, the same gradients as one
+// call per micro-batch (up to the bfloat16 rounding of each product on the CPU, where the product is rounded
+// before it is added; on CUDA the GEMM writes float32), and nothing in the compute parameters' .grad.
+TEST(MixedPrecision, BatchedWeightGradientEqualsUnbatched) {
+  torch::manual_seed(8);
+  std::vector<at::Tensor> results;
+  std::vector<autograd::WeightGradItem> items;
+  for (int mb = 0; mb < 3; ++mb) {
+    items.push_back({torch::randn({kRows, kDim}).to(at::kBFloat16), torch::randn({kRows, kDim}).to(at::kBFloat16)});
+  }
+  for (bool batched : {true, false}) {
+    SCOPED_TRACE(batched ? "batched" : "one by one");
+    RecordedLinear layer(torch::zeros({kDim, kDim}, at::kBFloat16).requires_grad_(true),
+                         torch::zeros({kDim}, at::kBFloat16).requires_grad_(true));
+    auto master_w = torch::zeros({kDim, kDim}).requires_grad_(true);
+    auto master_b = torch::zeros({kDim}).requires_grad_(true);
+    autograd::set_master_gradient(layer.weight, master_w);
+    autograd::set_master_gradient(layer.bias, master_b);
+    autograd::WeightGradStore store;
+    store.set_policy(autograd::WeightGradPolicy::kDeferred);
+    for (int mb = 0; mb < 3; ++mb) store.on_backward(mb, &layer, items[mb]);
+    store.run({0, 1, 2}, batched);
+    const std::vector<std::size_t> expected_calls =
+        batched ? std::vector<std::size_t>{3} : std::vector<std::size_t>(3, 1);
+    EXPECT_EQ(layer.calls, expected_calls);
+    EXPECT_FALSE(layer.weight.grad().defined());
+    EXPECT_FALSE(layer.bias.grad().defined());
+    ASSERT_EQ(master_w.grad().scalar_type(), at::kFloat);
+    results.push_back(master_w.grad());
+    results.push_back(master_b.grad());
+  }
+  at::Tensor exact_w = torch::zeros({kDim, kDim}, at::kDouble), exact_b = torch::zeros({kDim}, at::kDouble);
+  for (const auto& item : items) {
+    exact_w += item.grad_output.to(at::kDouble).t().mm(item.input.to(at::kDouble));
+    exact_b += item.grad_output.to(at::kDouble).sum(0);
+  }
+  for (int k : {0, 2}) EXPECT_LE(max_abs(results[k].to(at::kDouble) - exact_w), 1e-2 * max_abs(exact_w)) << k;
+  for (int k : {1, 3}) EXPECT_LE(max_abs(results[k].to(at::kDouble) - exact_b), 1e-2 * max_abs(exact_b)) << k;
+  EXPECT_LE(max_abs(results[0] - results[2]), 1e-2 * max_abs(exact_w));
 }
 
 }  // namespace

@@ -18,8 +18,10 @@ namespace twobp::autograd {
 
 /// What stage 2 needs to compute one layer's parameter gradients for one use of the layer.
 struct WeightGradItem {
-  at::Tensor input;        ///< layer-specific: the layer input (Linear), token ids (Embedding), x̂ (RMSNorm)
+  /// Layer-specific: the layer input (Linear, the fused RMSNorm), token ids (Embedding), x̂ (composite RMSNorm).
+  at::Tensor input;
   at::Tensor grad_output;  ///< gradient w.r.t. the layer output
+  at::Tensor aux = {};     ///< layer-specific extra, or undefined: the fused RMSNorm's 1/rms per row
 };
 
 /// Throws UsageError when a parameter written by a fast-path layer has a gradient hook (Tensor::register_hook):
@@ -145,9 +147,27 @@ WeightGradStore* current_store();
 /// Its micro-batch (meaningless when current_store() is nullptr).
 std::int64_t current_micro_batch();
 
-/// Adds `grad` to `param.grad()`, creating it when undefined. Used by every weight-gradient kernel so that the
-/// accumulation semantics (sum over micro-batches and over tied uses) live in one place. `fresh` says `grad` is
+/// Mixed precision: `param`'s gradients accumulate in `master`'s .grad (float32) instead of its own. The fast-path
+/// kernels add theirs there directly (accumulate_grad, accumulate_matmul); what autograd accumulates into
+/// param.grad (general-path layers) is moved there, and param.grad reset, by a post-accumulate-grad hook this
+/// installs in the parameter's one slot. That hook is part of the accumulation, not a user hook: it neither turns
+/// batched W off nor counts as a hook shared by the fast path and autograd. Throws UsageError when the slot is taken.
+void set_master_gradient(const at::Tensor& param, const at::Tensor& master);
+
+/// The tensor whose .grad receives `param`'s gradient: its master (set_master_gradient), else `param` itself.
+at::Tensor gradient_holder(const at::Tensor& param);
+
+/// Adds `grad` to the .grad of gradient_holder(param), creating it when undefined (converted to the holder's
+/// dtype). Used by every weight-gradient kernel so that the accumulation semantics (sum over micro-batches and
+/// over tied uses, into a float32 master under mixed precision) live in one place. `fresh` says `grad` is
 /// referenced nowhere else, so it may become .grad without a copy.
 void accumulate_grad(const at::Tensor& param, const at::Tensor& grad, bool fresh = true);
+
+/// accumulate_grad(param, a · b) for matrices a [n, k] and b [k, m], with the sum done inside the GEMM where the
+/// dtypes allow: addmm_ with beta = 1 into an existing .grad of the product's dtype; on CUDA, a bfloat16/float16
+/// product straight into a float32 master's .grad (LibTorch's float32-output GEMMs, mm and baddbmm with
+/// out_dtype). On the CPU a reduced-precision product into a float32 .grad is computed, then added (LibTorch 2.11
+/// has no float32-output GEMM there).
+void accumulate_matmul(const at::Tensor& param, const at::Tensor& a, const at::Tensor& b);
 
 }  // namespace twobp::autograd

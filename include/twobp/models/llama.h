@@ -170,15 +170,18 @@ at::Tensor masked_cross_entropy_loss(const NamedTensors& outputs, const NamedTen
 
 // ---- Modules ----
 
-/// One decoder block. Input and output [batch, seq, dim]. With `positions` ([batch, seq] int64) rotary angles
-/// follow them instead of 0..seq-1; with `doc_ids` a token attends only to earlier tokens of its own document
-/// (document masking), else to all earlier tokens (causal).
+/// One decoder block. Input and output [batch, seq, dim]. With `positions` ([batch, seq] int64, each below
+/// max(seq, max_seq_len)) rotary angles follow them instead of 0..seq-1; with `doc_ids` a token attends only to
+/// earlier tokens of its own document (document masking), else to all earlier tokens (causal).
 class LlamaBlockImpl : public torch::nn::Module {
  public:
-  explicit LlamaBlockImpl(const LlamaConfig& config);
+  /// `rotary`: rotary tables shared with other blocks (a chunk shares one); null: the block makes its own.
+  explicit LlamaBlockImpl(const LlamaConfig& config,
+                          std::shared_ptr<const twobp::nn::RotaryEmbedding> rotary = nullptr);
   at::Tensor forward(const at::Tensor& x, const at::Tensor& positions = {}, const at::Tensor& doc_ids = {});
 
   LlamaConfig config;
+  std::shared_ptr<const twobp::nn::RotaryEmbedding> rotary;  ///< one autograd node per use (nn::functional)
   twobp::nn::RMSNorm attn_norm{nullptr}, mlp_norm{nullptr};
   twobp::nn::Linear wq{nullptr}, wk{nullptr}, wv{nullptr}, wo{nullptr}, w1{nullptr}, w2{nullptr}, w3{nullptr};
 };

@@ -20,9 +20,18 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const at::T
 /// y = weight[ids]. Repeated ids accumulate in the weight gradient (index_add, never overwrite).
 at::Tensor embedding(const at::Tensor& ids, const at::Tensor& weight, const autograd::WeightGradKernel& kernel);
 
-/// y = x / sqrt(mean(x^2, -1) + eps) * weight, normalized in float32 for reduced-precision inputs.
+/// y = x / sqrt(mean(x^2, -1) + eps) * weight, normalized in float32 for reduced-precision inputs. Inside a scope
+/// on CUDA with `fused_on_cuda`: LibTorch's fused kernels (at::_fused_rms_norm; its backward with the output mask
+/// of exactly the input gradient in I and exactly the weight gradient in W); elsewhere composite ops.
 at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps,
-                    const autograd::WeightGradKernel& kernel);
+                    const autograd::WeightGradKernel& kernel, bool fused_on_cuda = true);
+
+/// Rotary position embedding (rotate-half convention) as one autograd node: with x = [x1, x2] the halves of the
+/// last dimension, [x1 c − x2 s, x2 c + x1 s] for c, s the cosines and sines of the angles. `cos` = [c, c] and
+/// `sin_signed` = [−s, s] are tables broadcastable against x, in its dtype (nn::RotaryEmbedding makes them);
+/// forward and backward are three operators each (x ⊙ cos + roll(x) ⊙ sin_signed, and its transpose). Not twice
+/// differentiable.
+at::Tensor rotary_embedding(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin_signed);
 
 /// Dropout (training: each element zeroed with probability p, the rest scaled by 1 / (1 - p); otherwise the
 /// input). The mask is drawn from the running stage's generator (twobp::stage_generator(), twobp/random.h): the

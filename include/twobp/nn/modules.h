@@ -8,6 +8,10 @@
 
 #include "twobp/autograd/weight_grad_store.h"
 
+#include <memory>
+#include <mutex>
+#include <vector>
+
 namespace twobp::nn {
 
 struct LinearOptions {
@@ -65,6 +69,8 @@ struct RMSNormOptions {
   explicit RMSNormOptions(int64_t dim) : dim_(dim) {}
   TORCH_ARG(int64_t, dim);
   TORCH_ARG(double, eps) = 1e-6;
+  /// On CUDA, LibTorch's fused kernels (functional::rms_norm); composite ops when false, and always on the CPU.
+  TORCH_ARG(bool, fused_on_cuda) = true;
 };
 
 /// Root-mean-square normalisation over the last dimension with a learned scale (LLaMa); scale initialised to 1.
@@ -82,6 +88,42 @@ class RMSNormImpl : public torch::nn::Cloneable<RMSNormImpl>, public autograd::W
   at::Tensor weight;
 };
 TORCH_MODULE(RMSNorm);
+
+/// The tables of functional::rotary_embedding for head dimension `head_dim`: angle(position, i) = position ·
+/// theta^(−i / (head_dim / 2)), computed once in float32 and kept per device, dtype and sequence length, so a
+/// forward does no trigonometry and no host-to-device copy. Not a module: no parameters, no buffers (nothing enters
+/// a checkpoint), so one can serve every block of a chunk. Thread-safe.
+class RotaryEmbedding {
+ public:
+  /// `max_positions`: the longest table kept (grown when a longer sequence comes); positions must be below
+  /// max(max_positions, the sequence length).
+  explicit RotaryEmbedding(int64_t head_dim, double theta = 10000.0, int64_t max_positions = 0);
+  RotaryEmbedding(const RotaryEmbedding&) = delete;
+  RotaryEmbedding& operator=(const RotaryEmbedding&) = delete;
+
+  struct Tables {
+    at::Tensor cos, sin_signed;  ///< [seq, head_dim] or, with positions, [batch, 1, seq, head_dim]
+  };
+  /// The tables for x [batch, heads, seq, head_dim] (x's device and dtype): of positions 0..seq−1, or of
+  /// `positions` ([batch, seq] int64) when defined. Compute them once for q and k.
+  Tables tables(const at::Tensor& x, const at::Tensor& positions = {}) const;
+  /// functional::rotary_embedding(x, tables(x, positions)).
+  at::Tensor operator()(const at::Tensor& x, const at::Tensor& positions = {}) const;
+
+ private:
+  struct Entry {
+    c10::Device device;
+    at::ScalarType dtype;
+    int64_t length;
+    Tables tables;
+  };
+  const Tables& cached(const at::Tensor& x, int64_t length) const;
+  int64_t head_dim_;
+  double theta_;
+  int64_t max_positions_;
+  mutable std::mutex mutex_;
+  mutable std::vector<std::unique_ptr<Entry>> entries_;  // stable addresses: callers keep references
+};
 
 struct DropoutOptions {
   /* implicit */ DropoutOptions(double p = 0.5) : p_(p) {}  // NOLINT(google-explicit-constructor)

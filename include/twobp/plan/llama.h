@@ -74,11 +74,29 @@ struct LlamaCosts {
 /// "estimated", "fitted" or "flop_shares" (the names in `twobp_bench plan --json`).
 const char* llama_costs_kind_name(LlamaCosts::Kind kind);
 
+/// The backward actions' costs as multiples of the forward's, for costs estimated from FLOPs.
+struct BackwardRatios {
+  double input = 1.0;   ///< I / F
+  double weight = 1.0;  ///< W / F
+  double fused = 2.0;   ///< B / F
+  std::string source = "FLOP counts";  ///< where they come from (said in LlamaCosts::how)
+};
+/// What a run measured, the default of estimate_llama_costs: the fast path of one LLaMa-7B stage (8 blocks,
+/// bfloat16, micro-batch 1, seq 4096) on an H200, docs/GPU.md: F 31.86, I 40.49, W 22.05, B 62.69 ms, i.e.
+/// I = 1.271 F, W = 0.692 F, B = 1.968 F (the attention backward and the element-wise work belong to I).
+BackwardRatios measured_backward_ratios();
+/// FLOP counts alone: every GEMM of F has one of the same size in I and one in W, so I = W = F, B = 2F.
+BackwardRatios flop_backward_ratios();
+/// The ratios of measured times (e.g. a `twobp_bench split` path's forward_ms, stage1_ms, stage2_ms, fused_ms).
+/// Throws UsageError unless all are positive.
+BackwardRatios backward_ratios(double forward_ms, double input_ms, double weight_ms, double fused_ms,
+                               std::string source);
+
 /// Costs from FLOPs: F per block = block_forward_flops · micro_batch_size / `tflops` (TFLOP/s sustained), the
-/// head at its FLOP share of a block (head_cost_in_blocks), no per-action or embedding term; I = W = F, B = 2F.
-/// Throws UsageError unless tflops > 0 and the sizes are positive.
+/// head at its FLOP share of a block (head_cost_in_blocks), no per-action or embedding term; I, W and B at
+/// `ratios` of F. Throws UsageError unless tflops > 0, the sizes and the ratios are positive.
 LlamaCosts estimate_llama_costs(const models::LlamaConfig& config, int64_t seq, int64_t micro_batch_size,
-                                double tflops);
+                                double tflops, const BackwardRatios& ratios = measured_backward_ratios());
 
 /// One measured run of the model cut by `partition` (a stage per chunk): its costs (MeasuredCosts, e.g. read with
 /// parse_measured_costs) and the mode it ran in (F from either; I and W from kSplit; B from kStandard).
