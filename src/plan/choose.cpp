@@ -175,9 +175,17 @@ std::vector<ScheduleCandidate> rank_schedules(const Schedule& running, const Mea
     for (BackwardMode mode : options.modes) {
       Schedule schedule;
       try {
-        schedule = make_schedule(
+        // synth is synthesized for this mode's measured costs (every stage as built), not the textbook ones.
+        schedule = make_schedule_for_costs(
             name, ScheduleOptions{running.num_ranks, running.num_micro_batches, running.num_stages / running.num_ranks,
-                                  mode});
+                                  mode},
+            [&setting_of, mode = mode](const std::vector<int>&) {
+              const auto& models = setting_of({}).models;
+              const auto it = std::find_if(models.begin(), models.end(), [&](const auto& m) { return m.first == mode; });
+              if (it == models.end()) throw UsageError("the measured costs cannot tell this mode's form");
+              return it->second;
+            },
+            options.synthesis, running.stage_to_rank);
       } catch (const UsageError&) {  // ScheduleError too: a shape this generator does not take
         continue;
       }

@@ -325,7 +325,13 @@ LayoutPlan plan_llama_layouts(const llm::LlamaConfig& config, const LlamaCosts& 
         Schedule schedule;
         llm::Partition partition;
         try {
-          schedule = make_schedule(name, default_schedule_options(name, pp, m, mode));
+          // synth is synthesized for these costs: its partition follows its stages, as the others' does.
+          schedule = make_schedule_for_costs(
+              name, default_schedule_options(name, pp, m, mode), [&](const std::vector<int>& stage_to_rank) {
+                return costs.cost_model(llm::make_partition(config, static_cast<int>(stage_to_rank.size()), o.seq),
+                                        mode, false, o.communication_ms);
+              },
+              o.synthesis);
           partition = llm::make_partition(config, schedule.num_stages, o.seq);
         } catch (const UsageError&) {  // ScheduleError too
           ++plan.skipped;  // a shape this schedule or the model's layer count does not allow

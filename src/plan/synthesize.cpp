@@ -882,12 +882,17 @@ SynthesizedScheduleGenerator::SynthesizedScheduleGenerator(CostsFor costs_for, i
                                                            SynthesisOptions options)
     : costs_for_(std::move(costs_for)), memory_budget_per_rank_(memory_budget_per_rank), options_(options) {}
 
-SynthesisResult SynthesizedScheduleGenerator::synthesize(const ScheduleOptions& o) const {
+SynthesisResult SynthesizedScheduleGenerator::synthesize(const ScheduleOptions& o,
+                                                         const std::vector<int>& only_stage_to_rank) const {
   TWOBP_CHECK(o.ranks >= 1 && o.micro_batches >= 1 && o.chunks_per_rank >= 1, ScheduleError,
               "synth: expected ranks, micro_batches and chunks_per_rank >= 1, got {}, {} and {}", o.ranks,
               o.micro_batches, o.chunks_per_rank);
   std::optional<SynthesisResult> best;
   for (SynthesisPlacement placement : synthesis_placements(o.chunks_per_rank)) {
+    if (!only_stage_to_rank.empty() &&
+        synthesis_placement(placement, o.ranks, o.chunks_per_rank) != only_stage_to_rank) {
+      continue;
+    }
     SynthesisProblem p;
     p.ranks = o.ranks;
     p.micro_batches = o.micro_batches;
@@ -899,11 +904,21 @@ SynthesisResult SynthesizedScheduleGenerator::synthesize(const ScheduleOptions& 
     SynthesisResult r = twobp::synthesize(p, options_);
     if (!best || r.simulated.step_time < best->simulated.step_time - kEps) best = std::move(r);
   }
+  TWOBP_CHECK(best.has_value(), ScheduleError,
+              "synth: no placement of {} ranks with {} chunks each has the stage_to_rank asked for", o.ranks,
+              o.chunks_per_rank);
   return std::move(*best);
 }
 
 Schedule SynthesizedScheduleGenerator::generate(const ScheduleOptions& options) const {
   return synthesize(options).schedule;
+}
+
+Schedule make_schedule_for_costs(const std::string& name, const ScheduleOptions& options,
+                                 const SynthesizedScheduleGenerator::CostsFor& costs_for,
+                                 const SynthesisOptions& synthesis, const std::vector<int>& only_stage_to_rank) {
+  if (name != detail::synthesized_schedule_info().name) return make_schedule(name, options);
+  return SynthesizedScheduleGenerator(costs_for, 0, synthesis).synthesize(options, only_stage_to_rank).schedule;
 }
 
 namespace detail {

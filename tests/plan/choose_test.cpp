@@ -21,6 +21,7 @@
 #include "twobp/error.h"
 #include "twobp/metrics/memory.h"
 #include "twobp/plan/choose.h"
+#include "twobp/plan/synthesize.h"
 #include "twobp/runtime/launch.h"
 #include "twobp/runtime/pipeline.h"
 #include "twobp/schedule/registry.h"
@@ -92,12 +93,17 @@ TEST(RankSchedules, AreTheSimulatorsStepTimesOverTheSchedulesOfTheRunningPlaceme
       has_running = has_running || (c.name == start && c.mode == BackwardMode::kSplit);
     }
     EXPECT_TRUE(has_running) << start;
-    // Every registered schedule of this placement is there, in both forms (none is rejected at p = 2, m = 4).
+    // Every registered schedule of this placement is there, in both forms (none is rejected at p = 2, m = 4);
+    // synth is synthesized on the running placement where it can take it.
     int expected = 0;
+    const auto uniform = [](const std::vector<int>& owners) {
+      return CostModel::uniform(static_cast<int>(owners.size()), 1.0, 1.25, 0.75, 0.1);
+    };
     for (const std::string& name : schedule_names()) {
       for (BackwardMode mode : {BackwardMode::kStandard, BackwardMode::kSplit}) {
         try {
-          const Schedule sc = make_schedule(name, ScheduleOptions{2, 4, v, mode});
+          const Schedule sc = make_schedule_for_costs(name, ScheduleOptions{2, 4, v, mode}, uniform,
+                                                      SynthesisOptions::planning(), running.stage_to_rank);
           expected += sc.stage_to_rank == running.stage_to_rank;
         } catch (const UsageError&) {
         }

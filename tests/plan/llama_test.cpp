@@ -273,7 +273,14 @@ TEST(PlanLlamaLayouts, EveryLayoutOfTheRanksRankedByTheSimulator) {
     dps.insert(c.dp);
     names.insert(c.schedule);
     if (c.dp == 1) {  // no all-reduce: exactly the simulator on the partition's costs
-      const Schedule s = make_schedule(c.schedule, default_schedule_options(c.schedule, c.pp, c.m, c.mode));
+      // synth as the planner synthesizes it: for these costs (without recomputation), with o.synthesis's search.
+      const Schedule s = make_schedule_for_costs(
+          c.schedule, default_schedule_options(c.schedule, c.pp, c.m, c.mode),
+          [&](const std::vector<int>& owners) {
+            return costs.cost_model(llm::make_partition(config, static_cast<int>(owners.size()), kSeq), c.mode,
+                                    false, o.communication_ms);
+          },
+          o.synthesis);
       CostModel m = costs.cost_model(llm::make_partition(config, s.num_stages, kSeq), c.mode,
                                      !c.recompute_ranks.empty(), o.communication_ms);
       for (std::size_t st = 0; st < m.recompute.size(); ++st) {

@@ -11,6 +11,8 @@
 
 #include "common/pipeline_fixtures.h"
 #include "twobp/error.h"
+#include "twobp/plan/choose.h"
+#include "twobp/plan/measure.h"
 #include "twobp/plan/synthesize.h"
 #include "twobp/runtime/launch.h"
 #include "twobp/runtime/pipeline.h"
@@ -208,6 +210,53 @@ TEST(Synthesize, RegistryEntryAndGeneratorWithCosts) {
   // A budget per rank in whole micro-batches: 3 of them are 6 chunk activations on the V.
   const SynthesizedScheduleGenerator tight(kSeq1024, 3, quick());
   EXPECT_LE(peak(simulate(tight.generate(ScheduleOptions{4, 8, 2, BackwardMode::kSplit}), costs)), 6);
+}
+
+// Planners synthesize "synth" for their own costs (make_schedule_for_costs); every other name is the registry's.
+TEST(Synthesize, ForCostsSynthesizesOnlySynth) {
+  const ScheduleOptions o{4, 8, 2, BackwardMode::kSplit};
+  const auto costs_for = [](const std::vector<int>& stage_to_rank) {
+    return kSeq1024.per_stage(static_cast<int>(stage_to_rank.size()), 4);
+  };
+  for (const std::string& name : {"zb-v", "interleaved-1f1b", "dualpipev"}) {
+    const Schedule plain = make_schedule(name, o), for_costs = make_schedule_for_costs(name, o, costs_for, quick());
+    EXPECT_EQ(plain.actions, for_costs.actions) << name;
+  }
+  const Schedule fitted = make_schedule_for_costs("synth", o, costs_for, quick());
+  EXPECT_EQ(fitted.actions, SynthesizedScheduleGenerator(kSeq1024, 0, quick()).generate(o).actions);
+  const CostModel costs = kSeq1024.per_stage(8, 4);
+  EXPECT_LT(simulate(fitted, costs).step_time, simulate(make_schedule("synth", o), costs).step_time);
+}
+
+// rank_schedules (AutoSchedule's ranking) offers synth synthesized for the measured costs on the running
+// placement: at unequal costs no slower than any candidate within its budget (1F1B standard's memory), both modes.
+TEST(Synthesize, RankSchedulesRanksSynthForTheMeasuredCosts) {
+  const Schedule running = make_schedule("zb-v", ScheduleOptions{4, 8, 2, BackwardMode::kSplit});
+  const CostModel per_stage = kSeq1024.per_stage(8, 4);
+  MeasuredCosts measured;
+  measured.forward = per_stage.forward;
+  measured.backward_input = per_stage.backward_input;
+  measured.backward_weight = per_stage.backward_weight;
+  measured.backward = per_stage.backward;
+  measured.communication = kSeq1024.communication;
+  for (BackwardMode mode : {BackwardMode::kStandard, BackwardMode::kSplit}) {
+    RankOptions options;
+    options.modes = {mode};
+    const std::vector<ScheduleCandidate> ranked = rank_schedules(running, measured, options);
+    const auto synth = std::find_if(ranked.begin(), ranked.end(), [](const auto& c) { return c.name == "synth"; });
+    ASSERT_NE(synth, ranked.end()) << to_string(mode);
+    EXPECT_EQ(synth->schedule.stage_to_rank, running.stage_to_rank);
+    EXPECT_EQ(synth->schedule.backward, mode);
+    const CostModel model = measured.cost_model(mode);
+    const int budget = 4 * 2;  // min(p, m) whole micro-batches of v = 2 chunks
+    int within = 0;
+    for (const ScheduleCandidate& c : ranked) {
+      if (peak(simulate(c.schedule, model)) > budget) continue;
+      ++within;
+      EXPECT_LE(synth->predicted_ms, c.predicted_ms + 1e-9) << to_string(mode) << " " << c.name;
+    }
+    EXPECT_GE(within, 3) << to_string(mode);
+  }
 }
 
 // Ranks as threads on the Local transport, paired in order as NCCL pairs: a synthesized schedule that mixes fused

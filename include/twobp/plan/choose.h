@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "twobp/plan/measure.h"
+#include "twobp/plan/synthesize.h"
 #include "twobp/runtime/pipeline.h"
 #include "twobp/schedule/schedule.h"
 
@@ -55,6 +56,9 @@ struct RankOptions {
   /// memory, the others `costs` and `memory`. nullptr: no recomputing candidates.
   const MeasuredCosts* recompute_costs = nullptr;
   const MemoryModel* recompute_memory = nullptr;
+  /// The search of `synth`, synthesized for each mode's measured costs on the running placement
+  /// (make_schedule_for_costs).
+  SynthesisOptions synthesis = SynthesisOptions::planning();
 };
 
 /// The registered schedules × modes (`names` / `modes`; empty `names`: every registered schedule) that keep

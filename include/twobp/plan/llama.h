@@ -17,6 +17,7 @@
 
 #include "twobp/models/llama.h"
 #include "twobp/plan/measure.h"
+#include "twobp/plan/synthesize.h"
 #include "twobp/schedule/schedule.h"
 #include "twobp/schedule/simulate.h"
 
@@ -136,6 +137,8 @@ struct LayoutPlanOptions {
   double communication_ms = 0;    ///< one activation message between neighbouring stages
   double link_bytes_per_s = 0;    ///< data-parallel all-reduce bandwidth per rank (needed when some dp > 1)
   double link_latency_s = 0;      ///< per ring step
+  /// The search of `synth`, synthesized for these costs per layout and mode (make_schedule_for_costs).
+  SynthesisOptions synthesis = SynthesisOptions::planning();
 };
 
 /// One layout, schedule, mode and recomputation with its prediction.

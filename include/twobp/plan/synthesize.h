@@ -62,6 +62,14 @@ struct SynthesisOptions {
   /// Also start from every built-in generator's schedule of the same placement within the budget (both backward
   /// forms), so that the result is never slower than the best of them.
   bool from_generators = true;
+
+  /// The planners' search (rank_schedules, plan_llama_layouts): a tenth of the default, as they synthesize once per
+  /// mode and layout they rank.
+  static SynthesisOptions planning() {
+    SynthesisOptions o;
+    o.max_work = 2'000'000;
+    return o;
+  }
 };
 
 /// A synthesized schedule and how it was found.
@@ -120,13 +128,23 @@ class SynthesizedScheduleGenerator : public ScheduleGenerator {
   std::string name() const override { return "synth"; }
   Schedule generate(const ScheduleOptions& options) const override;
 
-  /// Like generate(), with how the kept schedule was found.
-  SynthesisResult synthesize(const ScheduleOptions& options) const;
+  /// Like generate(), with how the kept schedule was found. A non-empty `only_stage_to_rank` restricts the search
+  /// to the placement with that stage_to_rank (ScheduleError when none of synthesis_placements(v) has it).
+  SynthesisResult synthesize(const ScheduleOptions& options, const std::vector<int>& only_stage_to_rank = {}) const;
 
  private:
   CostsFor costs_for_;
   int memory_budget_per_rank_;
   SynthesisOptions options_;
 };
+
+/// The schedule `name` makes for `options` (make_schedule), except "synth", which is synthesized for the costs
+/// `costs_for` gives (a planner's measured or estimated ones; the registry's synth knows only the textbook costs)
+/// within 1F1B's memory, on the placement `only_stage_to_rank` when it is not empty. Throws as make_schedule and
+/// SynthesizedScheduleGenerator::synthesize.
+Schedule make_schedule_for_costs(const std::string& name, const ScheduleOptions& options,
+                                 const SynthesizedScheduleGenerator::CostsFor& costs_for,
+                                 const SynthesisOptions& synthesis = {},
+                                 const std::vector<int>& only_stage_to_rank = {});
 
 }  // namespace twobp
