@@ -20,13 +20,13 @@ namespace {
 
 constexpr int kMicroBatches = 2;
 
-struct Run {
+struct Outcome {
   double loss = 0;
   std::map<std::string, std::vector<int64_t>> named;  // every rank's tensors by checkpoint name: their shapes
 };
 
 // One step of `ranks` ranks (1f1b 2BP, one stage each) on the same batch; rank 0's mean loss.
-Run run(int ranks, bool pack, bool fixed_shapes) {
+Outcome one_step(int ranks, bool pack, bool fixed_shapes) {
   const models::LlamaConfig config = models::config_by_name("tiny");
   models::LlamaRankOptions o{config, models::make_partition(config, ranks, 16), 7, 2, 16};
   o.pack = pack;
@@ -35,7 +35,7 @@ Run run(int ranks, bool pack, bool fixed_shapes) {
   torch::manual_seed(3);
   const at::Tensor tokens = torch::randint(0, config.vocab_size, {kMicroBatches * 2, 17}, at::kLong);
   const at::Tensor ids = tokens.narrow(1, 0, 16), next = tokens.narrow(1, 1, 16);
-  Run out;
+  Outcome out;
   std::mutex mutex;
   auto transports = make_local_transports(ranks);
   PipelineOptions base;
@@ -60,7 +60,7 @@ TEST(LlamaRank, TwoRanksComputeWhatOneRankHoldingTheModelDoes) {
   for (bool pack : {false, true}) {
     for (bool fixed : {true, false}) {
       SCOPED_TRACE(fmt::format("pack {} fixed shapes {}", pack, fixed));
-      const Run one = run(1, pack, fixed), two = run(2, pack, fixed);
+      const Outcome one = one_step(1, pack, fixed), two = one_step(2, pack, fixed);
       EXPECT_GT(one.loss, 0.0);
       EXPECT_NEAR(two.loss, one.loss, 1e-5 * one.loss);
       EXPECT_EQ(two.named, one.named);  // the same tensors under the same global names

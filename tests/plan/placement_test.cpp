@@ -42,6 +42,7 @@ MeasuredCosts split_costs(int stages) {
   c.forward.assign(stages, 1.0);
   c.backward_input.assign(stages, 1.2);
   c.backward_weight.assign(stages, 0.8);
+  c.backward.assign(stages, 0.0);  // as AutoSchedule::measured_costs without a standard probe
   c.communication = 0.05;
   return c;
 }
