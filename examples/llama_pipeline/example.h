@@ -22,9 +22,11 @@
 #include "twobp/checkpoint.h"
 #include "twobp/error.h"
 #include "twobp/metrics/energy.h"
+#include "twobp/metrics/step_log.h"
 #include "twobp/models/llama.h"
 #include "twobp/precision.h"
 #include "twobp/plan/choose.h"
+#include "twobp/plan/placement.h"
 #include "twobp/schedule/schedule.h"
 #include "twobp/trace/attribution.h"
 #include "twobp/trace/trace.h"
@@ -144,33 +146,12 @@ struct Plan {
 
 /// `world_size`: the pipeline ranks of one replica. Model, schedule and partition errors surface here.
 Plan make_plan(const Args& args, int world_size);
-/// Whether two plans put the same stages (chunks of the same layers) on the same ranks: a job moves between them
-/// by switching the schedule; otherwise its state moves (--auto-placements).
-bool same_placement(const Plan& a, const Plan& b);
-
-/// --auto-placements: a plan of another placement (other chunks per rank, or another order of stages on the ranks,
-/// the layers cut by make_partition) for the same ranks, micro-batches and model, and its predicted step time.
-struct PlacementCandidate {
-  Plan plan;
-  double predicted_ms = 0;
-};
-struct PlacementRanking {
-  double current_ms = 0;  // `current`'s form under the same fitted costs
-  std::vector<PlacementCandidate> others;  // the other placements' forms that fit, fastest predicted first
-  std::string fit;  // how the costs were fitted (LlamaCosts::how)
-  std::string why_none;  // when `others` is empty
-};
-/// The costs per chunk fitted to `measured` (the probes of `current`'s stages, AutoSchedule::measured_costs;
-/// twobp::fit_llama_costs) and every schedule, mode (and, with --auto-recompute, recomputation setting) of the
-/// other placements ranked by twobp::plan_llama_layouts under them (one replica's view: no data-parallel term; with
-/// --auto-memory-limit-gb, the planner's memory estimate -- formulas, not a measurement -- bounds them). Pure: the
-/// same on every rank given the same inputs.
-PlacementRanking rank_placements(const Plan& current, const twobp::MeasuredCosts& measured, double communication_ms);
-/// "interleaved-1f1b 2BP (2 chunk(s) per rank, layers 1,1,1,1)"; the recomputing ranks where some recompute.
-std::string describe_placement(const Plan& p);
+/// The placement and form `p` runs (--auto-placements moves between them: twobp/plan/placement.h), and `p` running
+/// `to` instead (its checkpoint layout too).
+twobp::Placement placement_of(const Plan& p);
+Plan with_placement(const Plan& p, const twobp::Placement& to);
 /// The learning rate of `step`: linear warm-up, then cosine decay to 10 % of --lr at --steps.
 double learning_rate(const Args& a, int step);
-std::string human_bytes(double b);
 /// Writes `j` to `path`; IOError when that fails.
 void write_json(const std::string& path, const nlohmann::json& j);
 /// The run's settings, as the JSON output starts.
@@ -182,22 +163,8 @@ int dry_run(const Plan& p);
 
 // ---- Training (train.cpp) ----
 
-struct StepRecord {
-  int step;
-  double loss;
-  double tokens_per_s;
-  double grad_norm;
-  double lr;
-  double peak_memory_bytes;  // max over the pipeline's ranks of StepResult::peak_memory_bytes
-  std::optional<double> energy_j;  // the whole job's, this step (twobp/metrics/energy.h); nullopt: not measured
-  std::optional<double> j_per_token;
-  std::optional<double> eval_loss;  // the held-out split's mean loss after this step's update, when evaluated
-  bool skipped = false;             // --on-nonfinite skip dropped this step's update
-  // --memory-limit-gb: whether the peak (of the pipeline's ranks) stayed within it (nullopt: no limit, or memory
-  // not measured). It bounds deferred W's only, so a schedule needing more without them exceeds it, and so may a
-  // first step.
-  std::optional<bool> memory_limit_held;
-};
+/// One step as reported (twobp/metrics/step_log.h: its progress line, the summary and the JSON).
+using StepRecord = twobp::metrics::StepRecord;
 
 /// What rank 0 reports and the threads share.
 struct Shared {
@@ -213,11 +180,7 @@ struct Shared {
   std::vector<twobp::StepAttribution> attribution;
   // --schedule auto: what it decided, (step, line) in order, and the schedule the run ended with.
   std::vector<std::pair<int, std::string>> auto_decisions;
-  std::string final_schedule;
-  bool final_two_bp = false;
-  std::vector<int> final_recompute_ranks;  // pipeline ranks recomputing at the end (--recompute..., or auto's)
-  int final_chunks_per_rank = 1;  // and the placement it ended on (--auto-placements may move it)
-  std::string final_partition;
+  twobp::Placement final_placement;  // the run ended with (--auto-placements may move it), recomputing ranks too
   std::vector<twobp::ScheduleCandidate> auto_ranking;  // the candidates, fastest predicted first
 };
 

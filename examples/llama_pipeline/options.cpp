@@ -7,16 +7,17 @@
 
 namespace llama_example {
 
-void add_options(CLI::App& app, Args& a) {
-  namespace cli = twobp::cli;
-  // A repeated option takes its last value, so scripts can append overrides to a common command line.
-  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast)->always_capture_default();
-  cli::add_version_flag(app, "llama_pipeline");
+namespace cli = twobp::cli;
+namespace {
+
+/// A count of steps where 0 means none.
+auto steps_or_none() { return cli::number_in(0, 1e9, " (0: none)"); }
+
+void add_model_options(CLI::App& app, Args& a) {
   // Upper bounds far above any real run's (a 405B model has 126 blocks of width 16384), low enough that sizes
   // multiplied together stay in range; whether the model then fits is check_fits_in_host_memory()'s question.
   const auto width = cli::number_in(0, 1 << 20, " (0: the model's)");
   const auto few = cli::number_in(0, 4096, " (0: the model's)");
-  const auto steps = cli::number_in(1, 1e9), steps_or_none = cli::number_in(0, 1e9, " (0: none)");
 
   const std::string model = "Model";
   app.add_option("--model", a.model, "Model configuration")->check(CLI::IsMember(llm::config_names()))->group(model);
@@ -31,6 +32,10 @@ void add_options(CLI::App& app, Args& a) {
   app.add_option("--seed", a.seed, "Seed of the weights and the data order")
       ->check(cli::number_in(0, 18446744073709551615.0))->group(model);
 
+}
+
+/// --schedule and how --schedule auto measures and chooses.
+void add_schedule_options(CLI::App& app, Args& a) {
   const std::string pipeline = "Pipeline";
   std::vector<std::string> schedules = twobp::schedule_names();
   schedules.push_back("auto");
@@ -75,6 +80,10 @@ void add_options(CLI::App& app, Args& a) {
                  "With --schedule auto: a candidate is measured when its prediction is within this share of the "
                  "best prediction (and of the running form's)")
       ->check(cli::number_in(0, 100))->group(pipeline);
+}
+
+void add_pipeline_options(CLI::App& app, Args& a) {
+  const std::string pipeline = "Pipeline";
   app.add_option("--schedule-file", a.schedule_file,
                  "A schedule file: twobp's text form, or PyTorch's compute_only CSV (*.csv); overrides --schedule, "
                  "keeps its own 2BP mode")
@@ -123,11 +132,15 @@ void add_options(CLI::App& app, Args& a) {
   app.add_option("--timeout", a.timeout_s, "Seconds any wait may block before failing")
       ->check(cli::number_in(1e-3, 1e7, " seconds"))->group(pipeline);
 
+}
+
+/// Training, data and evaluation.
+void add_training_options(CLI::App& app, Args& a) {
   const std::string training = "Training";
   app.add_option("--steps", a.steps, "Training steps (also the learning-rate schedule's horizon)")
-      ->check(steps)->group(training);
+      ->check(cli::number_in(1, 1e9))->group(training);
   app.add_option("--stop-after", a.stop_after, "Stop after this step, to be resumed later (0: run to --steps)")
-      ->check(steps_or_none)->group(training);
+      ->check(steps_or_none())->group(training);
   app.add_option("--warmup-steps", a.warmup_steps, "Linear warm-up steps (-1: steps / 10)")
       ->check(cli::number_in(-1, 1e9, " (-1: steps / 10)"))->group(training);
   app.add_option("--lr", a.lr, "Peak learning rate (AdamW, cosine decay to 10%)")
@@ -159,15 +172,18 @@ void add_options(CLI::App& app, Args& a) {
       ->check(cli::number_in(0, 65535))->group(data);
   app.add_option("--seq-len-warmup", a.seq_len_warmup,
                  "Grow the sequence length linearly to --seq-len over this many steps (0: none)")
-      ->check(steps_or_none)->group(data);
+      ->check(steps_or_none())->group(data);
   app.add_option("--eval-every", a.eval_every,
                  "Evaluate the held-out split every N steps and after the last (0: never; holds out --eval-fraction)")
-      ->check(steps_or_none)->group(data);
+      ->check(steps_or_none())->group(data);
   app.add_option("--eval-batches", a.eval_batches, "Global batches per evaluation (the same ones every time)")
       ->check(cli::number_in(1, 4096))->group(data);
   app.add_option("--eval-fraction", a.eval_fraction, "The corpus's tail held out for evaluation")
       ->check(cli::number_in(1e-6, 1 - 1e-6))->group(data);
 
+}
+
+void add_output_options(CLI::App& app, Args& a) {
   const std::string output = "Output and checkpoints";
   app.add_option("--json", a.json, "Write the per-step losses (or the dry-run plan) as JSON")
       ->check(cli::writable_file())->group(output);
@@ -181,7 +197,7 @@ void add_options(CLI::App& app, Args& a) {
   app.add_option("--checkpoint-dir", a.checkpoint_dir, "Write a checkpoint here at the end (and every N steps)")
       ->check(cli::writable_directory())->group(output);
   app.add_option("--checkpoint-every", a.checkpoint_every, "Checkpoint every N steps (0: at the end only)")
-      ->check(steps_or_none)->group(output);
+      ->check(steps_or_none())->group(output);
   app.add_flag("--resume", a.resume, "Resume from --checkpoint-dir")->group(output);
   app.add_flag("--dry-run", a.dry_run, "Print sizes and memory estimates without allocating the model")
       ->group(output);
@@ -201,6 +217,19 @@ void add_options(CLI::App& app, Args& a) {
   llama_pipeline --schedule auto --steps 30                 # measure, then run the fastest schedule
   llama_pipeline --schedule auto --steps 60 --auto-placements --checkpoint-dir ck   # other placements too
 Documentation: README.md and docs/ in the source tree.)");
+}
+
+}  // namespace
+
+void add_options(CLI::App& app, Args& a) {
+  // A repeated option takes its last value, so scripts can append overrides to a common command line.
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast)->always_capture_default();
+  cli::add_version_flag(app, "llama_pipeline");
+  add_model_options(app, a);
+  add_schedule_options(app, a);
+  add_pipeline_options(app, a);
+  add_training_options(app, a);
+  add_output_options(app, a);
 }
 
 /// Options that have no effect in this run, for a warning (a launcher's world size replaces --ranks; some options

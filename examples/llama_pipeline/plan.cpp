@@ -7,11 +7,21 @@
 
 #include "example.h"
 #include "twobp/error.h"
-#include "twobp/plan/llama.h"
+#include "twobp/plan/llama_memory.h"
 #include "twobp/schedule/registry.h"
-#include "twobp/schedule/simulate.h"
 
 namespace llama_example {
+namespace {
+
+/// The layout a checkpoint of `p` is written with (recorded, not checked).
+ck::CheckpointConfig checkpoint_layout(const Plan& p) {
+  return {{"stages", std::to_string(p.schedule.num_stages)},
+          {"world_size", std::to_string(p.world_size)},
+          {"schedule", p.schedule.name},
+          {"partition", p.partition.layout()}};
+}
+
+}  // namespace
 
 Plan make_plan(const Args& args, int world_size) {
   Plan plan;
@@ -30,10 +40,7 @@ Plan make_plan(const Args& args, int world_size) {
       twobp::recomputing_ranks(args.recompute, args.recompute_ranks, args.recompute_on, plan.schedule.num_ranks);
   plan.precision = twobp::parse_precision(args.dtype);
   plan.checkpoint_config = {{"model", plan.config.name}, {"dtype", args.dtype}, {"seed", std::to_string(args.seed)}};
-  plan.checkpoint_layout = {{"stages", std::to_string(plan.schedule.num_stages)},
-                            {"world_size", std::to_string(world_size)},
-                            {"schedule", plan.schedule.name},
-                            {"partition", plan.partition.layout()}};
+  plan.checkpoint_layout = checkpoint_layout(plan);
   if (args.dims.any()) {  // a custom model: its sizes are part of what a checkpoint belongs to
     const auto& c = plan.config;
     plan.checkpoint_config["sizes"] = fmt::format("dim {} layers {} heads {} kv_heads {} ffn {} vocab {}", c.dim,
@@ -42,87 +49,15 @@ Plan make_plan(const Args& args, int world_size) {
   return plan;
 }
 
-bool same_placement(const Plan& a, const Plan& b) {
-  return a.schedule.num_stages == b.schedule.num_stages && a.schedule.stage_to_rank == b.schedule.stage_to_rank &&
-         a.partition.layout() == b.partition.layout();
-}
+twobp::Placement placement_of(const Plan& p) { return {p.schedule, p.partition, p.recompute_ranks}; }
 
-PlacementRanking rank_placements(const Plan& current, const twobp::MeasuredCosts& measured, double communication_ms) {
-  const Args& a = current.args;
-  PlacementRanking out;
-  auto every_stage = [](const std::vector<double>& ms) {
-    return !ms.empty() && std::all_of(ms.begin(), ms.end(), [](double x) { return x > 0; });
-  };
-  if (!every_stage(measured.forward) || !every_stage(measured.backward_input) ||
-      !every_stage(measured.backward_weight)) {
-    out.why_none = "the probes did not measure F, I and W on every stage (a 2BP form that runs them all)";
-    return out;
-  }
-  // The run's chunks: I and W from its 2BP probe, B from its standard one where that ran (fit_llama_costs).
-  std::vector<twobp::MeasuredLlamaRun> runs{{current.partition, twobp::BackwardMode::kSplit, measured}};
-  if (every_stage(measured.backward)) runs.push_back({current.partition, twobp::BackwardMode::kStandard, measured});
-  const twobp::LlamaCosts costs = twobp::fit_llama_costs(current.config, current.seq_len, runs);
-  // One replica's view (its ranks, its micro-batches): the data-parallel reduction differs little between
-  // placements of the same parameters, and the measurement decides anyway.
-  twobp::LayoutPlanOptions o;
-  o.ranks = current.world_size;
-  o.max_dp = 1;
-  o.seq = current.seq_len;
-  o.micro_batch_size = a.micro_batch_size;
-  o.global_batch = static_cast<int64_t>(a.microbatches) * a.micro_batch_size;
-  o.recompute = a.auto_recompute ? std::vector<bool>{false, true} : std::vector<bool>{false};
-  o.precision = llm::training_precision(current.precision);
-  o.memory_limit_bytes = a.auto_memory_limit_gb * 1024.0 * 1024.0 * 1024.0;
-  o.communication_ms = communication_ms;
-  twobp::LayoutPlan plan;
-  try {
-    plan = twobp::plan_llama_layouts(current.config, costs, o);
-  } catch (const twobp::UsageError& e) {
-    out.why_none = e.what();
-    return out;
-  }
-  const twobp::BackwardMode mode = current.schedule.backward;
-  for (const twobp::LayoutCandidate& c : plan.candidates) {
-    if (!c.fits) continue;
-    Args b = a;
-    b.auto_start = c.schedule;
-    b.chunks_per_rank = c.v;
-    b.two_bp = c.mode == twobp::BackwardMode::kSplit;
-    b.partition.clear();  // balanced (make_partition), as the planner cut it
-    Plan other = make_plan(b, current.world_size);
-    other.recompute_ranks = c.recompute_ranks;
-    if (!same_placement(other, current)) {
-      out.others.push_back({std::move(other), c.step_ms});
-    } else if (c.schedule == current.schedule.name && c.mode == mode && c.recompute_ranks == current.recompute_ranks) {
-      out.current_ms = c.step_ms;
-    }
-  }
-  if (out.current_ms == 0) {  // not among the planner's forms (a --partition of its own): simulated directly
-    out.current_ms = twobp::simulate(current.schedule, costs.cost_model(current.partition, mode,
-                                                                        !current.recompute_ranks.empty(),
-                                                                        communication_ms))
-                         .step_time;
-  }
-  std::stable_sort(out.others.begin(), out.others.end(), [](const PlacementCandidate& x, const PlacementCandidate& y) {
-    return x.predicted_ms < y.predicted_ms;
-  });
-  out.fit = costs.how;
-  if (out.others.empty()) {
-    out.why_none = "no other placement of these ranks and micro-batches fits";
-    if (o.memory_limit_bytes > 0) {
-      out.why_none +=
-          fmt::format(" within {} per rank (the planner's memory estimate)", human_bytes(o.memory_limit_bytes));
-    }
-  }
+Plan with_placement(const Plan& p, const twobp::Placement& to) {
+  Plan out = p;
+  out.schedule = to.schedule;
+  out.partition = to.partition;
+  out.recompute_ranks = to.recompute_ranks;
+  out.checkpoint_layout = checkpoint_layout(out);
   return out;
-}
-
-std::string describe_placement(const Plan& p) {
-  std::string s = fmt::format("{} {} ({} chunk(s) per rank, layers {})", p.schedule.name,
-                              twobp::to_string(p.schedule.backward),
-                              p.schedule.num_stages / p.world_size, p.partition.layout());
-  if (!p.recompute_ranks.empty()) s += fmt::format(" recomputing on ranks {}", fmt::join(p.recompute_ranks, ","));
-  return s;
 }
 
 double learning_rate(const Args& a, int step) {
@@ -131,16 +66,6 @@ double learning_rate(const Args& a, int step) {
   const double progress = std::min(1.0, (step - warmup) / static_cast<double>(std::max(1, a.steps - warmup)));
   const double min_ratio = 0.1;
   return a.lr * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + std::cos(M_PI * progress)));
-}
-
-std::string human_bytes(double b) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  int u = 0;
-  while (b >= 1024.0 && u < 4) {
-    b /= 1024.0;
-    ++u;
-  }
-  return fmt::format("{:.2f} {}", b, units[u]);
 }
 
 void write_json(const std::string& path, const nlohmann::json& j) {
@@ -224,94 +149,11 @@ void check_fits_in_host_memory(const Plan& p, bool ranks_are_threads, int my_pip
 }
 
 int dry_run(const Plan& p) {
-  const auto& cfg = p.config;
-  const int S = p.schedule.num_stages;
-  // Simulated schedule with the partition's compute estimates (I and W each ~ one forward; B = I + W).
-  twobp::CostModel costs;
-  for (int s = 0; s < S; ++s) {
-    const double c = std::max(0.05, p.partition.cost[s]);
-    costs.forward.push_back(c);
-    costs.backward_input.push_back(c);
-    costs.backward_weight.push_back(c);
-    costs.backward.push_back(2 * c);
-  }
-  const auto sim = twobp::simulate(p.schedule, costs);
-  // Memory: the formulas of twobp::models::memory_model walked through the schedule by
-  // twobp::simulate_peak_memory, as twobp_bench pipeline does with measured memory.
-  const llm::MemoryPlanOptions mo = memory_options(p);
-  const auto ranks = llm::estimate_memory(cfg, p.partition, p.schedule, mo);
-  const double gib = 1024.0 * 1024.0 * 1024.0;
-  const double budget = p.args.gpu_memory_gb * gib;
-
+  const twobp::LlamaMemoryReport report = twobp::llama_memory_report(
+      p.config, p.partition, p.schedule, memory_options(p), p.args.gpu_memory_gb * 1024.0 * 1024.0 * 1024.0);
+  for (const std::string& line : report.lines) fmt::print("{}\n", line);
   nlohmann::json j = config_json(p);
-  j["parameters"] = llm::parameter_count(cfg);
-  j["simulated_bubble_fraction"] = sim.bubble_fraction;
-  j["precision"] = twobp::to_string(p.precision);
-  j["recompute"] = mo.recompute;
-  const bool every_rank = static_cast<int>(mo.recompute_ranks.size()) == p.world_size;
-  if (mo.recompute && !every_rank) j["recompute_ranks"] = mo.recompute_ranks;
-  if (budget > 0) j["gpu_memory_gb"] = p.args.gpu_memory_gb;
-  j["memory_formula"] =
-      "twobp::models::memory_model + twobp::simulate_peak_memory: base = parameters x (compute + master + AdamW "
-      "bytes); per stage F keeps chunk_activation_bytes (recompute: the input), I keeps chunk_pending_weight_bytes "
-      "until W, the first W or B allocates the gradients; message buffers not counted";
-  const std::string recompute_note = !mo.recompute ? ""
-                                     : every_rank  ? ", recompute"
-                                                   : fmt::format(", recompute on rank{} {}",
-                                                                 mo.recompute_ranks.size() > 1 ? "s" : "",
-                                                                 twobp::format_ranks(mo.recompute_ranks));
-  fmt::print("model {}: {} parameters ({:.3f} B), {} stages over {} ranks, schedule {} ({}), partition {} "
-             "(imbalance {:.3f}), precision {}{}, micro-batch {} x {} tokens, m = {}\n",
-             cfg.name, llm::parameter_count(cfg), llm::parameter_count(cfg) / 1e9, S, p.world_size, p.schedule.name,
-             twobp::to_string(p.schedule.backward), p.partition.layout(),
-             p.partition.imbalance(), twobp::to_string(p.precision), recompute_note, mo.micro_batch_size, mo.seq_len,
-             p.schedule.num_micro_batches);
-  j["stages"] = nlohmann::json::array();
-  for (int s = 0; s < S; ++s) {
-    const auto& spec = p.partition.chunks[s];
-    const int64_t b = mo.precision.compute_bytes;
-    j["stages"].push_back(
-        {{"stage", s},
-         {"rank", p.schedule.stage_to_rank[s]},
-         {"first_layer", spec.first_layer},
-         {"end_layer", spec.end_layer},
-         {"embedding", spec.has_embedding},
-         {"head", spec.has_head},
-         {"parameters", llm::chunk_parameter_count(cfg, spec)},
-         {"cost", p.partition.cost[s]},
-         {"activation_bytes_per_micro_batch",
-          llm::chunk_activation_bytes(cfg, spec, mo.micro_batch_size, mo.seq_len, b)},
-         {"pending_weight_bytes_per_micro_batch",
-          llm::chunk_pending_weight_bytes(cfg, spec, mo.micro_batch_size, mo.seq_len, b)}});
-  }
-  j["ranks"] = nlohmann::json::array();
-  bool all_fit = true;
-  for (int r = 0; r < p.world_size; ++r) {
-    const auto& e = ranks[r];
-    const bool fits = budget <= 0 || e.total <= budget;
-    all_fit = all_fit && fits;
-    nlohmann::json row{{"rank", r},
-                       {"parameters", e.parameters},
-                       {"weights_bytes", e.weights},
-                       {"master_weights_bytes", e.master_weights},
-                       {"optimizer_bytes", e.optimizer},
-                       {"gradient_bytes", e.gradients},
-                       {"activation_bytes", e.activations},
-                       {"pending_weight_bytes", e.pending_weights},
-                       {"peak_live_micro_batches", sim.peak_live_micro_batches[r]},
-                       {"memory_bytes", e.total}};
-    if (budget > 0) row["fits"] = fits;
-    j["ranks"].push_back(row);
-    fmt::print("  rank {}: stages {}, {} parameters | weights {}, masters {}, AdamW {}, grads {} | activations {}, "
-               "pending W {} | total {}{}\n",
-               r, fmt::join(p.schedule.stages_of(r), ","), e.parameters, human_bytes(e.weights),
-               human_bytes(e.master_weights), human_bytes(e.optimizer), human_bytes(e.gradients),
-               human_bytes(e.activations), human_bytes(e.pending_weights), human_bytes(e.total),
-               budget > 0 ? (fits ? fmt::format(" (fits {:g} GiB)", p.args.gpu_memory_gb)
-                                  : fmt::format(" (DOES NOT FIT {:g} GiB)", p.args.gpu_memory_gb))
-                          : "");
-  }
-  if (budget > 0) j["fits"] = all_fit;
+  j.update(nlohmann::json::parse(report.json));
   if (!p.args.json.empty()) write_json(p.args.json, j);
   return 0;
 }

@@ -224,6 +224,7 @@ std::vector<ScheduleCandidate> rank_schedules(const Schedule& running, const Mea
 AutoSchedule::AutoSchedule(Pipeline& pipeline, AutoScheduleOptions options)
     : pipeline_(pipeline),
       options_(std::move(options)),
+      trial_(pipeline.transport(), options_.replicas, options_.timeout),
       start_(pipeline.schedule()) {
   const int rank = pipeline.rank();
   TWOBP_CHECK(options_.probe_steps >= 2 && options_.verify_steps >= 2, UsageError,
@@ -291,28 +292,19 @@ AutoSchedule::AutoSchedule(Pipeline& pipeline, AutoScheduleOptions options)
       probes_.back().recompute_ranks = recomputing_ranks(true, 0, "", start_.num_ranks);  // every rank
     }
   }
-}
-
-double AutoSchedule::slowest_median_ms() {
-  const double mine = step_ms_.empty() ? 0.0 : metrics::quantile(step_ms_, 0.5);
-  double slowest = max_over_ranks(pipeline_.transport(), mine, options_.timeout);
-  if (options_.replicas != nullptr) slowest = max_over_ranks(*options_.replicas, slowest, options_.timeout);
-  return slowest;
+  trial_.start(options_.probe_steps);
 }
 
 std::optional<std::string> AutoSchedule::after_step(const StepResult& result) {
   if (phase_ == Phase::kDone) return std::nullopt;
-  ++steps_in_phase_;
-  if (steps_in_phase_ > 1) {  // the first step of a phase is warm-up
-    if (phase_ == Phase::kProbing) {
-      const int setting = probes_[probe_ms_.size()].recompute_ranks.empty() ? 0 : 1;
-      costs_[setting].add(result.trace);
-      if (!memory_.empty()) memory_[setting].add(result.trace);
-    }
-    step_ms_.push_back(result.pipeline_us / 1000.0);
+  if (trial_.add(result.pipeline_us / 1000.0) && phase_ == Phase::kProbing) {  // the first step is warm-up
+    const int setting = probes_[probe_ms_.size()].recompute_ranks.empty() ? 0 : 1;
+    costs_[setting].add(result.trace);
+    if (!memory_.empty()) memory_[setting].add(result.trace);
   }
-  if (phase_ == Phase::kProbing && steps_in_phase_ == options_.probe_steps) {
-    probe_ms_.push_back(slowest_median_ms());
+  if (!trial_.complete()) return std::nullopt;
+  if (phase_ == Phase::kProbing) {
+    probe_ms_.push_back(trial_.finish());
     if (probe_ms_.size() < probes_.size()) {
       const ScheduleCandidate& measured = probes_[probe_ms_.size() - 1];
       const ScheduleCandidate& next = probes_[probe_ms_.size()];
@@ -331,8 +323,7 @@ std::optional<std::string> AutoSchedule::after_step(const StepResult& result) {
     }
     return end_probe();
   }
-  if (phase_ == Phase::kVerifying && steps_in_phase_ == options_.verify_steps) return end_trial();
-  return std::nullopt;
+  return end_trial();
 }
 
 std::string AutoSchedule::memory_note() const {
@@ -348,8 +339,7 @@ void AutoSchedule::set_recompute(const std::vector<int>& ranks) {
 void AutoSchedule::start_phase(const ScheduleCandidate& next) {
   set_recompute(next.recompute_ranks);
   pipeline_.switch_schedule(next.schedule);
-  steps_in_phase_ = 0;
-  step_ms_.clear();
+  trial_.start(phase_ == Phase::kProbing ? options_.probe_steps : options_.verify_steps);
 }
 
 std::string AutoSchedule::end_probe() {
@@ -426,7 +416,7 @@ std::string AutoSchedule::end_probe() {
 
 std::string AutoSchedule::end_trial() {
   const ScheduleCandidate& tried = trials_[trial_ms_.size()];
-  trial_ms_.push_back(slowest_median_ms());
+  trial_ms_.push_back(trial_.finish());
   const std::string measured = fmt::format("auto schedule: {} measured {:.2f} ms/step (predicted {:.2f})",
                                            describe(tried), trial_ms_.back(), tried.predicted_ms);
   if (trial_ms_.size() < trials_.size()) {
@@ -447,12 +437,12 @@ std::string AutoSchedule::settle(const std::string& prefix) {
   // Nothing measured fits the memory limit: the job goes on with the starting schedule, over the limit.
   const bool over_limit = all.empty();
   if (over_limit) all.emplace_back(&probes_.front(), probe_ms_.front());
-  const auto best = std::min_element(all.begin(), all.end(), [](const auto& a, const auto& b) {
-    return a.second < b.second;  // ties: the first measured (the starting schedule first)
-  });
+  std::vector<double> ms;
+  for (const auto& measured : all) ms.push_back(measured.second);
+  const auto& best = all[fastest(ms)];  // ties: the first measured (the starting schedule first)
   phase_ = Phase::kDone;
-  chosen_ms_ = best->second;
-  const ScheduleCandidate& chosen = *best->first;
+  chosen_ms_ = best.second;
+  const ScheduleCandidate& chosen = *best.first;
   const Schedule& now = pipeline_.schedule();
   const bool running =
       chosen.name == now.name && chosen.mode == now.backward && chosen.recompute_ranks == recompute_ranks_;

@@ -124,6 +124,11 @@ void ShardedOptimizer::step() {
   }
 }
 
+void ShardedOptimizer::set_lr(double lr) {
+  if (local_ == nullptr) return;  // a replica that owns no parameter
+  for (auto& group : local_->param_groups()) group.options().set_lr(lr);
+}
+
 int64_t ShardedOptimizer::state_bytes() const {
   if (!local_) return 0;
   int64_t bytes = 0;

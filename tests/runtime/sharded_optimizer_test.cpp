@@ -233,5 +233,22 @@ TEST(Sharding, RefusesAParameterUnfrozenAfterConstruction) {
   EXPECT_TRUE(torch::equal(a, torch::full({3}, 0.5))) << "refused before stepping anything";
 }
 
+// set_lr: the learning rate of the next step, on the replicas that own parameters (a replica that owns none has
+// no local optimizer and nothing to set).
+TEST(Sharding, SetLrChangesTheNextStep) {
+  auto a = torch::ones({3}).requires_grad_(), b = torch::ones({2}).requires_grad_();
+  ShardedOptimizer o({a, b}, nullptr,
+                     [](std::vector<at::Tensor> p) -> std::unique_ptr<torch::optim::Optimizer> {
+                       return std::make_unique<torch::optim::SGD>(std::move(p), torch::optim::SGDOptions(0.5));
+                     },
+                     kTimeout);
+  o.set_lr(0.25);
+  for (auto* p : {&a, &b}) p->mutable_grad() = torch::ones_like(*p);
+  o.step();
+  EXPECT_TRUE(torch::allclose(a, torch::full({3}, 0.75)));
+  EXPECT_TRUE(torch::allclose(b, torch::full({2}, 0.75)));
+  EXPECT_DOUBLE_EQ(o.local()->param_groups().front().options().get_lr(), 0.25);
+}
+
 }  // namespace
 }  // namespace twobp::testing

@@ -24,6 +24,7 @@
 
 #include "twobp/plan/measure.h"
 #include "twobp/plan/synthesize.h"
+#include "twobp/plan/trials.h"
 #include "twobp/runtime/pipeline.h"
 #include "twobp/schedule/schedule.h"
 
@@ -152,7 +153,6 @@ class AutoSchedule {
   bool recomputing() const { return has_rank(recompute_ranks_, pipeline_.rank()); }
 
  private:
-  double slowest_median_ms();  // collective: max over ranks (and replicas) of this rank's median pipeline_us
   std::string end_probe();     // ranks, shortlists, starts the first trial
   std::string end_trial();     // records a trial; starts the next or settles
   std::string settle(const std::string& prefix);  // keeps the fastest measured; done
@@ -162,15 +162,14 @@ class AutoSchedule {
 
   Pipeline& pipeline_;
   AutoScheduleOptions options_;
+  Trial trial_;  // the running probe's or candidate's measurement
   Schedule start_;
   Phase phase_ = Phase::kProbing;
-  int steps_in_phase_ = 0;
   // [0]: the probes as the pipeline was built, [1]: with every stage recomputing (AutoScheduleOptions::recompute).
   std::vector<CostRecorder> costs_;
   std::vector<MemoryRecorder> memory_;  // with a memory limit
   std::vector<std::pair<int, bool>> built_recompute_;  // this rank's stages as built: (stage, recompute)
   std::vector<int> recompute_ranks_;
-  std::vector<double> step_ms_;  // this rank's measured steps of the phase
   std::vector<ScheduleCandidate> ranking_;
   MeasuredCosts measured_;  // the probes' agreed costs as built
   std::vector<ScheduleCandidate> probes_;

@@ -53,6 +53,9 @@ class ShardedOptimizer {
 
   /// The optimizer over this replica's share (to set learning rates), null when it owns nothing.
   torch::optim::Optimizer* local() { return local_.get(); }
+  /// Sets the learning rate of every parameter group of the local optimizer (none when it owns nothing). Local:
+  /// every replica sets the same rate for the same step.
+  void set_lr(double lr);
   /// The replica that steps `param` (-1: nobody, it does not require grad). Throws UsageError for a tensor that
   /// is not one of `params`.
   int owner_of(const at::Tensor& param) const;

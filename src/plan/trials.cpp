@@ -1,0 +1,52 @@
+#include "twobp/plan/trials.h"
+
+#include <algorithm>
+
+#include "twobp/error.h"
+#include "twobp/metrics/metrics.h"
+#include "twobp/transport/collectives.h"
+#include "util/check.h"
+
+namespace twobp {
+
+Trial::Trial(Transport& ranks, Transport* replicas, Duration timeout)
+    : ranks_(ranks), replicas_(replicas), timeout_(timeout) {}
+
+void Trial::start(int steps) {
+  TWOBP_CHECK(steps >= 2, UsageError, "Trial: a candidate is measured over >= 2 steps (the first is warm-up), got {}",
+              steps);
+  steps_ = steps;
+  taken_ = 0;
+  step_ms_.clear();
+}
+
+bool Trial::add(double step_ms) {
+  TWOBP_CHECK(steps_ > 0 && taken_ < steps_, UsageError,
+              "Trial::add: no measurement is running (start() one; finish() a complete one)");
+  ++taken_;
+  if (taken_ == 1) return false;  // warm-up: a switch or a move just happened
+  step_ms_.push_back(step_ms);
+  return true;
+}
+
+double Trial::finish() {
+  TWOBP_CHECK(complete(), UsageError, "Trial::finish: {} of {} steps measured", taken_, steps_);
+  const double ms = slowest_median_ms(step_ms_, ranks_, replicas_, timeout_);
+  steps_ = taken_ = 0;
+  step_ms_.clear();
+  return ms;
+}
+
+double slowest_median_ms(const std::vector<double>& step_ms, Transport& ranks, Transport* replicas,
+                         Duration timeout) {
+  const double mine = step_ms.empty() ? 0.0 : metrics::quantile(step_ms, 0.5);
+  const double slowest = max_over_ranks(ranks, mine, timeout);
+  return replicas == nullptr ? slowest : max_over_ranks(*replicas, slowest, timeout);
+}
+
+std::size_t fastest(const std::vector<double>& ms) {
+  TWOBP_CHECK(!ms.empty(), UsageError, "fastest: no measured candidate");
+  return static_cast<std::size_t>(std::min_element(ms.begin(), ms.end()) - ms.begin());
+}
+
+}  // namespace twobp
