@@ -153,8 +153,8 @@ elseif(STEP STREQUAL "umbrella")
   endif()
 
 elseif(STEP STREQUAL "docs")
-  # The blocks as doc_blocks.py extracts them, next to the project's CMakeLists.txt; a fresh tree each time (the
-  # build directory's objects stay, and ccache has them).
+  # The blocks as doc_blocks.py extracts them, next to the project's CMakeLists.txt; a fresh tree, build
+  # directory included, each time (ccache keeps the objects).
   set(source ${WORK_DIR}/docs)
   file(REMOVE_RECURSE ${source})
   file(COPY ${PROJECT_DIR}/tests/docs/project/CMakeLists.txt DESTINATION ${source})
@@ -173,7 +173,6 @@ elseif(STEP STREQUAL "docs")
   if(NOT commands)
     message(FATAL_ERROR "no shell snippet (the README's configure line, <!-- snippet: readme_configure -->)")
   endif()
-  file(REMOVE ${source}/build/CMakeCache.txt)
   foreach(command_file IN LISTS commands)
     file(READ ${command_file} command)
     string(REPLACE "<twobp prefix>" "${moved}" command "${command}")
