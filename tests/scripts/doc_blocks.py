@@ -17,9 +17,9 @@ Every fenced block carries a marker, an HTML comment on the line before its open
   <!-- illustration: WHY -->           shown, not run: an output, a layout, a launch needing GPUs or nodes
 
   doc_blocks.py check ROOT [--ctest CTEST --build DIR]
-                                              fails naming each unmarked block, each indented code block, duplicate snippet name, missing
-                                              harness, and (with a build: its `ctest -N`) each verified: TEST
-                                              that is no test of that build
+                                              fails naming each unmarked block, each indented code block,
+                                              duplicate snippet name, missing harness, and (with a build: its
+                                              `ctest -N`) each verified: TEST that is no test of that build
   doc_blocks.py extract ROOT OUTDIR           writes OUTDIR/<harness>.cpp (or <NAME>.cpp for a whole program),
                                               <NAME>.cmake and <NAME>.sh
 
