@@ -10,16 +10,19 @@ Every fenced block carries a marker, an HTML comment on the line before its open
                                                 generated file, and a harness of a snippet with #include lines
                                                 includes nothing itself (the snippet must compile with exactly its
                                                 own includes)
-                                       ```cmake included by the docs project (tests/docs/CMakeLists.txt)
-                                       ```sh    run by the docs project's test (install_test.cmake, STEP docs)
+                                       ```cmake included by the docs project (tests/docs/project/CMakeLists.txt)
+                                       ```sh    run by docs_snippets in the project's directory, with
+                                                <twobp prefix> and <twobp checkout>/.venv/bin/python filled in
+                                                (tests/install/install_test.cmake, STEP docs)
   <!-- verified: TEST[, TEST...] -->   commands that these ctest tests run (the same commands and options, at
                                        small sizes)
   <!-- illustration: WHY -->           shown, not run: an output, a layout, a launch needing GPUs or nodes
 
   doc_blocks.py check ROOT [--ctest CTEST --build DIR]
                                               fails naming each unmarked block, each indented code block,
-                                              duplicate snippet name, missing harness, and (with a build: its
-                                              `ctest -N`) each verified: TEST that is no test of that build
+                                              duplicate snippet name, missing harness, harness line of no block,
+                                              and (with a build: its `ctest -N`) each verified: TEST that is no
+                                              test of that build
   doc_blocks.py extract ROOT OUTDIR           writes OUTDIR/<harness>.cpp (or <NAME>.cpp for a whole program),
                                               <NAME>.cmake and <NAME>.sh
 
@@ -133,6 +136,10 @@ def problems_of(root, known_tests):
         elif kind == "verified" and known_tests is not None:
             problems += [f"{b.where()}: verified: {test} is no ctest test of this build"
                          for test in re.split(r"\s*,\s*", argument) if test not in known_tests]
+    for harness in sorted((root / "tests" / "docs").glob("*.cpp")):
+        for name in re.findall(r"// @snippet (\S+)@", harness.read_text(encoding="utf-8")):
+            if name not in names:
+                problems.append(f"{harness.relative_to(root)}: '// @snippet {name}@' names no snippet of the docs")
     return problems
 
 
