@@ -9,6 +9,7 @@
 
 #include <exception>
 #include <iostream>
+#include <optional>
 
 #include "commands.h"
 #include "twobp_cli.h"
@@ -28,13 +29,13 @@ Each command's options: twobp_bench COMMAND --help. Metrics: docs/BENCHMARKS.md 
   twobp::bench::add_simulate_command(app);
   twobp::bench::add_check_schedules_command(app);
   twobp::bench::add_plan_command(app);
+  // Usage errors exit 2 (a mistyped command is told the closest one); a subcommand that failed with
+  // CLI::RuntimeError(code) exits with its code; twobp's own errors 2, others 1 (twobp_cli.h).
   try {
-    app.parse(argc, argv);  // runs the chosen subcommand's callback
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);  // also CLI::RuntimeError(code) thrown by a subcommand that failed
+    if (const std::optional<int> status = twobp::cli::parse(app, argc, argv)) return *status;  // runs the command
   } catch (const std::exception& e) {
     std::cerr << "twobp_bench: " << twobp::cli::error_message(e) << "\n";
-    return 1;
+    return twobp::cli::failure_status(e);
   }
   return 0;
 }

@@ -8,6 +8,7 @@
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <exception>
@@ -16,7 +17,9 @@
 #include <optional>
 #include <string>
 #include <system_error>
+#include <vector>
 
+#include "twobp/error.h"
 #include "twobp/version.h"
 
 namespace twobp::cli {
@@ -96,15 +99,58 @@ inline void add_version_flag(CLI::App& app, const std::string& program) {
   app.set_version_flag("--version", twobp::version_line(program), "Print twobp's version, commit and LibTorch's");
 }
 
-/// Parses the command line; on a bad one prints CLI11's message and returns 2, the status of every usage error
-/// (the checks made after parsing throw twobp::UsageError, which programs turn into 2 as well), instead of
-/// CLI11's code per kind of error (105, 106, ...). --help and --version print and return 0. nullopt: go on.
+/// For a first argument that is no subcommand of `app` (which has subcommands) and no option: the closest
+/// subcommand name within two edits ("did you mean 'split'?"), or the list of them. Empty where not applicable.
+inline std::string subcommand_suggestion(const CLI::App& app, int argc, char** argv) {
+  if (argc < 2 || argv[1][0] == '-') return "";
+  const std::string given = argv[1];
+  std::string best;
+  std::size_t best_distance = 3;  // at most two edits
+  std::string names;
+  for (const CLI::App* sub : app.get_subcommands({})) {
+    const std::string& name = sub->get_name();
+    if (name == given) return "";
+    names += (names.empty() ? "" : ", ") + name;
+    // Levenshtein distance, one row at a time.
+    std::vector<std::size_t> row(name.size() + 1);
+    for (std::size_t j = 0; j <= name.size(); ++j) row[j] = j;
+    for (std::size_t i = 1; i <= given.size(); ++i) {
+      std::size_t diagonal = row[0];
+      row[0] = i;
+      for (std::size_t j = 1; j <= name.size(); ++j) {
+        const std::size_t substitute = diagonal + (given[i - 1] == name[j - 1] ? 0 : 1);
+        diagonal = row[j];
+        row[j] = std::min({row[j] + 1, row[j - 1] + 1, substitute});
+      }
+    }
+    if (row[name.size()] < best_distance) {
+      best_distance = row[name.size()];
+      best = name;
+    }
+  }
+  if (names.empty()) return "";
+  return best.empty() ? fmt::format("unknown command '{}'; the commands are {}", given, names)
+                      : fmt::format("unknown command '{}'; did you mean '{}'?", given, best);
+}
+
+/// Parses the command line (and, for a program with subcommands, runs the chosen one's callback); on a bad one
+/// prints CLI11's message (and, for a mistyped subcommand, the closest name) and returns 2, the status of every
+/// usage error (the checks made after parsing throw twobp::UsageError, which programs turn into 2 as well:
+/// failure_status), instead of CLI11's code per kind of error (105, 106, ...). --help and --version print and
+/// return 0; a subcommand that failed with CLI::RuntimeError(code) returns its code. nullopt: go on.
 inline std::optional<int> parse(CLI::App& app, int argc, char** argv) {
   try {
     app.parse(argc, argv);
+  } catch (const CLI::RuntimeError& e) {
+    return e.get_exit_code();
   } catch (const CLI::ParseError& e) {
     const int status = app.exit(e);
-    return status == 0 ? 0 : 2;
+    if (status == 0) return 0;
+    const std::string suggestion = subcommand_suggestion(app, argc, argv);
+    if (!suggestion.empty()) {
+      fmt::print(stderr, "{}: {}\n", std::filesystem::path(argv[0]).filename().string(), suggestion);
+    }
+    return 2;
   }
   return std::nullopt;
 }
@@ -113,6 +159,12 @@ inline std::optional<int> parse(CLI::App& app, int argc, char** argv) {
 inline std::string error_message(const std::exception& e) {
   if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) return c10_error->what_without_backtrace();
   return e.what();
+}
+
+/// A program's exit status for an error that ended it: 2 for twobp's own errors (bad input refused with its
+/// reason: options, files, layouts), as for a bad command line; 1 for anything else.
+inline int failure_status(const std::exception& e) {
+  return dynamic_cast<const twobp::Error*>(&e) != nullptr ? 2 : 1;
 }
 
 }  // namespace twobp::cli

@@ -211,6 +211,6 @@ int main(int argc, char** argv) {
     return llama_example::run(a, argc, argv);
   } catch (const std::exception& e) {
     fmt::print(stderr, "llama_pipeline: error: {}\n", twobp::cli::error_message(e));
-    return dynamic_cast<const twobp::Error*>(&e) != nullptr ? 2 : 1;
+    return twobp::cli::failure_status(e);
   }
 }

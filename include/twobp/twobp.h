@@ -31,6 +31,7 @@
 #include "twobp/metrics/energy.h"
 #include "twobp/metrics/memory.h"
 #include "twobp/metrics/metrics.h"
+#include "twobp/metrics/op_count.h"
 #include "twobp/metrics/step_log.h"
 #include "twobp/metrics/units.h"
 #include "twobp/plan/choose.h"

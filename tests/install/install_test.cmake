@@ -5,6 +5,8 @@
 #   example   configure, build and run examples/llama_pipeline against WORK_DIR/moved
 #   minimal   configure, build and run examples/minimal against WORK_DIR/moved; its loss must fall
 #   umbrella  include/twobp/twobp.h includes every public header
+#   docs      the documentation's snippets (PYTHON runs tests/scripts/doc_blocks.py) as tests/docs/project against
+#             WORK_DIR/moved, configured by the README's configure line itself; built, and docs_fragments run
 set(prefix ${WORK_DIR}/prefix)
 set(moved ${WORK_DIR}/moved)
 
@@ -149,6 +151,42 @@ elseif(STEP STREQUAL "umbrella")
   if(missing)
     message(FATAL_ERROR "include/twobp/twobp.h does not include: ${missing}")
   endif()
+
+elseif(STEP STREQUAL "docs")
+  # The blocks as doc_blocks.py extracts them, next to the project's CMakeLists.txt; a fresh tree, build
+  # directory included, each time (ccache keeps the objects).
+  set(source ${WORK_DIR}/docs)
+  file(REMOVE_RECURSE ${source})
+  file(COPY ${PROJECT_DIR}/tests/docs/project/CMakeLists.txt DESTINATION ${source})
+  run(${PYTHON} ${PROJECT_DIR}/tests/scripts/doc_blocks.py extract ${PROJECT_DIR} ${source})
+  if(NOT EXISTS ${moved}/lib/cmake/twobp/twobpConfig.cmake)
+    message(FATAL_ERROR "no installed package at ${moved}: run the install_package test first")
+  endif()
+  # Each shell block marked snippet runs as written, in the project's directory, with its placeholders filled
+  # in: the prefix, and the Python whose torch this build used. The generator and compiler launcher of this
+  # build come through CMake's environment variables, so that the line itself stays the README's.
+  set(ENV{CMAKE_GENERATOR} "${GENERATOR}")
+  if(CXX_LAUNCHER)
+    set(ENV{CMAKE_CXX_COMPILER_LAUNCHER} "${CXX_LAUNCHER}")
+  endif()
+  file(GLOB commands ${source}/*.sh)
+  if(NOT commands)
+    message(FATAL_ERROR "no shell snippet (the README's configure line, <!-- snippet: readme_configure -->)")
+  endif()
+  foreach(command_file IN LISTS commands)
+    file(READ ${command_file} command)
+    string(REPLACE "<twobp prefix>" "${moved}" command "${command}")
+    string(REPLACE "<twobp checkout>/.venv/bin/python" "${PYTHON}" command "${command}")
+    if(command MATCHES "<[a-z][a-z ]*>")
+      message(FATAL_ERROR "${command_file}: a placeholder this test cannot fill (${CMAKE_MATCH_0}):\n${command}")
+    endif()
+    file(WRITE ${command_file} "${command}")
+    run(sh -e ${command_file} WORKING_DIRECTORY ${source})
+  endforeach()
+  run(${CMAKE_COMMAND} --build ${source}/build)
+  # The programs that are whole jobs run: the run_ranks block trains a step on 2 rank threads.
+  run(${source}/build/docs_fragments)
+  message(STATUS "docs: the documentation's snippets built against ${moved}")
 
 else()
   message(FATAL_ERROR "unknown STEP '${STEP}'")

@@ -9,9 +9,9 @@ table says (above 0 where 0 is refused, -1 where -1 means something, else 0 or m
 in-process that this check refuses every kind of bad value (-1, 0, nan, inf, 1e300, text). Then every option gets
 one bad value on the command line, the next kind for the next option (so that every kind runs end to end). Every
 output option gets a path that cannot be written; a few other inputs (unknown names, missing files, rules between
-options) too. Each run must: exit with a non-zero status (not a signal), within 30 s, print a message naming the
-option, never print "wrote" or "written", and show no backtrace (c10's "Exception raised from" / "frame #",
-"terminate called"). Fails listing every case that did not.
+options, a mistyped command) too. Each run must: exit with status 2 (a usage error's), within 30 s, print a message
+naming the option (for a mistyped command: the closest command), never print "wrote" or "written", and show no
+backtrace (c10's "Exception raised from" / "frame #", "terminate called"). Fails listing every case that did not.
 """
 import argparse
 import concurrent.futures
@@ -84,6 +84,9 @@ OTHER = [
     ("example", ["--microbatches", "4096", "--micro-batch-size", "4096"], "--microbatches"),
     ("example", ["--dim", "1000000", "--heads", "1", "--kv-heads", "1"], "--dim"),
     ("bench", ["plan", "--dtype", "fp16"], "--dtype"),
+    ("bench", ["splt", "--json", "s.json"], "did you mean 'split'?"),
+    ("bench", ["simualte"], "did you mean 'simulate'?"),
+    ("bench", ["benchmark"], "the commands are split, pipeline, simulate, check-schedules, plan"),
 ]
 BACKTRACE = ("Exception raised from", "frame #", "terminate called")
 
@@ -147,10 +150,10 @@ def run(programs, case):
         return f"{what}: no answer within 30 s"
     out = p.stdout + p.stderr
     problems = []
-    if p.returncode == 0:
-        problems.append("exit status 0")
-    elif p.returncode < 0 or p.returncode >= 128:
+    if p.returncode < 0 or p.returncode >= 128:
         problems.append(f"killed or crashed (status {p.returncode})")
+    elif p.returncode != 2:
+        problems.append(f"exit status {p.returncode}, not 2 (a usage error's)")
     if option not in out:
         problems.append("the message does not name the option")
     if "wrote" in out or "written" in out:

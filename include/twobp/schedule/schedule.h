@@ -1,7 +1,10 @@
 #pragma once
 // A schedule as data: what each rank does in one training step, and the generator interface. The other
 // concerns live beside it: the registry of names (registry.h), the wire protocol between ranks (messages.h), the
-// text forms (text.h, pytorch_csv.h), validation (validate.h) and simulation (simulate.h).
+// text forms (text.h, pytorch_csv.h), validation (validate.h) and simulation (simulate.h). This header still
+// declares all of them (included at its end), as it did before they were split off, so that user code written
+// against it (make_schedule, load_schedule, validate, simulate, ...) keeps compiling; include the narrow header
+// where only it is needed.
 
 #include <string>
 #include <string_view>
@@ -108,3 +111,11 @@ Schedule one_micro_batch_per_weight(Schedule schedule);
 Schedule for_overlapped_pairs(Schedule schedule);
 
 }  // namespace twobp
+
+// What this header declared before the split (see the top). At the end: each of these includes this header
+// first, so whichever is included first finds the data above already declared.
+#include "twobp/schedule/messages.h"
+#include "twobp/schedule/registry.h"
+#include "twobp/schedule/simulate.h"
+#include "twobp/schedule/text.h"
+#include "twobp/schedule/validate.h"
