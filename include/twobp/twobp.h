@@ -34,6 +34,7 @@
 #include "twobp/plan/choose.h"
 #include "twobp/plan/llama.h"
 #include "twobp/plan/measure.h"
+#include "twobp/plan/record.h"
 #include "twobp/plan/synthesize.h"
 #include "twobp/runtime/data_parallel.h"
 #include "twobp/runtime/executor.h"
