@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <array>
 #include <fstream>
 #include <sstream>
 #include <utility>
@@ -230,6 +231,50 @@ std::vector<BackwardMode> measured_modes(const RunRecord& record) {
     modes.push_back(BackwardMode::kSplit);
   }
   return modes;
+}
+
+CostModel costs_for_placement(const MeasuredCosts& m, const std::vector<int>& measured_stage_to_rank,
+                              const Schedule& target, std::string* rule) {
+  const std::size_t measured_stages = m.forward.size();
+  TWOBP_CHECK(measured_stage_to_rank.size() == measured_stages && measured_stages > 0, UsageError,
+              "costs_for_placement: {} measured stage costs, a placement of {} stages", measured_stages,
+              measured_stage_to_rank.size());
+  const int S = target.num_stages, P = target.num_ranks;
+  const int measured_p = *std::max_element(measured_stage_to_rank.begin(), measured_stage_to_rank.end()) + 1;
+  const double v = static_cast<double>(S) / P;
+  // Per stage: F, I, W, B, W0.
+  using Row = std::array<double, 5>;
+  auto measured = [&](std::size_t s) -> Row {
+    return {m.forward[s], m.backward_input[s], m.backward_weight[s], m.backward[s],
+            m.backward_weight_fixed.empty() ? 0.0 : m.backward_weight_fixed[s]};
+  };
+  std::vector<Row> rank(measured_p, Row{});  // per measured rank, its stages' sums
+  Row mean{};                                // the mean measured rank's
+  for (std::size_t s = 0; s < measured_stages; ++s) {
+    for (std::size_t k = 0; k < 5; ++k) {
+      rank[measured_stage_to_rank[s]][k] += measured(s)[k];
+      mean[k] += measured(s)[k] / measured_p;
+    }
+  }
+  const bool same_placement = P == measured_p && target.stage_to_rank == measured_stage_to_rank;
+  const std::string name = same_placement ? "per-stage" : P == measured_p ? "per-rank / v" : "mean-rank / v";
+  CostModel c = CostModel::uniform(S, 0, 0, 0, m.communication);
+  c.overlap = m.overlap;
+  c.backward.resize(S);
+  if (!m.backward_weight_fixed.empty()) c.backward_weight_fixed.resize(S);
+  for (int s = 0; s < S; ++s) {
+    Row x = same_placement ? measured(s) : P == measured_p ? rank[target.stage_to_rank[s]] : mean;
+    if (!same_placement) {
+      for (double& value : x) value /= v;
+    }
+    c.forward[s] = x[0];
+    c.backward_input[s] = x[1];
+    c.backward_weight[s] = x[2];
+    c.backward[s] = x[3];
+    if (!c.backward_weight_fixed.empty()) c.backward_weight_fixed[s] = x[4];
+  }
+  if (rule != nullptr) *rule = name;
+  return c;
 }
 
 }  // namespace twobp

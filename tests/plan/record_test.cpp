@@ -185,5 +185,38 @@ TEST(PartnerRule, ARecordOfBothModesMeasuredBoth) {
             (std::vector<BackwardMode>{BackwardMode::kStandard, BackwardMode::kSplit}));
 }
 
+// Measured on 2 ranks, v = 1: stage s on rank s, F = 1, 3; I = 2, 4; W = 1, 1; B = 0.
+TEST(CostsForPlacement, MapsMeasuredStagesOntoAnotherShape) {
+  MeasuredCosts m = costs({1, 3}, {2, 4}, {1, 1}, {0, 0});
+  m.overlap = 0.5;
+  std::string rule;
+  Schedule same;
+  same.num_ranks = 2;
+  same.num_stages = 2;
+  same.stage_to_rank = {0, 1};
+  CostModel c = costs_for_placement(m, {0, 1}, same, &rule);
+  EXPECT_EQ(rule, "per-stage");
+  EXPECT_EQ(c.forward, (std::vector<double>{1, 3}));
+  EXPECT_DOUBLE_EQ(c.communication, 0.25);
+  EXPECT_DOUBLE_EQ(c.overlap, 0.5);
+  Schedule looped = same;  // v = 2 on the same ranks: each chunk half its rank's stage
+  looped.num_stages = 4;
+  looped.stage_to_rank = {0, 1, 1, 0};
+  c = costs_for_placement(m, {0, 1}, looped, &rule);
+  EXPECT_EQ(rule, "per-rank / v");
+  EXPECT_EQ(c.forward, (std::vector<double>{0.5, 1.5, 1.5, 0.5}));
+  EXPECT_EQ(c.backward_input, (std::vector<double>{1, 2, 2, 1}));
+  Schedule wider;  // 4 ranks, v = 1: every chunk the mean rank's
+  wider.num_ranks = 4;
+  wider.num_stages = 4;
+  wider.stage_to_rank = {0, 1, 2, 3};
+  c = costs_for_placement(m, {0, 1}, wider, &rule);
+  EXPECT_EQ(rule, "mean-rank / v");
+  EXPECT_EQ(c.forward, (std::vector<double>(4, 2.0)));
+  EXPECT_EQ(c.backward_weight, (std::vector<double>(4, 1.0)));
+  EXPECT_TRUE(c.backward_weight_fixed.empty());
+  EXPECT_THROW(costs_for_placement(m, {0, 1, 1}, same), UsageError);
+}
+
 }  // namespace
 }  // namespace twobp

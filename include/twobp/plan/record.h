@@ -19,6 +19,7 @@
 
 #include "twobp/plan/measure.h"
 #include "twobp/schedule/schedule.h"
+#include "twobp/schedule/simulate.h"
 
 namespace twobp {
 
@@ -80,5 +81,15 @@ MeasuredCosts complete_costs(const RunRecord& record, const RunRecord* partner, 
 /// The backward modes whose costs `record` measured: its own mode, and the other mode too when that mode's costs are
 /// > 0 on every stage (a run that measured both, as `llama_pipeline --schedule auto` does, writes one record).
 std::vector<BackwardMode> measured_modes(const RunRecord& record);
+
+/// Measured per-stage costs of a placement (`measured_stage_to_rank`, stage -> rank) as the costs of another
+/// schedule `target`: each stage keeps its cost when the ranks and placement are the same ("per-stage"); with the
+/// same ranks, a chunk on rank r costs the sum of the measured stages of rank r / v ("per-rank / v"); with other
+/// ranks, every chunk costs the mean measured rank's total / v ("mean-rank / v": a model that grows with the ranks,
+/// every rank holding as much work as a measured one). F, I, W, B and W0 map alike; communication and overlap are
+/// kept; recompute is left empty. `rule` (if given) gets the rule's name. Throws UsageError when the placement's
+/// size is not the costs' stage count.
+CostModel costs_for_placement(const MeasuredCosts& measured, const std::vector<int>& measured_stage_to_rank,
+                              const Schedule& target, std::string* rule = nullptr);
 
 }  // namespace twobp
