@@ -100,6 +100,7 @@ double activation_bytes(const llm::LlamaConfig& c, int64_t mbs, int64_t seq, int
 // per activation byte.
 Rates measured_rates(const RunDocument& doc, const std::string& path, const llm::LlamaConfig& to, int64_t to_seq,
                      int64_t to_mbs) {
+  if (doc.model.model.empty()) throw std::runtime_error(path + ": no \"config\" (the measured model's sizes)");
   if (doc.model.model != "llama") {
     throw std::runtime_error(path + ": the planner models LLaMa-like stacks; this benchmark ran --model " +
                              doc.model.model);

@@ -123,15 +123,15 @@ std::string write_run_document(const RunDocument& doc, int indent) {
 
 RunDocument read_run_document(const std::string& text_in, const std::string& where) {
   const Json j = Json::parse(text_in, nullptr, /*allow_exceptions=*/false);
-  TWOBP_CHECK(j.is_object() && j.contains("config") && j["config"].is_object() && j.contains("results") &&
+  TWOBP_CHECK(j.is_object() && (!j.contains("config") || j["config"].is_object()) && j.contains("results") &&
                   j["results"].is_array(),
               UsageError,
-              "{}: not a run document (a JSON object with a \"config\" object and a \"results\" list, as "
+              "{}: not a run document (a JSON object with a \"results\" list and a \"config\" object, as "
               "`twobp_bench pipeline --json` and `llama_pipeline --costs-json` write)",
               where);
   RunDocument doc;
-  const Json& config = j["config"];
-  doc.model.model = text(config, "model", where + ": config");
+  const Json config = j.value("config", Json::object());
+  doc.model.model = j.contains("config") ? text(config, "model", where + ": config") : "";
   Json extra = config;
   extra.erase("model");
   for (const auto& [key, field] : kShapeFields) {

@@ -90,6 +90,15 @@ TEST(RunDocument, ExtraFieldsKeepTheirPlaceAndTheRecordsValues) {
   EXPECT_EQ(text.find("stale"), std::string::npos);
 }
 
+TEST(RunDocument, ReadsADocumentOfCostsOnly) {
+  const RunDocument doc = read_run_document(
+      R"({"results":[{"schedule":"1f1b","mode":"standard","p":1,"m":2,"v":1,"communication_ms":0,
+          "costs_ms":{"F":[1],"B":[2]}}]})",
+      "costs only");
+  EXPECT_EQ(doc.model.model, "");
+  EXPECT_EQ(doc.results[0].costs.backward, (std::vector<double>{2}));
+}
+
 TEST(RunDocument, ReadsTheOlderReplicasName) {
   const RunDocument doc = read_run_document(
       R"({"config":{"model":"llama"},"results":[{"schedule":"1f1b","mode":"2bp","p":1,"m":2,"v":1,"replicas":3,
@@ -112,9 +121,10 @@ void expect_refused(const std::string& text, const std::string& says) {
 TEST(RunDocument, RefusesMalformedDocuments) {
   const std::string costs = R"("communication_ms":0,"costs_ms":{"F":[1,1],"I":[1,1],"W":[1,1]})";
   expect_refused("not json", "not a run document");
-  expect_refused(R"({"results":[]})", "not a run document");
+  expect_refused(R"({"config":{"model":"llama"}})", "not a run document");
   expect_refused(R"({"config":{"model":"llama"},"results":{}})", "not a run document");
   expect_refused(R"({"config":{},"results":[]})", "\"model\" must be a string");
+  expect_refused(R"({"config":[],"results":[]})", "not a run document");
   expect_refused(R"({"config":{"model":"llama","dim":-1},"results":[]})", "\"dim\" must be an integer >= 0");
   expect_refused(R"({"config":{"model":"llama"},"results":[3]})", "result 0: not a JSON object");
   expect_refused(R"({"config":{"model":"llama"},"results":[{"mode":"2bp","p":2,"m":2,"v":1,)" + costs + "}]}",

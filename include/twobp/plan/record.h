@@ -25,7 +25,7 @@ namespace twobp {
 
 /// The measured model's shape ("config"). A size the model does not have (resnet has no vocab) is 0.
 struct ModelShape {
-  std::string model = "llama";  ///< llama, bert, resnet
+  std::string model = "llama";  ///< llama, bert, resnet; empty: a document without "config" (costs only)
   int64_t dim = 0, layers = 0, heads = 0, kv_heads = 0, ffn = 0, vocab = 0, seq = 0, micro_batch_size = 0;
 };
 
@@ -57,8 +57,8 @@ struct RunDocument {
 /// The one writer: the document as JSON text (indented by `indent`, < 0: one line).
 std::string write_run_document(const RunDocument& doc, int indent = 2);
 
-/// The one reader. Throws UsageError naming `where` (a file name) and the result when the text is no JSON object,
-/// "config" or "results" is missing or of the wrong type, a result lacks schedule, mode, p, m, v or its costs, a
+/// The one reader. "config" may be missing (a document of costs only: model ""). Throws UsageError naming `where`
+/// (a file name) and the result when the text is no JSON object, "results" is missing, either is of the wrong type, a result lacks schedule, mode, p, m, v or its costs, a
 /// number is out of range or a mode or shapes value is unknown. Fields it does not know go to the extras.
 RunDocument read_run_document(const std::string& text, const std::string& where);
 /// read_run_document of a file's contents; UsageError when it cannot be read.
