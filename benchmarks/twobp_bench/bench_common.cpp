@@ -19,8 +19,6 @@ Clock parse_clock(const std::string& name) {
   throw std::invalid_argument("unknown clock '" + name + "' (wall or cpu)");
 }
 
-const char* clock_name(Clock clock) { return clock == Clock::kWall ? "wall" : "cpu"; }
-
 double now_ms(Clock clock) {
   timespec ts{};
   clock_gettime(clock == Clock::kWall ? CLOCK_MONOTONIC : CLOCK_PROCESS_CPUTIME_ID, &ts);

@@ -19,7 +19,7 @@ namespace twobp::bench {
 
 using Json = nlohmann::ordered_json;  // keeps keys in insertion order: readable files
 
-/// What time_ms measures.
+/// What now_ms measures.
 enum class Clock {
   kWall,  ///< steady clock: what a user waits for
   /// CPU time of the whole process. On a shared machine it does not count time the process waited for a core,
@@ -28,17 +28,8 @@ enum class Clock {
   kProcessCpu,
 };
 Clock parse_clock(const std::string& name);  // "wall" | "cpu"; throws std::invalid_argument
-const char* clock_name(Clock clock);
 /// Now, in milliseconds, on `clock` (arbitrary origin).
 double now_ms(Clock clock);
-
-/// Milliseconds spent in fn(). CPU ops are synchronous; GPU callers must synchronise inside fn.
-template <typename Fn>
-double time_ms(Fn&& fn, Clock clock = Clock::kWall) {
-  const double start = now_ms(clock);
-  std::forward<Fn>(fn)();
-  return now_ms(clock) - start;
-}
 
 /// Order statistics of one series of samples (linear interpolation between order statistics).
 struct Summary {
@@ -111,6 +102,13 @@ Column<Row> column_if(std::string key, std::function<bool(const Row&)> when, std
           std::move(header), std::move(text), csv};
 }
 
+/// A table-only column: `header` and its cell, no JSON value (for tables whose lines are no results, e.g. two
+/// results side by side).
+template <typename Row>
+Column<Row> cell(std::string header, std::function<std::string(const Row&)> text) {
+  return {header, [](const Row&) { return std::optional<Json>(); }, header, std::move(text), false};
+}
+
 /// A CSV cell: empty for no value or null, a string as it is (quoted when it holds a comma or a quote), else its
 /// JSON text (numbers round-trip, booleans true/false).
 std::string csv_cell(const std::optional<Json>& value);
@@ -129,6 +127,11 @@ class Reporter {
       }
       table_.push_back(k);
     }
+  }
+
+  /// A table of `columns` in their order (every one with a header and a text cell).
+  explicit Reporter(std::vector<Column<Row>> columns) : columns_(std::move(columns)) {
+    for (std::size_t k = 0; k < columns_.size(); ++k) table_.push_back(k);
   }
 
   Json json(const Row& row) const {

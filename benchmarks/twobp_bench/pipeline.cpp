@@ -4,91 +4,11 @@
 //   mpirun -np 2 build/benchmarks/twobp_bench pipeline --schedule 1f1b --microbatches 2 --json FILE
 //   mpirun -np 4 build/benchmarks/twobp_bench pipeline --dp 2 --schedule 1f1b,zb-v   (2 replicas of 2 ranks)
 //   build/benchmarks/twobp_bench pipeline --ranks 2 --schedule all ...     (ranks as threads, Local transport)
-//   (under torchrun/srun, or mpirun in a build without MPI: one rank per process over a TCPStore; twobp::run_ranks)
 //
-// Metrics (docs/BENCHMARKS.md repeats them; the formulas of bubble fraction, throughput and memory per rank are
-// code in twobp/metrics/metrics.h):
-//   step_ms_median      median over --steps measured steps of the wall time between two barriers around step()
-//   samples_per_s       m · micro_batch_size / (step_ms_median / 1000)          (samples: sequences or images)
-//   tokens_per_s        samples_per_s · seq   (llama, bert; resnet has no tokens and reports samples_per_s only)
-//   speedup             samples_per_s(2bp) / samples_per_s(standard) for the same schedule, p, m, v
-//   bubble_fraction     1 − Σ_ranks busy / (p · step), busy = time in F/I/W/B actions, per step, median over steps
-//   cost of F, I, B     per stage: median duration of that action over the measured steps
-//   cost of W           per stage and micro-batch: median of duration / micro-batches in the W
-//   cost of R           (--recompute) per stage: median time an I or B spent re-running the forward first; the
-//                       costs of I and B exclude it, and the simulator adds it back (CostModel::recompute)
-//   communication       one-way time of one activation between rank 0 and rank 1: half the median round trip
-//   sim_step_ms         simulate(schedule, those costs).step_time: each rank runs its actions in order, data
-//                       arrives `communication` after its producer finished
-//   sim_error           step_ms_median / sim_step_ms − 1
-//   peak_live_mbs       max over ranks of micro-batches whose activations are alive at once (simulated)
-//   peak_rss_bytes      max over the pipeline's ranks of metrics::memory_per_rank: the process's peak resident set
-//                       (getrusage) over the ranks it holds (threads: all dp · p of them; processes: 1)
-//   attribution         per pipeline rank, where its step went (twobp/trace/attribution.h), the mean over measured
-//                       steps: step_ms (that rank's own barrier-to-barrier time), parts_ms (F, I, W, B, recompute,
-//                       F&B pair, send, wait F, wait B, between, finish, dp reduce, pipeline, optimizer, idle end;
-//                       they partition the rank's timeline), wait_ms_by_peer ({peer: {F, B}}: who it waited for)
-//                       and unaccounted_ms (step_ms − Σ parts)
-//
-// Tensor memory (twobp/metrics/memory.h; every run records it: PipelineOptions::executor.record_memory):
-//   peak_memory_bytes       max over the pipeline's ranks and measured steps of StepResult::peak_memory_bytes
-//                           (CPU: twobp's allocation counter, one account per rank; CUDA: the caching allocator's
-//                           allocated bytes). memory_source in "config" says which.
-//   sim_peak_memory_bytes   max over ranks of simulate_peak_memory(schedule, model), the model measured in the same
-//                           run: per rank, base = median memory when a step starts; per stage and action type,
-//                           added = median(after − before) and rise = median(peak − before) of its actions (W: per
-//                           micro-batch), without the stage's .grad allocation (gradient bytes of its parameters,
-//                           charged to its first W or B of each step: the benchmark resets gradients every step)
-//   sim_memory_error        peak_memory_bytes / sim_peak_memory_bytes − 1
-//   ..._per_rank            the same per pipeline rank
-//   (rows with a memory limit have no sim_ memory fields: the simulator does not model the W's a limit moves)
-// Memory-bounded 2BP (--memory-limit-mb X): every configuration also runs with ExecutorOptions::memory_limit_bytes
-// = X MiB, the two pipelines taking turns step by step, and the limited rows report
-//   memory_limit_bytes      the limit
-//   limit_held              peak_memory_bytes <= memory_limit_bytes (the first, unmeasured steps may exceed it)
-//   limit_ratio             throughput with the limit / without, the median over measured steps of the paired
-//                           step-time ratio (as announce_ratio): the throughput the limit costs
-//
-// Energy (twobp/metrics/energy.h: NVML on GPUs, RAPL on CPUs where powercap is readable; --powercap-root):
-//   energy_j            joules per measured step, the whole job: Σ over measured steps of Σ over ranks of each
-//                       rank's share (one reader per node-wide meter), / steps; null when a rank's hardware has no
-//                       meter (config.energy_note says why), never 0 in its place
-//   j_per_token         energy_j / tokens per step (metrics::per_item; resnet: j_per_sample)
-//   energy_ratio        j_per_token(standard) / j_per_token(2bp), same pairing as speedup (2bp rows)
-//
-// Data parallelism (--dp N, default 1; N = 1 changes nothing and adds no fields): N replicas of a p-rank pipeline,
-// world = N · p, laid out by twobp::ParallelLayout (world rank r = pipeline rank r % p of replica r / p). --ranks
-// stays p: threads run N · p rank threads; under a launcher p = world size / N (UsageError unless N divides it).
-// Replica k trains on the synthetic batch of seed 7 + k. With N > 1 each configuration runs with
-// three settings of DataParallelOptions -- overlap with the buckets started during the last weight action
-// ("during_backward": 2BP's last W, standard mode's last B run as I and W, as DDP's hooks do), overlap with standard
-// mode's buckets started only after its last B ("after_backward", standard mode only: the weaker baseline), and no
-// overlap ("after_step") -- and
-//   samples_per_s       counts the global batch: N · m · micro_batch_size / (step_ms_median / 1000)
-//   speedup             pairs rows with the same dp_overlap against the standard row with its buckets started
-//                       during backward (the best standard run); on an "after_backward" row it is that row's
-//                       throughput over the "during_backward" one's: what starting during B gained
-//   speedup_vs_standard_after_backward   2BP rows with overlap: against the "after_backward" standard row
-//   dp, dp_overlap      N, and the overlap setting of that run; dp_buckets: during_backward | after_backward |
-//                       after_step
-//   dp_exposed_ms       median over steps of metrics::exposed_wait (max over all N · p ranks) of
-//                       StepResult::reduce_wait_us / 1000: reduction time left on the critical path
-//   dp_reduce_bytes     gradient bytes one replica reduces per step (Σ over its ranks' parameters)
-// Step times are taken between barriers over the whole world; costs, bubble, communication, traces and the
-// simulation stay per pipeline (replica 0's): the simulator is not given the measured reduction times.
-//
-// Variable shapes (--variable-seq): every configuration runs twice on the same data, with fixed activation specs
-// (receivers allocate ahead) and with shapes announced by the senders (a header message before each boundary
-// message: what sequence lengths that change per step or micro-batch need), and
-//   shapes              "fixed" or "announced"
-//   announce_ratio      throughput with announced shapes / with fixed specs, same schedule, mode, p, m, v: the
-//                       median over measured steps of step_ms(fixed) / step_ms(announced) of the same step (the
-//                       two pipelines take turns, so each pair shares the machine's state)
-//
-// Models (--model, pipeline_models.h): llama (fast path, balanced by compute), bert and resnet (general
-// autograd-graph split, blocks partitioned evenly over the stages). --chart writes an SVG bar chart of the
-// throughput, standard vs 2BP per schedule; --trace-dir a Chrome trace and an SVG timeline of the last measured
-// step of every configuration, and a stacked-bar SVG of its attribution (<name>.attribution.svg).
+// docs/BENCHMARKS.md ("pipeline") defines every metric, variant (--dp, --variable-seq, --memory-limit-mb,
+// --recompute) and output; the formulas are library code (twobp/metrics/, twobp/plan/measure.h). Its JSON is a run
+// document (twobp/plan/record.h). Step times are taken between barriers over the whole world; costs, bubble,
+// traces and the simulation are per pipeline (replica 0's).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -114,6 +34,7 @@
 #include "twobp/metrics/memory.h"
 #include "twobp/metrics/metrics.h"
 #include "twobp/plan/measure.h"
+#include "twobp/plan/record.h"
 #include "twobp/runtime/data_parallel.h"
 #include "twobp/runtime/launch.h"
 #include "twobp/runtime/mpi_launch.h"
@@ -399,25 +320,16 @@ RunResult summarize_run(Transport& world, ParallelGroups& groups, const Pipeline
     r.energy_j = *joules / a.steps;
   }
   if (dp > 1) {
-    // Every world rank's reduction wait of every measured step (one slot each), then the slowest rank per step.
-    // Slots: [step k][world rank] waits, then [pipeline rank] gradient bytes of replica 0's ranks.
-    const std::size_t world_size = static_cast<std::size_t>(world.world_size());
-    const std::size_t bytes_at = static_cast<std::size_t>(a.steps) * world_size;
-    std::vector<double> waits(bytes_at + static_cast<std::size_t>(p), 0.0);
-    const auto my_slot = static_cast<std::size_t>(world.rank());
-    for (std::size_t k = 0; k < m.reduce_wait_ms.size(); ++k) waits[k * world_size + my_slot] = m.reduce_wait_ms[k];
-    if (groups.replica() == 0) {  // this rank's .grad bytes: its stages' (twobp/plan/measure.h), each tensor once
-      const std::vector<double> per_stage = stage_gradient_bytes(pipeline);
-      waits[bytes_at + static_cast<std::size_t>(me)] = std::accumulate(per_stage.begin(), per_stage.end(), 0.0);
-    }
-    waits = sum_over_ranks(world, waits, timeout);
+    // Per measured step, the slowest world rank's reduction wait; the gradient bytes of replica 0's ranks (its
+    // stages' .grad bytes, twobp/plan/measure.h, each tensor once).
     std::vector<double> exposed;
-    for (std::size_t k = 0; k < m.reduce_wait_ms.size(); ++k) {
-      const auto first = waits.begin() + static_cast<std::ptrdiff_t>(k * world_size);
-      exposed.push_back(metrics::exposed_wait(std::vector<double>(first, first + world_size)));
+    for (double wait : m.reduce_wait_ms) {
+      exposed.push_back(metrics::exposed_wait(gather_over_ranks(world, wait, timeout)));
     }
     r.dp_exposed_ms = summarize(exposed).median;
-    for (int q = 0; q < p; ++q) r.dp_reduce_bytes += waits[bytes_at + static_cast<std::size_t>(q)];
+    const std::vector<double> per_stage =
+        groups.replica() == 0 ? stage_gradient_bytes(pipeline) : std::vector<double>{};
+    r.dp_reduce_bytes = sum_over_ranks(world, {std::accumulate(per_stage.begin(), per_stage.end(), 0.0)}, timeout)[0];
   }
 
   const SimulationResult sim = simulate(sched, r.costs.cost_model(mode));
@@ -447,11 +359,6 @@ RunResult summarize_run(Transport& world, ParallelGroups& groups, const Pipeline
                                                              what, a.steps)));
   }
   return r;
-}
-
-// "all", one registered schedule, or several separated by commas (name_list).
-std::vector<std::string> schedule_list(const std::string& value) {
-  return name_list(value, schedule_names(), "schedule");
 }
 
 // "2bp ×1.234" labels and tokens/s (or samples/s) bars per schedule.
@@ -593,8 +500,7 @@ std::vector<Column<ResultRow>> result_columns(const PipelineArgs& a, bool tokens
   }
   // The measured costs in their one JSON form (twobp/plan/measure.h): communication_ms, costs_ms.
   add("communication_ms", [](const Row& r) { return r.r->costs.communication; });
-  add("costs_ms", [](const Row& r) { return Json::parse(measured_costs_json(r.r->costs))["costs_ms"]; }, "", nullptr,
-      false);
+  add("costs_ms", [](const Row&) { return Json(nullptr); }, "", nullptr, false);  // its place: the record's
   if (a.dp > 1) {
     add("dp", [](const Row& r) { return r.r->dp; }, "dp", [](const Row& r) { return std::to_string(r.r->dp); });
     add("dp_overlap", [](const Row& r) { return r.r->dp_overlap; }, "dp overlap", [](const Row& r) {
@@ -686,13 +592,21 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
       std::any_of(results.begin(), results.end(), [](const RunResult& r) { return r.energy_j.has_value(); });
   const Reporter<ResultRow> reporter(result_columns(a, tokens), result_table(a, tokens, energy));
   const std::vector<ResultRow> rows = result_rows(a, results, tokens);
-  Json out;
-  out["config"] = report_config(a, transport_name, energy, energy_source, energy_note);
-  out["results"] = Json::array();
-  for (const ResultRow& row : rows) out["results"].push_back(reporter.json(row));
+  // The run document (twobp/plan/record.h): its writer places the record's fields at the columns' places.
+  RunDocument doc;
+  const PipelineModelArgs& m = a.model;
+  doc.model = {m.model, m.dim, m.layers, m.heads, m.kv_heads, m.ffn, m.vocab, m.seq, m.micro_batch_size};
+  doc.config_extra = report_config(a, transport_name, energy, energy_source, energy_note).dump();
+  for (const ResultRow& row : rows) {
+    const RunResult& r = *row.r;
+    RunRecord record{r.schedule, r.mode, r.p, r.m, r.v, "", r.dp, r.memory_limit, "", r.costs,
+                     reporter.json(row).dump()};
+    if (a.variable_seq) record.shapes = r.announced ? "announced" : "fixed";
+    doc.results.push_back(std::move(record));
+  }
   print_table(std::cout, reporter.table(rows));
   if (!a.json.empty()) {
-    write_json(a.json, out);
+    write_text(a.json, write_run_document(doc) + "\n");
     std::cout << "wrote " << a.json << "\n";
   }
   if (!a.csv.empty()) {
@@ -716,7 +630,7 @@ void run_pipeline_bench(const PipelineArgs& a) {
   // Before any model exists: tensor memory is counted per rank from here on (twobp/metrics/memory.h).
   memory::count_cpu_allocations();
   at::set_num_threads(a.threads);
-  std::vector<std::string> names = schedule_list(a.schedule);
+  std::vector<std::string> names = name_list(a.schedule, schedule_names(), "schedule");
   std::vector<BackwardMode> modes = mode_list(a.mode);
   if (!a.schedule_file.empty()) {
     // The file fixes the schedule and its mode; ranks and micro-batches are checked against it when it is used.
@@ -802,14 +716,7 @@ void add_pipeline_command(CLI::App& app) {
   auto a = std::make_shared<PipelineArgs>();
   CLI::App* sub = app.add_subcommand("pipeline", "Throughput of pipelines, 2BP against standard backprop");
   sub->add_option("--schedule", a->schedule, "Registered schedule, several separated by commas, or all")
-      ->check([](const std::string& value) -> std::string {
-        try {
-          schedule_list(value);
-        } catch (const std::invalid_argument& e) {
-          return e.what();
-        }
-        return "";
-      })
+      ->check(names_in(schedule_names(), "schedule"))
       ->capture_default_str();
   sub->add_option("--schedule-file", a->schedule_file,
                   "Run this schedule (text form, see dump_schedule) instead; it keeps its own 2BP mode")
@@ -824,45 +731,29 @@ void add_pipeline_command(CLI::App& app) {
                   "Data-parallel replicas of the pipeline (world = dp x p; each configuration then runs with the "
                   "gradient reductions overlapped -- standard mode: started during and after its last B -- and not)")
       ->capture_default_str()->check(cli::number_in(1, cli::kMaxRanks));
-  sub->add_option("--microbatches", a->microbatches, "Micro-batches per step")->capture_default_str()
-      ->check(cli::number_in(1, cli::kMaxCount));
   sub->add_option("--chunks-per-rank", a->chunks_per_rank,
                   "v (default: the schedule's: 2 for the looped and V schedules, else 1)")
       ->check(cli::number_in(0, 64, " (0: the schedule's default)"));
   sub->add_option("--model", a->model.model, "llama (fast path), bert or resnet (general autograd-graph split)")
       ->check(CLI::IsMember(pipeline_model_names()))->capture_default_str();
-  sub->add_option("--dim", a->model.dim, "Model width (llama, bert)")->capture_default_str()
-      ->check(cli::number_in(1, cli::kMaxCount));
-  sub->add_option("--layers", a->model.layers, "Blocks over all stages (decoder, encoder or residual blocks)")
-      ->capture_default_str()->check(cli::number_in(1, cli::kMaxCount));
-  sub->add_option("--heads", a->model.heads, "Attention heads (llama, bert)")->capture_default_str()
-      ->check(cli::number_in(1, cli::kMaxCount));
-  sub->add_option("--kv-heads", a->model.kv_heads, "Key/value heads (llama)")->capture_default_str()
-      ->check(cli::number_in(1, cli::kMaxCount));
-  sub->add_option("--ffn", a->model.ffn, "MLP hidden width (llama: SwiGLU, bert: GELU)")->capture_default_str()
-      ->check(cli::number_in(1, cli::kMaxCount));
-  sub->add_option("--vocab", a->model.vocab, "Vocabulary (llama, bert)")->capture_default_str()
-      ->check(cli::number_in(1, cli::kMaxCount));
-  sub->add_option("--seq", a->model.seq, "Tokens per sequence (llama, bert)")->capture_default_str()
-      ->check(cli::number_in(1, cli::kMaxCount));
-  sub->add_option("--channels", a->model.channels, "Conv channels of every residual block (resnet)")
-      ->capture_default_str()->check(cli::number_in(1, cli::kMaxCount));
-  sub->add_option("--image-size", a->model.image_size, "Input height = width (resnet)")->capture_default_str()
-      ->check(cli::number_in(1, cli::kMaxCount));
-  sub->add_option("--in-channels", a->model.in_channels, "Input image channels (resnet)")->capture_default_str()
-      ->check(cli::number_in(1, cli::kMaxCount));
-  sub->add_option("--classes", a->model.classes, "Classes of the head (resnet)")->capture_default_str()
-      ->check(cli::number_in(1, cli::kMaxCount));
-  sub->add_option("--micro-batch-size", a->model.micro_batch_size, "Samples (sequences or images) per micro-batch")
-      ->capture_default_str()->check(cli::number_in(1, cli::kMaxCount));
-  sub->add_option("--steps", a->steps, "Measured steps")->capture_default_str()
-      ->check(cli::number_in(1, cli::kMaxCount));
-  sub->add_option("--warmup", a->warmup, "Unmeasured steps first")->capture_default_str()
-      ->check(cli::number_in(0, cli::kMaxCount));
-  sub->add_option("--threads", a->threads, "at::set_num_threads (per process)")->capture_default_str()
-      ->check(cli::number_in(1, cli::kMaxRanks));
-  sub->add_option("--timeout", a->timeout_s, "Seconds any wait may block")->capture_default_str()
-      ->check(cli::number_in(1e-3, 1e7));
+  PipelineModelArgs& m = a->model;
+  count_option(sub, "--microbatches", a->microbatches, "Micro-batches per step");
+  count_option(sub, "--dim", m.dim, "Model width (llama, bert)");
+  count_option(sub, "--layers", m.layers, "Blocks over all stages (decoder, encoder or residual blocks)");
+  count_option(sub, "--heads", m.heads, "Attention heads (llama, bert)");
+  count_option(sub, "--kv-heads", m.kv_heads, "Key/value heads (llama)");
+  count_option(sub, "--ffn", m.ffn, "MLP hidden width (llama: SwiGLU, bert: GELU)");
+  count_option(sub, "--vocab", m.vocab, "Vocabulary (llama, bert)");
+  count_option(sub, "--seq", m.seq, "Tokens per sequence (llama, bert)");
+  count_option(sub, "--channels", m.channels, "Conv channels of every residual block (resnet)");
+  count_option(sub, "--image-size", m.image_size, "Input height = width (resnet)");
+  count_option(sub, "--in-channels", m.in_channels, "Input image channels (resnet)");
+  count_option(sub, "--classes", m.classes, "Classes of the head (resnet)");
+  count_option(sub, "--micro-batch-size", m.micro_batch_size, "Samples (sequences or images) per micro-batch");
+  count_option(sub, "--steps", a->steps, "Measured steps");
+  count_option(sub, "--warmup", a->warmup, "Unmeasured steps first", 0, cli::kMaxCount);
+  count_option(sub, "--threads", a->threads, "at::set_num_threads (per process)", 1, cli::kMaxRanks);
+  count_option(sub, "--timeout", a->timeout_s, "Seconds any wait may block", 1e-3, 1e7);
   sub->add_option("--powercap-root", a->powercap_root,
                   "Where RAPL's powercap zones are (energy on CPUs; another root for tests or containers)")
       ->capture_default_str();

@@ -1,40 +1,13 @@
-// `twobp_bench plan`: which schedule, mode, v, micro-batch count, recomputation and dp × pp layout to run for a
+// `twobp_bench plan`: which schedule, mode, v, micro-batch count, recomputation and dp x pp layout to run for a
 // LLaMa-like model on N ranks, ranked by predicted throughput among the candidates that fit in memory.
 //
 //   twobp_bench plan --model 7b --ranks 4 --gpu-memory-gb 80 --json plan.json           # estimated costs
 //   twobp_bench plan --costs-json pipeline.json --ranks 2 --global-batch 16 --json p.json   # measured costs
 //
-// Candidates: every dp dividing --ranks (up to --max-dp; pp = ranks / dp) such that dp · micro-batch-size divides
-// --global-batch (m = global batch / (dp · micro-batch-size) micro-batches per replica), every schedule of
-// --schedule (default: all registered; v = the schedule's default), standard and 2BP (--mode), recomputation off
-// and on (--recompute both|off|on). A shape a schedule or the partition rejects is skipped and counted, and so is a
-// multi-chunk schedule on a one-rank pipeline (pp = 1), which only cuts the same work into more actions.
-//
-// Prediction per candidate (one place each, all in twobp; the costs, layouts and ranking in twobp/plan/llama.h):
-//   costs      per chunk and action type X in {F, I, W, B}, affine in what the chunk holds:
-//                X(chunk) = a_X + b_X · blocks + e_X · [embedding] + h_X · [head]      (ChunkCost), recompute R = F
-//              estimated (estimate_llama_costs): b_F = models::block_forward_flops(config, seq) ·
-//              micro-batch-size / (--tflops), h_F = models::head_cost_in_blocks · b_F, a = e = 0; I, W, B at
-//              measured ratios to F: one 7B stage's (measured_backward_ratios) or --ratios-json's fast path
-//              measured (--costs-json, `twobp_bench pipeline` JSONs or a job's --costs-json files, their
-//              results fitted together; fit_llama_costs): a, b, e, h of each X
-//              fitted by least squares over the chunks of its plain results (F from every mode, I and W from 2bp,
-//              B from standard, else B = I + W), which needs two chunk shapes per end (e.g. a v = 1 and a v = 2
-//              schedule); with one shape, F at its FLOP shares (b_F = Σ F / Σ (blocks + head share)) and I, W, B
-//              at their Σ ratios to F. Carried to another model, seq or micro-batch size: b and h by their FLOPs,
-//              e by tokens · dim (the embedding's output), a unchanged (LlamaCosts::carried).
-//   pairs      DualPipeV's overlapped F&B pairs in order, or at once hiding --overlap S of each pair's shorter part
-//              (default: the share the measured results' pairs ran at, LlamaCosts::overlap; 0 without)
-//   messages   estimated: activation bytes / (--link-gbps) + --link-latency-us; measured: the first 2bp result's
-//              communication_ms per byte of its activation, times the planned activation's bytes
-//   dp         each stage's gradients (parameters · gradient bytes of --precision) all-reduced over dp ranks:
-//              metrics::ring_all_reduce_seconds on --link-gbps, overlapped with the rank's remaining work
-//   step       twobp::simulate(schedule, costs).step_time; tokens_per_s = global batch · seq / step
-//   memory     per rank, models::estimate_memory (the formulas of `llama_pipeline --dry-run`, walked through the
-//              schedule by simulate_peak_memory) for --precision; fits = every rank <= --gpu-memory-gb (0: all fit)
-// Ranking (plan_llama_layouts): fitting candidates first, then by predicted tokens/s (ties: less memory). The JSON
-// holds every candidate with its prediction, the example command line that runs it on GPUs, and the
-// `twobp_bench pipeline` arguments that measure it here (used by the planner check test).
+// The candidates, costs (estimated, or fitted from run documents: twobp/plan/record.h), predictions and ranking
+// are library code (twobp/plan/llama.h); docs/BENCHMARKS.md ("plan") describes them. The JSON holds every
+// candidate with its prediction, the example command line that runs it and the `twobp_bench pipeline` arguments
+// that measure it here (used by the planner check test).
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -43,6 +16,7 @@
 #include <algorithm>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -53,6 +27,7 @@
 #include "twobp/models/llama.h"
 #include "twobp/plan/llama.h"
 #include "twobp/plan/measure.h"
+#include "twobp/plan/record.h"
 #include "twobp/schedule/registry.h"
 #include "twobp/schedule/schedule.h"
 #include "twobp/schedule/simulate.h"
@@ -98,19 +73,18 @@ struct Rates {
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
-llm::LlamaConfig config_of(const PlanArgs& a, const Json* measured_config) {
-  if (measured_config == nullptr) return llm::with_dims(llm::config_by_name(a.model), a.dims);
-  // The measured benchmark's own model (twobp_bench pipeline --model llama).
-  const Json& j = *measured_config;
+llm::LlamaConfig config_of(const PlanArgs& a, const ModelShape* measured) {
+  if (measured == nullptr) return llm::with_dims(llm::config_by_name(a.model), a.dims);
+  // The measured benchmark's own model (twobp_bench pipeline --model llama, or the example's).
   llm::LlamaConfig c;
   c.name = "measured";
-  c.dim = j.at("dim").get<int64_t>();
-  c.n_layers = j.at("layers").get<int>();
-  c.n_heads = j.at("heads").get<int>();
-  c.n_kv_heads = j.at("kv_heads").get<int>();
-  c.ffn_dim = j.at("ffn").get<int64_t>();
-  c.vocab_size = j.at("vocab").get<int64_t>();
-  c.max_seq_len = j.at("seq").get<int64_t>();
+  c.dim = measured->dim;
+  c.n_layers = static_cast<int>(measured->layers);
+  c.n_heads = static_cast<int>(measured->heads);
+  c.n_kv_heads = static_cast<int>(measured->kv_heads);
+  c.ffn_dim = measured->ffn;
+  c.vocab_size = measured->vocab;
+  c.max_seq_len = measured->seq;
   c.validate();
   return llm::with_dims(c, a.dims);
 }
@@ -120,34 +94,30 @@ double activation_bytes(const llm::LlamaConfig& c, int64_t mbs, int64_t seq, int
   return static_cast<double>(mbs * seq * c.dim * bytes);
 }
 
-// Costs measured by `twobp_bench pipeline` (`doc`, read from `path`) on its own model: fit_llama_costs over every
-// plain result (no data parallelism, memory limit or announced shapes), carried to the planned model `to` at
-// `to_seq` and `to_mbs` sequences per micro-batch; messages at the first 2bp result's time per activation byte.
-Rates measured_rates(const Json& doc, const std::string& path, const llm::LlamaConfig& to, int64_t to_seq,
+// Costs measured on the document's own model (`path`: its files): fit_llama_costs over every plain result (no
+// memory limit or announced shapes; a record of both modes counts for each, measured_modes), carried to the
+// planned model `to` at `to_seq` and `to_mbs` sequences per micro-batch; messages at the first 2bp result's time
+// per activation byte.
+Rates measured_rates(const RunDocument& doc, const std::string& path, const llm::LlamaConfig& to, int64_t to_seq,
                      int64_t to_mbs) {
-  const Json& cfg = doc.at("config");
-  if (cfg.value("model", "llama") != "llama") {
+  if (doc.model.model.empty()) throw std::runtime_error(path + ": no \"config\" (the measured model's sizes)");
+  if (doc.model.model != "llama") {
     throw std::runtime_error(path + ": the planner models LLaMa-like stacks; this benchmark ran --model " +
-                             cfg.value("model", std::string()));
+                             doc.model.model);
   }
-  const llm::LlamaConfig c = config_of(PlanArgs{}, &cfg);
-  const int64_t seq = cfg.at("seq").get<int64_t>(), mbs = cfg.at("micro_batch_size").get<int64_t>();
+  const llm::LlamaConfig c = config_of(PlanArgs{}, &doc.model);
+  const int64_t seq = doc.model.seq, mbs = doc.model.micro_batch_size;
   std::vector<MeasuredLlamaRun> runs;
   std::vector<std::string> used;
   double comm_ms = -1;
-  for (std::size_t k = 0; k < doc.at("results").size(); ++k) {
-    const Json& r = doc.at("results")[k];
-    if (r.value("dp", 1) != 1 || r.contains("memory_limit_bytes") || r.value("shapes", "fixed") != "fixed") continue;
-    MeasuredLlamaRun run;
-    // The balanced partition, or the one the result names (llama_pipeline --costs-json of a --partition run).
-    run.partition = llm::make_partition(c, r.at("p").get<int>() * r.at("v").get<int>(), seq,
-                                        r.value("partition", std::string()));
-    run.mode = parse_backward_mode(r.value("mode", to_string(BackwardMode::kStandard)));
-    run.costs = parse_measured_costs(r.dump(), fmt::format("{}: result {}", path, k));
-    if (run.mode == BackwardMode::kSplit && comm_ms < 0) comm_ms = run.costs.communication;
-    runs.push_back(std::move(run));
-    used.push_back(fmt::format("{} {} p={} v={}", r.value("schedule", ""), r.value("mode", ""), r.at("p").get<int>(),
-                               r.at("v").get<int>()));
+  for (const RunRecord& r : doc.results) {
+    if (!r.plain()) continue;
+    for (BackwardMode mode : measured_modes(r)) {
+      // The balanced partition, or the one the result names (llama_pipeline --costs-json of a --partition run).
+      runs.push_back({llm::make_partition(c, r.p * r.v, seq, r.partition), mode, r.costs});
+    }
+    if (r.mode == BackwardMode::kSplit && comm_ms < 0) comm_ms = r.costs.communication;
+    used.push_back(fmt::format("{} {} p={} v={}", r.schedule, to_string(r.mode), r.p, r.v));
   }
   if (comm_ms < 0) throw std::runtime_error(path + ": no 2bp result (run `twobp_bench pipeline --mode both`)");
   Rates rates;
@@ -345,42 +315,15 @@ void report_plan(const PlanArgs& a, const llm::LlamaConfig& config, const Layout
   }
 }
 
-// The measured files as one document: the first one's config, every file's results in order. The files must have
-// measured the same model at the same sequence length and micro-batch size (e.g. a v = 1 and a v = 2 job, whose
-// chunks of two shapes let fit_llama_costs fit every term).
-Json merged_costs(const std::vector<std::string>& paths) {
-  Json merged;
-  for (const std::string& path : paths) {
-    Json doc = read_json(path);
-    if (!doc.contains("config") || !doc.contains("results")) {
-      throw std::runtime_error(path + ": not a `twobp_bench pipeline` JSON (no config/results)");
-    }
-    if (merged.is_null()) {
-      merged = std::move(doc);
-      continue;
-    }
-    for (const char* key : {"model", "dim", "layers", "heads", "kv_heads", "ffn", "vocab", "seq", "micro_batch_size"}) {
-      const Json mine = doc["config"].value(key, Json()), first = merged["config"].value(key, Json());
-      if (mine != first) {
-        throw std::runtime_error(fmt::format("--costs-json: {} measured {} {} and {} measured {}: the files must "
-                                             "measure the same model, sequence length and micro-batch size",
-                                             paths.front(), key, first.dump(), path, mine.dump()));
-      }
-    }
-    for (Json& r : doc["results"]) merged["results"].push_back(std::move(r));
-  }
-  return merged;
-}
-
 void run_plan(const PlanArgs& a) {
   if (a.ranks < 1 || a.micro_batch_size < 1) throw std::invalid_argument("--ranks and --micro-batch-size must be >= 1");
-  Json measured_doc;
-  const Json* measured_config = nullptr;
-  if (!a.costs_json.empty()) {
-    measured_doc = merged_costs(a.costs_json);
-    measured_config = &measured_doc["config"];
-  }
-  const llm::LlamaConfig config = config_of(a, measured_config);
+  // The measured files as one document: they must have measured the same model, sequence length and micro-batch
+  // size (e.g. a v = 1 and a v = 2 job, whose chunks of two shapes let fit_llama_costs fit every term).
+  std::vector<RunDocument> docs;
+  for (const std::string& path : a.costs_json) docs.push_back(read_run_document_file(path));
+  const std::optional<RunDocument> measured =
+      docs.empty() ? std::nullopt : std::optional<RunDocument>(merge_run_documents(docs, a.costs_json));
+  const llm::LlamaConfig config = config_of(a, measured ? &measured->model : nullptr);
   LayoutPlanOptions o;
   o.ranks = a.ranks;
   o.seq = a.seq > 0 ? a.seq : config.max_seq_len;
@@ -396,8 +339,7 @@ void run_plan(const PlanArgs& a) {
   o.memory_limit_bytes = a.gpu_memory_gb * kGiB;
   o.link_bytes_per_s = a.link_gbps * 1e9 / 8;
   o.link_latency_s = a.link_latency_us * 1e-6;
-  Rates rates = measured_config != nullptr
-                    ? measured_rates(measured_doc, fmt::format("{}", fmt::join(a.costs_json, " + ")), config, o.seq,
+  Rates rates = measured ? measured_rates(*measured, fmt::format("{}", fmt::join(a.costs_json, " + ")), config, o.seq,
                                      a.micro_batch_size)
                     : estimated_rates(a, config, o.seq);
   if (a.overlap >= 0) {
@@ -425,13 +367,12 @@ void add_plan_command(CLI::App& app) {
   sub->add_option("--kv-heads", a->dims.kv_heads, "Custom key/value heads")->check(cli::number_in(1, cli::kMaxCount));
   sub->add_option("--ffn", a->dims.ffn, "Custom MLP width")->check(cli::number_in(1, cli::kMaxCount));
   sub->add_option("--vocab", a->dims.vocab, "Custom vocabulary")->check(cli::number_in(1, cli::kMaxCount));
-  sub->add_option("--ranks", a->ranks, "Ranks (GPUs)")->capture_default_str()->check(cli::number_in(1, 65536));
+  count_option(sub, "--ranks", a->ranks, "Ranks (GPUs)", 1, 65536);
   sub->add_option("--gpu-memory-gb", a->gpu_memory_gb, "Memory per device in GiB (0: do not filter)")
       ->capture_default_str()->check(cli::number_in(0, 1e6, " (0: do not filter)"));
   sub->add_option("--seq", a->seq, "Tokens per sequence (default: the model's)")
       ->check(cli::number_in(1, cli::kMaxCount));
-  sub->add_option("--micro-batch-size", a->micro_batch_size, "Sequences per micro-batch")->capture_default_str()
-      ->check(cli::number_in(1, cli::kMaxCount));
+  count_option(sub, "--micro-batch-size", a->micro_batch_size, "Sequences per micro-batch");
   sub->add_option("--global-batch", a->global_batch, "Sequences per step (default 8 x ranks x micro-batch size)")
       ->check(cli::number_in(1, 1e9));
   // --dtype, as every program spells a precision; --precision is its older name, which spelled bf16-pure "bf16"
@@ -453,8 +394,7 @@ void add_plan_command(CLI::App& app) {
          "The older name of --dtype: fp32, bf16-mixed or bf16-pure")
       ->check(not_bf16)
       ->check(cli::one_spelling(parse_precision, "fp32, bf16-mixed or bf16-pure"));
-  sub->add_option("--tflops", a->tflops, "Estimated costs: sustained TFLOP/s per device")->capture_default_str()
-      ->check(cli::number_in(1e-6, 1e6));
+  count_option(sub, "--tflops", a->tflops, "Estimated costs: sustained TFLOP/s per device", 1e-6, 1e6);
   sub->add_option("--ratios-json", a->ratios_json,
                   "Estimated costs: I, W and B at the ratios to F of this `twobp_bench split` JSON's fast path "
                   "(default: those measured on one 7B stage, docs/GPU.md)")
@@ -473,15 +413,14 @@ void add_plan_command(CLI::App& app) {
       ->check(cli::number_in(0, 1));
   sub->add_option("--link-gbps", a->link_gbps, "Link bandwidth per rank, Gb/s (messages and data-parallel rings)")
       ->capture_default_str()->check(cli::number_in(1e-3, 1e6));
-  sub->add_option("--link-latency-us", a->link_latency_us, "Per message / ring step latency, us")
-      ->capture_default_str()->check(cli::number_in(0, 1e9));
+  count_option(sub, "--link-latency-us", a->link_latency_us, "Per message / ring step latency, us", 0, 1e9);
   sub->add_option("--schedule", a->schedule, "Schedules to consider: all, or a comma-separated list")
       ->capture_default_str();
   sub->add_option("--mode", a->mode, "standard, 2bp or both")->check(CLI::IsMember(mode_choices()))
       ->capture_default_str();
   sub->add_option("--recompute", a->recompute, "Activation recomputation: off, on or both")
       ->check(CLI::IsMember({"off", "on", "both"}))->capture_default_str();
-  sub->add_option("--top", a->top, "Rows printed")->capture_default_str()->check(cli::number_in(1, cli::kMaxCount));
+  count_option(sub, "--top", a->top, "Rows printed");
   sub->add_option("--max-dp", a->max_dp, "Consider data-parallel degrees up to this (default: --ranks)")
       ->check(cli::number_in(1, 65536));
   sub->add_option("--json", a->json, "Write {config, candidates (ranked), best} here")->check(cli::writable_file());

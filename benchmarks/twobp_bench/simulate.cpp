@@ -1,65 +1,13 @@
 // `twobp_bench simulate`: scale planning without running a model. For every built-in schedule and both backward
 // modes it generates the schedule for p ranks, m micro-batches and v chunks per rank, and runs twobp::simulate()
-// on per-stage costs given on the command line or taken from a `pipeline` result.
+// on per-stage costs given on the command line or taken from a `pipeline` run document (twobp/plan/record.h).
 //
 //   twobp_bench simulate --ranks 64 --microbatches 256 --f 1 --i 1 --w 1 --comm 0.1 --json sim.json
 //   twobp_bench simulate --from-json pipeline.json --result 0 --ranks 16 --microbatches 64
 //
-// Costs (milliseconds, or any unit: the results use the same one; with --dp > 1 milliseconds, the all-reduce's unit):
-//   --f/--i/--w/--b are per RANK, i.e. per stage of a v = 1 pipeline (B defaults to I + W; W is per micro-batch).
-//   A schedule with v chunks per rank runs the same model on the same ranks cut into v times more stages, so each
-//   chunk costs (per-rank cost) / v. --comm is per message and is not scaled. --overlap S: overlapped F&B pairs
-//   (DualPipeV's) run at once, hiding the share S of the shorter part (CostModel::overlap; default 0, in order).
-//   --from-json FILE takes costs_ms, communication_ms and overlap (unless --overlap) of result K (--result,
-//   default 0) of a `pipeline` JSON.
-//   A pipeline result holds only its own mode's backward (standard: B; 2bp: I and W), so the result with the same
-//   schedule, p, m, v and the other mode, when the file has it, supplies the missing one (B = I + W otherwise;
-//   without any 2bp result there are no I/W costs and the command fails). Measured per-stage costs are mapped
-//   onto the simulated shape as follows (the chosen rule is printed and stored as "cost_rule"):
-//     same p and the same stage placement as measured   each stage keeps its measured cost ("per-stage")
-//     same p, other v                                   chunk on rank r = Σ measured stages of rank r / v
-//                                                       ("per-rank / v")
-//     other p                                           every chunk = mean over measured ranks of the rank's
-//                                                       total / v ("mean-rank / v": a model that grows with p,
-//                                                       every rank holding as much work as a measured one)
-//
-// Data parallelism (--dp N > 1; N = 1, the default, changes nothing and adds no fields): N replicas of the
-// pipeline, each stage's gradients all-reduced over its N replicas after every step, on one link per rank that
-// is separate from compute and from pipeline messages (CostModel::data_parallel_reduce).
-//   --model-params P   parameters of the whole model (default 7e9, LLaMa-7B), split evenly over the schedule's
-//                      stages: a stage holds P / (p · v), a rank P / p
-//   --grad-bytes B     bytes per gradient element (default 2: bf16 gradients, as the 7B measurements)
-//   --link-gbps X, --link-latency-us L   one rank's data-parallel link: X gigabit/s (default 100) and L µs per
-//                      ring step (default 5)
-//   stage all-reduce   metrics::ring_all_reduce_seconds(P / (p · v) · B, N, X · 1e9 / 8, L · 1e-6), in ms
-//   --dp-overlap on|off|both (default both): on = a stage's all-reduce starts when its last W (2bp) or B
-//                      (standard) ends, overlapping the rank's remaining work; off = after the rank's last action.
-//                      both gives each schedule and mode one row per setting.
-//   --dp-buckets K     each stage's all-reduce in K equal buckets (default 4); with overlap, after a W they start
-//                      one by one during it (bucket j at (j+1)/K of the W), as the runtime starts a bucket once the
-//                      layers that fill it ran in the stage's last W; after a B all at its end (CostModel docs)
-//
-// synth (twobp/plan/synthesize.h) is synthesized for these costs instead of taken from the registry with its
-// textbook ones: once per v of --synth-chunks (default: the v every schedule gets), within --synth-memory
-// micro-batches of a whole rank's activations (default 1F1B standard's, min(p, m)), searching --synth-work.
-//
-// Metrics (docs/BENCHMARKS.md repeats them), per schedule and mode, from simulate(schedule, costs):
-//   sim_step_ms              the simulated step time: each rank runs its actions in order; an F/I/B waits until
-//                            its input arrived, `comm` after the producing action finished
-//   sim_bubble_fraction      idle compute time / (p · sim_step_ms)
-//   peak_live_microbatches   max over ranks of micro-batches whose activations are alive at once
-//   speedup_vs_standard      sim_step_ms(standard) / sim_step_ms(2bp), same schedule, p, m, v (2bp rows only;
-//                            with --dp > 1 also the same dp_overlap)
-//   speedup_vs_1f1b_standard sim_step_ms of 1F1B standard (v = 1, the same costs, p, m and dp_overlap) /
-//                            sim_step_ms (not with --schedule-file); the table's "2bp vs 1f1b std"
-//   with --dp > 1 (sim_step_ms and sim_bubble_fraction then include the exposed all-reduce time):
-//   dp, dp_overlap           N, and whether the all-reduces overlap (true) or follow the rank's last action
-//   dp_reduce_ms             the all-reduce time of one rank per step: max over ranks of the sum of its stages'
-//                            all-reduces (v chunks: v all-reduces of 1/v of the rank's gradients each)
-//   dp_exposed_ms            SimulationResult::data_parallel_exposed: max over ranks of how far the all-reduces
-//                            pushed the rank's step end past its last action (0: fully hidden)
-//   generate_ms, simulate_ms wall time this tool spent generating+validating and simulating the schedule
-// Shapes a schedule rejects (e.g. interleaved-1f1b with p = 4, m = 9) are listed with the reason.
+// docs/BENCHMARKS.md ("simulate") defines the costs (per rank; a chunk of v costs 1/v), how measured per-stage
+// costs map onto another shape ("cost_rule": per-stage, per-rank / v, mean-rank / v), the data-parallel model
+// (--dp ...) and every metric.
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -78,6 +26,7 @@
 #include "commands.h"
 #include "twobp/metrics/metrics.h"
 #include "twobp/plan/measure.h"
+#include "twobp/plan/record.h"
 #include "twobp/plan/synthesize.h"
 #include "twobp/schedule/pytorch_csv.h"
 #include "twobp/schedule/registry.h"
@@ -128,177 +77,79 @@ struct CostSource {
   double overlap = 0;  // CostModel::overlap: --overlap, else what the measured run's pairs hid (else 0)
   // Command line: per-rank costs (w0: the fixed part of each W, CostModel::backward_weight_fixed).
   double f = 0, i = 0, w = 0, b = 0, w0 = 0;
-  // Measured: per measured stage, and the measured placement.
-  std::string schedule;
-  int p = 0, m = 0, v = 0;
-  std::vector<double> F, I, W, B;
-  std::vector<double> W0;  // the fixed part of each W (MeasuredCosts::backward_weight_fixed); empty: none
+  // Measured: per measured stage (completed by the partner rule, twobp/plan/record.h), and the measured placement.
+  MeasuredCosts costs;
   std::vector<int> stage_to_rank;
 };
 
-bool any_positive(const std::vector<double>& v) {
-  return std::any_of(v.begin(), v.end(), [](double x) { return x > 0; });
+CostSource command_line_costs(const SimulateArgs& a) {
+  CostSource c;
+  c.f = a.f;
+  c.i = a.i;
+  c.w = a.w;
+  c.b = a.b >= 0 ? a.b : a.i + a.w;  // a B's weight part is a W of one micro-batch
+  c.comm = a.comm;
+  std::string batched;
+  if (!a.w_batched.empty()) {
+    const int k = static_cast<int>(a.w_batched[0]);
+    if (k < 2 || static_cast<double>(k) != a.w_batched[0]) {
+      throw std::runtime_error(fmt::format("--w-batched {} {}: the micro-batch count must be an integer >= 2",
+                                           a.w_batched[0], a.w_batched[1]));
+    }
+    const WeightCost w = fit_weight_cost({{1, {a.w}}, {k, {a.w_batched[1]}}});
+    c.w = w.per_micro_batch;
+    c.w0 = w.fixed;
+    batched = fmt::format(" (a W of 1 micro-batch {} ms, of {} {} ms: W0={:.4g} + W per micro-batch)", a.w, k,
+                          a.w_batched[1], c.w0);
+  }
+  c.overlap = std::max(a.overlap, 0.0);
+  c.description = fmt::format("command line, per rank: F={} I={} W={:.4g} B={}{} comm={}{}{}", c.f, c.i, c.w, c.b,
+                              a.b >= 0 ? "" : " (I+W)", c.comm, batched,
+                              c.overlap > 0 ? fmt::format(" overlap={}", c.overlap) : "");
+  return c;
 }
 
+// Result --result of the --from-json run document, its missing mode's costs from its partner (complete_costs).
 CostSource load_costs(const SimulateArgs& a) {
-  CostSource c;
-  if (a.from_json.empty()) {
-    c.f = a.f;
-    c.i = a.i;
-    c.w = a.w;
-    c.b = a.b >= 0 ? a.b : a.i + a.w;  // a B's weight part is a W of one micro-batch
-    c.comm = a.comm;
-    std::string batched;
-    if (!a.w_batched.empty()) {
-      const int k = static_cast<int>(a.w_batched[0]);
-      if (k < 2 || static_cast<double>(k) != a.w_batched[0]) {
-        throw std::runtime_error(fmt::format("--w-batched {} {}: the micro-batch count must be an integer >= 2",
-                                             a.w_batched[0], a.w_batched[1]));
-      }
-      const WeightCost w = fit_weight_cost({{1, {a.w}}, {k, {a.w_batched[1]}}});
-      c.w = w.per_micro_batch;
-      c.w0 = w.fixed;
-      batched = fmt::format(" (a W of 1 micro-batch {} ms, of {} {} ms: W0={:.4g} + W per micro-batch)", a.w, k,
-                            a.w_batched[1], c.w0);
-    }
-    c.overlap = std::max(a.overlap, 0.0);
-    c.description = fmt::format("command line, per rank: F={} I={} W={:.4g} B={}{} comm={}{}{}", c.f, c.i, c.w, c.b,
-                                a.b >= 0 ? "" : " (I+W)", c.comm, batched,
-                                c.overlap > 0 ? fmt::format(" overlap={}", c.overlap) : "");
-    return c;
-  }
-  const Json doc = read_json(a.from_json);
-  if (!doc.contains("results") || !doc["results"].is_array() || doc["results"].empty()) {
-    throw std::runtime_error(a.from_json + ": no \"results\" array (not a `twobp_bench pipeline` JSON?)");
-  }
-  const Json& results = doc["results"];
-  if (a.result < 0 || a.result >= static_cast<int>(results.size())) {
+  if (a.from_json.empty()) return command_line_costs(a);
+  const RunDocument doc = read_run_document_file(a.from_json);
+  if (a.result >= static_cast<int>(doc.results.size())) {
     throw std::runtime_error(fmt::format("{}: --result {} out of range (the file has {} results)", a.from_json,
-                                         a.result, results.size()));
+                                         a.result, doc.results.size()));
   }
-  const Json& r = results[a.result];
-  for (const char* key : {"schedule", "mode", "p", "m", "v"}) {
-    if (!r.contains(key)) throw std::runtime_error(fmt::format("{}: result {} has no \"{}\"", a.from_json, a.result, key));
-  }
+  const RunRecord& r = doc.results[a.result];
+  CostSource c;
   c.measured = true;
-  c.schedule = r["schedule"].get<std::string>();
-  c.p = r["p"].get<int>();
-  c.m = r["m"].get<int>();
-  c.v = r["v"].get<int>();
-  const MeasuredCosts measured = parse_measured_costs(r.dump(), fmt::format("{}: result {}", a.from_json, a.result));
-  c.comm = measured.communication;
-  c.overlap = a.overlap >= 0 ? a.overlap : measured.overlap;
-  c.F = measured.forward;
-  c.I = measured.backward_input;
-  c.W = measured.backward_weight;
-  c.W0 = measured.backward_weight_fixed;
-  c.B = measured.backward;
   std::string partner_note;
-  const Json* partner = nullptr;
-  for (const auto& o : results) {
-    if (o.value("schedule", "") == c.schedule && o.value("p", 0) == c.p && o.value("m", 0) == c.m &&
-        o.value("v", 0) == c.v && o.value("mode", "") != r["mode"].get<std::string>() && o.contains("costs_ms")) {
-      partner = &o;
-    }
-  }
-  const std::optional<MeasuredCosts> other =
-      partner ? std::optional<MeasuredCosts>(parse_measured_costs(partner->dump(), a.from_json + ": its partner result"))
-              : std::nullopt;
-  if (!any_positive(c.I) && other) {
-    c.I = other->backward_input;
-    c.W = other->backward_weight;
-    c.W0 = other->backward_weight_fixed;
-    partner_note += " I,W from its 2bp partner;";
-  }
-  if (!any_positive(c.I)) {
-    throw std::runtime_error(fmt::format("{}: result {} ({} {}) has no I/W costs and no 2bp partner result; run "
-                                         "`pipeline --mode both` (or 2bp)", a.from_json, a.result, c.schedule,
-                                         r["mode"].get<std::string>()));
-  }
-  if (!any_positive(c.B) && other && any_positive(other->backward)) {
-    c.B = other->backward;
-    partner_note += " B from its standard partner;";
-  }
-  const std::size_t S = c.F.size();
-  if (S == 0 || c.I.size() != S || c.W.size() != S) {
-    throw std::runtime_error(fmt::format("{}: result {}: costs_ms F/I/W sizes differ or are empty", a.from_json, a.result));
-  }
-  if (!any_positive(c.B)) {
-    CostModel parts;  // the measured stages' split parts, for the simulator's fused-B rule
-    parts.backward_input = c.I;
-    parts.backward_weight = c.W;
-    parts.backward_weight_fixed = c.W0;
-    c.B.resize(S);
-    for (std::size_t s = 0; s < S; ++s) c.B[s] = parts.unfused_backward(static_cast<int>(s));
-    partner_note += " B = I + W (no standard result);";
-  } else if (c.B.size() != S) {
-    throw std::runtime_error(fmt::format("{}: result {}: costs_ms B has {} stages, F {}", a.from_json, a.result,
-                                         c.B.size(), S));
-  }
+  c.costs = complete_costs(r, find_partner(doc, a.result), &partner_note);
+  c.comm = c.costs.communication;
+  c.overlap = a.overlap >= 0 ? a.overlap : c.costs.overlap;
   // The measured placement: regenerate the measured schedule (cheap) for its stage -> rank map.
-  ScheduleOptions so{c.p, c.m, c.v, BackwardMode::kSplit};
-  c.stage_to_rank = make_schedule(c.schedule, so).stage_to_rank;
-  if (c.stage_to_rank.size() != S) {
+  c.stage_to_rank = make_schedule(r.schedule, ScheduleOptions{r.p, r.m, r.v, BackwardMode::kSplit}).stage_to_rank;
+  if (static_cast<int>(c.stage_to_rank.size()) != c.costs.num_stages()) {
     throw std::runtime_error(fmt::format("{}: result {}: {} stage costs, but {} p={} v={} has {} stages", a.from_json,
-                                         a.result, S, c.schedule, c.p, c.v, c.stage_to_rank.size()));
+                                         a.result, c.costs.num_stages(), r.schedule, r.p, r.v,
+                                         c.stage_to_rank.size()));
   }
-  c.description = fmt::format("{} result {} ({} {} p={} m={} v={}),{} comm={}{}", a.from_json, a.result, c.schedule,
-                              r["mode"].get<std::string>(), c.p, c.m, c.v, partner_note, c.comm,
+  c.description = fmt::format("{} result {} ({} {} p={} m={} v={}),{} comm={}{}", a.from_json, a.result, r.schedule,
+                              to_string(r.mode), r.p, r.m, r.v, partner_note, c.comm,
                               c.overlap > 0 ? fmt::format(" overlap={:.3g}", c.overlap) : "");
   return c;
 }
 
-/// Per-stage costs for `target` from `src`; `rule` says which mapping was used.
+/// Per-stage costs for `target` from `src` (measured: costs_for_placement); `rule` says which mapping was used.
 CostModel costs_for(const Schedule& target, const CostSource& src, std::string& rule) {
-  const int S = target.num_stages, P = target.num_ranks;
-  const double v = static_cast<double>(S) / P;
-  CostModel c;
-  c.communication = src.comm;
+  if (src.measured) {
+    CostModel c = costs_for_placement(src.costs, src.stage_to_rank, target, &rule);
+    c.overlap = src.overlap;
+    return c;
+  }
+  const double v = static_cast<double>(target.num_stages) / target.num_ranks;
+  CostModel c = CostModel::uniform(target.num_stages, src.f / v, src.i / v, src.w / v, src.comm);
+  c.backward.assign(target.num_stages, src.b / v);
+  if (src.w0 > 0) c.backward_weight_fixed.assign(target.num_stages, src.w0 / v);
   c.overlap = src.overlap;
-  c.forward.resize(S);
-  c.backward_input.resize(S);
-  c.backward_weight.resize(S);
-  c.backward.resize(S);
-  if (!src.W0.empty() || src.w0 > 0) c.backward_weight_fixed.resize(S);  // mapped as W is
-  auto fill = [&](int s, double f, double i, double w, double b, double w0 = 0.0) {
-    c.forward[s] = f;
-    c.backward_input[s] = i;
-    c.backward_weight[s] = w;
-    c.backward[s] = b;
-    if (!c.backward_weight_fixed.empty()) c.backward_weight_fixed[s] = w0;
-  };
-  auto w0_of = [&](std::size_t s) { return src.W0.empty() ? 0.0 : src.W0[s]; };
-  if (!src.measured) {
-    rule = "per-rank / v";
-    for (int s = 0; s < S; ++s) fill(s, src.f / v, src.i / v, src.w / v, src.b / v, src.w0 / v);
-    return c;
-  }
-  if (P == src.p && target.stage_to_rank == src.stage_to_rank) {
-    rule = "per-stage";
-    for (int s = 0; s < S; ++s) fill(s, src.F[s], src.I[s], src.W[s], src.B[s], w0_of(s));
-    return c;
-  }
-  // Per measured rank totals.
-  std::vector<double> f(src.p), i(src.p), w(src.p), b(src.p), w0(src.p);
-  for (std::size_t s = 0; s < src.F.size(); ++s) {
-    const int r = src.stage_to_rank[s];
-    f[r] += src.F[s];
-    i[r] += src.I[s];
-    w[r] += src.W[s];
-    b[r] += src.B[s];
-    w0[r] += w0_of(s);
-  }
-  if (P == src.p) {
-    rule = "per-rank / v";
-    for (int s = 0; s < S; ++s) {
-      const int r = target.stage_to_rank[s];
-      fill(s, f[r] / v, i[r] / v, w[r] / v, b[r] / v, w0[r] / v);
-    }
-    return c;
-  }
-  rule = "mean-rank / v";
-  auto mean = [&](const std::vector<double>& x) { return std::accumulate(x.begin(), x.end(), 0.0) / x.size(); };
-  for (int s = 0; s < S; ++s) fill(s, mean(f) / v, mean(i) / v, mean(w) / v, mean(b) / v, mean(w0) / v);
+  rule = "per-rank / v";
   return c;
 }
 
@@ -333,6 +184,7 @@ struct SimRow {
   bool dp_overlap = false;  // only meaningful with --dp > 1
   double dp_reduce_ms = 0, dp_exposed_ms = 0;
   double vs_1f1b_standard = 0;  // 1F1B standard's step (v = 1, same costs) / this step; 0: not computed
+  double vs_standard = 0;       // 2bp rows: the standard row's step (same schedule, v, overlap) / this step
 };
 
 struct Rejected {
@@ -478,10 +330,41 @@ void simulate_all(const SimulateArgs& a, const CostSource& src, const SimulatePl
   }
 }
 
+// The outputs of a result, in the order of its JSON object.
+Reporter<SimRow> result_reporter(const SimulateArgs& a) {
+  using Row = SimRow;
+  std::vector<Column<Row>> cols;
+  auto add = [&](auto&&... args) { cols.push_back(column<Row>(std::forward<decltype(args)>(args)...)); };
+  auto add_if = [&](auto&&... args) { cols.push_back(column_if<Row>(std::forward<decltype(args)>(args)...)); };
+  add("schedule", [](const Row& r) { return r.schedule; });
+  add("mode", [](const Row& r) { return to_string(r.mode); });
+  add("p", [](const Row& r) { return r.p; });
+  add("m", [](const Row& r) { return r.m; });
+  add("v", [](const Row& r) { return r.v; });
+  add("stages", [](const Row& r) { return r.stages; });
+  add("sim_step_ms", [](const Row& r) { return r.step; });
+  add("sim_bubble_fraction", [](const Row& r) { return r.bubble; });
+  add("peak_live_microbatches", [](const Row& r) { return r.peak_live; });
+  add("cost_rule", [](const Row& r) { return r.rule; });
+  add("generate_ms", [](const Row& r) { return r.generate_ms; });
+  add("simulate_ms", [](const Row& r) { return r.simulate_ms; });
+  add_if("speedup_vs_1f1b_standard", [](const Row& r) { return r.vs_1f1b_standard > 0; },
+         [](const Row& r) { return r.vs_1f1b_standard; });
+  if (a.dp > 1) {
+    const int dp = a.dp;
+    add("dp", [dp](const Row&) { return dp; });
+    add("dp_overlap", [](const Row& r) { return r.dp_overlap; });
+    add("dp_reduce_ms", [](const Row& r) { return r.dp_reduce_ms; });
+    add("dp_exposed_ms", [](const Row& r) { return r.dp_exposed_ms; });
+  }
+  add_if("speedup_vs_standard", [](const Row& r) { return r.vs_standard > 0; },
+         [](const Row& r) { return r.vs_standard; });
+  return Reporter<Row>(std::move(cols), {});
+}
+
 // {"config", "results" (one per schedule × mode × overlap), "rejected", "tool_ms"}.
 Json simulate_json(const SimulateArgs& a, const CostSource& src, const std::vector<SimRow>& rows,
                    const std::vector<Rejected>& rejected, double total_ms) {
-  const bool dp = a.dp > 1;
   Json out;
   out["config"] = {{"ranks", a.ranks},     {"microbatches", a.microbatches}, {"chunks_per_rank", a.chunks_per_rank},
                    {"costs", src.description}, {"communication_ms", src.comm}, {"recompute", a.recompute}};
@@ -490,45 +373,15 @@ Json simulate_json(const SimulateArgs& a, const CostSource& src, const std::vect
     out["config"]["costs_ms_per_rank"] = {{"F", src.f}, {"I", src.i}, {"W", src.w}, {"B", src.b}};
     if (src.w0 > 0) out["config"]["costs_ms_per_rank"]["W0"] = src.w0;
   }
-  if (dp) {
-    out["config"]["data_parallel"] = {{"dp", a.dp},
-                                      {"link_gbps", a.link_gbps},
-                                      {"link_latency_us", a.link_latency_us},
-                                      {"model_params", a.model_params},
-                                      {"grad_bytes", a.grad_bytes},
-                                      {"overlap", a.dp_overlap},
+  if (a.dp > 1) {
+    out["config"]["data_parallel"] = {{"dp", a.dp},           {"link_gbps", a.link_gbps},
+                                      {"link_latency_us", a.link_latency_us}, {"model_params", a.model_params},
+                                      {"grad_bytes", a.grad_bytes}, {"overlap", a.dp_overlap},
                                       {"buckets_per_stage", a.dp_buckets}};
   }
+  const Reporter<SimRow> reporter = result_reporter(a);
   out["results"] = Json::array();
-  for (const auto& r : rows) {
-    Json j{{"schedule", r.schedule},
-           {"mode", to_string(r.mode)},
-           {"p", r.p},
-           {"m", r.m},
-           {"v", r.v},
-           {"stages", r.stages},
-           {"sim_step_ms", r.step},
-           {"sim_bubble_fraction", r.bubble},
-           {"peak_live_microbatches", r.peak_live},
-           {"cost_rule", r.rule},
-           {"generate_ms", r.generate_ms},
-           {"simulate_ms", r.simulate_ms}};
-    if (r.vs_1f1b_standard > 0) j["speedup_vs_1f1b_standard"] = r.vs_1f1b_standard;
-    if (dp) {
-      j["dp"] = a.dp;
-      j["dp_overlap"] = r.dp_overlap;
-      j["dp_reduce_ms"] = r.dp_reduce_ms;
-      j["dp_exposed_ms"] = r.dp_exposed_ms;
-    }
-    for (const auto& o : rows) {  // the standard form of the same schedule, v and overlap
-      if (r.mode == BackwardMode::kSplit && o.schedule == r.schedule && o.v == r.v &&
-          o.mode == BackwardMode::kStandard && o.dp_overlap == r.dp_overlap) {
-        j["speedup_vs_standard"] = o.step / r.step;
-        break;
-      }
-    }
-    out["results"].push_back(j);
-  }
+  for (const SimRow& r : rows) out["results"].push_back(reporter.json(r));
   out["rejected"] = Json::array();
   for (const auto& r : rejected) {
     out["rejected"].push_back({{"schedule", r.schedule}, {"v", r.v}, {"reason", r.reason}});
@@ -537,50 +390,85 @@ Json simulate_json(const SimulateArgs& a, const CostSource& src, const std::vect
   return out;
 }
 
-// The table: one line per schedule (and overlap setting), both modes side by side.
-std::vector<std::vector<std::string>> simulate_table(const SimulateArgs& a, const SimulatePlan& plan,
-                                                     const std::vector<SimRow>& rows) {
-  const bool dp = a.dp > 1;
-  std::vector<std::vector<std::string>> table{{"schedule", "v", "stages", "std ms", "2bp ms", "speedup",
-                                               "2bp vs 1f1b std", "std bubble", "2bp bubble", "std peak mbs",
-                                               "2bp peak mbs", "cost rule", "tool ms"}};
-  if (dp) {
-    for (const char* column : {"dp reduce ms", "std exposed", "2bp exposed"}) table[0].push_back(column);
-    table[0].insert(table[0].begin() + 1, "dp overlap");
+// One table line: a schedule's v and overlap setting, its standard (s) and 2bp (t) rows side by side.
+struct SimLine {
+  const SimRow *s = nullptr, *t = nullptr;
+  const SimRow& any() const { return s ? *s : *t; }
+};
+
+// The table's columns (a table-only Reporter: its lines have no JSON).
+Reporter<SimLine> table_reporter(const SimulateArgs& a) {
+  using Line = SimLine;
+  std::vector<Column<Line>> cols;
+  auto add = [&](const std::string& header, std::function<std::string(const Line&)> text) {
+    cols.push_back(cell<Line>(header, std::move(text)));
+  };
+  // A number of the standard (s) or the 2bp (t) row; empty without that row.
+  auto of = [](const SimRow* Line::*row, double SimRow::*field, int digits) {
+    return [row, field, digits](const Line& l) { return l.*row ? fmt_num(l.*row->*field, digits) : std::string(); };
+  };
+  auto peak = [](const SimRow* Line::*row) {
+    return [row](const Line& l) { return l.*row ? std::to_string((l.*row)->peak_live) : std::string(); };
+  };
+  add("schedule", [](const Line& l) { return l.any().schedule; });
+  if (a.dp > 1) add("dp overlap", [](const Line& l) { return std::string(l.any().dp_overlap ? "on" : "off"); });
+  add("v", [](const Line& l) { return std::to_string(l.any().v); });
+  add("stages", [](const Line& l) { return std::to_string(l.any().stages); });
+  add("std ms", of(&Line::s, &SimRow::step, 2));
+  add("2bp ms", of(&Line::t, &SimRow::step, 2));
+  add("speedup", [](const Line& l) { return l.s && l.t ? fmt_num(l.s->step / l.t->step, 3) : ""; });
+  add("2bp vs 1f1b std",
+       [](const Line& l) { return l.t && l.t->vs_1f1b_standard > 0 ? fmt_num(l.t->vs_1f1b_standard, 3) : ""; });
+  add("std bubble", of(&Line::s, &SimRow::bubble, 3));
+  add("2bp bubble", of(&Line::t, &SimRow::bubble, 3));
+  add("std peak mbs", peak(&Line::s));
+  add("2bp peak mbs", peak(&Line::t));
+  add("cost rule", [](const Line& l) { return l.any().rule; });
+  add("tool ms", [](const Line& l) {
+    double ms = 0;
+    for (const SimRow* r : {l.s, l.t}) ms += r ? r->generate_ms + r->simulate_ms : 0;
+    return fmt_num(ms, 0);
+  });
+  if (a.dp > 1) {
+    add("dp reduce ms", [](const Line& l) { return fmt_num(l.any().dp_reduce_ms, 2); });
+    add("std exposed", of(&Line::s, &SimRow::dp_exposed_ms, 2));
+    add("2bp exposed", of(&Line::t, &SimRow::dp_exposed_ms, 2));
   }
-  std::vector<std::pair<std::string, int>> lines;  // (schedule, v) in the order simulated (synth: several v)
-  for (const auto& r : rows) {
-    const std::pair<std::string, int> line{r.schedule, r.v};
-    if (std::find(lines.begin(), lines.end(), line) == lines.end()) lines.push_back(line);
-  }
-  for (const auto& [name, v] : lines) {
+  return Reporter<Line>(std::move(cols));
+}
+
+// The table's lines: per (schedule, v) in the order simulated (synth: several v), per overlap setting.
+std::vector<SimLine> simulate_lines(const SimulatePlan& plan, const std::vector<SimRow>& rows) {
+  std::vector<std::pair<std::string, int>> seen;
+  std::vector<SimLine> lines;
+  for (const auto& row : rows) {
+    const std::pair<std::string, int> key{row.schedule, row.v};
+    if (std::find(seen.begin(), seen.end(), key) != seen.end()) continue;
+    seen.push_back(key);
     for (bool overlap : plan.overlaps) {
-      const SimRow *s = nullptr, *t = nullptr;
+      SimLine line;
       for (const auto& r : rows) {
-        if (r.schedule != name || r.v != v || r.dp_overlap != overlap) continue;
-        (r.mode == BackwardMode::kStandard ? s : t) = &r;
+        if (r.schedule == key.first && r.v == key.second && r.dp_overlap == overlap) {
+          (r.mode == BackwardMode::kStandard ? line.s : line.t) = &r;
+        }
       }
-      if (!s && !t) continue;
-      const SimRow& any = s ? *s : *t;
-      auto num = [](const SimRow* r, double SimRow::*field, int digits) { return r ? fmt_num(r->*field, digits) : ""; };
-      auto peak = [](const SimRow* r) { return r ? std::to_string(r->peak_live) : ""; };
-      std::vector<std::string> line{
-          name, std::to_string(any.v), std::to_string(any.stages), num(s, &SimRow::step, 2), num(t, &SimRow::step, 2),
-          s && t ? fmt_num(s->step / t->step, 3) : "",
-          t && t->vs_1f1b_standard > 0 ? fmt_num(t->vs_1f1b_standard, 3) : "", num(s, &SimRow::bubble, 3),
-          num(t, &SimRow::bubble, 3),
-          peak(s), peak(t), any.rule,
-          fmt_num((s ? s->generate_ms + s->simulate_ms : 0) + (t ? t->generate_ms + t->simulate_ms : 0), 0)};
-      if (dp) {
-        line.insert(line.begin() + 1, overlap ? "on" : "off");
-        line.push_back(fmt_num(any.dp_reduce_ms, 2));
-        line.push_back(num(s, &SimRow::dp_exposed_ms, 2));
-        line.push_back(num(t, &SimRow::dp_exposed_ms, 2));
-      }
-      table.push_back(line);
+      if (line.s || line.t) lines.push_back(line);
     }
   }
-  return table;
+  return lines;
+}
+
+// Each 2bp row against the standard row of the same schedule, v and overlap.
+void pair_rows(std::vector<SimRow>& rows) {
+  for (SimRow& r : rows) {
+    for (const SimRow& o : rows) {
+      if (r.mode == BackwardMode::kSplit && o.mode == BackwardMode::kStandard && o.schedule == r.schedule &&
+          o.v == r.v && o.dp_overlap == r.dp_overlap) {
+        r.vs_standard = o.step / r.step;
+        break;
+      }
+    }
+  }
 }
 
 void run_simulate(const SimulateArgs& a) {
@@ -590,6 +478,7 @@ void run_simulate(const SimulateArgs& a) {
   std::vector<SimRow> rows;
   std::vector<Rejected> rejected;
   simulate_all(a, src, plan, rows, rejected);
+  pair_rows(rows);
   const double total_ms = ms_since(t_all);
   const Json out = simulate_json(a, src, rows, rejected, total_ms);
 
@@ -605,7 +494,7 @@ void run_simulate(const SimulateArgs& a) {
                              "gradient, ring all-reduce on {:g} Gbit/s with {:g} us per step\n",
                              a.dp, a.model_params, a.grad_bytes, a.link_gbps, a.link_latency_us);
   }
-  print_table(std::cout, simulate_table(a, plan, rows));
+  print_table(std::cout, table_reporter(a).table(simulate_lines(plan, rows)));
   for (const auto& r : rejected) std::cout << fmt::format("rejected: {} (v={}): {}\n", r.schedule, r.v, r.reason);
   std::cout << fmt::format("generated, validated and simulated {} configurations in {:.0f} ms\n", rows.size(),
                            total_ms);
@@ -621,12 +510,9 @@ void add_simulate_command(CLI::App& app) {
   auto a = std::make_shared<SimulateArgs>();
   CLI::App* sub = app.add_subcommand(
       "simulate", "Predicted step time, bubble and memory of every schedule, 2BP vs standard, from stage costs");
-  auto* f = sub->add_option("--f", a->f, "Forward cost per rank (per stage at v=1), ms")->capture_default_str()
-                ->check(cli::number_in(0, 1e9));
-  auto* i = sub->add_option("--i", a->i, "Input-gradient (2BP stage 1) cost per rank, ms")->capture_default_str()
-                ->check(cli::number_in(0, 1e9));
-  auto* w = sub->add_option("--w", a->w, "Weight-gradient (2BP stage 2) cost per rank and micro-batch, ms")
-                ->capture_default_str()->check(cli::number_in(0, 1e9));
+  auto* f = count_option(sub, "--f", a->f, "Forward cost per rank (per stage at v=1), ms", 0, 1e9);
+  auto* i = count_option(sub, "--i", a->i, "Input-gradient (2BP stage 1) cost per rank, ms", 0, 1e9);
+  auto* w = count_option(sub, "--w", a->w, "Weight-gradient (2BP stage 2) cost per rank and micro-batch, ms", 0, 1e9);
   auto* b = sub->add_option("--b", a->b, "Fused backward cost per rank, ms (default: I + W)")
                 ->check(cli::number_in(0, 1e9));
   auto* w_batched =
@@ -635,8 +521,7 @@ void add_simulate_command(CLI::App& app) {
                       "batched_w_ms); with --w, one micro-batch's, each W then costs a fixed part + K x per "
                       "micro-batch (the line through the two, twobp::fit_weight_cost)")
           ->expected(2)->check(cli::number_in(0, 1e9));
-  auto* comm = sub->add_option("--comm", a->comm, "One-way latency of one activation or gradient, ms")
-                   ->capture_default_str()->check(cli::number_in(0, 1e9));
+  auto* comm = count_option(sub, "--comm", a->comm, "One-way latency of one activation or gradient, ms", 0, 1e9);
   auto* from = sub->add_option("--from-json", a->from_json, "Take costs from a `twobp_bench pipeline` JSON")
                    ->check(CLI::ExistingFile);
   for (auto* opt : {f, i, w, b, comm, w_batched}) from->excludes(opt);
@@ -645,11 +530,9 @@ void add_simulate_command(CLI::App& app) {
                   "(CostModel::overlap; 0: in order, as without an overlap hook). Default: 0, or what the "
                   "--from-json run's pairs hid")
       ->check(cli::number_in(0, 1));
-  sub->add_option("--result", a->result, "Which result of --from-json (index into \"results\")")
-      ->capture_default_str()->needs(from)->check(cli::number_in(0, cli::kMaxCount));
-  sub->add_option("--ranks", a->ranks, "p: ranks")->capture_default_str()->check(cli::number_in(1, 64));
-  sub->add_option("--microbatches", a->microbatches, "m: micro-batches per step")->capture_default_str()
-      ->check(cli::number_in(1, 256));
+  count_option(sub, "--result", a->result, "Which result of --from-json (index into \"results\")", 0)->needs(from);
+  count_option(sub, "--ranks", a->ranks, "p: ranks", 1, 64);
+  count_option(sub, "--microbatches", a->microbatches, "m: micro-batches per step", 1, 256);
   sub->add_option("--chunks-per-rank", a->chunks_per_rank,
                   "v for every schedule (default: the schedule's: 2 for the looped and V schedules, else 1); chunk "
                   "cost = cost / v")
@@ -688,8 +571,7 @@ void add_simulate_command(CLI::App& app) {
                   "Data-parallel replicas of the pipeline; > 1 adds each stage's gradient all-reduce (costs then in "
                   "ms). 1: none, and the DP options below have no effect")
       ->capture_default_str()->check(cli::number_in(1, 65536));
-  sub->add_option("--link-gbps", a->link_gbps, "Data-parallel link bandwidth of one rank, gigabit/s")
-      ->capture_default_str()->check(cli::number_in(1e-3, 1e6));
+  count_option(sub, "--link-gbps", a->link_gbps, "Data-parallel link bandwidth of one rank, gigabit/s", 1e-3, 1e6);
   sub->add_option("--link-latency-us", a->link_latency_us, "Data-parallel latency of one ring step, microseconds")
       ->capture_default_str()->check(cli::number_in(0.0, 1e9));
   sub->add_option("--model-params", a->model_params,

@@ -463,28 +463,13 @@ std::unique_ptr<PathBench> make_conv(const SplitConfig& c) {
 }
 
 Json config_json(const SplitConfig& c, const std::vector<std::string>& paths) {
-  return Json{{"dim", c.model.dim},
-              {"ffn", c.model.ffn},
-              {"heads", c.model.heads},
-              {"kv_heads", c.model.kv_heads},
-              {"layers", c.model.layers},
-              {"seq", c.seq},
-              {"batch", c.batch},
-              {"repeats", c.repeats},
-              {"warmup", c.warmup},
-              {"threads", c.threads},
-              {"clock", c.clock},
-              {"precision", to_string(c.precision)},
+  return Json{{"dim", c.model.dim}, {"ffn", c.model.ffn}, {"heads", c.model.heads}, {"kv_heads", c.model.kv_heads},
+              {"layers", c.model.layers}, {"seq", c.seq}, {"batch", c.batch}, {"repeats", c.repeats},
+              {"warmup", c.warmup}, {"threads", c.threads}, {"clock", c.clock}, {"precision", to_string(c.precision)},
               {"dtype", c.precision == Precision::kFloat32 ? "float32" : "bfloat16"},
-              {"master_weights", mixed_precision(c)},
-              {"device", c.device},
-              {"paths", paths},
-              {"batched_w", c.batched_w},
-              {"micro_batches", c.micro_batches},
-              {"conv", c.conv},
-              {"conv_channels", c.conv_channels},
-              {"conv_size", c.conv_size},
-              {"conv_layers", c.conv_layers},
+              {"master_weights", mixed_precision(c)}, {"device", c.device}, {"paths", paths},
+              {"batched_w", c.batched_w}, {"micro_batches", c.micro_batches}, {"conv", c.conv},
+              {"conv_channels", c.conv_channels}, {"conv_size", c.conv_size}, {"conv_layers", c.conv_layers},
               {"torch_version", TORCH_VERSION}};
 }
 
@@ -549,41 +534,63 @@ void run_repetitions(const SplitConfig& c, std::vector<std::unique_ptr<PathBench
   }
 }
 
-std::string spread_text(const Json& s, const char* key) {
-  return fmt_num(s[key]["p25"].get<double>(), 3) + "-" + fmt_num(s[key]["p75"].get<double>(), 3);
-}
+// A path's result (name, its JSON) and one phase of it (kPhases[phase]; -1 for the headline table).
+struct PathRow {
+  std::string name;
+  const Json* r = nullptr;
+  int phase = -1;
+};
 
-// The headline table (one row per path) and the phase table (one row per path and phase).
+// The headline table (one row per path) and the phase table (one row per path and phase): table-only Reporters
+// over the results already in the JSON.
 void print_tables(const SplitConfig& c, const Json& out, const std::vector<std::string>& names) {
-  std::vector<std::vector<std::string>> rows = {{"path", "F ms", "I ms", "W ms", "B ms", "I/B", "I/B p25-p75",
-                                                 "(I+W)/B", "(I+W)/B p25-p75", "(I+W)/B accumulating"}};
-  if (c.batched_w) rows[0].push_back("batched W x" + std::to_string(c.micro_batches));
-  for (const std::string& name : names) {
-    const Json& r = out[name];
-    std::vector<std::string> row = {
-        name, fmt_num(r["forward_ms"].get<double>()), fmt_num(r["stage1_ms"].get<double>()),
-        fmt_num(r["stage2_ms"].get<double>()), fmt_num(r["fused_ms"].get<double>()),
-        fmt_num(r["stage1_ratio"].get<double>(), 3), spread_text(r["spread"], "stage1_ratio"),
-        fmt_num(r["split_ratio"].get<double>(), 3), spread_text(r["spread"], "split_ratio"),
-        fmt_num(r["accumulate"]["split_ratio"].get<double>(), 3)};
-    if (c.batched_w) row.push_back(fmt_num(r["batched_w_speedup"].get<double>(), 3) + "x");
-    rows.push_back(row);
+  using Row = PathRow;
+  auto num = [](const char* key, int digits) {
+    return [key, digits](const Row& p) { return fmt_num((*p.r)[key].get<double>(), digits); };
+  };
+  auto spread = [](const char* key) {
+    return [key](const Row& p) {
+      const Json& s = (*p.r)["spread"][key];
+      return fmt_num(s["p25"].get<double>(), 3) + "-" + fmt_num(s["p75"].get<double>(), 3);
+    };
+  };
+  std::vector<Column<Row>> headline{
+      cell<Row>("path", [](const Row& p) { return p.name; }), cell<Row>("F ms", num("forward_ms", 2)),
+      cell<Row>("I ms", num("stage1_ms", 2)),  cell<Row>("W ms", num("stage2_ms", 2)),
+      cell<Row>("B ms", num("fused_ms", 2)),   cell<Row>("I/B", num("stage1_ratio", 3)),
+      cell<Row>("I/B p25-p75", spread("stage1_ratio")), cell<Row>("(I+W)/B", num("split_ratio", 3)),
+      cell<Row>("(I+W)/B p25-p75", spread("split_ratio")),
+      cell<Row>("(I+W)/B accumulating",
+                [](const Row& p) { return fmt_num((*p.r)["accumulate"]["split_ratio"].get<double>(), 3); })};
+  if (c.batched_w) {
+    headline.push_back(cell<Row>("batched W x" + std::to_string(c.micro_batches), [](const Row& p) {
+      return fmt_num((*p.r)["batched_w_speedup"].get<double>(), 3) + "x";
+    }));
   }
-  print_table(std::cout, rows);
-  const char* synced[] = {"forward_ms", "stage1_ms", "stage2_ms", "fused_ms"};
-  std::vector<std::vector<std::string>> phases = {
-      {"path", "phase", "synced ms", "host ms", "device-timed ms", "host overhead us", "ops/block"}};
+  // A phase's number: r[key][phase] (the synced times are r[synced key of the phase]).
+  auto at = [](const char* key, int digits) {
+    return [key, digits](const Row& p) { return fmt_num((*p.r)[key][kPhases[p.phase]].get<double>(), digits); };
+  };
+  static const char* const synced[] = {"forward_ms", "stage1_ms", "stage2_ms", "fused_ms"};
+  const Reporter<Row> phases({cell<Row>("path", [](const Row& p) { return p.name; }),
+                              cell<Row>("phase", [](const Row& p) { return std::string(kPhases[p.phase]); }),
+                              cell<Row>("synced ms",
+                                        [](const Row& p) { return fmt_num((*p.r)[synced[p.phase]].get<double>()); }),
+                              cell<Row>("host ms", at("host_ms", 2)),
+                              cell<Row>("device-timed ms",
+                                        [](const Row& p) {
+                                          const Json& d = (*p.r)["device_timed"];
+                                          return d.is_null() ? "n/a" : fmt_num(d[synced[p.phase]].get<double>());
+                                        }),
+                              cell<Row>("host overhead us", at("host_overhead_us", 0)),
+                              cell<Row>("ops/block", at("ops_per_block", 1))});
+  std::vector<Row> paths, path_phases;
   for (const std::string& name : names) {
-    const Json& r = out[name];
-    for (int k = 0; k < 4; ++k) {
-      const char* p = kPhases[k];
-      phases.push_back({name, p, fmt_num(r[synced[k]].get<double>()), fmt_num(r["host_ms"][p].get<double>()),
-                        r["device_timed"].is_null() ? "n/a" : fmt_num(r["device_timed"][synced[k]].get<double>()),
-                        fmt_num(r["host_overhead_us"][p].get<double>(), 0),
-                        fmt_num(r["ops_per_block"][p].get<double>(), 1)});
-    }
+    paths.push_back({name, &out[name]});
+    for (int k = 0; k < 4; ++k) path_phases.push_back({name, &out[name], k});
   }
-  print_table(std::cout, phases);
+  print_table(std::cout, Reporter<Row>(std::move(headline)).table(paths));
+  print_table(std::cout, phases.table(path_phases));
 }
 
 void check_written(const std::string& file) {
@@ -662,40 +669,24 @@ void run_split(const SplitConfig& c) {
 void add_split_command(CLI::App& app) {
   auto cfg = std::make_shared<SplitConfig>();
   CLI::App* sub = app.add_subcommand("split", "Cost of the 2BP split (I, W) against the fused backward (B)");
-  sub->add_option("--dim", cfg->model.dim, "Model width")->capture_default_str()
-      ->check(cli::number_in(1, cli::kMaxCount));
+  count_option(sub, "--dim", cfg->model.dim, "Model width");
   sub->add_option("--ffn", cfg->model.ffn, "SwiGLU hidden width (default: 8/3 dim rounded up to a multiple of 32)")
       ->check(cli::number_in(1, cli::kMaxCount));
-  sub->add_option("--heads", cfg->model.heads, "Attention heads")->capture_default_str()
-      ->check(cli::number_in(1, cli::kMaxCount));
-  sub->add_option("--kv-heads", cfg->model.kv_heads, "Key/value heads (grouped-query attention)")
-      ->capture_default_str()
-      ->check(cli::number_in(1, cli::kMaxCount));
-  sub->add_option("--layers", cfg->model.layers, "Blocks in the stage")->capture_default_str()
-      ->check(cli::number_in(1, cli::kMaxCount));
-  sub->add_option("--seq", cfg->seq, "Sequence length")->capture_default_str()
-      ->check(cli::number_in(1, cli::kMaxCount));
-  sub->add_option("--batch", cfg->batch, "Micro-batch size")->capture_default_str()
-      ->check(cli::number_in(1, cli::kMaxCount));
-  sub->add_option("--repeats", cfg->repeats, "Timed repetitions (medians over these)")
-      ->capture_default_str()
-      ->check(cli::number_in(1, cli::kMaxCount));
-  sub->add_option("--warmup", cfg->warmup, "Untimed repetitions first")->capture_default_str()
-      ->check(cli::number_in(0, cli::kMaxCount));
-  sub->add_option("--threads", cfg->threads, "at::set_num_threads")->capture_default_str()
-      ->check(cli::number_in(1, cli::kMaxRanks));
+  count_option(sub, "--heads", cfg->model.heads, "Attention heads");
+  count_option(sub, "--kv-heads", cfg->model.kv_heads, "Key/value heads (grouped-query attention)");
+  count_option(sub, "--layers", cfg->model.layers, "Blocks in the stage");
+  count_option(sub, "--seq", cfg->seq, "Sequence length");
+  count_option(sub, "--batch", cfg->batch, "Micro-batch size");
+  count_option(sub, "--repeats", cfg->repeats, "Timed repetitions (medians over these)");
+  count_option(sub, "--warmup", cfg->warmup, "Untimed repetitions first", 0, cli::kMaxCount);
+  count_option(sub, "--threads", cfg->threads, "at::set_num_threads", 1, cli::kMaxRanks);
   sub->add_flag("--batched-w", cfg->batched_w, "Also time W of --micro-batches at once vs one by one");
-  sub->add_option("--microbatches,--micro-batches", cfg->micro_batches, "Micro-batches for --batched-w")
-      ->capture_default_str()
-      ->check(cli::number_in(1, 64));
+  count_option(sub, "--microbatches,--micro-batches", cfg->micro_batches, "Micro-batches for --batched-w", 1, 64);
   sub->add_flag("--conv,!--no-conv", cfg->conv, "Include the general-path conv net (general_conv)")
       ->capture_default_str();
-  sub->add_option("--conv-channels", cfg->conv_channels, "Conv net channels")->capture_default_str()
-      ->check(cli::number_in(1, cli::kMaxCount));
-  sub->add_option("--conv-size", cfg->conv_size, "Conv net image height and width")->capture_default_str()
-      ->check(cli::number_in(1, cli::kMaxCount));
-  sub->add_option("--conv-layers", cfg->conv_layers, "Conv net residual blocks")->capture_default_str()
-      ->check(cli::number_in(1, cli::kMaxCount));
+  count_option(sub, "--conv-channels", cfg->conv_channels, "Conv net channels");
+  count_option(sub, "--conv-size", cfg->conv_size, "Conv net image height and width");
+  count_option(sub, "--conv-layers", cfg->conv_layers, "Conv net residual blocks");
   sub->add_option("--clock", cfg->clock,
                   "wall, or cpu: process CPU time, steadier on a busy machine but only meaningful with --threads 1")
       ->capture_default_str()
@@ -711,14 +702,7 @@ void add_split_command(CLI::App& app) {
   sub->add_option("--paths", cfg->paths,
                   "all, or paths separated by commas: fast, general, general_conv (only the fast path: --paths fast "
                   "builds no general-path stack)")
-      ->check([](const std::string& value) -> std::string {
-        try {
-          name_list(value, kPathNames, "path");
-        } catch (const std::invalid_argument& e) {
-          return e.what();
-        }
-        return "";
-      })
+      ->check(names_in(kPathNames, "path"))
       ->capture_default_str();
   sub->add_flag("--ops-by-name", cfg->ops_by_name, "Also write each phase's top-level ATen operators by name");
   sub->add_flag("--check", cfg->check, "Re-read the --json file and fail unless every headline number is there")

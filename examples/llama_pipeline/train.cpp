@@ -12,6 +12,7 @@
 #include "twobp/models/llama_rank.h"
 #include "twobp/plan/choose.h"
 #include "twobp/plan/measure.h"
+#include "twobp/plan/record.h"
 #include "twobp/runtime/data_parallel.h"
 #include "twobp/runtime/pipeline.h"
 #include "twobp/runtime/sharded_optimizer.h"
@@ -174,54 +175,44 @@ twobp::Pipeline& move_to(const twobp::Placement& to, RankState& state, twobp::Pa
 }
 
 /// --costs-json: the run's per-stage costs, agreed over the pipeline's ranks and the replicas, and the time of one
-/// activation message, as a `twobp_bench pipeline --json` document -- the model's sizes in "config", a "2bp" result
-/// (F, I, W) and a "standard" one (F, B) where the run measured those on every stage (a stage without them would
-/// read as free to the fit) -- from which `twobp_bench plan --costs-json` fits per-chunk costs and plans any
-/// placement. Collective over the pipeline (and the replicas); world rank 0 writes.
+/// activation message, as a run document (twobp/plan/record.h): the model's sizes and one record of the run's
+/// placement and partition with every cost it measured -- a 2BP record (F, I, W; B too where standard steps measured
+/// it on every stage, as --schedule auto does), else a standard one (F, B) -- from which `twobp_bench plan
+/// --costs-json` fits per-chunk costs and plans any placement. No record when neither mode's costs cover every stage
+/// (a stage without them would read as free to the fit). Collective over the pipeline (and the replicas); world
+/// rank 0 writes.
 void write_costs(const Plan& p, twobp::ParallelGroups& groups, const twobp::CostRecorder& recorder,
                  const std::string& schedule, c10::Device device, bool writes, twobp::Duration timeout) {
   twobp::Transport& transport = groups.pipeline();
-  twobp::MeasuredCosts costs =
-      twobp::agree_costs(transport, recorder.local_medians(), timeout, groups.data_parallel());
+  twobp::RunRecord r;
+  r.costs = twobp::agree_costs(transport, recorder.local_medians(), timeout, groups.data_parallel());
   const llm::LlamaConfig& c = p.config;
   const at::Tensor activation =
       at::empty({p.args.micro_batch_size, p.seq_len, c.dim},
                 at::TensorOptions().dtype(twobp::compute_dtype(p.precision)).device(device));
-  costs.communication = twobp::measure_message_ms(transport, activation, timeout);
+  r.costs.communication = twobp::measure_message_ms(transport, activation, timeout);
   if (!writes) return;
-  nlohmann::json doc;
-  doc["config"] = {{"model", "llama"}, {"source", "llama_pipeline --costs-json"}, {"dim", c.dim},
-                   {"layers", c.n_layers}, {"heads", c.n_heads}, {"kv_heads", c.n_kv_heads}, {"ffn", c.ffn_dim},
-                   {"vocab", c.vocab_size}, {"seq", p.seq_len}, {"micro_batch_size", p.args.micro_batch_size},
-                   {"dtype", p.args.dtype}, {"device", device.str()}, {"steps_measured", recorder.steps()}};
-  doc["results"] = nlohmann::json::array();
-  const nlohmann::json measured = nlohmann::json::parse(twobp::measured_costs_json(costs));
-  auto result = [&](const char* mode) {
-    nlohmann::json r = measured;
-    r["schedule"] = schedule;
-    r["mode"] = mode;
-    r["p"] = p.world_size;
-    r["v"] = p.schedule.num_stages / p.world_size;
-    r["m"] = p.args.microbatches;
-    r["partition"] = p.partition.layout();
-    r["replicas"] = p.dp;
-    return r;
-  };
+  twobp::RunDocument doc;
+  doc.model = {"llama", c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.ffn_dim, c.vocab_size, p.seq_len,
+               p.args.micro_batch_size};
+  doc.config_extra = nlohmann::ordered_json{{"source", "llama_pipeline --costs-json"}, {"dtype", p.args.dtype},
+                                            {"device", device.str()}, {"steps_measured", recorder.steps()}}
+                         .dump();
   auto every_stage = [](const std::vector<double>& ms) {
     return !ms.empty() && std::all_of(ms.begin(), ms.end(), [](double x) { return x > 0; });
   };
-  if (every_stage(costs.backward_input) && every_stage(costs.backward_weight)) {
-    doc["results"].push_back(result(twobp::to_string(twobp::BackwardMode::kSplit)));
+  const bool split = every_stage(r.costs.backward_input) && every_stage(r.costs.backward_weight);
+  if (split || every_stage(r.costs.backward)) {
+    r.schedule = schedule;
+    r.mode = split ? twobp::BackwardMode::kSplit : twobp::BackwardMode::kStandard;
+    r.p = p.world_size;
+    r.v = p.schedule.num_stages / p.world_size;
+    r.m = p.args.microbatches;
+    r.partition = p.partition.layout();
+    r.replicas = p.dp;
+    doc.results.push_back(std::move(r));
   }
-  if (every_stage(costs.backward)) {  // fused B's on every stage: the F and B of a standard result
-    nlohmann::json r = result(twobp::to_string(twobp::BackwardMode::kStandard));
-    const std::vector<double> zeros(costs.forward.size(), 0.0);
-    r["costs_ms"]["I"] = zeros;
-    r["costs_ms"]["W"] = zeros;
-    r["costs_ms"].erase("W0");
-    doc["results"].push_back(std::move(r));
-  }
-  write_json(p.args.costs_json, doc);
+  write_json(p.args.costs_json, nlohmann::json::parse(twobp::write_run_document(doc)));
 }
 
 

@@ -39,6 +39,7 @@
 #include "twobp/plan/llama_memory.h"
 #include "twobp/plan/measure.h"
 #include "twobp/plan/placement.h"
+#include "twobp/plan/record.h"
 #include "twobp/plan/synthesize.h"
 #include "twobp/plan/trials.h"
 #include "twobp/runtime/data_parallel.h"
