@@ -72,6 +72,7 @@ struct PlanArgs {
   int64_t micro_batch_size = 1;
   int64_t global_batch = 0;  // sequences per step; 0: 8 · ranks · micro-batch-size
   Precision precision = Precision::kMixedBFloat16;
+  bool precision_given = false;  // --dtype (or --precision) given; else measured costs decide (run_plan)
   double tflops = 400;
   std::string ratios_json;  // a `twobp_bench split` JSON: its fast path's I/F, W/F, B/F for estimated costs
   std::vector<std::string> costs_json;  // one or more `twobp_bench pipeline` / `llama_pipeline --costs-json` files
@@ -345,6 +346,12 @@ void report_plan(const PlanArgs& a, const llm::LlamaConfig& config, const Layout
   }
 }
 
+// The precision a measured file ran in: its "dtype" (llama_pipeline --costs-json); `twobp_bench pipeline` runs
+// float32 and writes none.
+Precision measured_precision(const Json& config) {
+  return parse_precision(config.value("dtype", std::string("fp32")));
+}
+
 // The measured files as one document: the first one's config, every file's results in order. The files must have
 // measured the same model at the same sequence length and micro-batch size (e.g. a v = 1 and a v = 2 job, whose
 // chunks of two shapes let fit_llama_costs fit every term).
@@ -367,18 +374,36 @@ Json merged_costs(const std::vector<std::string>& paths) {
                                              paths.front(), key, first.dump(), path, mine.dump()));
       }
     }
+    if (measured_precision(doc["config"]) != measured_precision(merged["config"])) {
+      throw UsageError(fmt::format("--costs-json: {} was measured in {} and {} in {}: the files must measure the "
+                                   "same precision",
+                                   paths.front(), to_string(measured_precision(merged["config"])), path,
+                                   to_string(measured_precision(doc["config"]))));
+    }
     for (Json& r : doc["results"]) merged["results"].push_back(std::move(r));
   }
   return merged;
 }
 
-void run_plan(const PlanArgs& a) {
+void run_plan(PlanArgs a) {
   if (a.ranks < 1 || a.micro_batch_size < 1) throw std::invalid_argument("--ranks and --micro-batch-size must be >= 1");
+  std::vector<std::pair<std::string, std::string>> inputs{{"--ratios-json", a.ratios_json}};
+  for (const std::string& path : a.costs_json) inputs.emplace_back("--costs-json", path);
+  cli::refuse_shared_paths({{"--json", a.json}}, inputs);
   Json measured_doc;
   const Json* measured_config = nullptr;
   if (!a.costs_json.empty()) {
     measured_doc = merged_costs(a.costs_json);
     measured_config = &measured_doc["config"];
+    // Costs measured in one precision say nothing of another's: the plan and its commands keep theirs.
+    const Precision measured = measured_precision(*measured_config);
+    if (!a.precision_given) a.precision = measured;
+    if (a.precision != measured) {
+      throw UsageError(fmt::format("--dtype {}: the costs of --costs-json {} were measured in {}, which says nothing "
+                                   "of {}'s; leave --dtype out (or give {}), or measure a {} run",
+                                   to_string(a.precision), a.costs_json.front(), to_string(measured),
+                                   to_string(a.precision), to_string(measured), to_string(a.precision)));
+    }
   }
   const llm::LlamaConfig config = config_of(a, measured_config);
   LayoutPlanOptions o;
@@ -437,9 +462,13 @@ void add_plan_command(CLI::App& app) {
   // --dtype, as every program spells a precision; --precision is its older name, which spelled bf16-pure "bf16"
   // (refused there, so that no old command line changes meaning). The last one given wins.
   sub->add_option_function<std::string>(
-         "--dtype", [a](const std::string& dtype) { a->precision = parse_precision(dtype); },
+         "--dtype",
+         [a](const std::string& dtype) {
+           a->precision = parse_precision(dtype);
+           a->precision_given = true;
+         },
          "fp32; bf16: mixed precision (bfloat16 compute, float32 masters); bf16-pure: everything in bfloat16 "
-         "(default bf16)")
+         "(default: bf16; with --costs-json, the precision they were measured in)")
       ->check(cli::one_spelling(parse_precision, "fp32, bf16 or bf16-pure"));
   const CLI::Validator not_bf16(
       [](std::string& text) -> std::string {
@@ -449,7 +478,11 @@ void add_plan_command(CLI::App& app) {
       },
       "");
   sub->add_option_function<std::string>(
-         "--precision", [a](const std::string& precision) { a->precision = parse_precision(precision); },
+         "--precision",
+         [a](const std::string& precision) {
+           a->precision = parse_precision(precision);
+           a->precision_given = true;
+         },
          "The older name of --dtype: fp32, bf16-mixed or bf16-pure")
       ->check(not_bf16)
       ->check(cli::one_spelling(parse_precision, "fp32, bf16-mixed or bf16-pure"));
@@ -458,14 +491,14 @@ void add_plan_command(CLI::App& app) {
   sub->add_option("--ratios-json", a->ratios_json,
                   "Estimated costs: I, W and B at the ratios to F of this `twobp_bench split` JSON's fast path "
                   "(default: those measured on one 7B stage, docs/GPU.md)")
-      ->check(CLI::ExistingFile);
+      ->check(cli::regular_file());
   sub->add_option("--costs-json", a->costs_json,
                   "Measured costs: a `twobp_bench pipeline --mode both` JSON from the target machine (its model "
                   "is planned, with any --dim ... sizes replacing its own; measure a v = 2 schedule too, e.g. "
                   "--schedule 1f1b,interleaved-1f1b, to fit per-action and head costs), or `llama_pipeline "
                   "--costs-json` files; several files (of the same model, sequence length and micro-batch size) "
                   "are fitted together, e.g. a v = 1 and a v = 2 job's")
-      ->check(CLI::ExistingFile)->expected(1, -1);
+      ->check(cli::regular_file())->expected(1, -1);
   sub->add_option("--overlap", a->overlap,
                   "DualPipeV's F&B pairs run at once, hiding this share (0..1) of each pair's shorter part: what a "
                   "runtime hook that overlaps them reaches (ExecutorOptions::overlap_forward_backward; the example "

@@ -24,6 +24,7 @@
 #include "twobp/metrics/energy.h"
 #include "twobp/models/llama.h"
 #include "twobp/precision.h"
+#include "twobp/runtime/interrupt.h"
 #include "twobp/plan/choose.h"
 #include "twobp/schedule/schedule.h"
 #include "twobp/trace/attribution.h"
@@ -219,6 +220,8 @@ struct Shared {
   int final_chunks_per_rank = 1;  // and the placement it ended on (--auto-placements may move it)
   std::string final_partition;
   std::vector<twobp::ScheduleCandidate> auto_ranking;  // the candidates, fastest predicted first
+  // SIGINT/SIGTERM: agreed by every rank after each step, which then ends the run as its last (train_rank).
+  twobp::InterruptGuard* interrupts = nullptr;
 };
 
 /// Trains this rank of `world` (every replica's ranks) from the checkpoint or step 0 to --stop-after / --steps.

@@ -71,6 +71,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <csignal>
 #include <fstream>
 #include <memory>
 #include <thread>
@@ -113,9 +114,7 @@ int run(Args args, int& argc, char**& argv) {
   const int world = store ? launch->world_size : args.dp * args.stages;
   const int my_rank = store ? launch->rank : 0;
 #endif
-  TWOBP_CHECK(mpi || store || world <= twobp::cli::kMaxRanks, twobp::UsageError,
-              "--dp {} x --ranks {} = {} rank threads, more than the {:g} one process runs; use a launcher", args.dp,
-              args.stages, world, twobp::cli::kMaxRanks);
+  if (!mpi && !store) twobp::cli::check_rank_threads(args.dp, args.stages);
   if (my_rank == 0) {
     for (const std::string& option : args.ignored) fmt::print(stderr, "llama_pipeline: warning: {} ignored\n", option);
     if ((mpi || store) && args.ranks_given) {
@@ -228,6 +227,9 @@ int run(Args args, int& argc, char**& argv) {
 #if TWOBP_HAVE_MPI
   if (mpi) launch_options.launch = twobp::mpi_launch_env(*env);
 #endif
+  // From here Ctrl-C and `kill` end the run after the step in progress, with its outputs (see the end of run()).
+  twobp::InterruptGuard interrupts;
+  shared.interrupts = &interrupts;
   const auto run_start = std::chrono::steady_clock::now();
   twobp::run_ranks(launch_options, [&](twobp::Transport& transport) {
     // Compute where the transport's wire is (NCCL), else on a GPU of our own (thread ranks share the GPUs) or CPU.
@@ -238,11 +240,14 @@ int run(Args args, int& argc, char**& argv) {
   });
 
   const double wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
-  if (my_rank != 0) return 0;
+  if (my_rank != 0) return interrupts.exit_status();
   std::vector<std::string> written;
   if (!args.dump_schedule.empty()) written.push_back(args.dump_schedule);
   if (!args.checkpoint_dir.empty() && !shared.records.empty()) written.push_back(args.checkpoint_dir + "/");
-  if (!args.costs_json.empty() && !shared.records.empty()) written.push_back(args.costs_json);
+  // Costs are measured from a run's second step: an interrupted run of one step wrote none.
+  if (!args.costs_json.empty() && shared.records.size() >= (interrupts.received() != 0 ? 2u : 1u)) {
+    written.push_back(args.costs_json);
+  }
   if (!args.trace.empty()) {
     std::ofstream out(args.trace);
     out << twobp::to_chrome_trace(shared.traces);
@@ -308,7 +313,14 @@ int run(Args args, int& argc, char**& argv) {
     written.push_back(args.json);
   }
   print_summary(shared.records, shared.attribution, wall_s, written);
-  return 0;
+  if (interrupts.received() != 0) {
+    const int done = shared.records.empty() ? static_cast<int>(shared.resumed_from) : shared.records.back().step + 1;
+    fmt::print("interrupted by {} after step {} of {}: {}; exit status {}\n",
+               interrupts.received() == SIGINT ? "SIGINT" : "SIGTERM", done, args.steps,
+               written.empty() ? std::string("nothing to write") : fmt::format("wrote {}", fmt::join(written, ", ")),
+               interrupts.exit_status());
+  }
+  return interrupts.exit_status();
 }
 
 }  // namespace
