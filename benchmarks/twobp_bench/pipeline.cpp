@@ -629,6 +629,8 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
 void run_pipeline_bench(const PipelineArgs& a) {
   // Before any model exists: tensor memory is counted per rank from here on (twobp/metrics/memory.h).
   memory::count_cpu_allocations();
+  cli::refuse_shared_paths({{"--json", a.json}, {"--csv", a.csv}, {"--chart", a.chart}, {"--trace-dir", a.trace_dir}},
+                           {{"--schedule-file", a.schedule_file}});
   at::set_num_threads(a.threads);
   std::vector<std::string> names = name_list(a.schedule, schedule_names(), "schedule");
   std::vector<BackwardMode> modes = mode_list(a.mode);
@@ -697,6 +699,7 @@ void run_pipeline_bench(const PipelineArgs& a) {
     o.launch = mpi_launch_env(*env);
   }
 #endif
+  if (!o.launch && !launch_env()) cli::check_rank_threads(a.dp, a.ranks);  // before any thread starts
   std::vector<RunResult> results;
   std::string transport_name;
   run_ranks(o, [&](Transport& t) {
@@ -720,7 +723,7 @@ void add_pipeline_command(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("--schedule-file", a->schedule_file,
                   "Run this schedule (text form, see dump_schedule) instead; it keeps its own 2BP mode")
-      ->check(CLI::ExistingFile);
+      ->check(cli::regular_file());
   sub->add_option("--mode", a->mode, "standard, 2bp or both")->check(CLI::IsMember(mode_choices()))
       ->capture_default_str();
   sub->add_option("--ranks", a->ranks,

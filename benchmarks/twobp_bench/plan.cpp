@@ -47,6 +47,7 @@ struct PlanArgs {
   int64_t micro_batch_size = 1;
   int64_t global_batch = 0;  // sequences per step; 0: 8 · ranks · micro-batch-size
   Precision precision = Precision::kMixedBFloat16;
+  bool precision_given = false;  // --dtype (or --precision) given; else measured costs decide (run_plan)
   double tflops = 400;
   std::string ratios_json;  // a `twobp_bench split` JSON: its fast path's I/F, W/F, B/F for estimated costs
   std::vector<std::string> costs_json;  // one or more `twobp_bench pipeline` / `llama_pipeline --costs-json` files
@@ -315,14 +316,42 @@ void report_plan(const PlanArgs& a, const llm::LlamaConfig& config, const Layout
   }
 }
 
-void run_plan(const PlanArgs& a) {
+// The precision a measured document ran in: its config's "dtype" (llama_pipeline --costs-json); `twobp_bench
+// pipeline` runs float32 and writes none.
+Precision measured_precision(const RunDocument& doc) {
+  return parse_precision(Json::parse(doc.config_extra).value("dtype", std::string("fp32")));
+}
+
+void run_plan(PlanArgs a) {
   if (a.ranks < 1 || a.micro_batch_size < 1) throw std::invalid_argument("--ranks and --micro-batch-size must be >= 1");
-  // The measured files as one document: they must have measured the same model, sequence length and micro-batch
-  // size (e.g. a v = 1 and a v = 2 job, whose chunks of two shapes let fit_llama_costs fit every term).
+  std::vector<std::pair<std::string, std::string>> inputs{{"--ratios-json", a.ratios_json}};
+  for (const std::string& path : a.costs_json) inputs.emplace_back("--costs-json", path);
+  cli::refuse_shared_paths({{"--json", a.json}}, inputs);
+  // The measured files as one document: they must have measured the same model, sequence length, micro-batch
+  // size and precision (e.g. a v = 1 and a v = 2 job, whose chunks of two shapes let fit_llama_costs fit every term).
   std::vector<RunDocument> docs;
   for (const std::string& path : a.costs_json) docs.push_back(read_run_document_file(path));
+  for (std::size_t k = 1; k < docs.size(); ++k) {
+    if (measured_precision(docs[k]) != measured_precision(docs[0])) {
+      throw UsageError(fmt::format("--costs-json: {} was measured in {} and {} in {}: the files must measure the "
+                                   "same precision",
+                                   a.costs_json[0], to_string(measured_precision(docs[0])), a.costs_json[k],
+                                   to_string(measured_precision(docs[k]))));
+    }
+  }
   const std::optional<RunDocument> measured =
       docs.empty() ? std::nullopt : std::optional<RunDocument>(merge_run_documents(docs, a.costs_json));
+  if (measured) {
+    // Costs measured in one precision say nothing of another's: the plan and its commands keep theirs.
+    const Precision precision = measured_precision(*measured);
+    if (!a.precision_given) a.precision = precision;
+    if (a.precision != precision) {
+      throw UsageError(fmt::format("--dtype {}: the costs of --costs-json {} were measured in {}, which says nothing "
+                                   "of {}'s; leave --dtype out (or give {}), or measure a {} run",
+                                   to_string(a.precision), a.costs_json.front(), to_string(precision),
+                                   to_string(a.precision), to_string(precision), to_string(a.precision)));
+    }
+  }
   const llm::LlamaConfig config = config_of(a, measured ? &measured->model : nullptr);
   LayoutPlanOptions o;
   o.ranks = a.ranks;
@@ -378,9 +407,13 @@ void add_plan_command(CLI::App& app) {
   // --dtype, as every program spells a precision; --precision is its older name, which spelled bf16-pure "bf16"
   // (refused there, so that no old command line changes meaning). The last one given wins.
   sub->add_option_function<std::string>(
-         "--dtype", [a](const std::string& dtype) { a->precision = parse_precision(dtype); },
+         "--dtype",
+         [a](const std::string& dtype) {
+           a->precision = parse_precision(dtype);
+           a->precision_given = true;
+         },
          "fp32; bf16: mixed precision (bfloat16 compute, float32 masters); bf16-pure: everything in bfloat16 "
-         "(default bf16)")
+         "(default: bf16; with --costs-json, the precision they were measured in)")
       ->check(cli::one_spelling(parse_precision, "fp32, bf16 or bf16-pure"));
   const CLI::Validator not_bf16(
       [](std::string& text) -> std::string {
@@ -390,7 +423,11 @@ void add_plan_command(CLI::App& app) {
       },
       "");
   sub->add_option_function<std::string>(
-         "--precision", [a](const std::string& precision) { a->precision = parse_precision(precision); },
+         "--precision",
+         [a](const std::string& precision) {
+           a->precision = parse_precision(precision);
+           a->precision_given = true;
+         },
          "The older name of --dtype: fp32, bf16-mixed or bf16-pure")
       ->check(not_bf16)
       ->check(cli::one_spelling(parse_precision, "fp32, bf16-mixed or bf16-pure"));
@@ -398,14 +435,14 @@ void add_plan_command(CLI::App& app) {
   sub->add_option("--ratios-json", a->ratios_json,
                   "Estimated costs: I, W and B at the ratios to F of this `twobp_bench split` JSON's fast path "
                   "(default: those measured on one 7B stage, docs/GPU.md)")
-      ->check(CLI::ExistingFile);
+      ->check(cli::regular_file());
   sub->add_option("--costs-json", a->costs_json,
                   "Measured costs: a `twobp_bench pipeline --mode both` JSON from the target machine (its model "
                   "is planned, with any --dim ... sizes replacing its own; measure a v = 2 schedule too, e.g. "
                   "--schedule 1f1b,interleaved-1f1b, to fit per-action and head costs), or `llama_pipeline "
                   "--costs-json` files; several files (of the same model, sequence length and micro-batch size) "
                   "are fitted together, e.g. a v = 1 and a v = 2 job's")
-      ->check(CLI::ExistingFile)->expected(1, -1);
+      ->check(cli::regular_file())->expected(1, -1);
   sub->add_option("--overlap", a->overlap,
                   "DualPipeV's F&B pairs run at once, hiding this share (0..1) of each pair's shorter part: what a "
                   "runtime hook that overlaps them reaches (ExecutorOptions::overlap_forward_backward; the example "

@@ -523,7 +523,7 @@ void add_simulate_command(CLI::App& app) {
           ->expected(2)->check(cli::number_in(0, 1e9));
   auto* comm = count_option(sub, "--comm", a->comm, "One-way latency of one activation or gradient, ms", 0, 1e9);
   auto* from = sub->add_option("--from-json", a->from_json, "Take costs from a `twobp_bench pipeline` JSON")
-                   ->check(CLI::ExistingFile);
+                   ->check(cli::regular_file());
   for (auto* opt : {f, i, w, b, comm, w_batched}) from->excludes(opt);
   sub->add_option("--overlap", a->overlap,
                   "Overlapped F&B pairs (DualPipeV's) run at once, hiding this share of the shorter part "
@@ -544,7 +544,7 @@ void add_simulate_command(CLI::App& app) {
   sub->add_option("--schedule-file", a->schedule_file,
                   "Simulate this schedule (text form, see dump_schedule) instead; its ranks, micro-batches and mode "
                   "win over --ranks, --microbatches and --mode")
-      ->check(CLI::ExistingFile);
+      ->check(cli::regular_file());
   sub->add_option("--mode", a->mode, "standard, 2bp or both")->check(CLI::IsMember(mode_choices()))
       ->capture_default_str();
   sub->add_option("--synth-chunks", a->synth_chunks,

@@ -7,16 +7,20 @@
 #include <CLI/CLI.hpp>
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
+#include <sys/stat.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <filesystem>
 #include <fstream>
 #include <optional>
 #include <string>
 #include <system_error>
+#include <utility>
 #include <vector>
 
 #include "twobp/error.h"
@@ -43,12 +47,42 @@ inline CLI::Validator number_in(double lo, double hi, const std::string& meaning
       fmt::format("in [{:g}, {:g}]", lo, hi));
 }
 
+/// What kind of thing `path` is, where that stops a program: "a FIFO" (opening it blocks until another process
+/// opens the other end), "a directory", "a socket"; empty for a regular file, a device (/dev/null) or nothing.
+inline std::string blocking_kind(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return std::string();
+  if (S_ISFIFO(st.st_mode)) return "a FIFO";
+  if (S_ISDIR(st.st_mode)) return "a directory";
+  if (S_ISSOCK(st.st_mode)) return "a socket";
+  return std::string();
+}
+
+/// An input file that exists and is a regular file (CLI::ExistingFile takes a FIFO, on which the program would
+/// wait for a writer forever, and a device, which may never end).
+inline CLI::Validator regular_file() {
+  return CLI::Validator(
+      [](std::string& path) -> std::string {
+        struct stat st {};
+        if (::stat(path.c_str(), &st) != 0) return fmt::format("no such file '{}'", path);
+        if (S_ISREG(st.st_mode)) return std::string();
+        const std::string kind = blocking_kind(path);
+        return fmt::format("'{}' is {}, not a regular file (reading it could block or never end): give a file",
+                           path, kind.empty() ? "a device" : kind);
+      },
+      "regular file");
+}
+
 /// An output file this process can write (created and removed again when it did not exist): checked at parse
-/// time, so that a bad path fails at once instead of after the run.
+/// time, so that a bad path fails at once instead of after the run. A FIFO, directory or socket is refused
+/// (opening a FIFO would block the program until something reads it).
 inline CLI::Validator writable_file() {
   return CLI::Validator(
       [](std::string& path) -> std::string {
         if (path.empty()) return std::string();
+        if (const std::string kind = blocking_kind(path); !kind.empty()) {
+          return fmt::format("'{}' is {}, not a file the program can write: give a regular file", path, kind);
+        }
         const bool existed = std::filesystem::exists(path);
         const bool ok = std::ofstream(path, std::ios::app).good();
         if (ok && !existed) std::remove(path.c_str());
@@ -72,6 +106,45 @@ inline CLI::Validator writable_directory() {
       "writable directory");
 }
 
+/// `path` made absolute with its links resolved; one not there yet: its directory resolved, then its name.
+inline std::string resolved_path(const std::string& path) {
+  auto real = [](const std::string& p) -> std::optional<std::string> {
+    char buffer[PATH_MAX];
+    if (::realpath(p.c_str(), buffer) == nullptr) return std::nullopt;
+    return std::string(buffer);
+  };
+  if (auto full = real(path)) return *full;
+  const auto slash = path.find_last_of('/');
+  const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+  const std::string name = slash == std::string::npos ? path : path.substr(slash + 1);
+  if (auto full = real(dir)) return *full + "/" + name;
+  return path;
+}
+
+/// Throws twobp::UsageError when two of `outputs` (option, path; empty paths skipped), or an output and one of
+/// `inputs`, name the same file: one would overwrite the other, or the input, without a word. Devices
+/// (/dev/null) may be shared.
+inline void refuse_shared_paths(const std::vector<std::pair<std::string, std::string>>& outputs,
+                                const std::vector<std::pair<std::string, std::string>>& inputs = {}) {
+  auto is_device = [](const std::string& path) {
+    struct stat st {};
+    return ::stat(path.c_str(), &st) == 0 && (S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode));
+  };
+  for (std::size_t i = 0; i < outputs.size(); ++i) {
+    const auto& [option, path] = outputs[i];
+    if (path.empty() || is_device(path)) continue;
+    const std::string mine = resolved_path(path);
+    for (std::size_t j = i + 1; j < outputs.size() + inputs.size(); ++j) {
+      const auto& [other, other_path] = j < outputs.size() ? outputs[j] : inputs[j - outputs.size()];
+      if (other_path.empty() || resolved_path(other_path) != mine) continue;
+      throw twobp::UsageError(fmt::format("{} and {} name the same file '{}': {}; give each output a path of its own",
+                                          option, other, path,
+                                          j < outputs.size() ? "one output would overwrite the other"
+                                                             : "the output would overwrite the input"));
+    }
+  }
+}
+
 /// A name of the library's vocabulary, read by its parse function (twobp::parse_precision, parse_backward_mode):
 /// refused with that function's message, else rewritten to its one spelling (to_string), so that the program sees
 /// "bf16" for "bf16-mixed". `shown` is what --help lists.
@@ -93,6 +166,14 @@ CLI::Validator one_spelling(Parse parse, const std::string& shown) {
 inline constexpr double kMaxCount = 1e6;
 /// Ranks and replicas run by one process or job.
 inline constexpr double kMaxRanks = 1024;
+
+/// Refuses (twobp::UsageError) `dp` x `ranks` rank threads beyond what one process runs, before any thread starts.
+inline void check_rank_threads(double dp, double ranks) {
+  if (dp * ranks <= kMaxRanks) return;
+  throw twobp::UsageError(fmt::format("--dp {:g} x --ranks {:g} = {:g} rank threads, more than the {:g} one process "
+                                      "runs; use fewer, or a launcher (mpirun, torchrun, srun: one rank per process)",
+                                      dp, ranks, dp * ranks, kMaxRanks));
+}
 
 /// `--version`: prints twobp::version_line(program) (twobp's version and commit, LibTorch's version) and exits.
 inline void add_version_flag(CLI::App& app, const std::string& program) {

@@ -25,6 +25,7 @@
 #include "twobp/metrics/step_log.h"
 #include "twobp/models/llama.h"
 #include "twobp/precision.h"
+#include "twobp/runtime/interrupt.h"
 #include "twobp/plan/choose.h"
 #include "twobp/plan/placement.h"
 #include "twobp/schedule/schedule.h"
@@ -182,6 +183,8 @@ struct Shared {
   std::vector<std::pair<int, std::string>> auto_decisions;
   twobp::Placement final_placement;  // the run ended with (--auto-placements may move it), recomputing ranks too
   std::vector<twobp::ScheduleCandidate> auto_ranking;  // the candidates, fastest predicted first
+  // SIGINT/SIGTERM: agreed by every rank after each step, which then ends the run as its last (train_rank).
+  twobp::InterruptGuard* interrupts = nullptr;
 };
 
 /// Trains this rank of `world` (every replica's ranks) from the checkpoint or step 0 to --stop-after / --steps.

@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <csignal>
 #include <cstdlib>
 #include <fstream>
 
@@ -125,9 +126,7 @@ int run(Args args, int& argc, char**& argv) {
   // srun, mpirun) with a TCPStore rendezvous; else ranks as threads (twobp/runtime/job.h).
   const twobp::Job job(&argc, &argv, args.dp * args.stages, args.device == "cuda");
   const int world = job.world_size(), my_rank = job.rank();
-  TWOBP_CHECK(job.processes() || world <= twobp::cli::kMaxRanks, twobp::UsageError,
-              "--dp {} x --ranks {} = {} rank threads, more than the {:g} one process runs; use a launcher", args.dp,
-              args.stages, world, twobp::cli::kMaxRanks);
+  if (!job.processes()) twobp::cli::check_rank_threads(args.dp, args.stages);
   if (my_rank == 0) {
     for (const std::string& option : args.ignored) fmt::print(stderr, "llama_pipeline: warning: {} ignored\n", option);
     if (job.processes() && args.ranks_given) {
@@ -167,17 +166,23 @@ int run(Args args, int& argc, char**& argv) {
   // Processes: GPUs talk over NCCL (one rank per GPU: twobp::choose_cuda_device); CPUs over MPI, or without MPI
   // through the TCPStore that rank 0 serves (slow; meant for trying the launch, not for speed). Threads: Local.
   job.share_cores();
+  // From here Ctrl-C and `kill` end the run after the step in progress, with its outputs (see the end of run()).
+  twobp::InterruptGuard interrupts;
+  shared.interrupts = &interrupts;
   const auto run_start = std::chrono::steady_clock::now();
   twobp::run_ranks(job.run_options(), [&](twobp::Transport& transport) {
     train_rank(plan, transport, job.device_of(transport), corpus.tokens, corpus.held_out, shared);
   });
 
   const double wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
-  if (my_rank != 0) return 0;
+  if (my_rank != 0) return interrupts.exit_status();
   std::vector<std::string> written;
   if (!args.dump_schedule.empty()) written.push_back(args.dump_schedule);
   if (!args.checkpoint_dir.empty() && !shared.records.empty()) written.push_back(args.checkpoint_dir + "/");
-  if (!args.costs_json.empty() && !shared.records.empty()) written.push_back(args.costs_json);
+  // Costs are measured from a run's second step: an interrupted run of one step wrote none.
+  if (!args.costs_json.empty() && shared.records.size() >= (interrupts.received() != 0 ? 2u : 1u)) {
+    written.push_back(args.costs_json);
+  }
   if (!args.trace.empty()) {
     std::ofstream out(args.trace);
     out << twobp::to_chrome_trace(shared.traces);
@@ -191,7 +196,14 @@ int run(Args args, int& argc, char**& argv) {
     written.push_back(args.json);
   }
   print_summary(shared.records, shared.attribution, wall_s, written);
-  return 0;
+  if (interrupts.received() != 0) {
+    const int done = shared.records.empty() ? static_cast<int>(shared.resumed_from) : shared.records.back().step + 1;
+    fmt::print("interrupted by {} after step {} of {}: {}; exit status {}\n",
+               interrupts.received() == SIGINT ? "SIGINT" : "SIGTERM", done, args.steps,
+               written.empty() ? std::string("nothing to write") : fmt::format("wrote {}", fmt::join(written, ", ")),
+               interrupts.exit_status());
+  }
+  return interrupts.exit_status();
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // llama_pipeline's command line: every option in a group, with its default, and checked when parsed
 // (examples/common/twobp_cli.h); the rules between options.
 #include "example.h"
+#include "twobp/checkpoint.h"
 #include "twobp/schedule/registry.h"
 #include "twobp/schedule/schedule.h"
 #include "twobp_cli.h"  // examples/common: option checks shared with twobp_bench
@@ -87,7 +88,7 @@ void add_pipeline_options(CLI::App& app, Args& a) {
   app.add_option("--schedule-file", a.schedule_file,
                  "A schedule file: twobp's text form, or PyTorch's compute_only CSV (*.csv); overrides --schedule, "
                  "keeps its own 2BP mode")
-      ->check(CLI::ExistingFile)->group(pipeline);
+      ->check(cli::regular_file())->group(pipeline);
   app.add_option("--dump-schedule", a.dump_schedule,
                  "Write the run's schedule to this file (*.csv: PyTorch's compute_only form; else twobp's text form)")
       ->check(cli::writable_file())->group(pipeline);
@@ -162,7 +163,7 @@ void add_training_options(CLI::App& app, Args& a) {
 
   const std::string data = "Data and evaluation";
   app.add_option("--data", a.data, "Token file (see twobp/data.h); default: the built-in corpus, byte-level")
-      ->check(CLI::ExistingFile)->group(data);
+      ->check(cli::regular_file())->group(data);
   app.add_option("--seq-len", a.seq_len, "Tokens per sequence (0: the model's)")
       ->check(cli::number_in(0, 1 << 20, " (0: the model's)"))->group(data);
   app.add_flag("--pack", a.pack,
@@ -260,8 +261,36 @@ std::vector<std::string> ignored_options(const CLI::App& app, const Args& a) {
   return ignored;
 }
 
+namespace {
+
+// --resume of a checkpoint at or past the step this run ends at would train nothing and exit 0 as if it had.
+void check_resume(const Args& a) {
+  if (!a.resume || !twobp::checkpoint::checkpoint_exists(a.checkpoint_dir)) return;  // the loader says what is wrong
+  int64_t step = 0;
+  try {
+    step = twobp::checkpoint::read_manifest(a.checkpoint_dir).step;
+  } catch (const twobp::IOError& e) {  // an edited or broken manifest: said before any rank starts
+    throw twobp::IOError(fmt::format("--resume: {}", e.what()));
+  }
+  const int end = a.stop_after > 0 ? std::min(a.stop_after, a.steps) : a.steps;
+  const std::string stop = a.stop_after > 0 ? fmt::format(", --stop-after {}", a.stop_after) : "";
+  TWOBP_CHECK(step < end, twobp::UsageError,
+              "--resume: the checkpoint in {} is of step {}, and this run ends at step {} (--steps {}{}): nothing is "
+              "left to train; give --steps (and --stop-after) beyond {}",
+              a.checkpoint_dir, step, end, a.steps, stop, step);
+}
+
+}  // namespace
+
 void validate_args(const Args& a) {
   TWOBP_CHECK(!a.resume || !a.checkpoint_dir.empty(), twobp::UsageError, "--resume needs --checkpoint-dir");
+  twobp::cli::refuse_shared_paths({{"--json", a.json},
+                                   {"--costs-json", a.costs_json},
+                                   {"--trace", a.trace},
+                                   {"--dump-schedule", a.dump_schedule},
+                                   {"--checkpoint-dir", a.checkpoint_dir}},
+                                  {{"--schedule-file", a.schedule_file}, {"--data", a.data}});
+  check_resume(a);
   TWOBP_CHECK(!a.auto_schedule() || (a.memory_limit_gb == 0 && a.max_pending_w == 0), twobp::UsageError,
               "--schedule auto cannot keep --memory-limit-gb or --max-pending-w (the simulator does not model the "
               "W's such a bound moves); bound the candidates' memory with --auto-memory-limit-gb, or choose the "

@@ -293,7 +293,10 @@ void finish_rank(RankState& state, twobp::ParallelGroups& groups, twobp::Transpo
                  const std::vector<twobp::StepAttribution>& attributions, c10::Device device, twobp::Duration timeout,
                  Shared& shared) {
   const bool reports = world.rank() == 0;
-  if (costs.recorder) {
+  // Interrupted before a full-length step after the first was measured: no costs to write (said by main()).
+  const bool interrupted_early = costs.recorder && costs.recorder->steps() == 0 && shared.interrupts != nullptr &&
+                                 shared.interrupts->received() != 0;
+  if (costs.recorder && !interrupted_early) {
     TWOBP_CHECK(costs.recorder->steps() > 0, twobp::UsageError,
                 "--costs-json: no full-length step after the first was measured (--seq-len-warmup {} covers the "
                 "run's steps); run more steps",
@@ -388,8 +391,12 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
       shared.auto_ranking = tuner->ranking();
     }
     costs.follow(state, step);
+    // SIGINT/SIGTERM (collective over the world): every rank makes this step its last -- evaluation, trace and
+    // checkpoint as at the end -- so that the outputs of the steps done are written.
+    const bool interrupted = shared.interrupts != nullptr && shared.interrupts->agreed(world, timeout);
+    const bool last = step + 1 == end || interrupted;
     // Held-out loss of the updated weights.
-    if (state.data.held_out && ((step + 1) % a.eval_every == 0 || step + 1 == end)) {
+    if (state.data.held_out && ((step + 1) % a.eval_every == 0 || last)) {
       record.eval_loss = state.data.evaluate(a, state.pipeline(), p.seq_len);
     }
     const std::optional<double> e1 = rank_energy.share();
@@ -398,17 +405,18 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
                 std::chrono::duration<double>(now - t0).count(), start, end,
                 e0 && e1 ? std::optional<double>(*e1 - *e0) : std::nullopt, static_cast<double>(global_batch * len),
                 timeout, shared);
-    if (!a.trace.empty() && step + 1 == end) {
+    if (!a.trace.empty() && last) {
       // Every rank's trace on every rank (collective), so rank 0 writes them all, threads or processes.
       std::vector<twobp::Trace> traces = twobp::gather_traces(world, result.trace, timeout);
       std::lock_guard<std::mutex> lock(shared.mutex);
       if (reports) shared.traces = std::move(traces);
     }
     const bool periodic = a.checkpoint_every > 0 && (step + 1) % a.checkpoint_every == 0;
-    if (!a.checkpoint_dir.empty() && (periodic || step + 1 == end)) {
+    if (!a.checkpoint_dir.empty() && (periodic || last)) {
       save(state.plan, a.checkpoint_dir, state.model.named, *state.optimizer, groups, step + 1, timeout);
       if (reports) fmt::print("checkpoint of step {} written to {}\n", step + 1, a.checkpoint_dir);
     }
+    if (interrupted) break;
   }
   finish_rank(state, groups, world, costs, attributions, device, timeout, shared);
 }

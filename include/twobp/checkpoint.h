@@ -104,7 +104,8 @@ ShardInfo write_shard(const std::string& dir, int64_t step, int rank, const Name
 /// Atomically replaces DIR/manifest.json, then removes shard files of other steps. Throws IOError.
 void write_manifest(const std::string& dir, const Manifest& manifest);
 
-/// Reads DIR/manifest.json. Throws IOError naming the file for a missing or malformed manifest.
+/// Reads DIR/manifest.json. Throws IOError naming the file for a missing or malformed manifest, and for a step
+/// that is negative or disagrees with the shards' names (an edited manifest).
 Manifest read_manifest(const std::string& dir);
 
 /// Throws UsageError when `expected` disagrees with the manifest (naming the key, both values and the directory),

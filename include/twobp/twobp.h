@@ -45,6 +45,7 @@
 #include "twobp/runtime/data_parallel.h"
 #include "twobp/runtime/executor.h"
 #include "twobp/runtime/hang_report.h"
+#include "twobp/runtime/interrupt.h"
 #include "twobp/runtime/job.h"
 #include "twobp/runtime/launch.h"
 #include "twobp/runtime/mpi_launch.h"

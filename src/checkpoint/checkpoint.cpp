@@ -281,6 +281,17 @@ Manifest read_manifest(const std::string& dir) {
   TWOBP_CHECK(static_cast<int>(m.shards.size()) == m.world_size, IOError,
               "checkpoint: manifest {} lists {} shards for a world size of {}", path, m.shards.size(),
               m.world_size);
+  // The step is written twice, in the manifest and in every shard's name (shard_name): one that disagrees was
+  // edited or mixed with another checkpoint's files; resuming from it would start the learning-rate schedule and
+  // the step count anywhere.
+  TWOBP_CHECK(m.step >= 0, IOError, "checkpoint: manifest {} says step {}; a step is >= 0 (was it edited?)", path,
+              m.step);
+  for (const ShardInfo& shard : m.shards) {
+    TWOBP_CHECK(shard.file == shard_name(m.step, shard.rank), IOError,
+                "checkpoint: manifest {} says step {}, but lists shard '{}' of rank {} (step {}'s would be '{}'): "
+                "the manifest was edited or mixed with another checkpoint's; restore it or write a new checkpoint",
+                path, m.step, shard.file, shard.rank, m.step, shard_name(m.step, shard.rank));
+  }
   return m;
 }
 

@@ -128,6 +128,23 @@ std::optional<CostModel> candidate_costs(const MeasuredCosts& m, BackwardMode mo
   return fused.cost_model(BackwardMode::kStandard);
 }
 
+// The candidate set is refused, not silently narrowed: an unknown name (a typo) or no mode at all would otherwise
+// leave no candidate and read as "no candidate predicted faster". UsageError naming `who`, the value and the
+// known names.
+void check_candidate_set(const std::vector<std::string>& names, const std::vector<BackwardMode>& modes,
+                         const std::string& who) {
+  TWOBP_CHECK(!modes.empty(), UsageError,
+              "{}: the set of backward modes is empty, so no schedule could be a candidate; give at least one "
+              "(standard, 2bp), or leave the default (both)",
+              who);
+  const std::vector<std::string> known = schedule_names();
+  for (const std::string& name : names) {
+    TWOBP_CHECK(std::find(known.begin(), known.end(), name) != known.end(), UsageError,
+                "{}: '{}' is not a registered schedule (known: {}); leave the names empty for every registered one",
+                who, name, fmt::join(known, ", "));
+  }
+}
+
 }  // namespace
 
 std::vector<ScheduleCandidate> rank_schedules(const Schedule& running, const MeasuredCosts& costs,
@@ -135,6 +152,7 @@ std::vector<ScheduleCandidate> rank_schedules(const Schedule& running, const Mea
   TWOBP_CHECK(running.num_ranks > 0 && running.num_stages == costs.num_stages(), UsageError,
               "rank_schedules: the costs are of {} stages, schedule '{}' has {}", costs.num_stages(), running.name,
               running.num_stages);
+  check_candidate_set(options.names, options.modes, "rank_schedules: RankOptions");
   TWOBP_CHECK(options.memory_limit_bytes <= 0.0 || options.memory != nullptr, UsageError,
               "rank_schedules: a memory limit ({} bytes) needs the measured memory model (RankOptions::memory: "
               "MemoryRecorder, agree_memory)",
@@ -234,6 +252,7 @@ AutoSchedule::AutoSchedule(Pipeline& pipeline, AutoScheduleOptions options)
   TWOBP_CHECK(options_.measure_candidates >= 1 && options_.measure_within >= 0.0, UsageError,
               "rank {}: AutoScheduleOptions: measure_candidates must be >= 1 and measure_within >= 0, got {} and {}",
               rank, options_.measure_candidates, options_.measure_within);
+  check_candidate_set(options_.names, options_.modes, fmt::format("rank {}: AutoScheduleOptions", rank));
   const ExecutorOptions& po = pipeline.options().executor;
   TWOBP_CHECK(po.memory_limit_bytes == 0 && po.max_pending_weight_micro_batches == 0, UsageError,
               "rank {}: AutoSchedule ranks schedules by time only, and this pipeline bounds memory "

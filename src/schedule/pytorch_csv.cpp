@@ -65,9 +65,17 @@ std::string to_pytorch_csv(const Schedule& schedule) {
   std::string out;
   for (const auto& actions : schedule.actions) {
     std::vector<std::string> cells;
-    bool open_pair = false;  // the previous compute action opened an overlapped pair
+    bool open_pair = false;          // the previous compute action opened an overlapped pair
+    const Action* previous = nullptr;  // the previous compute action
     for (const Action& a : actions) {
       if (!is_compute(a.type)) continue;
+      // Two W's of one stage back to back: an empty cell between them (an idle slot to PyTorch), so that the
+      // reader keeps them apart instead of joining them into one batched W (see the header).
+      if (a.type == ActionType::kBackwardWeight && previous != nullptr &&
+          previous->type == ActionType::kBackwardWeight && previous->stage == a.stage) {
+        cells.emplace_back();
+      }
+      previous = &a;
       for (int mb : a.micro_batches) {
         const std::string cell = fmt::format("{}{}{}", a.stage, letter(a.type), mb);
         if (open_pair) {
@@ -100,6 +108,7 @@ Schedule from_pytorch_csv(std::string_view csv, const PytorchCsvOptions& options
     std::vector<Action> actions;
     std::size_t cell_begin = 0;
     int column = 0;
+    bool after_gap = false;  // an empty cell since the last action: a W there starts a W of its own
     auto add = [&](Action a, std::string_view cell) {
       const auto [it, fresh] = owner.emplace(a.stage, rank);
       TWOBP_CHECK(it->second == rank, ScheduleError,
@@ -108,17 +117,19 @@ Schedule from_pytorch_csv(std::string_view csv, const PytorchCsvOptions& options
                   rank + 1, rank, column + 1, cell, a.stage, it->second);
       max_mb = std::max(max_mb, a.micro_batches[0]);
       split = split || a.type == ActionType::kBackwardInput || a.type == ActionType::kBackwardWeight;
-      if (options.merge_weight_runs) {
+      if (options.merge_weight_runs && !after_gap) {
         detail::append_joining_weight_runs(actions, std::move(a));
       } else {
         actions.push_back(std::move(a));
       }
+      after_gap = false;
     };
     while (cell_begin <= line.size()) {
       auto cell_end = line.find(',', cell_begin);
       if (cell_end == std::string_view::npos) cell_end = line.size();
       const std::string_view cell = trim(line.substr(cell_begin, cell_end - cell_begin));
       cell_begin = cell_end + 1;
+      after_gap = after_gap || cell.empty();
       if (!cell.empty()) {
         if (cell.front() == '(' && cell.size() > kOverlap.size() + 2 &&
             cell.substr(cell.size() - kOverlap.size()) == kOverlap && cell[cell.size() - kOverlap.size() - 1] == ')') {

@@ -60,12 +60,32 @@ const char* to_string(Fault fault) {
   return "?";
 }
 
+void check_fault_options(const FaultOptions& o, int world_size) {
+  TWOBP_CHECK(o.probability >= 0 && o.probability <= 1 && o.after_messages >= 0 && o.delay.count() >= 0 &&
+                  o.max_faults >= -1,
+              UsageError,
+              "FaultOptions: probability must be in [0, 1], after_messages and delay >= 0, max_faults >= -1 (-1: no "
+              "limit); got {}, {}, {} ms, {}",
+              o.probability, o.after_messages, o.delay.count(), o.max_faults);
+  TWOBP_CHECK(o.peer >= -1 && o.peer < world_size, UsageError,
+              "FaultOptions: peer {} is outside the world of {} ranks (0 .. {}; -1: any peer), so no send would be "
+              "chosen",
+              o.peer, world_size, world_size - 1);
+  for (int r : o.ranks) {
+    TWOBP_CHECK(r >= 0 && r < world_size, UsageError,
+                "FaultOptions: rank {} in `ranks` is outside the world of {} ranks (0 .. {}; empty: every rank), so "
+                "it would never inject",
+                r, world_size, world_size - 1);
+  }
+}
+
 FaultInjectingTransport::FaultInjectingTransport(std::shared_ptr<Transport> inner, FaultOptions options)
+    : FaultInjectingTransport(std::move(inner), std::move(options), Split{}) {
+  check_fault_options(options_, inner_->world_size());
+}
+
+FaultInjectingTransport::FaultInjectingTransport(std::shared_ptr<Transport> inner, FaultOptions options, Split)
     : WrappingTransport(std::move(inner), "FaultInjectingTransport"), options_(std::move(options)) {
-  TWOBP_CHECK(options_.probability >= 0 && options_.probability <= 1 && options_.after_messages >= 0 &&
-                  options_.delay.count() >= 0,
-              UsageError, "FaultOptions: probability must be in [0, 1], after_messages and delay >= 0; got {}, {}, "
-              "{} ms", options_.probability, options_.after_messages, options_.delay.count());
   random_.seed(options_.seed * 0x9E3779B97F4A7C15ULL + static_cast<uint64_t>(inner_->rank()) + 1);
 }
 
@@ -160,7 +180,9 @@ std::unique_ptr<Work> FaultInjectingTransport::irecv(at::Tensor& buffer, const P
 std::unique_ptr<Transport> FaultInjectingTransport::split(int color, int key, Duration timeout) {
   std::unique_ptr<Transport> child = inner_->split(color, key, timeout);
   if (!child) return nullptr;
-  return std::make_unique<FaultInjectingTransport>(std::shared_ptr<Transport>(std::move(child)), options_);
+  // The group's ranks are numbered anew: the options checked against the world apply to them as they are.
+  return std::unique_ptr<Transport>(
+      new FaultInjectingTransport(std::shared_ptr<Transport>(std::move(child)), options_, Split{}));
 }
 
 }  // namespace twobp

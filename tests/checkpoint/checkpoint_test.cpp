@@ -447,6 +447,38 @@ TEST(DataParallelCheckpoint, ManifestWithoutDpReadsAsOneReplica) {
 }
 
 
+// The manifest's step is checked against the shards' names: every edit (another step, negative, huge) is refused
+// as an edited manifest, by read_manifest and by both loaders, before a rank resumes at a wrong step.
+TEST(Checkpoint, AnEditedStepIsDiagnosedAsSuch) {
+  const auto dir = fresh_dir("edited_step");
+  auto ranks = make_ranks(1);
+  ranks[0].train_step(0);
+  ranks[1].train_step(0);
+  save_both(dir, 3, ranks, config_for("tiny"));
+  const std::string path = dir + "/manifest.json";
+  const auto original = read_json(path);
+  for (int64_t edited : {int64_t{0}, int64_t{2}, int64_t{4}, int64_t{-1}, int64_t{1} << 40}) {
+    auto j = original;
+    j["step"] = edited;
+    write_json(path, j);
+    const std::string what = "step " + std::to_string(edited);
+    for (const std::function<void()>& load :
+         {std::function<void()>([&] { ck::read_manifest(dir); }),
+          std::function<void()>([&] { ck::load_checkpoint(dir, config_for("tiny"), 0, 2); })}) {
+      try {
+        load();
+        ADD_FAILURE() << "an edited manifest (" << what << ") was accepted";
+      } catch (const twobp::IOError& e) {
+        EXPECT_NE(std::string(e.what()).find("says " + what), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("edited"), std::string::npos) << e.what();
+      }
+    }
+  }
+  write_json(path, original);
+  EXPECT_EQ(ck::load_checkpoint(dir, config_for("tiny"), 1, 2).step, 3);
+  remove_tree(parent_dir(dir));
+}
+
 // A checkpoint of 2 ranks loads by name into 4 ranks (a block each) and into 1 rank (everything): every tensor and
 // its optimizer state is where the new layout needs it, bit for bit, and training continues identically.
 TEST(LoadByName, AnyLayoutGetsItsTensorsWhereverTheyWere) {

@@ -466,10 +466,18 @@ TEST(LlamaPipeline, ResumeReproducesUninterruptedRun) {
   expect_close({full[2], full[3]}, second, 1e-5, "after resuming, step ");
 
   // A checkpoint of another training configuration is refused before any step.
-  const auto r = run(kBase + "--schedule 1f1b --dtype bf16 --steps 4 --resume --checkpoint-dir " + ckpt);
+  const auto r = run(kBase + "--schedule 1f1b --dtype bf16 --steps 6 --resume --checkpoint-dir " + ckpt);
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_NE(r.output.find("dtype=fp32"), std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("loss"), std::string::npos) << r.output;
+  // A checkpoint at or past the run's end leaves nothing to train: refused, not a silent exit 0 (the second run
+  // wrote step 4's).
+  for (const std::string& steps : {"--steps 4", "--steps 3", "--steps 8 --stop-after 4"}) {
+    const auto done = run(kBase + "--schedule 1f1b " + steps + " --resume --checkpoint-dir " + ckpt);
+    EXPECT_EQ(done.exit_code, 2) << steps << ": " << done.output;
+    EXPECT_NE(done.output.find("is of step 4"), std::string::npos) << done.output;
+    EXPECT_NE(done.output.find("nothing is left to train"), std::string::npos) << done.output;
+  }
 }
 
 // Checkpoints hold tensors under global names, so a run resumes under another layout -- pp, dp, schedule,

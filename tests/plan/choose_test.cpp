@@ -17,6 +17,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/expect_error.h"
 #include "common/pipeline_fixtures.h"
 #include "twobp/error.h"
 #include "twobp/metrics/memory.h"
@@ -169,6 +170,42 @@ TEST(RankSchedules, CostsOfAStandardRunRankOnlyStandardFormsAndNamesFilter) {
   ASSERT_EQ(only.size(), 1u);
   EXPECT_EQ(only[0].name, "zb-h1");
   EXPECT_THROW(rank_schedules(running, split_costs(3, 1.0, 1.0, 1.0)), UsageError);  // costs of other stages
+}
+
+// The candidate sets that would leave nothing to rank are refused, naming the culprit: every unregistered name (a
+// typo, another case, one beside valid names) and the empty set of modes -- never "no candidate predicted faster".
+std::vector<RankOptions> unusable_candidate_sets() {
+  std::vector<RankOptions> sets;
+  for (std::vector<std::string> names : {std::vector<std::string>{"1f1bb"}, std::vector<std::string>{"ZB-H1"},
+                                         std::vector<std::string>{"zb-h1", "no-such-schedule"},
+                                         std::vector<std::string>{""}}) {
+    RankOptions o;
+    o.names = std::move(names);
+    sets.push_back(o);
+  }
+  RankOptions no_modes;
+  no_modes.modes.clear();
+  sets.push_back(no_modes);
+  RankOptions no_modes_named = no_modes;
+  no_modes_named.names = {"1f1b"};
+  sets.push_back(no_modes_named);
+  return sets;
+}
+
+// The word each refusal must contain: the unknown name, else "modes".
+std::string culprit(const RankOptions& o) {
+  if (o.modes.empty()) return "modes";
+  for (const std::string& n : o.names) {
+    if (n != "zb-h1") return fmt::format("'{}'", n);
+  }
+  return "?";
+}
+
+TEST(RankSchedules, UnknownNamesAndNoModesAreRefused) {
+  const Schedule running = make_schedule("1f1b", ScheduleOptions{2, 4, 1, BackwardMode::kSplit});
+  for (const RankOptions& o : unusable_candidate_sets()) {
+    expect_error([&] { rank_schedules(running, split_costs(2, 1.0, 1.0, 1.0), o); }, {"rank_schedules", culprit(o)});
+  }
 }
 
 // A memory model whose numbers differ per stage and action type: F keeps activations, I frees most, W the rest.
@@ -813,6 +850,12 @@ TEST(AutoSchedule, RefusesBadOptionsAndMemoryBoundPipelines) {
     ADD_FAILURE() << "a memory limit was accepted without record_memory";
   } catch (const UsageError& e) {
     EXPECT_NE(std::string(e.what()).find("record_memory"), std::string::npos) << e.what();
+  }
+  for (const RankOptions& set : unusable_candidate_sets()) {  // refused at construction, not after the probe
+    AutoScheduleOptions o;
+    o.names = set.names;
+    o.modes = set.modes;
+    expect_error([&] { AutoSchedule chooser(*plain, o); }, {"AutoScheduleOptions", culprit(set)});
   }
   memory_limit.memory_limit_bytes = -1;
   PipelineOptions recording = fixture_options();

@@ -9,15 +9,24 @@ table says (above 0 where 0 is refused, -1 where -1 means something, else 0 or m
 in-process that this check refuses every kind of bad value (-1, 0, nan, inf, 1e300, text). Then every option gets
 one bad value on the command line, the next kind for the next option (so that every kind runs end to end). Every
 output option gets a path that cannot be written; a few other inputs (unknown names, missing files, rules between
-options, a mistyped command) too. Each run must: exit with status 2 (a usage error's), within 30 s, print a message
-naming the option (for a mistyped command: the closest command), never print "wrote" or "written", and show no
-backtrace (c10's "Exception raised from" / "frame #", "terminate called"). Fails listing every case that did not.
+options, a mistyped command) too; and situations that need files made first (SITUATIONS): a FIFO given as any input
+or output file, one path given to two outputs (every pair of each command's output files) or to an output and an
+input, a checkpoint resumed at or past the run's end, an edited manifest step, more rank threads than a process
+runs, a plan in another precision than its measured costs. Each run must: exit with status 2 (a usage error's),
+within 30 s, print a message naming the option (for a mistyped command: the closest command), never print "wrote" or
+"written", and show no backtrace (c10's "Exception raised from" / "frame #", "terminate called"). Fails listing
+every case that did not.
 """
 import argparse
 import concurrent.futures
+import itertools
+import json
+import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 
 ALWAYS_BAD = ["-1", "nan", "inf", "1e300"]
 
@@ -89,6 +98,79 @@ OTHER = [
     ("bench", ["benchmark"], "the commands are split, pipeline, simulate, check-schedules, plan"),
 ]
 BACKTRACE = ("Exception raised from", "frame #", "terminate called")
+
+# Input files of each program (option -> what a valid one is made of: see make_inputs).
+INPUTS = {
+    "bench": {"pipeline": ["--schedule-file"], "simulate": ["--schedule-file", "--from-json"],
+              "plan": ["--costs-json", "--ratios-json"]},
+    "example": {None: ["--schedule-file", "--data"]},
+}
+# Output directories (not files) among OUTPUTS.
+DIRECTORIES = {"--trace-dir", "--dump-schedules", "--checkpoint-dir"}
+
+
+def make_checkpoint(example, work):
+    """A 2-step run of the example: its checkpoint (step 2) and its measured costs (fp32)."""
+    ck, costs = os.path.join(work, "ck"), os.path.join(work, "costs_fp32.json")
+    subprocess.run([example, "--steps", "2", "--checkpoint-dir", ck, "--costs-json", costs], check=True,
+                   capture_output=True, timeout=300)
+    return ck, costs
+
+
+def edited_checkpoint(ck, work, name, step):
+    """A copy of checkpoint `ck` whose manifest says `step`."""
+    copy = os.path.join(work, name)
+    shutil.copytree(ck, copy)
+    path = os.path.join(copy, "manifest.json")
+    with open(path) as f:
+        manifest = json.load(f)
+    manifest["step"] = step
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+    return copy
+
+
+def situations(programs, work):
+    """(program, arguments, the option the message must name) of the situations above, their files made in `work`."""
+    fifo = os.path.join(work, "fifo")
+    os.mkfifo(fifo)
+    for program in programs:
+        for command in set(INPUTS[program]) | set(OUTPUTS[program]):
+            prefix = [command] if command else []
+            for option in INPUTS[program].get(command, []):  # a FIFO read would wait for a writer forever
+                yield program, prefix + [option, fifo], option
+            files = [o for o in OUTPUTS[program].get(command, []) if o not in DIRECTORIES]
+            for option in files:  # a FIFO written would wait for a reader forever
+                yield program, prefix + [option, fifo], option
+            for first, second in itertools.combinations(files, 2):  # one file, two outputs
+                same = os.path.join(work, f"same_{program}_{command}.out")
+                yield program, prefix + [first, same, second, same], first
+    example, bench = programs.get("example"), programs.get("bench")
+    if example:
+        schedule = os.path.join(work, "schedule.txt")
+        subprocess.run([example, "--dry-run", "--dump-schedule", schedule], check=True, capture_output=True,
+                       timeout=60)
+        yield "example", ["--schedule-file", schedule, "--json", schedule], "--json"  # the output over the input
+        yield "example", ["--dp", "1000"], "--dp"
+        ck, costs = make_checkpoint(example, work)
+        for args in (["--steps", "2"], ["--steps", "1"], ["--steps", "5", "--stop-after", "2"]):
+            yield "example", ["--checkpoint-dir", ck, "--resume"] + args, "--resume"  # nothing left to train
+        for name, step in (("ck_earlier", 1), ("ck_later", 3), ("ck_negative", -1)):
+            yield "example", ["--checkpoint-dir", edited_checkpoint(ck, work, name, step), "--resume", "--steps",
+                              "5"], "--resume"
+        if bench:
+            yield "bench", ["plan", "--costs-json", costs, "--dtype", "bf16", "--ranks", "2"], "--dtype"
+            bf16 = os.path.join(work, "costs_bf16.json")
+            with open(costs) as f:
+                doc = json.load(f)
+            doc["config"]["dtype"] = "bf16"
+            with open(bf16, "w") as f:
+                json.dump(doc, f)
+            yield "bench", ["plan", "--costs-json", costs, bf16, "--ranks", "2"], "--costs-json"
+            yield "bench", ["plan", "--costs-json", costs, "--json", costs, "--ranks", "2"], "--json"
+    if bench:
+        for args in (["--dp", "1000"], ["--dp", "300", "--ranks", "4"]):
+            yield "bench", ["pipeline"] + args, "--dp"
 
 
 def cases(programs):
@@ -174,10 +256,14 @@ def main():
     programs = {name: path for name, path in given.items() if path}
     if not programs:
         parser.error("give --bench and/or --example")
-    table = list(cases(programs))
-    failures = declared_problems(programs)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        failures += [f for f in pool.map(lambda c: run(programs, c), table) if f]
+    work = tempfile.mkdtemp(prefix="twobp_bad_inputs_")
+    try:
+        table = list(cases(programs)) + list(situations(programs, work))
+        failures = declared_problems(programs)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+            failures += [f for f in pool.map(lambda c: run(programs, c), table) if f]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     if failures:
         print(f"{len(failures)} of {len(table)} bad inputs were not refused cleanly:")
         for f in failures:

@@ -1,11 +1,19 @@
 // examples/common/twobp_cli.h, in-process: the one numeric check every option of the programs uses refuses every
-// kind of bad value and keeps the bounds. programs_bad_inputs checks that each option of each program declares it
+// kind of bad value and keeps the bounds; file options refuse what would block (FIFOs) or overwrite another path;
+// rank threads are bounded. programs_bad_inputs checks that each option of each program declares it
 // (its --help) and is refused end to end; this test covers the values, so that the replay needs one per option.
 // Also parse()'s exit statuses (2 for every usage error, a subcommand's own status kept) and the suggestion for a
 // mistyped subcommand.
 
 #include <gtest/gtest.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
 
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -125,6 +133,100 @@ TEST(Parse, AMistypedSubcommandIsToldTheClosestOne) {
 TEST(FailureStatus, TwobpsOwnErrorsAreUsageErrors) {
   EXPECT_EQ(twobp::cli::failure_status(twobp::UsageError("bad")), 2);
   EXPECT_EQ(twobp::cli::failure_status(std::runtime_error("crash")), 1);
+
+// A fresh directory holding a regular file, a FIFO, a directory and a socket, removed at the end.
+class Paths : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char pattern[] = "/tmp/twobp_cli_test_XXXXXX";
+    ASSERT_NE(::mkdtemp(pattern), nullptr);
+    dir_ = pattern;
+    std::ofstream(file()) << "x";
+    ASSERT_EQ(::mkfifo(fifo().c_str(), 0600), 0);
+    ASSERT_EQ(::mkdir(subdir().c_str(), 0700), 0);
+    socket_ = ::socket(AF_UNIX, SOCK_STREAM, 0);
+    sockaddr_un address{};
+    address.sun_family = AF_UNIX;
+    std::snprintf(address.sun_path, sizeof(address.sun_path), "%s", socket_path().c_str());
+    ASSERT_EQ(::bind(socket_, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+  }
+  void TearDown() override {
+    ::close(socket_);
+    for (const std::string& p : {file(), fifo(), socket_path(), dir_ + "/new.json"}) std::remove(p.c_str());
+    ::rmdir(subdir().c_str());
+    ::rmdir(dir_.c_str());
+  }
+  std::string file() const { return dir_ + "/file.txt"; }
+  std::string fifo() const { return dir_ + "/fifo"; }
+  std::string subdir() const { return dir_ + "/dir"; }
+  std::string socket_path() const { return dir_ + "/socket"; }
+
+  std::string dir_;
+  int socket_ = -1;
+};
+
+std::string validate(const CLI::Validator& v, std::string text) { return v(text); }
+
+// Inputs: only a regular file is read (a FIFO would wait for a writer forever); outputs: a FIFO, a directory or a
+// socket is refused at parse time (opening a FIFO to write waits for a reader), a new or regular file or a device
+// is taken.
+TEST_F(Paths, OnlyFilesThatCannotBlockAreTaken) {
+  const CLI::Validator input = twobp::cli::regular_file(), output = twobp::cli::writable_file();
+  EXPECT_EQ(validate(input, file()), "");
+  for (const std::string& bad : {fifo(), subdir(), socket_path(), std::string("/dev/null"), dir_ + "/missing"}) {
+    const std::string message = validate(input, bad);
+    EXPECT_NE(message, "") << bad;
+    EXPECT_NE(message.find(bad), std::string::npos) << message;
+  }
+  EXPECT_NE(validate(input, fifo()).find("a FIFO"), std::string::npos);
+  for (const std::string& good : {file(), dir_ + "/new.json", std::string("/dev/null")}) {
+    EXPECT_EQ(validate(output, good), "") << good;
+  }
+  for (const std::string& bad : {fifo(), subdir(), socket_path()}) {
+    const std::string message = validate(output, bad);
+    EXPECT_NE(message.find(twobp::cli::blocking_kind(bad)), std::string::npos) << message;
+    EXPECT_NE(message.find("regular file"), std::string::npos) << message;
+  }
+}
+
+// One file given to two outputs, or to an output and an input, however it is spelled (relative, with ./ and ..,
+// through a link); empty paths and devices are not compared; inputs may share a file.
+TEST_F(Paths, OneFileForTwoOutputsIsRefusedHoweverSpelled) {
+  using Named = std::vector<std::pair<std::string, std::string>>;
+  const std::string link = dir_ + "/link.txt";
+  ASSERT_EQ(::symlink(file().c_str(), link.c_str()), 0);
+  const std::string fresh = dir_ + "/new.json";
+  for (const std::string& spelled : {file(), dir_ + "/./file.txt", subdir() + "/../file.txt", link}) {
+    try {
+      twobp::cli::refuse_shared_paths({{"--json", file()}, {"--trace", spelled}});
+      ADD_FAILURE() << "--json and --trace both " << spelled;
+    } catch (const twobp::UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find("--json and --trace"), std::string::npos) << e.what();
+    }
+    EXPECT_THROW(twobp::cli::refuse_shared_paths({{"--json", spelled}}, {{"--data", file()}}), twobp::UsageError);
+  }
+  // Not there yet: compared by directory and name.
+  EXPECT_THROW(
+      twobp::cli::refuse_shared_paths({{"--json", fresh}, {"--csv", ""}, {"--chart", subdir() + "/../new.json"}}),
+      twobp::UsageError);
+  const Named apart{{"--json", fresh}, {"--trace", subdir() + "/t.json"}, {"--csv", ""}, {"--chart", ""},
+                    {"--a", "/dev/null"}, {"--b", "/dev/null"}};
+  EXPECT_NO_THROW(twobp::cli::refuse_shared_paths(apart, Named{{"--data", link}, {"--schedule-file", file()}}));
+  std::remove(link.c_str());
+}
+
+TEST(RankThreads, MoreThanOneProcessRunsAreRefusedNamingBothOptions) {
+  EXPECT_NO_THROW(twobp::cli::check_rank_threads(1, twobp::cli::kMaxRanks));
+  EXPECT_NO_THROW(twobp::cli::check_rank_threads(4, 256));
+  for (const auto& [dp, ranks] : std::vector<std::pair<double, double>>{{1000, 2}, {1, 1025}, {1024, 1024}, {3, 342}}) {
+    try {
+      twobp::cli::check_rank_threads(dp, ranks);
+      ADD_FAILURE() << dp << " x " << ranks;
+    } catch (const twobp::UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find("--dp"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("--ranks"), std::string::npos) << e.what();
+    }
+  }
 }
 
 }  // namespace

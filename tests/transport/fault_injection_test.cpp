@@ -287,11 +287,46 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"gpipe", BackwardMode::kStandard, Pairing::kByTag}),
     case_name);
 
+// Options that could inject nothing (or nonsense) are refused, each field on its own: a fault test must never pass
+// because nothing was injected. The same options are accepted in a world large enough for them.
 TEST(FaultInjectionOptions, OutOfRangeIsRefused) {
-  auto t = std::move(make_local_transports(1)[0]);
-  FaultOptions bad;
-  bad.probability = 1.5;
-  EXPECT_THROW(FaultInjectingTransport(std::shared_ptr<Transport>(std::move(t)), bad), UsageError);
+  constexpr int kWorld = 2;
+  struct Bad {
+    const char* what;  // the word the refusal must contain
+    FaultOptions options;
+  };
+  std::vector<Bad> bad;
+  auto with = [&](const char* what, auto set) {
+    FaultOptions o;
+    set(o);
+    bad.push_back({what, o});
+  };
+  with("probability", [](FaultOptions& o) { o.probability = 1.5; });
+  with("probability", [](FaultOptions& o) { o.probability = -0.1; });
+  with("after_messages", [](FaultOptions& o) { o.after_messages = -1; });
+  with("delay", [](FaultOptions& o) { o.delay = Duration(-1); });
+  with("max_faults", [](FaultOptions& o) { o.max_faults = -2; });
+  with("peer 2", [](FaultOptions& o) { o.peer = kWorld; });
+  with("peer -2", [](FaultOptions& o) { o.peer = -2; });
+  with("rank 2", [](FaultOptions& o) { o.ranks = {0, kWorld}; });
+  with("rank -1", [](FaultOptions& o) { o.ranks = {-1}; });
+  for (const Bad& b : bad) {
+    auto t = std::move(make_local_transports(kWorld)[0]);
+    try {
+      FaultInjectingTransport(std::shared_ptr<Transport>(std::move(t)), b.options);
+      ADD_FAILURE() << "accepted options out of range (" << b.what << ")";
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find(b.what), std::string::npos) << e.what();
+    }
+    EXPECT_THROW(check_fault_options(b.options, kWorld), UsageError) << b.what;
+  }
+  FaultOptions edge;  // the extremes that are in range
+  edge.peer = kWorld - 1;
+  edge.ranks = {0, kWorld - 1};
+  edge.max_faults = -1;
+  edge.probability = 0.0;
+  EXPECT_NO_THROW(check_fault_options(edge, kWorld));
+  EXPECT_THROW(check_fault_options(edge, kWorld - 1), UsageError);  // the same ranks in a smaller world
 }
 
 }  // namespace

@@ -69,9 +69,10 @@ struct RankOptions {
 /// measured stages carry over unchanged, the placement being the same. A standard candidate's fused B is the
 /// measured B where the run had one, else I + W (2BP's split costs the same work); a 2BP candidate needs I and W,
 /// so costs of a standard run rank the standard forms only. Generators that reject the shape are left out, and so
-/// are candidates over the memory limit (RankOptions). Throws UsageError when the memory model does not cover the
-/// placement, a limit is given without one, the recomputing costs are of other stages, or `memory` is given
-/// with recompute_costs but without recompute_memory.
+/// are candidates over the memory limit (RankOptions). Throws UsageError when a name is not registered or `modes`
+/// is empty (never read as "no candidate faster"), the memory model does not cover the placement, a limit is given
+/// without one, the recomputing costs are of other stages, or `memory` is given with recompute_costs but without
+/// recompute_memory.
 std::vector<ScheduleCandidate> rank_schedules(const Schedule& running, const MeasuredCosts& costs,
                                               const RankOptions& options = {});
 
@@ -84,7 +85,8 @@ struct AutoScheduleOptions {
   /// the best prediction (and from the starting schedule's): 0.10 = within 10 %.
   int measure_candidates = 3;
   double measure_within = 0.10;
-  /// Candidate names (empty: every registered schedule) and modes.
+  /// Candidate names (empty: every registered schedule) and modes; an unregistered name or no mode is refused
+  /// (UsageError, at construction).
   std::vector<std::string> names;
   std::vector<BackwardMode> modes = {BackwardMode::kStandard, BackwardMode::kSplit};
   /// Per-rank bound on the candidates' simulated peak tensor memory (bytes; 0: none). Needs the pipeline to run

@@ -10,9 +10,13 @@
 // (add_communication) and infers the placement (the rank whose row holds a stage), the stage count and the
 // micro-batch count.
 //
-// A twobp W over several micro-batches is written as one W cell per micro-batch (PyTorch's W takes one); reading,
-// `merge_weight_runs` turns consecutive W cells of one stage back into one batched W (the same gradients, fewer
-// and larger GEMMs), so to_pytorch_csv -> from_pytorch_csv reproduces every built-in schedule's actions.
+// A twobp W over several micro-batches is written as one W cell per micro-batch (PyTorch's W takes one), and two
+// W's of one stage that follow each other with an empty cell between them (an idle slot, which PyTorch's
+// _load_csv reads as None); reading, `merge_weight_runs` turns adjacent W cells of one stage back into one batched
+// W (the same gradients, fewer and larger GEMMs) and an empty cell ends such a run. So to_pytorch_csv ->
+// from_pytorch_csv (default options) gives back the compute actions of every schedule in their order, W sizes
+// included, and every built-in schedule's actions exactly (the communication, which the CSV leaves out, is
+// add_communication's).
 
 #include <string>
 #include <string_view>
@@ -22,7 +26,8 @@
 namespace twobp {
 
 struct PytorchCsvOptions {
-  /// Consecutive W cells of the same stage on a rank become one W over their micro-batches.
+  /// Adjacent W cells of the same stage on a rank (no empty cell between) become one W over their micro-batches;
+  /// false: one W per cell.
   bool merge_weight_runs = true;
   /// The schedule's name.
   std::string name = "pytorch-csv";

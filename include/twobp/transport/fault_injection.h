@@ -55,9 +55,15 @@ struct FaultOptions {
   Duration delay = Duration(20);   ///< kDelay, kReorder
 };
 
+/// UsageError unless `options` can inject anything in a world of `world_size` ranks: probability in [0, 1];
+/// after_messages and delay >= 0; max_faults >= -1; peer in -1 .. world_size - 1; every one of `ranks` in
+/// 0 .. world_size - 1.
+void check_fault_options(const FaultOptions& options, int world_size);
+
 class FaultInjectingTransport final : public WrappingTransport {
  public:
-  /// Wraps `inner` (shared with the caller or owned). UsageError for options out of range.
+  /// Wraps `inner` (shared with the caller or owned). UsageError for options out of range (check_fault_options
+  /// against inner's world size): a fault test must not pass because nothing was injected.
   FaultInjectingTransport(std::shared_ptr<Transport> inner, FaultOptions options);
 
   std::string name() const override;
@@ -70,6 +76,8 @@ class FaultInjectingTransport final : public WrappingTransport {
   int64_t faults() const { return faults_; }
 
  private:
+  struct Split {};  // a group split from a checked one: its options are taken as they are
+  FaultInjectingTransport(std::shared_ptr<Transport> inner, FaultOptions options, Split);
   bool chosen(const P2POptions& options);
 
   FaultOptions options_;

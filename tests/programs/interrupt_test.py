@@ -1,0 +1,76 @@
+#!/usr/bin/env python3
+"""llama_pipeline interrupted (rank threads): SIGINT, then SIGTERM, sent after a few steps of a long run.
+
+Each run must end within 60 s of the signal with the shell's status for it (130, 143) and a line saying so and what
+was written; its --json holds exactly the steps done (as many as that line says, numbered from 0), its --trace is
+there, its checkpoint is of the last step done, and no .tmp file is left in the work directory or the checkpoint.
+
+Usage: interrupt_test.py LLAMA_PIPELINE WORK_DIR
+"""
+import glob
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+STEPS_BEFORE = 3  # the signal goes once the checkpoint of this step is there
+
+
+def manifest_step(ck):
+    try:
+        with open(os.path.join(ck, "manifest.json")) as f:
+            return json.load(f)["step"]
+    except (OSError, ValueError, KeyError):
+        return -1
+
+
+def interrupted_run(example, work, sig, status):
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    out_json, trace, ck = (os.path.join(work, name) for name in ("run.json", "trace.json", "ck"))
+    p = subprocess.Popen([example, "--steps", "100000", "--checkpoint-dir", ck, "--checkpoint-every", "1",
+                          "--json", out_json, "--trace", trace], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
+    deadline = time.time() + 240
+    while manifest_step(ck) < STEPS_BEFORE:
+        assert p.poll() is None, f"the run ended before it was interrupted: {p.stdout.read()}"
+        assert time.time() < deadline, "no checkpoint of step 3 within 240 s"
+        time.sleep(0.05)
+    p.send_signal(sig)
+    try:
+        out, _ = p.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise AssertionError(f"{sig.name}: the run did not end within 60 s")
+    name = sig.name
+    assert p.returncode == status, f"{name}: exit status {p.returncode}, expected {status}:\n{out}"
+    line = re.search(rf"interrupted by {name} after step (\d+) of 100000: wrote (.*); exit status {status}", out)
+    assert line, f"{name}: no line saying what was written:\n{out}"
+    done = int(line.group(1))
+    assert done >= STEPS_BEFORE, f"{name}: stopped after step {done}"
+    for path in (out_json, trace, ck):
+        assert path in line.group(2), f"{name}: '{path}' not said written: {line.group(0)}"
+    with open(out_json) as f:
+        steps = [s["step"] for s in json.load(f)["steps"]]
+    assert steps == list(range(done)), f"{name}: --json has steps {steps}, expected 0 .. {done - 1}"
+    with open(trace) as f:
+        assert json.load(f), f"{name}: empty trace"
+    assert manifest_step(ck) == done, f"{name}: checkpoint of step {manifest_step(ck)}, expected {done}"
+    left = glob.glob(os.path.join(work, "**", "*.tmp"), recursive=True)
+    assert not left, f"{name}: temporary files left: {left}"
+    print(f"{name}: stopped after step {done}, exit {status}, outputs complete")
+
+
+def main():
+    example, work = sys.argv[1], sys.argv[2]
+    for sig, status in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
+        interrupted_run(example, os.path.join(work, sig.name.lower()), sig, status)
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
