@@ -86,7 +86,10 @@ TEST(LlamaMemoryEstimate, FormulasMatchWhatAStageKeeps) {
               << "\n";
     EXPECT_NEAR(m.after_forward / act, 1.0, 0.2) << "F keeps " << m.after_forward << ", estimate " << act;
     EXPECT_NEAR(m.after_input / pend, 1.0, 0.2) << "I keeps " << m.after_input << ", estimate " << pend;
-    EXPECT_LT(m.after_input, m.after_forward) << "I frees what W does not need";
+    // I frees what W does not need; the head's I also creates the logits' gradient (vocab wide), which its W keeps
+    // -- at the tiny model's sizes more than F's activations (since the rotary tables are cached, not saved).
+    const double logits_gradient = k.spec.has_head ? static_cast<double>(batch * seq * c.vocab_size * 4) : 0.0;
+    EXPECT_LT(m.after_input - logits_gradient, m.after_forward) << "I frees what W does not need";
     EXPECT_LE(m.after_weight, 0.02 * m.after_forward) << "W leaves nothing of the micro-batch";
   }
 }

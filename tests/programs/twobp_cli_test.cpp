@@ -133,6 +133,7 @@ TEST(Parse, AMistypedSubcommandIsToldTheClosestOne) {
 TEST(FailureStatus, TwobpsOwnErrorsAreUsageErrors) {
   EXPECT_EQ(twobp::cli::failure_status(twobp::UsageError("bad")), 2);
   EXPECT_EQ(twobp::cli::failure_status(std::runtime_error("crash")), 1);
+}
 
 // A fresh directory holding a regular file, a FIFO, a directory and a socket, removed at the end.
 class Paths : public ::testing::Test {
