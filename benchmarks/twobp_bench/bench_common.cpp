@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <iostream>
 #include <iomanip>
 #include <sstream>
 #include <stdexcept>
+#include <thread>
 
 #include <time.h>
 
@@ -71,6 +73,17 @@ double load_average() {
   std::ifstream in("/proc/loadavg");
   double load = -1;
   if (!(in >> load)) return -1;
+  return load;
+}
+
+double warn_if_loaded(const std::string& command) {
+  const double load = load_average();
+  const unsigned cores = std::thread::hardware_concurrency();
+  if (cores > 0 && load > cores) {
+    std::cerr << command << ": warning: load average " << fmt_num(load) << " on " << cores
+              << " cores; other processes take cores from the timed threads, see the spread (or use --threads 1"
+              << (command == "split" ? " --clock cpu" : "") << ")\n";
+  }
   return load;
 }
 

@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <csignal>
 #include <iostream>
 #include <memory>
 #include <numeric>
@@ -33,9 +34,11 @@
 #include "twobp/metrics/energy.h"
 #include "twobp/metrics/memory.h"
 #include "twobp/metrics/metrics.h"
+#include "twobp/metrics/step_log.h"
 #include "twobp/plan/measure.h"
 #include "twobp/plan/record.h"
 #include "twobp/runtime/data_parallel.h"
+#include "twobp/runtime/interrupt.h"
 #include "twobp/runtime/launch.h"
 #include "twobp/runtime/mpi_launch.h"
 #include "twobp/runtime/pipeline.h"
@@ -656,6 +659,12 @@ void run_pipeline_bench(const PipelineArgs& a) {
   std::string energy_source, energy_note;  // rank 0's meter ("nvml", "rapl", ""), and why it has none
   if (a.variable_seq) variants.push_back(Variant{true, 0});
   if (a.memory_limit_mb > 0) variants.push_back(Variant{false, static_cast<int64_t>(a.memory_limit_mb * kMiB)});
+  // Ctrl-C / SIGTERM: the configuration in progress ends, the finished ones are reported and written, and the
+  // command exits 130 / 143 (twobp/runtime/interrupt.h).
+  InterruptGuard interrupts;
+  int configs_total = 0, configs_done = 0;  // configs_done: rank 0's
+  for (BackwardMode mode : modes) configs_total += static_cast<int>(names.size() * bucket_settings(mode).size());
+  const auto started = std::chrono::steady_clock::now();
   auto run_all = [&](Transport& t) {
     const Duration timeout{static_cast<int64_t>(a.timeout_s * 1000)};
     ParallelGroups groups(t, a.dp, timeout);  // UsageError unless dp divides the world size
@@ -665,13 +674,20 @@ void run_pipeline_bench(const PipelineArgs& a) {
     if (t.rank() == 0) {
       energy_source = rank_energy.source();
       energy_note = rank_energy.note();
+      warn_if_loaded("pipeline");
     }
     std::vector<RunResult> results;
+    int k = 0;
     for (const auto& name : names) {
       for (BackwardMode mode : modes) {
         for (const DpBuckets& buckets : bucket_settings(mode)) {
+          if (interrupts.agreed(t, timeout)) return results;  // every rank stops before the same configuration
+          ++k;
           if (t.rank() == 0) {
-            std::cerr << fmt::format("[pipeline] {} {} p={} m={}{}{} ...\n", name, to_string(mode),
+            const std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - started;
+            std::cerr << fmt::format("[pipeline] {}: {} {} p={} m={}{}{} ...\n",
+                                     metrics::format_progress("configuration", k, configs_total, elapsed.count()),
+                                     name, to_string(mode),
                                      groups.layout().pp, a.microbatches,
                                      a.dp > 1 ? fmt::format(" dp={} buckets={}", a.dp, buckets.name()) : "",
                                      a.variable_seq ? ", fixed specs and announced shapes in turn"
@@ -681,6 +697,7 @@ void run_pipeline_bench(const PipelineArgs& a) {
           for (RunResult& r : run_config(t, groups, a, name, mode, buckets, variants, rank_energy)) {
             results.push_back(std::move(r));
           }
+          if (t.rank() == 0) configs_done = k;
         }
       }
     }
@@ -710,7 +727,14 @@ void run_pipeline_bench(const PipelineArgs& a) {
     }
   });
   // This process ran rank 0.
-  if (!transport_name.empty()) report(a, results, transport_name, energy_source, energy_note);
+  if (!transport_name.empty()) {
+    if (interrupts.received() != 0) {
+      std::cerr << fmt::format("[pipeline] interrupted by {}: {} of {} configurations finished; reporting those\n",
+                               interrupts.received() == SIGINT ? "SIGINT" : "SIGTERM", configs_done, configs_total);
+    }
+    report(a, results, transport_name, energy_source, energy_note);
+  }
+  if (interrupts.received() != 0) throw CLI::RuntimeError(interrupts.exit_status());
 }
 
 }  // namespace
@@ -740,7 +764,7 @@ void add_pipeline_command(CLI::App& app) {
   sub->add_option("--model", a->model.model, "llama (fast path), bert or resnet (general autograd-graph split)")
       ->check(CLI::IsMember(pipeline_model_names()))->capture_default_str();
   PipelineModelArgs& m = a->model;
-  count_option(sub, "--microbatches", a->microbatches, "Micro-batches per step");
+  count_option(sub, "--microbatches,--micro-batches", a->microbatches, "Micro-batches per step");
   count_option(sub, "--dim", m.dim, "Model width (llama, bert)");
   count_option(sub, "--layers", m.layers, "Blocks over all stages (decoder, encoder or residual blocks)");
   count_option(sub, "--heads", m.heads, "Attention heads (llama, bert)");

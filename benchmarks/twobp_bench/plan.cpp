@@ -262,15 +262,21 @@ Json cost_terms_json(const ChunkCost& k) {
   return {{"per_action", k.per_action}, {"per_block", k.per_block}, {"embedding", k.embedding}, {"head", k.head}};
 }
 
-// Prints the ranked plan (the first --top rows) and the best command; writes --json.
-void report_plan(const PlanArgs& a, const llm::LlamaConfig& config, const LayoutPlanOptions& o, const Rates& rates,
-                 const LayoutPlan& plan) {
+// What is planned, printed before the search (which takes a while: it synthesizes a schedule per layout).
+void print_plan_header(const PlanArgs& a, const llm::LlamaConfig& config, const LayoutPlanOptions& o,
+                       const Rates& rates) {
   std::cout << fmt::format("plan: model {} ({:.3g} B parameters), {} ranks, global batch {} x {} tokens, "
                            "precision {}, memory per device {}\n  costs {}\n",
                            config.name, static_cast<double>(llm::parameter_count(config)) / 1e9, a.ranks,
                            o.global_batch, o.seq, to_string(a.precision),
                            a.gpu_memory_gb > 0 ? fmt::format("{:g} GiB", a.gpu_memory_gb) : "not limited",
-                           rates.source);
+                           rates.source)
+            << std::flush;
+}
+
+// Prints the ranked plan (the first --top rows) and the best command; writes --json.
+void report_plan(const PlanArgs& a, const llm::LlamaConfig& config, const LayoutPlanOptions& o, const Rates& rates,
+                 const LayoutPlan& plan) {
   Json out;
   out["config"] = {{"model", config.name},      {"parameters", llm::parameter_count(config)},
                    {"ranks", a.ranks},          {"seq", o.seq},
@@ -378,6 +384,7 @@ void run_plan(PlanArgs a) {
   o.communication_ms =
       activation_bytes(config, a.micro_batch_size, o.seq, o.precision.compute_bytes) * rates.comm_ms_per_byte +
       rates.comm_latency_ms;
+  print_plan_header(a, config, o, rates);
   report_plan(a, config, o, rates, plan_llama_layouts(config, rates.costs, o));
 }
 

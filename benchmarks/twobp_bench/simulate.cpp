@@ -532,7 +532,7 @@ void add_simulate_command(CLI::App& app) {
       ->check(cli::number_in(0, 1));
   count_option(sub, "--result", a->result, "Which result of --from-json (index into \"results\")", 0)->needs(from);
   count_option(sub, "--ranks", a->ranks, "p: ranks", 1, 64);
-  count_option(sub, "--microbatches", a->microbatches, "m: micro-batches per step", 1, 256);
+  count_option(sub, "--microbatches,--micro-batches", a->microbatches, "m: micro-batches per step", 1, 256);
   sub->add_option("--chunks-per-rank", a->chunks_per_rank,
                   "v for every schedule (default: the schedule's: 2 for the looped and V schedules, else 1); chunk "
                   "cost = cost / v")

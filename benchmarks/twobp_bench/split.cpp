@@ -15,6 +15,7 @@
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <functional>
 #include <iostream>
 #include <map>
@@ -32,6 +33,7 @@
 #include "twobp/config.h"
 #include "twobp/precision.h"
 #include "twobp/metrics/op_count.h"
+#include "twobp/metrics/step_log.h"
 #include "twobp/stage.h"
 
 #if TWOBP_HAVE_NCCL  // the CUDA toolkit was found: the caching allocator's statistics are reachable
@@ -526,7 +528,14 @@ void run_repetitions(const SplitConfig& c, std::vector<std::unique_ptr<PathBench
     variants.push_back([m](PathBench& p, bool rec) { p.weight_batch(m, /*batched=*/false, rec); });
   }
   std::cerr << "split: " << c.warmup << " warmup + " << c.repeats << " repetitions, " << c.threads << " threads\n";
-  for (int r = 0; r < c.warmup + c.repeats; ++r) {
+  const int total = c.warmup + c.repeats;
+  const int every = std::max(1, total / 10);  // about ten progress lines
+  const auto started = std::chrono::steady_clock::now();
+  for (int r = 0; r < total; ++r) {
+    if (r % every == 0) {
+      const std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - started;
+      std::cerr << "split: " << metrics::format_progress("repetition", r + 1, total, elapsed.count()) << "\n";
+    }
     const bool record = r >= c.warmup;
     for (auto& path : paths) {
       for (std::size_t v = 0; v < variants.size(); ++v) variants[(v + r) % variants.size()](*path, record);
@@ -616,13 +625,7 @@ void run_split(const SplitConfig& c) {
     if (name != "general_conv" || c.conv) names.push_back(name);
   }
   if (names.empty()) throw CLI::ValidationError("--paths", "no path left to time (general_conv needs --conv)");
-  const double load_start = load_average();
-  const unsigned cores = std::thread::hardware_concurrency();
-  if (cores > 0 && load_start > cores) {
-    std::cerr << "split: warning: load average " << fmt_num(load_start) << " on " << cores
-              << " cores; other processes take cores from the timed threads, see the spread (or use --threads 1 "
-                 "--clock cpu)\n";
-  }
+  const double load_start = warn_if_loaded("split");
   SplitConfig cfg = c;
   cfg.model.max_seq = c.seq;
   if (cfg.model.ffn <= 0) cfg.model.ffn = (8 * cfg.model.dim / 3 + 31) / 32 * 32;  // LLaMa's rule: 512 -> 1376

@@ -6,6 +6,8 @@
 #include <cmath>
 #include <nlohmann/json.hpp>
 
+#include "twobp/error.h"
+
 namespace twobp::metrics {
 
 namespace {
@@ -31,6 +33,16 @@ std::string format_step(const StepRecord& r, int steps, double elapsed_s, double
                             ? fmt::format(" (over the {:.3g} MiB limit)", memory_limit_bytes / kMiB)
                             : ""),
       r.j_per_token ? fmt::format("{:.3g} J/tok | ", *r.j_per_token) : "", elapsed_s, remaining_s);
+}
+
+std::string format_progress(const std::string& what, int k, int total, double elapsed_s) {
+  if (k < 1 || k > total) {
+    throw UsageError(fmt::format("format_progress: {} {} of {} (expected 1 <= k <= total)", what, k, total));
+  }
+  const int done = k - 1;
+  const std::string remaining =
+      done == 0 ? "?" : fmt::format("~{:.1f}s", elapsed_s / done * static_cast<double>(total - done));
+  return fmt::format("{} {}/{} | elapsed {:.1f}s | remaining {}", what, k, total, elapsed_s, remaining);
 }
 
 std::vector<std::string> summarize_steps(const std::vector<StepRecord>& records, double wall_s) {

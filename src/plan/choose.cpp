@@ -413,8 +413,8 @@ std::string AutoSchedule::end_probe() {
     if (!probed) trials_.push_back(c);
   }
   const ScheduleCandidate& last = probes_[probe_ms_.size() - 1];
-  const std::string probed = fmt::format("auto schedule: {} measured {:.2f} ms/step (predicted {:.2f})",
-                                         describe(last), probe_ms_.back(), last.predicted_ms);
+  const std::string probed = fmt::format("auto schedule: {} {}", describe(last),
+                                         measured_against_prediction(probe_ms_.back(), last.predicted_ms));
   if (trials_.empty()) {
     return settle(fmt::format("{}; no other candidate of this placement{} is predicted faster or within {:.0f} % of "
                               "it",
@@ -436,8 +436,8 @@ std::string AutoSchedule::end_probe() {
 std::string AutoSchedule::end_trial() {
   const ScheduleCandidate& tried = trials_[trial_ms_.size()];
   trial_ms_.push_back(trial_.finish());
-  const std::string measured = fmt::format("auto schedule: {} measured {:.2f} ms/step (predicted {:.2f})",
-                                           describe(tried), trial_ms_.back(), tried.predicted_ms);
+  const std::string measured = fmt::format("auto schedule: {} {}", describe(tried),
+                                           measured_against_prediction(trial_ms_.back(), tried.predicted_ms));
   if (trial_ms_.size() < trials_.size()) {
     const ScheduleCandidate& next = trials_[trial_ms_.size()];
     start_phase(next);

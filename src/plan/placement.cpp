@@ -179,8 +179,8 @@ std::optional<std::string> PlacementSearch::after_step(const StepResult& result)
   if (!trial_.complete()) return std::nullopt;
   const PlacementCandidate& tried = trials_[trial_ms_.size()];
   trial_ms_.push_back(trial_.finish());
-  const std::string measured = fmt::format("auto placement: {} measured {:.2f} ms/step (predicted {:.2f})",
-                                           describe(tried.placement), trial_ms_.back(), tried.predicted_ms);
+  const std::string measured = fmt::format("auto placement: {} {}", describe(tried.placement),
+                                           measured_against_prediction(trial_ms_.back(), tried.predicted_ms));
   if (trial_ms_.size() < trials_.size()) {
     const Placement& next = trials_[trial_ms_.size()].placement;
     const char* verb = go_to(next);

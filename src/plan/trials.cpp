@@ -1,6 +1,9 @@
 #include "twobp/plan/trials.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
+#include <cmath>
 
 #include "twobp/error.h"
 #include "twobp/metrics/metrics.h"
@@ -42,6 +45,15 @@ double slowest_median_ms(const std::vector<double>& step_ms, Transport& ranks, T
   const double mine = step_ms.empty() ? 0.0 : metrics::quantile(step_ms, 0.5);
   const double slowest = max_over_ranks(ranks, mine, timeout);
   return replicas == nullptr ? slowest : max_over_ranks(*replicas, slowest, timeout);
+}
+
+std::string measured_against_prediction(double measured_ms, double predicted_ms) {
+  const std::string measured = fmt::format("measured {:.2f} ms/step", measured_ms);
+  if (predicted_ms <= 0.0) return measured + " (not predicted)";
+  const double off = predicted_ms / measured_ms - 1.0;
+  if (std::abs(off) < 0.005) return fmt::format("{} (predicted {:.2f})", measured, predicted_ms);
+  return fmt::format("{} (predicted {:.2f}, {:.0f} % {})", measured, predicted_ms, 100.0 * std::abs(off),
+                     off < 0 ? "below" : "above");
 }
 
 std::size_t fastest(const std::vector<double>& ms) {

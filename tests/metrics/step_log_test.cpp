@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "twobp/error.h"
 #include "twobp/metrics/step_log.h"
 #include "twobp/metrics/units.h"
 
@@ -41,6 +42,16 @@ TEST(FormatStep, SaysWhatTheStepMeasured) {
             "remaining 8.5s");
   r.peak_memory_bytes = -1;
   EXPECT_NE(metrics::format_step(r, 20, 1, 1, 0).find("peak n/a (rank threads share the GPU)"), std::string::npos);
+}
+
+TEST(FormatProgress, EstimatesTheRestFromTheMeanOfTheItemsDone) {
+  EXPECT_EQ(metrics::format_progress("configuration", 1, 4, 0.0), "configuration 1/4 | elapsed 0.0s | remaining ?");
+  // 2 done in 20 s: 10 s each, 2 left.
+  EXPECT_EQ(metrics::format_progress("configuration", 3, 4, 20.0),
+            "configuration 3/4 | elapsed 20.0s | remaining ~20.0s");
+  EXPECT_EQ(metrics::format_progress("run", 4, 4, 30.0), "run 4/4 | elapsed 30.0s | remaining ~10.0s");
+  EXPECT_THROW(metrics::format_progress("run", 0, 4, 0.0), UsageError);
+  EXPECT_THROW(metrics::format_progress("run", 5, 4, 0.0), UsageError);
 }
 
 TEST(SummarizeSteps, GivesTheFinalMeanAndUpperMedianAndTheMemoryLimitsHeld) {

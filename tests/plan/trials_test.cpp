@@ -80,6 +80,14 @@ TEST(Trial, RefusesMeasurementsOutOfOrder) {
   EXPECT_EQ(trial.finish(), 2.0);
 }
 
+TEST(MeasuredAgainstPrediction, SaysHowFarThePredictionIsFromTheMeasurement) {
+  EXPECT_EQ(measured_against_prediction(8.0, 8.0), "measured 8.00 ms/step (predicted 8.00)");
+  EXPECT_EQ(measured_against_prediction(8.0, 8.03), "measured 8.00 ms/step (predicted 8.03)");  // within 0.5 %
+  EXPECT_EQ(measured_against_prediction(10.0, 6.0), "measured 10.00 ms/step (predicted 6.00, 40 % below)");
+  EXPECT_EQ(measured_against_prediction(10.0, 12.5), "measured 10.00 ms/step (predicted 12.50, 25 % above)");
+  EXPECT_EQ(measured_against_prediction(10.0, 0.0), "measured 10.00 ms/step (not predicted)");
+}
+
 TEST(Fastest, IsTheSmallestAndTheFirstOfTies) {
   EXPECT_EQ(fastest({3.0, 1.0, 2.0}), 1u);
   EXPECT_EQ(fastest({2.0, 1.0, 1.0}), 1u);

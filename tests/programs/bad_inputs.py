@@ -195,6 +195,10 @@ def cases(programs):
 DECLARED = re.compile(r"^\s*((?:-[\w-]+,)*--[\w-]+)\s+\S+?:(?:in \[([^,\]]+), [^\]]+\]|\{([-\d.,]+)\})", re.M)
 
 
+# One vocabulary: a command that takes the first spelling takes the second too (README, "one vocabulary").
+SPELLINGS = {"--microbatches": "--micro-batches"}
+
+
 def declared_problems(programs):
     """Problems of the table's numeric options as each program's --help declares them."""
     problems = []
@@ -206,6 +210,9 @@ def declared_problems(programs):
             for names, lo, members in DECLARED.findall(out):
                 for name in names.split(","):
                     bounds[name] = float(lo) if lo else min(float(m) for m in members.split(","))
+            for name, other in SPELLINGS.items():
+                if name in bounds and other not in bounds:
+                    problems.append(f"{program} {' '.join(args[:-1])}: takes {name} but not {other}")
             for option, zero_refused, *minus_one_ok in options:
                 what = f"{program} {' '.join(args[:-1])} {option}".replace("  ", " ")
                 if option not in bounds:

@@ -4,8 +4,10 @@
 Each run must end within 60 s of the signal with the shell's status for it (130, 143) and a line saying so and what
 was written; its --json holds exactly the steps done (as many as that line says, numbered from 0), its --trace is
 there, its checkpoint is of the last step done, and no .tmp file is left in the work directory or the checkpoint.
+With --bench: `twobp_bench pipeline` interrupted as its third configuration starts keeps the configurations it
+finished (its --json has as many results as its line says, at least 2 of 6) and exits 130.
 
-Usage: interrupt_test.py LLAMA_PIPELINE WORK_DIR
+Usage: interrupt_test.py LLAMA_PIPELINE WORK_DIR [--bench TWOBP_BENCH]
 """
 import glob
 import json
@@ -65,10 +67,44 @@ def interrupted_run(example, work, sig, status):
     print(f"{name}: stopped after step {done}, exit {status}, outputs complete")
 
 
+def interrupted_bench(bench, work):
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    out_json = os.path.join(work, "pipeline.json")
+    p = subprocess.Popen([bench, "pipeline", "--schedule", "1f1b,gpipe,zb-h1", "--mode", "both", "--steps", "30",
+                          "--warmup", "1", "--dim", "64", "--layers", "4", "--seq", "32", "--json", out_json],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in p.stdout:  # the progress lines come as each configuration starts
+        lines.append(line)
+        if "configuration 3/6" in line:
+            p.send_signal(signal.SIGINT)
+            break
+    else:
+        raise AssertionError("no progress line for configuration 3/6:\n" + "".join(lines))
+    try:
+        out, _ = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise AssertionError("bench: did not end within 120 s of SIGINT")
+    out = "".join(lines) + out
+    assert p.returncode == 130, f"bench: exit status {p.returncode}, expected 130:\n{out}"
+    line = re.search(r"interrupted by SIGINT: (\d+) of 6 configurations finished", out)
+    assert line, f"bench: no line saying what was kept:\n{out}"
+    done = int(line.group(1))
+    assert 2 <= done < 6, f"bench: {done} configurations finished, expected 2 to 5:\n{out}"
+    with open(out_json) as f:
+        results = json.load(f)["results"]
+    assert len(results) == done, f"bench: --json has {len(results)} results, expected {done}"
+    print(f"bench: kept {done} of 6 configurations, exit 130")
+
+
 def main():
     example, work = sys.argv[1], sys.argv[2]
     for sig, status in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
         interrupted_run(example, os.path.join(work, sig.name.lower()), sig, status)
+    if len(sys.argv) == 5 and sys.argv[3] == "--bench":
+        interrupted_bench(sys.argv[4], os.path.join(work, "bench"))
     shutil.rmtree(work, ignore_errors=True)
 
 

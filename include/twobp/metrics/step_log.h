@@ -29,6 +29,12 @@ struct StepRecord {
 std::string format_step(const StepRecord& r, int steps, double elapsed_s, double remaining_s,
                         double memory_limit_bytes);
 
+/// The progress line of a run of several long items (a benchmark's configurations), printed as item `k` of `total`
+/// starts (k from 1): "configuration 3/12 | elapsed 41.0s | remaining ~205.0s". The remaining time assumes each
+/// item left takes the mean of those done ("remaining ?" before the first is done). UsageError unless
+/// 1 <= k <= total.
+std::string format_progress(const std::string& what, int k, int total, double elapsed_s);
+
 /// The closing lines: "done: N steps (to step S) in ... s | final loss ... | mean loss ... | median ... tok/s" (the
 /// upper median) and, where some step had a memory limit, "memory limit held on H of L steps". None for no records.
 std::vector<std::string> summarize_steps(const std::vector<StepRecord>& records, double wall_s);
