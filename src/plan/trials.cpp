@@ -50,6 +50,7 @@ double slowest_median_ms(const std::vector<double>& step_ms, Transport& ranks, T
 std::string measured_against_prediction(double measured_ms, double predicted_ms) {
   const std::string measured = fmt::format("measured {:.2f} ms/step", measured_ms);
   if (predicted_ms <= 0.0) return measured + " (not predicted)";
+  if (measured_ms <= 0.0) return fmt::format("{} (predicted {:.2f})", measured, predicted_ms);  // nothing to compare
   const double off = predicted_ms / measured_ms - 1.0;
   if (std::abs(off) < 0.005) return fmt::format("{} (predicted {:.2f})", measured, predicted_ms);
   return fmt::format("{} (predicted {:.2f}, {:.0f} % {})", measured, predicted_ms, 100.0 * std::abs(off),

@@ -86,6 +86,7 @@ TEST(MeasuredAgainstPrediction, SaysHowFarThePredictionIsFromTheMeasurement) {
   EXPECT_EQ(measured_against_prediction(10.0, 6.0), "measured 10.00 ms/step (predicted 6.00, 40 % below)");
   EXPECT_EQ(measured_against_prediction(10.0, 12.5), "measured 10.00 ms/step (predicted 12.50, 25 % above)");
   EXPECT_EQ(measured_against_prediction(10.0, 0.0), "measured 10.00 ms/step (not predicted)");
+  EXPECT_EQ(measured_against_prediction(0.0, 5.0), "measured 0.00 ms/step (predicted 5.00)");
 }
 
 TEST(Fastest, IsTheSmallestAndTheFirstOfTies) {
