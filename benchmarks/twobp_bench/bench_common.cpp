@@ -76,13 +76,13 @@ double load_average() {
   return load;
 }
 
-double warn_if_loaded(const std::string& command) {
+double warn_if_loaded(const std::string& command, const std::string& quieter) {
   const double load = load_average();
   const unsigned cores = std::thread::hardware_concurrency();
   if (cores > 0 && load > cores) {
     std::cerr << command << ": warning: load average " << fmt_num(load) << " on " << cores
-              << " cores; other processes take cores from the timed threads, see the spread (or use --threads 1"
-              << (command == "split" ? " --clock cpu" : "") << ")\n";
+              << " cores; other processes take cores from the timed threads, see the spread (or use " << quieter
+              << ")\n";
   }
   return load;
 }

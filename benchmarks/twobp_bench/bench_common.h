@@ -57,9 +57,9 @@ class Series {
 /// The 1-minute load average from /proc/loadavg (-1 when unavailable): recorded so that noisy runs show it.
 double load_average();
 
-/// Warns on stderr ("<command>: warning: load average L on C cores; ...") when the load average exceeds the cores:
-/// other processes then take cores from the timed threads. Returns the load average.
-double warn_if_loaded(const std::string& command);
+/// Warns on stderr ("<command>: warning: load average L on C cores; ... (or use <quieter>)") when the load average
+/// exceeds the cores: other processes then take cores from the timed threads. Returns the load average.
+double warn_if_loaded(const std::string& command, const std::string& quieter);
 
 void write_json(const std::string& path, const Json& json);
 /// Writes `text` to `path`; throws naming the file when it cannot be opened or written (never a silent "wrote").

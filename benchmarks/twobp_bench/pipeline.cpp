@@ -20,7 +20,6 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
-#include <csignal>
 #include <iostream>
 #include <memory>
 #include <numeric>
@@ -674,7 +673,7 @@ void run_pipeline_bench(const PipelineArgs& a) {
     if (t.rank() == 0) {
       energy_source = rank_energy.source();
       energy_note = rank_energy.note();
-      warn_if_loaded("pipeline");
+      warn_if_loaded("pipeline", "--threads 1");
     }
     std::vector<RunResult> results;
     int k = 0;
@@ -730,7 +729,7 @@ void run_pipeline_bench(const PipelineArgs& a) {
   if (!transport_name.empty()) {
     if (interrupts.received() != 0) {
       std::cerr << fmt::format("[pipeline] interrupted by {}: {} of {} configurations finished; reporting those\n",
-                               interrupts.received() == SIGINT ? "SIGINT" : "SIGTERM", configs_done, configs_total);
+                               interrupts.received_name(), configs_done, configs_total);
     }
     report(a, results, transport_name, energy_source, energy_note);
   }

@@ -625,7 +625,7 @@ void run_split(const SplitConfig& c) {
     if (name != "general_conv" || c.conv) names.push_back(name);
   }
   if (names.empty()) throw CLI::ValidationError("--paths", "no path left to time (general_conv needs --conv)");
-  const double load_start = warn_if_loaded("split");
+  const double load_start = warn_if_loaded("split", "--threads 1 --clock cpu");
   SplitConfig cfg = c;
   cfg.model.max_seq = c.seq;
   if (cfg.model.ffn <= 0) cfg.model.ffn = (8 * cfg.model.dim / 3 + 31) / 32 * 32;  // LLaMa's rule: 512 -> 1376

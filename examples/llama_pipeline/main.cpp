@@ -7,7 +7,6 @@
 #include <torch/torch.h>
 
 #include <chrono>
-#include <csignal>
 #include <cstdlib>
 #include <fstream>
 
@@ -199,7 +198,7 @@ int run(Args args, int& argc, char**& argv) {
   if (interrupts.received() != 0) {
     const int done = shared.records.empty() ? static_cast<int>(shared.resumed_from) : shared.records.back().step + 1;
     fmt::print("interrupted by {} after step {} of {}: {}; exit status {}\n",
-               interrupts.received() == SIGINT ? "SIGINT" : "SIGTERM", done, args.steps,
+               interrupts.received_name(), done, args.steps,
                written.empty() ? std::string("nothing to write") : fmt::format("wrote {}", fmt::join(written, ", ")),
                interrupts.exit_status());
   }

@@ -59,6 +59,14 @@ bool InterruptGuard::agreed(Transport& transport, Duration timeout) {
   return true;
 }
 
+const char* InterruptGuard::received_name() const {
+  switch (received()) {
+    case SIGINT: return "SIGINT";
+    case SIGTERM: return "SIGTERM";
+    default: return "";
+  }
+}
+
 int InterruptGuard::exit_status() const { return received() == 0 ? 0 : 128 + received(); }
 
 }  // namespace twobp

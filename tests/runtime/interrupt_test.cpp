@@ -25,9 +25,11 @@ TEST(Interrupt, EachSignalIsRecordedWithTheShellsExitStatus) {
     InterruptGuard guard;
     EXPECT_EQ(guard.received(), 0);
     EXPECT_EQ(guard.exit_status(), 0);
+    EXPECT_STREQ(guard.received_name(), "");
     ASSERT_EQ(std::raise(signal), 0);  // the process goes on
     EXPECT_EQ(guard.received(), signal);
     EXPECT_EQ(guard.exit_status(), status);
+    EXPECT_STREQ(guard.received_name(), signal == SIGINT ? "SIGINT" : "SIGTERM");
   }
 }
 

@@ -39,6 +39,9 @@ class InterruptGuard {
   /// report the signal (the largest number, if ranks received different ones).
   bool agreed(Transport& transport, Duration timeout);
 
+  /// "SIGINT" or "SIGTERM" for received(); "" when none was received. For the program's closing line.
+  const char* received_name() const;
+
   /// 128 + received(): the shell's status for a process ended by that signal (130 for SIGINT, 143 for SIGTERM);
   /// 0 when none was received.
   int exit_status() const;
