@@ -44,3 +44,45 @@ endfunction()
 function(twobp_skip_pch)
   set_source_files_properties(${ARGN} PROPERTIES SKIP_PRECOMPILE_HEADERS ON)
 endfunction()
+
+# Unity groups (TWOBP_UNITY, ON by default): the library's sources compile one folder of src/ per translation unit
+# (with the precompiled header: loaded once per folder, it costs less than what it saves), so that what every source instantiates at the
+# end of its translation unit (LibTorch's, fmt's and the standard library's templates) is compiled once per folder
+# instead of once per file. docs/TESTING.md ("Build time") has the measurements. A change to one source recompiles
+# its folder; -DTWOBP_UNITY=OFF compiles file by file. A name that two sources of a folder define at namespace scope
+# (even in an anonymous namespace) fails to compile in a group: give one of them another name.
+option(TWOBP_UNITY "Compile the library's sources one folder of src/ per translation unit" ON)
+
+# twobp_unity_program(<target> <batch size>): a program's sources compile in batches of that many, in the order
+# add_executable lists them (list the sources that include <torch/torch.h> so that each batch has its share), and
+# without a precompiled header: with two or three translation units per program, precompiling costs more than
+# it saves. Returns false (in <target>_UNITY) when TWOBP_UNITY is OFF, so that the caller precompiles instead.
+function(twobp_unity_program target batch_size)
+  set(${target}_UNITY ${TWOBP_UNITY} PARENT_SCOPE)
+  if(TWOBP_UNITY)
+    set_target_properties(${target} PROPERTIES UNITY_BUILD ON UNITY_BUILD_MODE BATCH
+                                               UNITY_BUILD_BATCH_SIZE ${batch_size})
+    target_compile_options(${target} PRIVATE $<$<CXX_COMPILER_ID:GNU>:-Wno-subobject-linkage>)
+  endif()
+endfunction()
+
+# twobp_unity(<target> <source root>): <target>'s sources under <source root>, grouped by folder.
+function(twobp_unity target root)
+  if(NOT TWOBP_UNITY)
+    return()
+  endif()
+  set_target_properties(${target} PROPERTIES UNITY_BUILD ON UNITY_BUILD_MODE GROUP)
+  # GCC warns about a type of an anonymous namespace used by a struct "in a header" -- every source is one once
+  # included into a group's file.
+  target_compile_options(${target} PRIVATE $<$<CXX_COMPILER_ID:GNU>:-Wno-subobject-linkage>)
+  get_target_property(sources ${target} SOURCES)
+  foreach(source IN LISTS sources)
+    file(RELATIVE_PATH relative ${root} ${source})
+    get_filename_component(group ${relative} DIRECTORY)
+    if(group STREQUAL "")
+      set(group top)
+    endif()
+    string(REPLACE "/" "_" group ${group})
+    set_source_files_properties(${source} PROPERTIES UNITY_GROUP ${group})
+  endforeach()
+endfunction()

@@ -18,8 +18,11 @@
 #include "twobp/stage.h"
 #include "twobp/transport/collectives.h"
 #include "util/check.h"
+#include "util/positive.h"
 
 namespace twobp {
+
+using detail::any_positive;
 
 namespace {
 
@@ -33,10 +36,6 @@ std::vector<double> medians(const std::vector<std::vector<double>>& per_stage) {
   out.reserve(per_stage.size());
   for (const auto& samples : per_stage) out.push_back(median_or_zero(samples));
   return out;
-}
-
-bool any_positive(const std::vector<double>& v) {
-  return std::any_of(v.begin(), v.end(), [](double x) { return x > 0.0; });
 }
 
 // Each replica's pipeline agreed on its own numbers `v`; the mean over the data-parallel group `replicas` (none:

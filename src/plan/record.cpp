@@ -12,8 +12,12 @@
 #include "twobp/error.h"
 #include "twobp/schedule/simulate.h"
 #include "util/check.h"
+#include "util/positive.h"
 
 namespace twobp {
+
+using detail::any_positive;
+using detail::every_positive;
 namespace {
 
 using Json = nlohmann::ordered_json;
@@ -99,14 +103,6 @@ RunRecord read_record(const Json& j, const std::string& where) {
   for (const char* key : kRecordKeys) extra.erase(key);
   r.extra = extra.dump();
   return r;
-}
-
-bool any_positive(const std::vector<double>& v) {
-  return std::any_of(v.begin(), v.end(), [](double x) { return x > 0; });
-}
-
-bool every_positive(const std::vector<double>& v) {
-  return !v.empty() && std::all_of(v.begin(), v.end(), [](double x) { return x > 0; });
 }
 
 }  // namespace

@@ -17,7 +17,7 @@
 namespace twobp {
 namespace {
 
-constexpr std::string_view kOverlap = "OVERLAP_F_B";
+constexpr std::string_view kOverlapSuffix = "OVERLAP_F_B";
 
 char letter(ActionType t) {
   switch (t) {
@@ -29,7 +29,7 @@ char letter(ActionType t) {
   }
 }
 
-std::string_view trim(std::string_view s) {
+std::string_view trim_cell(std::string_view s) {
   const auto first = s.find_first_not_of(" \t\r\"");
   if (first == std::string_view::npos) return {};
   const auto last = s.find_last_not_of(" \t\r\"");
@@ -79,7 +79,7 @@ std::string to_pytorch_csv(const Schedule& schedule) {
       for (int mb : a.micro_batches) {
         const std::string cell = fmt::format("{}{}{}", a.stage, letter(a.type), mb);
         if (open_pair) {
-          cells.back() = fmt::format("({};{}){}", cells.back(), cell, kOverlap);
+          cells.back() = fmt::format("({};{}){}", cells.back(), cell, kOverlapSuffix);
         } else {
           cells.push_back(cell);
         }
@@ -104,7 +104,7 @@ Schedule from_pytorch_csv(std::string_view csv, const PytorchCsvOptions& options
     if (end == std::string_view::npos) end = csv.size();
     const std::string_view line = csv.substr(begin, end - begin);
     begin = end + 1;
-    if (trim(line).empty() && begin >= csv.size()) break;  // the file's last newline
+    if (trim_cell(line).empty() && begin >= csv.size()) break;  // the file's last newline
     std::vector<Action> actions;
     std::size_t cell_begin = 0;
     int column = 0;
@@ -127,21 +127,21 @@ Schedule from_pytorch_csv(std::string_view csv, const PytorchCsvOptions& options
     while (cell_begin <= line.size()) {
       auto cell_end = line.find(',', cell_begin);
       if (cell_end == std::string_view::npos) cell_end = line.size();
-      const std::string_view cell = trim(line.substr(cell_begin, cell_end - cell_begin));
+      const std::string_view cell = trim_cell(line.substr(cell_begin, cell_end - cell_begin));
       cell_begin = cell_end + 1;
       after_gap = after_gap || cell.empty();
       if (!cell.empty()) {
-        if (cell.front() == '(' && cell.size() > kOverlap.size() + 2 &&
-            cell.substr(cell.size() - kOverlap.size()) == kOverlap && cell[cell.size() - kOverlap.size() - 1] == ')') {
+        if (cell.front() == '(' && cell.size() > kOverlapSuffix.size() + 2 &&
+            cell.substr(cell.size() - kOverlapSuffix.size()) == kOverlapSuffix && cell[cell.size() - kOverlapSuffix.size() - 1] == ')') {
           // An overlapped F and B: their parts, in order; an F followed by the B or I of another stage becomes a
           // twobp overlapped pair (Action::overlapped_with_next), anything else plain actions in that order.
-          const std::string_view inner = cell.substr(1, cell.size() - kOverlap.size() - 2);
+          const std::string_view inner = cell.substr(1, cell.size() - kOverlapSuffix.size() - 2);
           std::vector<Action> parts;
           std::size_t p = 0;
           while (p <= inner.size()) {
             auto q = inner.find(';', p);
             if (q == std::string_view::npos) q = inner.size();
-            const std::string_view part = trim(inner.substr(p, q - p));
+            const std::string_view part = trim_cell(inner.substr(p, q - p));
             p = q + 1;
             const auto a = simple(part);
             TWOBP_CHECK(a.has_value(), ScheduleError,

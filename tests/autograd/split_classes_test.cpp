@@ -31,20 +31,20 @@ constexpr int64_t kDim = 4;
 constexpr int kMicroBatches = 3;
 constexpr int kSteps = 2;
 
-enum class Mode { kFused, kSplitInOrder, kSplitBatchedShuffled, kSplitInterleaved };
-const Mode kModes[] = {Mode::kFused, Mode::kSplitInOrder, Mode::kSplitBatchedShuffled, Mode::kSplitInterleaved};
+enum class BackwardVariant { kFused, kSplitInOrder, kSplitBatchedShuffled, kSplitInterleaved };
+const BackwardVariant kBackwardVariants[] = {BackwardVariant::kFused, BackwardVariant::kSplitInOrder,
+                                            BackwardVariant::kSplitBatchedShuffled,
+                                            BackwardVariant::kSplitInterleaved};
 
-std::string mode_name(Mode m) {
+std::string variant_name(BackwardVariant m) {
   switch (m) {
-    case Mode::kFused: return "fused";
-    case Mode::kSplitInOrder: return "split_in_order";
-    case Mode::kSplitBatchedShuffled: return "split_batched_shuffled";
-    case Mode::kSplitInterleaved: return "split_interleaved";
+    case BackwardVariant::kFused: return "fused";
+    case BackwardVariant::kSplitInOrder: return "split_in_order";
+    case BackwardVariant::kSplitBatchedShuffled: return "split_batched_shuffled";
+    case BackwardVariant::kSplitInterleaved: return "split_interleaved";
   }
   return "?";
 }
-
-torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& target) { return (out - target).pow(2).mean(); }
 
 torch::Generator seeded(int seed) { return torch::Generator(at::detail::createCPUGenerator(seed)); }
 
@@ -69,8 +69,8 @@ auto twin_modules(const Make& make) {
 
 // Runs kSteps steps of kMicroBatches through a Stage in `mode` and through loss.backward() on a twin module, then
 // compares everything. Any exception of the Stage propagates (rejection tests catch it).
-void run_class(const std::function<std::shared_ptr<CaseModule>()>& make, Mode mode, const Inputs& in = {}) {
-  SCOPED_TRACE(mode_name(mode) + (in.recompute ? " with recomputation" : ""));
+void run_class(const std::function<std::shared_ptr<CaseModule>()>& make, BackwardVariant mode, const Inputs& in = {}) {
+  SCOPED_TRACE(variant_name(mode) + (in.recompute ? " with recomputation" : ""));
   const double scale = 1.0 / kMicroBatches;
   auto twins = twin_modules(make);
   auto reference = twins.first, candidate = twins.second;
@@ -104,7 +104,7 @@ void run_class(const std::function<std::shared_ptr<CaseModule>()>& make, Mode mo
     std::vector<torch::Tensor> losses(kMicroBatches), input_grads(kMicroBatches);
     std::vector<int> all(kMicroBatches);
     std::iota(all.begin(), all.end(), 0);
-    if (mode == Mode::kSplitInterleaved) {
+    if (mode == BackwardVariant::kSplitInterleaved) {
       // F0 I0 W0 F1 I1 F2 I2 W2 W1
       for (int mb = 0; mb < kMicroBatches; ++mb) {
         losses[mb] = stage.forward(mb, in.input(mb), in.target(mb));
@@ -114,10 +114,12 @@ void run_class(const std::function<std::shared_ptr<CaseModule>()>& make, Mode mo
       for (int mb = kMicroBatches - 1; mb > 0; --mb) stage.backward_weight({mb});
     } else {
       for (int mb : all) losses[mb] = stage.forward(mb, in.input(mb), in.target(mb));
-      for (int mb : all) input_grads[mb] = mode == Mode::kFused ? stage.backward(mb) : stage.backward_input(mb);
-      if (mode == Mode::kSplitInOrder) {
+      for (int mb : all) {
+        input_grads[mb] = mode == BackwardVariant::kFused ? stage.backward(mb) : stage.backward_input(mb);
+      }
+      if (mode == BackwardVariant::kSplitInOrder) {
         for (int mb : all) stage.backward_weight({mb});
-      } else if (mode == Mode::kSplitBatchedShuffled) {
+      } else if (mode == BackwardVariant::kSplitBatchedShuffled) {
         std::shuffle(all.begin(), all.end(), std::mt19937(3 + step));
         stage.backward_weight(all);
       }
@@ -139,7 +141,7 @@ void run_class(const std::function<std::shared_ptr<CaseModule>()>& make, Mode mo
 
 struct ClassMode {
   ModuleClass cls;
-  Mode mode;
+  BackwardVariant mode;
   bool recompute = false;
 };
 
@@ -167,18 +169,21 @@ TEST_P(SupportedClasses, MatchLossBackwardOnTheFirstStage) {
 std::vector<ClassMode> class_modes() {
   std::vector<ClassMode> out;
   for (const auto& cls : supported_module_classes()) {
-    for (Mode m : kModes) out.push_back({cls, m});
+    for (BackwardVariant m : kBackwardVariants) out.push_back({cls, m});
     // Activation recomputation: fused, and 2BP with W batched and interleaved with I. (Dropped draws from a
     // generator of its own: see RecomputationOfAPrivateGenerator below.)
     if (cls.name == "Dropped") continue;
-    for (Mode m : {Mode::kFused, Mode::kSplitBatchedShuffled, Mode::kSplitInterleaved}) out.push_back({cls, m, true});
+    for (BackwardVariant m : {BackwardVariant::kFused, BackwardVariant::kSplitBatchedShuffled,
+                              BackwardVariant::kSplitInterleaved}) {
+      out.push_back({cls, m, true});
+    }
   }
   return out;
 }
 
 INSTANTIATE_TEST_SUITE_P(Classes, SupportedClasses, ::testing::ValuesIn(class_modes()),
                          [](const auto& info) {
-                           return info.param.cls.name + "_" + mode_name(info.param.mode) +
+                           return info.param.cls.name + "_" + variant_name(info.param.mode) +
                                   (info.param.recompute ? "_recompute" : "");
                          });
 
@@ -197,7 +202,7 @@ struct EmbeddingIntoGeneral : CaseModule {
   twobp::nn::Linear fast{nullptr};
 };
 
-class SplitClasses : public ::testing::TestWithParam<Mode> {
+class SplitClasses : public ::testing::TestWithParam<BackwardVariant> {
  protected:
   Float64Default float64_;
 };
@@ -242,26 +247,27 @@ void run_reference(CaseModule& reference, const std::function<void(int)>& before
 
 // F of every micro-batch in order (`before(mb)` first), then B (fused) or I in `order`, `after_backward()`, then
 // one W of every micro-batch.
-void run_stage(Stage& stage, Mode mode, const std::vector<int>& order, const std::function<void(int)>& before = nullptr,
+void run_stage(Stage& stage, BackwardVariant mode, const std::vector<int>& order,
+               const std::function<void(int)>& before = nullptr,
                const std::function<void()>& after_backward = nullptr) {
   for (int mb = 0; mb < kMicroBatches; ++mb) {
     if (before) before(mb);
     stage.forward(mb, activation(mb, 1), activation(mb, 2));
   }
   for (int mb : order) {
-    if (mode == Mode::kFused) {
+    if (mode == BackwardVariant::kFused) {
       stage.backward(mb);
     } else {
       stage.backward_input(mb);
     }
   }
   if (after_backward) after_backward();
-  if (mode != Mode::kFused) stage.backward_weight({2, 0, 1});
+  if (mode != BackwardVariant::kFused) stage.backward_weight({2, 0, 1});
 }
 
 TEST_P(SplitClasses, TorchDropoutWithFixedSeed) {
   // The global generator is reseeded before each micro-batch's forward, in the reference and in the stage alike.
-  const Mode mode = GetParam();
+  const BackwardVariant mode = GetParam();
   auto twins = twin_modules([] { return std::make_shared<TorchDropout>(); });
   auto reference = twins.first, candidate = twins.second;
   Stage stage(candidate, [&](const at::Tensor& x) { return candidate->forward(x); }, random_stage_options(false));
@@ -275,7 +281,7 @@ TEST_P(SplitClasses, TorchDropoutWithFixedSeed) {
 TEST_P(SplitClasses, TorchDropoutWithRecomputationDrawsTheSameMasks) {
   // Recomputation replays each forward with the random state its F started from, whatever was drawn since, and
   // leaves the random stream where it was.
-  const Mode mode = GetParam();
+  const BackwardVariant mode = GetParam();
   auto twins = twin_modules([] { return std::make_shared<TorchDropout>(); });
   auto reference = twins.first, candidate = twins.second;
   Stage stage(candidate, [&](const at::Tensor& x) { return candidate->forward(x); }, random_stage_options(true));
@@ -296,7 +302,7 @@ TEST_P(SplitClasses, RecomputationSwitchedBetweenStepsKeepsTheGradients) {
   // Stage::set_recompute between steps (what twobp::AutoSchedule does): a step without, one with, one without
   // again -- dropout's masks and the summed gradients are those of loss.backward() over the three steps, and only
   // the middle step re-runs forwards. Inside a step (a micro-batch held) the switch is refused, naming the stage.
-  const Mode mode = GetParam();
+  const BackwardVariant mode = GetParam();
   auto twins = twin_modules([] { return std::make_shared<TorchDropout>(); });
   auto reference = twins.first, candidate = twins.second;
   Stage stage(candidate, [&](const at::Tensor& x) { return candidate->forward(x); }, random_stage_options(false));
@@ -321,7 +327,7 @@ TEST_P(SplitClasses, RecomputationOfAPrivateGeneratorIsRefusedUnlessReplayed) {
   // A module drawing from a generator of its own: recomputation cannot replay it unless told about it; the re-run
   // differs from F and is refused, naming the stage, micro-batch and what to do. Listed in replay_generators, the
   // gradients are exact.
-  const Mode mode = GetParam();
+  const BackwardVariant mode = GetParam();
   Float64Default f64;
   auto make = [] { return std::make_shared<Dropped>(kDim); };
   expect_error(
@@ -343,8 +349,8 @@ TEST_P(SplitClasses, RecomputationOfAPrivateGeneratorIsRefusedUnlessReplayed) {
   EXPECT_TRUE(mismatch.empty()) << mismatch;
 }
 
-INSTANTIATE_TEST_SUITE_P(Modes, SplitClasses, ::testing::ValuesIn(kModes),
-                         [](const auto& info) { return mode_name(info.param); });
+INSTANTIATE_TEST_SUITE_P(Modes, SplitClasses, ::testing::ValuesIn(kBackwardVariants),
+                         [](const auto& info) { return variant_name(info.param); });
 
 // ---- Rejected on the first micro-batch, with what to do instead ----------------------------------------------
 

@@ -132,8 +132,6 @@ void run_case(const Case& c, Mode mode) {
   }
 }
 
-torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& target) { return (out - target).pow(2).mean(); }
-
 class SplitParity : public ::testing::TestWithParam<Mode> {
  protected:
   Float64Default float64_;

@@ -16,6 +16,7 @@
 
 #include "common/overlap_hook.h"
 #include "common/split_cases.h"
+#include "common/test_models.h"
 #include "twobp/runtime/data_parallel.h"
 #include "twobp/runtime/pipeline.h"
 #include "twobp/schedule/registry.h"
@@ -27,10 +28,6 @@ constexpr int64_t kSeq = 3;
 constexpr int64_t kMbs = 2;        // micro-batch size
 constexpr int kMicroBatches = 4;   // per replica
 constexpr int kSteps = 2;
-
-inline torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& target) {
-  return (out - target).pow(2).mean();
-}
 
 /// Parameters a replica uses or not depending on its data: `sometimes` only where the micro-batch's first input
 /// element is positive (the data makes that replica 1's micro-batches only), `never` nowhere. One loss.backward()

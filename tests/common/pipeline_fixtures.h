@@ -11,8 +11,6 @@ namespace twobp::testing {
 constexpr int64_t kDim = 4;
 constexpr int64_t kMicroBatchSize = 2;
 
-inline torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& target) { return (out - target).pow(2).mean(); }
-
 // Chunk s alternates between the fast path (twobp::nn::Linear) and the general path (torch::nn::Linear), so
 // every pipeline exercises both halves of the split and their hand-over.
 // `frozen`: every parameter of the chunk frozen (requires_grad false).

@@ -7,6 +7,9 @@
 
 namespace twobp::testing {
 
+/// The tests' loss: mean squared error.
+inline torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& target) { return (out - target).pow(2).mean(); }
+
 /// Makes float64 the default dtype while alive (parity tests compare in float64), float32 again afterwards.
 struct Float64Default {
   Float64Default() { torch::set_default_dtype(caffe2::TypeMeta::Make<double>()); }

@@ -40,8 +40,6 @@ torch::Tensor run_wide_chunk(torch::nn::Module& m, int s, const torch::Tensor& x
   return static_cast<TorchMlpImpl&>(m).forward(x);
 }
 
-torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& target) { return (out - target).pow(2).mean(); }
-
 struct Run {
   std::vector<std::shared_ptr<torch::nn::Module>> chunks;  // by stage; null when not on this rank
   std::vector<StepResult> steps;                           // per step

@@ -20,8 +20,8 @@
 namespace twobp::testing {
 namespace {
 
-constexpr int64_t kDim = 16;
-constexpr int64_t kRows = 8;  // per micro-batch
+constexpr int64_t kMixedDim = 16;
+constexpr int64_t kMixedRows = 8;  // per micro-batch
 
 // Stage s: the fast path (s % 3 == 0), the general path with a frozen bias (1), a custom module with a buffer and
 // a parameter used twice (2). Built in float32, as mixed precision requires.
@@ -29,14 +29,14 @@ std::shared_ptr<torch::nn::Module> make_mp_chunk(int s) {
   torch::manual_seed(300 + s);
   switch (s % 3) {
     case 0:
-      return FastMlp(kDim).ptr();
+      return FastMlp(kMixedDim).ptr();
     case 1: {
-      auto m = TorchMlp(kDim);
+      auto m = TorchMlp(kMixedDim);
       m->fc2->bias.set_requires_grad(false);
       return m.ptr();
     }
     default:
-      return Buffered(kDim).ptr();
+      return Buffered(kMixedDim).ptr();
   }
 }
 
@@ -46,10 +46,6 @@ torch::Tensor run_mp_chunk(torch::nn::Module& m, int s, const torch::Tensor& x) 
     case 1: return static_cast<TorchMlpImpl&>(m).forward(x);
     default: return static_cast<BufferedImpl&>(m).forward(x);
   }
-}
-
-torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& target) {
-  return (out.to(torch::kFloat) - target).pow(2).mean();
 }
 
 struct Reference {
@@ -68,7 +64,7 @@ Reference reference(int stages, int m, const torch::Tensor& inputs, const torch:
     if (bf16) ref.chunks.back()->to(at::kBFloat16);
   }
   ref.grads.resize(stages);
-  auto xs = inputs.split(kRows), ys = targets.split(kRows);
+  auto xs = inputs.split(kMixedRows), ys = targets.split(kMixedRows);
   for (int mb = 0; mb < m; ++mb) {
     torch::Tensor h = bf16 ? xs[mb].to(at::kBFloat16) : xs[mb];
     for (int s = 0; s < stages; ++s) h = run_mp_chunk(*ref.chunks[s], s, h);
@@ -98,7 +94,7 @@ PipelineOptions mixed_options() {
   PipelineOptions o;
   o.executor.timeout = std::chrono::seconds(60);
   o.loss = mse;
-  o.executor.activation_spec = [](int) { return TensorSpec{{kRows, kDim}, at::kBFloat16}; };
+  o.executor.activation_spec = [](int) { return TensorSpec{{kMixedRows, kMixedDim}, at::kBFloat16}; };
   o.mixed_precision.compute_dtype = at::kBFloat16;
   return o;
 }
@@ -155,7 +151,7 @@ TEST_P(MixedPrecisionParity, MastersGetFloat32GradientsOfBfloat16Compute) {
     GTEST_SKIP() << e.what();
   }
   torch::manual_seed(9);
-  auto inputs = torch::randn({c.m * kRows, kDim}), targets = torch::randn({c.m * kRows, kDim});
+  auto inputs = torch::randn({c.m * kMixedRows, kMixedDim}), targets = torch::randn({c.m * kMixedRows, kMixedDim});
   const Reference ref = reference(schedule.num_stages, c.m, inputs, targets, /*bf16=*/true);
   const Reference fp32 = reference(schedule.num_stages, c.m, inputs, targets, /*bf16=*/false);
   auto transports = make_local_transports(c.p);
@@ -273,7 +269,7 @@ TEST(MixedPrecision, GradientsAccumulateInFloat32AcrossMicroBatches) {
 TEST(MixedPrecision, NextStepComputesWithTheUpdatedMasters) {
   const Schedule schedule = make_schedule("1f1b", ScheduleOptions{2, 4, 1, BackwardMode::kSplit});
   torch::manual_seed(4);
-  auto inputs = torch::randn({4 * kRows, kDim}), targets = torch::randn({4 * kRows, kDim});
+  auto inputs = torch::randn({4 * kMixedRows, kMixedDim}), targets = torch::randn({4 * kMixedRows, kMixedDim});
   auto transports = make_local_transports(2);
   std::vector<std::unique_ptr<torch::optim::AdamW>> optimizers(2);
   MixedRun run = run_mixed(schedule, inputs, targets, transports, 2, [&](Pipeline& p) {
@@ -317,7 +313,7 @@ TEST(MixedPrecision, UnsupportedSetupsAreRefusedAtConstruction) {
   doubled->to(at::kDouble);
   expect_refused(mixed_options(), doubled, "build the chunks in float32");
 
-  auto hooked = FastMlp(kDim);
+  auto hooked = FastMlp(kMixedDim);
   struct Noop : torch::autograd::PostAccumulateGradHook {
     void operator()(const torch::autograd::Variable&) override {}
   };
@@ -332,7 +328,7 @@ TEST(MixedPrecision, UnsupportedSetupsAreRefusedAtConstruction) {
 TEST(MixedPrecision, FreezingLaterIsFineUnfreezingIsRefused) {
   const Schedule schedule = make_schedule("1f1b", ScheduleOptions{2, 4, 1, BackwardMode::kSplit});
   torch::manual_seed(5);
-  auto inputs = torch::randn({4 * kRows, kDim}), targets = torch::randn({4 * kRows, kDim});
+  auto inputs = torch::randn({4 * kMixedRows, kMixedDim}), targets = torch::randn({4 * kMixedRows, kMixedDim});
   {
     auto transports = make_local_transports(2);
     std::map<std::string, at::Tensor> after_step_0;
@@ -366,7 +362,7 @@ TEST(MixedPrecision, FreezingLaterIsFineUnfreezingIsRefused) {
 TEST(MixedPrecision, WritingAComputeParameterIsRefused) {
   const Schedule schedule = make_schedule("1f1b", ScheduleOptions{2, 4, 1, BackwardMode::kSplit});
   torch::manual_seed(6);
-  auto inputs = torch::randn({4 * kRows, kDim}), targets = torch::randn({4 * kRows, kDim});
+  auto inputs = torch::randn({4 * kMixedRows, kMixedDim}), targets = torch::randn({4 * kMixedRows, kMixedDim});
   auto transports = make_local_transports(2);
   expect_error<UsageError>(
       [&] {
@@ -418,14 +414,15 @@ TEST(MixedPrecision, BatchedWeightGradientEqualsUnbatched) {
   std::vector<at::Tensor> results;
   std::vector<autograd::WeightGradItem> items;
   for (int mb = 0; mb < 3; ++mb) {
-    items.push_back({torch::randn({kRows, kDim}).to(at::kBFloat16), torch::randn({kRows, kDim}).to(at::kBFloat16)});
+    items.push_back({torch::randn({kMixedRows, kMixedDim}).to(at::kBFloat16),
+                     torch::randn({kMixedRows, kMixedDim}).to(at::kBFloat16)});
   }
   for (bool batched : {true, false}) {
     SCOPED_TRACE(batched ? "batched" : "one by one");
-    RecordedLinear layer(torch::zeros({kDim, kDim}, at::kBFloat16).requires_grad_(true),
-                         torch::zeros({kDim}, at::kBFloat16).requires_grad_(true));
-    auto master_w = torch::zeros({kDim, kDim}).requires_grad_(true);
-    auto master_b = torch::zeros({kDim}).requires_grad_(true);
+    RecordedLinear layer(torch::zeros({kMixedDim, kMixedDim}, at::kBFloat16).requires_grad_(true),
+                         torch::zeros({kMixedDim}, at::kBFloat16).requires_grad_(true));
+    auto master_w = torch::zeros({kMixedDim, kMixedDim}).requires_grad_(true);
+    auto master_b = torch::zeros({kMixedDim}).requires_grad_(true);
     autograd::set_master_gradient(layer.weight, master_w);
     autograd::set_master_gradient(layer.bias, master_b);
     autograd::WeightGradStore store;
@@ -441,7 +438,8 @@ TEST(MixedPrecision, BatchedWeightGradientEqualsUnbatched) {
     results.push_back(master_w.grad());
     results.push_back(master_b.grad());
   }
-  at::Tensor exact_w = torch::zeros({kDim, kDim}, at::kDouble), exact_b = torch::zeros({kDim}, at::kDouble);
+  at::Tensor exact_w = torch::zeros({kMixedDim, kMixedDim}, at::kDouble);
+  at::Tensor exact_b = torch::zeros({kMixedDim}, at::kDouble);
   for (const auto& item : items) {
     exact_w += item.grad_output.to(at::kDouble).t().mm(item.input.to(at::kDouble));
     exact_b += item.grad_output.to(at::kDouble).sum(0);

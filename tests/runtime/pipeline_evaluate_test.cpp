@@ -23,16 +23,14 @@
 namespace twobp::testing {
 namespace {
 
-constexpr int64_t kDim = 4, kSeq = 3, kMbs = 2;
-
-torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& target) { return (out - target).pow(2).mean(); }
+constexpr int64_t kEvalDim = 4, kEvalSeq = 3, kEvalMbs = 2;
 
 // Stages alternate dropout (twobp::nn::Dropout: off in eval mode) and batch/instance norm with running statistics
 // (in eval mode they normalise with them, and nothing updates them).
 std::shared_ptr<CaseModule> make_stage(int s) {
   torch::manual_seed(40 + s);
-  if (s % 2 == 0) return std::make_shared<StageDropout>(kDim);
-  return std::make_shared<Normalized>(kDim);
+  if (s % 2 == 0) return std::make_shared<StageDropout>(kEvalDim);
+  return std::make_shared<Normalized>(kEvalDim);
 }
 
 struct Job {
@@ -57,7 +55,9 @@ Job make_job(const std::string& name, BackwardMode mode, int p, int m, bool anno
     o.executor.timeout = std::chrono::seconds(60);
     o.loss = mse;
     o.seed = 5;
-    if (!announce_shapes) o.executor.activation_spec = [](int) { return TensorSpec{{kMbs, kSeq, kDim}, at::kDouble}; };
+    if (!announce_shapes) {
+      o.executor.activation_spec = [](int) { return TensorSpec{{kEvalMbs, kEvalSeq, kEvalDim}, at::kDouble}; };
+    }
     job.pipelines.push_back(std::make_unique<Pipeline>(job.schedule, std::move(chunks), *job.transports[r], o));
   }
   return job;
@@ -115,8 +115,9 @@ TEST_P(PipelineEvaluate, BetweenStepsLeavesTrainingUntouched) {
   Job job = make_job(name, mode, p, m);
   Job twin = make_job(name, mode, p, m);  // the same run without evaluations
   torch::manual_seed(3);
-  const auto inputs = torch::randn({m * kMbs, kSeq, kDim}), targets = torch::randn({m * kMbs, kSeq, kDim});
-  const auto xs = inputs.split(kMbs), ys = targets.split(kMbs);
+  const auto inputs = torch::randn({m * kEvalMbs, kEvalSeq, kEvalDim});
+  const auto targets = torch::randn({m * kEvalMbs, kEvalSeq, kEvalDim});
+  const auto xs = inputs.split(kEvalMbs), ys = targets.split(kEvalMbs);
   // A user's own choice that evaluate() must not undo.
   for (Job* j : {&job, &twin}) static_cast<Normalized&>(*j->chunks[1]).instance_norm->eval();
 
@@ -201,8 +202,8 @@ TEST(PipelineEvaluateAlone, BeforeAnyStepWithMicroBatchesOfDifferentSizes) {
   std::vector<NamedTensors> ins, outs;
   std::vector<torch::Tensor> xs, ys;
   for (int k = 0; k < m; ++k) {
-    xs.push_back(torch::randn({1 + k, kSeq, kDim}));
-    ys.push_back(torch::randn({1 + k, kSeq, kDim}));
+    xs.push_back(torch::randn({1 + k, kEvalSeq, kEvalDim}));
+    ys.push_back(torch::randn({1 + k, kEvalSeq, kEvalDim}));
   }
   std::vector<double> got(p, -1.0);
   run_rank_threads(job.transports, [&](Transport& t) {

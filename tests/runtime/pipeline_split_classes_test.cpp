@@ -28,8 +28,6 @@ constexpr int kRanks = 2;
 constexpr int kMicroBatches = 4;
 constexpr int kSteps = 2;
 
-torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& target) { return (out - target).pow(2).mean(); }
-
 using ChunkFactory = std::function<std::shared_ptr<CaseModule>(int stage)>;
 /// Called on every chunk before each step, by the thread of the rank that owns it (the reference: before the step's
 /// first micro-batch): what a training loop does to its modules between steps.

@@ -32,10 +32,6 @@ constexpr int kDp = 2, kPp = 2, kMicroBatches = 4, kSteps = 3;
 constexpr int64_t kDim = 8, kRows = 2;
 const Duration kTimeout = std::chrono::seconds(60);
 
-torch::Tensor mse(const torch::Tensor& out, const torch::Tensor& target) {
-  return (out.to(torch::kFloat) - target).pow(2).mean();
-}
-
 // Stage 0 a fast-path MLP, stage 1 a LibTorch one (different sizes, so the greedy split is not trivial).
 std::shared_ptr<torch::nn::Module> make_stage(int s) {
   torch::manual_seed(70 + s);

@@ -31,7 +31,7 @@
 namespace twobp {
 namespace {
 
-constexpr Duration kLong{30000};
+constexpr Duration kStoreLong{30000};
 
 // ---- launch environment ----
 
@@ -215,26 +215,26 @@ TEST(StoreTransportProcesses, ARankStuckInComputeIsNamedInOneHangReport) {
 void collectives(StoreTransport& t) {
   const int n = t.world_size(), me = t.rank();
   at::Tensor x = at::full({4}, static_cast<double>(me + 1), at::kDouble);
-  t.all_reduce_sum(x, kLong);
+  t.all_reduce_sum(x, kStoreLong);
   EXPECT_TRUE(at::equal(x, at::full({4}, n * (n + 1) / 2.0, at::kDouble)));
-  t.barrier(kLong);
+  t.barrier(kStoreLong);
   const int next = (me + 1) % n, prev = (me + n - 1) % n;
   for (auto dtype : {at::kFloat, at::kLong, at::kBFloat16}) {
     for (int k = 0; k < 3; ++k) {  // the same tag three times: delivered in order
       at::Tensor out = at::arange(10, at::kFloat).add(me * 100 + k).to(dtype);
       at::Tensor in = at::empty({10}, dtype);
       auto r = t.irecv(in, {prev, 7, "RECV ring"});
-      t.isend(out, {next, 7, "SEND ring"})->wait(kLong);
-      r->wait(kLong);
+      t.isend(out, {next, 7, "SEND ring"})->wait(kStoreLong);
+      r->wait(kStoreLong);
       EXPECT_TRUE(at::equal(in, at::arange(10, at::kFloat).add(prev * 100 + k).to(dtype)));
     }
   }
   // A shape mismatch names both ranks and both shapes.
-  if (me == 1) t.isend(at::zeros({3}), {0, 9, "SEND_F stage 1 micro-batch 0"})->wait(kLong);
+  if (me == 1) t.isend(at::zeros({3}), {0, 9, "SEND_F stage 1 micro-batch 0"})->wait(kStoreLong);
   if (me == 0) {
     at::Tensor in = at::empty({4});
     try {
-      t.irecv(in, {1, 9, "RECV_F stage 2 micro-batch 0"})->wait(kLong);
+      t.irecv(in, {1, 9, "RECV_F stage 2 micro-batch 0"})->wait(kStoreLong);
       ADD_FAILURE() << "expected UsageError";
     } catch (const UsageError& e) {
       const std::string what = e.what();
@@ -243,7 +243,7 @@ void collectives(StoreTransport& t) {
       }
     }
   }
-  t.barrier(kLong);
+  t.barrier(kStoreLong);
 }
 
 void pipeline(std::shared_ptr<StoreTransport> t) {
@@ -257,7 +257,7 @@ void pipeline(std::shared_ptr<StoreTransport> t) {
   const int me = t->rank();
   auto module = make_chunk(me);
   PipelineOptions o;
-  o.executor.timeout = kLong;
+  o.executor.timeout = kStoreLong;
   o.loss = mse;
   o.executor.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim}, at::kDouble}; };
   Pipeline p(schedule, {{me, module, [raw = module.get(), me](const at::Tensor& x) { return run_chunk(*raw, me, x); }}},
@@ -271,7 +271,7 @@ void pipeline(std::shared_ptr<StoreTransport> t) {
   for (const auto& item : ref.chunks[me]->named_parameters()) {
     EXPECT_LE((got[item.key()].grad() - item.value().grad()).abs().max().item<double>(), 1e-12) << item.key();
   }
-  t->barrier(kLong);
+  t->barrier(kStoreLong);
 }
 
 void abort_scenario(StoreTransport& t) {
@@ -287,14 +287,14 @@ void abort_scenario(StoreTransport& t) {
     }
     EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
   }
-  t.barrier(kLong);
+  t.barrier(kStoreLong);
   if (t.rank() == 1) {
     t.abort("rank 1 failed: injected failure");
     return;
   }
   const auto t0 = std::chrono::steady_clock::now();
   try {
-    t.irecv(in, {1, 2, "RECV_B stage 0 micro-batch 4"})->wait(kLong);
+    t.irecv(in, {1, 2, "RECV_B stage 0 micro-batch 4"})->wait(kStoreLong);
     ADD_FAILURE() << "expected TransportError";
   } catch (const TransportError& e) {
     EXPECT_NE(std::string(e.what()).find("rank 1 aborted: rank 1 failed: injected failure"), std::string::npos)
@@ -318,11 +318,11 @@ void replica_user_error(StoreTransport& t) {
   const int m = 2;
   const Schedule schedule = make_schedule("1f1b", ScheduleOptions{2, m, 1, BackwardMode::kStandard});
   {
-    ParallelGroups groups(t, 2, kLong);
+    ParallelGroups groups(t, 2, kStoreLong);
     const int stage = groups.pipeline_rank();
     auto module = make_chunk(stage);
     PipelineOptions o;
-    o.executor.timeout = kLong;
+    o.executor.timeout = kStoreLong;
     o.loss = mse;
     o.executor.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim}, at::kDouble}; };
     o.data_parallel.group = groups.data_parallel();
@@ -347,7 +347,7 @@ void replica_user_error(StoreTransport& t) {
       }
     }
   }
-  t.barrier(kLong);  // the world transport (rank 0 serves the store) outlives every rank's reading of an abort
+  t.barrier(kStoreLong);  // the world transport (rank 0 serves the store) outlives every rank's reading of an abort
 }
 
 // 4 ranks, 1F1B over 4 stages; rank 3 is killed at its first forward (hang_killed) or sleeps past the timeout in
@@ -396,7 +396,7 @@ TEST(StoreTransportRank, Run) {
   ASSERT_TRUE(env) << "no launch environment";
   EXPECT_EQ(env->launcher, "torchrun");
   StoreOptions options;
-  options.connect_timeout = kLong;
+  options.connect_timeout = kStoreLong;
   auto t = std::make_shared<StoreTransport>(*env, options);
   EXPECT_EQ(t->rank(), env->rank);
   EXPECT_EQ(t->pairing(), Pairing::kByTag);
@@ -404,11 +404,11 @@ TEST(StoreTransportRank, Run) {
   if (s == "collectives") collectives(*t);
   if (s == "pipeline") pipeline(t);
   if (s == "abort") abort_scenario(*t);
-  if (s == "groups_parity") testing::check_groups(*t, testing::GroupLayout::kByParity, kLong);
-  if (s == "groups_half") testing::check_groups(*t, testing::GroupLayout::kByHalf, kLong);
-  if (s == "async_all_reduce") testing::check_async_all_reduce(*t, kLong);
+  if (s == "groups_parity") testing::check_groups(*t, testing::GroupLayout::kByParity, kStoreLong);
+  if (s == "groups_half") testing::check_groups(*t, testing::GroupLayout::kByHalf, kStoreLong);
+  if (s == "async_all_reduce") testing::check_async_all_reduce(*t, kStoreLong);
   if (s == "split_timeout") testing::check_split_timeout(*t, Duration(1000));
-  if (s == "group_abort") testing::check_group_abort(*t, kLong, /*reaches_other_groups=*/false);
+  if (s == "group_abort") testing::check_group_abort(*t, kStoreLong, /*reaches_other_groups=*/false);
   if (s == "replica_user_error") replica_user_error(*t);
   if (s == "hang_killed" || s == "hang_compute") hang_scenario(t, s == "hang_killed");
 }
