@@ -24,15 +24,11 @@ import os
 import statistics
 import sys
 
-from program_runs import run
+from program_runs import MPI_FLAGS, run
 
 STEPS, AUTO_STEPS = 15, 3
 # The tiny model at a size where the stages' costs are not all noise, fp32, 2 pipeline ranks.
 JOB = ["--steps", str(STEPS), "--microbatches", "4", "--micro-batch-size", "2", "--seq-len", "32"]
-MPI_FLAGS = ["--allow-run-as-root", "--oversubscribe", "--mca", "btl", "self,vader", "--mca",
-             "btl_vader_single_copy_mechanism", "none"]
-
-
 def losses(path):
     with open(path) as f:
         return [s["loss"] for s in json.load(f)["steps"]]

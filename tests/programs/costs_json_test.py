@@ -16,13 +16,9 @@ import json
 import os
 import sys
 
-from program_runs import run
+from program_runs import MPI_FLAGS, run
 
 JOB = ["--microbatches", "4", "--micro-batch-size", "2", "--seq-len", "32"]
-MPI_FLAGS = ["--allow-run-as-root", "--oversubscribe", "--mca", "btl", "self,vader", "--mca",
-             "btl_vader_single_copy_mechanism", "none"]
-
-
 def written(launch, example, path, *extra):
     run(launch + [example, *JOB, *extra, "--costs-json", path])
     with open(path) as f:

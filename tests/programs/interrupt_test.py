@@ -5,10 +5,13 @@ Each run must end within 60 s of the signal with the shell's status for it (130,
 was written; its --json holds exactly the steps done (as many as that line says, numbered from 0), its --trace is
 there, its checkpoint is of the last step done, and no .tmp file is left in the work directory or the checkpoint.
 With --bench: `twobp_bench pipeline` interrupted as its third configuration starts keeps the configurations it
-finished (its --json has as many results as its line says, at least 2 of 6) and exits 130.
+finished (its --json has as many results as its line says, at least 2 of 6) and exits 130. With --mpiexec: the
+same run as 2 MPI processes, SIGINT sent to mpiexec (which forwards SIGTERM to the ranks): the outputs and the line
+as above; the exit status is mpiexec's own and not checked.
 
-Usage: interrupt_test.py LLAMA_PIPELINE WORK_DIR [--bench TWOBP_BENCH]
+Usage: interrupt_test.py LLAMA_PIPELINE WORK_DIR [--bench TWOBP_BENCH] [--mpiexec MPIEXEC]
 """
+import argparse
 import glob
 import json
 import os
@@ -16,8 +19,9 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
+
+from program_runs import MPI_FLAGS
 
 STEPS_BEFORE = 3  # the signal goes once the checkpoint of this step is there
 
@@ -30,11 +34,13 @@ def manifest_step(ck):
         return -1
 
 
-def interrupted_run(example, work, sig, status):
+def interrupted_run(example, work, sig, status, mpiexec=None):
+    """status None: under mpiexec, whose own exit status it is; the ranks get the SIGTERM mpiexec forwards."""
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
     out_json, trace, ck = (os.path.join(work, name) for name in ("run.json", "trace.json", "ck"))
-    p = subprocess.Popen([example, "--steps", "100000", "--checkpoint-dir", ck, "--checkpoint-every", "1",
+    launcher = [mpiexec, "-n", "2", *MPI_FLAGS] if mpiexec else []
+    p = subprocess.Popen([*launcher, example, "--steps", "100000", "--checkpoint-dir", ck, "--checkpoint-every", "1",
                           "--json", out_json, "--trace", trace], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True)
     deadline = time.time() + 240
@@ -48,9 +54,14 @@ def interrupted_run(example, work, sig, status):
     except subprocess.TimeoutExpired:
         p.kill()
         raise AssertionError(f"{sig.name}: the run did not end within 60 s")
-    name = sig.name
-    assert p.returncode == status, f"{name}: exit status {p.returncode}, expected {status}:\n{out}"
-    line = re.search(rf"interrupted by {name} after step (\d+) of 100000: wrote (.*); exit status {status}", out)
+    name = sig.name + (" under mpiexec" if mpiexec else "")
+    if status is None:
+        said = r"(?:SIGINT|SIGTERM)"
+        status_said = r"(?:130|143)"
+    else:
+        assert p.returncode == status, f"{name}: exit status {p.returncode}, expected {status}:\n{out}"
+        said, status_said = sig.name, str(status)
+    line = re.search(rf"interrupted by {said} after step (\d+) of 100000: wrote (.*); exit status {status_said}", out)
     assert line, f"{name}: no line saying what was written:\n{out}"
     done = int(line.group(1))
     assert done >= STEPS_BEFORE, f"{name}: stopped after step {done}"
@@ -64,7 +75,7 @@ def interrupted_run(example, work, sig, status):
     assert manifest_step(ck) == done, f"{name}: checkpoint of step {manifest_step(ck)}, expected {done}"
     left = glob.glob(os.path.join(work, "**", "*.tmp"), recursive=True)
     assert not left, f"{name}: temporary files left: {left}"
-    print(f"{name}: stopped after step {done}, exit {status}, outputs complete")
+    print(f"{name}: stopped after step {done}, exit {p.returncode}, outputs complete")
 
 
 def interrupted_bench(bench, work):
@@ -100,12 +111,19 @@ def interrupted_bench(bench, work):
 
 
 def main():
-    example, work = sys.argv[1], sys.argv[2]
+    parser = argparse.ArgumentParser()
+    parser.add_argument("example")
+    parser.add_argument("work")
+    parser.add_argument("--bench")
+    parser.add_argument("--mpiexec")
+    args = parser.parse_args()
     for sig, status in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
-        interrupted_run(example, os.path.join(work, sig.name.lower()), sig, status)
-    if len(sys.argv) == 5 and sys.argv[3] == "--bench":
-        interrupted_bench(sys.argv[4], os.path.join(work, "bench"))
-    shutil.rmtree(work, ignore_errors=True)
+        interrupted_run(args.example, os.path.join(args.work, sig.name.lower()), sig, status)
+    if args.bench:
+        interrupted_bench(args.bench, os.path.join(args.work, "bench"))
+    if args.mpiexec:
+        interrupted_run(args.example, os.path.join(args.work, "mpi"), signal.SIGINT, None, args.mpiexec)
+    shutil.rmtree(args.work, ignore_errors=True)
 
 
 if __name__ == "__main__":

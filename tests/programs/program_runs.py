@@ -3,6 +3,10 @@ than expected."""
 import subprocess
 import sys
 
+# mpiexec's flags for the programs' tests on this 2-core machine as root (Open MPI): shared memory, 4 ranks on 2 cores.
+MPI_FLAGS = ["--allow-run-as-root", "--oversubscribe", "--mca", "btl", "self,vader", "--mca",
+             "btl_vader_single_copy_mechanism", "none"]
+
 
 def run(cmd, ok=True, must_say=None, timeout=300):
     """Runs `cmd`; exits the test when its status is not as `ok` says, or its output lacks `must_say`. Returns the
