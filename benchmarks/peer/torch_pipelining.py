@@ -438,7 +438,87 @@ def print_table(rows):
             print("  ".join("-" * w for w in widths))
 
 
-def main():
+def over_rounds(values):
+    """Median and spread of the per-round median step times (ms); None when no round succeeded."""
+    values = [x for x in values if x is not None]
+    if not values:
+        return None
+    return {"median": statistics.median(values), "low": min(values), "high": max(values), "rounds": values}
+
+
+def ms_cell(summary):
+    """A step-time cell: median (lowest-highest round)."""
+    if summary is None:
+        return "-"
+    return f"{fmt(summary['median'], 1)} ({fmt(summary['low'], 0)}-{fmt(summary['high'], 0)})"
+
+
+def measure_schedule(a, n, layouts, tokens, errors):
+    """Schedule n over a.rounds interleaved rounds (torch, twobp, ...): its table row and its JSON record; failed
+    rounds are appended to errors."""
+    if n in REFERENCE_ONLY:
+        cls, v, twobp_name = "(none)", 1, n
+    else:
+        cls, v, _, twobp_name = SCHEDULES[n]
+    torch_rounds, twobp_rounds = [], []
+    for k in range(a.rounds):
+        print(f"[{n}] round {k + 1}/{a.rounds} ...", file=sys.stderr, flush=True)
+        if n in SCHEDULES and not a.no_torch:
+            t_res = run_torch(a, n, layouts[v])
+            torch_rounds.append(t_res)
+            if not t_res["ok"]:
+                errors.append((n, f"torch round {k + 1}", t_res["error"], t_res.get("traceback")))
+        if not a.no_twobp:
+            b_res = run_twobp(a, twobp_name)
+            twobp_rounds.append(b_res)
+            if not b_res["ok"]:
+                errors.append((n, f"twobp round {k + 1}", b_res["error"], None))
+    t_ok = [r for r in torch_rounds if r["ok"]]
+    t_ms = over_rounds([r["step_ms_median"] for r in t_ok])
+    mode_ms = {mode: over_rounds([r["modes"].get(mode, {}).get("step_ms_median") for r in twobp_rounds if r["ok"]])
+               for mode in ("standard", "2bp")}
+    t_tok = tokens / (t_ms["median"] / 1000.0) if t_ms else None
+    std_tok = tokens / (mode_ms["standard"]["median"] / 1000.0) if mode_ms["standard"] else None
+    bp_tok = tokens / (mode_ms["2bp"]["median"] / 1000.0) if mode_ms["2bp"] else None
+    std_ratio = std_tok / t_tok if (std_tok and t_tok) else None
+    ratio = bp_tok / t_tok if (bp_tok and t_tok) else None
+    # torch's own form of the schedule (B, or I and W): the twobp mode that computes the same thing.
+    forms = {r["form"] for r in t_ok}
+    form = forms.pop() if len(forms) == 1 else None
+    same_ratio = {"standard": std_ratio, "2bp": ratio}.get(form)
+    # What 2BP can gain at most on these costs: the simulator's standard step over its 2BP step, each fed with
+    # the costs its own mode measured (sim_step_ms), medians over the rounds.
+    sim_ms = {mode: over_rounds([r["modes"].get(mode, {}).get("sim_step_ms") for r in twobp_rounds if r["ok"]])
+              for mode in ("standard", "2bp")}
+    bound = (sim_ms["standard"]["median"] / sim_ms["2bp"]["median"]
+             if sim_ms["standard"] and sim_ms["2bp"] else None)
+    of_bound = ratio / bound if (ratio and bound) else None
+    label = n + (" (ref)" if n in REFERENCE_ONLY else "") + ("*" if v == 2
+                                                               and SCHEDULES.get(n, ("", 0, ""))[2] == "v"
+                                                               and a.patch_self_p2p else "")
+    t_cell = fmt(t_tok) if t_tok else ("n/a" if n in REFERENCE_ONLY or a.no_torch else "FAILED")
+    cpu = [statistics.median(c) for c in zip(*[r["cpu_ms_median_per_rank"] for r in t_ok])] if t_ok else None
+    row = [label, cls, f"{twobp_name} v={v}", t_cell, fmt(std_tok), fmt(bp_tok),
+           "-" if std_ratio is None else f"{std_ratio:.2f}x", "-" if ratio is None else f"{ratio:.2f}x",
+           {"standard": "B", "2bp": "I+W"}.get(form, "-"),
+           "-" if same_ratio is None else f"{same_ratio:.2f}x", "-" if bound is None else f"{bound:.2f}x",
+           "-" if of_bound is None else f"{of_bound:.2f}",
+           ms_cell(t_ms), ms_cell(mode_ms["standard"]), ms_cell(mode_ms["2bp"]),
+           "/".join(fmt(c) for c in cpu) if cpu else "-"]
+    record = {"schedule": n, "torch_class": cls, "twobp_schedule": twobp_name,
+              "stages_per_rank": v, "torch_step_ms": t_ms, "twobp_step_ms": mode_ms,
+              "torch_rounds": torch_rounds, "twobp_rounds": twobp_rounds,
+              "ratio_twobp_standard_over_torch": std_ratio, "ratio_twobp_2bp_over_torch": ratio,
+              "torch_form": form, "ratio_twobp_same_form_over_torch": same_ratio,
+              "twobp_sim_step_ms": sim_ms, "sim_bound_2bp_over_standard": bound,
+              "ratio_2bp_over_torch_of_bound": of_bound}
+    print(f"[{n}] torch {fmt(t_tok)} tok/s, twobp std {fmt(std_tok)}, 2bp {fmt(bp_tok)}", file=sys.stderr,
+          flush=True)
+    return row, record
+
+
+def parse_args():
+    """The command line, checked."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--schedules", default=",".join(DEFAULT_SCHEDULES),
@@ -478,7 +558,11 @@ def main():
             ap.error(f"unknown schedule '{n}'")
     if a.dim % a.heads or a.heads % a.kv_heads or (a.dim // a.heads) % 2:
         ap.error("dim % heads, heads % kv-heads must be 0 and head_dim even")
+    return a, names
 
+
+def main():
+    a, names = parse_args()
     import torch  # noqa: F401 - version for the report
 
     load = os.getloadavg()
@@ -511,77 +595,10 @@ def main():
     errors = []
     tokens = a.microbatches * a.micro_batch_size * a.seq
 
-    def over_rounds(values):
-        """Median and spread of the per-round median step times (ms); None when no round succeeded."""
-        values = [x for x in values if x is not None]
-        if not values:
-            return None
-        return {"median": statistics.median(values), "low": min(values), "high": max(values), "rounds": values}
-
-    def ms_cell(summary):
-        if summary is None:
-            return "-"
-        return f"{fmt(summary['median'], 1)} ({fmt(summary['low'], 0)}-{fmt(summary['high'], 0)})"
-
     for n in names:
-        if n in REFERENCE_ONLY:
-            cls, v, twobp_name = "(none)", 1, n
-        else:
-            cls, v, _, twobp_name = SCHEDULES[n]
-        torch_rounds, twobp_rounds = [], []
-        for k in range(a.rounds):
-            print(f"[{n}] round {k + 1}/{a.rounds} ...", file=sys.stderr, flush=True)
-            if n in SCHEDULES and not a.no_torch:
-                t_res = run_torch(a, n, layouts[v])
-                torch_rounds.append(t_res)
-                if not t_res["ok"]:
-                    errors.append((n, f"torch round {k + 1}", t_res["error"], t_res.get("traceback")))
-            if not a.no_twobp:
-                b_res = run_twobp(a, twobp_name)
-                twobp_rounds.append(b_res)
-                if not b_res["ok"]:
-                    errors.append((n, f"twobp round {k + 1}", b_res["error"], None))
-        t_ok = [r for r in torch_rounds if r["ok"]]
-        t_ms = over_rounds([r["step_ms_median"] for r in t_ok])
-        mode_ms = {mode: over_rounds([r["modes"].get(mode, {}).get("step_ms_median") for r in twobp_rounds if r["ok"]])
-                   for mode in ("standard", "2bp")}
-        t_tok = tokens / (t_ms["median"] / 1000.0) if t_ms else None
-        std_tok = tokens / (mode_ms["standard"]["median"] / 1000.0) if mode_ms["standard"] else None
-        bp_tok = tokens / (mode_ms["2bp"]["median"] / 1000.0) if mode_ms["2bp"] else None
-        std_ratio = std_tok / t_tok if (std_tok and t_tok) else None
-        ratio = bp_tok / t_tok if (bp_tok and t_tok) else None
-        # torch's own form of the schedule (B, or I and W): the twobp mode that computes the same thing.
-        forms = {r["form"] for r in t_ok}
-        form = forms.pop() if len(forms) == 1 else None
-        same_ratio = {"standard": std_ratio, "2bp": ratio}.get(form)
-        # What 2BP can gain at most on these costs: the simulator's standard step over its 2BP step, each fed with
-        # the costs its own mode measured (sim_step_ms), medians over the rounds.
-        sim_ms = {mode: over_rounds([r["modes"].get(mode, {}).get("sim_step_ms") for r in twobp_rounds if r["ok"]])
-                  for mode in ("standard", "2bp")}
-        bound = (sim_ms["standard"]["median"] / sim_ms["2bp"]["median"]
-                 if sim_ms["standard"] and sim_ms["2bp"] else None)
-        of_bound = ratio / bound if (ratio and bound) else None
-        label = n + (" (ref)" if n in REFERENCE_ONLY else "") + ("*" if v == 2
-                                                                   and SCHEDULES.get(n, ("", 0, ""))[2] == "v"
-                                                                   and a.patch_self_p2p else "")
-        t_cell = fmt(t_tok) if t_tok else ("n/a" if n in REFERENCE_ONLY or a.no_torch else "FAILED")
-        cpu = [statistics.median(c) for c in zip(*[r["cpu_ms_median_per_rank"] for r in t_ok])] if t_ok else None
-        rows.append([label, cls, f"{twobp_name} v={v}", t_cell, fmt(std_tok), fmt(bp_tok),
-                     "-" if std_ratio is None else f"{std_ratio:.2f}x", "-" if ratio is None else f"{ratio:.2f}x",
-                     {"standard": "B", "2bp": "I+W"}.get(form, "-"),
-                     "-" if same_ratio is None else f"{same_ratio:.2f}x", "-" if bound is None else f"{bound:.2f}x",
-                     "-" if of_bound is None else f"{of_bound:.2f}",
-                     ms_cell(t_ms), ms_cell(mode_ms["standard"]), ms_cell(mode_ms["2bp"]),
-                     "/".join(fmt(c) for c in cpu) if cpu else "-"])
-        results["rows"].append({"schedule": n, "torch_class": cls, "twobp_schedule": twobp_name,
-                                "stages_per_rank": v, "torch_step_ms": t_ms, "twobp_step_ms": mode_ms,
-                                "torch_rounds": torch_rounds, "twobp_rounds": twobp_rounds,
-                                "ratio_twobp_standard_over_torch": std_ratio, "ratio_twobp_2bp_over_torch": ratio,
-                                "torch_form": form, "ratio_twobp_same_form_over_torch": same_ratio,
-                                "twobp_sim_step_ms": sim_ms, "sim_bound_2bp_over_standard": bound,
-                                "ratio_2bp_over_torch_of_bound": of_bound})
-        print(f"[{n}] torch {fmt(t_tok)} tok/s, twobp std {fmt(std_tok)}, 2bp {fmt(bp_tok)}", file=sys.stderr,
-              flush=True)
+        row, record = measure_schedule(a, n, layouts, tokens, errors)
+        rows.append(row)
+        results["rows"].append(record)
 
     shared = [r for r in results["rows"] if r["ratio_twobp_standard_over_torch"]]
     if shared:

@@ -628,6 +628,36 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
   }
 }
 
+// With data parallelism every configuration runs with the reductions overlapped (standard mode: with its buckets
+// started during its last B, then after it), then without.
+std::vector<DpBuckets> dp_bucket_settings(const PipelineArgs& a, BackwardMode mode) {
+  if (a.dp <= 1) return {DpBuckets{}};
+  std::vector<DpBuckets> out{DpBuckets{true, true}};
+  if (mode == BackwardMode::kStandard) out.push_back(DpBuckets{true, false});
+  out.push_back(DpBuckets{false, true});
+  return out;
+}
+
+// With --variable-seq every configuration runs with fixed specs and with shapes announced, in turn; with
+// --memory-limit-mb without and with the limit.
+std::vector<Variant> variants_of(const PipelineArgs& a) {
+  std::vector<Variant> variants{Variant{}};
+  if (a.variable_seq) variants.push_back(Variant{true, 0});
+  if (a.memory_limit_mb > 0) variants.push_back(Variant{false, static_cast<int64_t>(a.memory_limit_mb * kMiB)});
+  return variants;
+}
+
+// The progress line as configuration k of `total` starts (rank 0, on stderr).
+void announce_configuration(const PipelineArgs& a, int k, int total, double elapsed_s, const std::string& name,
+                            BackwardMode mode, int pp, const DpBuckets& buckets) {
+  std::cerr << fmt::format("[pipeline] {}: {} {} p={} m={}{}{} ...\n",
+                           metrics::format_progress("configuration", k, total, elapsed_s), name, to_string(mode), pp,
+                           a.microbatches, a.dp > 1 ? fmt::format(" dp={} buckets={}", a.dp, buckets.name()) : "",
+                           a.variable_seq            ? ", fixed specs and announced shapes in turn"
+                           : a.memory_limit_mb > 0 ? ", without and with the memory limit in turn"
+                                                     : "");
+}
+
 void run_pipeline_bench(const PipelineArgs& a) {
   // Before any model exists: tensor memory is counted per rank from here on (twobp/metrics/memory.h).
   memory::count_cpu_allocations();
@@ -643,21 +673,9 @@ void run_pipeline_bench(const PipelineArgs& a) {
     modes = {s.backward};
   }
 
-  // With data parallelism every configuration runs with the reductions overlapped (standard mode: with its buckets
-  // started during its last B, then after it), then without.
-  auto bucket_settings = [&](BackwardMode mode) {
-    if (a.dp <= 1) return std::vector<DpBuckets>{DpBuckets{}};
-    std::vector<DpBuckets> out{DpBuckets{true, true}};
-    if (mode == BackwardMode::kStandard) out.push_back(DpBuckets{true, false});
-    out.push_back(DpBuckets{false, true});
-    return out;
-  };
-  // With --variable-seq every configuration runs with fixed specs and with shapes announced, in turn; with
-  // --memory-limit-mb without and with the limit.
-  std::vector<Variant> variants{Variant{}};
+  auto bucket_settings = [&](BackwardMode mode) { return dp_bucket_settings(a, mode); };
+  const std::vector<Variant> variants = variants_of(a);
   std::string energy_source, energy_note;  // rank 0's meter ("nvml", "rapl", ""), and why it has none
-  if (a.variable_seq) variants.push_back(Variant{true, 0});
-  if (a.memory_limit_mb > 0) variants.push_back(Variant{false, static_cast<int64_t>(a.memory_limit_mb * kMiB)});
   // Ctrl-C / SIGTERM: the configuration in progress ends, the finished ones are reported and written, and the
   // command exits 130 / 143 (twobp/runtime/interrupt.h).
   InterruptGuard interrupts;
@@ -684,14 +702,7 @@ void run_pipeline_bench(const PipelineArgs& a) {
           ++k;
           if (t.rank() == 0) {
             const std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - started;
-            std::cerr << fmt::format("[pipeline] {}: {} {} p={} m={}{}{} ...\n",
-                                     metrics::format_progress("configuration", k, configs_total, elapsed.count()),
-                                     name, to_string(mode),
-                                     groups.layout().pp, a.microbatches,
-                                     a.dp > 1 ? fmt::format(" dp={} buckets={}", a.dp, buckets.name()) : "",
-                                     a.variable_seq ? ", fixed specs and announced shapes in turn"
-                                     : a.memory_limit_mb > 0 ? ", without and with the memory limit in turn"
-                                                             : "");
+            announce_configuration(a, k, configs_total, elapsed.count(), name, mode, groups.layout().pp, buckets);
           }
           for (RunResult& r : run_config(t, groups, a, name, mode, buckets, variants, rank_energy)) {
             results.push_back(std::move(r));

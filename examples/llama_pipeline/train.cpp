@@ -317,6 +317,30 @@ void finish_rank(RankState& state, twobp::ParallelGroups& groups, twobp::Transpo
   shared.optimizer_state_bytes = std::move(state_bytes);
 }
 
+// The tuner's decisions after a step (a switch lands on the step boundary: the record of the step is taken);
+// rank 0 prints and keeps them.
+void follow_tuner(std::optional<twobp::LlamaAutoTuner>& tuner, RankState& state, const twobp::StepResult& result,
+                  int step, bool reports, Shared& shared) {
+  if (!tuner) return;
+  for (const std::string& news : tuner->after_step(result)) {
+    state.plan = with_placement(state.plan, tuner->running());
+    if (!reports) continue;
+    fmt::print("{}\n", news);
+    std::lock_guard<std::mutex> lock(shared.mutex);
+    shared.auto_decisions.emplace_back(step, news);
+    shared.auto_ranking = tuner->ranking();
+  }
+}
+
+// Energy of the device the chunks compute on (NVML) or of the node's CPUs (RAPL), summed over the job.
+twobp::energy::RankEnergy rank_energy_of(const Args& a, c10::Device device, twobp::Transport& world,
+                                         twobp::Transport& transport) {
+  twobp::energy::EnergyOptions energy_options;
+  energy_options.powercap_root = a.powercap_root;
+  energy_options.ranks_sharing_device = device.is_cpu() ? 1 : transport.ranks_sharing_device();
+  return twobp::energy::RankEnergy(device, twobp::energy::first_rank_on_node(world), energy_options);
+}
+
 }  // namespace
 
 void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, const std::vector<uint16_t>& tokens,
@@ -335,11 +359,7 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
   build(state, groups, device, timeout);
   if (a.eval_every > 0) state.data.held_out.emplace(held_out, p.seq_len, global_batch, a.seed);
   const int start = a.resume ? static_cast<int>(load_state(a.checkpoint_dir, state, groups)) : 0;
-  // Energy of the device the chunks compute on (NVML) or of the node's CPUs (RAPL), summed over the job.
-  twobp::energy::EnergyOptions energy_options;
-  energy_options.powercap_root = a.powercap_root;
-  energy_options.ranks_sharing_device = device.is_cpu() ? 1 : transport.ranks_sharing_device();
-  twobp::energy::RankEnergy rank_energy(device, twobp::energy::first_rank_on_node(world), energy_options);
+  twobp::energy::RankEnergy rank_energy = rank_energy_of(a, device, world, transport);
   if (reports) {
     if (a.resume) fmt::print("resuming from step {} of {} ({})\n", start, a.steps, a.checkpoint_dir);
     std::lock_guard<std::mutex> lock(shared.mutex);
@@ -382,14 +402,7 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
     StepRecord record{step, pipeline.mean_loss(result), 0, pipeline.last_gradient_check().norm, lr, 0};
     record.skipped = !updated;
     state.steps_done = step + 1;
-    for (const std::string& news : tuner ? tuner->after_step(result) : std::vector<std::string>{}) {
-      state.plan = with_placement(state.plan, tuner->running());
-      if (!reports) continue;
-      fmt::print("{}\n", news);
-      std::lock_guard<std::mutex> lock(shared.mutex);
-      shared.auto_decisions.emplace_back(step, news);
-      shared.auto_ranking = tuner->ranking();
-    }
+    follow_tuner(tuner, state, result, step, reports, shared);
     costs.follow(state, step);
     // SIGINT/SIGTERM (collective over the world): every rank makes this step its last -- evaluation, trace and
     // checkpoint as at the end -- so that the outputs of the steps done are written.
