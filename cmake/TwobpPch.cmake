@@ -1,3 +1,5 @@
+# Build time: precompiled headers and, further below, unity builds.
+#
 # Precompiled headers (TWOBP_PCH, ON by default). LibTorch's headers are most of our compile time: <ATen/ATen.h>
 # takes ~9 s to parse, <torch/torch.h> ~13 s, in every translation unit. A precompiled header pays the parse once
 # per *family* of targets built with the same flags (GCC refuses a PCH made with other -f/-O options;
@@ -46,10 +48,11 @@ function(twobp_skip_pch)
 endfunction()
 
 # Unity groups (TWOBP_UNITY, ON by default): the library's sources compile one folder of src/ per translation unit
-# (with the precompiled header: loaded once per folder, it costs less than what it saves), so that what every source instantiates at the
-# end of its translation unit (LibTorch's, fmt's and the standard library's templates) is compiled once per folder
-# instead of once per file. docs/TESTING.md ("Build time") has the measurements. A change to one source recompiles
-# its folder; -DTWOBP_UNITY=OFF compiles file by file. A name that two sources of a folder define at namespace scope
+# (with the precompiled header: loaded once per folder, it costs less than what it saves; twobp_skip_pch matters
+# only file by file), so that what every source instantiates at the end of its translation unit (LibTorch's, fmt's
+# and the standard library's templates) is compiled once per folder instead of once per file. docs/TESTING.md
+# ("Build time") has the measurements. A change to one source recompiles its folder; -DTWOBP_UNITY=OFF compiles
+# file by file. A name that two sources of a folder define at namespace scope
 # (even in an anonymous namespace) fails to compile in a group: give one of them another name.
 option(TWOBP_UNITY "Compile the library's sources one folder of src/ per translation unit" ON)
 
