@@ -9,9 +9,12 @@ import re
 from .util import relative_difference
 
 # One 7B stage (LLaMa-7B blocks), all bfloat16, batch 1; the dry run: a tiny fp32 model on the CPU.
+# threads: twobp_bench split's intra-op threads. The dry run takes one: its two threads spin-waited against the other
+# tests' processes under ctest -j2 (a forward of a few microseconds' work measured 231 ms, 2026-12-07).
 MEASURE_GPU = dict(device="cuda", dtype="bf16-pure", dim=4096, ffn=11008, heads=32, layers=8, seqs=(1024, 4096),
-                   repeats=10)
-MEASURE_DRY = dict(device="cpu", dtype="fp32", dim=64, ffn=176, heads=4, layers=2, seqs=(16, 32), repeats=2)
+                   repeats=10, threads=2)
+MEASURE_DRY = dict(device="cpu", dtype="fp32", dim=64, ffn=176, heads=4, layers=2, seqs=(16, 32), repeats=2,
+                   threads=1)
 # The example, whole training steps (AdamW, clipping, the data loader): ranks as threads on the one GPU, with 2BP and
 # without, the same seed. On one shared GPU the two take the same total work, so their throughput ratio is NOT a
 # pipeline speedup; the pieces show that the example trains on a GPU (losses, gradient norms, tokens/s).
@@ -79,7 +82,7 @@ class Measurements:
             cmd = [bench, "split", "--device", m["device"], "--dtype", m["dtype"], "--dim", m["dim"], "--ffn", m["ffn"],
                    "--heads", m["heads"], "--kv-heads", m["heads"], "--layers", m["layers"], "--seq", seq, "--batch",
                    1, "--repeats", m["repeats"], "--warmup", 2, "--no-conv", "--batched-w", "--micro-batches",
-                   batched_mbs, "--json", split_json]
+                   batched_mbs, "--threads", m["threads"], "--json", split_json]
 
             def split_ok(text, rc, killed, status, detail, split_json=split_json):
                 if status == "pass":

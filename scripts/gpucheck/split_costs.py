@@ -10,11 +10,11 @@ import re
 from .util import write_json
 
 SPLIT_GPU = dict(device="cuda", dim=4096, ffn=11008, heads=32, kv_heads=32, layers=8, batch=1, seqs=(1024, 4096),
-                 repeats=10, warmup=2, micro_batches=4)
+                 repeats=10, warmup=2, micro_batches=4, threads=2)
 # The dry run: a tiny stage on the CPU, fp32 standing for both bfloat16 forms (bfloat16 on this CPU is slow and says
-# nothing about a GPU); the options are still read from the binary and recorded.
+# nothing about a GPU), one thread (measure.py says why); the options are still read from the binary and recorded.
 SPLIT_DRY = dict(device="cpu", dim=64, ffn=176, heads=4, kv_heads=4, layers=1, batch=1, seqs=(16, 32), repeats=1,
-                 warmup=0, micro_batches=2, stand_in_dtype="fp32")
+                 warmup=0, micro_batches=2, threads=1, stand_in_dtype="fp32")
 # The precisions measured, as the example spells them: bf16-pure = all bfloat16, bf16 = mixed (bfloat16 compute,
 # float32 master weights and gradients).
 DTYPES = ("bf16-pure", "bf16")
@@ -180,7 +180,7 @@ class SplitCosts:
             cmd = [bench, "split", "--device", c["device"], "--dtype", value, "--dim", c["dim"], "--ffn", c["ffn"],
                    "--heads", c["heads"], "--kv-heads", c["kv_heads"], "--layers", c["layers"], "--seq", seq,
                    "--batch", c["batch"], "--repeats", c["repeats"], "--warmup", c["warmup"], "--no-conv",
-                   "--batched-w", "--micro-batches", c["micro_batches"], "--json", out_json]
+                   "--batched-w", "--micro-batches", c["micro_batches"], "--threads", c["threads"], "--json", out_json]
             if "fast" in self.options["paths"]:
                 cmd += ["--paths", "fast"]  # issue 57: skip building the general path's stack
 
