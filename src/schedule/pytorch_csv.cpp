@@ -132,7 +132,8 @@ Schedule from_pytorch_csv(std::string_view csv, const PytorchCsvOptions& options
       after_gap = after_gap || cell.empty();
       if (!cell.empty()) {
         if (cell.front() == '(' && cell.size() > kOverlapSuffix.size() + 2 &&
-            cell.substr(cell.size() - kOverlapSuffix.size()) == kOverlapSuffix && cell[cell.size() - kOverlapSuffix.size() - 1] == ')') {
+            cell.substr(cell.size() - kOverlapSuffix.size()) == kOverlapSuffix &&
+            cell[cell.size() - kOverlapSuffix.size() - 1] == ')') {
           // An overlapped F and B: their parts, in order; an F followed by the B or I of another stage becomes a
           // twobp overlapped pair (Action::overlapped_with_next), anything else plain actions in that order.
           const std::string_view inner = cell.substr(1, cell.size() - kOverlapSuffix.size() - 2);

@@ -71,7 +71,7 @@ std::vector<SynthesisProblem> sweep() {
   for (const RankCosts* costs : {&kSeq1024, &kSeq4096, &kTextbook}) {
     for (std::size_t k = 0; k < shapes.size(); ++k) {
       for (std::size_t q = 0; q < placements.size(); ++q) {
-        if (reduced_scale() && (c + k + q) % 2 == 1) continue;
+        if (!runs_at_this_scale(c + k + q)) continue;
         out.push_back(problem(shapes[k].first, shapes[k].second, placements[q].first, placements[q].second, *costs));
       }
     }

@@ -109,8 +109,8 @@ std::vector<DpCase> dp_cases() {
   for (std::size_t n = 0; n < names.size(); ++n) {
     int j = 0;
     for (BackwardMode m : {BackwardMode::kStandard, BackwardMode::kSplit}) {
-      if (!reduced_scale() || (n + j) % 2 == 0) out.push_back({names[n], m, 2, 2, true});
-      if (!reduced_scale() || (n + j) % 2 == 1) out.push_back({names[n], m, 2, 1, true});
+      if (runs_at_this_scale(n + j)) out.push_back({names[n], m, 2, 2, true});
+      if (runs_at_this_scale(n + j + 1)) out.push_back({names[n], m, 2, 1, true});
       ++j;
     }
   }
