@@ -673,14 +673,13 @@ void run_pipeline_bench(const PipelineArgs& a) {
     modes = {s.backward};
   }
 
-  auto bucket_settings = [&](BackwardMode mode) { return dp_bucket_settings(a, mode); };
   const std::vector<Variant> variants = variants_of(a);
   std::string energy_source, energy_note;  // rank 0's meter ("nvml", "rapl", ""), and why it has none
   // Ctrl-C / SIGTERM: the configuration in progress ends, the finished ones are reported and written, and the
   // command exits 130 / 143 (twobp/runtime/interrupt.h).
   InterruptGuard interrupts;
   int configs_total = 0, configs_done = 0;  // configs_done: rank 0's
-  for (BackwardMode mode : modes) configs_total += static_cast<int>(names.size() * bucket_settings(mode).size());
+  for (BackwardMode mode : modes) configs_total += static_cast<int>(names.size() * dp_bucket_settings(a, mode).size());
   const auto started = std::chrono::steady_clock::now();
   auto run_all = [&](Transport& t) {
     const Duration timeout{static_cast<int64_t>(a.timeout_s * 1000)};
@@ -697,7 +696,7 @@ void run_pipeline_bench(const PipelineArgs& a) {
     int k = 0;
     for (const auto& name : names) {
       for (BackwardMode mode : modes) {
-        for (const DpBuckets& buckets : bucket_settings(mode)) {
+        for (const DpBuckets& buckets : dp_bucket_settings(a, mode)) {
           if (interrupts.agreed(t, timeout)) return results;  // every rank stops before the same configuration
           ++k;
           if (t.rank() == 0) {
