@@ -9,23 +9,9 @@
 #include <stdexcept>
 #include <thread>
 
-#include <time.h>
-
 #include "twobp/metrics/metrics.h"
 
 namespace twobp::bench {
-
-Clock parse_clock(const std::string& name) {
-  if (name == "wall") return Clock::kWall;
-  if (name == "cpu") return Clock::kProcessCpu;
-  throw std::invalid_argument("unknown clock '" + name + "' (wall or cpu)");
-}
-
-double now_ms(Clock clock) {
-  timespec ts{};
-  clock_gettime(clock == Clock::kWall ? CLOCK_MONOTONIC : CLOCK_PROCESS_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) * 1e3 + static_cast<double>(ts.tv_nsec) * 1e-6;
-}
 
 Summary summarize(std::vector<double> samples) {
   Summary s;

@@ -19,18 +19,6 @@ namespace twobp::bench {
 
 using Json = nlohmann::ordered_json;  // keeps keys in insertion order: readable files
 
-/// What now_ms measures.
-enum class Clock {
-  kWall,  ///< steady clock: what a user waits for
-  /// CPU time of the whole process. On a shared machine it does not count time the process waited for a core,
-  /// so it is the steadier measure with --threads 1; with more threads it also counts the spin-waiting of the
-  /// OpenMP workers, so it is no measure of speed then.
-  kProcessCpu,
-};
-Clock parse_clock(const std::string& name);  // "wall" | "cpu"; throws std::invalid_argument
-/// Now, in milliseconds, on `clock` (arbitrary origin).
-double now_ms(Clock clock);
-
 /// Order statistics of one series of samples (linear interpolation between order statistics).
 struct Summary {
   double min = 0, p25 = 0, median = 0, p75 = 0, max = 0;

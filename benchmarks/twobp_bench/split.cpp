@@ -7,8 +7,6 @@
 // defines every variant and output; this file implements them.
 
 #include <ATen/Parallel.h>
-#include <c10/core/Event.h>
-#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/torch.h>
 #include <torch/version.h>
 
@@ -20,25 +18,18 @@
 #include <iostream>
 #include <map>
 #include <memory>
-#include <numeric>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "bench_common.h"
 #include "twobp_cli.h"
 #include "bench_models.h"
 #include "commands.h"
-#include "runtime/master_weights.h"
-#include "twobp/config.h"
+#include "twobp/metrics/memory.h"
 #include "twobp/precision.h"
-#include "twobp/metrics/op_count.h"
 #include "twobp/metrics/step_log.h"
-#include "twobp/stage.h"
+#include "twobp/plan/stage_timer.h"
 
-#if TWOBP_HAVE_NCCL  // the CUDA toolkit was found: the caching allocator's statistics are reachable
-#include <c10/cuda/CUDACachingAllocator.h>
-#endif
 
 namespace twobp::bench {
 namespace {
@@ -72,200 +63,85 @@ constexpr const char* kPhases[] = {"F", "I", "W", "B"};
 
 bool mixed_precision(const SplitConfig& c) { return c.precision == Precision::kMixedBFloat16; }
 
+StageTimerOptions timer_options(const SplitConfig& c) {
+  StageTimerOptions options;
+  options.mixed_precision = mixed_precision(c);
+  options.clock = parse_clock(c.clock);
+  return options;
+}
+
 at::TensorOptions tensor_options(const SplitConfig& c) {
   return at::TensorOptions()
       .dtype(compute_dtype(c.precision))
       .device(c.device == "cuda" ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU));
 }
 
-/// What one path runs on.
-struct PathSetup {
-  std::string name;
-  std::shared_ptr<torch::nn::Module> module;  ///< built in float32
-  StageForward forward;
-  at::Tensor input;    ///< in the compute dtype, on the device
-  int64_t blocks = 1;  ///< repeated blocks of the module: ops_per_block = ops / blocks
-  bool mixed = false;  ///< float32 masters behind a bfloat16 module (SplitConfig::dtype "bf16")
-  Clock clock = Clock::kWall;
-};
-
-/// Host time until a phase's last call returned, and until the device finished it (equal on the CPU).
-struct Timing {
-  double synced_ms = 0, host_ms = 0;
-};
-
-/// One path under test: a stage on a module, with its fixed input and output gradient.
+/// One path under test: the library's StageTimer on its module, and the samples of its phases.
 class PathBench {
  public:
-  explicit PathBench(PathSetup setup) : setup_(std::move(setup)), cuda_(setup_.input.is_cuda()) {
-    setup_.module->to(setup_.input.device(), at::kFloat);
-    if (setup_.mixed) {
-      // As the pipeline does: float32 masters, the module in bfloat16, each W or B's gradient into the masters'.
-      masters_ = std::make_unique<detail::MasterWeights>(
-          std::map<int, std::shared_ptr<torch::nn::Module>>{{1, setup_.module}}, at::kBFloat16, /*rank=*/0);
-    } else {
-      setup_.module->to(setup_.input.scalar_type());
-    }
-    for (const auto& p : twobp::unique_tensors(setup_.module->parameters())) {
-      if (p.requires_grad()) gradient_holders_.push_back(masters_ ? masters_->master_of(p) : p);
-    }
-    StageOptions options;
-    options.stage_index = 1;
-    options.num_stages = 3;
-    stage_ = std::make_unique<Stage>(setup_.module, setup_.forward, options);
-    // The output gradient has the output's shape; one untimed forward tells it.
-    at::Tensor out = stage_->forward(0, setup_.input);
-    stage_->reset();
-    grad_output_ = at::randn_like(out);
-  }
+  PathBench(std::string name, std::unique_ptr<StageTimer> timer, int64_t blocks)
+      : name_(std::move(name)), timer_(std::move(timer)), blocks_(blocks) {}
 
-  const std::string& name() const { return setup_.name; }
-  int64_t parameter_count() const {
-    int64_t n = 0;
-    for (const auto& p : twobp::unique_tensors(setup_.module->parameters())) n += p.numel();
-    return n;
-  }
+  const std::string& name() const { return name_; }
+  StageTimer& timer() { return *timer_; }
 
-  /// The peak bytes allocated on GPU 0 over the whole run (all paths), kept across the per-phase resets.
-  static std::int64_t& run_peak_bytes() {
-    static std::int64_t peak = 0;
-    return peak;
-  }
-
-  /// F, I and W of micro-batch 0 once, untimed: the output, the input gradient (if any) and every weight
-  /// gradient (the master's under mixed precision) by name, in float32 -- to compare the paths, which start from
-  /// the same weights and data.
-  std::map<std::string, at::Tensor> values() {
-    prepare_gradients(/*existing=*/false);
-    std::map<std::string, at::Tensor> v;
-    v["output"] = stage_->forward(0, setup_.input).detach().to(at::kFloat);
-    const at::Tensor grad_input = stage_->backward_input(0, grad_output_);
-    if (grad_input.defined()) v["input gradient"] = grad_input.to(at::kFloat);
-    stage_->backward_weight({0});
-    for (const auto& item : setup_.module->named_parameters()) {
-      const at::Tensor holder = masters_ ? masters_->master_of(item.value()) : item.value();
-      if (holder.grad().defined()) v[item.key() + ".grad"] = holder.grad().to(at::kFloat);
-    }
-    prepare_gradients(/*existing=*/false);
-    return v;
-  }
-
-  /// F, I, W with the gradients none (headline) or existing (accumulate/...), each phase synced.
+  /// F, I, W with the gradients none (headline) or existing (accumulate/...).
   void split(bool record, bool existing) {
-    prepare_gradients(existing);
-    const Timing f = timed([&] { stage_->forward(0, setup_.input); });
-    const Timing i = timed([&] { stage_->backward_input(0, grad_output_); });
-    const Timing w = timed([&] { stage_->backward_weight({0}); });
+    const StageTimer::Split s = timer_->split(existing);
     if (!record) return;
     if (existing) {
-      samples_.add("accumulate/stage1_ms", i.synced_ms);
-      samples_.add("accumulate/stage2_ms", w.synced_ms);
+      samples_.add("accumulate/stage1_ms", s.input.synced_ms);
+      samples_.add("accumulate/stage2_ms", s.weight.synced_ms);
       return;
     }
-    samples_.add("forward_ms", f.synced_ms);
-    samples_.add("stage1_ms", i.synced_ms);
-    samples_.add("stage2_ms", w.synced_ms);
-    samples_.add("host_ms/F", f.host_ms);
-    samples_.add("host_ms/I", i.host_ms);
-    samples_.add("host_ms/W", w.host_ms);
-    pending_i_ = i.synced_ms;
-    pending_w_ = w.synced_ms;
+    samples_.add("forward_ms", s.forward.synced_ms);
+    samples_.add("stage1_ms", s.input.synced_ms);
+    samples_.add("stage2_ms", s.weight.synced_ms);
+    samples_.add("host_ms/F", s.forward.host_ms);
+    samples_.add("host_ms/I", s.input.host_ms);
+    samples_.add("host_ms/W", s.weight.host_ms);
+    pending_i_ = s.input.synced_ms;
+    pending_w_ = s.weight.synced_ms;
     pair_ratios();
   }
 
-  /// F, B with the gradients none (headline) or existing (accumulate/...), each phase synced.
+  /// F, B with the gradients none (headline) or existing (accumulate/...).
   void fused(bool record, bool existing) {
-    prepare_gradients(existing);
-    const Timing f = timed([&] { stage_->forward(0, setup_.input); });
-    const Timing b = timed([&] { stage_->backward(0, grad_output_); });
+    const StageTimer::Fused f = timer_->fused(existing);
     if (!record) return;
     if (existing) {
-      samples_.add("accumulate/fused_ms", b.synced_ms);
+      samples_.add("accumulate/fused_ms", f.backward.synced_ms);
       return;
     }
-    samples_.add("forward_ms", f.synced_ms);
-    samples_.add("fused_ms", b.synced_ms);
-    samples_.add("host_ms/F", f.host_ms);
-    samples_.add("host_ms/B", b.host_ms);
-    pending_b_ = b.synced_ms;
+    samples_.add("forward_ms", f.forward.synced_ms);
+    samples_.add("fused_ms", f.backward.synced_ms);
+    samples_.add("host_ms/F", f.forward.host_ms);
+    samples_.add("host_ms/B", f.backward.host_ms);
+    pending_b_ = f.backward.synced_ms;
     pair_ratios();
   }
 
-  /// F, I, W and F, B again under an AtenOpCounter, into existing gradients (the steady state of a step): the
-  /// top-level operators of each phase and its host time outside them. Untimed otherwise (the counter slows
-  /// every operator down).
   void counted(bool record, bool by_name) {
-    metrics::AtenOpCounterOptions options;
-    options.by_name = by_name;
-    options.thread_cpu_time = setup_.clock == Clock::kProcessCpu && !cuda_;
-    metrics::AtenOpCounter counter(options);
-    auto phase = [&](const char* name, const std::function<void()>& fn) {
-      counter.take();
-      const double start = counter.now_us();
-      fn();
-      const double elapsed_us = counter.now_us() - start;
-      metrics::AtenOpCounter::Counts c = counter.take();
-      synchronize();
-      if (!record) return;
-      samples_.add(std::string("ops/") + name, static_cast<double>(c.ops));
-      samples_.add(std::string("host_overhead_us/") + name, counter.outside_us(elapsed_us, c));
-      if (by_name) ops_by_name_[name] = std::move(c.by_name);
-    };
-    prepare_gradients(/*existing=*/true);
-    phase("F", [&] { stage_->forward(0, setup_.input); });
-    phase("I", [&] { stage_->backward_input(0, grad_output_); });
-    phase("W", [&] { stage_->backward_weight({0}); });
-    prepare_gradients(/*existing=*/true);
-    phase("F", [&] { stage_->forward(0, setup_.input); });
-    phase("B", [&] { stage_->backward(0, grad_output_); });
-  }
-
-  /// GPU only: F, I, W (then F, B) enqueued without synchronising in between, timed by events on the stream
-  /// between the phases, as the executor's device timeline times actions.
-  void back_to_back(bool record) {
-    const c10::Device device = setup_.input.device();
-    std::vector<std::unique_ptr<c10::Event>> marks;
-    auto mark = [&] {
-      marks.push_back(std::make_unique<c10::Event>(device.type(), c10::EventFlag::BACKEND_DEFAULT));
-      marks.back()->record(c10::impl::getDeviceGuardImpl(device.type())->getStream(device));
-    };
-    prepare_gradients(/*existing=*/false);
-    mark();
-    stage_->forward(0, setup_.input);
-    mark();
-    stage_->backward_input(0, grad_output_);
-    mark();
-    stage_->backward_weight({0});
-    mark();
-    prepare_gradients(/*existing=*/false);  // sets .grad to none: no device work, nothing to wait for
-    stage_->forward(0, setup_.input);
-    mark();
-    stage_->backward(0, grad_output_);
-    mark();
-    // SYNC POINT: the events are read once everything was enqueued.
-    marks.back()->synchronize();
+    std::vector<StageTimer::PhaseOps> phases = timer_->count_ops(by_name);
     if (!record) return;
-    auto span = [&](std::size_t k) { return marks[k]->elapsedTime(*marks[k + 1]); };
-    samples_.add("device/forward_ms", span(0));
-    samples_.add("device/stage1_ms", span(1));
-    samples_.add("device/stage2_ms", span(2));
-    samples_.add("device/fused_ms", span(4));
+    for (StageTimer::PhaseOps& p : phases) {
+      samples_.add("ops/" + p.phase, static_cast<double>(p.ops));
+      samples_.add("host_overhead_us/" + p.phase, p.host_overhead_us);
+      if (by_name) ops_by_name_[p.phase] = std::move(p.by_name);
+    }
   }
 
-  /// W of m micro-batches in one call (batched) or in m calls (separate); F and I untimed.
+  void back_to_back(bool record) {
+    const StageTimer::DeviceTimes d = timer_->device_timed();
+    if (!record) return;
+    samples_.add("device/forward_ms", d.forward_ms);
+    samples_.add("device/stage1_ms", d.input_ms);
+    samples_.add("device/stage2_ms", d.weight_ms);
+    samples_.add("device/fused_ms", d.backward_ms);
+  }
+
   void weight_batch(int m, bool batched, bool record) {
-    prepare_gradients(/*existing=*/false);
-    std::vector<int> mbs(m);
-    std::iota(mbs.begin(), mbs.end(), 0);
-    for (int mb : mbs) stage_->forward(mb, setup_.input);
-    for (int mb : mbs) stage_->backward_input(mb, grad_output_);
-    const Timing w = timed([&] {
-      if (batched) {
-        stage_->backward_weight(mbs);
-      } else {
-        for (int mb : mbs) stage_->backward_weight({mb});
-      }
-    });
+    const PhaseTime w = timer_->weight_batch(m, batched);
     if (record) samples_.add(batched ? "batched_w_ms" : "separate_w_ms", w.synced_ms);
   }
 
@@ -274,55 +150,6 @@ class PathBench {
   int64_t tokens_ = 0;  ///< tokens per micro-batch, for the TFLOP/s of the LLaMa stacks (0: not reported)
 
  private:
-  // GPU work is asynchronous: each timed phase ends with a device synchronisation, so a phase's time is its own.
-  // On a GPU each phase also records the allocator's peak above what was allocated when it began (see memory).
-  template <typename Fn>
-  Timing timed(Fn&& fn) {
-#if TWOBP_HAVE_NCCL
-    std::int64_t base = 0;
-    if (cuda_) {
-      const auto before = c10::cuda::CUDACachingAllocator::getDeviceStats(0);
-      base = before.allocated_bytes[0].current;
-      run_peak_bytes() = std::max(run_peak_bytes(), before.allocated_bytes[0].peak);
-      c10::cuda::CUDACachingAllocator::resetPeakStats(0);
-    }
-#endif
-    Timing t;
-    const double start = now_ms(setup_.clock);
-    fn();
-    t.host_ms = now_ms(setup_.clock) - start;
-    synchronize();
-    t.synced_ms = now_ms(setup_.clock) - start;
-#if TWOBP_HAVE_NCCL
-    if (cuda_) {
-      const std::int64_t peak = c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocated_bytes[0].peak;
-      run_peak_bytes() = std::max(run_peak_bytes(), peak);
-      peak_above_start_ = std::max(peak_above_start_, peak - base);
-    }
-#endif
-    return t;
-  }
-
-  void synchronize() const {
-    if (cuda_) torch::cuda::synchronize();
-  }
-
-  // Gradients as before the first micro-batch of a step (none) or a later one (existing: zeros where there were
-  // none), on the masters under mixed precision (the compute parameters' .grad stays none, as in the pipeline).
-  void prepare_gradients(bool existing) {
-    setup_.module->zero_grad(/*set_to_none=*/true);
-    for (const at::Tensor& holder : gradient_holders_) {
-      at::Tensor& g = const_cast<at::Tensor&>(holder).mutable_grad();
-      if (!existing) {
-        g.reset();
-      } else if (!g.defined()) {
-        g = at::zeros_like(holder);
-      }
-    }
-    // WHY: the zeros are device work the next timed phase must not wait for.
-    if (existing) synchronize();
-  }
-
   // Per-repetition ratios once both the split and the fused variant of a repetition are in.
   void pair_ratios() {
     if (pending_b_ < 0 || pending_i_ < 0) return;
@@ -333,16 +160,12 @@ class PathBench {
 
   Json per_phase(const std::string& series, double scale) const;
 
-  PathSetup setup_;
-  bool cuda_ = false;
-  std::unique_ptr<detail::MasterWeights> masters_;
-  std::vector<at::Tensor> gradient_holders_;  // the trainable parameters, or their masters
-  std::unique_ptr<Stage> stage_;
-  at::Tensor grad_output_;
+  std::string name_;
+  std::unique_ptr<StageTimer> timer_;
+  int64_t blocks_ = 1;  // repeated blocks of the module: ops_per_block = ops / blocks
   Series samples_;
   std::map<std::string, std::map<std::string, std::int64_t>> ops_by_name_;  // by phase, from the last count
   double pending_i_ = -1, pending_w_ = -1, pending_b_ = -1;
-  std::int64_t peak_above_start_ = 0;
 };
 
 // {"F": med(series/F) · scale, ...} over the phases that have the series.
@@ -368,8 +191,8 @@ Json PathBench::result() const {
   r["split_overhead_ms"] = i + w - b;
   r["host_ms"] = per_phase("host_ms", 1.0);
   r["host_overhead_us"] = per_phase("host_overhead_us", 1.0);
-  r["blocks"] = setup_.blocks;
-  r["ops_per_block"] = per_phase("ops", 1.0 / static_cast<double>(setup_.blocks));
+  r["blocks"] = blocks_;
+  r["ops_per_block"] = per_phase("ops", 1.0 / static_cast<double>(blocks_));
   if (!ops_by_name_.empty()) r["ops_by_name"] = ops_by_name_;
   const double ai = samples_.median("accumulate/stage1_ms"), aw = samples_.median("accumulate/stage2_ms"),
                ab = samples_.median("accumulate/fused_ms");
@@ -391,12 +214,12 @@ Json PathBench::result() const {
     r["batched_w_ms"] = batched;
     r["separate_w_ms"] = separate;
   }
-  r["parameters"] = parameter_count();
+  r["parameters"] = timer_->parameter_count();
   // Matrix-product FLOPs only (attention scores and element-wise work left out): forward 2·P per token for a
   // stack of P weights applied to every token, I and W 2·P each. Meaningful for the LLaMa stacks, whose
   // parameters are all GEMM weights but the norms.
   if (tokens_ > 0) {
-    const double gemm = 2.0 * static_cast<double>(parameter_count()) * static_cast<double>(tokens_);
+    const double gemm = 2.0 * static_cast<double>(timer_->parameter_count()) * static_cast<double>(tokens_);
     r["forward_tflops"] = gemm / (f * 1e9);
     r["stage1_tflops"] = gemm / (i * 1e9);
     r["stage2_tflops"] = gemm / (w * 1e9);
@@ -405,7 +228,9 @@ Json PathBench::result() const {
   r["spread"] = samples_.spread();
   // The largest transient footprint of one phase (F, I, W, B or a batched W): bytes allocated at its peak
   // above those allocated when it began -- activations and gradients, not the weights of the paths.
-  if (cuda_) r["peak_above_phase_start_bytes"] = peak_above_start_;
+  if (timer_->peak_above_phase_start_bytes() >= 0) {
+    r["peak_above_phase_start_bytes"] = timer_->peak_above_phase_start_bytes();
+  }
   return r;
 }
 
@@ -414,7 +239,7 @@ Json PathBench::result() const {
 /// gradient. The two compute the same function with other kernels, so they agree to the dtype's rounding:
 /// within 3e-2 in bfloat16 (2^-8 per rounding, accumulated over the blocks), 1e-4 in float32.
 Json compare_paths(PathBench& fast, PathBench& general, at::ScalarType dtype) {
-  const auto a = fast.values(), b = general.values();
+  const auto a = fast.timer().values(), b = general.timer().values();
   const double tolerance = dtype == at::kBFloat16 ? 3e-2 : 1e-4;
   double worst = 0.0;
   std::string worst_name;
@@ -447,9 +272,10 @@ std::unique_ptr<PathBench> make_llama(const std::string& name, const SplitConfig
   torch::manual_seed(0);  // same initial weights on both paths
   auto module = std::make_shared<LlamaStack<L>>(c.model);
   auto* raw = module.get();
-  auto bench = std::make_unique<PathBench>(PathSetup{name, module,
-                                                     [raw](const at::Tensor& x) { return raw->forward(x); }, input,
-                                                     c.model.layers, mixed_precision(c), parse_clock(c.clock)});
+  auto bench = std::make_unique<PathBench>(
+      name, std::make_unique<StageTimer>(module, [raw](const at::Tensor& x) { return raw->forward(x); }, input,
+                                         timer_options(c)),
+      c.model.layers);
   bench->tokens_ = c.batch * c.seq;
   return bench;
 }
@@ -459,9 +285,11 @@ std::unique_ptr<PathBench> make_conv(const SplitConfig& c) {
   ConvStack module(c.conv_channels, c.conv_layers);
   auto* raw = module.get();
   auto input = torch::randn({c.batch, c.conv_channels, c.conv_size, c.conv_size}).to(tensor_options(c));
-  return std::make_unique<PathBench>(PathSetup{"general_conv", module.ptr(),
-                                               [raw](const at::Tensor& x) { return raw->forward(x); }, input,
-                                               c.conv_layers, mixed_precision(c), parse_clock(c.clock)});
+  return std::make_unique<PathBench>(
+      "general_conv",
+      std::make_unique<StageTimer>(module.ptr(), [raw](const at::Tensor& x) { return raw->forward(x); }, input,
+                                   timer_options(c)),
+      c.conv_layers);
 }
 
 Json config_json(const SplitConfig& c, const std::vector<std::string>& paths) {
@@ -638,13 +466,12 @@ void run_split(const SplitConfig& c) {
     out["fast_vs_general"] = compare_paths(*paths[0], *paths[1], tensor_options(c).dtype().toScalarType());
   }
   Json config = config_json(cfg, names);
-#if TWOBP_HAVE_NCCL
   if (c.device == "cuda") {
     // Peak bytes held by live tensors on GPU 0 over the whole run (all paths' weights, activations, gradients).
-    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(0);
-    config["peak_allocated_bytes"] = std::max(PathBench::run_peak_bytes(), stats.allocated_bytes[0].peak);
+    std::int64_t peak = memory::allocated(tensor_options(c).device()).peak;
+    for (const auto& path : paths) peak = std::max(peak, path->timer().peak_bytes());
+    config["peak_allocated_bytes"] = peak;
   }
-#endif
   config["load_average_start"] = load_start;
   config["load_average_end"] = load_average();
   out["config"] = config;

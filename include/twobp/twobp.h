@@ -40,6 +40,7 @@
 #include "twobp/plan/measure.h"
 #include "twobp/plan/placement.h"
 #include "twobp/plan/record.h"
+#include "twobp/plan/stage_timer.h"
 #include "twobp/plan/synthesize.h"
 #include "twobp/plan/trials.h"
 #include "twobp/runtime/data_parallel.h"

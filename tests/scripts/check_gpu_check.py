@@ -7,7 +7,8 @@ usage: check_gpu_check.py dry-run|injected|prebuilt|prebuilt-stale SCRIPT CPU_BU
             reason (the gpu tests skip without a GPU), the measurements (the example's two runs and their
             comparison included) and the summary's stage costs present, the opt-in pieces skipped as such,
             exactly the 8 expected files
-  injected  the dry run with GPU_CHECK_INJECT="env:tools:hang,measure:split_seq16:fail" and a 150 s deadline: exit 1,
+  injected  the dry run with GPU_CHECK_INJECT="env:tools:hang,measure:split_seq16:fail", a 150 s deadline and
+            --only measure:split_seq16,measure:simulate_seq16: exit 1,
             env:tools recorded as timeout (its process group killed, SIGTERM ignored so SIGKILL was needed),
             measure:split_seq16 as fail, measure:simulate_seq16 skipped because of it, every other piece passed or
             was skipped with a reason, the summary written and the run ended before its deadline
@@ -15,8 +16,9 @@ usage: check_gpu_check.py dry-run|injected|prebuilt|prebuilt-stale SCRIPT CPU_BU
             gpu tests with a manifest of these sources) and --only 'measure:*,test:*': exit 0, "prebuilt" passed
             (they load), configure/targets/discover/build:* skipped as provided by them, the measurements run with
             the carried binaries, the opt-in pieces too (the example's memory estimate against its measured peak)
-  prebuilt-stale  the same with a manifest of other sources: "prebuilt" skipped with that reason, and the check
-            configures and checks its targets as without carried binaries
+  prebuilt-stale  the same with a manifest of other sources and --only measure:split_seq16,measure:simulate_seq16:
+            "prebuilt" skipped with that reason, and the check configures and checks its targets as without carried
+            binaries
 
 Each fails when summary.json is missing, unreadable or wrong. After checking the real summary, the checker also
 checks itself: broken copies of that summary (no pieces, an unknown status, "gpu": true, ...) must be rejected.
@@ -36,6 +38,13 @@ FILES = {"summary.json", "check.log", "build.log", "tests.log", "split_seq16.jso
 DEADLINE = {"dry-run": 200, "injected": 150, "prebuilt": 200, "prebuilt-stale": 200}
 PROVIDED = ("configure", "targets", "discover", "build:library", "build:twobp_bench", "build:llama_pipeline")
 INJECT = "env:tools:hang,measure:split_seq16:fail"
+# --only per mode. The prebuilt run names every measurement and test, so the opt-in pieces (the example's memory)
+# run too; the injected and stale runs check the runner and the set-up, which one measurement and its simulation
+# show as well as all of them (the plain and prebuilt runs cover the rest).
+ONLY = {"prebuilt": "measure:*,test:*", "injected": "measure:split_seq16,measure:simulate_seq16",
+        "prebuilt-stale": "measure:split_seq16,measure:simulate_seq16"}
+# The stage costs each mode's summary must hold (None: none, the injected failure stops seq16's).
+COSTS = {"dry-run": "seq32", "prebuilt": "seq32", "prebuilt-stale": "seq16", "injected": None}
 
 
 def check_common(s, files, wall, deadline, need):
@@ -95,9 +104,10 @@ def validate(mode, s, files, rc, wall):
     pieces = s["pieces"]
     need(isinstance(s.get("gpu_tests"), dict) and s["gpu_tests"], "gpu_tests is empty")
     carried = mode == "prebuilt"
-    for name in ("env:torch", "third_party", "measure:split_seq32", "measure:simulate_seq32", "measure:example_2bp",
-                 "measure:example_standard", "measure:example_compare", "summary") + (
-            ("prebuilt",) if carried else PROVIDED):
+    measured = () if mode in ("injected", "prebuilt-stale") else (
+        "measure:split_seq32", "measure:simulate_seq32", "measure:example_2bp", "measure:example_standard",
+        "measure:example_compare")
+    for name in ("env:torch", "third_party", "summary") + measured + (("prebuilt",) if carried else PROVIDED):
         need(by_name.get(name, {}).get("status") == "pass", "piece %s: %s" % (name, by_name.get(name)))
     for name in PROVIDED if carried else ():
         p = by_name.get(name, {})
@@ -111,7 +121,8 @@ def validate(mode, s, files, rc, wall):
             need(p.get("status") == "pass", "piece %s: %s" % (name, p))
             need(name.endswith("_estimate") or "measured/estimate" in p.get("detail", ""), "piece %s: %s" % (name, p))
         else:
-            need(p.get("status") == "skipped" and "runs only when --only names it" in p.get("detail", ""),
+            need(p.get("status") == "skipped" and ("runs only when --only names it" in p.get("detail", "")
+                                                   or "not selected" in p.get("detail", "")),
                  "opt-in piece %s ran without being named: %s" % (name, p))
     if mode == "prebuilt-stale":
         p = by_name.get("prebuilt", {})
@@ -121,15 +132,19 @@ def validate(mode, s, files, rc, wall):
     for p in tests:
         need(p.get("status") in ("pass", "skipped"), "piece %s: %s %s" % (p["name"], p.get("status"), p.get("detail")))
     need(any(n.startswith("list:") for n in by_name), "no list: piece")
-    costs = (s.get("stage_costs") or {}).get("seq32") or {}
-    need(isinstance(costs.get("forward_ms"), (int, float)) and costs["forward_ms"] > 0,
-         "stage_costs.seq32.forward_ms: %r" % costs.get("forward_ms"))
-    need(bool(costs.get("simulated_4gpu_m8_speedup_2bp_over_standard")), "no simulated speedups for seq32")
+    if COSTS[mode]:
+        costs = (s.get("stage_costs") or {}).get(COSTS[mode]) or {}
+        need(isinstance(costs.get("forward_ms"), (int, float)) and costs["forward_ms"] > 0,
+             "stage_costs.%s.forward_ms: %r" % (COSTS[mode], costs.get("forward_ms")))
+        need(bool(costs.get("simulated_4gpu_m8_speedup_2bp_over_standard")),
+             "no simulated speedups for %s" % COSTS[mode])
 
     if mode != "injected":
         need(rc == 0, "exit code %r, expected 0" % rc)
         need(s.get("ok") is True and not s.get("not_ok"), "ok %r, not_ok %r" % (s.get("ok"), s.get("not_ok")))
         expected = FILES - {"build.log"} if carried else FILES  # nothing is configured or built
+        if mode == "prebuilt-stale":
+            expected = expected - {"split_seq32.json", "simulate_seq32.json"}
         need(set(files) == expected, "files %s, expected %s" % (sorted(files), sorted(expected)))
         for name in ("measure:split_seq16", "measure:simulate_seq16"):
             need(by_name.get(name, {}).get("status") == "pass", "piece %s: %s" % (name, by_name.get(name)))
@@ -139,6 +154,8 @@ def validate(mode, s, files, rc, wall):
     else:
         need(rc == 1, "exit code %r, expected 1" % rc)
         need(s.get("ok") is False, "ok is %r with an injected failure" % s.get("ok"))
+        expected = {"summary.json", "check.log", "build.log", "tests.log"}  # the failed split wrote no JSON
+        need(set(files) == expected, "files %s, expected %s" % (sorted(files), sorted(expected)))
         need(s.get("inject") == INJECT, "inject %r" % s.get("inject"))
         hang = by_name.get("env:tools", {})
         need(hang.get("status") == "timeout" and hang.get("injected") == "hang", "env:tools: %s" % hang)
@@ -174,8 +191,9 @@ def self_test(mode, s, files, rc, wall):
                                               if p["name"] == "configure"]),
         "skipped without reason": broken(lambda c: [p.update(status="skipped", detail="") for p in c["pieces"]
                                                     if p["name"].startswith("test:")]),
-        "no stage costs": broken(lambda c: c.update(stage_costs={})),
     }
+    if COSTS[mode]:
+        cases["no stage costs"] = broken(lambda c: c.update(stage_costs={}))
     if mode == "prebuilt":  # the carried binaries must stand for the build, not the build run anyway
         cases["build:library run"] = broken(lambda c: [p.update(status="pass", detail="built") for p in c["pieces"]
                                                        if p["name"] == "build:library"])
@@ -275,8 +293,7 @@ def main():
     if mode.startswith("prebuilt"):
         env["GPU_CHECK_PREBUILT"] = carried_binaries(script, cpu_build, os.path.join(work, "prebuilt"),
                                                      stale=mode == "prebuilt-stale")
-    # The prebuilt run names every measurement and test, so the opt-in pieces (the example's memory) run too.
-    only = ["--only", "measure:*,test:*"] if mode == "prebuilt" else []
+    only = ["--only", ONLY[mode]] if mode in ONLY else []
     rc, wall, files, summary = dry_run(script, only, env, DEADLINE[mode], work)
     if summary is None:
         return report(mode, summary, files, ["no readable summary.json"], work)
