@@ -28,7 +28,6 @@
 #include "twobp/plan/measure.h"
 #include "twobp/plan/record.h"
 #include "twobp/plan/synthesize.h"
-#include "twobp/schedule/pytorch_csv.h"
 #include "twobp/schedule/registry.h"
 #include "twobp/schedule/schedule.h"
 #include "twobp/schedule/simulate.h"
@@ -290,8 +289,8 @@ void simulate_one(const SimulateArgs& a, const CostSource& src, const SimulatePl
     // The schedule as simulated, to read back with --schedule-file (here or in llama_pipeline) or in PyTorch.
     const std::string base = fmt::format("{}/{}_{}_p{}_m{}_v{}", a.dump_schedules, name, to_string(mode),
                                          sched.num_ranks, sched.num_micro_batches, sched.num_stages / sched.num_ranks);
-    write_text(base + ".txt", dump_schedule(sched));
-    write_text(base + ".csv", to_pytorch_csv(sched));
+    save_schedule_file(base + ".txt", sched);
+    save_schedule_file(base + ".csv", sched);
   }
   row.v = sched.num_stages / sched.num_ranks;
   row.stages = sched.num_stages;

@@ -151,8 +151,6 @@ Plan make_plan(const Args& args, int world_size);
 /// `to` instead (its checkpoint layout too).
 twobp::Placement placement_of(const Plan& p);
 Plan with_placement(const Plan& p, const twobp::Placement& to);
-/// The learning rate of `step`: linear warm-up, then cosine decay to 10 % of --lr at --steps.
-double learning_rate(const Args& a, int step);
 /// Writes `j` to `path`; IOError when that fails.
 void write_json(const std::string& path, const nlohmann::json& j);
 /// The run's settings, as the JSON output starts.

@@ -17,22 +17,11 @@
 #include "twobp/runtime/data_parallel.h"
 #include "twobp/runtime/job.h"
 #include "twobp/runtime/launch.h"
-#include "twobp/schedule/pytorch_csv.h"
 #include "twobp/schedule/text.h"
 #include "twobp_cli.h"  // examples/common: option checks shared with twobp_bench
 
 namespace llama_example {
 namespace {
-
-/// --dump-schedule: twobp's text form, or PyTorch's compute_only CSV (*.csv).
-void write_schedule(const std::string& path, const twobp::Schedule& schedule) {
-  const bool csv = path.size() >= 4 && path.compare(path.size() - 4, 4, ".csv") == 0;
-  std::ofstream out(path);
-  out << (csv ? twobp::to_pytorch_csv(schedule) : twobp::dump_schedule(schedule));
-  out.close();
-  TWOBP_CHECK(out.good(), twobp::IOError, "--dump-schedule: cannot write {}", path);
-  fmt::print("schedule {} written to {}\n", schedule.name, path);
-}
 
 /// The training split of the corpus (--data, or the built-in one) and, with --eval-every, its held-out tail.
 struct Corpus {
@@ -134,7 +123,10 @@ int run(Args args, int& argc, char**& argv) {
   }
   const twobp::ParallelLayout layout = twobp::ParallelLayout::of(world, args.dp);  // dp must divide the world
   const Plan plan = make_plan(args, layout.pp);  // model, schedule and partition errors surface here
-  if (!args.dump_schedule.empty() && my_rank == 0) write_schedule(args.dump_schedule, plan.schedule);
+  if (!args.dump_schedule.empty() && my_rank == 0) {  // twobp's text form, or PyTorch's CSV (*.csv)
+    twobp::save_schedule_file(args.dump_schedule, plan.schedule);
+    fmt::print("schedule {} written to {}\n", plan.schedule.name, args.dump_schedule);
+  }
   if (args.dry_run) return my_rank == 0 ? dry_run(plan) : 0;
   if (args.device == "cpu") check_fits_in_host_memory(plan, !job.processes(), layout.pipeline_rank(my_rank));
 

@@ -1,6 +1,5 @@
 // What every rank of llama_pipeline agrees on before the first step, the dry run and the memory check.
 #include <algorithm>
-#include <cmath>
 #include <fstream>
 
 #include <unistd.h>  // sysconf: the machine's memory
@@ -58,14 +57,6 @@ Plan with_placement(const Plan& p, const twobp::Placement& to) {
   out.recompute_ranks = to.recompute_ranks;
   out.checkpoint_layout = checkpoint_layout(out);
   return out;
-}
-
-double learning_rate(const Args& a, int step) {
-  const int warmup = a.warmup_steps >= 0 ? a.warmup_steps : a.steps / 10;
-  if (step < warmup) return a.lr * (step + 1) / static_cast<double>(warmup);
-  const double progress = std::min(1.0, (step - warmup) / static_cast<double>(std::max(1, a.steps - warmup)));
-  const double min_ratio = 0.1;
-  return a.lr * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + std::cos(M_PI * progress)));
 }
 
 void write_json(const std::string& path, const nlohmann::json& j) {

@@ -14,6 +14,7 @@
 #include "twobp/plan/measure.h"
 #include "twobp/plan/record.h"
 #include "twobp/runtime/data_parallel.h"
+#include "twobp/runtime/lr_schedule.h"
 #include "twobp/runtime/pipeline.h"
 #include "twobp/runtime/sharded_optimizer.h"
 #include "twobp/transport/collectives.h"
@@ -198,13 +199,9 @@ void write_costs(const Plan& p, twobp::ParallelGroups& groups, const twobp::Cost
   doc.config_extra = nlohmann::ordered_json{{"source", "llama_pipeline --costs-json"}, {"dtype", p.args.dtype},
                                             {"device", device.str()}, {"steps_measured", recorder.steps()}}
                          .dump();
-  auto every_stage = [](const std::vector<double>& ms) {
-    return !ms.empty() && std::all_of(ms.begin(), ms.end(), [](double x) { return x > 0; });
-  };
-  const bool split = every_stage(r.costs.backward_input) && every_stage(r.costs.backward_weight);
-  if (split || every_stage(r.costs.backward)) {
+  if (const std::optional<twobp::BackwardMode> mode = twobp::measured_mode(r.costs)) {
     r.schedule = schedule;
-    r.mode = split ? twobp::BackwardMode::kSplit : twobp::BackwardMode::kStandard;
+    r.mode = *mode;
     r.p = p.world_size;
     r.v = p.schedule.num_stages / p.world_size;
     r.m = p.args.microbatches;
@@ -377,7 +374,8 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
     twobp::Pipeline& pipeline = state.pipeline();  // this step's (a move between steps builds another)
     const auto ts = std::chrono::steady_clock::now();
     const std::optional<double> e0 = rank_energy.share();
-    const double lr = learning_rate(a, step);
+    // Linear warm-up over --warmup-steps, then cosine decay to 10 % of --lr at --steps.
+    const double lr = twobp::WarmupCosine{a.lr, a.steps, a.warmup_steps, 0.1}.at(step);
     state.optimizer->set_lr(lr);
     pipeline.zero_grad();
     // The step's sequence length (shorter during --seq-len-warmup): a prefix of the full-length windows, so the

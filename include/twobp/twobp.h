@@ -49,6 +49,7 @@
 #include "twobp/runtime/interrupt.h"
 #include "twobp/runtime/job.h"
 #include "twobp/runtime/launch.h"
+#include "twobp/runtime/lr_schedule.h"
 #include "twobp/runtime/mpi_launch.h"
 #include "twobp/runtime/pipeline.h"
 #include "twobp/runtime/sharded_optimizer.h"

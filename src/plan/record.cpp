@@ -171,6 +171,12 @@ RunDocument merge_run_documents(const std::vector<RunDocument>& docs, const std:
   return out;
 }
 
+std::optional<BackwardMode> measured_mode(const MeasuredCosts& costs) {
+  if (every_positive(costs.backward_input) && every_positive(costs.backward_weight)) return BackwardMode::kSplit;
+  if (every_positive(costs.backward)) return BackwardMode::kStandard;
+  return std::nullopt;
+}
+
 const RunRecord* find_partner(const RunDocument& doc, std::size_t index) {
   TWOBP_CHECK(index < doc.results.size(), UsageError, "find_partner: result {} of {}", index, doc.results.size());
   const RunRecord& r = doc.results[index];

@@ -240,13 +240,24 @@ std::string dump_schedule(const Schedule& schedule) {
 
 Schedule load_schedule(std::string_view text) { return Parser().parse(text); }
 
+namespace {
+// The one rule for a schedule file's form: PyTorch's CSV by the name's ending, else twobp's text form.
+bool names_csv(const std::string& path) { return path.size() >= 4 && path.compare(path.size() - 4, 4, ".csv") == 0; }
+}  // namespace
+
+void save_schedule_file(const std::string& path, const Schedule& schedule) {
+  std::ofstream out(path, std::ios::binary);
+  out << (names_csv(path) ? to_pytorch_csv(schedule) : dump_schedule(schedule));
+  out.close();
+  TWOBP_CHECK(out.good(), IOError, "cannot write schedule file '{}'", path);
+}
+
 Schedule load_schedule_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   TWOBP_CHECK(in.good(), IOError, "cannot read schedule file '{}'", path);
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const bool csv = path.size() >= 4 && path.compare(path.size() - 4, 4, ".csv") == 0;
   try {
-    if (csv) return from_pytorch_csv(text);
+    if (names_csv(path)) return from_pytorch_csv(text);
     return load_schedule(text);
   } catch (const ScheduleError& e) {
     detail::raise<ScheduleError>("schedule file '{}': {}", path, e.what());

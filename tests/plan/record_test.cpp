@@ -195,6 +195,25 @@ TEST(PartnerRule, ARecordOfBothModesMeasuredBoth) {
             (std::vector<BackwardMode>{BackwardMode::kStandard, BackwardMode::kSplit}));
 }
 
+// The mode a record of measured costs is written under: the one whose costs cover every stage, 2BP first; none
+// when neither does -- whatever the number of stages.
+TEST(PartnerRule, ARecordTakesTheModeItsCostsCoverOnEveryStage) {
+  for (std::size_t n : {1u, 3u}) {
+    const std::vector<double> ones(n, 1.0), zeros(n, 0.0);
+    std::vector<double> holed = ones;
+    holed.back() = 0.0;
+    EXPECT_EQ(measured_mode(costs(ones, ones, ones, zeros)), BackwardMode::kSplit);
+    EXPECT_EQ(measured_mode(costs(ones, ones, ones, ones)), BackwardMode::kSplit);
+    EXPECT_EQ(measured_mode(costs(ones, zeros, zeros, ones)), BackwardMode::kStandard);
+    EXPECT_EQ(measured_mode(costs(ones, ones, holed, ones)), BackwardMode::kStandard);
+    EXPECT_EQ(measured_mode(costs(ones, holed, ones, holed)), std::nullopt);
+    EXPECT_EQ(measured_mode(costs(ones, {}, {}, {})), std::nullopt);
+    // A record written under that mode lists both modes when it covers both.
+    EXPECT_EQ(measured_modes(record(*measured_mode(costs(ones, ones, ones, ones)), costs(ones, ones, ones, ones))),
+              (std::vector<BackwardMode>{BackwardMode::kSplit, BackwardMode::kStandard}));
+  }
+}
+
 // Measured on 2 ranks, v = 1: stage s on rank s, F = 1, 3; I = 2, 4; W = 1, 1; B = 0.
 TEST(CostsForPlacement, MapsMeasuredStagesOntoAnotherShape) {
   MeasuredCosts m = costs({1, 3}, {2, 4}, {1, 1}, {0, 0});

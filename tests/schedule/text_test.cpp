@@ -1,8 +1,12 @@
 #include <gtest/gtest.h>
 
+#include <cstdio>
+#include <fstream>
+#include <sstream>
 #include <string>
 
 #include "twobp/error.h"
+#include "twobp/schedule/pytorch_csv.h"
 #include "twobp/schedule/registry.h"
 #include "twobp/schedule/schedule.h"
 #include "twobp/schedule/text.h"
@@ -94,6 +98,40 @@ TEST(Text, DumpRejectsUnwritableName) {
   Schedule sc = make_schedule("gpipe", ScheduleOptions{1, 1, 1, BackwardMode::kSplit});
   sc.name = "my schedule";
   EXPECT_THROW(dump_schedule(sc), ScheduleError);
+}
+
+// save_schedule_file writes the form its name asks for, which load_schedule_file reads back: the text form exactly,
+// PyTorch's CSV as the same compute actions; an unwritable name is an IOError naming it.
+TEST(Text, SavedScheduleFilesReadBackByTheirName) {
+  const std::string base = ::testing::TempDir() + "/save_schedule_file_test";
+  auto contents = [](const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    std::ostringstream s;
+    s << in.rdbuf();
+    return s.str();
+  };
+  for (const char* name : {"1f1b", "zb-h1", "interleaved-1f1b", "zb-v"}) {
+    for (BackwardMode mode : {BackwardMode::kStandard, BackwardMode::kSplit}) {
+      if (std::string(name).rfind("zb", 0) == 0 && mode == BackwardMode::kStandard) continue;  // 2BP-only
+      const Schedule sc = make_schedule(name, default_schedule_options(name, 2, 4, mode));
+      SCOPED_TRACE(std::string(name) + " " + to_string(mode));
+      save_schedule_file(base + ".txt", sc);
+      EXPECT_EQ(contents(base + ".txt"), dump_schedule(sc));
+      EXPECT_EQ(dump_schedule(load_schedule_file(base + ".txt")), dump_schedule(sc));
+      save_schedule_file(base + ".csv", sc);
+      EXPECT_EQ(contents(base + ".csv"), to_pytorch_csv(sc));
+      EXPECT_EQ(to_pytorch_csv(load_schedule_file(base + ".csv")), to_pytorch_csv(sc));
+    }
+  }
+  std::remove((base + ".txt").c_str());
+  std::remove((base + ".csv").c_str());
+  const Schedule sc = make_schedule("1f1b", ScheduleOptions{2, 2, 1, BackwardMode::kSplit});
+  try {
+    save_schedule_file("/nonexistent-dir/s.csv", sc);
+    FAIL() << "expected IOError";
+  } catch (const IOError& e) {
+    EXPECT_NE(std::string(e.what()).find("/nonexistent-dir/s.csv"), std::string::npos) << e.what();
+  }
 }
 
 TEST(Text, DescribeAndToString) {

@@ -14,6 +14,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -81,6 +82,10 @@ MeasuredCosts complete_costs(const RunRecord& record, const RunRecord* partner, 
 /// The backward modes whose costs `record` measured: its own mode, and the other mode too when that mode's costs are
 /// > 0 on every stage (a run that measured both, as `llama_pipeline --schedule auto` does, writes one record).
 std::vector<BackwardMode> measured_modes(const RunRecord& record);
+/// The mode to record `costs` under (RunRecord::mode): kSplit when I and W are > 0 on every stage (a 2BP run; its
+/// B's too where it measured them: measured_modes then lists both), else kStandard when B is, else nullopt (write
+/// no record: a stage without costs would read as free to a fit or a simulation).
+std::optional<BackwardMode> measured_mode(const MeasuredCosts& costs);
 
 /// Measured per-stage costs of a placement (`measured_stage_to_rank`, stage -> rank) as the costs of another
 /// schedule `target`: each stage keeps its cost when the ranks and placement are the same ("per-stage"); with the

@@ -16,6 +16,9 @@ Schedule load_schedule(std::string_view text);
 /// load_schedule() of a file's contents -- or, for a name ending in ".csv", from_pytorch_csv()
 /// (twobp/schedule/pytorch_csv.h); IOError when it cannot be read, ScheduleError naming the file otherwise.
 Schedule load_schedule_file(const std::string& path);
+/// Writes `schedule` to `path` in the form load_schedule_file() reads back from that name: PyTorch's CSV for a
+/// name ending in ".csv" (to_pytorch_csv), else the text form. IOError naming the file when it cannot be written.
+void save_schedule_file(const std::string& path, const Schedule& schedule);
 
 /// ASCII picture: one row per rank, one column per time slot of a unit-cost simulation. `mark`, if given,
 /// is highlighted (used to point at the offending action of an invalid schedule).
