@@ -29,6 +29,7 @@
 #include "twobp/precision.h"
 #include "twobp/metrics/step_log.h"
 #include "twobp/plan/stage_timer.h"
+#include "twobp/runtime/interrupt.h"
 
 
 namespace twobp::bench {
@@ -339,8 +340,10 @@ std::vector<std::unique_ptr<PathBench>> make_paths(const SplitConfig& c, const s
   return paths;
 }
 
-// Every repetition runs every variant of every path, in an order that rotates with the repetition.
-void run_repetitions(const SplitConfig& c, std::vector<std::unique_ptr<PathBench>>& paths) {
+// Every repetition runs every variant of every path, in an order that rotates with the repetition. A signal
+// (SIGINT, SIGTERM) ends the run after the repetition in progress. Returns the timed repetitions done.
+int run_repetitions(const SplitConfig& c, std::vector<std::unique_ptr<PathBench>>& paths,
+                    const InterruptGuard& interrupts) {
   using Variant = std::function<void(PathBench&, bool)>;
   const bool by_name = c.ops_by_name;
   std::vector<Variant> variants = {
@@ -368,7 +371,9 @@ void run_repetitions(const SplitConfig& c, std::vector<std::unique_ptr<PathBench
     for (auto& path : paths) {
       for (std::size_t v = 0; v < variants.size(); ++v) variants[(v + r) % variants.size()](*path, record);
     }
+    if (interrupts.received() != 0) return std::max(0, r + 1 - c.warmup);
   }
+  return c.repeats;
 }
 
 // A path's result (name, its JSON) and one phase of it (kPhases[phase]; -1 for the headline table).
@@ -458,7 +463,16 @@ void run_split(const SplitConfig& c) {
   cfg.model.max_seq = c.seq;
   if (cfg.model.ffn <= 0) cfg.model.ffn = (8 * cfg.model.dim / 3 + 31) / 32 * 32;  // LLaMa's rule: 512 -> 1376
   std::vector<std::unique_ptr<PathBench>> paths = make_paths(cfg, names);
-  run_repetitions(cfg, paths);
+  // Ctrl-C / SIGTERM: the repetition in progress ends; the medians of those done are reported and written, and
+  // the command exits 130 / 143 (twobp/runtime/interrupt.h).
+  InterruptGuard interrupts;
+  cfg.repeats = run_repetitions(cfg, paths, interrupts);
+  if (interrupts.received() != 0) {
+    std::cerr << "split: interrupted by " << interrupts.received_name() << " after " << cfg.repeats << " of "
+              << c.repeats << " timed repetitions" << (cfg.repeats > 0 ? "; reporting those" : ": nothing to report")
+              << "\n";
+    if (cfg.repeats == 0) throw CLI::RuntimeError(interrupts.exit_status());
+  }
 
   Json out;
   for (const auto& path : paths) out[path->name()] = path->result();
@@ -472,13 +486,14 @@ void run_split(const SplitConfig& c) {
     for (const auto& path : paths) peak = std::max(peak, path->timer().peak_bytes());
     config["peak_allocated_bytes"] = peak;
   }
+  if (interrupts.received() != 0) config["interrupted"] = interrupts.received_name();  // "repeats": those done
   config["load_average_start"] = load_start;
   config["load_average_end"] = load_average();
   out["config"] = config;
 
   std::cout << "dim " << cfg.model.dim << ", ffn " << cfg.model.ffn << ", layers " << cfg.model.layers << ", seq "
             << c.seq << ", batch " << c.batch << ", " << to_string(c.precision) << ", " << c.threads << " threads, " << c.clock
-            << " clock, median of " << c.repeats << " (load " << fmt_num(load_start) << " -> "
+            << " clock, median of " << cfg.repeats << " (load " << fmt_num(load_start) << " -> "
             << fmt_num(load_average()) << ")\n";
   print_tables(c, out, names);
   if (out.contains("fast_vs_general")) {
@@ -488,10 +503,12 @@ void run_split(const SplitConfig& c) {
               << agree["compared"].get<int>() << " values (" << agree["worst"].get<std::string>() << "), tolerance "
               << agree["tolerance"].get<double>() << ": " << (agree["ok"].get<bool>() ? "ok" : "DIFFER") << "\n";
   }
-  if (c.json.empty()) return;
-  write_json(c.json, out);
-  std::cout << "wrote " << c.json << "\n";
-  if (c.check) check_written(c.json);
+  if (!c.json.empty()) {
+    write_json(c.json, out);
+    std::cout << "wrote " << c.json << "\n";
+    if (c.check) check_written(c.json);
+  }
+  if (interrupts.received() != 0) throw CLI::RuntimeError(interrupts.exit_status());
 }
 
 }  // namespace

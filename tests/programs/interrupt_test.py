@@ -5,7 +5,9 @@ Each run must end within 60 s of the signal with the shell's status for it (130,
 was written; its --json holds exactly the steps done (as many as that line says, numbered from 0), its --trace is
 there, its checkpoint is of the last step done, and no .tmp file is left in the work directory or the checkpoint.
 With --bench: `twobp_bench pipeline` interrupted as its third configuration starts keeps the configurations it
-finished (its --json has as many results as its line says, at least 2 of 6) and exits 130. With --mpiexec: the
+finished (its --json has as many results as its line says, at least 2 of 6) and exits 130; `twobp_bench split`
+interrupted after its first two hundred repetitions reports the medians of those done (its line says how many, its
+--json config too) and exits 130. With --mpiexec: the
 same run as 2 MPI processes, SIGINT sent to mpiexec (which forwards SIGTERM to the ranks): the outputs and the line
 as above; the exit status is mpiexec's own and not checked.
 
@@ -110,6 +112,40 @@ def interrupted_bench(bench, work):
     print(f"bench: kept {done} of 6 configurations, exit 130")
 
 
+def interrupted_split(bench, work):
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    out_json = os.path.join(work, "split.json")
+    p = subprocess.Popen([bench, "split", "--repeats", "2000", "--warmup", "1", "--dim", "32", "--layers", "1",
+                          "--seq", "8", "--batch", "1", "--threads", "1", "--no-conv", "--paths", "fast",
+                          "--json", out_json], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in p.stdout:  # a progress line every tenth of the run: the signal goes once 100 are timed
+        lines.append(line)
+        m = re.search(r"repetition (\d+)/", line)
+        if m and int(m.group(1)) > 101:
+            p.send_signal(signal.SIGINT)
+            break
+    else:
+        raise AssertionError("split: no progress line past repetition 101:\n" + "".join(lines))
+    try:
+        out, _ = p.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise AssertionError("split: did not end within 60 s of SIGINT")
+    out = "".join(lines) + out
+    assert p.returncode == 130, f"split: exit status {p.returncode}, expected 130:\n{out}"
+    line = re.search(r"interrupted by SIGINT after (\d+) of 2000 timed repetitions; reporting those", out)
+    assert line, f"split: no line saying what was kept:\n{out}"
+    done = int(line.group(1))
+    assert 100 <= done < 2000, f"split: {done} repetitions, expected 100 to 1999:\n{out}"
+    with open(out_json) as f:
+        result = json.load(f)
+    assert result["config"]["repeats"] == done and result["config"]["interrupted"] == "SIGINT", result["config"]
+    assert result["fast"]["spread"]["fused_ms"]["n"] == done, result["fast"]["spread"]["fused_ms"]
+    print(f"split: kept {done} of 2000 repetitions, exit 130")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("example")
@@ -121,6 +157,7 @@ def main():
         interrupted_run(args.example, os.path.join(args.work, sig.name.lower()), sig, status)
     if args.bench:
         interrupted_bench(args.bench, os.path.join(args.work, "bench"))
+        interrupted_split(args.bench, os.path.join(args.work, "split"))
     if args.mpiexec:
         interrupted_run(args.example, os.path.join(args.work, "mpi"), signal.SIGINT, None, args.mpiexec)
     shutil.rmtree(args.work, ignore_errors=True)
