@@ -80,28 +80,36 @@ def interrupted_run(example, work, sig, status, mpiexec=None):
     print(f"{name}: stopped after step {done}, exit {p.returncode}, outputs complete")
 
 
+def signalled(what, cmd, ready, timeout):
+    """Runs cmd, sends SIGINT once a line of its output satisfies ready(line), and returns (exit status, output).
+    Fails when no line did or it did not end within `timeout` seconds of the signal."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in p.stdout:
+        lines.append(line)
+        if ready(line):
+            p.send_signal(signal.SIGINT)
+            break
+    else:
+        raise AssertionError(f"{what}: no line to send the signal on:\n" + "".join(lines))
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise AssertionError(f"{what}: did not end within {timeout} s of SIGINT")
+    out = "".join(lines) + out
+    assert p.returncode == 130, f"{what}: exit status {p.returncode}, expected 130:\n{out}"
+    return out
+
+
 def interrupted_bench(bench, work):
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
     out_json = os.path.join(work, "pipeline.json")
-    p = subprocess.Popen([bench, "pipeline", "--schedule", "1f1b,gpipe,zb-h1", "--mode", "both", "--steps", "30",
-                          "--warmup", "1", "--dim", "64", "--layers", "4", "--seq", "32", "--json", out_json],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    for line in p.stdout:  # the progress lines come as each configuration starts
-        lines.append(line)
-        if "configuration 3/6" in line:
-            p.send_signal(signal.SIGINT)
-            break
-    else:
-        raise AssertionError("no progress line for configuration 3/6:\n" + "".join(lines))
-    try:
-        out, _ = p.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        raise AssertionError("bench: did not end within 120 s of SIGINT")
-    out = "".join(lines) + out
-    assert p.returncode == 130, f"bench: exit status {p.returncode}, expected 130:\n{out}"
+    # The progress lines come as each configuration starts.
+    out = signalled("bench", [bench, "pipeline", "--schedule", "1f1b,gpipe,zb-h1", "--mode", "both", "--steps", "30",
+                              "--warmup", "1", "--dim", "64", "--layers", "4", "--seq", "32", "--json", out_json],
+                    lambda line: "configuration 3/6" in line, 120)
     line = re.search(r"interrupted by SIGINT: (\d+) of 6 configurations finished", out)
     assert line, f"bench: no line saying what was kept:\n{out}"
     done = int(line.group(1))
@@ -116,25 +124,11 @@ def interrupted_split(bench, work):
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
     out_json = os.path.join(work, "split.json")
-    p = subprocess.Popen([bench, "split", "--repeats", "2000", "--warmup", "1", "--dim", "32", "--layers", "1",
-                          "--seq", "8", "--batch", "1", "--threads", "1", "--no-conv", "--paths", "fast",
-                          "--json", out_json], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    for line in p.stdout:  # a progress line every tenth of the run: the signal goes once 100 are timed
-        lines.append(line)
-        m = re.search(r"repetition (\d+)/", line)
-        if m and int(m.group(1)) > 101:
-            p.send_signal(signal.SIGINT)
-            break
-    else:
-        raise AssertionError("split: no progress line past repetition 101:\n" + "".join(lines))
-    try:
-        out, _ = p.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        raise AssertionError("split: did not end within 60 s of SIGINT")
-    out = "".join(lines) + out
-    assert p.returncode == 130, f"split: exit status {p.returncode}, expected 130:\n{out}"
+    # A progress line every tenth of the run: the signal goes once 200 repetitions are timed.
+    past = lambda line: int((re.search(r"repetition (\d+)/", line) or [0, 0])[1]) > 101  # noqa: E731
+    out = signalled("split", [bench, "split", "--repeats", "2000", "--warmup", "1", "--dim", "32", "--layers", "1",
+                              "--seq", "8", "--batch", "1", "--threads", "1", "--no-conv", "--paths", "fast",
+                              "--json", out_json], past, 60)
     line = re.search(r"interrupted by SIGINT after (\d+) of 2000 timed repetitions; reporting those", out)
     assert line, f"split: no line saying what was kept:\n{out}"
     done = int(line.group(1))
