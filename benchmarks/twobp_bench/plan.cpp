@@ -74,20 +74,9 @@ struct Rates {
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
-llm::LlamaConfig config_of(const PlanArgs& a, const ModelShape* measured) {
-  if (measured == nullptr) return llm::with_dims(llm::config_by_name(a.model), a.dims);
+llm::LlamaConfig config_of(const PlanArgs& a, const RunDocument* measured, const std::string& where) {
   // The measured benchmark's own model (twobp_bench pipeline --model llama, or the example's).
-  llm::LlamaConfig c;
-  c.name = "measured";
-  c.dim = measured->dim;
-  c.n_layers = static_cast<int>(measured->layers);
-  c.n_heads = static_cast<int>(measured->heads);
-  c.n_kv_heads = static_cast<int>(measured->kv_heads);
-  c.ffn_dim = measured->ffn;
-  c.vocab_size = measured->vocab;
-  c.max_seq_len = measured->seq;
-  c.validate();
-  return llm::with_dims(c, a.dims);
+  return llm::with_dims(measured ? measured_llama_config(*measured, where) : llm::config_by_name(a.model), a.dims);
 }
 
 // Bytes of one activation message (a micro-batch's hidden state) in the compute dtype.
@@ -95,37 +84,14 @@ double activation_bytes(const llm::LlamaConfig& c, int64_t mbs, int64_t seq, int
   return static_cast<double>(mbs * seq * c.dim * bytes);
 }
 
-// Costs measured on the document's own model (`path`: its files): fit_llama_costs over every plain result (no
-// memory limit or announced shapes; a record of both modes counts for each, measured_modes), carried to the
-// planned model `to` at `to_seq` and `to_mbs` sequences per micro-batch; messages at the first 2bp result's time
-// per activation byte.
+// Costs measured on the document's own model (`path`: its files; fit_run_document), on CPU.
 Rates measured_rates(const RunDocument& doc, const std::string& path, const llm::LlamaConfig& to, int64_t to_seq,
                      int64_t to_mbs) {
-  if (doc.model.model.empty()) throw std::runtime_error(path + ": no \"config\" (the measured model's sizes)");
-  if (doc.model.model != "llama") {
-    throw std::runtime_error(path + ": the planner models LLaMa-like stacks; this benchmark ran --model " +
-                             doc.model.model);
-  }
-  const llm::LlamaConfig c = config_of(PlanArgs{}, &doc.model);
-  const int64_t seq = doc.model.seq, mbs = doc.model.micro_batch_size;
-  std::vector<MeasuredLlamaRun> runs;
-  std::vector<std::string> used;
-  double comm_ms = -1;
-  for (const RunRecord& r : doc.results) {
-    if (!r.plain()) continue;
-    for (BackwardMode mode : measured_modes(r)) {
-      // The balanced partition, or the one the result names (llama_pipeline --costs-json of a --partition run).
-      runs.push_back({llm::make_partition(c, r.p * r.v, seq, r.partition), mode, r.costs});
-    }
-    if (r.mode == BackwardMode::kSplit && comm_ms < 0) comm_ms = r.costs.communication;
-    used.push_back(fmt::format("{} {} p={} v={}", r.schedule, to_string(r.mode), r.p, r.v));
-  }
-  if (comm_ms < 0) throw std::runtime_error(path + ": no 2bp result (run `twobp_bench pipeline --mode both`)");
+  const DocumentCosts fit = fit_run_document(doc, path, to, to_seq, to_mbs);
   Rates rates;
-  rates.costs = fit_llama_costs(c, seq, runs).carried(c, seq, mbs, to, to_seq, to_mbs);
-  // The measured message time, per byte of the measured activation (its latency is not separable).
-  rates.comm_ms_per_byte = comm_ms / activation_bytes(c, mbs, seq, 4);
-  rates.source = fmt::format("measured: {} ({}): {}", path, fmt::join(used, ", "), rates.costs.how);
+  rates.costs = fit.costs;
+  rates.comm_ms_per_byte = fit.comm_ms_per_byte;
+  rates.source = fmt::format("measured: {} ({}): {}", path, fmt::join(fit.used, ", "), rates.costs.how);
   rates.device = "cpu";
   return rates;
 }
@@ -358,7 +324,8 @@ void run_plan(PlanArgs a) {
                                    to_string(a.precision), to_string(precision), to_string(a.precision)));
     }
   }
-  const llm::LlamaConfig config = config_of(a, measured ? &measured->model : nullptr);
+  const std::string measured_files = fmt::format("{}", fmt::join(a.costs_json, " + "));
+  const llm::LlamaConfig config = config_of(a, measured ? &*measured : nullptr, measured_files);
   LayoutPlanOptions o;
   o.ranks = a.ranks;
   o.seq = a.seq > 0 ? a.seq : config.max_seq_len;
@@ -374,9 +341,8 @@ void run_plan(PlanArgs a) {
   o.memory_limit_bytes = a.gpu_memory_gb * kGiB;
   o.link_bytes_per_s = a.link_gbps * 1e9 / 8;
   o.link_latency_s = a.link_latency_us * 1e-6;
-  Rates rates = measured ? measured_rates(*measured, fmt::format("{}", fmt::join(a.costs_json, " + ")), config, o.seq,
-                                     a.micro_batch_size)
-                    : estimated_rates(a, config, o.seq);
+  Rates rates = measured ? measured_rates(*measured, measured_files, config, o.seq, a.micro_batch_size)
+                         : estimated_rates(a, config, o.seq);
   if (a.overlap >= 0) {
     rates.costs.overlap = a.overlap;
     rates.source += fmt::format("; F&B pairs at once hiding {:g} of the shorter part (--overlap)", a.overlap);

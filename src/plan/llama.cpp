@@ -303,6 +303,44 @@ LlamaCosts fit_llama_costs(const llm::LlamaConfig& config, int64_t seq, const st
   return with_overlap(std::move(out), runs);
 }
 
+llm::LlamaConfig measured_llama_config(const RunDocument& doc, const std::string& where) {
+  TWOBP_CHECK(!doc.model.model.empty(), UsageError, "{}: no \"config\" (the measured model's sizes)", where);
+  TWOBP_CHECK(doc.model.model == "llama", UsageError,
+              "{}: the planner models LLaMa-like stacks; this benchmark ran --model {}", where, doc.model.model);
+  llm::LlamaConfig c;
+  c.name = "measured";
+  c.dim = doc.model.dim;
+  c.n_layers = static_cast<int>(doc.model.layers);
+  c.n_heads = static_cast<int>(doc.model.heads);
+  c.n_kv_heads = static_cast<int>(doc.model.kv_heads);
+  c.ffn_dim = doc.model.ffn;
+  c.vocab_size = doc.model.vocab;
+  c.max_seq_len = doc.model.seq;
+  c.validate();
+  return c;
+}
+
+DocumentCosts fit_run_document(const RunDocument& doc, const std::string& where, const llm::LlamaConfig& to,
+                               int64_t to_seq, int64_t to_micro_batch_size) {
+  const llm::LlamaConfig c = measured_llama_config(doc, where);
+  const int64_t seq = doc.model.seq, mbs = doc.model.micro_batch_size;
+  std::vector<MeasuredLlamaRun> runs;
+  DocumentCosts out;
+  double comm_ms = -1;
+  for (const RunRecord& r : doc.results) {
+    if (!r.plain()) continue;
+    for (BackwardMode mode : measured_modes(r)) {
+      runs.push_back({llm::make_partition(c, r.p * r.v, seq, r.partition), mode, r.costs});
+    }
+    if (r.mode == BackwardMode::kSplit && comm_ms < 0) comm_ms = r.costs.communication;
+    out.used.push_back(fmt::format("{} {} p={} v={}", r.schedule, to_string(r.mode), r.p, r.v));
+  }
+  TWOBP_CHECK(comm_ms >= 0, UsageError, "{}: no 2bp result (run `twobp_bench pipeline --mode both`)", where);
+  out.costs = fit_llama_costs(c, seq, runs).carried(c, seq, mbs, to, to_seq, to_micro_batch_size);
+  out.comm_ms_per_byte = comm_ms / static_cast<double>(mbs * seq * c.dim * 4);
+  return out;
+}
+
 LayoutPlan plan_llama_layouts(const llm::LlamaConfig& config, const LlamaCosts& costs, const LayoutPlanOptions& o) {
   TWOBP_CHECK(o.ranks >= 1 && o.micro_batch_size >= 1 && o.seq >= 1 && o.global_batch >= 1, UsageError,
               "plan_llama_layouts: ranks, micro-batch size, sequence length and global batch must be >= 1 (got {}, "

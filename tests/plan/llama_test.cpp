@@ -71,6 +71,61 @@ TEST(FitLlamaCosts, RecoversMadeUpAffineCostsFromTwoChunkShapes) {
   EXPECT_STREQ(llama_costs_kind_name(c.kind), "fitted");
 }
 
+// A run document of the model (as `twobp_bench pipeline --json` writes one): the same fit from its plain results,
+// whatever order they come in; a result measured under a memory limit is left out; the message time per byte of
+// the first 2BP result's float32 activation.
+TEST(FitRunDocument, FitsThePlainResultsOfTheDocumentsModel) {
+  const llm::LlamaConfig m = model();
+  RunDocument doc;
+  doc.model = {"llama", m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size, kSeq, 1};
+  auto add = [&](int p, int v, BackwardMode mode, double comm, int64_t limit) {
+    RunRecord r;
+    r.schedule = v == 1 ? "1f1b" : "interleaved-1f1b";
+    r.mode = mode;
+    r.p = p;
+    r.v = v;
+    r.m = 4;
+    r.memory_limit_bytes = limit;
+    r.costs = exact_run(p * v, mode).costs;
+    r.costs.communication = comm;
+    if (limit > 0) r.costs.forward.assign(r.costs.forward.size(), 1000.0);  // would spoil the fit if used
+    doc.results.push_back(r);
+  };
+  add(3, 1, BackwardMode::kStandard, 9.0, 0);
+  add(2, 1, BackwardMode::kSplit, 0.5, 0);
+  add(2, 1, BackwardMode::kSplit, 7.0, 1 << 20);
+  add(2, 2, BackwardMode::kSplit, 0.75, 0);
+  add(2, 1, BackwardMode::kStandard, 9.0, 0);
+  EXPECT_EQ(measured_llama_config(doc, "d.json").name, "measured");
+  EXPECT_EQ(measured_llama_config(doc, "d.json").dim, m.dim);
+  const DocumentCosts fit = fit_run_document(doc, "d.json", m, kSeq, 1);
+  ASSERT_EQ(fit.costs.kind, LlamaCosts::Kind::kFitted) << fit.costs.how;
+  expect_terms(fit.costs.forward, kF, "F");
+  expect_terms(fit.costs.backward_input, kI, "I");
+  expect_terms(fit.costs.backward_weight, kW, "W");
+  expect_terms(fit.costs.backward, kB, "B");
+  EXPECT_DOUBLE_EQ(fit.comm_ms_per_byte, 0.5 / static_cast<double>(kSeq * m.dim * 4));
+  EXPECT_EQ(fit.used, (std::vector<std::string>{"1f1b standard p=3 v=1", "1f1b 2bp p=2 v=1",
+                                                "interleaved-1f1b 2bp p=2 v=2", "1f1b standard p=2 v=1"}));
+
+  RunDocument costs_only = doc;
+  costs_only.model.model = "";
+  RunDocument resnet = doc;
+  resnet.model.model = "resnet";
+  RunDocument standard_only = doc;
+  standard_only.results = {doc.results[0], doc.results[4]};
+  for (const auto& [d, says] : std::vector<std::pair<RunDocument, std::string>>{
+           {costs_only, "no \"config\""}, {resnet, "LLaMa-like"}, {standard_only, "no 2bp result"}}) {
+    try {
+      fit_run_document(d, "d.json", m, kSeq, 1);
+      ADD_FAILURE() << "accepted a document with " << says;
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("d.json"), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(FitLlamaCosts, WithoutAStandardRunBIsIPlusW) {
   const LlamaCosts c =
       fit_llama_costs(model(), kSeq, {exact_run(2, BackwardMode::kSplit), exact_run(4, BackwardMode::kSplit)});

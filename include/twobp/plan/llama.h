@@ -17,6 +17,7 @@
 
 #include "twobp/models/llama.h"
 #include "twobp/plan/measure.h"
+#include "twobp/plan/record.h"
 #include "twobp/plan/synthesize.h"
 #include "twobp/schedule/schedule.h"
 #include "twobp/schedule/simulate.h"
@@ -117,6 +118,26 @@ struct MeasuredLlamaRun {
 /// fitted term adds a warning. The overlap: see LlamaCosts::overlap. Throws UsageError when the runs hold no 2BP run
 /// (I and W) or no forward cost, or a run's cost lists are not one entry per chunk of its partition.
 LlamaCosts fit_llama_costs(const models::LlamaConfig& config, int64_t seq, const std::vector<MeasuredLlamaRun>& runs);
+
+/// The LLaMa-like model a run document measured (RunDocument::model, its "config"), named "measured". Throws
+/// UsageError naming `where` (its files) when the document has no config or measured another model.
+models::LlamaConfig measured_llama_config(const RunDocument& doc, const std::string& where);
+
+/// Costs of the model `to` from a run document (`twobp_bench pipeline --json`, `llama_pipeline --costs-json`):
+/// fit_llama_costs over every plain result (RunRecord::plain; a record of both modes counts for each,
+/// measured_modes), each in the partition it names (balanced when none), carried to `to` at `to_seq` tokens and
+/// `to_micro_batch_size` sequences per micro-batch.
+struct DocumentCosts {
+  LlamaCosts costs;
+  /// The first 2BP result's message time per byte of its activation (a float32 micro-batch of hidden states; the
+  /// latency is not separable from one size).
+  double comm_ms_per_byte = 0.0;
+  std::vector<std::string> used;  ///< "<schedule> <mode> p=<p> v=<v>" of each result fitted
+};
+/// Throws UsageError naming `where` as measured_llama_config does, or when the document holds no 2BP result
+/// (measure one: `twobp_bench pipeline --mode both`); fit_llama_costs' errors otherwise.
+DocumentCosts fit_run_document(const RunDocument& doc, const std::string& where, const models::LlamaConfig& to,
+                               int64_t to_seq, int64_t to_micro_batch_size);
 
 /// What plan_llama_layouts considers.
 struct LayoutPlanOptions {
