@@ -686,7 +686,7 @@ void run_pipeline_bench(const PipelineArgs& a) {
     ParallelGroups groups(t, a.dp, timeout);  // UsageError unless dp divides the world size
     energy::EnergyOptions eo;
     eo.powercap_root = a.powercap_root;
-    energy::RankEnergy rank_energy(t.device(), energy::first_rank_on_node(t), eo);
+    energy::RankEnergy rank_energy = energy::rank_energy(t, t.device(), eo);
     if (t.rank() == 0) {
       energy_source = rank_energy.source();
       energy_note = rank_energy.note();

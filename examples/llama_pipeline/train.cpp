@@ -329,15 +329,6 @@ void follow_tuner(std::optional<twobp::LlamaAutoTuner>& tuner, RankState& state,
   }
 }
 
-// Energy of the device the chunks compute on (NVML) or of the node's CPUs (RAPL), summed over the job.
-twobp::energy::RankEnergy rank_energy_of(const Args& a, c10::Device device, twobp::Transport& world,
-                                         twobp::Transport& transport) {
-  twobp::energy::EnergyOptions energy_options;
-  energy_options.powercap_root = a.powercap_root;
-  energy_options.ranks_sharing_device = device.is_cpu() ? 1 : transport.ranks_sharing_device();
-  return twobp::energy::RankEnergy(device, twobp::energy::first_rank_on_node(world), energy_options);
-}
-
 }  // namespace
 
 void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, const std::vector<uint16_t>& tokens,
@@ -356,7 +347,10 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
   build(state, groups, device, timeout);
   if (a.eval_every > 0) state.data.held_out.emplace(held_out, p.seq_len, global_batch, a.seed);
   const int start = a.resume ? static_cast<int>(load_state(a.checkpoint_dir, state, groups)) : 0;
-  twobp::energy::RankEnergy rank_energy = rank_energy_of(a, device, world, transport);
+  // Energy of the device the chunks compute on (NVML) or of the node's CPUs (RAPL), summed over the job.
+  twobp::energy::EnergyOptions energy_options;
+  energy_options.powercap_root = a.powercap_root;
+  twobp::energy::RankEnergy rank_energy = twobp::energy::rank_energy(world, device, energy_options);
   if (reports) {
     if (a.resume) fmt::print("resuming from step {} of {} ({})\n", start, a.steps, a.checkpoint_dir);
     std::lock_guard<std::mutex> lock(shared.mutex);

@@ -291,6 +291,11 @@ std::string RankEnergy::source() const { return meter_ ? meter_->source() : ""; 
 
 std::string RankEnergy::note() const { return meter_ ? meter_->note() : note_; }
 
+RankEnergy rank_energy(const Transport& world, c10::Device device, EnergyOptions options) {
+  options.ranks_sharing_device = device.is_cpu() ? 1 : world.ranks_sharing_device();
+  return RankEnergy(device, first_rank_on_node(world), options);
+}
+
 bool first_rank_on_node(const Transport& t) {
   const std::optional<LaunchEnv> env = launch_env();
   return env ? env->local_rank == 0 : t.rank() == 0;

@@ -188,6 +188,23 @@ TEST_F(NvmlTest, RanksSharingAGpuEachCountTheirFraction) {
   EXPECT_THROW({ energy::RankEnergy bad(c10::Device(c10::kCUDA, 1), true, two); }, UsageError);
 }
 
+// rank_energy: rank threads of one process on one GPU divide its meter among them (the sharing counted by the
+// transport); on the CPU the node's first rank reads the node-wide meter and the others count 0, undivided.
+TEST_F(NvmlTest, RankEnergyDividesASharedGpusMeterAmongItsRanks) {
+  ::unsetenv("CUDA_VISIBLE_DEVICES");
+  for (int ranks : {1, 2, 3}) {
+    LocalOptions o;
+    o.devices = {c10::Device(c10::kCUDA, 1)};
+    auto transports = make_local_transports(ranks, o);
+    for (int r = 0; r < ranks; ++r) {
+      energy::RankEnergy e = energy::rank_energy(*transports[r], c10::Device(c10::kCUDA, 1), fake());
+      EXPECT_EQ(e.source(), "nvml");
+      const double a = *e.share(), b = *e.share();
+      EXPECT_DOUBLE_EQ(b - a, 1.5 / ranks) << ranks << " ranks";  // the stand-in advances 1500 mJ per read
+    }
+  }
+}
+
 TEST_F(NvmlTest, NoMeterWithAReason) {
   energy::EnergyOptions missing;
   missing.nvml_library = "libtwobp-no-such-nvml.so";
@@ -235,6 +252,18 @@ TEST_F(PowercapTree, OneRankPerNodeReadsANodeWideMeter) {
   EXPECT_FALSE(unmeasured.share().has_value());
   EXPECT_EQ(unmeasured.source(), "");
   EXPECT_NE(unmeasured.note().find("absent"), std::string::npos);
+}
+
+TEST_F(PowercapTree, RankEnergyLetsTheNodesFirstRankReadTheCpuMeter) {
+  add({"intel-rapl:0", "package-0", 0, 1000000});
+  auto transports = make_local_transports(3);
+  std::vector<energy::RankEnergy> ranks;
+  for (int r = 0; r < 3; ++r) ranks.push_back(energy::rank_energy(*transports[r], kCpu, options()));
+  set_energy("intel-rapl:0", 9000);
+  if (launch_env()) GTEST_SKIP() << "under a launcher the node's first rank is its local rank 0";
+  EXPECT_DOUBLE_EQ(*ranks[0].share(), 9000e-6);  // whole: a CPU's meter is not divided among rank threads
+  EXPECT_DOUBLE_EQ(*ranks[1].share(), 0.0);
+  EXPECT_DOUBLE_EQ(*ranks[2].share(), 0.0);
 }
 
 TEST(JobEnergy, SumsSharesAndIsUnknownWhenOneIsMissing) {

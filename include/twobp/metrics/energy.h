@@ -105,6 +105,12 @@ class RankEnergy {
 /// first is `t`'s rank 0. `t` is the whole job, not a pipeline or data-parallel group.
 bool first_rank_on_node(const Transport& t);
 
+/// The RankEnergy of this rank of the job `world` (the whole job, as for first_rank_on_node) computing on `device`:
+/// node-wide meters read by the node's first rank, a device's own meter divided among the ranks of this process on
+/// that device (EnergyOptions::ranks_sharing_device is set from Transport::ranks_sharing_device; a CPU's meter is
+/// node-wide, never divided). What both programs construct on every rank.
+RankEnergy rank_energy(const Transport& world, c10::Device device, EnergyOptions options = {});
+
 /// The job's energy from every rank's share (a difference of RankEnergy::share() readings): their sum over `t`'s
 /// ranks, or nullopt when any rank's share is nullopt. Collective over `t`: every rank calls it, in the same order.
 std::optional<double> job_energy(Transport& t, std::optional<double> share, std::chrono::milliseconds timeout);
