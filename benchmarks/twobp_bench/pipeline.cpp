@@ -252,23 +252,18 @@ std::vector<RunResult> run_config(Transport& world, ParallelGroups& groups, cons
   return out;
 }
 
-// Tensor memory of one variant (see the header): the measured peak per pipeline rank, and the peak
-// simulate_peak_memory() predicts from the memory model measured in the same steps. Collective over the pipeline.
+// Tensor memory of one variant (see the header): the measured peak per pipeline rank, and the peak the memory
+// model measured in the same steps predicts (compare_peak_memory). Collective over the pipeline.
 void summarize_memory(Transport& transport, const Schedule& sched, const Measurements& m, Duration timeout,
                       RunResult& r) {
-  const int p = transport.world_size(), me = transport.rank();
-  const MemoryModel model = agree_memory(transport, m.memory->local_medians(me, p), timeout);
   const double peak = m.peak_memory.empty() ? 0.0 : *std::max_element(m.peak_memory.begin(), m.peak_memory.end());
-  r.peak_memory_per_rank = gather_over_ranks(transport, peak, timeout);  // [pipeline rank]: its measured peak
-  r.sim_peak_memory_per_rank = simulate_peak_memory(sched, model);
-  r.peak_memory = *std::max_element(r.peak_memory_per_rank.begin(), r.peak_memory_per_rank.end());
-  r.sim_peak_memory = *std::max_element(r.sim_peak_memory_per_rank.begin(), r.sim_peak_memory_per_rank.end());
-  for (int rank = 0; rank < p; ++rank) {
-    double fixed = model.base[rank];
-    for (int s : sched.stages_of(rank)) fixed += model.gradients[s];
-    r.step_peak_per_rank.push_back(r.peak_memory_per_rank[rank] - fixed);
-    r.sim_step_peak_per_rank.push_back(r.sim_peak_memory_per_rank[rank] - fixed);
-  }
+  PeakMemory c = compare_peak_memory(transport, sched, *m.memory, peak, timeout);
+  r.peak_memory = *std::max_element(c.measured.begin(), c.measured.end());
+  r.sim_peak_memory = *std::max_element(c.predicted.begin(), c.predicted.end());
+  r.peak_memory_per_rank = std::move(c.measured);
+  r.sim_peak_memory_per_rank = std::move(c.predicted);
+  r.step_peak_per_rank = std::move(c.measured_step);
+  r.sim_step_peak_per_rank = std::move(c.predicted_step);
 }
 
 // The results of one variant of run_config (one Measurements): per-stage costs, bubble, throughput, data-parallel

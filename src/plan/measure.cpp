@@ -386,6 +386,22 @@ MemoryModel MemoryRecorder::local_medians(int rank, int num_ranks) const {
   return m;
 }
 
+PeakMemory compare_peak_memory(Transport& transport, const Schedule& schedule, const MemoryRecorder& recorder,
+                               double my_peak, Duration timeout) {
+  const int p = transport.world_size();
+  PeakMemory out;
+  out.model = agree_memory(transport, recorder.local_medians(transport.rank(), p), timeout);
+  out.measured = gather_over_ranks(transport, my_peak, timeout);
+  out.predicted = simulate_peak_memory(schedule, out.model);
+  for (int rank = 0; rank < p; ++rank) {
+    double fixed = out.model.base[rank];
+    for (int s : schedule.stages_of(rank)) fixed += out.model.gradients[s];
+    out.measured_step.push_back(out.measured[rank] - fixed);
+    out.predicted_step.push_back(out.predicted[rank] - fixed);
+  }
+  return out;
+}
+
 MemoryModel agree_memory(Transport& transport, const MemoryModel& mine, Duration timeout, Transport* replicas) {
   const std::size_t p = mine.base.size(), S = mine.stages.size();
   TWOBP_CHECK(p == static_cast<std::size_t>(transport.world_size()) && mine.gradients.size() == S, UsageError,

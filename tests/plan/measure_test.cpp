@@ -466,6 +466,8 @@ void check_known_model_given_back(double sent, double kept) {
         truth.gradients[s] = 64.0 * (s + 1);
       }
       std::vector<MemoryModel> agreed(2);
+      std::vector<PeakMemory> compared(2);
+      std::vector<double> measured(2);
       std::mutex mutex;
       on_rank_threads(2, [&](int rank, Transport& t) {
         std::vector<double> gradients(static_cast<std::size_t>(sc.num_stages), 0.0);
@@ -498,9 +500,13 @@ void check_known_model_given_back(double sent, double kept) {
           level -= message;  // freed by the receiver before this rank's next action
         }
         recorder.add(trace);
-        MemoryModel all = agree_memory(t, recorder.local_medians(rank, 2), kTimeout);
+        double my_peak = 0.0;
+        for (const TraceEvent& e : trace.events) my_peak = std::max(my_peak, static_cast<double>(e.memory_peak));
+        PeakMemory peak = compare_peak_memory(t, sc, recorder, my_peak, kTimeout);
         std::lock_guard<std::mutex> lock(mutex);
-        agreed[static_cast<std::size_t>(rank)] = std::move(all);
+        agreed[static_cast<std::size_t>(rank)] = peak.model;
+        compared[static_cast<std::size_t>(rank)] = std::move(peak);
+        measured[static_cast<std::size_t>(rank)] = my_peak;
       });
       const std::vector<double> peaks = simulate_peak_memory(sc, truth);
       for (int r = 0; r < 2; ++r) {
@@ -530,6 +536,19 @@ void check_known_model_given_back(double sent, double kept) {
           }
         }
         if (sent == 0.0 && kept == 0.0) EXPECT_EQ(simulate_peak_memory(sc, got), peaks) << what;
+        // compare_peak_memory: every rank's measured peak, the prediction of the agreed model, both less each
+        // rank's base and gradients.
+        const PeakMemory& c = compared[static_cast<std::size_t>(r)];
+        EXPECT_EQ(c.measured, measured) << what;
+        EXPECT_EQ(c.predicted, simulate_peak_memory(sc, got)) << what;
+        for (int q = 0; q < 2; ++q) {
+          double fixed = truth.base[q];
+          for (int s : sc.stages_of(q)) fixed += truth.gradients[s];
+          EXPECT_DOUBLE_EQ(c.measured_step[q], measured[q] - fixed) << what << " rank " << q;
+          EXPECT_DOUBLE_EQ(c.predicted_step[q], c.predicted[q] - fixed) << what << " rank " << q;
+          // The walk of the truth peaks where the traces did (what the memory model is for).
+          if (sent == 0.0 && kept == 0.0) EXPECT_DOUBLE_EQ(c.predicted[q], measured[q]) << what << " rank " << q;
+        }
       }
       ++checked;
     }

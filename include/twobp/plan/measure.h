@@ -173,6 +173,22 @@ class MemoryRecorder {
 MemoryModel agree_memory(Transport& transport, const MemoryModel& mine, Duration timeout,
                          Transport* replicas = nullptr);
 
+/// A run's peak tensor memory per pipeline rank (bytes): as measured, and as its own memory model predicts it.
+struct PeakMemory {
+  MemoryModel model;               ///< agree_memory() of the ranks' MemoryRecorder::local_medians()
+  std::vector<double> measured;    ///< per rank: the largest peak of its measured steps (`my_peak` of each)
+  std::vector<double> predicted;   ///< per rank: simulate_peak_memory(schedule, model)
+  /// Both less what a rank holds whatever its step does (its MemoryModel::base and its stages' gradients): the
+  /// part the schedule moves, where a prediction's error shows.
+  std::vector<double> measured_step, predicted_step;
+};
+
+/// The peak memory of a run measured by `recorder` on every rank of the pipeline (`transport`); `my_peak` is this
+/// rank's measured peak (the largest StepResult::peak_memory_bytes of the steps the recorder saw). Collective over
+/// the pipeline; every rank gets every rank's numbers.
+PeakMemory compare_peak_memory(Transport& transport, const Schedule& schedule, const MemoryRecorder& recorder,
+                               double my_peak, Duration timeout);
+
 /// MemoryRecorder's `gradient_bytes` for this rank of `pipeline`: per stage, the .grad bytes its trainable
 /// parameters allocate (a tensor shared by two of the rank's stages counted once, in the first; with mixed
 /// precision the float32 masters' gradients, which are the ones allocated), 0 for other ranks' stages.
