@@ -47,7 +47,7 @@ StageTimer::StageTimer(std::shared_ptr<torch::nn::Module> module, StageForward f
   for (const at::Tensor& p : unique_tensors(module_->parameters())) {
     if (p.requires_grad()) gradient_holders_.push_back(masters_ ? masters_->master_of(p) : p);
   }
-  measurable_ = memory::measurable(input_.device());
+  measurable_ = options_.record_memory && memory::measurable(input_.device());
   StageOptions stage_options;
   stage_options.stage_index = 1;
   stage_options.num_stages = 3;

@@ -188,6 +188,13 @@ TEST(StageTimer, CountsTimesAndPeaksArePerPhase) {
   measured.split(false);
   EXPECT_GT(measured.peak_above_phase_start_bytes(), 0);
   EXPECT_GE(measured.peak_bytes(), measured.peak_above_phase_start_bytes());
+  // Not recorded when asked not to: no peak reset, none reported.
+  StageTimerOptions quiet;
+  quiet.record_memory = false;
+  StageTimer unrecorded(counted, forward_of(counted), torch::randn(models()[2].input_shape), quiet);
+  unrecorded.split(false);
+  EXPECT_EQ(unrecorded.peak_above_phase_start_bytes(), -1);
+  EXPECT_EQ(unrecorded.peak_bytes(), -1);
 }
 
 TEST(StageTimer, ClockNames) {

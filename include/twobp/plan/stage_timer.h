@@ -51,10 +51,15 @@ struct StageTimerOptions {
   /// module is converted to the input's dtype.
   bool mixed_precision = false;
   TimerClock clock = TimerClock::kWall;
+  /// Record each phase's allocation peak (peak_above_phase_start_bytes) where the device keeps statistics. It
+  /// resets the device's peak before every phase: on a GPU that statistic is the whole process's, so turn this off
+  /// when other threads of the process compute on the same device (rank threads), whose peaks it would reset.
+  bool record_memory = true;
 };
 
 /// A module run as stage 1 of 3 (its input gets a gradient, it has no loss) on `input` and a random output
-/// gradient of its output's shape (drawn from LibTorch's default generator once, at construction).
+/// gradient of its output's shape (drawn from LibTorch's default generator once, at construction: a process-wide
+/// generator, so construct timers on one thread).
 class StageTimer {
  public:
   /// The module is moved to the input's device (float32 first; see StageTimerOptions::mixed_precision). One
@@ -111,7 +116,8 @@ class StageTimer {
   std::int64_t parameter_count() const;
   /// Where the input's device keeps allocator statistics (metrics/memory.h; CPU: only when its counter is
   /// installed): the most bytes one phase allocated above what was allocated when it began (activations and
-  /// gradients, not the weights), and the peak bytes allocated over every timed phase. -1 when not measurable.
+  /// gradients, not the weights), and the peak bytes allocated over every timed phase. -1 when not measurable or
+  /// not recorded (StageTimerOptions::record_memory).
   std::int64_t peak_above_phase_start_bytes() const { return peak_above_start_; }
   std::int64_t peak_bytes() const { return peak_; }
 
