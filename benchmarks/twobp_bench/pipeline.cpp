@@ -36,6 +36,7 @@
 #include "twobp/metrics/step_log.h"
 #include "twobp/plan/measure.h"
 #include "twobp/plan/record.h"
+#include "twobp/plan/step_meter.h"
 #include "twobp/runtime/data_parallel.h"
 #include "twobp/runtime/interrupt.h"
 #include "twobp/runtime/launch.h"
@@ -135,25 +136,17 @@ double peak_rss_bytes() {
   return static_cast<double>(usage.ru_maxrss) * 1024.0;
 }
 
-// Sums `values` over ranks (every rank gets the sum); the tool for sharing per-rank measurements.
-
 // One pipeline of a configuration: how its shapes travel and its memory limit (0: none).
 struct Variant {
   bool announced = false;
   int64_t memory_limit = 0;
 };
 
-// What run_config measures of one variant (one pipeline) over the measured steps.
+// One variant's pipeline and its measured steps.
 struct Measurements {
   std::unique_ptr<Pipeline> pipeline;
   Variant variant;
-  std::vector<double> peak_memory;  // per measured step: StepResult::peak_memory_bytes
-  std::optional<CostRecorder> costs;      // per-stage action costs (twobp/plan/measure.h)
-  std::optional<MemoryRecorder> memory;   // the memory model of simulate_peak_memory()
-  std::vector<double> steps_ms, busy_ms, reduce_wait_ms;
-  std::vector<StepAttribution> attribution;  // per measured step: where this rank's step time went
-  std::optional<double> energy = 0.0;  // this rank's share over the measured steps; nullopt once a read failed
-  Trace last;  // of the last measured step
+  std::unique_ptr<StepMeter> meter;
 };
 
 RunResult summarize_run(Transport& world, ParallelGroups& groups, const PipelineArgs& a, const std::string& name,
@@ -164,9 +157,9 @@ RunResult summarize_run(Transport& world, ParallelGroups& groups, const Pipeline
 // variants are separate pipelines of identical models that take turns step by step, so that the machine's noise
 // hits them alike and their ratio is paired (the second against the first).
 // `world` holds every rank (dp · p); the pipeline runs on groups.pipeline(), and with dp > 1 averages its
-// gradients over groups.data_parallel() (when the buckets start: `buckets`).
-// Per-pipeline measurements (costs, busy time, bubble, traces) are replica 0's; step times are taken between
-// barriers over the whole world. With dp == 1 the world is the pipeline and nothing changes.
+// gradients over groups.data_parallel() (when the buckets start: `buckets`). The steps are measured by a
+// StepMeter (twobp/plan/step_meter.h): step times between barriers over the world, the rest per pipeline
+// (replica 0's reported). With dp == 1 the world is the pipeline.
 std::vector<RunResult> run_config(Transport& world, ParallelGroups& groups, const PipelineArgs& a,
                                   const std::string& name, BackwardMode mode, const DpBuckets& buckets,
                                   const std::vector<Variant>& variant_list, energy::RankEnergy& rank_energy) {
@@ -177,6 +170,8 @@ std::vector<RunResult> run_config(Transport& world, ParallelGroups& groups, cons
 
   std::vector<Measurements> variants(variant_list.size());
   const PipelineModelArgs model = a.model;
+  const std::vector<int> recomputing =
+      recomputing_ranks(a.recompute, a.recompute_ranks, a.recompute_on, schedule.num_ranks);
   for (std::size_t k = 0; k < variant_list.size(); ++k) {
     const Variant& vk = variant_list[k];
     PipelineOptions options;
@@ -192,48 +187,20 @@ std::vector<RunResult> run_config(Transport& world, ParallelGroups& groups, cons
     options.executor.memory_limit_bytes = vk.memory_limit;
     variants[k].variant = vk;
     std::vector<PipelineChunk> chunks = make_model_chunks(a.model, schedule, me);
-    const std::vector<int> recomputing =
-        recomputing_ranks(a.recompute, a.recompute_ranks, a.recompute_on, schedule.num_ranks);
     for (auto& chunk : chunks) chunk.recompute = has_rank(recomputing, schedule.stage_to_rank[chunk.stage]);
     variants[k].pipeline = std::make_unique<Pipeline>(schedule, std::move(chunks), transport, options);
-    variants[k].costs.emplace(schedule.num_stages);
-    variants[k].memory.emplace(schedule.num_stages, stage_gradient_bytes(*variants[k].pipeline));
+    variants[k].meter = std::make_unique<StepMeter>(*variants[k].pipeline, world,
+                                                    StepMeterOptions{timeout, &rank_energy});
   }
-  const std::vector<int64_t> act_shape = model_activation_spec(a.model, 0).shape;
-
   const int64_t batch = static_cast<int64_t>(a.microbatches) * a.model.micro_batch_size;
   // Each replica trains on its own share of the global batch: the same synthetic generator, seeded 7 + replica
   // (replica 0, and dp = 1, get seed 7 as before data parallelism).
   const auto [inputs, targets] =
       make_model_batch(a.model, batch, /*seed=*/7 + static_cast<uint64_t>(groups.replica()));
-
-  const double comm_ms = measure_message_ms(transport, at::empty(act_shape), timeout);
+  const double comm_ms =
+      measure_message_ms(transport, at::empty(model_activation_spec(a.model, 0).shape), timeout);
   for (int step = 0; step < a.warmup + a.steps; ++step) {
-    for (Measurements& v : variants) {
-      Pipeline& pipeline = *v.pipeline;
-      pipeline.zero_grad();
-      world.barrier(timeout);
-      const auto t0 = std::chrono::steady_clock::now();
-      const std::optional<double> e0 = rank_energy.share();
-      StepResult result = pipeline.step(inputs, targets);
-      world.barrier(timeout);
-      const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-      const std::optional<double> e1 = rank_energy.share();
-      if (step < a.warmup) continue;
-      v.energy = v.energy && e0 && e1 ? std::optional<double>(*v.energy + *e1 - *e0) : std::nullopt;
-      v.steps_ms.push_back(ms);
-      v.busy_ms.push_back(result.trace.busy_us() / 1000.0);
-      v.reduce_wait_ms.push_back(result.reduce_wait_us / 1000.0);
-      v.peak_memory.push_back(static_cast<double>(result.peak_memory_bytes));
-      StepTimes times;
-      times.pipeline_us = result.pipeline_us;
-      times.reduce_wait_us = result.reduce_wait_us;
-      times.step_us = ms * 1000.0;  // this rank's own barrier-to-barrier time: its idle time at the end included
-      v.attribution.push_back(attribute_step(pipeline.schedule(), result.trace, times));
-      v.memory->add(result.trace);
-      v.costs->add(result.trace);  // I and B without their recomputation, recorded apart (the simulator adds it)
-      v.last = std::move(result.trace);
-    }
+    for (Measurements& v : variants) v.meter->step(inputs, targets, /*record=*/step >= a.warmup);
   }
 
   std::vector<RunResult> out;
@@ -244,117 +211,90 @@ std::vector<RunResult> run_config(Transport& world, ParallelGroups& groups, cons
   // variants' step times in that step (rank 0's times, as every reported step time).
   if (variants.size() == 2) {
     std::vector<double> ratios;
-    for (std::size_t k = 0; k < variants[0].steps_ms.size(); ++k) {
-      ratios.push_back(variants[0].steps_ms[k] / variants[1].steps_ms[k]);
+    for (int k = 0; k < variants[0].meter->steps(); ++k) {
+      ratios.push_back(variants[0].meter->step_ms()[k] / variants[1].meter->step_ms()[k]);
     }
     (variant_list[1].announced ? out[1].announce_ratio : out[1].limit_ratio) = summarize(ratios).median;
   }
   return out;
 }
 
-// Tensor memory of one variant (see the header): the measured peak per pipeline rank, and the peak the memory
-// model measured in the same steps predicts (compare_peak_memory). Collective over the pipeline.
-void summarize_memory(Transport& transport, const Schedule& sched, const Measurements& m, Duration timeout,
-                      RunResult& r) {
-  const double peak = m.peak_memory.empty() ? 0.0 : *std::max_element(m.peak_memory.begin(), m.peak_memory.end());
-  PeakMemory c = compare_peak_memory(transport, sched, *m.memory, peak, timeout);
+// Rank 0 of the world, --trace-dir: the last measured step's Chrome trace and timeline, and where each rank's time
+// went; returns the files.
+std::vector<std::string> write_traces(const PipelineArgs& a, const RunResult& r, const Variant& variant,
+                                      const MeteredSteps& s) {
+  make_directories(a.trace_dir);
+  std::string base = fmt::format("{}/{}_{}_p{}_m{}", a.trace_dir, r.schedule, to_string(r.mode), r.p, r.m);
+  if (r.dp > 1) {
+    base += fmt::format("_dp{}_{}", r.dp,
+                        r.dp_overlap ? (r.dp_after_backward ? "overlap_after_b" : "overlap") : "nooverlap");
+  }
+  if (variant.announced) base += "_announced";
+  if (variant.memory_limit > 0) base += "_limited";
+  const std::string what = fmt::format("{} {} — p={} m={} v={}", r.schedule, to_string(r.mode), r.p, r.m, r.v);
+  write_text(base + ".trace.json", to_chrome_trace(s.last_traces));
+  write_text(base + ".svg", to_svg(s.last_traces, what + ", last measured step"));
+  write_text(base + ".attribution.svg",
+             to_attribution_svg(s.attribution, fmt::format("{}: where each rank's step went (mean of {} steps)", what,
+                                                           s.steps)));
+  return {base + ".trace.json", base + ".svg", base + ".attribution.svg"};
+}
+
+// The results of one variant of run_config (one Measurements): per-stage costs, bubble, throughput, data-parallel
+// waits, memory, the simulation of the measured costs and (rank 0, --trace-dir) the trace of the last measured
+// step. Collective over the world, like run_config.
+RunResult summarize_run(Transport& world, ParallelGroups& groups, const PipelineArgs& a, const std::string& name,
+                        BackwardMode mode, const DpBuckets& buckets, double comm_ms, const Measurements& m) {
+  const Duration timeout{static_cast<int64_t>(a.timeout_s * 1000)};
+  Transport& transport = groups.pipeline();
+  const Schedule& sched = m.pipeline->schedule();
+  MeteredSteps s = m.meter->summarize(groups);
+  RunResult r;
+  r.schedule = name;
+  r.mode = mode;
+  r.p = transport.world_size();
+  r.m = a.microbatches;
+  r.v = sched.num_stages / sched.num_ranks;
+  r.dp = groups.layout().dp;
+  r.dp_overlap = buckets.overlap;
+  r.dp_after_backward = buckets.overlap && !buckets.during_backward;
+  r.announced = m.variant.announced;
+  r.memory_limit = m.variant.memory_limit;
+  r.costs = s.costs;
+  r.costs.communication = comm_ms;
+  r.step_ms = summarize(s.step_ms);
+  r.bubble = summarize(s.bubble).median;
+  // Samples of the global batch: dp replicas of m micro-batches each.
+  const double samples = static_cast<double>(r.dp) * a.microbatches * static_cast<double>(a.model.micro_batch_size);
+  r.samples_per_s = metrics::per_second(samples, r.step_ms.median / 1000.0);
+  r.tokens_per_s = metrics::tokens_per_s(r.samples_per_s, tokens_per_sample(a.model));
+  // Per rank its share of its process's peak resident set (rank threads share one process): the largest.
+  r.peak_rss = max_over_ranks(
+      world, metrics::memory_per_rank(peak_rss_bytes(), transport.name() == "local" ? world.world_size() : 1),
+      timeout);
+  r.energy_j = s.energy_j;
+  if (r.dp > 1) {
+    // The gradient bytes of replica 0's ranks (its stages' .grad bytes, twobp/plan/measure.h, each tensor once).
+    r.dp_exposed_ms = summarize(s.exposed_reduce_ms).median;
+    const std::vector<double> per_stage =
+        groups.replica() == 0 ? stage_gradient_bytes(*m.pipeline) : std::vector<double>{};
+    r.dp_reduce_bytes = sum_over_ranks(world, {std::accumulate(per_stage.begin(), per_stage.end(), 0.0)}, timeout)[0];
+  }
+  const SimulationResult sim = simulate(sched, r.costs.cost_model(mode));
+  r.sim_step_ms = sim.step_time;
+  r.sim_bubble = sim.bubble_fraction;
+  r.peak_live = *std::max_element(sim.peak_live_micro_batches.begin(), sim.peak_live_micro_batches.end());
+  // Tensor memory (see the header): the measured peak per pipeline rank, and the peak the memory model measured
+  // in the same steps predicts (compare_peak_memory).
+  PeakMemory& c = *s.memory;
   r.peak_memory = *std::max_element(c.measured.begin(), c.measured.end());
   r.sim_peak_memory = *std::max_element(c.predicted.begin(), c.predicted.end());
   r.peak_memory_per_rank = std::move(c.measured);
   r.sim_peak_memory_per_rank = std::move(c.predicted);
   r.step_peak_per_rank = std::move(c.measured_step);
   r.sim_step_peak_per_rank = std::move(c.predicted_step);
-}
-
-// The results of one variant of run_config (one Measurements): per-stage costs, bubble, throughput, data-parallel
-// waits, the simulation of the measured costs and (rank 0, --trace-dir) the trace of the last measured step. Collective
-// over the world, like run_config.
-RunResult summarize_run(Transport& world, ParallelGroups& groups, const PipelineArgs& a, const std::string& name,
-                        BackwardMode mode, const DpBuckets& buckets, double comm_ms, const Measurements& m) {
-  Pipeline& pipeline = *m.pipeline;
-  const Duration timeout{static_cast<int64_t>(a.timeout_s * 1000)};
-  Transport& transport = groups.pipeline();
-  const int p = transport.world_size(), me = transport.rank();
-  const int dp = groups.layout().dp;
-  const Schedule& sched = pipeline.schedule();
-  const int64_t batch = static_cast<int64_t>(a.microbatches) * a.model.micro_batch_size;
-  RunResult r;
-  r.schedule = name;
-  r.mode = mode;
-  r.p = p;
-  r.m = a.microbatches;
-  r.v = sched.num_stages / sched.num_ranks;
-  r.dp = dp;
-  r.dp_overlap = buckets.overlap;
-  r.dp_after_backward = buckets.overlap && !buckets.during_backward;
-  r.announced = m.variant.announced;
-  r.memory_limit = m.variant.memory_limit;
-  MeasuredCosts mine = m.costs->local_medians();
-  mine.communication = comm_ms;
-  if (!a.recompute) mine.recompute.clear();
-  r.costs = agree_costs(transport, mine, timeout);
-  // Share per-step busy times and step times.
-  std::vector<double> local(2 * a.steps + p, 0.0);
-  for (int k = 0; k < a.steps; ++k) {
-    local[k] = m.busy_ms[k];
-    local[a.steps + k] = me == 0 ? m.steps_ms[k] : 0.0;
-  }
-  // One slot per pipeline rank: its share of its process's peak resident set (rank threads share one process).
-  local[2 * a.steps + me] =
-      metrics::memory_per_rank(peak_rss_bytes(), transport.name() == "local" ? world.world_size() : 1);
-  std::vector<double> total = sum_over_ranks(transport, local, timeout);
-  std::vector<double> step_times(total.begin() + a.steps, total.begin() + 2 * a.steps);
-  std::vector<double> bubbles;
-  for (int k = 0; k < a.steps; ++k) bubbles.push_back(metrics::bubble_fraction(total[k], p, step_times[k]));
-  r.step_ms = summarize(step_times);
-  r.bubble = summarize(bubbles).median;
-  // Samples of the global batch: dp replicas of m micro-batches each.
-  r.samples_per_s =
-      metrics::per_second(static_cast<double>(dp) * static_cast<double>(batch), r.step_ms.median / 1000.0);
-  r.tokens_per_s = metrics::tokens_per_s(r.samples_per_s, tokens_per_sample(a.model));
-  r.peak_rss = *std::max_element(total.begin() + 2 * a.steps, total.end());
-  if (const std::optional<double> joules = energy::job_energy(world, m.energy, timeout)) {
-    r.energy_j = *joules / a.steps;
-  }
-  if (dp > 1) {
-    // Per measured step, the slowest world rank's reduction wait; the gradient bytes of replica 0's ranks (its
-    // stages' .grad bytes, twobp/plan/measure.h, each tensor once).
-    std::vector<double> exposed;
-    for (double wait : m.reduce_wait_ms) {
-      exposed.push_back(metrics::exposed_wait(gather_over_ranks(world, wait, timeout)));
-    }
-    r.dp_exposed_ms = summarize(exposed).median;
-    const std::vector<double> per_stage =
-        groups.replica() == 0 ? stage_gradient_bytes(pipeline) : std::vector<double>{};
-    r.dp_reduce_bytes = sum_over_ranks(world, {std::accumulate(per_stage.begin(), per_stage.end(), 0.0)}, timeout)[0];
-  }
-
-  const SimulationResult sim = simulate(sched, r.costs.cost_model(mode));
-  summarize_memory(transport, sched, m, timeout, r);
-  r.sim_step_ms = sim.step_time;
-  r.sim_bubble = sim.bubble_fraction;
-  r.peak_live = *std::max_element(sim.peak_live_micro_batches.begin(), sim.peak_live_micro_batches.end());
-
-  r.attribution = gather_attributions(transport, mean_attribution(m.attribution), timeout);
-  std::vector<Trace> traces = gather_traces(transport, m.last, timeout);
-  if (world.rank() == 0 && !a.trace_dir.empty()) {
-    make_directories(a.trace_dir);
-    std::string base = fmt::format("{}/{}_{}_p{}_m{}", a.trace_dir, name,
-                                   to_string(mode), p, a.microbatches);
-    if (dp > 1) {
-      base += fmt::format("_dp{}_{}", dp,
-                          r.dp_overlap ? (r.dp_after_backward ? "overlap_after_b" : "overlap") : "nooverlap");
-    }
-    if (m.variant.announced) base += "_announced";
-    if (m.variant.memory_limit > 0) base += "_limited";
-    write_text(base + ".trace.json", to_chrome_trace(traces));
-    r.trace_files = {base + ".trace.json", base + ".svg", base + ".attribution.svg"};
-    const std::string what = fmt::format("{} {} — p={} m={} v={}", name, to_string(mode), p, a.microbatches, r.v);
-    write_text(base + ".svg", to_svg(traces, what + ", last measured step"));
-    write_text(base + ".attribution.svg",
-               to_attribution_svg(r.attribution, fmt::format("{}: where each rank's step went (mean of {} steps)",
-                                                             what, a.steps)));
-  }
+  r.attribution = s.attribution;
+  if (world.rank() == 0 && !a.trace_dir.empty()) r.trace_files = write_traces(a, r, m.variant, s);
   return r;
 }
 

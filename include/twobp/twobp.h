@@ -41,6 +41,7 @@
 #include "twobp/plan/placement.h"
 #include "twobp/plan/record.h"
 #include "twobp/plan/stage_timer.h"
+#include "twobp/plan/step_meter.h"
 #include "twobp/plan/synthesize.h"
 #include "twobp/plan/trials.h"
 #include "twobp/runtime/data_parallel.h"
