@@ -26,7 +26,6 @@
 #include <stdexcept>
 
 #include "bench_common.h"
-#include "chart.h"
 #include "commands.h"
 #include "pipeline_models.h"
 #include "twobp/config.h"
@@ -47,6 +46,7 @@
 #include "twobp/schedule/simulate.h"
 #include "twobp/schedule/text.h"
 #include "twobp/trace/attribution.h"
+#include "twobp/trace/chart.h"
 #include "twobp/trace/trace.h"
 #include "twobp/transport/collectives.h"
 #include "twobp/transport/local.h"

@@ -56,6 +56,7 @@
 #include "twobp/runtime/sharded_optimizer.h"
 #include "twobp/schedule/pytorch_csv.h"
 #include "twobp/trace/attribution.h"
+#include "twobp/trace/chart.h"
 #include "twobp/trace/trace.h"
 
 #include "twobp/transport/checksum.h"

@@ -1,6 +1,6 @@
 #pragma once
 // Text inside SVG (and any XML) output: the five characters XML reserves, escaped. Shared by the library's
-// timeline pictures and the benchmark's charts.
+// timeline pictures and charts (twobp/trace/).
 
 #include <string>
 

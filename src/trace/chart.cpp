@@ -1,4 +1,4 @@
-#include "chart.h"
+#include "twobp/trace/chart.h"
 
 #include <fmt/format.h>
 
@@ -7,7 +7,7 @@
 
 #include "util/xml.h"
 
-namespace twobp::bench {
+namespace twobp {
 namespace {
 
 // A value with about 3 significant digits, thousands as "k" (bars are narrow).
@@ -111,4 +111,4 @@ std::string bar_chart_svg(const std::string& title, const std::string& unit, con
   return s;
 }
 
-}  // namespace twobp::bench
+}  // namespace twobp
