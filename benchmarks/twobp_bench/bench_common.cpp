@@ -73,21 +73,6 @@ double warn_if_loaded(const std::string& command, const std::string& quieter) {
   return load;
 }
 
-void write_json(const std::string& path, const Json& json) {
-  std::ofstream out(path);
-  if (!out) throw std::runtime_error("cannot open " + path + " for writing");
-  out << json.dump(2) << "\n";
-  if (!out) throw std::runtime_error("failed writing " + path);
-}
-
-void write_text(const std::string& path, const std::string& text) {
-  std::ofstream out(path);
-  if (!out) throw std::runtime_error("cannot open " + path + " for writing");
-  out << text;
-  out.close();
-  if (out.fail()) throw std::runtime_error("failed writing " + path);
-}
-
 Json read_json(const std::string& path) {
   std::ifstream in(path);
   if (!in) throw std::runtime_error("cannot open " + path);

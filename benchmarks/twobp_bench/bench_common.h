@@ -49,9 +49,6 @@ double load_average();
 /// exceeds the cores: other processes then take cores from the timed threads. Returns the load average.
 double warn_if_loaded(const std::string& command, const std::string& quieter);
 
-void write_json(const std::string& path, const Json& json);
-/// Writes `text` to `path`; throws naming the file when it cannot be opened or written (never a silent "wrote").
-void write_text(const std::string& path, const std::string& text);
 Json read_json(const std::string& path);
 
 /// Checks that every `paths` entry ("a/b/c" = json["a"]["b"]["c"]) exists in `json` and is a finite number

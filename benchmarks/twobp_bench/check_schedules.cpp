@@ -73,7 +73,7 @@ int run_check(const CheckArgs& a) {
     out["transport"] = a.transport;
     out["pairing"] = to_string(pairing);
     out["results"] = std::move(results);
-    write_json(a.json, out);
+    cli::write_json(a.json, out);
   }
   return failed == 0 ? 0 : 1;
 }

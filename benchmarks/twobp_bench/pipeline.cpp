@@ -15,7 +15,6 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <sys/resource.h>
-#include <sys/stat.h>
 
 #include <algorithm>
 #include <array>
@@ -29,6 +28,7 @@
 #include "commands.h"
 #include "pipeline_models.h"
 #include "twobp/config.h"
+#include "twobp/files.h"
 #include "twobp/metrics/energy.h"
 #include "twobp/metrics/memory.h"
 #include "twobp/metrics/metrics.h"
@@ -120,14 +120,6 @@ struct RunResult {
 
 const char* dp_buckets_name(const RunResult& r) {
   return DpBuckets{r.dp_overlap, !r.dp_after_backward}.name();
-}
-
-// mkdir -p. POSIX rather than std::filesystem: libtorch exports its own copies of std::filesystem symbols, which
-// interpose on the standard library's in our binaries (seen crashing in remove_all).
-void make_directories(const std::string& path) {
-  for (std::size_t pos = 1; pos <= path.size(); ++pos) {
-    if (pos == path.size() || path[pos] == '/') ::mkdir(path.substr(0, pos).c_str(), 0755);
-  }
 }
 
 double peak_rss_bytes() {
@@ -232,11 +224,12 @@ std::vector<std::string> write_traces(const PipelineArgs& a, const RunResult& r,
   if (variant.announced) base += "_announced";
   if (variant.memory_limit > 0) base += "_limited";
   const std::string what = fmt::format("{} {} — p={} m={} v={}", r.schedule, to_string(r.mode), r.p, r.m, r.v);
-  write_text(base + ".trace.json", to_chrome_trace(s.last_traces));
-  write_text(base + ".svg", to_svg(s.last_traces, what + ", last measured step"));
-  write_text(base + ".attribution.svg",
+  write_file(base + ".trace.json", to_chrome_trace(s.last_traces), "--trace-dir");
+  write_file(base + ".svg", to_svg(s.last_traces, what + ", last measured step"), "--trace-dir");
+  write_file(base + ".attribution.svg",
              to_attribution_svg(s.attribution, fmt::format("{}: where each rank's step went (mean of {} steps)", what,
-                                                           s.steps)));
+                                                           s.steps)),
+             "--trace-dir");
   return {base + ".trace.json", base + ".svg", base + ".attribution.svg"};
 }
 
@@ -324,8 +317,10 @@ void write_chart(const PipelineArgs& a, const std::vector<RunResult>& results, b
   std::string title = fmt::format("twobp pipeline throughput: {} model, p={}, m={}, micro-batch {}", a.model.model, p,
                                   a.microbatches, a.model.micro_batch_size);
   if (a.dp > 1) title += fmt::format(", dp={} (global batch)", a.dp);
-  write_text(a.chart, bar_chart_svg(title, tokens ? "tokens/s" : "samples/s",
-                                    {to_string(BackwardMode::kStandard), to_string(BackwardMode::kSplit)}, groups));
+  write_file(a.chart,
+             bar_chart_svg(title, tokens ? "tokens/s" : "samples/s",
+                           {to_string(BackwardMode::kStandard), to_string(BackwardMode::kSplit)}, groups),
+             "--chart");
 }
 
 // One result with what the report derives from it and its standard-mode partner (same schedule, p, m, v, dp
@@ -543,11 +538,11 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
   }
   print_table(std::cout, reporter.table(rows));
   if (!a.json.empty()) {
-    write_text(a.json, write_run_document(doc) + "\n");
+    write_file(a.json, write_run_document(doc) + "\n", "--json");
     std::cout << "wrote " << a.json << "\n";
   }
   if (!a.csv.empty()) {
-    write_text(a.csv, reporter.csv(rows));
+    write_file(a.csv, reporter.csv(rows), "--csv");
     std::cout << "wrote " << a.csv << "\n";
   }
   if (!a.chart.empty()) {

@@ -283,7 +283,7 @@ void report_plan(const PlanArgs& a, const llm::LlamaConfig& config, const Layout
   std::cout << "best: " << example_command(a, config, o.seq, best, rates.device) << "\n";
   out["best"] = out["candidates"][0];
   if (!a.json.empty()) {
-    write_json(a.json, out);
+    cli::write_json(a.json, out);
     std::cout << "wrote " << a.json << "\n";
   }
 }

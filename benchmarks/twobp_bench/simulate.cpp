@@ -25,6 +25,8 @@
 #include "bench_common.h"
 #include "commands.h"
 #include "twobp/metrics/metrics.h"
+#include "twobp/error.h"
+#include "twobp/plan/cost_source.h"
 #include "twobp/plan/measure.h"
 #include "twobp/plan/record.h"
 #include "twobp/plan/synthesize.h"
@@ -68,109 +70,44 @@ struct SimulateArgs {
   double synth_work = 20e6;
 };
 
-/// Where the costs come from: per-rank constants (command line) or a measured pipeline result.
-struct CostSource {
-  bool measured = false;
-  std::string description;
-  double comm = 0;
-  double overlap = 0;  // CostModel::overlap: --overlap, else what the measured run's pairs hid (else 0)
-  // Command line: per-rank costs (w0: the fixed part of each W, CostModel::backward_weight_fixed).
-  double f = 0, i = 0, w = 0, b = 0, w0 = 0;
-  // Measured: per measured stage (completed by the partner rule, twobp/plan/record.h), and the measured placement.
-  MeasuredCosts costs;
-  std::vector<int> stage_to_rank;
-};
-
-CostSource command_line_costs(const SimulateArgs& a) {
-  CostSource c;
-  c.f = a.f;
-  c.i = a.i;
-  c.w = a.w;
-  c.b = a.b >= 0 ? a.b : a.i + a.w;  // a B's weight part is a W of one micro-batch
-  c.comm = a.comm;
-  std::string batched;
+// The costs of the command line (per rank; --w-batched: W's line through one and K micro-batches,
+// fit_weight_cost), or result --result of the --from-json run document (twobp/plan/cost_source.h).
+CostSource load_costs(const SimulateArgs& a) {
+  if (!a.from_json.empty()) {
+    return CostSource(read_run_document_file(a.from_json), static_cast<std::size_t>(a.result), a.from_json, a.overlap);
+  }
+  // A B's weight part is a W of one micro-batch: B = I + W by default, --w-batched or not.
+  RankCosts c{a.f, a.i, a.w, a.b >= 0 ? a.b : a.i + a.w, 0.0, a.comm};
   if (!a.w_batched.empty()) {
     const int k = static_cast<int>(a.w_batched[0]);
     if (k < 2 || static_cast<double>(k) != a.w_batched[0]) {
-      throw std::runtime_error(fmt::format("--w-batched {} {}: the micro-batch count must be an integer >= 2",
-                                           a.w_batched[0], a.w_batched[1]));
+      throw UsageError(fmt::format("--w-batched {} {}: the micro-batch count must be an integer >= 2",
+                                   a.w_batched[0], a.w_batched[1]));
     }
     const WeightCost w = fit_weight_cost({{1, {a.w}}, {k, {a.w_batched[1]}}});
-    c.w = w.per_micro_batch;
-    c.w0 = w.fixed;
-    batched = fmt::format(" (a W of 1 micro-batch {} ms, of {} {} ms: W0={:.4g} + W per micro-batch)", a.w, k,
-                          a.w_batched[1], c.w0);
+    c.backward_weight = w.per_micro_batch;
+    c.backward_weight_fixed = w.fixed;
   }
-  c.overlap = std::max(a.overlap, 0.0);
-  c.description = fmt::format("command line, per rank: F={} I={} W={:.4g} B={}{} comm={}{}{}", c.f, c.i, c.w, c.b,
-                              a.b >= 0 ? "" : " (I+W)", c.comm, batched,
-                              c.overlap > 0 ? fmt::format(" overlap={}", c.overlap) : "");
-  return c;
+  return CostSource(c, std::max(a.overlap, 0.0));
 }
 
-// Result --result of the --from-json run document, its missing mode's costs from its partner (complete_costs).
-CostSource load_costs(const SimulateArgs& a) {
-  if (a.from_json.empty()) return command_line_costs(a);
-  const RunDocument doc = read_run_document_file(a.from_json);
-  if (a.result >= static_cast<int>(doc.results.size())) {
-    throw std::runtime_error(fmt::format("{}: --result {} out of range (the file has {} results)", a.from_json,
-                                         a.result, doc.results.size()));
+// What load_costs' costs are, for the output: where they come from, and --w-batched's fit.
+std::string describe(const SimulateArgs& a, const CostSource& src) {
+  if (src.measured()) return src.description();
+  std::string out = "command line, " + src.description() + (a.b < 0 ? " (B=I+W)" : "");
+  if (!a.w_batched.empty()) {
+    out += fmt::format(" (a W of 1 micro-batch {} ms, of {} {} ms: W0 + W per micro-batch)", a.w, a.w_batched[0],
+                       a.w_batched[1]);
   }
-  const RunRecord& r = doc.results[a.result];
-  CostSource c;
-  c.measured = true;
-  std::string partner_note;
-  c.costs = complete_costs(r, find_partner(doc, a.result), &partner_note);
-  c.comm = c.costs.communication;
-  c.overlap = a.overlap >= 0 ? a.overlap : c.costs.overlap;
-  // The measured placement: regenerate the measured schedule (cheap) for its stage -> rank map.
-  c.stage_to_rank = make_schedule(r.schedule, ScheduleOptions{r.p, r.m, r.v, BackwardMode::kSplit}).stage_to_rank;
-  if (static_cast<int>(c.stage_to_rank.size()) != c.costs.num_stages()) {
-    throw std::runtime_error(fmt::format("{}: result {}: {} stage costs, but {} p={} v={} has {} stages", a.from_json,
-                                         a.result, c.costs.num_stages(), r.schedule, r.p, r.v,
-                                         c.stage_to_rank.size()));
-  }
-  c.description = fmt::format("{} result {} ({} {} p={} m={} v={}),{} comm={}{}", a.from_json, a.result, r.schedule,
-                              to_string(r.mode), r.p, r.m, r.v, partner_note, c.comm,
-                              c.overlap > 0 ? fmt::format(" overlap={:.3g}", c.overlap) : "");
-  return c;
+  return out;
 }
 
-/// Per-stage costs for `target` from `src` (measured: costs_for_placement); `rule` says which mapping was used.
-CostModel costs_for(const Schedule& target, const CostSource& src, std::string& rule) {
-  if (src.measured) {
-    CostModel c = costs_for_placement(src.costs, src.stage_to_rank, target, &rule);
-    c.overlap = src.overlap;
-    return c;
-  }
-  const double v = static_cast<double>(target.num_stages) / target.num_ranks;
-  CostModel c = CostModel::uniform(target.num_stages, src.f / v, src.i / v, src.w / v, src.comm);
-  c.backward.assign(target.num_stages, src.b / v);
-  if (src.w0 > 0) c.backward_weight_fixed.assign(target.num_stages, src.w0 / v);
-  c.overlap = src.overlap;
-  rule = "per-rank / v";
-  return c;
-}
-
-/// Adds the data-parallel all-reduce of every stage to `costs` (ms): the model's parameters split evenly over the
-/// schedule's stages, all-reduced over `a.dp` replicas on a ring. Returns the max over ranks of the sum of the
-/// rank's stages' all-reduces (dp_reduce_ms).
-double add_data_parallel(const Schedule& sched, const SimulateArgs& a, bool overlap, CostModel& costs) {
-  const double stage_bytes = a.model_params / sched.num_stages * a.grad_bytes;
-  // K buckets of stage_bytes / K each, every one paying the ring's latency.
-  const double stage_ms = a.dp_buckets * 1e3 *
-                          metrics::ring_all_reduce_seconds(stage_bytes / a.dp_buckets, a.dp, a.link_gbps * 1e9 / 8,
-                                                           a.link_latency_us * 1e-6);
-  costs.data_parallel_reduce.assign(sched.num_stages, stage_ms);
-  costs.overlap_data_parallel = overlap;
-  costs.data_parallel_buckets = a.dp_buckets;
-  double per_rank = 0;
-  for (int r = 0; r < sched.num_ranks; ++r) {
-    double sum = 0;
-    for (int s : sched.stages_of(r)) sum += costs.data_parallel_reduce[s];
-    per_rank = std::max(per_rank, sum);
-  }
-  return per_rank;
+// --dp's all-reduces added to `costs`: the model's parameters split evenly over the stages, on a ring of
+// --link-gbps (add_data_parallel). Returns the largest rank's total (dp_reduce_ms).
+double add_dp(const SimulateArgs& a, const Schedule& sched, bool overlap, CostModel& costs) {
+  const std::vector<double> bytes(sched.num_stages, a.model_params / sched.num_stages * a.grad_bytes);
+  return add_data_parallel(costs, sched, bytes,
+                           RingLink{a.dp, a.link_gbps * 1e9 / 8, a.link_latency_us * 1e-6, a.dp_buckets, overlap});
 }
 
 struct SimRow {
@@ -209,10 +146,7 @@ Schedule synthesize_for(const SimulateArgs& a, const CostSource& src, const Sche
     shape.num_ranks = options.ranks;
     shape.num_stages = static_cast<int>(stage_to_rank.size());
     shape.stage_to_rank = stage_to_rank;
-    std::string rule;
-    CostModel c = costs_for(shape, src, rule);
-    if (a.recompute) c.recompute = c.forward;
-    return c;
+    return src.costs_for(shape, a.recompute);
   };
   SynthesisOptions search;
   search.max_work = static_cast<std::int64_t>(a.synth_work);
@@ -222,10 +156,8 @@ Schedule synthesize_for(const SimulateArgs& a, const CostSource& src, const Sche
 // 1F1B standard's step time (v = 1) under the same costs: the reference of the "vs 1f1b std" column.
 double one_f_one_b_standard_ms(const SimulateArgs& a, const CostSource& src, bool overlap) {
   const Schedule sched = make_schedule("1f1b", ScheduleOptions{a.ranks, a.microbatches, 1, BackwardMode::kStandard});
-  std::string rule;
-  CostModel costs = costs_for(sched, src, rule);
-  if (a.recompute) costs.recompute = costs.forward;
-  if (a.dp > 1) add_data_parallel(sched, a, overlap, costs);
+  CostModel costs = src.costs_for(sched, a.recompute);
+  if (a.dp > 1) add_dp(a, sched, overlap, costs);
   return simulate(sched, costs).step_time;
 }
 
@@ -296,9 +228,8 @@ void simulate_one(const SimulateArgs& a, const CostSource& src, const SimulatePl
   row.stages = sched.num_stages;
   for (std::size_t k = 0; k < plan.overlaps.size(); ++k) {
     const bool overlap = plan.overlaps[k];
-    CostModel costs = costs_for(sched, src, row.rule);
-    if (a.recompute) costs.recompute = costs.forward;  // the re-run forward costs what F costs
-    if (a.dp > 1) row.dp_reduce_ms = add_data_parallel(sched, a, overlap, costs);
+    CostModel costs = src.costs_for(sched, a.recompute, &row.rule);
+    if (a.dp > 1) row.dp_reduce_ms = add_dp(a, sched, overlap, costs);
     row.dp_overlap = overlap;
     t0 = std::chrono::steady_clock::now();
     const SimulationResult sim = simulate(sched, costs);
@@ -366,11 +297,14 @@ Json simulate_json(const SimulateArgs& a, const CostSource& src, const std::vect
                    const std::vector<Rejected>& rejected, double total_ms) {
   Json out;
   out["config"] = {{"ranks", a.ranks},     {"microbatches", a.microbatches}, {"chunks_per_rank", a.chunks_per_rank},
-                   {"costs", src.description}, {"communication_ms", src.comm}, {"recompute", a.recompute}};
-  if (src.overlap > 0) out["config"]["overlap"] = src.overlap;
-  if (!src.measured) {
-    out["config"]["costs_ms_per_rank"] = {{"F", src.f}, {"I", src.i}, {"W", src.w}, {"B", src.b}};
-    if (src.w0 > 0) out["config"]["costs_ms_per_rank"]["W0"] = src.w0;
+                   {"costs", describe(a, src)}, {"communication_ms", src.rank_costs().communication},
+                   {"recompute", a.recompute}};
+  const RankCosts& c = src.rank_costs();
+  if (src.overlap() > 0) out["config"]["overlap"] = src.overlap();
+  if (!src.measured()) {
+    out["config"]["costs_ms_per_rank"] = {
+        {"F", c.forward}, {"I", c.backward_input}, {"W", c.backward_weight}, {"B", c.backward}};
+    if (c.backward_weight_fixed > 0) out["config"]["costs_ms_per_rank"]["W0"] = c.backward_weight_fixed;
   }
   if (a.dp > 1) {
     out["config"]["data_parallel"] = {{"dp", a.dp},           {"link_gbps", a.link_gbps},
@@ -487,7 +421,7 @@ void run_simulate(const SimulateArgs& a) {
                                                    : fmt::format("{} (p={} m={})", a.schedule_file,
                                                                  plan.from_file.num_ranks,
                                                                  plan.from_file.num_micro_batches),
-                           src.description);
+                           describe(a, src));
   if (a.dp > 1) {
     std::cout << fmt::format("data parallel: dp={}, {:g} parameters split evenly over the stages, {:g} bytes per "
                              "gradient, ring all-reduce on {:g} Gbit/s with {:g} us per step\n",
@@ -498,7 +432,7 @@ void run_simulate(const SimulateArgs& a) {
   std::cout << fmt::format("generated, validated and simulated {} configurations in {:.0f} ms\n", rows.size(),
                            total_ms);
   if (!a.json.empty()) {
-    write_json(a.json, out);
+    cli::write_json(a.json, out);
     std::cout << "wrote " << a.json << "\n";
   }
 }

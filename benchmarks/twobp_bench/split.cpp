@@ -504,7 +504,7 @@ void run_split(const SplitConfig& c) {
               << agree["tolerance"].get<double>() << ": " << (agree["ok"].get<bool>() ? "ok" : "DIFFER") << "\n";
   }
   if (!c.json.empty()) {
-    write_json(c.json, out);
+    cli::write_json(c.json, out);
     std::cout << "wrote " << c.json << "\n";
     if (c.check) check_written(c.json);
   }

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "twobp/error.h"
+#include "twobp/files.h"
 #include "twobp/version.h"
 
 namespace twobp::cli {
@@ -246,6 +247,13 @@ inline std::string error_message(const std::exception& e) {
 /// reason: options, files, layouts), as for a bad command line; 1 for anything else.
 inline int failure_status(const std::exception& e) {
   return dynamic_cast<const twobp::Error*>(&e) != nullptr ? 2 : 1;
+}
+
+/// A program's JSON output (nlohmann's json or ordered_json), indented, written whole or not at all
+/// (twobp::write_file); IOError naming the file.
+template <typename Json>
+void write_json(const std::string& path, const Json& json) {
+  write_file(path, json.dump(2) + "\n", "output");
 }
 
 }  // namespace twobp::cli

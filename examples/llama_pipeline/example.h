@@ -151,8 +151,6 @@ Plan make_plan(const Args& args, int world_size);
 /// `to` instead (its checkpoint layout too).
 twobp::Placement placement_of(const Plan& p);
 Plan with_placement(const Plan& p, const twobp::Placement& to);
-/// Writes `j` to `path`; IOError when that fails.
-void write_json(const std::string& path, const nlohmann::json& j);
 /// The run's settings, as the JSON output starts.
 nlohmann::json config_json(const Plan& p);
 /// A CPU run that clearly cannot fit in the machine's memory: UsageError before anything is allocated.

@@ -8,11 +8,11 @@
 
 #include <chrono>
 #include <cstdlib>
-#include <fstream>
 
 #include "example.h"
 #include "twobp/data.h"
 #include "twobp/error.h"
+#include "twobp/files.h"
 #include "twobp/metrics/memory.h"
 #include "twobp/runtime/data_parallel.h"
 #include "twobp/runtime/job.h"
@@ -28,33 +28,24 @@ struct Corpus {
   std::vector<uint16_t> tokens, held_out;
 };
 Corpus load_corpus(const Args& args, const Plan& plan) {
-  Corpus c;
-  std::vector<uint16_t>& tokens = c.tokens;
-  tokens =
-      args.data.empty()
-          ? twobp::data::ByteTokenizer::encode(twobp::data::builtin_corpus())
-          : twobp::data::read_token_file(args.data, static_cast<uint32_t>(std::min<int64_t>(plan.config.vocab_size,
-                                                                                            65536)));
   TWOBP_CHECK(!args.data.empty() || plan.config.vocab_size >= twobp::data::ByteTokenizer::kVocabSize,
               twobp::UsageError, "--vocab {}: the built-in corpus is byte-level and needs a vocabulary of at least {} "
               "tokens; give --vocab {} or more, or --data with a token file", plan.config.vocab_size,
               twobp::data::ByteTokenizer::kVocabSize, twobp::data::ByteTokenizer::kVocabSize);
+  std::vector<uint16_t> tokens =
+      args.data.empty()
+          ? twobp::data::ByteTokenizer::encode(twobp::data::builtin_corpus())
+          : twobp::data::read_token_file(args.data, static_cast<uint32_t>(std::min<int64_t>(plan.config.vocab_size,
+                                                                                            65536)));
   // --eval-every: the corpus's last --eval-fraction is held out (never trained on) for evaluation.
-  std::vector<uint16_t>& held_out = c.held_out;
-  if (args.eval_every > 0) {
-    const auto held = static_cast<std::size_t>(static_cast<double>(tokens.size()) * args.eval_fraction);
-    held_out.assign(tokens.end() - static_cast<std::ptrdiff_t>(held), tokens.end());
-    tokens.resize(tokens.size() - held);
-    TWOBP_CHECK(static_cast<int64_t>(held_out.size()) > plan.seq_len, twobp::UsageError,
-                "--eval-fraction {} of {} holds out {} tokens, fewer than one sequence of --seq-len {} + 1; raise it "
-                "or shorten --seq-len", args.eval_fraction, args.data.empty() ? "the built-in corpus" : args.data,
-                held_out.size(), plan.seq_len);
+  try {
+    twobp::data::HeldOutSplit split = twobp::data::split_held_out(
+        std::move(tokens), args.eval_every > 0 ? args.eval_fraction : 0.0, plan.seq_len,
+        args.data.empty() ? "the built-in corpus" : args.data);
+    return {std::move(split.train), std::move(split.held_out)};
+  } catch (const twobp::UsageError& e) {
+    throw twobp::UsageError(fmt::format("{} (--seq-len{})", e.what(), args.eval_every > 0 ? ", --eval-fraction" : ""));
   }
-  TWOBP_CHECK(static_cast<int64_t>(tokens.size()) > plan.seq_len, twobp::UsageError,
-              "{} has {} tokens{}, fewer than one sequence of --seq-len {} + 1",
-              args.data.empty() ? "the built-in corpus" : args.data, tokens.size(),
-              args.eval_every > 0 ? " left for training" : "", plan.seq_len);
-  return c;
 }
 
 /// What the run ended with under --schedule auto.
@@ -175,15 +166,12 @@ int run(Args args, int& argc, char**& argv) {
     written.push_back(args.costs_json);
   }
   if (!args.trace.empty()) {
-    std::ofstream out(args.trace);
-    out << twobp::to_chrome_trace(shared.traces);
-    out.close();
-    TWOBP_CHECK(out.good(), twobp::IOError, "--trace: writing {} failed", args.trace);
+    twobp::write_file(args.trace, twobp::to_chrome_trace(shared.traces), "--trace");
     fmt::print("trace of the last step written to {}\n", args.trace);
     written.push_back(args.trace);
   }
   if (!args.json.empty()) {
-    write_json(args.json, run_json(plan, shared, corpus.held_out.size()));
+    twobp::cli::write_json(args.json, run_json(plan, shared, corpus.held_out.size()));
     written.push_back(args.json);
   }
   print_summary(shared.records, shared.attribution, wall_s, written);

@@ -1,6 +1,5 @@
 // What every rank of llama_pipeline agrees on before the first step, the dry run and the memory check.
 #include <algorithm>
-#include <fstream>
 
 #include <unistd.h>  // sysconf: the machine's memory
 
@@ -8,6 +7,7 @@
 #include "twobp/error.h"
 #include "twobp/plan/llama_memory.h"
 #include "twobp/schedule/registry.h"
+#include "twobp_cli.h"
 
 namespace llama_example {
 namespace {
@@ -57,13 +57,6 @@ Plan with_placement(const Plan& p, const twobp::Placement& to) {
   out.recompute_ranks = to.recompute_ranks;
   out.checkpoint_layout = checkpoint_layout(out);
   return out;
-}
-
-void write_json(const std::string& path, const nlohmann::json& j) {
-  std::ofstream out(path);
-  out << j.dump(2) << "\n";
-  out.close();
-  if (!out.good()) throw twobp::IOError(fmt::format("cannot write JSON output {}", path));
 }
 
 nlohmann::json config_json(const Plan& p) {
@@ -145,7 +138,7 @@ int dry_run(const Plan& p) {
   for (const std::string& line : report.lines) fmt::print("{}\n", line);
   nlohmann::json j = config_json(p);
   j.update(nlohmann::json::parse(report.json));
-  if (!p.args.json.empty()) write_json(p.args.json, j);
+  if (!p.args.json.empty()) twobp::cli::write_json(p.args.json, j);
   return 0;
 }
 

@@ -7,6 +7,7 @@
 #include "example.h"
 #include "twobp/data.h"
 #include "twobp/error.h"
+#include "twobp/files.h"
 #include "twobp/metrics/energy.h"
 #include "twobp/metrics/metrics.h"
 #include "twobp/models/llama_rank.h"
@@ -209,7 +210,7 @@ void write_costs(const Plan& p, twobp::ParallelGroups& groups, const twobp::Cost
     r.replicas = p.dp;
     doc.results.push_back(std::move(r));
   }
-  write_json(p.args.costs_json, nlohmann::json::parse(twobp::write_run_document(doc)));
+  twobp::write_file(p.args.costs_json, twobp::write_run_document(doc) + "\n", "--costs-json");
 }
 
 

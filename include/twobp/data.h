@@ -42,6 +42,14 @@ void write_token_file(const std::string& path, const std::vector<uint16_t>& toke
 /// any token >= vocab_size, is an error (IOError naming the file and the token's byte offset).
 std::vector<uint16_t> read_token_file(const std::string& path, uint32_t vocab_size);
 
+/// A token stream cut for evaluation: the last `fraction` held out (never trained on), the rest for training.
+struct HeldOutSplit {
+  std::vector<uint16_t> train, held_out;
+};
+/// `tokens` split at the last `fraction` (in [0, 1); 0: nothing held out). UsageError naming `source` (the
+/// corpus, e.g. its file) when a part that should exist has no sequence of `seq_len` + 1 tokens to draw.
+HeldOutSplit split_held_out(std::vector<uint16_t> tokens, double fraction, int64_t seq_len, const std::string& source);
+
 /// One batch: inputs and targets [batch, seq] int64, targets shifted by one token.
 struct Batch {
   at::Tensor inputs;

@@ -8,6 +8,7 @@
 #include "twobp/config.h"
 
 #include "twobp/error.h"
+#include "twobp/files.h"
 #include "twobp/version.h"
 
 #include "twobp/autograd/weight_grad_store.h"
@@ -35,6 +36,7 @@
 #include "twobp/metrics/step_log.h"
 #include "twobp/metrics/units.h"
 #include "twobp/plan/choose.h"
+#include "twobp/plan/cost_source.h"
 #include "twobp/plan/llama.h"
 #include "twobp/plan/llama_memory.h"
 #include "twobp/plan/measure.h"

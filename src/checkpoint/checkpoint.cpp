@@ -19,6 +19,7 @@
 
 #include <fmt/ranges.h>
 
+#include "twobp/files.h"
 #include "util/check.h"
 
 namespace twobp::checkpoint {
@@ -34,24 +35,6 @@ std::string join(const std::string& dir, const std::string& name) {
 bool exists(const std::string& path) {
   struct stat st;
   return ::stat(path.c_str(), &st) == 0;
-}
-
-std::string parent_of(const std::string& path) {
-  const auto slash = path.find_last_of('/');
-  return slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
-}
-
-// mkdir -p
-void make_directories(const std::string& dir) {
-  std::string partial;
-  std::size_t pos = 0;
-  while (pos != std::string::npos) {
-    pos = dir.find('/', pos + 1);
-    partial = dir.substr(0, pos);
-    if (partial.empty() || exists(partial)) continue;
-    TWOBP_CHECK(::mkdir(partial.c_str(), 0755) == 0 || errno == EEXIST, IOError,
-                "checkpoint: cannot create directory {}: {}", partial, std::strerror(errno));
-  }
 }
 
 std::vector<std::string> list_directory(const std::string& dir) {
@@ -85,39 +68,6 @@ void put_le(std::string& out, T value) {
   using U = std::make_unsigned_t<T>;
   const U u = static_cast<U>(value);
   for (std::size_t i = 0; i < sizeof(T); ++i) out.push_back(static_cast<char>((u >> (8 * i)) & 0xff));
-}
-
-// Writes `bytes` to `path` durably: temp file, fsync, rename, fsync of the directory.
-void write_file_atomically(const std::string& path, const std::string& bytes) {
-  const std::string tmp = path + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  TWOBP_CHECK(fd >= 0, IOError, "checkpoint: cannot create {}: {}", tmp, std::strerror(errno));
-  std::size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const int err = errno;
-      ::close(fd);
-      throw IOError(fmt::format("checkpoint: writing {} failed at offset {}: {}", tmp, done,
-                                std::strerror(err)));
-    }
-    done += static_cast<std::size_t>(n);
-  }
-  if (::fsync(fd) != 0) {
-    const int err = errno;
-    ::close(fd);
-    throw IOError(fmt::format("checkpoint: fsync of {} failed: {}", tmp, std::strerror(err)));
-  }
-  TWOBP_CHECK(::close(fd) == 0, IOError, "checkpoint: closing {} failed: {}", tmp, std::strerror(errno));
-  TWOBP_CHECK(::rename(tmp.c_str(), path.c_str()) == 0, IOError, "checkpoint: renaming {} to {} failed: {}", tmp,
-              path, std::strerror(errno));
-  // Make the rename itself durable.
-  const int dfd = ::open(parent_of(path).c_str(), O_RDONLY | O_DIRECTORY);
-  if (dfd >= 0) {
-    ::fsync(dfd);
-    ::close(dfd);
-  }
 }
 
 std::string read_file(const std::string& path, const char* what) {
@@ -217,7 +167,7 @@ ShardInfo write_shard(const std::string& dir, int64_t step, int rank, const Name
   info.file = shard_name(step, rank);
   info.bytes = bytes.size();
   info.crc32 = crc32(bytes.data(), bytes.size());
-  write_file_atomically(join(dir, info.file), bytes);
+  write_file(join(dir, info.file), bytes, "checkpoint", /*durable=*/true);
   return info;
 }
 
@@ -234,7 +184,7 @@ void write_manifest(const std::string& dir, const Manifest& manifest) {
   for (const auto& s : manifest.shards) {
     j["shards"].push_back({{"rank", s.rank}, {"file", s.file}, {"bytes", s.bytes}, {"crc32", s.crc32}});
   }
-  write_file_atomically(join(dir, kManifestName), j.dump(2) + "\n");
+  write_file(join(dir, kManifestName), j.dump(2) + "\n", "checkpoint", /*durable=*/true);
 
   // Garbage-collect shards of other steps and leftover temp files (best effort: failures are harmless).
   std::set<std::string> keep;

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <fstream>
 
+#include "twobp/files.h"
 #include "util/hash.h"
 #include "util/check.h"
 
@@ -63,17 +64,24 @@ void write_token_file(const std::string& path, const std::vector<uint16_t>& toke
                 tokens[i], i, vocab_size);
     put_le<uint16_t>(bytes, tokens[i]);
   }
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    out.flush();
-    TWOBP_CHECK(out.good(), IOError, "token file {}: writing {} failed", path, tmp);
-  }
-  // POSIX rename, not std::filesystem: libtorch.so exports its own std::filesystem symbols, which can crash when
-  // they bind in place of libstdc++'s.
-  TWOBP_CHECK(::rename(tmp.c_str(), path.c_str()) == 0, IOError, "token file {}: renaming {} failed: {}", path, tmp,
-              std::strerror(errno));
+  write_file(path, bytes, fmt::format("token file {}", path));
+}
+
+HeldOutSplit split_held_out(std::vector<uint16_t> tokens, double fraction, int64_t seq_len, const std::string& source) {
+  TWOBP_CHECK(fraction >= 0.0 && fraction < 1.0, UsageError, "held-out fraction {} of {}: expected [0, 1)", fraction,
+              source);
+  HeldOutSplit out;
+  const auto held = static_cast<std::size_t>(static_cast<double>(tokens.size()) * fraction);
+  out.held_out.assign(tokens.end() - static_cast<std::ptrdiff_t>(held), tokens.end());
+  tokens.resize(tokens.size() - held);
+  out.train = std::move(tokens);
+  TWOBP_CHECK(fraction == 0.0 || static_cast<int64_t>(out.held_out.size()) > seq_len, UsageError,
+              "a held-out fraction {} of {} is {} tokens, fewer than one sequence of {} + 1; raise it or shorten the "
+              "sequences", fraction, source, out.held_out.size(), seq_len);
+  TWOBP_CHECK(static_cast<int64_t>(out.train.size()) > seq_len, UsageError,
+              "{} has {} tokens{}, fewer than one sequence of {} + 1", source, out.train.size(),
+              fraction > 0.0 ? " left for training" : "", seq_len);
+  return out;
 }
 
 std::vector<uint16_t> read_token_file(const std::string& path, uint32_t vocab_size) {

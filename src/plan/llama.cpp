@@ -10,6 +10,7 @@
 
 #include "twobp/error.h"
 #include "twobp/metrics/metrics.h"
+#include "twobp/plan/cost_source.h"
 #include "twobp/schedule/registry.h"
 #include "util/check.h"
 
@@ -110,12 +111,11 @@ LayoutCandidate predict(const llm::LlamaConfig& config, const LlamaCosts& costs,
     if (!has_rank(recompute_ranks, schedule.stage_to_rank[s])) model.recompute[s] = 0.0;
   }
   if (dp > 1) {
+    std::vector<double> bytes;
     for (const llm::ChunkSpec& chunk : partition.chunks) {
-      const double bytes =
-          static_cast<double>(llm::chunk_parameter_count(config, chunk) * o.precision.gradient_bytes);
-      model.data_parallel_reduce.push_back(
-          1e3 * metrics::ring_all_reduce_seconds(bytes, dp, o.link_bytes_per_s, o.link_latency_s));
+      bytes.push_back(static_cast<double>(llm::chunk_parameter_count(config, chunk) * o.precision.gradient_bytes));
     }
+    add_data_parallel(model, schedule, bytes, RingLink{dp, o.link_bytes_per_s, o.link_latency_s});
   }
   const SimulationResult sim = simulate(schedule, model);
   LayoutCandidate k;

@@ -122,6 +122,35 @@ TEST(TokenFile, MalformedFilesNameFileAndOffset) {
   remove_tree(dir);
 }
 
+// The held-out split keeps every token once, in order, the tail held out; a part too short for one sequence of
+// seq_len + 1 tokens is refused naming the corpus (the held-out part only when one is asked for).
+TEST(HeldOutSplit, TheTailIsHeldOutAndEachPartHoldsASequence) {
+  std::vector<uint16_t> tokens(1000);
+  for (std::size_t k = 0; k < tokens.size(); ++k) tokens[k] = static_cast<uint16_t>(k % 300);
+  for (double fraction : {0.0, 0.1, 0.25, 0.5}) {
+    const td::HeldOutSplit split = td::split_held_out(tokens, fraction, 16, "corpus");
+    EXPECT_EQ(split.held_out.size(), static_cast<std::size_t>(1000 * fraction)) << fraction;
+    std::vector<uint16_t> joined = split.train;
+    joined.insert(joined.end(), split.held_out.begin(), split.held_out.end());
+    EXPECT_EQ(joined, tokens) << fraction;
+  }
+  auto expect_refused = [&](double fraction, int64_t seq_len, const std::string& what) {
+    try {
+      td::split_held_out(tokens, fraction, seq_len, "my.tokens");
+      ADD_FAILURE() << "no error for fraction " << fraction << " seq_len " << seq_len;
+    } catch (const twobp::UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find("my.tokens"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  expect_refused(0.01, 16, "held-out fraction 0.01");  // 10 tokens held out
+  expect_refused(0.0, 1000, "has 1000 tokens");        // nothing held out, too short to train on
+  expect_refused(0.5, 600, "held-out fraction 0.5");
+  expect_refused(0.9, 120, "left for training");       // 100 tokens left for training
+  expect_refused(1.0, 1, "expected [0, 1)");
+  expect_refused(-0.1, 1, "expected [0, 1)");
+}
+
 TEST(BatchSampler, DeterministicShiftedWindows) {
   auto tokens = td::ByteTokenizer::encode(td::builtin_corpus());
   td::BatchSampler a(tokens, 16, 4, 123), b(tokens, 16, 4, 123), c(tokens, 16, 4, 124);
