@@ -1,19 +1,9 @@
 #pragma once
-// The models of `twobp_bench pipeline --model` (no <torch/torch.h> here: pipeline_models.cpp is the one TU that
-// builds torch::nn modules).
-//
-//   llama   twobp::models::LlamaChunk: fast-path layers (twobp::nn), balanced by compute (models::make_partition)
-//   bert    BERT-like encoder from torch::nn modules (general autograd-graph split): token + learned position
-//           embeddings + LayerNorm on stage 0; post-LN blocks (multi-head non-causal SDPA with biased Q/K/V/O
-//           projections, LayerNorm, Linear-GELU-Linear FFN, LayerNorm); an MLM head (Linear, GELU, LayerNorm,
-//           Linear to the vocabulary) on the last stage; cross entropy over all tokens
-//   resnet  ResNet-like conv net (general path): a stem (3x3 conv, BatchNorm2d, ReLU) on stage 0; basic residual
-//           blocks relu(x + BN(conv(relu(BN(conv(x)))))) that keep [C, H, W] (no downsampling, so every boundary
-//           has the same shape); global average pool + Linear head on the last stage; cross entropy over classes
-//
-// bert and resnet partition their blocks evenly: stage s of S holds blocks [s·L/S, (s+1)·L/S) (integer division),
-// so stage sizes differ by at most one block; L >= S is required (every stage holds a block). The embedding/stem
-// and the head are extra work on the first and the last stage.
+// The models of `twobp_bench pipeline --model` (no <torch/torch.h> here), the library's (twobp/models/):
+//   llama   LlamaChunk: fast-path layers (twobp::nn), balanced by compute (models::make_partition)
+//   bert    BertChunk: a BERT-like encoder of torch::nn layers (general autograd-graph split), MLM head
+//   resnet  ResNetChunk: a ResNet-like conv net of torch::nn layers with BatchNorm2d, classifier head
+// bert and resnet split their blocks evenly (models::even_blocks); cross entropy over tokens or classes.
 
 #include <cstdint>
 #include <string>

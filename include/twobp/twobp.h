@@ -80,5 +80,7 @@
 
 #include "twobp/checkpoint.h"
 #include "twobp/data.h"
+#include "twobp/models/bert.h"
 #include "twobp/models/llama.h"
 #include "twobp/models/llama_rank.h"
+#include "twobp/models/resnet.h"

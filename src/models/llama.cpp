@@ -46,16 +46,8 @@ const std::vector<LlamaConfig>& named_configs() {
   return configs;
 }
 
+using twobp::detail::fnv1a;
 using twobp::detail::mix64;
-
-uint64_t fnv1a(std::string_view s) {
-  uint64_t h = 0xcbf29ce484222325ULL;
-  for (unsigned char ch : s) {
-    h ^= ch;
-    h *= 0x100000001b3ULL;
-  }
-  return h;
-}
 
 bool ends_with(const std::string& s, std::string_view suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;

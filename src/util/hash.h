@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <string_view>
 
 namespace twobp::detail {
 
@@ -19,6 +20,16 @@ inline uint64_t mix64(uint64_t x) {
 inline uint64_t mix_key(std::initializer_list<uint64_t> parts) {
   uint64_t h = 0;
   for (uint64_t p : parts) h = mix64(h ^ p);
+  return h;
+}
+
+/// FNV-1a of a string: the part of a seed that a name (a parameter's) contributes.
+inline uint64_t fnv1a(std::string_view s) {
+  uint64_t h = 0xcbf29ce484222325ULL;
+  for (unsigned char ch : s) {
+    h ^= ch;
+    h *= 0x100000001b3ULL;
+  }
   return h;
 }
 
