@@ -235,37 +235,15 @@ Json PathBench::result() const {
   return r;
 }
 
-/// The fast path against the general one on the same weights and data: the largest relative difference (norm of
-/// the difference over norm of the general path's value) over the output, the input gradient and every weight
-/// gradient. The two compute the same function with other kernels, so they agree to the dtype's rounding:
+/// The fast path against the general one on the same weights and data (compare_values): the largest relative
+/// difference over the output, the input gradient and every weight gradient. The two compute the same function with other kernels, so they agree to the dtype's rounding:
 /// within 3e-2 in bfloat16 (2^-8 per rounding, accumulated over the blocks), 1e-4 in float32.
 Json compare_paths(PathBench& fast, PathBench& general, at::ScalarType dtype) {
-  const auto a = fast.timer().values(), b = general.timer().values();
   const double tolerance = dtype == at::kBFloat16 ? 3e-2 : 1e-4;
-  double worst = 0.0;
-  std::string worst_name;
-  int compared = 0;
-  std::vector<std::string> missing;
-  for (const auto& [name, value] : b) {
-    auto it = a.find(name);
-    if (it == a.end() || it->second.sizes() != value.sizes()) {
-      missing.push_back(name);
-      continue;
-    }
-    const double scale = value.norm().item<double>();
-    const double diff = (it->second - value).norm().item<double>() / (scale > 0 ? scale : 1.0);
-    ++compared;
-    if (!(diff <= worst)) {  // NaN counts as the worst
-      worst = diff;
-      worst_name = name;
-    }
-  }
-  return Json{{"compared", compared},
-              {"max_relative_difference", worst},
-              {"worst", worst_name},
-              {"tolerance", tolerance},
-              {"not_compared", missing},
-              {"ok", compared > 0 && missing.empty() && worst <= tolerance}};
+  const ValueComparison c = compare_values(fast.timer().values(), general.timer().values());
+  return Json{{"compared", c.compared},         {"max_relative_difference", c.max_relative_difference},
+              {"worst", c.worst},               {"tolerance", tolerance},
+              {"not_compared", c.not_compared}, {"ok", c.within(tolerance)}};
 }
 
 template <typename L>

@@ -4,6 +4,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <algorithm>
+#include <cmath>
 #include <functional>
 #include <numeric>
 
@@ -209,6 +210,26 @@ std::int64_t StageTimer::parameter_count() const {
   std::int64_t n = 0;
   for (const at::Tensor& p : unique_tensors(module_->parameters())) n += p.numel();
   return n;
+}
+
+ValueComparison compare_values(const std::map<std::string, at::Tensor>& a, const std::map<std::string, at::Tensor>& b) {
+  ValueComparison out;
+  for (const auto& [name, value] : b) {
+    const auto it = a.find(name);
+    if (it == a.end() || it->second.sizes() != value.sizes()) {
+      out.not_compared.push_back(name);
+      continue;
+    }
+    const double scale = value.norm().item<double>();
+    const double diff = (it->second - value).norm().item<double>() / (scale > 0 ? scale : 1.0);
+    ++out.compared;
+    // A NaN counts as the largest, and stays so (every comparison with it is false).
+    if (!std::isnan(out.max_relative_difference) && !(diff <= out.max_relative_difference)) {
+      out.max_relative_difference = diff;
+      out.worst = name;
+    }
+  }
+  return out;
 }
 
 }  // namespace twobp

@@ -205,5 +205,35 @@ TEST(StageTimer, ClockNames) {
   EXPECT_GE(now_ms(TimerClock::kWall), a);
 }
 
+// compare_values: the largest relative difference over the entries both hold, where it is, what was not compared.
+TEST(StageTimer, CompareValuesFindsTheLargestDifferenceAndWhatIsMissing) {
+  const std::map<std::string, at::Tensor> b{{"output", at::full({2, 3}, 2.0)},
+                                            {"w.grad", at::full({4}, 1.0)},
+                                            {"v.grad", at::zeros({2})}};
+  std::map<std::string, at::Tensor> a = b;
+  ValueComparison same = compare_values(a, b);
+  EXPECT_EQ(same.compared, 3);
+  EXPECT_EQ(same.max_relative_difference, 0.0);
+  EXPECT_TRUE(same.within(0.0));
+  a["w.grad"] = at::full({4}, 1.5);  // ||0.5 x 4|| / ||1 x 4|| = 0.5
+  a["output"] = at::full({2, 3}, 2.2);  // 0.1
+  ValueComparison off = compare_values(a, b);
+  EXPECT_EQ(off.worst, "w.grad");
+  EXPECT_NEAR(off.max_relative_difference, 0.5, 1e-6);
+  EXPECT_FALSE(off.within(0.4));
+  EXPECT_TRUE(off.within(0.6));
+  a["v.grad"] = at::full({2}, 0.25);  // b's norm is 0: the absolute difference, sqrt(2) / 4
+  EXPECT_EQ(compare_values(a, b).worst, "w.grad");
+  a["output"] = at::full({2, 3}, std::nan(""));
+  EXPECT_EQ(compare_values(a, b).worst, "output") << "a NaN is the largest difference";
+  a.erase("w.grad");
+  a["v.grad"] = at::zeros({3});  // another shape
+  ValueComparison partial = compare_values(a, b);
+  EXPECT_EQ(partial.not_compared, (std::vector<std::string>{"v.grad", "w.grad"}));
+  EXPECT_EQ(partial.compared, 1);
+  EXPECT_FALSE(partial.within(1e9));
+  EXPECT_FALSE(compare_values(a, {}).within(1e9)) << "nothing compared";
+}
+
 }  // namespace
 }  // namespace twobp::testing

@@ -138,4 +138,19 @@ class StageTimer {
   std::int64_t peak_above_start_ = -1, peak_ = -1;
 };
 
+/// Two modules' StageTimer::values() compared -- the same function computed with other kernels or layers, on the
+/// same weights and data: the largest relative difference ||a - b|| / ||b|| over the entries both hold (a NaN
+/// counts as the largest), where it is, and the entries of `b` that `a` lacks or holds in another shape.
+struct ValueComparison {
+  int compared = 0;
+  double max_relative_difference = 0.0;
+  std::string worst;                      ///< the entry of the largest difference
+  std::vector<std::string> not_compared;  ///< in `b`, missing from `a` or of another shape
+  /// Every entry of `b` compared, and each within `tolerance`.
+  bool within(double tolerance) const {
+    return compared > 0 && not_compared.empty() && max_relative_difference <= tolerance;
+  }
+};
+ValueComparison compare_values(const std::map<std::string, at::Tensor>& a, const std::map<std::string, at::Tensor>& b);
+
 }  // namespace twobp
