@@ -3,74 +3,23 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
-#include <iostream>
 #include <iomanip>
 #include <sstream>
 #include <stdexcept>
-#include <thread>
 
 #include "twobp/metrics/metrics.h"
 
 namespace twobp::bench {
-
-Summary summarize(std::vector<double> samples) {
-  Summary s;
-  s.count = samples.size();
-  s.min = metrics::quantile(samples, 0.0);
-  s.p25 = metrics::quantile(samples, 0.25);
-  s.median = metrics::quantile(samples, 0.5);
-  s.p75 = metrics::quantile(samples, 0.75);
-  s.max = metrics::quantile(samples, 1.0);
-  return s;
-}
 
 Json to_json(const Summary& s) {
   return Json{{"min", s.min}, {"p25", s.p25}, {"median", s.median}, {"p75", s.p75}, {"max", s.max},
               {"n", s.count}};
 }
 
-void Series::add(const std::string& name, double value) {
-  auto it = std::find_if(series_.begin(), series_.end(), [&](const auto& s) { return s.first == name; });
-  if (it == series_.end()) {
-    series_.emplace_back(name, std::vector<double>{});
-    it = series_.end() - 1;
-  }
-  it->second.push_back(value);
-}
-
-const std::vector<double>& Series::get(const std::string& name) const {
-  for (const auto& s : series_) {
-    if (s.first == name) return s.second;
-  }
-  throw std::out_of_range("no samples named " + name);
-}
-
-bool Series::has(const std::string& name) const {
-  return std::any_of(series_.begin(), series_.end(), [&](const auto& s) { return s.first == name; });
-}
-
-Json Series::spread() const {
+Json spread(const Series& series) {
   Json out = Json::object();
-  for (const auto& [name, samples] : series_) out[name] = to_json(summarize(samples));
+  for (const auto& [name, samples] : series.all()) out[name] = to_json(summarize(samples));
   return out;
-}
-
-double load_average() {
-  std::ifstream in("/proc/loadavg");
-  double load = -1;
-  if (!(in >> load)) return -1;
-  return load;
-}
-
-double warn_if_loaded(const std::string& command, const std::string& quieter) {
-  const double load = load_average();
-  const unsigned cores = std::thread::hardware_concurrency();
-  if (cores > 0 && load > cores) {
-    std::cerr << command << ": warning: load average " << fmt_num(load) << " on " << cores
-              << " cores; other processes take cores from the timed threads, see the spread (or use " << quieter
-              << ")\n";
-  }
-  return load;
 }
 
 Json read_json(const std::string& path) {

@@ -13,41 +13,20 @@
 #include <utility>
 #include <vector>
 
+#include "twobp/metrics/metrics.h"   // Summary, Series (no torch)
 #include "twobp/schedule/schedule.h"  // BackwardMode (no torch)
 
 namespace twobp::bench {
 
 using Json = nlohmann::ordered_json;  // keeps keys in insertion order: readable files
 
-/// Order statistics of one series of samples (linear interpolation between order statistics).
-struct Summary {
-  double min = 0, p25 = 0, median = 0, p75 = 0, max = 0;
-  std::size_t count = 0;
-};
-Summary summarize(std::vector<double> samples);
+using metrics::Series;
+using metrics::Summary;
+using metrics::summarize;
 /// {"min":..,"p25":..,"median":..,"p75":..,"max":..,"n":..}
 Json to_json(const Summary& s);
-
-/// Samples collected per named series (e.g. "fused_ms"), in the order the names were first used.
-class Series {
- public:
-  void add(const std::string& name, double value);
-  const std::vector<double>& get(const std::string& name) const;  // throws std::out_of_range when unknown
-  bool has(const std::string& name) const;
-  double median(const std::string& name) const { return summarize(get(name)).median; }
-  /// {"<name>": Summary...} for every series.
-  Json spread() const;
-
- private:
-  std::vector<std::pair<std::string, std::vector<double>>> series_;
-};
-
-/// The 1-minute load average from /proc/loadavg (-1 when unavailable): recorded so that noisy runs show it.
-double load_average();
-
-/// Warns on stderr ("<command>: warning: load average L on C cores; ... (or use <quieter>)") when the load average
-/// exceeds the cores: other processes then take cores from the timed threads. Returns the load average.
-double warn_if_loaded(const std::string& command, const std::string& quieter);
+/// {"<name>": to_json(summarize(samples))...} for every series.
+Json spread(const Series& series);
 
 Json read_json(const std::string& path);
 

@@ -17,12 +17,10 @@
 #include <sys/resource.h>
 
 #include <algorithm>
-#include <array>
 #include <chrono>
 #include <iostream>
 #include <memory>
 #include <numeric>
-#include <stdexcept>
 
 #include "bench_common.h"
 #include "commands.h"
@@ -495,7 +493,7 @@ Json report_config(const PipelineArgs& a, const std::string& transport_name, boo
                  {"heads", m.heads},       {"kv_heads", m.kv_heads}, {"ffn", m.ffn},
                  {"vocab", m.vocab},       {"seq", m.seq},         {"micro_batch_size", m.micro_batch_size},
                  {"steps", a.steps},       {"warmup", a.warmup},   {"threads", a.threads},
-                 {"transport", transport_name}, {"load_average", load_average()},
+                 {"transport", transport_name}, {"load_average", metrics::load_average()},
                  {"recompute", a.recompute}};
   if (a.recompute && a.recompute_ranks > 0) config["recompute_ranks"] = a.recompute_ranks;
   if (a.recompute && !a.recompute_on.empty()) config["recompute_on"] = a.recompute_on;
@@ -620,7 +618,7 @@ void run_pipeline_bench(const PipelineArgs& a) {
     if (t.rank() == 0) {
       energy_source = rank_energy.source();
       energy_note = rank_energy.note();
-      warn_if_loaded("pipeline", "--threads 1");
+      cli::warn_if_loaded("pipeline", "--threads 1");
     }
     std::vector<RunResult> results;
     int k = 0;

@@ -2,7 +2,6 @@
 
 #include <torch/torch.h>
 
-#include <memory>
 
 #include "twobp/error.h"
 #include "twobp/models/bert.h"

@@ -16,9 +16,6 @@
 #include <chrono>
 #include <iostream>
 #include <memory>
-#include <numeric>
-#include <optional>
-#include <stdexcept>
 #include <string>
 #include <vector>
 

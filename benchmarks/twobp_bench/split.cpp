@@ -226,7 +226,7 @@ Json PathBench::result() const {
     r["stage2_tflops"] = gemm / (w * 1e9);
     r["fused_tflops"] = 2.0 * gemm / (b * 1e9);
   }
-  r["spread"] = samples_.spread();
+  r["spread"] = spread(samples_);
   // The largest transient footprint of one phase (F, I, W, B or a batched W): bytes allocated at its peak
   // above those allocated when it began -- activations and gradients, not the weights of the paths.
   if (timer_->peak_above_phase_start_bytes() >= 0) {
@@ -436,7 +436,7 @@ void run_split(const SplitConfig& c) {
     if (name != "general_conv" || c.conv) names.push_back(name);
   }
   if (names.empty()) throw CLI::ValidationError("--paths", "no path left to time (general_conv needs --conv)");
-  const double load_start = warn_if_loaded("split", "--threads 1 --clock cpu");
+  const double load_start = cli::warn_if_loaded("split", "--threads 1 --clock cpu");
   SplitConfig cfg = c;
   cfg.model.max_seq = c.seq;
   if (cfg.model.ffn <= 0) cfg.model.ffn = (8 * cfg.model.dim / 3 + 31) / 32 * 32;  // LLaMa's rule: 512 -> 1376
@@ -466,13 +466,13 @@ void run_split(const SplitConfig& c) {
   }
   if (interrupts.received() != 0) config["interrupted"] = interrupts.received_name();  // "repeats": those done
   config["load_average_start"] = load_start;
-  config["load_average_end"] = load_average();
+  config["load_average_end"] = metrics::load_average();
   out["config"] = config;
 
   std::cout << "dim " << cfg.model.dim << ", ffn " << cfg.model.ffn << ", layers " << cfg.model.layers << ", seq "
             << c.seq << ", batch " << c.batch << ", " << to_string(c.precision) << ", " << c.threads << " threads, " << c.clock
             << " clock, median of " << cfg.repeats << " (load " << fmt_num(load_start) << " -> "
-            << fmt_num(load_average()) << ")\n";
+            << fmt_num(metrics::load_average()) << ")\n";
   print_tables(c, out, names);
   if (out.contains("fast_vs_general")) {
     const Json& agree = out["fast_vs_general"];

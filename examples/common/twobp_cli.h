@@ -25,6 +25,7 @@
 
 #include "twobp/error.h"
 #include "twobp/files.h"
+#include "twobp/metrics/metrics.h"
 #include "twobp/version.h"
 
 namespace twobp::cli {
@@ -254,6 +255,15 @@ inline int failure_status(const std::exception& e) {
 template <typename Json>
 void write_json(const std::string& path, const Json& json) {
   write_file(path, json.dump(2) + "\n", "output");
+}
+
+/// Prints metrics::load_warning on stderr when the machine is loaded (where a program prints timings); returns
+/// the load average.
+inline double warn_if_loaded(const std::string& command, const std::string& quieter) {
+  const double load = metrics::load_average();
+  const std::string warning = metrics::load_warning(command, quieter, load);
+  if (!warning.empty()) fmt::print(stderr, "{}\n", warning);
+  return load;
 }
 
 }  // namespace twobp::cli

@@ -108,6 +108,7 @@ int run(Args args, int& argc, char**& argv) {
   if (!job.processes()) twobp::cli::check_rank_threads(args.dp, args.stages);
   if (my_rank == 0) {
     for (const std::string& option : args.ignored) fmt::print(stderr, "llama_pipeline: warning: {} ignored\n", option);
+    twobp::cli::warn_if_loaded("llama_pipeline", "a quieter machine for timings");
     if (job.processes() && args.ranks_given) {
       fmt::print(stderr, "llama_pipeline: warning: --ranks ignored: the launcher started {} ranks\n", world);
     }

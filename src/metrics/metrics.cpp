@@ -2,8 +2,15 @@
 
 #include "twobp/metrics/metrics.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
+#include <fstream>
+#include <thread>
+
+#include "twobp/error.h"
+#include "util/check.h"
 
 namespace twobp::metrics {
 
@@ -50,6 +57,48 @@ double quantile(std::vector<double> samples, double q) {
   const auto lo = static_cast<std::size_t>(std::floor(pos));
   const auto hi = std::min(lo + 1, samples.size() - 1);
   return samples[lo] + (pos - static_cast<double>(lo)) * (samples[hi] - samples[lo]);
+}
+
+Summary summarize(const std::vector<double>& samples) {
+  Summary s;
+  s.count = samples.size();
+  s.min = quantile(samples, 0.0);
+  s.p25 = quantile(samples, 0.25);
+  s.median = quantile(samples, 0.5);
+  s.p75 = quantile(samples, 0.75);
+  s.max = quantile(samples, 1.0);
+  return s;
+}
+
+void Series::add(const std::string& name, double value) {
+  auto it = std::find_if(series_.begin(), series_.end(), [&](const auto& s) { return s.first == name; });
+  if (it == series_.end()) it = series_.emplace(series_.end(), name, std::vector<double>{});
+  it->second.push_back(value);
+}
+
+const std::vector<double>& Series::get(const std::string& name) const {
+  for (const auto& s : series_) {
+    if (s.first == name) return s.second;
+  }
+  detail::raise<UsageError>("Series: no samples named '{}'", name);
+}
+
+bool Series::has(const std::string& name) const {
+  return std::any_of(series_.begin(), series_.end(), [&](const auto& s) { return s.first == name; });
+}
+
+double load_average() {
+  std::ifstream in("/proc/loadavg");
+  double load = -1;
+  return in >> load ? load : -1.0;
+}
+
+std::string load_warning(const std::string& command, const std::string& quieter, double load) {
+  const unsigned cores = std::thread::hardware_concurrency();
+  if (cores == 0 || load <= cores) return "";
+  return fmt::format("{}: warning: load average {:.2f} on {} cores; other processes take cores from the timed "
+                     "threads, see the spread (or use {})",
+                     command, load, cores, quieter);
 }
 
 }  // namespace twobp::metrics

@@ -5,6 +5,11 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "twobp/error.h"
 
 namespace twobp::testing {
 namespace {
@@ -66,6 +71,39 @@ TEST(Metrics, QuantileInterpolatesBetweenTheNearestRanks) {
   EXPECT_DOUBLE_EQ(metrics::quantile({7.0, -1.0}, 1.0), 7.0);
   EXPECT_DOUBLE_EQ(metrics::quantile({42.0}, 0.5), 42.0);
   EXPECT_TRUE(std::isnan(metrics::quantile({}, 0.5)));
+}
+
+TEST(Metrics, SummaryAndSeries) {
+  const metrics::Summary s = metrics::summarize({5.0, 1.0, 4.0, 2.0, 3.0});
+  EXPECT_EQ(s.count, 5u);
+  EXPECT_DOUBLE_EQ(s.min, 1.0);
+  EXPECT_DOUBLE_EQ(s.p25, 2.0);
+  EXPECT_DOUBLE_EQ(s.median, 3.0);
+  EXPECT_DOUBLE_EQ(s.p75, 4.0);
+  EXPECT_DOUBLE_EQ(s.max, 5.0);
+  EXPECT_TRUE(std::isnan(metrics::summarize({}).median));
+  metrics::Series series;
+  series.add("b_ms", 3.0);
+  series.add("a_ms", 1.0);
+  series.add("b_ms", 1.0);
+  ASSERT_EQ(series.all().size(), 2u);
+  EXPECT_EQ(series.all()[0].first, "b_ms") << "first use's order";
+  EXPECT_EQ(series.get("b_ms"), (std::vector<double>{3.0, 1.0}));
+  EXPECT_DOUBLE_EQ(series.median("b_ms"), 2.0);
+  EXPECT_TRUE(series.has("a_ms"));
+  EXPECT_FALSE(series.has("c_ms"));
+  EXPECT_THROW(series.get("c_ms"), UsageError);
+}
+
+// The warning names the command and the quieter setting exactly when the load average exceeds the cores.
+TEST(Metrics, LoadWarningOnlyWhenTheLoadExceedsTheCores) {
+  const double cores = std::thread::hardware_concurrency();
+  const std::string warning = metrics::load_warning("cmd", "--quiet", cores + 0.5);
+  EXPECT_EQ(warning.rfind("cmd: warning: load average ", 0), 0u) << warning;
+  EXPECT_NE(warning.find("(or use --quiet)"), std::string::npos) << warning;
+  EXPECT_EQ(metrics::load_warning("cmd", "--quiet", cores), "");
+  EXPECT_EQ(metrics::load_warning("cmd", "--quiet", -1.0), "") << "no load average: no warning";
+  EXPECT_GE(metrics::load_average(), -1.0);
 }
 
 }  // namespace

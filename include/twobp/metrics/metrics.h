@@ -3,7 +3,10 @@
 // the benchmark and the example; docs/BENCHMARKS.md points here. Times may be in any unit, as long as one call
 // uses one unit throughout.
 
+#include <cstddef>
 #include <cstdint>
+#include <string>
+#include <utility>
 #include <vector>
 
 namespace twobp::metrics {
@@ -52,5 +55,36 @@ double exposed_wait(const std::vector<double>& wait_per_rank);
 /// the mean of the two middle samples for an even count), the definition of numpy's default and of every median
 /// twobp reports. NaN for no samples.
 double quantile(std::vector<double> samples, double q);
+
+/// Order statistics of one series of samples (quantile()'s interpolation); every field NaN for no samples.
+struct Summary {
+  double min = 0, p25 = 0, median = 0, p75 = 0, max = 0;
+  std::size_t count = 0;
+};
+Summary summarize(const std::vector<double>& samples);
+
+/// Samples per named series (e.g. "fused_ms"), in the order the names were first used: what a benchmark's
+/// repetitions collect.
+class Series {
+ public:
+  void add(const std::string& name, double value);
+  /// UsageError naming the series when there is none of that name.
+  const std::vector<double>& get(const std::string& name) const;
+  bool has(const std::string& name) const;
+  double median(const std::string& name) const { return summarize(get(name)).median; }
+  const std::vector<std::pair<std::string, std::vector<double>>>& all() const { return series_; }
+
+ private:
+  std::vector<std::pair<std::string, std::vector<double>>> series_;
+};
+
+/// The 1-minute load average of the machine (/proc/loadavg); -1 where unavailable. Recorded beside timings, so
+/// that a noisy run shows.
+double load_average();
+
+/// When `load` (the load average) exceeds the machine's cores -- other processes then take cores from the timed
+/// threads -- the line "<command>: warning: load average L on C cores; other processes take cores from the timed
+/// threads, see the spread (or use <quieter>)"; empty otherwise.
+std::string load_warning(const std::string& command, const std::string& quieter, double load = load_average());
 
 }  // namespace twobp::metrics
