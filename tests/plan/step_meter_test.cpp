@@ -210,6 +210,37 @@ TEST_F(StepMeterTest, NoRecordedStepIsRefused) {
   }
 }
 
+// Pipeline::switch_schedule keeps the placement the meter records by: steps of 1F1B 2BP, then GPipe standard, give
+// both modes' costs on every stage.
+TEST_F(StepMeterTest, StepsAcrossAScheduleSwitchAreRecordedAlike) {
+  const Schedule sc = make_schedule("1f1b", default_schedule_options("1f1b", 2, kMicroBatches, BackwardMode::kSplit));
+  const Schedule next =
+      make_schedule("gpipe", default_schedule_options("gpipe", 2, kMicroBatches, BackwardMode::kStandard));
+  const Modules modules = make_modules(2);
+  const at::Tensor x = batch(14), y = batch(15);
+  std::mutex mutex;
+  std::map<int, MeteredSteps> got;
+  const RankErrors errors = on_threads(2, [&](Transport& t) {
+    ParallelGroups groups(t, 1, std::chrono::seconds(60));
+    auto pipeline = make_pipeline(sc, modules, t, /*record_memory=*/false);
+    StepMeter meter(*pipeline, t, {std::chrono::seconds(60)});
+    meter.step(x, y);
+    pipeline->switch_schedule(next);
+    meter.step(x, y);
+    MeteredSteps s = meter.summarize(groups);
+    std::lock_guard<std::mutex> lock(mutex);
+    got[t.rank()] = std::move(s);
+  });
+  ASSERT_TRUE(errors.ok()) << error_message(errors.root_cause());
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(got.at(r).steps, 2);
+    for (int st = 0; st < 2; ++st) {
+      EXPECT_GT(got.at(r).costs.backward_input[st], 0.0) << "stage " << st;
+      EXPECT_GT(got.at(r).costs.backward[st], 0.0) << "stage " << st;
+    }
+  }
+}
+
 // Energy: every world rank's share summed, per recorded step. A powercap tree whose one package zone rank 0's
 // first action of each step advances by 3 J: 3 J per step, the warm-up's not counted; a tree without zones: none.
 TEST_F(StepMeterTest, EnergyIsTheJobsPerRecordedStep) {

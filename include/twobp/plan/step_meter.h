@@ -60,7 +60,8 @@ struct MeteredSteps {
 
 /// Records the steps of `pipeline` on this rank of `world` (the whole job: dp x p ranks; with one replica the
 /// pipeline's own transport). Every rank of the world makes one StepMeter per pipeline and calls step() and
-/// summarize() in the same order. The pipeline and the world must outlive the meter.
+/// summarize() in the same order. The pipeline and the world must outlive the meter. The pipeline may switch
+/// schedules between steps (Pipeline::switch_schedule keeps the placement, by whose stages the meter records).
 class StepMeter {
  public:
   StepMeter(Pipeline& pipeline, Transport& world, StepMeterOptions options = {});
