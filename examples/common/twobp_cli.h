@@ -15,11 +15,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
-#include <filesystem>
 #include <fstream>
 #include <optional>
 #include <string>
-#include <system_error>
 #include <utility>
 #include <vector>
 
@@ -85,7 +83,8 @@ inline CLI::Validator writable_file() {
         if (const std::string kind = blocking_kind(path); !kind.empty()) {
           return fmt::format("'{}' is {}, not a file the program can write: give a regular file", path, kind);
         }
-        const bool existed = std::filesystem::exists(path);
+        struct stat st;
+        const bool existed = ::stat(path.c_str(), &st) == 0;
         const bool ok = std::ofstream(path, std::ios::app).good();
         if (ok && !existed) std::remove(path.c_str());
         return ok ? std::string() : fmt::format("cannot write '{}' (no such directory, or no permission)", path);
@@ -98,10 +97,13 @@ inline CLI::Validator writable_directory() {
   return CLI::Validator(
       [](std::string& path) -> std::string {
         if (path.empty()) return std::string();
-        std::error_code ec;
-        std::filesystem::create_directories(path, ec);
+        try {
+          make_directories(path);
+        } catch (const IOError&) {
+          return fmt::format("cannot create or write into the directory '{}'", path);
+        }
         const std::string probe = path + "/.twobp_write_probe";
-        const bool ok = !ec && std::filesystem::is_directory(path) && std::ofstream(probe).good();
+        const bool ok = std::ofstream(probe).good();
         std::remove(probe.c_str());
         return ok ? std::string() : fmt::format("cannot create or write into the directory '{}'", path);
       },
@@ -231,7 +233,8 @@ inline std::optional<int> parse(CLI::App& app, int argc, char** argv) {
     if (status == 0) return 0;
     const std::string suggestion = subcommand_suggestion(app, argc, argv);
     if (!suggestion.empty()) {
-      fmt::print(stderr, "{}: {}\n", std::filesystem::path(argv[0]).filename().string(), suggestion);
+      const std::string program = argv[0];
+      fmt::print(stderr, "{}: {}\n", program.substr(program.find_last_of('/') + 1), suggestion);
     }
     return 2;
   }
