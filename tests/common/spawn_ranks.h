@@ -12,10 +12,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -24,22 +26,33 @@ extern char** environ;
 
 namespace twobp::testing {
 
-/// A TCP port on 127.0.0.1 that was free a moment ago (0 if none could be found).
+/// A TCP port on 127.0.0.1 that was free a moment ago (0 if none could be found), taken from the 12,000 ports below
+/// the kernel's ephemeral range (ip_local_port_range): a port the kernel hands out by itself -- to mpiexec's daemons,
+/// to any connect() -- could be taken between this check and the store's bind, and a store client that reaches
+/// such a listener retries for minutes (seen with an MPI job beside a store job); ports below the range are only
+/// ever taken on purpose.
 inline int free_port() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof(addr);
-  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    if (fd >= 0) close(fd);
-    return 0;
+  int low = 32768, high = 60999;
+  if (FILE* f = std::fopen("/proc/sys/net/ipv4/ip_local_port_range", "r")) {
+    if (std::fscanf(f, "%d %d", &low, &high) != 2) low = 32768;
+    std::fclose(f);
   }
-  const int port = ntohs(addr.sin_port);
-  close(fd);
-  return port;
+  const int first = std::max(1024, low - 12000), count = std::max(1, low - first);
+  std::random_device seed;
+  std::mt19937 pick(seed());
+  for (int attempt = 0; attempt < 64; ++attempt) {
+    const int port = first + static_cast<int>(pick() % static_cast<unsigned>(count));
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) return 0;
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    const bool free = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+    close(fd);
+    if (free) return port;
+  }
+  return 0;
 }
 
 /// For a child rank's first line: its stdout line-buffered, so that what it printed survives a SIGKILL (gtest and
