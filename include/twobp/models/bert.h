@@ -7,6 +7,8 @@
 // an MLM head (Linear, GELU, LayerNorm, Linear to the vocabulary; last chunk). Stage s of S holds blocks
 // even_blocks(layers, s, S). Initialisation is keyed by (seed, parameter name), so the weights are the same
 // whatever the partition, thread or process that builds them.
+// Construction still draws from LibTorch's default generator (torch::nn layers initialise themselves before the
+// name-keyed values replace theirs): with ranks as threads, build every rank's chunks before any rank steps.
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/activation.h>

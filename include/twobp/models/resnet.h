@@ -6,6 +6,8 @@
 // relu(x + BN(conv(relu(BN(conv(x)))))) that keep [channels, H, W] (no downsampling, so every stage boundary has
 // the same shape); global average pool and a Linear head (last chunk). Stage s of S holds blocks
 // even_blocks(layers, s, S) (twobp/models/bert.h). Initialisation is keyed by (seed, parameter name).
+// Construction still draws from LibTorch's default generator (torch::nn layers initialise themselves before the
+// name-keyed values replace theirs): with ranks as threads, build every rank's chunks before any rank steps.
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/batchnorm.h>
