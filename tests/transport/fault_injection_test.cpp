@@ -6,6 +6,9 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <future>
+#include <map>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -44,41 +47,51 @@ struct Stall {
   int quit_before_step = 0; // ... for this step
 };
 
-// kSteps steps of `schedule` over kRanks thread ranks, each transport wrapped with `fault` (none: not wrapped).
-Outcome run(const std::string& schedule_name, BackwardMode mode, Pairing pairing, std::optional<FaultOptions> fault,
-            Duration timeout = std::chrono::seconds(60), Stall stall = {}) {
-  testing::Float64Default float64;
+// One prepared run: kSteps steps of a schedule over kRanks thread ranks, each transport wrapped with a fault (or
+// not wrapped).
+struct Job {
+  Stall stall;
+  at::Tensor inputs, targets;
+  std::vector<std::shared_ptr<Transport>> transports;
+  std::vector<FaultInjectingTransport*> faulty;
+  std::vector<std::unique_ptr<Pipeline>> pipelines;
+  std::vector<std::vector<std::shared_ptr<torch::nn::Module>>> modules;  // by rank
+};
+
+// Builds a job under float64 as the default dtype (the caller holds it). Draws from LibTorch's default generator
+// (the inputs and the chunks' initialisers), so jobs are prepared one at a time; execute() may then run beside
+// other jobs.
+std::unique_ptr<Job> prepare(const std::string& schedule_name, BackwardMode mode, Pairing pairing,
+                             std::optional<FaultOptions> fault, Duration timeout, Stall stall) {
+  auto job = std::make_unique<Job>();
+  job->stall = stall;
   const Schedule schedule = make_schedule(
       schedule_name, default_schedule_options(schedule_name, kRanks, kMicroBatches, mode));
   torch::manual_seed(3);
-  const at::Tensor inputs = torch::randn({kMicroBatches * kMicroBatchSize, kDim});
-  const at::Tensor targets = torch::randn({kMicroBatches * kMicroBatchSize, kDim});
+  job->inputs = torch::randn({kMicroBatches * kMicroBatchSize, kDim});
+  job->targets = torch::randn({kMicroBatches * kMicroBatchSize, kDim});
   LocalOptions local;
   local.pairing = pairing;
-  auto locals = make_local_transports(kRanks, local);
-  std::vector<std::shared_ptr<Transport>> transports;
-  std::vector<FaultInjectingTransport*> faulty;
-  for (auto& t : locals) {
+  for (auto& t : make_local_transports(kRanks, local)) {
     std::shared_ptr<Transport> inner(std::move(t));
     if (fault) {
       auto wrapped = std::make_shared<FaultInjectingTransport>(inner, *fault);
-      faulty.push_back(wrapped.get());
-      transports.push_back(wrapped);
+      job->faulty.push_back(wrapped.get());
+      job->transports.push_back(wrapped);
     } else {
-      transports.push_back(inner);
+      job->transports.push_back(inner);
     }
   }
   PipelineOptions options;
   options.executor.timeout = timeout;
   options.loss = testing::mse;
   options.executor.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim}, at::kDouble}; };
-  std::vector<std::unique_ptr<Pipeline>> pipelines;
-  std::vector<std::vector<std::shared_ptr<torch::nn::Module>>> modules(kRanks);
+  job->modules.resize(kRanks);
   for (int r = 0; r < kRanks; ++r) {
     std::vector<PipelineChunk> chunks;
     for (int s : schedule.stages_of(r)) {
-      auto module = testing::make_chunk(s);  // on this thread: the chunks' initialisers share one generator
-      modules[r].push_back(module);
+      auto module = testing::make_chunk(s);
+      job->modules[r].push_back(module);
       auto* raw = module.get();
       auto calls = std::make_shared<int>(0);  // this chunk's forwards so far (run on its rank's thread only)
       chunks.push_back({s, module, [raw, s, calls, stall](const at::Tensor& x) {
@@ -88,32 +101,46 @@ Outcome run(const std::string& schedule_name, BackwardMode mode, Pairing pairing
                           return testing::run_chunk(*raw, s, x);
                         }});
     }
-    pipelines.push_back(std::make_unique<Pipeline>(schedule, std::move(chunks), transports[r], options));
+    job->pipelines.push_back(std::make_unique<Pipeline>(schedule, std::move(chunks), job->transports[r], options));
   }
+  return job;
+}
+
+// Runs a prepared job's steps on its rank threads. Jobs share no transport, status board or generator; they share
+// the CPU allocation counter's per-rank accounts, which no job here reads (no memory limit, no memory figures).
+Outcome execute(Job& job) {
   Outcome out;
   out.grads.resize(kRanks);
   std::vector<Transport*> raw;
-  for (auto& t : transports) raw.push_back(t.get());
+  for (auto& t : job.transports) raw.push_back(t.get());
+  const Stall stall = job.stall;
   const auto t0 = std::chrono::steady_clock::now();
   const RankErrors errors = run_rank_threads(raw, [&](Transport& t) {
-    Pipeline& p = *pipelines[t.rank()];
+    Pipeline& p = *job.pipelines[t.rank()];
     for (int step = 0; step < kSteps; ++step) {
       if (t.rank() == stall.quit_rank && step == stall.quit_before_step) return;
       p.zero_grad();
       // Other inputs every step: a message of one step taken for another's would change the gradients.
-      StepResult result = p.step(inputs * (step + 1), targets);
-      if (!result.losses.empty()) out.losses = result.losses;
+      StepResult result = p.step(job.inputs * (step + 1), job.targets);
+      if (!result.losses.empty()) out.losses = result.losses;  // the last stage's rank only
     }
   });
   out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   for (int r = 0; r < kRanks; ++r) {
     out.errors.push_back(errors.errors[r] ? error_message(errors.errors[r]) : "");
-    for (auto& m : modules[r]) {
+    for (auto& m : job.modules[r]) {
       for (auto& p : m->parameters()) out.grads[r].push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
     }
   }
-  for (auto* f : faulty) out.faults += f->faults();
+  for (auto* f : job.faulty) out.faults += f->faults();
   return out;
+}
+
+Outcome run(const std::string& schedule_name, BackwardMode mode, Pairing pairing, std::optional<FaultOptions> fault,
+            Duration timeout = std::chrono::seconds(60), Stall stall = {}) {
+  testing::Float64Default float64;
+  auto job = prepare(schedule_name, mode, pairing, fault, timeout, stall);
+  return execute(*job);
 }
 
 void expect_same_gradients(const Outcome& a, const Outcome& b) {
@@ -140,6 +167,70 @@ struct Case {
   BackwardMode mode;
   Pairing pairing;
 };
+
+const std::vector<Case> kCases = {{"1f1b", BackwardMode::kSplit, Pairing::kByTag},
+                                  {"1f1b", BackwardMode::kStandard, Pairing::kInOrderPerChannel},
+                                  {"zb-v", BackwardMode::kSplit, Pairing::kInOrderPerChannel},
+                                  {"interleaved-1f1b", BackwardMode::kSplit, Pairing::kByTag},
+                                  {"gpipe", BackwardMode::kStandard, Pairing::kByTag}};
+
+// The faults whose runs wait out a timeout rather than compute: a lost message (rank 1 drops what it sends rank 2
+// after 3 messages; 1.5 s timeout), a computation stuck past the timeout (the last stage's second forward sleeps
+// 3 s; 1 s timeout) and a caller that stops calling step() (rank 2 before step 1; 1 s timeout).
+enum class Waiting { kLostMessage, kStuckComputation, kCallerQuits };
+constexpr Waiting kWaiting[] = {Waiting::kLostMessage, Waiting::kStuckComputation, Waiting::kCallerQuits};
+
+std::unique_ptr<Job> prepare_waiting(const Case& c, Waiting w) {
+  std::optional<FaultOptions> fault;
+  Duration timeout = std::chrono::milliseconds(1000);
+  Stall stall;
+  switch (w) {
+    case Waiting::kLostMessage:
+      fault.emplace();
+      fault->fault = Fault::kDrop;
+      fault->ranks = {1};
+      fault->peer = 2;
+      fault->after_messages = 3;
+      fault->probability = 1.0;
+      timeout = std::chrono::milliseconds(1500);
+      break;
+    case Waiting::kStuckComputation:
+      stall.stage = make_schedule(c.schedule, default_schedule_options(c.schedule, kRanks, kMicroBatches, c.mode))
+                        .num_stages - 1;
+      stall.call = 1;
+      stall.seconds = 3.0;
+      break;
+    case Waiting::kCallerQuits:
+      stall.quit_rank = 2;
+      stall.quit_before_step = 1;
+      break;
+  }
+  return prepare(c.schedule, c.mode, c.pairing, fault, timeout, stall);
+}
+
+// The outcome of waiting fault `w` for case `c`. The first call runs every case's waiting faults at once (each job
+// on rank threads of its own; jobs share nothing they read), so the suite waits out each timeout once, not fifteen
+// times; each test then checks its own outcome. Timeouts and stalls are those of a run alone.
+const Outcome& waiting_outcome(const Case& c, Waiting w) {
+  static std::once_flag once;
+  static std::map<std::pair<std::string, int>, Outcome> outcomes;
+  auto key = [](const Case& k, Waiting x) {
+    return std::make_pair(k.schedule + "/" + std::to_string(static_cast<int>(k.mode)) + "/" +
+                              std::to_string(static_cast<int>(k.pairing)),
+                          static_cast<int>(x));
+  };
+  std::call_once(once, [&] {
+    testing::Float64Default float64;  // held until every job has ended
+    std::vector<std::pair<std::pair<std::string, int>, std::unique_ptr<Job>>> jobs;
+    for (const Case& k : kCases) {
+      for (Waiting x : kWaiting) jobs.emplace_back(key(k, x), prepare_waiting(k, x));
+    }
+    std::vector<std::future<Outcome>> running;
+    for (auto& j : jobs) running.push_back(std::async(std::launch::async, [&j] { return execute(*j.second); }));
+    for (std::size_t k = 0; k < jobs.size(); ++k) outcomes[jobs[k].first] = running[k].get();
+  });
+  return outcomes.at(key(c, w));
+}
 
 class FaultInjection : public ::testing::TestWithParam<Case> {};
 
@@ -174,14 +265,7 @@ std::string same_report_on_every_rank(const Outcome& o, std::vector<int> ranks =
 }
 
 TEST_P(FaultInjection, ALostMessageEndsEveryRankInTimeWithOneHangReport) {
-  const Case c = GetParam();
-  FaultOptions drop;
-  drop.fault = Fault::kDrop;
-  drop.ranks = {1};
-  drop.peer = 2;
-  drop.after_messages = 3;
-  drop.probability = 1.0;
-  const Outcome o = run(c.schedule, c.mode, c.pairing, drop, std::chrono::milliseconds(1500));
+  const Outcome& o = waiting_outcome(GetParam(), Waiting::kLostMessage);
   // Rank 2 waits for what rank 1 never sent: its error names rank 1 and the micro-batch it waited for.
   expect_every_rank_failed(o, 20.0, {"rank 1", "micro-batch"});
   EXPECT_GT(o.faults, 0);
@@ -203,26 +287,19 @@ TEST_P(FaultInjection, AComputationStuckPastTheTimeoutIsNamedByEveryRank) {
   const Case c = GetParam();
   const Schedule schedule =
       make_schedule(c.schedule, default_schedule_options(c.schedule, kRanks, kMicroBatches, c.mode));
-  Stall stall;
-  stall.stage = schedule.num_stages - 1;  // the last stage's second forward of the first step
-  stall.call = 1;
-  stall.seconds = 3.0;
-  const Outcome o = run(c.schedule, c.mode, c.pairing, std::nullopt, std::chrono::milliseconds(1000), stall);
+  const Outcome& o = waiting_outcome(c, Waiting::kStuckComputation);
+  const int stuck_stage = schedule.num_stages - 1;
   const std::string report = same_report_on_every_rank(o);
-  const int owner = schedule.stage_to_rank[stall.stage];
+  const int owner = schedule.stage_to_rank[stuck_stage];
   EXPECT_NE(report.substr(0, report.find('\n'))
-                .find(fmt::format("rank {} is computing F stage {} micro-batch 1 for", owner, stall.stage)),
+                .find(fmt::format("rank {} is computing F stage {} micro-batch 1 for", owner, stuck_stage)),
             std::string::npos)
       << report;
   EXPECT_LT(o.seconds, 15.0);
 }
 
 TEST_P(FaultInjection, ACallerThatStopsCallingStepIsNamedByEveryRank) {
-  const Case c = GetParam();
-  Stall stall;
-  stall.quit_rank = 2;
-  stall.quit_before_step = 1;
-  const Outcome o = run(c.schedule, c.mode, c.pairing, std::nullopt, std::chrono::milliseconds(1000), stall);
+  const Outcome& o = waiting_outcome(GetParam(), Waiting::kCallerQuits);
   // Rank 2 returned without an error; every other rank fails with the same report naming it.
   EXPECT_EQ(o.errors[2], "");
   const std::string report = same_report_on_every_rank(o, {0, 1, 3});
@@ -278,14 +355,7 @@ std::string case_name(const ::testing::TestParamInfo<Case>& info) {
   return name;
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Schedules, FaultInjection,
-    ::testing::Values(Case{"1f1b", BackwardMode::kSplit, Pairing::kByTag},
-                      Case{"1f1b", BackwardMode::kStandard, Pairing::kInOrderPerChannel},
-                      Case{"zb-v", BackwardMode::kSplit, Pairing::kInOrderPerChannel},
-                      Case{"interleaved-1f1b", BackwardMode::kSplit, Pairing::kByTag},
-                      Case{"gpipe", BackwardMode::kStandard, Pairing::kByTag}),
-    case_name);
+INSTANTIATE_TEST_SUITE_P(Schedules, FaultInjection, ::testing::ValuesIn(kCases), case_name);
 
 // Options that could inject nothing (or nonsense) are refused, each field on its own: a fault test must never pass
 // because nothing was injected. The same options are accepted in a world large enough for them.
