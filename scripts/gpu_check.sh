@@ -124,8 +124,8 @@
 # Needs a CUDA toolkit (nvcc) on the GPU machine: the CUDA build of the torch wheel refuses find_package(Torch)
 # without one ("Your installed Caffe2 version uses CUDA but I cannot find the CUDA libraries" -- seen here with
 # /usr/local/cuda hidden; the wheel's nvidia/cu13 headers and libraries are not enough). The GPU image has nvcc 13.0.
-# Tests: ctest -L script (tests/scripts: gpu_check_dry_run, gpu_check_injected, gpu_check_prebuilt,
-# gpu_check_prebuilt_stale; gpu_check_perf_part1, gpu_check_perf_part2, gpu_check_perf_injected).
+# Tests: ctest -L script (tests/scripts: gpu_check_dry_run, gpu_check_injected, gpu_check_prebuilt;
+# gpu_check_perf_part1, gpu_check_perf_part2, gpu_check_perf_injected).
 set -uo pipefail
 export GPU_CHECK_T0="${GPU_CHECK_T0:-$(date +%s.%N)}"
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"

@@ -37,8 +37,10 @@ LOGS = ("check.log", "build.log", "tests.log")
 SUMMARY_RESERVE_S = 10     # left for the summary at the end of the deadline
 KILL_GRACE_S = 5           # SIGTERM -> SIGKILL
 # An injected hang (GPU_CHECK_INJECT) tests the kill path: its piece times out after this long, whatever its own
-# timeout, so that the check of it (tests/scripts) does not wait for nothing.
-INJECTED_HANG_S = 3
+# timeout, and gets this long between SIGTERM and SIGKILL (it ignores SIGTERM), so that the check of it
+# (tests/scripts) does not wait for nothing.
+INJECTED_HANG_S = 1
+INJECTED_HANG_GRACE_S = 1
 
 # Set for every piece unless already set (recorded in summary.json's test_env). TWOBP_TEST_STACKS_ON_HANG: a
 # multi-process test prints its stuck ranks' stacks before killing them (tests/common/spawn_ranks.h): a hang costs
@@ -269,7 +271,7 @@ class Runner:
             interrupted = str(e)
         if timed_out or interrupted:
             killed_at = now() - start
-            gone, sig = kill_group(proc.pid, KILL_GRACE_S)
+            gone, sig = kill_group(proc.pid, INJECTED_HANG_GRACE_S if action == "hang" else KILL_GRACE_S)
             try:
                 rc = proc.wait(timeout=5)
             except subprocess.TimeoutExpired:

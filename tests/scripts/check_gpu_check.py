@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """Runs scripts/gpu_check.sh --dry-run on this CPU machine and checks what it leaves in its output directory.
 
-usage: check_gpu_check.py dry-run|injected|prebuilt|prebuilt-stale SCRIPT CPU_BUILD WORK_DIR
+usage: check_gpu_check.py dry-run|injected|prebuilt SCRIPT CPU_BUILD WORK_DIR
 
-  dry-run   the plain dry run (deadline 200 s): exit 0, "gpu": false, every piece passed or was skipped with a
-            reason (the gpu tests skip without a GPU), the measurements (the example's two runs and their
-            comparison included) and the summary's stage costs present, the opt-in pieces skipped as such,
-            exactly the 8 expected files
+  dry-run   the plain dry run (deadline 200 s), given carried binaries whose manifest names other sources
+            (GPU_CHECK_PREBUILT, stale): "prebuilt" skipped with that reason, so the check configures, builds
+            and checks its targets as without carried binaries; exit 0, "gpu": false, every piece passed or was
+            skipped with a reason (the gpu tests skip without a GPU), the measurements (the example's two runs
+            and their comparison included) and the summary's stage costs present, the opt-in pieces skipped as
+            such, exactly the 8 expected files
   injected  the dry run with GPU_CHECK_INJECT="env:tools:hang,measure:split_seq16:fail", a 150 s deadline and
             --only measure:split_seq16,measure:simulate_seq16: exit 1,
             env:tools recorded as timeout (its process group killed, SIGTERM ignored so SIGKILL was needed),
@@ -16,9 +18,6 @@ usage: check_gpu_check.py dry-run|injected|prebuilt|prebuilt-stale SCRIPT CPU_BU
             gpu tests with a manifest of these sources) and --only 'measure:*,test:*': exit 0, "prebuilt" passed
             (they load), configure/targets/discover/build:* skipped as provided by them, the measurements run with
             the carried binaries, the opt-in pieces too (the example's memory estimate against its measured peak)
-  prebuilt-stale  the same with a manifest of other sources and --only measure:split_seq16,measure:simulate_seq16:
-            "prebuilt" skipped with that reason, and the check configures and checks its targets as without carried
-            binaries
 
 Each fails when summary.json is missing, unreadable or wrong. After checking the real summary, the checker also
 checks itself: broken copies of that summary (no pieces, an unknown status, "gpu": true, ...) must be rejected.
@@ -35,16 +34,15 @@ import time
 STATUSES = {"pass", "fail", "timeout", "skipped"}
 FILES = {"summary.json", "check.log", "build.log", "tests.log", "split_seq16.json", "split_seq32.json",
          "simulate_seq16.json", "simulate_seq32.json"}
-DEADLINE = {"dry-run": 200, "injected": 150, "prebuilt": 200, "prebuilt-stale": 200}
+DEADLINE = {"dry-run": 200, "injected": 150, "prebuilt": 200}
 PROVIDED = ("configure", "targets", "discover", "build:library", "build:twobp_bench", "build:llama_pipeline")
 INJECT = "env:tools:hang,measure:split_seq16:fail"
 # --only per mode. The prebuilt run names every measurement and test, so the opt-in pieces (the example's memory)
-# run too; the injected and stale runs check the runner and the set-up, which one measurement and its simulation
-# show as well as all of them (the plain and prebuilt runs cover the rest).
-ONLY = {"prebuilt": "measure:*,test:*", "injected": "measure:split_seq16,measure:simulate_seq16",
-        "prebuilt-stale": "measure:split_seq16,measure:simulate_seq16"}
+# run too; the injected run checks the runner, which one measurement and its simulation show as well as all of them
+# (the plain and prebuilt runs cover the rest).
+ONLY = {"prebuilt": "measure:*,test:*", "injected": "measure:split_seq16,measure:simulate_seq16"}
 # The stage costs each mode's summary must hold (None: none, the injected failure stops seq16's).
-COSTS = {"dry-run": "seq32", "prebuilt": "seq32", "prebuilt-stale": "seq16", "injected": None}
+COSTS = {"dry-run": "seq32", "prebuilt": "seq32", "injected": None}
 
 
 def check_common(s, files, wall, deadline, need):
@@ -104,7 +102,7 @@ def validate(mode, s, files, rc, wall):
     pieces = s["pieces"]
     need(isinstance(s.get("gpu_tests"), dict) and s["gpu_tests"], "gpu_tests is empty")
     carried = mode == "prebuilt"
-    measured = () if mode in ("injected", "prebuilt-stale") else (
+    measured = () if mode == "injected" else (
         "measure:split_seq32", "measure:simulate_seq32", "measure:example_2bp", "measure:example_standard",
         "measure:example_compare")
     for name in ("env:torch", "third_party", "summary") + measured + (("prebuilt",) if carried else PROVIDED):
@@ -124,7 +122,7 @@ def validate(mode, s, files, rc, wall):
             need(p.get("status") == "skipped" and ("runs only when --only names it" in p.get("detail", "")
                                                    or "not selected" in p.get("detail", "")),
                  "opt-in piece %s ran without being named: %s" % (name, p))
-    if mode == "prebuilt-stale":
+    if mode == "dry-run":  # its carried binaries are of other sources
         p = by_name.get("prebuilt", {})
         need(p.get("status") == "skipped" and "other sources" in p.get("detail", ""), "piece prebuilt: %s" % p)
     tests = [p for n, p in by_name.items() if n.startswith("test:")]
@@ -143,8 +141,6 @@ def validate(mode, s, files, rc, wall):
         need(rc == 0, "exit code %r, expected 0" % rc)
         need(s.get("ok") is True and not s.get("not_ok"), "ok %r, not_ok %r" % (s.get("ok"), s.get("not_ok")))
         expected = FILES - {"build.log"} if carried else FILES  # nothing is configured or built
-        if mode == "prebuilt-stale":
-            expected = expected - {"split_seq32.json", "simulate_seq32.json"}
         need(set(files) == expected, "files %s, expected %s" % (sorted(files), sorted(expected)))
         for name in ("measure:split_seq16", "measure:simulate_seq16"):
             need(by_name.get(name, {}).get("status") == "pass", "piece %s: %s" % (name, by_name.get(name)))
@@ -290,9 +286,9 @@ def main():
     env = check_environment(cpu_build, work)
     if mode == "injected":
         env.update(GPU_CHECK_INJECT=INJECT, GPU_CHECK_MAX_PIECE_SECONDS="90")
-    if mode.startswith("prebuilt"):
+    if mode in ("prebuilt", "dry-run"):
         env["GPU_CHECK_PREBUILT"] = carried_binaries(script, cpu_build, os.path.join(work, "prebuilt"),
-                                                     stale=mode == "prebuilt-stale")
+                                                     stale=mode == "dry-run")
     only = ["--only", ONLY[mode]] if mode in ONLY else []
     rc, wall, files, summary = dry_run(script, only, env, DEADLINE[mode], work)
     if summary is None:
