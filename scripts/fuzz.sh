@@ -45,7 +45,7 @@ cmake -S . -B "$build_dir" -G Ninja -DCMAKE_CXX_COMPILER="$CLANGXX" -DCMAKE_BUIL
       -DTWOBP_SANITIZE=fuzzer-no-link,address,undefined -DTWOBP_BUILD_FUZZERS=ON -DTWOBP_BUILD_TESTS=OFF \
       -DTWOBP_BUILD_EXAMPLES=OFF -DTWOBP_BUILD_BENCHMARKS=OFF -DTWOBP_WITH_MPI=OFF -DTWOBP_WITH_NCCL=OFF \
       "${launcher[@]}" >/dev/null
-cmake --build "$build_dir" -j "${TWOBP_JOBS:-$(nproc)}" --target "fuzz_$target"
+cmake --build "$build_dir" -j "${TWOBP_JOBS:-$(twobp_cores)}" --target "fuzz_$target"
 fuzzer="$build_dir/fuzz/fuzz_$target"
 
 # detect_leaks stays on (per input; LibTorch's one-time allocations at start-up are not checked by libFuzzer).

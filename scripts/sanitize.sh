@@ -31,7 +31,7 @@ supp_dir="$PWD/$build_dir/sanitizer-supp"
 
 twobp_setup
 
-jobs="${TWOBP_JOBS:-$(nproc)}"
+jobs="${TWOBP_JOBS:-$(twobp_cores)}"
 launcher=()
 command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 [[ -d /usr/local/cuda/bin ]] && export PATH="/usr/local/cuda/bin:$PATH"
@@ -80,7 +80,7 @@ write_suppressions
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:suppressions=$supp_dir/ubsan.supp"
 # -LE timing: tests whose verdict compares measured throughputs (the planner check) mean nothing under a
 # sanitizer, which slows twobp's code and not LibTorch's kernels; their code paths run in the bench smoke tests.
-ctest_args=(--output-on-failure --test-dir "$build_dir" -LE timing -j "${TWOBP_TEST_JOBS:-$(nproc)}")
+ctest_args=(--output-on-failure --test-dir "$build_dir" -LE timing -j "${TWOBP_TEST_JOBS:-$(twobp_cores)}")
 if [[ "$mode" == asan ]]; then
   cmake --build "$build_dir" -j "$jobs" --target twobp_sanitize_targets
   ctest_args+=(-L sanitize)

@@ -31,6 +31,12 @@ export CCACHE_SLOPPINESS="${CCACHE_SLOPPINESS:-pch_defines,time_macros}"
 [[ -d /usr/local/cuda/bin ]] && export PATH="/usr/local/cuda/bin:$PATH"
 
 # cuda or cpu, as described above.
+# The machine's cores, for build and test jobs. Not plain nproc: GNU nproc answers OMP_NUM_THREADS when it is set,
+# and scripts/test.sh sets it to 1 for the tests themselves (one intra-op thread per test process).
+twobp_cores() {
+  env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc
+}
+
 twobp_torch_kind() {
   local kind="${TWOBP_TORCH_KIND:-auto}"
   if [[ "$kind" == auto ]]; then
@@ -108,7 +114,7 @@ twobp_use_venv() {
 # given targets, or everything. CMake and the tests see the virtual environment's Python (and so its torch).
 twobp_build() {
   local build_dir="${TWOBP_BUILD_DIR:-build}"
-  local jobs="${TWOBP_JOBS:-$(nproc)}"
+  local jobs="${TWOBP_JOBS:-$(twobp_cores)}"
   local launcher=() targets=()
   command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
   (($#)) && targets=(--target "$@")

@@ -15,6 +15,7 @@ run it in its own process group to be able to kill every rank at once (the GPU c
 
 import argparse
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -24,11 +25,25 @@ import time
 
 
 def free_port():
-    """A TCP port free at this moment on 127.0.0.1 (rank 0 binds it moments later: a race that a busy machine may
-    lose, reported as rank 0 failing to serve the store)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port of 127.0.0.1 that was free a moment ago, from the 12,000 below the kernel's ephemeral range (rank 0's
+    store binds it moments later). A port the kernel hands out by itself -- to any connect(), to another launcher's
+    daemons -- could be taken in between, and the store's clients would then retry against another listener; below
+    the range, ports are only ever taken on purpose. tests/transport/fault_contract.py uses this one too."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    first = max(1024, low - 12000)
+    for _ in range(64):
+        port = random.randrange(first, max(first + 1, low))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def rank_env(rank, nproc, port, one_gpu):

@@ -15,9 +15,10 @@ usage: check_gpu_check.py dry-run|injected|prebuilt SCRIPT CPU_BUILD WORK_DIR
             measure:split_seq16 as fail, measure:simulate_seq16 skipped because of it, every other piece passed or
             was skipped with a reason, the summary written and the run ended before its deadline
   prebuilt  the dry run with carried binaries (GPU_CHECK_PREBUILT: this build's twobp_bench, llama_pipeline and
-            gpu tests with a manifest of these sources) and --only 'measure:*,test:*': exit 0, "prebuilt" passed
-            (they load), configure/targets/discover/build:* skipped as provided by them, the measurements run with
-            the carried binaries, the opt-in pieces too (the example's memory estimate against its measured peak)
+            gpu tests with a manifest of these sources) and --only naming one split measurement (twobp_bench), the
+            opt-in pieces (llama_pipeline: the example's memory estimate against its measured peak) and the tests:
+            exit 0, "prebuilt" passed (they load), configure/targets/discover/build:* skipped as provided by them,
+            the named measurements run with the carried binaries (the plain dry run runs the others)
 
 Each fails when summary.json is missing, unreadable or wrong. After checking the real summary, the checker also
 checks itself: broken copies of that summary (no pieces, an unknown status, "gpu": true, ...) must be rejected.
@@ -37,12 +38,13 @@ FILES = {"summary.json", "check.log", "build.log", "tests.log", "split_seq16.jso
 DEADLINE = {"dry-run": 200, "injected": 150, "prebuilt": 200}
 PROVIDED = ("configure", "targets", "discover", "build:library", "build:twobp_bench", "build:llama_pipeline")
 INJECT = "env:tools:hang,measure:split_seq16:fail"
-# --only per mode. The prebuilt run names every measurement and test, so the opt-in pieces (the example's memory)
-# run too; the injected run checks the runner, which one measurement and its simulation show as well as all of them
+# --only per mode. The prebuilt run names one measurement of each carried program, the opt-in pieces (the example's
+# memory: they run only when named) and every test; the injected run checks the runner, which one measurement and its simulation show as well as all of them
 # (the plain and prebuilt runs cover the rest).
-ONLY = {"prebuilt": "measure:*,test:*", "injected": "measure:split_seq16,measure:simulate_seq16"}
+ONLY = {"prebuilt": "measure:split_seq16,measure:example_memory*,test:*",
+        "injected": "measure:split_seq16,measure:simulate_seq16"}
 # The stage costs each mode's summary must hold (None: none, the injected failure stops seq16's).
-COSTS = {"dry-run": "seq32", "prebuilt": "seq32", "injected": None}
+COSTS = {"dry-run": "seq32", "prebuilt": None, "injected": None}
 
 
 def check_common(s, files, wall, deadline, need):
@@ -102,9 +104,9 @@ def validate(mode, s, files, rc, wall):
     pieces = s["pieces"]
     need(isinstance(s.get("gpu_tests"), dict) and s["gpu_tests"], "gpu_tests is empty")
     carried = mode == "prebuilt"
-    measured = () if mode == "injected" else (
+    measured = {"injected": (), "prebuilt": ("measure:split_seq16",)}.get(mode, (
         "measure:split_seq32", "measure:simulate_seq32", "measure:example_2bp", "measure:example_standard",
-        "measure:example_compare")
+        "measure:example_compare"))
     for name in ("env:torch", "third_party", "summary") + measured + (("prebuilt",) if carried else PROVIDED):
         need(by_name.get(name, {}).get("status") == "pass", "piece %s: %s" % (name, by_name.get(name)))
     for name in PROVIDED if carried else ():
@@ -140,11 +142,13 @@ def validate(mode, s, files, rc, wall):
     if mode != "injected":
         need(rc == 0, "exit code %r, expected 0" % rc)
         need(s.get("ok") is True and not s.get("not_ok"), "ok %r, not_ok %r" % (s.get("ok"), s.get("not_ok")))
-        expected = FILES - {"build.log"} if carried else FILES  # nothing is configured or built
+        # Carried: nothing is configured or built, and only seq16's split is measured.
+        expected = {"summary.json", "check.log", "tests.log", "split_seq16.json"} if carried else FILES
         need(set(files) == expected, "files %s, expected %s" % (sorted(files), sorted(expected)))
-        for name in ("measure:split_seq16", "measure:simulate_seq16"):
-            need(by_name.get(name, {}).get("status") == "pass", "piece %s: %s" % (name, by_name.get(name)))
-        need("seq16" in (s.get("stage_costs") or {}), "no stage_costs.seq16")
+        if not carried:
+            for name in ("measure:split_seq16", "measure:simulate_seq16"):
+                need(by_name.get(name, {}).get("status") == "pass", "piece %s: %s" % (name, by_name.get(name)))
+            need("seq16" in (s.get("stage_costs") or {}), "no stage_costs.seq16")
         for p in pieces:
             need(p.get("status") in ("pass", "skipped"), "piece %s: %s" % (p.get("name"), p.get("status")))
     else:

@@ -18,11 +18,12 @@ table (markdown with --markdown) and exits 1 when a cell breaks the contract.
 import argparse
 import concurrent.futures
 import os
-import random
-import socket
 import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts", "gpucheck"))
+from launch import free_port  # noqa: E402  (the store's port: below the kernel's ephemeral range)
 
 RANKS = 4
 LIMIT_S = 60       # a cell still running after this is a hang
@@ -52,28 +53,6 @@ def expected(transport, fault):
         # By tag the copy is never matched; in order it takes the next message's place and is refused.
         return "error" if transport == "local-in-order" else "same"
     return "error"
-
-
-def free_port():
-    """A port of 127.0.0.1 that was free a moment ago, from the 12,000 below the kernel's ephemeral range: one the
-    kernel hands out by itself (to mpiexec's daemons in the cell beside, to any connect()) could be taken before
-    the store binds it, and the store's clients then retry for minutes against another listener (seen once: the
-    fail-send cells over store and mpi both hung). Below the range, ports are only ever taken on purpose."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    first = max(1024, low - 12000)
-    for _ in range(64):
-        port = random.randrange(first, max(first + 1, low))
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no free port below the ephemeral range")
 
 
 def clean_env():
