@@ -104,7 +104,7 @@ Executor::Executor(const Schedule& schedule, int rank, std::map<int, Stage*> sta
   board_ = transport_.status_board();
   // From now on this rank answers ("has not started a step" until its first run): a report then tells a rank
   // whose caller never calls step() from a dead one.
-  if (board_) board_->attach(rank_, [activity = activity_] { return activity->text(); });
+  attach_to_board();
   const auto& actions = schedule_.actions.at(rank_);
   if (options_.overlap_forward_backward) {
     TWOBP_CHECK(!options_.record_memory && options_.memory_limit_bytes == 0, UsageError,
@@ -133,9 +133,24 @@ Executor::Executor(const Schedule& schedule, int rank, std::map<int, Stage*> sta
 
 Executor::~Executor() = default;
 
-// Asks every rank of the pipeline what it is doing (bounded: a rank that cannot answer is reported as such) and
-// builds the report; empty without a board. Called on the rank whose own wait timed out, before it aborts, so the
-// abort carries the report to everyone.
+// The reader maps the peers of its statuses to world ranks (a copy of the table: the board may outlive the
+// transport).
+void Executor::attach_to_board() {
+  if (!board_) return;
+  std::vector<int> world_of;
+  for (int r = 0; r < transport_.world_size(); ++r) world_of.push_back(transport_.world_rank_of(r));
+  board_->attach(rank_, [activity = activity_, world_of = std::move(world_of)] { return activity->text(world_of); });
+}
+
+void Executor::note_collective_wait(std::string what, std::vector<int> world_ranks) {
+  activity_->note_collective(std::move(what), std::move(world_ranks));
+}
+
+void Executor::note_outside_step() { activity_->note(RankStatus::State::kOutsideStep, nullptr); }
+
+// Asks every rank of the board (the pipeline's, or the whole job's for the groups of ParallelGroups) what it is
+// doing (bounded: a rank that cannot answer is reported as such) and builds the report; empty without a board.
+// Called on the rank whose own wait timed out, before it aborts, so the abort carries the report to everyone.
 std::string Executor::hang_report_for() const {
   if (!board_) return {};
   try {
@@ -150,7 +165,7 @@ std::string Executor::hang_report_for() const {
         statuses.push_back(t->empty() ? std::optional<RankStatus>(RankStatus{}) : decode_rank_status(*t));
       }
     }
-    return board_->agree_on_report(run, hang_report(statuses, rank_));
+    return board_->agree_on_report(run, hang_report(statuses, transport_.world_rank_of(rank_)));
   } catch (const std::exception& e) {
     return fmt::format("hang report: could not be built: {}", e.what());
   }
@@ -432,7 +447,7 @@ StepResult Executor::run(const std::vector<NamedTensors>& inputs, const std::vec
   tag_offset_ = run_number * message_tag_span(schedule_);
   activity_->set_run(run_number);
   // The running executor answers for this rank (a pipeline's training and evaluation executors take turns).
-  if (board_) board_->attach(rank_, [activity = activity_] { return activity->text(); });
+  attach_to_board();
   messenger_->start_step(tag_offset_);
   Step st;
   st.start = Clock::now();

@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 
@@ -34,8 +35,10 @@ std::string describe_status(const RankStatus& s) {
   switch (s.state) {
     case RankStatus::State::kWaiting: {
       const std::string what = !s.action.empty() ? s.action : s.detail.empty() ? "a message" : s.detail;
-      return fmt::format("waiting {:.1f} s for {}{}{}", s.seconds, what,
-                         s.peer >= 0 ? fmt::format(" from rank {}", s.peer) : "", run);
+      const std::string from = s.peer >= 0        ? fmt::format(" from rank {}", s.peer)
+                               : !s.peers.empty() ? fmt::format(" with ranks {}", fmt::join(s.peers, ", "))
+                                                  : "";
+      return fmt::format("waiting {:.1f} s for {}{}{}", s.seconds, what, from, run);
     }
     case RankStatus::State::kComputing: return fmt::format("computing {} for {:.1f} s{}", s.action, s.seconds, run);
     case RankStatus::State::kFailed: return fmt::format("failed{}: {}", run, s.detail);
@@ -46,8 +49,9 @@ std::string describe_status(const RankStatus& s) {
   return "";
 }
 
-// Why `culprit` stops the ranks that wait on it, given that `waiter` (in run `run`) waits on it.
-std::string why(int culprit, const std::optional<RankStatus>& s, std::int64_t run) {
+// Why `culprit` stops the ranks that wait on it, given that they are in run `run`; `collective`: the collective
+// some of them wait for it in ("": they wait for its messages).
+std::string why(int culprit, const std::optional<RankStatus>& s, std::int64_t run, const std::string& collective) {
   if (!s) return fmt::format("rank {} did not answer: it is dead, or busy outside twobp's waits", culprit);
   switch (s->state) {
     case RankStatus::State::kComputing:
@@ -59,6 +63,11 @@ std::string why(int culprit, const std::optional<RankStatus>& s, std::int64_t ru
       return fmt::format("rank {} is waiting for {} and for no other rank", culprit,
                          s->detail.empty() ? s->action : s->detail);
     case RankStatus::State::kOutsideStep:
+      if (s->run >= run && !collective.empty()) {
+        return fmt::format("rank {} finished its part of run {} {:.1f} s ago and has not joined {}: its caller has "
+                           "not reached it yet, or is busy",
+                           culprit, run, s->seconds, collective);
+      }
       if (s->run < run) {
         return fmt::format("rank {} has not started run {} ({}): its caller has not called step() yet, or is "
                            "busy between steps",
@@ -76,7 +85,7 @@ std::string why(int culprit, const std::optional<RankStatus>& s, std::int64_t ru
 }  // namespace
 
 std::string encode(const RankStatus& s) {
-  return nlohmann::json{{"state", state_name(s.state)}, {"action", s.action}, {"peer", s.peer},
+  return nlohmann::json{{"state", state_name(s.state)}, {"action", s.action},   {"peer", s.peer}, {"peers", s.peers},
                         {"run", s.run},                 {"seconds", s.seconds}, {"detail", s.detail}}
       .dump();
 }
@@ -91,6 +100,7 @@ std::optional<RankStatus> decode_rank_status(const std::string& text) {
     s.state = *state;
     s.action = j.at("action").get<std::string>();
     s.peer = j.at("peer").get<int>();
+    s.peers = j.at("peers").get<std::vector<int>>();
     s.run = j.at("run").get<std::int64_t>();
     s.seconds = j.at("seconds").get<double>();
     s.detail = j.at("detail").get<std::string>();
@@ -100,12 +110,55 @@ std::optional<RankStatus> decode_rank_status(const std::string& text) {
   }
 }
 
+namespace {
+
+// The wait-for edges of rank r: the rank whose message it waits for, or the ranks of its collective that have not
+// joined it (a rank waiting in the same collective of the same run has).
+std::vector<int> waits_on(const std::vector<std::optional<RankStatus>>& statuses, int r) {
+  const int world = static_cast<int>(statuses.size());
+  const auto& s = statuses[static_cast<std::size_t>(r)];
+  if (!s || s->state != RankStatus::State::kWaiting) return {};
+  if (s->peer >= 0) return s->peer < world ? std::vector<int>{s->peer} : std::vector<int>{};
+  std::vector<int> out;
+  for (int q : s->peers) {
+    if (q < 0 || q >= world || q == r) continue;
+    const auto& t = statuses[static_cast<std::size_t>(q)];
+    const bool joined = t && t->state == RankStatus::State::kWaiting && t->peer < 0 && !t->peers.empty() &&
+                        t->detail == s->detail && t->run == s->run;
+    if (!joined) out.push_back(q);
+  }
+  return out;
+}
+
+// Depth-first over the edges from `r` (`path`: the ranks on the way, in order): every rank reached that waits on
+// no one goes to `ends`, every edge back onto the path closes a cycle (rotated to start at its lowest rank).
+void follow(const std::vector<std::vector<int>>& edges, int r, std::vector<int>& path, std::set<int>& done,
+            std::set<int>& ends, std::set<std::vector<int>>& cycles) {
+  if (edges[static_cast<std::size_t>(r)].empty()) {
+    ends.insert(r);
+    return;
+  }
+  path.push_back(r);
+  for (int q : edges[static_cast<std::size_t>(r)]) {
+    const auto seen = std::find(path.begin(), path.end(), q);
+    if (seen != path.end()) {
+      std::vector<int> cycle(seen, path.end());
+      std::rotate(cycle.begin(), std::min_element(cycle.begin(), cycle.end()), cycle.end());
+      cycles.insert(cycle);
+    } else if (!done.count(q)) {
+      follow(edges, q, path, done, ends, cycles);
+    }
+  }
+  path.pop_back();
+  done.insert(r);
+}
+
+}  // namespace
+
 std::string hang_report(const std::vector<std::optional<RankStatus>>& statuses, int reporter) {
   const int world = static_cast<int>(statuses.size());
-  auto waits_on = [&](int r) -> int {
-    const auto& s = statuses[static_cast<std::size_t>(r)];
-    return s && s->state == RankStatus::State::kWaiting && s->peer >= 0 && s->peer < world ? s->peer : -1;
-  };
+  std::vector<std::vector<int>> edges;
+  for (int r = 0; r < world; ++r) edges.push_back(waits_on(statuses, r));
   // The run the stalled ranks are in: the latest any waiting rank is in.
   std::int64_t run = -1;
   for (const auto& s : statuses) {
@@ -113,29 +166,25 @@ std::string hang_report(const std::vector<std::optional<RankStatus>>& statuses, 
   }
 
   // Every chain of waits ends at a rank that waits on no peer, or closes into a cycle.
-  std::set<int> ends;
+  std::set<int> ends, done;
   std::set<std::vector<int>> cycles;
   for (int start = 0; start < world; ++start) {
-    if (waits_on(start) < 0) continue;
-    std::vector<int> path{start};
-    int r = start;
-    while (waits_on(r) >= 0) {
-      r = waits_on(r);
-      const auto seen = std::find(path.begin(), path.end(), r);
-      if (seen != path.end()) {
-        std::vector<int> cycle(seen, path.end());
-        std::rotate(cycle.begin(), std::min_element(cycle.begin(), cycle.end()), cycle.end());
-        cycles.insert(cycle);
-        r = -1;
-        break;
-      }
-      path.push_back(r);
-    }
-    if (r >= 0) ends.insert(r);
+    if (edges[static_cast<std::size_t>(start)].empty() || done.count(start)) continue;
+    std::vector<int> path;
+    follow(edges, start, path, done, ends, cycles);
   }
 
+  // The collective each end is awaited in, if any (a rank outside the step has then not joined it yet).
+  std::map<int, std::string> awaited_in;
+  for (int r = 0; r < world; ++r) {
+    const auto& s = statuses[static_cast<std::size_t>(r)];
+    if (!s || s->peer >= 0 || s->peers.empty()) continue;
+    for (int q : edges[static_cast<std::size_t>(r)]) awaited_in[q] = s->detail;
+  }
   std::string verdict;
-  for (int r : ends) verdict += (verdict.empty() ? "" : "; ") + why(r, statuses[static_cast<std::size_t>(r)], run);
+  for (int r : ends) {
+    verdict += (verdict.empty() ? "" : "; ") + why(r, statuses[static_cast<std::size_t>(r)], run, awaited_in[r]);
+  }
   for (const auto& c : cycles) {
     std::vector<int> closed = c;
     closed.push_back(c.front());

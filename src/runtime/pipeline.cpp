@@ -11,6 +11,7 @@
 #include <map>
 #include <set>
 #include <string>
+#include <type_traits>
 #include <unordered_set>
 #include <utility>
 
@@ -412,11 +413,13 @@ GradientCheck Pipeline::check_gradients() {
     local[0] += sq;
     local[index + 1] = bad ? 1.0 : 0.0;
   }
-  transport_->all_reduce_sum(total, options_.executor.timeout);
+  wait_in(*transport_, "the gradient check over the pipeline",
+          [&] { transport_->all_reduce_sum(total, options_.executor.timeout); });
   if (impl_->data_parallel != nullptr) {
     // The flags over the replicas too (the norm is already the same on every replica: gradients are averaged).
     at::Tensor flags = total.narrow(0, 1, schedule_.num_stages).clone();
-    impl_->data_parallel->all_reduce_sum(flags, options_.executor.timeout);
+    wait_in(*impl_->data_parallel, "the gradient check over the replicas",
+            [&] { impl_->data_parallel->all_reduce_sum(flags, options_.executor.timeout); });
     total.narrow(0, 1, schedule_.num_stages).copy_(flags);
   }
   GradientCheck check;
@@ -506,6 +509,35 @@ void Pipeline::start_once() {
   impl_->started = true;
 }
 
+// A blocking collective of the step over `group`, shown on the status board as a wait in `what` with the group's
+// other ranks; when it times out on this rank, its error carries the job-wide hang report (and so does the abort
+// that follows). Returns what `collective` returns.
+template <typename F>
+auto Pipeline::wait_in(Transport& group, const char* what, F&& collective) -> decltype(collective()) {
+  std::vector<int> others;
+  for (int q = 0; q < group.world_size(); ++q) {
+    if (q != group.rank()) others.push_back(group.world_rank_of(q));
+  }
+  Executor& executor = *impl_->executor;
+  executor.note_collective_wait(what, std::move(others));
+  try {
+    if constexpr (std::is_void_v<decltype(collective())>) {
+      collective();
+      executor.note_outside_step();
+    } else {
+      auto result = collective();
+      executor.note_outside_step();
+      return result;
+    }
+  } catch (const TimeoutError& e) {
+    // This rank stays "waiting" on the board: the edge a later report needs (as the executor's own waits).
+    if (dynamic_cast<const RaisedOnAnotherRank*>(&e) != nullptr) throw;
+    const std::string report = executor.hang_report_for();
+    if (report.empty()) throw;
+    throw TimeoutError(fmt::format("{}\n{}", e.what(), report));
+  }
+}
+
 StepResult Pipeline::run_step(const std::function<StepResult()>& run) {
   const auto t0 = std::chrono::steady_clock::now();
   StepResult result;
@@ -518,7 +550,10 @@ StepResult Pipeline::run_step(const std::function<StepResult()>& run) {
     if (impl_->reducer) impl_->reducer->begin_step();
     if (impl_->masters) impl_->masters->sync();  // what the optimizer did to the masters, for this step's compute
     result = run();
-    if (impl_->reducer) result.reduce_wait_us = impl_->reducer->finish();
+    if (impl_->reducer) {
+      result.reduce_wait_us = wait_in(*impl_->data_parallel, "the data-parallel gradient reduction",
+                                      [&] { return impl_->reducer->finish(); });
+    }
   } catch (const std::exception& e) {
     if (impl_->reducer) impl_->reducer->reset();
     // The other ranks and replicas would otherwise wait for this one (its messages, its reductions, its next step:
@@ -619,9 +654,11 @@ double Pipeline::mean_loss(const StepResult& result) {
   double local = 0.0;
   for (double l : result.losses) local += l / static_cast<double>(result.losses.size());
   at::Tensor t = at::tensor({local}, at::TensorOptions().dtype(at::kDouble));  // host values: reduced on the host
-  transport_->all_reduce_sum(t, options_.executor.timeout);
+  wait_in(*transport_, "the mean loss over the pipeline",
+          [&] { transport_->all_reduce_sum(t, options_.executor.timeout); });
   if (impl_->data_parallel != nullptr) {
-    impl_->data_parallel->all_reduce_sum(t, options_.executor.timeout);
+    wait_in(*impl_->data_parallel, "the mean loss over the replicas",
+            [&] { impl_->data_parallel->all_reduce_sum(t, options_.executor.timeout); });
     t.div_(impl_->data_parallel->world_size());
   }
   return t.item<double>();

@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <optional>
+#include <future>
+#include <thread>
 
 #include "common/dp_cases.h"
 #include "common/expect_error.h"
@@ -309,6 +311,129 @@ TEST(DataParallel, EveryRankReportsTheRootCausesType) {
   check(NumericalError(""), "NumericalError");
   check(UsageError(""), "UsageError");
   check(IOError(""), "IOError");
+}
+
+// A dp 2 x pp 2 job (ranks as threads, 1 s timeouts; two steps, each followed by the gradient check) that stalls
+// on one world rank: it sleeps 3 s before calling its second step (`late`: its caller busy between steps) or its
+// first gradient check (`late_check`), or its forward of micro-batch 1 sleeps 3 s in the first step (`stuck`).
+// Its replica's pipeline then waits on it, the other replica in a collective. Returns every world rank's error
+// ("" for none).
+struct Stall {
+  int late = -1, late_check = -1, stuck = -1;
+};
+using RankChunks = std::vector<std::map<int, std::shared_ptr<CaseModule>>>;  // by world rank
+
+// Every world rank's chunks (LibTorch's default generator: built before any job runs).
+RankChunks stalled_job_chunks(const Schedule& schedule) {
+  RankChunks chunks(4);
+  for (int r = 0; r < 4; ++r) {
+    for (int s : schedule.stages_of(r % 2)) chunks[r][s] = dp::make_chunk(s);
+  }
+  return chunks;
+}
+
+std::vector<std::string> stalled_job(const Schedule& schedule, RankChunks chunks, const dp::GlobalBatch& batch,
+                                     Stall stall) {
+  auto world = make_local_transports(4);
+  const RankErrors errors = run_rank_threads(world, [&](Transport& t) {
+    ParallelGroups groups(t, 2, std::chrono::seconds(30));
+    std::vector<PipelineChunk> pc;
+    for (auto& [s, m] : chunks[t.rank()]) {
+      auto* raw = m.get();
+      auto calls = std::make_shared<int>(0);  // this chunk's forwards so far (its rank's thread only)
+      const bool stuck = t.rank() == stall.stuck;
+      pc.push_back({s, m, [raw, calls, stuck](const at::Tensor& x) {
+                      if (stuck && (*calls)++ == 1) std::this_thread::sleep_for(std::chrono::seconds(3));
+                      return raw->forward(x);
+                    }});
+    }
+    PipelineOptions o;
+    o.executor.timeout = std::chrono::seconds(1);
+    o.loss = mse;
+    o.executor.activation_spec = [](int) { return TensorSpec{{dp::kMbs, dp::kSeq, dp::kDim}, at::kDouble}; };
+    o.data_parallel.group = groups.data_parallel();
+    Pipeline pipeline(schedule, std::move(pc), groups.pipeline(), o);
+    const auto mine = dp::replica_batch(batch, groups.replica());
+    for (int step = 0; step < 2; ++step) {
+      if (t.rank() == stall.late && step == 1) {
+        std::this_thread::sleep_for(std::chrono::seconds(3));
+        return;
+      }
+      pipeline.zero_grad();
+      pipeline.step(mine.inputs, mine.targets);
+      if (t.rank() == stall.late_check) {
+        std::this_thread::sleep_for(std::chrono::seconds(3));
+        return;
+      }
+      pipeline.ready_for_optimizer(step, NonFinitePolicy::kStop);
+    }
+  });
+  std::vector<std::string> out;
+  for (const auto& e : errors.errors) out.push_back(e ? error_message(e) : "");
+  return out;
+}
+
+// The one hang report that the errors of `ranks` carry (the same text on each), over every rank of the job.
+std::string report_of(const std::vector<std::string>& errors, const std::vector<int>& ranks) {
+  std::string first;
+  for (int r : ranks) {
+    const auto at = errors[r].find("hang report (");
+    EXPECT_NE(at, std::string::npos) << "rank " << r << ": " << errors[r];
+    if (at == std::string::npos) return "";
+    if (first.empty()) first = errors[r].substr(at);
+    EXPECT_EQ(errors[r].substr(at), first) << "rank " << r;
+  }
+  EXPECT_NE(first.find(", 4 ranks): "), std::string::npos) << first;
+  return first;
+}
+
+// Whatever wait times out first -- the reduction of the replica that finished, or the pipeline of the one that
+// waits -- every rank reports the culprit by its world rank, following the waits across both groups.
+TEST(DataParallel, AStallIsNamedByWorldRankInOneJobWideReport) {
+  Float64Default f;  // held until every job has ended
+  const Schedule schedule = dp::replica_schedule("1f1b", BackwardMode::kSplit, 2);
+  const dp::GlobalBatch batch = dp::global_batch(2);
+  std::vector<Stall> stalls(3);
+  stalls[0].late = 3;        // world rank 3 (replica 1, pipeline rank 1) late for its second step
+  stalls[1].stuck = 2;       // world rank 2 (replica 1, pipeline rank 0) stuck in a forward of its first step
+  stalls[2].late_check = 3;  // world rank 3 late for the gradient check after its first step
+  // The three jobs wait out their timeouts at once (each on rank threads and transports of its own).
+  std::vector<RankChunks> chunks;
+  for (std::size_t k = 0; k < stalls.size(); ++k) chunks.push_back(stalled_job_chunks(schedule));
+  std::vector<std::future<std::vector<std::string>>> jobs;
+  for (std::size_t k = 0; k < stalls.size(); ++k) {
+    jobs.push_back(
+        std::async(std::launch::async, [&, k] { return stalled_job(schedule, chunks[k], batch, stalls[k]); }));
+  }
+  std::vector<std::vector<std::string>> errors;
+  for (auto& j : jobs) errors.push_back(j.get());
+  {
+    SCOPED_TRACE("world rank 3 late for its second step");
+    EXPECT_EQ(errors[0][3], "");
+    const std::string report = report_of(errors[0], {0, 1, 2});
+    const std::string verdict = report.substr(0, report.find('\n'));
+    EXPECT_NE(verdict.find("rank 3 has not started run 1"), std::string::npos) << report;
+    EXPECT_NE(report.find("rank 1: waiting"), std::string::npos) << report;
+    EXPECT_NE(report.find("for the data-parallel gradient reduction with ranks 3 (run 1)"), std::string::npos)
+        << report;
+  }
+  {
+    SCOPED_TRACE("world rank 2 stuck in a forward of its first step");
+    const std::string report = report_of(errors[1], {0, 1, 3});
+    const std::string verdict = report.substr(0, report.find('\n'));
+    EXPECT_NE(verdict.find("rank 2 is computing F stage 0 micro-batch 1"), std::string::npos) << report;
+    EXPECT_NE(report.find("rank 3: waiting"), std::string::npos) << report;
+    EXPECT_NE(report.find("from rank 2 (run 0)"), std::string::npos) << report;
+  }
+  {
+    SCOPED_TRACE("world rank 3 late for the gradient check after its first step");
+    EXPECT_EQ(errors[2][3], "");
+    const std::string report = report_of(errors[2], {0, 1, 2});
+    const std::string verdict = report.substr(0, report.find('\n'));
+    EXPECT_NE(verdict.find("rank 3 finished its part of run 0"), std::string::npos) << report;
+    EXPECT_NE(verdict.find("has not joined the gradient check over the"), std::string::npos) << report;
+    EXPECT_NE(report.find("rank 2: waiting"), std::string::npos) << report;
+  }
 }
 
 TEST(DataParallel, RefusesReplicasWithDifferentParameters) {

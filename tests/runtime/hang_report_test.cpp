@@ -45,7 +45,13 @@ TEST(HangReport, StatusesRoundTripThroughText) {
     EXPECT_EQ(back->run, s.run);
     EXPECT_EQ(back->seconds, s.seconds);
     EXPECT_EQ(back->detail, s.detail);
+    EXPECT_EQ(back->peers, s.peers);
   }
+  RankStatus collective{State::kWaiting, "", -1, 2, 1.0, "the data-parallel gradient reduction"};
+  collective.peers = {3, 5};
+  const auto back = decode_rank_status(encode(collective));
+  ASSERT_TRUE(back);
+  EXPECT_EQ(back->peers, collective.peers);
   for (const char* bad : {"", "null", "{}", "[1,2]", "{\"state\":\"sleeping\",\"action\":\"\",\"peer\":-1,"
                                                       "\"run\":0,\"seconds\":0,\"detail\":\"\"}", "not json"}) {
     EXPECT_FALSE(decode_rank_status(bad)) << bad;
@@ -137,6 +143,64 @@ TEST(HangReport, NobodyWaitingIsSaidSo) {
   // A peer outside the group is no edge.
   const Statuses out_of_range{waiting(7, "RECV_F stage 0 micro-batch 0"), RankStatus{}};
   EXPECT_NE(hang_report(out_of_range, 0).find("no rank waits for another"), std::string::npos);
+}
+
+// A rank waiting in a collective (peers: the collective's other ranks) waits for those that have not joined it,
+// i.e. are not waiting in the same collective of the same run; the chain goes on from them, into their own waits.
+RankStatus in_collective(std::vector<int> peers, std::int64_t run = 4, const std::string& what = "the reduction") {
+  RankStatus s{State::kWaiting, "", -1, run, 1.5, what};
+  s.peers = std::move(peers);
+  return s;
+}
+
+TEST(HangReport, ACollectiveWaitsForTheRanksThatHaveNotJoinedIt) {
+  const RankStatus stuck{State::kComputing, "F stage 1 micro-batch 3", -1, 4, 2.0, ""};
+  // 0 and 2 are in the collective of ranks {0, 1, 2}; 1 waits for 3's message; 3 computes.
+  Statuses s{in_collective({1, 2}), waiting(3, "RECV_F stage 1 micro-batch 3"), in_collective({0, 1}), stuck};
+  for (int reporter : {0, 1, 2, 3}) {
+    const std::string r = hang_report(s, reporter);
+    const std::string v = verdict(r), v0 = verdict(hang_report(s, 0));
+    EXPECT_EQ(v.substr(v.find("): ")), v0.substr(v0.find("): ")));
+    EXPECT_NE(verdict(r).find("rank 3 is computing F stage 1 micro-batch 3"), std::string::npos) << r;
+    EXPECT_EQ(verdict(r).find("cycle"), std::string::npos) << "0 and 2 joined: no cycle between them\n" << r;
+    EXPECT_NE(r.find("rank 0: waiting 1.5 s for the reduction with ranks 1, 2 (run 4)"), std::string::npos) << r;
+  }
+  // Every rank of the collective in it, each named by the others: nothing to follow, no cycle.
+  EXPECT_EQ(verdict(hang_report({in_collective({1}), in_collective({0})}, 0)).find("cycle"), std::string::npos);
+  // A rank outside the step never joined: it is the culprit, named once.
+  s = {in_collective({1, 2}), RankStatus{State::kOutsideStep, "", -1, 3, 4.0, ""}, in_collective({0, 1})};
+  const std::string late = verdict(hang_report(s, 2));
+  EXPECT_NE(late.find("rank 1 has not started run 4"), std::string::npos) << late;
+  EXPECT_EQ(late.find("rank 1", late.find("rank 1") + 1), std::string::npos) << late;
+}
+
+TEST(HangReport, ARankThatFinishedTheRunButNotJoinedTheCollectiveIsSaidSo) {
+  const RankStatus after{State::kOutsideStep, "", -1, 4, 1.0, ""};
+  const std::string v = verdict(hang_report({in_collective({1}, 4, "the gradient check"), after}, 0));
+  EXPECT_NE(v.find("rank 1 finished its part of run 4 1.0 s ago and has not joined the gradient check"),
+            std::string::npos) << v;
+  // Waited for by a message instead: that message was lost.
+  const std::string m = verdict(hang_report({waiting(1, "RECV_B stage 0 micro-batch 3"), after}, 0));
+  EXPECT_NE(m.find("rank 1 finished its part of run 4: a message it sent was lost"), std::string::npos) << m;
+}
+
+TEST(HangReport, ACollectiveOfAnotherRunOrKindIsNotJoined) {
+  const RankStatus dead_end{State::kFailed, "", -1, 4, 0.5, "NumericalError: loss is nan"};
+  // Rank 1 waits in an older run's collective, rank 2 in another collective: neither joined rank 0's, so both are
+  // followed -- into a cycle with rank 0 (a deadlock: their orders disagree) -- and rank 3's failure is named.
+  const Statuses s{in_collective({1, 2, 3}), in_collective({0}, 3), in_collective({0}, 4, "the norm"), dead_end};
+  const std::string v = verdict(hang_report(s, 0));
+  EXPECT_NE(v.find("rank 3 failed: NumericalError: loss is nan"), std::string::npos) << v;
+  EXPECT_NE(v.find("ranks 0 -> 1 -> 0 wait on each other in a cycle"), std::string::npos) << v;
+  EXPECT_NE(v.find("ranks 0 -> 2 -> 0 wait on each other in a cycle"), std::string::npos) << v;
+}
+
+TEST(HangReport, ACollectiveWaitingOnTwoLateRanksNamesBoth) {
+  const Statuses s{in_collective({1, 2}), std::nullopt,
+                   RankStatus{State::kComputing, "W stage 2 micro-batch 0", -1, 4, 3.0, ""}};
+  const std::string v = verdict(hang_report(s, 0));
+  EXPECT_NE(v.find("rank 1 did not answer"), std::string::npos) << v;
+  EXPECT_NE(v.find("rank 2 is computing W stage 2 micro-batch 0"), std::string::npos) << v;
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -210,6 +211,16 @@ TEST(StoreTransportProcesses, ARankStuckInComputeIsNamedInOneHangReport) {
   expect_one_report(reports, {0, 1, 2, 3}, "rank 3 is computing F stage 3 micro-batch 1 for");
 }
 
+// dp 2 x pp 2: the replica that finished waits in the gradient reduction, the other in its pipeline; the report is
+// the whole job's, by world rank (twobp/runtime/data_parallel.h).
+TEST(StoreTransportProcesses, ARankStuckInOneReplicaIsNamedByWorldRankInOneHangReport) {
+  const auto reports = hang_reports("hang_dp", 4);
+  expect_one_report(reports, {0, 1, 2, 3}, "rank 3 is computing F stage 1 micro-batch 1 for");
+  EXPECT_NE(reports[0].find(", 4 ranks): "), std::string::npos) << reports[0];
+  EXPECT_NE(reports[0].find("for the data-parallel gradient reduction with ranks 3"), std::string::npos)
+      << reports[0];
+}
+
 // ---- what each child process runs ----
 
 void collectives(StoreTransport& t) {
@@ -350,6 +361,24 @@ void replica_user_error(StoreTransport& t) {
   t.barrier(kStoreLong);  // the world transport (rank 0 serves the store) outlives every rank's reading of an abort
 }
 
+// Runs `step`, which must fail with a hang report in its error, and writes that report to
+// $TWOBP_TEST_OUT/rank<me>.txt (empty when there was none).
+void write_report_of(const std::function<void()>& step, int me) {
+  std::string report;
+  try {
+    step();
+    ADD_FAILURE() << "the step should have failed";
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    const auto at = what.find("hang report (");
+    EXPECT_NE(at, std::string::npos) << what;
+    if (at != std::string::npos) report = what.substr(at);
+  }
+  const char* out = std::getenv("TWOBP_TEST_OUT");
+  ASSERT_NE(out, nullptr);
+  std::ofstream(std::string(out) + "/rank" + std::to_string(me) + ".txt") << report;
+}
+
 // 4 ranks, 1F1B over 4 stages; rank 3 is killed at its first forward (hang_killed) or sleeps past the timeout in
 // its second (hang_compute). Writes the hang report its error carried to $TWOBP_TEST_OUT/rank<r>.txt.
 void hang_scenario(std::shared_ptr<StoreTransport> t, bool killed) {
@@ -373,19 +402,36 @@ void hang_scenario(std::shared_ptr<StoreTransport> t, bool killed) {
                  return run_chunk(*raw, me, x);
                }}},
              t, o);
-  std::string report;
-  try {
-    p.step(inputs, targets);
-    ADD_FAILURE() << "the step should have failed";
-  } catch (const std::exception& e) {
-    const std::string what = e.what();
-    const auto at = what.find("hang report (");
-    EXPECT_NE(at, std::string::npos) << what;
-    if (at != std::string::npos) report = what.substr(at);
-  }
-  const char* out = std::getenv("TWOBP_TEST_OUT");
-  ASSERT_NE(out, nullptr);
-  std::ofstream(std::string(out) + "/rank" + std::to_string(me) + ".txt") << report;
+  write_report_of([&] { p.step(inputs, targets); }, me);
+}
+
+// 4 ranks as dp 2 x pp 2 (ParallelGroups over the store), 1F1B over 2 stages; world rank 3 (replica 1, pipeline
+// rank 1) sleeps past the timeout in its second forward, while replica 0 waits for it in the gradient reduction.
+// Writes the hang report its error carried to $TWOBP_TEST_OUT/rank<r>.txt.
+void hang_dp_scenario(std::shared_ptr<StoreTransport> t) {
+  using namespace testing;
+  Float64Default float64;
+  const int m = 4, me = t->rank();
+  ParallelGroups groups(*t, 2, kStoreLong);
+  const int stage = groups.pipeline_rank();
+  auto schedule = make_schedule("1f1b", ScheduleOptions{2, m, 1, BackwardMode::kSplit});
+  torch::manual_seed(11);
+  auto inputs = torch::randn({m * kMicroBatchSize, kDim}), targets = torch::randn({m * kMicroBatchSize, kDim});
+  auto module = make_chunk(stage);
+  PipelineOptions o;
+  o.executor.timeout = Duration(1500);
+  o.loss = mse;
+  o.executor.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim}, at::kDouble}; };
+  o.data_parallel.group = groups.data_parallel();
+  auto calls = std::make_shared<int>(0);
+  Pipeline p(schedule,
+             {{stage, module,
+               [raw = module.get(), me, stage, calls](const at::Tensor& x) {
+                 if (me == 3 && (*calls)++ == 1) std::this_thread::sleep_for(std::chrono::seconds(4));
+                 return run_chunk(*raw, stage, x);
+               }}},
+             groups.pipeline(), o);
+  write_report_of([&] { p.step(inputs, targets); }, me);
 }
 
 TEST(StoreTransportRank, Run) {
@@ -411,6 +457,7 @@ TEST(StoreTransportRank, Run) {
   if (s == "group_abort") testing::check_group_abort(*t, kStoreLong, /*reaches_other_groups=*/false);
   if (s == "replica_user_error") replica_user_error(*t);
   if (s == "hang_killed" || s == "hang_compute") hang_scenario(t, s == "hang_killed");
+  if (s == "hang_dp") hang_dp_scenario(t);
 }
 
 }  // namespace

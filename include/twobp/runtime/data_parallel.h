@@ -41,6 +41,10 @@ struct ParallelLayout {
 ///
 /// With dp == 1 nothing is split: pipeline() is the world itself and data_parallel() is null, so a
 /// pipeline-only job pays nothing. Destroy the groups before the world transport.
+///
+/// The groups name their ranks' world ranks (Transport::world_rank_of) and report through the world's status
+/// board: a stalled step gives one hang report over the whole job, by world rank, whichever group's wait timed out
+/// (twobp/runtime/hang_report.h). A group split further from a group numbers its ranks within it.
 class ParallelGroups {
  public:
   ParallelGroups(Transport& world, int dp, Duration timeout);

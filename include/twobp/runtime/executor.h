@@ -161,6 +161,16 @@ class Executor {
   /// fail so. Clears it.
   std::string take_failure_reason() { return std::exchange(failure_reason_, {}); }
 
+  /// Between runs: this rank now waits in a collective of its step outside the executor -- `what` (e.g. "the
+  /// data-parallel gradient reduction") with the other ranks `world_ranks` (Transport::world_rank_of) -- as a hang
+  /// report will show it; note_outside_step() when it is over (the next run() replaces it too).
+  void note_collective_wait(std::string what, std::vector<int> world_ranks);
+  void note_outside_step();
+  /// The hang report (twobp/runtime/hang_report.h) of the current run, built now over the transport's status
+  /// board (every rank of the job for ParallelGroups' groups); empty without a board. For a wait of this rank that
+  /// timed out outside run() (the collective above), before the rank aborts, so that the abort carries it.
+  std::string hang_report_for() const;
+
  private:
   struct Step;
   struct Part;
@@ -184,7 +194,7 @@ class Executor {
   void make_room(Step& st, const Action& next);
   NamedTensors take(Step& st, const ItemRef& item, const Action& a);
   Stage& stage(const Action& a);
-  std::string hang_report_for() const;
+  void attach_to_board();
 
   const Schedule& schedule_;
   int rank_;

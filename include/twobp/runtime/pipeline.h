@@ -188,6 +188,8 @@ class Pipeline {
  private:
   struct Impl;
   StepResult run_step(const std::function<StepResult()>& run);
+  template <typename F>
+  auto wait_in(Transport& group, const char* what, F&& collective) -> decltype(collective());
   double run_evaluation(const std::function<StepResult(Executor&)>& run);
   void start_once();
   /// `schedule` as this pipeline runs it: overlapped pairs placed (PipelineOptions::executor.overlap_forward_backward),

@@ -24,7 +24,8 @@ class StatusBoard {
   virtual void attach(int rank, Reader reader) = 0;
   virtual void detach(int rank) = 0;
 
-  /// The status of every rank of the group (index = rank), `rank`'s own included; nullopt for a rank that did not
+  /// The status of every rank of the group (index = rank; a group's view of its world's board, as ParallelGroups'
+  /// groups have, answers for every world rank, index = Transport::world_rank_of), `rank`'s own included; nullopt for a rank that did not
   /// answer within `wait` (dead, or busy where it cannot answer); "" for one that answered without a reader.
   /// `incident` names the stall (every rank passes the same number for the same one: the run number), so answers
   /// to an earlier stall are never mixed in.

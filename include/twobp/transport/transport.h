@@ -57,6 +57,10 @@ class Transport {
   /// Device tensors live on (CPU for Local/MPI, the rank's GPU for NCCL).
   virtual c10::Device device() const = 0;
   virtual std::string name() const = 0;
+  /// The job-wide rank of this group's rank `group_rank`, as hang reports name ranks. A transport that is no group
+  /// of a larger one answers `group_rank`; the groups of ParallelGroups (twobp/runtime/data_parallel.h) answer
+  /// their world's ranks.
+  virtual int world_rank_of(int group_rank) const { return group_rank; }
   /// How this transport pairs a receive with a send (see Pairing). A Pipeline refuses, before its first step, a
   /// schedule that this rule cannot pair (validate(schedule, pairing())).
   virtual Pairing pairing() const = 0;

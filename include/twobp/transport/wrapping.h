@@ -17,6 +17,7 @@ class WrappingTransport : public Transport {
   int world_size() const override { return inner_->world_size(); }
   c10::Device device() const override { return inner_->device(); }
   std::string name() const override { return inner_->name(); }
+  int world_rank_of(int group_rank) const override { return inner_->world_rank_of(group_rank); }
   Pairing pairing() const override { return inner_->pairing(); }
   bool ranks_share_process() const override { return inner_->ranks_share_process(); }
   int ranks_sharing_device() const override { return inner_->ranks_sharing_device(); }
