@@ -11,7 +11,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
-#include <functional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -361,12 +360,37 @@ void replica_user_error(StoreTransport& t) {
   t.barrier(kStoreLong);  // the world transport (rank 0 serves the store) outlives every rank's reading of an abort
 }
 
-// Runs `step`, which must fail with a hang report in its error, and writes that report to
-// $TWOBP_TEST_OUT/rank<me>.txt (empty when there was none).
-void write_report_of(const std::function<void()>& step, int me) {
+// 4 ranks, 1F1B; world rank 3 is killed at its first forward (hang_killed) or sleeps past the timeout in its
+// second (hang_compute, hang_dp): over 4 stages, or as dp 2 x pp 2 (hang_dp: ParallelGroups over the store, 2
+// stages; replica 0 then waits for it in the gradient reduction). Writes the hang report its error carried to
+// $TWOBP_TEST_OUT/rank<r>.txt.
+void hang_scenario(std::shared_ptr<StoreTransport> t, bool killed, int dp) {
+  using namespace testing;
+  Float64Default float64;
+  const int m = 4, me = t->rank();
+  ParallelGroups groups(*t, dp, kStoreLong);
+  const int stage = groups.pipeline_rank();
+  auto schedule = make_schedule("1f1b", ScheduleOptions{4 / dp, m, 1, BackwardMode::kSplit});
+  torch::manual_seed(11);
+  auto inputs = torch::randn({m * kMicroBatchSize, kDim}), targets = torch::randn({m * kMicroBatchSize, kDim});
+  auto module = make_chunk(stage);
+  PipelineOptions o;
+  o.executor.timeout = Duration(1500);
+  o.loss = mse;
+  o.executor.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim}, at::kDouble}; };
+  o.data_parallel.group = groups.data_parallel();  // null for dp 1
+  auto calls = std::make_shared<int>(0);
+  Pipeline p(schedule,
+             {{stage, module,
+               [raw = module.get(), me, stage, calls, killed](const at::Tensor& x) {
+                 if (me == 3 && killed) ::raise(SIGKILL);
+                 if (me == 3 && (*calls)++ == 1) std::this_thread::sleep_for(std::chrono::seconds(4));
+                 return run_chunk(*raw, stage, x);
+               }}},
+             groups.pipeline(), o);
   std::string report;
   try {
-    step();
+    p.step(inputs, targets);
     ADD_FAILURE() << "the step should have failed";
   } catch (const std::exception& e) {
     const std::string what = e.what();
@@ -377,61 +401,6 @@ void write_report_of(const std::function<void()>& step, int me) {
   const char* out = std::getenv("TWOBP_TEST_OUT");
   ASSERT_NE(out, nullptr);
   std::ofstream(std::string(out) + "/rank" + std::to_string(me) + ".txt") << report;
-}
-
-// 4 ranks, 1F1B over 4 stages; rank 3 is killed at its first forward (hang_killed) or sleeps past the timeout in
-// its second (hang_compute). Writes the hang report its error carried to $TWOBP_TEST_OUT/rank<r>.txt.
-void hang_scenario(std::shared_ptr<StoreTransport> t, bool killed) {
-  using namespace testing;
-  Float64Default float64;
-  const int m = 4, me = t->rank();
-  auto schedule = make_schedule("1f1b", ScheduleOptions{4, m, 1, BackwardMode::kSplit});
-  torch::manual_seed(11);
-  auto inputs = torch::randn({m * kMicroBatchSize, kDim}), targets = torch::randn({m * kMicroBatchSize, kDim});
-  auto module = make_chunk(me);
-  PipelineOptions o;
-  o.executor.timeout = Duration(1500);
-  o.loss = mse;
-  o.executor.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim}, at::kDouble}; };
-  auto calls = std::make_shared<int>(0);
-  Pipeline p(schedule,
-             {{me, module,
-               [raw = module.get(), me, calls, killed](const at::Tensor& x) {
-                 if (me == 3 && killed) ::raise(SIGKILL);
-                 if (me == 3 && (*calls)++ == 1) std::this_thread::sleep_for(std::chrono::seconds(4));
-                 return run_chunk(*raw, me, x);
-               }}},
-             t, o);
-  write_report_of([&] { p.step(inputs, targets); }, me);
-}
-
-// 4 ranks as dp 2 x pp 2 (ParallelGroups over the store), 1F1B over 2 stages; world rank 3 (replica 1, pipeline
-// rank 1) sleeps past the timeout in its second forward, while replica 0 waits for it in the gradient reduction.
-// Writes the hang report its error carried to $TWOBP_TEST_OUT/rank<r>.txt.
-void hang_dp_scenario(std::shared_ptr<StoreTransport> t) {
-  using namespace testing;
-  Float64Default float64;
-  const int m = 4, me = t->rank();
-  ParallelGroups groups(*t, 2, kStoreLong);
-  const int stage = groups.pipeline_rank();
-  auto schedule = make_schedule("1f1b", ScheduleOptions{2, m, 1, BackwardMode::kSplit});
-  torch::manual_seed(11);
-  auto inputs = torch::randn({m * kMicroBatchSize, kDim}), targets = torch::randn({m * kMicroBatchSize, kDim});
-  auto module = make_chunk(stage);
-  PipelineOptions o;
-  o.executor.timeout = Duration(1500);
-  o.loss = mse;
-  o.executor.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim}, at::kDouble}; };
-  o.data_parallel.group = groups.data_parallel();
-  auto calls = std::make_shared<int>(0);
-  Pipeline p(schedule,
-             {{stage, module,
-               [raw = module.get(), me, stage, calls](const at::Tensor& x) {
-                 if (me == 3 && (*calls)++ == 1) std::this_thread::sleep_for(std::chrono::seconds(4));
-                 return run_chunk(*raw, stage, x);
-               }}},
-             groups.pipeline(), o);
-  write_report_of([&] { p.step(inputs, targets); }, me);
 }
 
 TEST(StoreTransportRank, Run) {
@@ -456,8 +425,9 @@ TEST(StoreTransportRank, Run) {
   if (s == "split_timeout") testing::check_split_timeout(*t, Duration(1000));
   if (s == "group_abort") testing::check_group_abort(*t, kStoreLong, /*reaches_other_groups=*/false);
   if (s == "replica_user_error") replica_user_error(*t);
-  if (s == "hang_killed" || s == "hang_compute") hang_scenario(t, s == "hang_killed");
-  if (s == "hang_dp") hang_dp_scenario(t);
+  if (s == "hang_killed" || s == "hang_compute" || s == "hang_dp") {
+    hang_scenario(t, s == "hang_killed", s == "hang_dp" ? 2 : 1);
+  }
 }
 
 }  // namespace
