@@ -100,7 +100,7 @@ std::optional<RankStatus> decode_rank_status(const std::string& text) {
     s.state = *state;
     s.action = j.at("action").get<std::string>();
     s.peer = j.at("peer").get<int>();
-    s.peers = j.at("peers").get<std::vector<int>>();
+    s.peers = j.value("peers", std::vector<int>{});  // absent: no collective
     s.run = j.at("run").get<std::int64_t>();
     s.seconds = j.at("seconds").get<double>();
     s.detail = j.at("detail").get<std::string>();

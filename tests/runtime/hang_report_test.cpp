@@ -52,6 +52,12 @@ TEST(HangReport, StatusesRoundTripThroughText) {
   const auto back = decode_rank_status(encode(collective));
   ASSERT_TRUE(back);
   EXPECT_EQ(back->peers, collective.peers);
+  // A status without "peers" (no collective) still reads.
+  const auto plain = decode_rank_status(
+      R"({"state":"waiting","action":"RECV_F stage 1 micro-batch 0","peer":0,"run":1,"seconds":0.5,"detail":""})");
+  ASSERT_TRUE(plain);
+  EXPECT_TRUE(plain->peers.empty());
+  EXPECT_EQ(plain->peer, 0);
   for (const char* bad : {"", "null", "{}", "[1,2]", "{\"state\":\"sleeping\",\"action\":\"\",\"peer\":-1,"
                                                       "\"run\":0,\"seconds\":0,\"detail\":\"\"}", "not json"}) {
     EXPECT_FALSE(decode_rank_status(bad)) << bad;
