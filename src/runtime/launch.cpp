@@ -4,6 +4,9 @@
 
 #include <fmt/format.h>
 
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
 #include <thread>
 
 #include "twobp/error.h"
@@ -121,6 +124,21 @@ void run_ranks(const RunRanksOptions& options, const RankBody& body) {
   TWOBP_CHECK(options.thread_ranks >= 1, UsageError, "run_ranks: thread_ranks must be >= 1, got {}",
               options.thread_ranks);
   run_rank_threads(make_local_transports(options.thread_ranks, options.local), body).rethrow_root_cause();
+}
+
+void exit_without_teardown(int status) {
+  std::cout.flush();
+  std::cerr.flush();
+  std::clog.flush();
+  std::fflush(nullptr);
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  std::exit(status);  // LeakSanitizer and ThreadSanitizer report at exit
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+  std::exit(status);
+#endif
+#endif
+  std::_Exit(status);
 }
 
 }  // namespace twobp

@@ -1,6 +1,7 @@
 // GoogleTest main for tests run under mpiexec: MPI is initialized (through twobp::MpiEnvironment) before any
 // test and finalized after all of them. Every rank runs every test; a failure on any rank fails the job.
-// This main replaces gtest_main's (an object file's main wins over the static library's).
+// This main replaces twobp_test_main's (an object file's main wins over the static library's); it ends the process
+// as that one does, without LibTorch's teardown (twobp::exit_without_teardown), once MPI is finalized.
 
 #include <gtest/gtest.h>
 
@@ -8,6 +9,7 @@
 #include <memory>
 
 #include "common/mpi_test_env.h"
+#include "twobp/runtime/launch.h"
 #include "twobp/transport/mpi.h"
 
 namespace twobp::mpitest {
@@ -48,5 +50,5 @@ int main(int argc, char** argv) {
     result = RUN_ALL_TESTS();
     twobp::mpitest::g_mpi = nullptr;
   }
-  return result;
+  twobp::exit_without_teardown(result);
 }

@@ -265,10 +265,16 @@ def main():
         parser.error("give --bench and/or --example")
     work = tempfile.mkdtemp(prefix="twobp_bad_inputs_")
     try:
-        table = list(cases(programs)) + list(situations(programs, work))
-        failures = declared_problems(programs)
+        # Two programs at a time. The --help checks and the situations' files (a 2-step training run for its
+        # checkpoint and costs, a schedule) are made on the workers too, ahead of the table, instead of before it.
         with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-            failures += [f for f in pool.map(lambda c: run(programs, c), table) if f]
+            made = pool.submit(lambda: list(situations(programs, work)))
+            declared = pool.submit(declared_problems, programs)
+            table = list(cases(programs))
+            checks = [pool.submit(run, programs, c) for c in table]
+            table += made.result()
+            checks += [pool.submit(run, programs, c) for c in table[len(checks):]]
+            failures = declared.result() + [f for f in (c.result() for c in checks) if f]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if failures:

@@ -163,9 +163,7 @@ std::string run_rank(std::shared_ptr<Transport> inner, const std::optional<Fault
   return fmt::format("rank {}: same result in {:.1f} s", me, seconds());
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int run_main(int argc, char** argv) {
   if (argc != 3) {
     std::fprintf(stderr, "usage: fault_contract_probe local-by-tag|local-in-order|store|mpi FAULT[+verify]\n");
     return 2;
@@ -186,6 +184,9 @@ int main(int argc, char** argv) {
     lines[r] = line;
     status[r] = different ? 3 : line.find(": same result") != std::string::npos ? 0 : 1;
   };
+#if TWOBP_HAVE_MPI
+  std::unique_ptr<MpiEnvironment> mpi;
+#endif
   if (kind == "local-by-tag" || kind == "local-in-order") {
     LocalOptions local;
     local.pairing = kind == "local-by-tag" ? Pairing::kByTag : Pairing::kInOrderPerChannel;
@@ -212,9 +213,9 @@ int main(int argc, char** argv) {
     record(env->rank, run_rank(store, fault, verify, job, &different), different);
 #if TWOBP_HAVE_MPI
   } else if (kind == "mpi") {
-    static MpiEnvironment mpi(&argc, &argv);
+    mpi = std::make_unique<MpiEnvironment>(&argc, &argv);  // finalized when run_main returns
     bool different = false;
-    record(mpi.rank(), run_rank(std::make_shared<MpiTransport>(mpi), fault, verify, job, &different), different);
+    record(mpi->rank(), run_rank(std::make_shared<MpiTransport>(*mpi), fault, verify, job, &different), different);
 #endif
   } else {
     std::fprintf(stderr, "fault_contract_probe: unknown transport '%s'\n", kind.c_str());
@@ -230,3 +231,7 @@ int main(int argc, char** argv) {
   std::fflush(stdout);
   return exit_status;
 }
+
+}  // namespace
+
+int main(int argc, char** argv) { twobp::exit_without_teardown(run_main(argc, argv)); }

@@ -13,7 +13,8 @@
 //
 // Errors: a rank whose body throws aborts its transport, so that its peers fail fast with a TransportError naming it
 // instead of waiting for their timeout; run_ranks then rethrows the root cause (RankErrors::root_cause). Nothing here
-// calls exit(): under MPI, MpiTransport::abort ends the job, as MPI requires.
+// calls exit(): under MPI, MpiTransport::abort ends the job, as MPI requires -- except exit_without_teardown(), which
+// a program calls last.
 
 #include <exception>
 #include <functional>
@@ -79,5 +80,13 @@ RankErrors run_rank_threads(const std::vector<std::unique_ptr<Transport>>& trans
 /// Runs the job's ranks (see the top of this file) and rethrows the root cause when a rank failed. Under a launcher
 /// a failing body aborts the process's transport (under MPI: the job) before its error is rethrown.
 void run_ranks(const RunRanksOptions& options, const RankBody& body);
+
+/// Ends the process with `status`, skipping the destructors of static objects: LibTorch's deregister each of its
+/// thousands of operators, ~0.2 s of every process (a third of a CPU-only start and exit, 2026-12-07), paid by each
+/// short run -- a usage error, a test, a rank of a small job. Flushes C stdio and the C++ standard streams first.
+/// Call it last in main(), once everything that writes or finalizes (files, checkpoints, transports, MPI) was
+/// destroyed: `int main(int argc, char** argv) { twobp::exit_without_teardown(run(argc, argv)); }`. In a build
+/// with AddressSanitizer or ThreadSanitizer it exits normally (std::exit), so that their checks at exit still run.
+[[noreturn]] void exit_without_teardown(int status);
 
 }  // namespace twobp
