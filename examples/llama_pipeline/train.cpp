@@ -139,12 +139,13 @@ void build(RankState& state, twobp::ParallelGroups& groups, c10::Device device, 
   state.model = build_rank_model(p, groups, device, timeout);
   const auto options = torch::optim::AdamWOptions(p.args.lr).betas({0.9, 0.95}).weight_decay(p.args.weight_decay);
   // Each tensor once (pipeline.parameters()): with tied embeddings the head chunk lists its table under two names.
-  state.optimizer = std::make_unique<Optimizer>(
-      state.pipeline().parameters(), p.args.zero == 1 ? groups.data_parallel() : nullptr,
-      [options](std::vector<at::Tensor> owned) -> std::unique_ptr<torch::optim::Optimizer> {
-        return std::make_unique<torch::optim::AdamW>(std::move(owned), options);
-      },
-      timeout);
+  // --zero 1 shards over the pipeline's data-parallel group, its broadcasts waits of the job's hang report.
+  const Optimizer::Factory adamw = [options](std::vector<at::Tensor> owned) {
+    return std::unique_ptr<torch::optim::Optimizer>(std::make_unique<torch::optim::AdamW>(std::move(owned), options));
+  };
+  state.optimizer = p.args.zero == 1
+                        ? std::make_unique<Optimizer>(state.pipeline(), adamw)
+                        : std::make_unique<Optimizer>(state.pipeline().parameters(), nullptr, adamw, timeout);
   state.data.owns_first = p.schedule.stage_to_rank.front() == groups.pipeline().rank();
   state.data.owns_last = p.schedule.stage_to_rank.back() == groups.pipeline().rank();
 }

@@ -165,7 +165,13 @@ std::string Executor::hang_report_for() const {
         statuses.push_back(t->empty() ? std::optional<RankStatus>(RankStatus{}) : decode_rank_status(*t));
       }
     }
-    return board_->agree_on_report(run, hang_report(statuses, transport_.world_rank_of(rank_)));
+    // The ranks that report one stall may be in different runs (a rank waiting in a collective after run N, its
+    // peers already in run N + 1): they agree under the earliest run any rank is in, the same on each of them.
+    std::int64_t incident = run;
+    for (const auto& s : statuses) {
+      if (s && s->run >= 0) incident = std::min(incident, s->run);
+    }
+    return board_->agree_on_report(incident, hang_report(statuses, transport_.world_rank_of(rank_)));
   } catch (const std::exception& e) {
     return fmt::format("hang report: could not be built: {}", e.what());
   }

@@ -134,6 +134,7 @@ struct Pipeline::Impl {
   ExecutorOptions executor_options;                  // the training executor's (the evaluator derives from them)
   std::unique_ptr<Schedule> eval_schedule;           // forward_only(schedule), on the first evaluate()
   std::unique_ptr<Executor> evaluator;
+  Executor* on_board = nullptr;                      // the executor whose status the board reads: the last one run
   std::unique_ptr<detail::MasterWeights> masters;    // mixed precision only
   std::unique_ptr<detail::GradientReducer> reducer;  // data parallelism only
   Transport* data_parallel = nullptr;                // the reducer's group
@@ -265,6 +266,7 @@ void Pipeline::build_executor() {
   eo.run_counter = impl_->executor_options.run_counter;
   impl_->executor_options = eo;
   impl_->executor = std::make_unique<Executor>(schedule_, rank, std::move(stages), *transport_, std::move(eo));
+  impl_->on_board = impl_->executor.get();  // an executor shows its status from its construction on
   if (impl_->reducer) {
     // First hook: a bucket starts right after its stage's last weight action, before any user hook runs.
     const Action* first = schedule_.actions[rank].data();
@@ -292,6 +294,7 @@ void Pipeline::switch_schedule(Schedule next) {
               rank, next.name, next.num_micro_batches, now.name, now.num_micro_batches);
   Schedule ready = prepared(std::move(next));  // refused here leaves the running schedule in place
   // What refers to the running schedule goes first: the executors (which call the reducer), then the reducer.
+  impl_->on_board = nullptr;
   impl_->evaluator.reset();
   impl_->eval_schedule.reset();
   impl_->executor.reset();
@@ -510,15 +513,15 @@ void Pipeline::start_once() {
 }
 
 // A blocking collective of the step over `group`, shown on the status board as a wait in `what` with the group's
-// other ranks; when it times out on this rank, its error carries the job-wide hang report (and so does the abort
-// that follows). Returns what `collective` returns.
+// other ranks (by the executor that ran last: the board reads its status); when it times out on this rank, its error
+// carries the job-wide hang report (and so does the abort that follows). Returns what `collective` returns.
 template <typename F>
 auto Pipeline::wait_in(Transport& group, const char* what, F&& collective) -> decltype(collective()) {
   std::vector<int> others;
   for (int q = 0; q < group.world_size(); ++q) {
     if (q != group.rank()) others.push_back(group.world_rank_of(q));
   }
-  Executor& executor = *impl_->executor;
+  Executor& executor = *impl_->on_board;
   executor.note_collective_wait(what, std::move(others));
   try {
     if constexpr (std::is_void_v<decltype(collective())>) {
@@ -538,6 +541,11 @@ auto Pipeline::wait_in(Transport& group, const char* what, F&& collective) -> de
   }
 }
 
+void Pipeline::run_collective(Transport& group, const std::string& what, const std::function<void()>& collective) {
+  check_runnable();
+  wait_in(group, what.c_str(), collective);
+}
+
 StepResult Pipeline::run_step(const std::function<StepResult()>& run) {
   const auto t0 = std::chrono::steady_clock::now();
   StepResult result;
@@ -549,6 +557,7 @@ StepResult Pipeline::run_step(const std::function<StepResult()>& run) {
     start_once();
     if (impl_->reducer) impl_->reducer->begin_step();
     if (impl_->masters) impl_->masters->sync();  // what the optimizer did to the masters, for this step's compute
+    impl_->on_board = impl_->executor.get();
     result = run();
     if (impl_->reducer) {
       result.reduce_wait_us = wait_in(*impl_->data_parallel, "the data-parallel gradient reduction",
@@ -631,6 +640,7 @@ double Pipeline::run_evaluation(const std::function<StepResult(Executor&)>& run)
     StepResult result;
     {
       EvalMode eval(modules);
+      impl_->on_board = impl_->evaluator.get();  // mean_loss below then waits on the evaluator's run
       result = run(*impl_->evaluator);
     }
     return mean_loss(result);

@@ -15,6 +15,7 @@
 #include <tuple>
 
 #include "twobp/checkpoint.h"
+#include "twobp/runtime/pipeline.h"
 #include "util/check.h"
 
 namespace twobp {
@@ -92,7 +93,21 @@ ShardedOptimizer::ShardedOptimizer(std::vector<at::Tensor> params, Transport* gr
   if (!owned.empty()) local_ = make(std::move(owned));
 }
 
+ShardedOptimizer::ShardedOptimizer(Pipeline& pipeline, const Factory& make)
+    : ShardedOptimizer(pipeline.parameters(), pipeline.options().data_parallel.group, make,
+                       pipeline.options().executor.timeout) {
+  pipeline_ = &pipeline;
+}
+
 ShardedOptimizer::~ShardedOptimizer() = default;
+
+void ShardedOptimizer::collective(const char* what, const std::function<void()>& body) {
+  if (pipeline_ != nullptr && replicas_ > 1) {
+    pipeline_->run_collective(*group_, what, body);
+  } else {
+    body();
+  }
+}
 
 int ShardedOptimizer::owner_of(const at::Tensor& param) const {
   const auto it = index_.find(param.unsafeGetTensorImpl());
@@ -115,13 +130,15 @@ void ShardedOptimizer::step() {
   if (local_) local_->step();
   if (replicas_ == 1) return;
   c10::AutoGradMode no_grad(false);
-  for (int r = 0; r < replicas_; ++r) {
-    std::vector<at::Tensor> share;
-    for (std::size_t i = 0; i < params_.size(); ++i) {
-      if (owner_[i] == r) share.push_back(params_[i]);
+  collective("the sharded optimizer's broadcasts", [&] {
+    for (int r = 0; r < replicas_; ++r) {
+      std::vector<at::Tensor> share;
+      for (std::size_t i = 0; i < params_.size(); ++i) {
+        if (owner_[i] == r) share.push_back(params_[i]);
+      }
+      broadcast_into(share, r, *group_, timeout_);
     }
-    broadcast_into(share, r, *group_, timeout_);
-  }
+  });
 }
 
 void ShardedOptimizer::set_lr(double lr) {
@@ -169,47 +186,50 @@ std::vector<std::pair<std::string, at::Tensor>> ShardedOptimizer::gathered_adamw
   // stepped yet, no state), then the moments of those with state. AdamW allocates both moments like the parameter.
   std::vector<std::pair<std::string, at::Tensor>> out;
   c10::AutoGradMode no_grad(false);
-  for (int r = 0; r < replicas_; ++r) {
-    std::vector<std::pair<std::string, at::Tensor>> share;
-    for (const auto& [name, p] : params) {
-      if (owner_of(p) == r) share.emplace_back(name, p);
-    }
-    if (share.empty()) continue;
-    const bool mine = r == replica_;
-    at::Tensor steps = at::zeros({static_cast<int64_t>(share.size())}, at::kLong);
-    std::vector<at::Tensor> moments;  // exp_avg, exp_avg_sq per parameter with state, in share order
-    if (mine) {
-      for (std::size_t k = 0; k < share.size(); ++k) {
-        const auto it = adamw->state().find(share[k].second.unsafeGetTensorImpl());
-        if (it == adamw->state().end()) continue;
-        const auto& s = static_cast<const torch::optim::AdamWParamState&>(*it->second);
-        steps[static_cast<int64_t>(k)] = s.step();
+  collective("the gathering of the sharded optimizer's state", [&] {
+    for (int r = 0; r < replicas_; ++r) {
+      std::vector<std::pair<std::string, at::Tensor>> share;
+      for (const auto& [name, p] : params) {
+        if (owner_of(p) == r) share.emplace_back(name, p);
       }
-    }
-    if (replicas_ > 1) group_->broadcast(steps, r, timeout_);
-    for (std::size_t k = 0; k < share.size(); ++k) {
-      if (steps[static_cast<int64_t>(k)].item<int64_t>() == 0) continue;
-      const at::Tensor& p = share[k].second;
+      if (share.empty()) continue;
+      const bool mine = r == replica_;
+      at::Tensor steps = at::zeros({static_cast<int64_t>(share.size())}, at::kLong);
+      std::vector<at::Tensor> moments;  // exp_avg, exp_avg_sq per parameter with state, in share order
       if (mine) {
-        const auto& s = static_cast<const torch::optim::AdamWParamState&>(*adamw->state().at(p.unsafeGetTensorImpl()));
-        moments.push_back(s.exp_avg().clone());
-        moments.push_back(s.exp_avg_sq().clone());
-      } else {
-        moments.push_back(at::empty_like(p, p.options().requires_grad(false)));
-        moments.push_back(at::empty_like(p, p.options().requires_grad(false)));
+        for (std::size_t k = 0; k < share.size(); ++k) {
+          const auto it = adamw->state().find(share[k].second.unsafeGetTensorImpl());
+          if (it == adamw->state().end()) continue;
+          const auto& s = static_cast<const torch::optim::AdamWParamState&>(*it->second);
+          steps[static_cast<int64_t>(k)] = s.step();
+        }
+      }
+      if (replicas_ > 1) group_->broadcast(steps, r, timeout_);
+      for (std::size_t k = 0; k < share.size(); ++k) {
+        if (steps[static_cast<int64_t>(k)].item<int64_t>() == 0) continue;
+        const at::Tensor& p = share[k].second;
+        if (mine) {
+          const auto& s =
+              static_cast<const torch::optim::AdamWParamState&>(*adamw->state().at(p.unsafeGetTensorImpl()));
+          moments.push_back(s.exp_avg().clone());
+          moments.push_back(s.exp_avg_sq().clone());
+        } else {
+          moments.push_back(at::empty_like(p, p.options().requires_grad(false)));
+          moments.push_back(at::empty_like(p, p.options().requires_grad(false)));
+        }
+      }
+      if (replicas_ > 1) broadcast_into(moments, r, *group_, timeout_);
+      std::size_t m = 0;
+      for (std::size_t k = 0; k < share.size(); ++k) {
+        const int64_t step = steps[static_cast<int64_t>(k)].item<int64_t>();
+        if (step == 0) continue;
+        const std::string& name = share[k].first;
+        out.emplace_back(ck::optimizer_state_name(name, "step"), at::scalar_tensor(step, at::kLong));
+        out.emplace_back(ck::optimizer_state_name(name, "exp_avg"), moments[m++]);
+        out.emplace_back(ck::optimizer_state_name(name, "exp_avg_sq"), moments[m++]);
       }
     }
-    if (replicas_ > 1) broadcast_into(moments, r, *group_, timeout_);
-    std::size_t m = 0;
-    for (std::size_t k = 0; k < share.size(); ++k) {
-      const int64_t step = steps[static_cast<int64_t>(k)].item<int64_t>();
-      if (step == 0) continue;
-      const std::string& name = share[k].first;
-      out.emplace_back(ck::optimizer_state_name(name, "step"), at::scalar_tensor(step, at::kLong));
-      out.emplace_back(ck::optimizer_state_name(name, "exp_avg"), moments[m++]);
-      out.emplace_back(ck::optimizer_state_name(name, "exp_avg_sq"), moments[m++]);
-    }
-  }
+  });
   return out;
 }
 

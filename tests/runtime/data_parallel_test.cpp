@@ -17,6 +17,7 @@
 #include "common/test_models.h"
 #include "twobp/error.h"
 #include "twobp/runtime/launch.h"
+#include "twobp/runtime/sharded_optimizer.h"
 #include "twobp/schedule/registry.h"
 #include "twobp/transport/local.h"
 
@@ -320,6 +321,8 @@ TEST(DataParallel, EveryRankReportsTheRootCausesType) {
 // ("" for none).
 struct Stall {
   int late = -1, late_check = -1, stuck = -1;
+  int late_optimizer = -1;    // returns before the sharded optimizer's step
+  int skips_evaluation = -1;  // every other rank evaluates after the first step
 };
 using RankChunks = std::vector<std::map<int, std::shared_ptr<CaseModule>>>;  // by world rank
 
@@ -353,6 +356,9 @@ std::vector<std::string> stalled_job(const Schedule& schedule, RankChunks chunks
     o.executor.activation_spec = [](int) { return TensorSpec{{dp::kMbs, dp::kSeq, dp::kDim}, at::kDouble}; };
     o.data_parallel.group = groups.data_parallel();
     Pipeline pipeline(schedule, std::move(pc), groups.pipeline(), o);
+    ShardedOptimizer optimizer(pipeline, [](std::vector<at::Tensor> owned) {
+      return std::make_unique<torch::optim::SGD>(std::move(owned), torch::optim::SGDOptions(0.01));
+    });
     const auto mine = dp::replica_batch(batch, groups.replica());
     for (int step = 0; step < 2; ++step) {
       if (t.rank() == stall.late && step == 1) {
@@ -366,6 +372,17 @@ std::vector<std::string> stalled_job(const Schedule& schedule, RankChunks chunks
         return;
       }
       pipeline.ready_for_optimizer(step, NonFinitePolicy::kStop);
+      if (t.rank() == stall.late_optimizer) {
+        std::this_thread::sleep_for(std::chrono::seconds(3));
+        return;
+      }
+      optimizer.step();
+      if (stall.skips_evaluation < 0) continue;
+      if (t.rank() == stall.skips_evaluation) {
+        std::this_thread::sleep_for(std::chrono::seconds(3));
+        return;
+      }
+      pipeline.evaluate(mine.inputs, mine.targets);
     }
   });
   std::vector<std::string> out;
@@ -393,10 +410,12 @@ TEST(DataParallel, AStallIsNamedByWorldRankInOneJobWideReport) {
   Float64Default f;  // held until every job has ended
   const Schedule schedule = dp::replica_schedule("1f1b", BackwardMode::kSplit, 2);
   const dp::GlobalBatch batch = dp::global_batch(2);
-  std::vector<Stall> stalls(3);
+  std::vector<Stall> stalls(5);
   stalls[0].late = 3;        // world rank 3 (replica 1, pipeline rank 1) late for its second step
   stalls[1].stuck = 2;       // world rank 2 (replica 1, pipeline rank 0) stuck in a forward of its first step
   stalls[2].late_check = 3;  // world rank 3 late for the gradient check after its first step
+  stalls[3].late_optimizer = 3;    // world rank 3 late for the sharded optimizer's step after its first step
+  stalls[4].skips_evaluation = 3;  // world rank 3 never evaluates: its pipeline's mean loss waits for it
   // The three jobs wait out their timeouts at once (each on rank threads and transports of its own).
   std::vector<RankChunks> chunks;
   for (std::size_t k = 0; k < stalls.size(); ++k) chunks.push_back(stalled_job_chunks(schedule));
@@ -433,6 +452,25 @@ TEST(DataParallel, AStallIsNamedByWorldRankInOneJobWideReport) {
     EXPECT_NE(verdict.find("rank 3 finished its part of run 0"), std::string::npos) << report;
     EXPECT_NE(verdict.find("has not joined the gradient check over the"), std::string::npos) << report;
     EXPECT_NE(report.find("rank 2: waiting"), std::string::npos) << report;
+  }
+  {
+    SCOPED_TRACE("world rank 3 late for the sharded optimizer's step");
+    const std::string report = report_of(errors[3], {0, 1, 2});
+    const std::string verdict = report.substr(0, report.find('\n'));
+    // Reached through rank 1's broadcast ("has not joined") or rank 2's receive ("has not started run 1").
+    EXPECT_EQ(verdict.find("rank 3 "), verdict.find(": ") + 2) << report;
+    EXPECT_NE(report.find("rank 1: waiting"), std::string::npos) << report;
+    EXPECT_NE(report.find("for the sharded optimizer's broadcasts with ranks 3 (run 0)"), std::string::npos) << report;
+  }
+  {
+    SCOPED_TRACE("world rank 3 skips the evaluation after the first step");
+    const std::string report = report_of(errors[4], {0, 1, 2});
+    const std::string verdict = report.substr(0, report.find('\n'));
+    EXPECT_EQ(verdict.find("rank 3 "), verdict.find(": ") + 2) << report;
+    EXPECT_NE(report.find("rank 2: waiting"), std::string::npos) << report;
+    EXPECT_NE(report.find("rank 0: waiting"), std::string::npos) << report;
+    EXPECT_NE(report.find("the mean loss over the replicas with ranks 2 (run 1)"), std::string::npos) << report;
+    EXPECT_NE(report.find("the mean loss over the pipeline with ranks 3 (run 1)"), std::string::npos) << report;
   }
 }
 

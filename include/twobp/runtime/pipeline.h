@@ -152,6 +152,12 @@ class Pipeline {
   /// The mean over micro-batches (and replicas) of the last step's losses, on every rank (collective: one
   /// all-reduce, and one over the data-parallel group).
   double mean_loss(const StepResult& result);
+  /// Runs `collective`, a blocking collective over `group` (this pipeline's transport, its data-parallel group) that
+  /// the job makes outside step() -- ShardedOptimizer's broadcasts, a collective of the caller's own -- as a wait of
+  /// this rank on the status board: `what` ("the sharded optimizer's broadcasts") with the group's other ranks. A
+  /// rank that never joins it is then named in the one job-wide hang report, which the TimeoutError it raises on
+  /// this rank carries. Rethrows what `collective` throws.
+  void run_collective(Transport& group, const std::string& what, const std::function<void()>& collective);
 
   const Schedule& schedule() const { return schedule_; }
   const PipelineOptions& options() const { return options_; }

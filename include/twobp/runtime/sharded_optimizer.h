@@ -31,6 +31,8 @@
 
 namespace twobp {
 
+class Pipeline;  // twobp/runtime/pipeline.h
+
 class ShardedOptimizer {
  public:
   /// Makes the local optimizer over the parameters this replica owns (never called with an empty list).
@@ -42,6 +44,12 @@ class ShardedOptimizer {
   /// data-parallel group (ParallelGroups::data_parallel()); null or of size 1: this replica owns everything (a
   /// plain optimizer). Local: no communication until step().
   ShardedOptimizer(std::vector<at::Tensor> params, Transport* group, const Factory& make, Duration timeout);
+  /// The same over `pipeline`'s parameters (Pipeline::parameters()) and data-parallel group
+  /// (PipelineOptions::data_parallel.group), with its timeout (executor.timeout); the way to build it in a job.
+  /// Its collectives -- step()'s broadcasts, gathered_adamw_state() -- are then waits on the status board
+  /// (Pipeline::run_collective), so that a replica that never joins them is named in the one job-wide hang report.
+  /// `pipeline` must outlive it.
+  ShardedOptimizer(Pipeline& pipeline, const Factory& make);
   ~ShardedOptimizer();
   ShardedOptimizer(const ShardedOptimizer&) = delete;
   ShardedOptimizer& operator=(const ShardedOptimizer&) = delete;
@@ -81,7 +89,11 @@ class ShardedOptimizer {
   std::vector<at::Tensor> params_;
   std::vector<int> owner_;  // by parameter index
   std::unordered_map<const c10::TensorImpl*, std::size_t> index_;
+  /// Runs the collective `body` over group_ (with replicas), as a wait on pipeline_'s board when built from one.
+  void collective(const char* what, const std::function<void()>& body);
+
   Transport* group_;
+  Pipeline* pipeline_ = nullptr;
   int replica_ = 0;
   int replicas_ = 1;
   Duration timeout_;

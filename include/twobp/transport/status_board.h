@@ -27,8 +27,7 @@ class StatusBoard {
   /// The status of every rank of the group (index = rank; a group's view of its world's board, as ParallelGroups'
   /// groups have, answers for every world rank, index = Transport::world_rank_of), `rank`'s own included; nullopt for a rank that did not
   /// answer within `wait` (dead, or busy where it cannot answer); "" for one that answered without a reader.
-  /// `incident` names the stall (every rank passes the same number for the same one: the run number), so answers
-  /// to an earlier stall are never mixed in.
+  /// `incident` names the asking (the asker's run number), so answers to an earlier stall are never mixed in.
   /// Threads of one process (Local): every attached reader is read at once, whatever its rank is doing. Processes
   /// (Store, MPI): the others are asked, and each process answers from a watcher thread started by its first
   /// attach(), whatever its rank is doing; a dead process never answers.
@@ -36,7 +35,8 @@ class StatusBoard {
 
   /// The report of `incident`: the first one a rank offers wins and is returned to it and to every later caller,
   /// so that ranks whose waits time out at the same moment still report one text (MPI: the caller's own, since
-  /// the abort that follows ends the whole job).
+  /// the abort that follows ends the whole job). Every rank passes the same number for the same stall: the
+  /// earliest run that a rank answering collect() is in (ranks waiting after run N and in run N + 1 agree).
   virtual std::string agree_on_report(std::int64_t incident, const std::string& report) = 0;
 };
 
