@@ -1,4 +1,5 @@
 // run_ranks and run_rank_threads: every rank runs, a failing rank aborts its peers, the root cause wins.
+// exit_without_teardown: the status and what was written but not flushed reach the caller.
 
 #include "twobp/runtime/launch.h"
 
@@ -7,6 +8,10 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <sstream>
 #include <string>
 
 #include "twobp/error.h"
@@ -75,6 +80,27 @@ TEST(RankErrors, RootCauseIsTheFirstErrorNotCausedByAnother) {
   // Only consequences: the first of them.
   r.errors = {std::make_exception_ptr(TimeoutError("timed out")), std::make_exception_ptr(TransportError("x"))};
   EXPECT_EQ(error_message(r.root_cause()), "timed out");
+}
+
+// The process ends with the status given, after C stdio and the C++ streams were flushed: a FILE still open and
+// buffered, std::cerr; in a sanitizer build (std::exit) the same.
+TEST(ExitWithoutTeardown, FlushesWhatWasWrittenAndEndsWithTheStatus) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");  // LibTorch may have started threads: re-execute, not fork only
+  const std::string path = ::testing::TempDir() + "/twobp_exit_without_teardown.txt";
+  std::remove(path.c_str());
+  EXPECT_EXIT(
+      {
+        std::FILE* f = std::fopen(path.c_str(), "w");  // never closed: only the flush at exit writes it
+        if (f != nullptr) std::fputs("written before the end", f);
+        std::cerr << "to the error stream";
+        exit_without_teardown(3);
+      },
+      ::testing::ExitedWithCode(3), "to the error stream");
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  EXPECT_EQ(text.str(), "written before the end");
+  std::remove(path.c_str());
 }
 
 }  // namespace
