@@ -1,15 +1,18 @@
-# cmake -P: runs mpi_failure_probe under mpiexec in MODE and checks that the job fails (non-zero exit) within
-# MAX_SECONDS and that its output contains every entry of EXPECT (a |-separated list).
+# cmake -P: runs mpi_failure_probe under mpiexec in MODE on NP ranks (default 2) and checks that the job fails
+# (non-zero exit) within MAX_SECONDS and that its output contains every entry of EXPECT (a |-separated list).
 string(TIMESTAMP t0 "%s")
 separate_arguments(flags UNIX_COMMAND "${MPIEXEC_FLAGS}")
-execute_process(COMMAND ${MPIEXEC} -n 2 ${flags} ${PROBE} ${MODE}
+if(NOT NP)
+  set(NP 2)
+endif()
+execute_process(COMMAND ${MPIEXEC} -n ${NP} ${flags} ${PROBE} ${MODE}
                 RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 120)
 string(TIMESTAMP t1 "%s")
 math(EXPR elapsed "${t1} - ${t0}")
 set(all "${out}\n${err}")
 message(STATUS "mode ${MODE}: exit ${rc} after ${elapsed} s\n${all}")
 if(rc EQUAL 0)
-  message(FATAL_ERROR "the job succeeded, but rank 1 failed on purpose (${MODE})")
+  message(FATAL_ERROR "the job succeeded, but a rank failed on purpose (${MODE})")
 endif()
 if(rc MATCHES "timeout")
   message(FATAL_ERROR "the job hung")
