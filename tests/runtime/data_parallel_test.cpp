@@ -416,7 +416,7 @@ TEST(DataParallel, AStallIsNamedByWorldRankInOneJobWideReport) {
   stalls[2].late_check = 3;  // world rank 3 late for the gradient check after its first step
   stalls[3].late_optimizer = 3;    // world rank 3 late for the sharded optimizer's step after its first step
   stalls[4].skips_evaluation = 3;  // world rank 3 never evaluates: its pipeline's mean loss waits for it
-  // The three jobs wait out their timeouts at once (each on rank threads and transports of its own).
+  // The five jobs wait out their timeouts at once (each on rank threads and transports of its own).
   std::vector<RankChunks> chunks;
   for (std::size_t k = 0; k < stalls.size(); ++k) chunks.push_back(stalled_job_chunks(schedule));
   std::vector<std::future<std::vector<std::string>>> jobs;

@@ -31,6 +31,15 @@
 
 namespace {
 
+// Every mode's pipeline: a mean-squared error over [2, 8] float activations, each wait bounded by `timeout`.
+twobp::PipelineOptions probe_options(twobp::Duration timeout) {
+  twobp::PipelineOptions options;
+  options.executor.timeout = timeout;
+  options.loss = [](const at::Tensor& out, const at::Tensor& target) { return (out - target).pow(2).mean(); };
+  options.executor.activation_spec = [](int) { return twobp::TensorSpec{{2, 8}, at::kFloat}; };
+  return options;
+}
+
 // Mode dp (see the top of this file). Returns the process's exit status when the job was not aborted.
 int run_data_parallel(twobp::MpiEnvironment& env) {
   twobp::MpiTransport world(env);
@@ -42,10 +51,8 @@ int run_data_parallel(twobp::MpiEnvironment& env) {
     at::NoGradGuard no_grad;  // the replicas must start from the same parameters (the Pipeline checks)
     for (auto& p : layer->parameters()) p.fill_(0.1 * (stage + 1));
   }
-  twobp::PipelineOptions options;
-  options.executor.timeout = std::chrono::seconds(2);  // 4 processes on as few as 2 cores, under ASan too
-  options.loss = [](const at::Tensor& out, const at::Tensor& target) { return (out - target).pow(2).mean(); };
-  options.executor.activation_spec = [](int) { return twobp::TensorSpec{{2, 8}, at::kFloat}; };
+  // 2 s: 4 processes on as few as 2 cores, under ASan too.
+  twobp::PipelineOptions options = probe_options(std::chrono::seconds(2));
   options.data_parallel.group = groups.data_parallel();
   twobp::Pipeline pipeline(schedule, {{stage, layer.ptr(), [&](const at::Tensor& x) { return layer->forward(x); }}},
                            groups.pipeline(), options);
@@ -78,10 +85,7 @@ int run_main(int argc, char** argv) {
   auto schedule = twobp::make_schedule("1f1b", {2, 4, 1, twobp::BackwardMode::kSplit});
   auto layer = twobp::nn::Linear(8, 8);
   const int me = env.rank();
-  twobp::PipelineOptions options;
-  options.executor.timeout = std::chrono::seconds(1);
-  options.loss = [](const at::Tensor& out, const at::Tensor& target) { return (out - target).pow(2).mean(); };
-  options.executor.activation_spec = [](int) { return twobp::TensorSpec{{2, 8}, at::kFloat}; };
+  const twobp::PipelineOptions options = probe_options(std::chrono::seconds(1));
   auto forward = [&, me](const at::Tensor& x) {
     if (me == 1 && mode == "throw") throw std::runtime_error("injected failure in the forward of rank 1");
     if (me == 1 && mode == "kill") std::raise(SIGKILL);
