@@ -32,8 +32,11 @@
 #   the next loan). Sizes are chosen per card by llama_pipeline's own --dry-run memory estimate (largest first,
 #   +1 GiB per process, within 85 % of the card): an H100 80 GB and an H200 both run, the summary says which sizes.
 #     part 1: env:* and env:peak_tflops (GPU kind, clocks, power limit; the peak dense bf16 TFLOP/s from the
-#             datasheet table in scripts/gpucheck/environment.py), probe:split_options (what this twobp_bench split
-#             offers), measure:split_seq1024_{bf16-pure,bf16} (one 7B stage, all-bfloat16 and mixed precision, with
+#             datasheet table in scripts/gpucheck/environment.py), the numerics gate (gate:split_cuda_test: the gpu
+#             test of the split's CUDA-only paths; gate:split_check_{bf16-pure,bf16}: split's fast vs general path
+#             with --check, accumulating W included; never left out by --only), probe:split_options (fails unless
+#             twobp_bench split --help offers --dtype bf16 and bf16-pure and --paths fast),
+#             measure:split_seq1024_{bf16-pure,bf16} (one 7B stage, all-bfloat16 and mixed precision, with
 #             every column the JSON has: issue 57's host/device-timed/ops-per-block/overhead/accumulation columns when
 #             present), measure:stage_costs_size_m<M>_seq<S> (the size), measure:stage_costs_{2bp,standard} (the
 #             real partition: llama_pipeline --model 7b --ranks 1 --chunks-per-rank 4, interleaved-1f1b with p = 1,
@@ -42,10 +45,12 @@
 #     part 2: measure:nccl4_size_m<M>_seq<S>, measure:nccl4_{1f1b,zb-v}_{2bp,standard} (the 7B job as 4 processes
 #             over NCCL on the one GPU: scripts/gpucheck/launch.py gives each torchrun's variables, a TCPStore
 #             rendezvous and its own NCCL_HOSTID; bf16-pure, 2 steps; each run's peak memory within 10 % of the
-#             --dry-run estimate), measure:nccl4_compare (the first step's loss identical across them),
+#             --dry-run estimate), measure:nccl4_compare (the first step's loss identical, its gradient norm
+#             within tolerance across them),
 #             measure:nccl4_1f1b_2bp_bf16 (mixed precision, where the card holds the float32 masters),
 #             measure:green_contexts (skipped: not implemented)
-#   summary.json          as above (no gpu_tests) plus "part", peak_bf16_tflops, split (runs: headline numbers and
+#   summary.json          as above (no gpu_tests) plus "part", peak_bf16_tflops, numerics_gate (part 1: the gate's
+#                         cases and fast-vs-general comparisons), split (runs: headline numbers and
 #                         new columns; targets: issue 57's, judged at seq 1024), stage_costs_real_partition (sizing,
 #                         per-stage costs of each mode, plan_4gpu: message time assumed and why, per schedule the
 #                         fastest of each mode, 2BP/standard and each over 1F1B standard), nccl_4_processes (sizing,
@@ -66,8 +71,8 @@
 #                                           ("gpu": false)
 #   scripts/gpu_check.sh --profile perf [--part 1|2] --dry-run OUTDIR
 #                                           HERE: the perf profile on the CPU build's binaries (no configure): tiny
-#                                           sizes (seq 16/32, a tiny 8-block model, fp32 standing for the bfloat16
-#                                           forms), 4 CPU processes over the StoreTransport standing for the GPU's
+#                                           sizes (seq 16/32, a tiny 8-block model, the split in bf16-pure and bf16
+#                                           as on the GPU), 4 CPU processes over the StoreTransport standing for the GPU's
 #   scripts/gpu_check.sh prebuild           HERE (optional, saves the loan minutes of the build): builds the GPU
 #                                           configuration's twobp_bench, llama_pipeline and gpu tests into
 #                                           build-gpu-carry (the torch wheel's CUDA build compiles and links GPU

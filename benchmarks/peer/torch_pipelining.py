@@ -563,7 +563,12 @@ def parse_args():
 
 def main():
     a, names = parse_args()
-    import torch  # noqa: F401 - version for the report
+    try:
+        import torch  # noqa: F401 - version for the report
+    except ImportError as e:  # a Python without PyTorch: say which one and how to get it, not a traceback
+        sys.exit(f"torch_pipelining.py: this Python ({sys.executable}) cannot import torch ({e}); run it with the "
+                 f"Python of twobp's virtual environment (.venv/bin/python, made by scripts/setup.sh) or install "
+                 f"torch into this one (measured with torch 2.11)")
 
     load = os.getloadavg()
     print(f"torch {torch.__version__}, 2 ranks, gloo, CPU, float32, threads/rank {a.threads}; load average "

@@ -74,6 +74,7 @@ int run_check(const CheckArgs& a) {
     out["pairing"] = to_string(pairing);
     out["results"] = std::move(results);
     cli::write_json(a.json, out);
+    std::cout << "wrote " << a.json << "\n";
   }
   return failed == 0 ? 0 : 1;
 }

@@ -32,6 +32,7 @@
 #include "twobp/metrics/metrics.h"
 #include "twobp/metrics/step_log.h"
 #include "twobp/plan/measure.h"
+#include "twobp/plan/recompute.h"
 #include "twobp/plan/record.h"
 #include "twobp/plan/step_meter.h"
 #include "twobp/runtime/data_parallel.h"
@@ -515,8 +516,17 @@ Json report_config(const PipelineArgs& a, const std::string& transport_name, boo
   return config;
 }
 
-void report(const PipelineArgs& a, const std::vector<RunResult>& results, const std::string& transport_name,
-            const std::string& energy_source, const std::string& energy_note) {
+// Where rank 0 reports from: the transport's name, its energy meter ("nvml", "rapl", "") and why it has none.
+struct ReportSource {
+  std::string transport, energy, energy_note;
+};
+
+// --json and --csv of the configurations in `results`. `configs`: (finished, of), recorded in the document's
+// config. Before the `final` write they are written as the run goes, after each configuration, so that a rank
+// killed by its launcher after a signal loses at most the configuration in progress -- only into files that can
+// be rewritten (twobp::rewritable: a device node or FIFO gets the final write alone). Returns the files written.
+std::vector<std::string> write_results(const PipelineArgs& a, const std::vector<RunResult>& results,
+                                       const ReportSource& source, std::pair<int, int> configs, bool final) {
   const bool tokens = tokens_per_sample(a.model) > 0;  // resnet: samples/s
   const bool energy =
       std::any_of(results.begin(), results.end(), [](const RunResult& r) { return r.energy_j.has_value(); });
@@ -526,7 +536,9 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
   RunDocument doc;
   const PipelineModelArgs& m = a.model;
   doc.model = {m.model, m.dim, m.layers, m.heads, m.kv_heads, m.ffn, m.vocab, m.seq, m.micro_batch_size};
-  doc.config_extra = report_config(a, transport_name, energy, energy_source, energy_note).dump();
+  Json config = report_config(a, source.transport, energy, source.energy, source.energy_note);
+  config["configurations"] = {{"finished", configs.first}, {"of", configs.second}};
+  doc.config_extra = config.dump();
   for (const ResultRow& row : rows) {
     const RunResult& r = *row.r;
     RunRecord record{r.schedule, r.mode, r.p, r.m, r.v, "", r.dp, r.memory_limit, "", r.costs,
@@ -534,14 +546,27 @@ void report(const PipelineArgs& a, const std::vector<RunResult>& results, const 
     if (a.variable_seq) record.shapes = r.announced ? "announced" : "fixed";
     doc.results.push_back(std::move(record));
   }
-  print_table(std::cout, reporter.table(rows));
-  if (!a.json.empty()) {
+  std::vector<std::string> written;
+  if (!a.json.empty() && (final || rewritable(a.json))) {
     write_file(a.json, write_run_document(doc) + "\n", "--json");
-    std::cout << "wrote " << a.json << "\n";
+    written.push_back(a.json);
   }
-  if (!a.csv.empty()) {
+  if (!a.csv.empty() && (final || rewritable(a.csv))) {
     write_file(a.csv, reporter.csv(rows), "--csv");
-    std::cout << "wrote " << a.csv << "\n";
+    written.push_back(a.csv);
+  }
+  return written;
+}
+
+void report(const PipelineArgs& a, const std::vector<RunResult>& results, const ReportSource& source,
+            std::pair<int, int> configs) {
+  const bool tokens = tokens_per_sample(a.model) > 0;  // resnet: samples/s
+  const bool energy =
+      std::any_of(results.begin(), results.end(), [](const RunResult& r) { return r.energy_j.has_value(); });
+  const Reporter<ResultRow> reporter(result_columns(a, tokens), result_table(a, tokens, energy));
+  print_table(std::cout, reporter.table(result_rows(a, results, tokens)));
+  for (const std::string& file : write_results(a, results, source, configs, /*final=*/true)) {
+    std::cout << "wrote " << file << "\n";
   }
   if (!a.chart.empty()) {
     write_chart(a, results, tokens);
@@ -602,10 +627,13 @@ void run_pipeline_bench(const PipelineArgs& a) {
   }
 
   const std::vector<Variant> variants = variants_of(a);
-  std::string energy_source, energy_note;  // rank 0's meter ("nvml", "rapl", ""), and why it has none
+  ReportSource source;  // rank 0's transport and energy meter
   // Ctrl-C / SIGTERM: the configuration in progress ends, the finished ones are reported and written, and the
-  // command exits 130 / 143 (twobp/runtime/interrupt.h).
-  InterruptGuard interrupts;
+  // command exits 130 / 143 (twobp/runtime/interrupt.h). Under a launcher that kills the ranks soon after its
+  // signal, the files written after each configuration keep the finished ones. Rank 0 (or the process that runs
+  // the threads) acknowledges the signal.
+  const std::optional<LaunchEnv> launched = launch_env();
+  InterruptGuard interrupts(/*announce=*/!launched || launched->rank == 0);
   int configs_total = 0, configs_done = 0;  // configs_done: rank 0's
   for (BackwardMode mode : modes) configs_total += static_cast<int>(names.size() * dp_bucket_settings(a, mode).size());
   const auto started = std::chrono::steady_clock::now();
@@ -616,8 +644,7 @@ void run_pipeline_bench(const PipelineArgs& a) {
     eo.powercap_root = a.powercap_root;
     energy::RankEnergy rank_energy = energy::rank_energy(t, t.device(), eo);
     if (t.rank() == 0) {
-      energy_source = rank_energy.source();
-      energy_note = rank_energy.note();
+      source = {t.name(), rank_energy.source(), rank_energy.note()};
       cli::warn_if_loaded("pipeline", "--threads 1");
     }
     std::vector<RunResult> results;
@@ -634,7 +661,12 @@ void run_pipeline_bench(const PipelineArgs& a) {
           for (RunResult& r : run_config(t, groups, a, name, mode, buckets, variants, rank_energy)) {
             results.push_back(std::move(r));
           }
-          if (t.rank() == 0) configs_done = k;
+          if (t.rank() == 0) {
+            configs_done = k;
+            write_results(a, results, source, {k, configs_total}, /*final=*/false);
+            interrupts.set_announcement(fmt::format("finishing configuration {} of {}{}", k + 1, configs_total,
+                                                    a.json.empty() && a.csv.empty() ? "" : ", then writing the results"));
+          }
         }
       }
     }
@@ -669,7 +701,7 @@ void run_pipeline_bench(const PipelineArgs& a) {
       std::cerr << fmt::format("[pipeline] interrupted by {}: {} of {} configurations finished; reporting those\n",
                                interrupts.received_name(), configs_done, configs_total);
     }
-    report(a, results, transport_name, energy_source, energy_note);
+    report(a, results, source, {configs_done, configs_total});
   }
   if (interrupts.received() != 0) throw CLI::RuntimeError(interrupts.exit_status());
 }

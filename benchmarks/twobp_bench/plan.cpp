@@ -52,6 +52,8 @@ struct PlanArgs {
   std::string ratios_json;  // a `twobp_bench split` JSON: its fast path's I/F, W/F, B/F for estimated costs
   std::vector<std::string> costs_json;  // one or more `twobp_bench pipeline` / `llama_pipeline --costs-json` files
   double overlap = -1;  // < 0: the measured share (0 for estimated costs)
+  // --action-ms: every action's fixed cost (ChunkCost::per_action), where the costs do not determine it themselves.
+  std::optional<double> action_ms;
   double link_gbps = 100;
   double link_latency_us = 5;
   std::string schedule = "all";
@@ -86,8 +88,14 @@ double activation_bytes(const llm::LlamaConfig& c, int64_t mbs, int64_t seq, int
 
 // Costs measured on the document's own model (`path`: its files; fit_run_document), on CPU.
 Rates measured_rates(const RunDocument& doc, const std::string& path, const llm::LlamaConfig& to, int64_t to_seq,
-                     int64_t to_mbs) {
-  const DocumentCosts fit = fit_run_document(doc, path, to, to_seq, to_mbs);
+                     int64_t to_mbs, std::optional<double> action_ms) {
+  DocumentCosts fit;
+  try {
+    fit = fit_run_document(doc, path, to, to_seq, to_mbs, action_ms);
+  } catch (const UsageError& e) {  // e.g. the files' shapes fit the per-action terms themselves: say the option
+    if (!action_ms) throw;
+    throw UsageError(fmt::format("--action-ms {:g}: {}", *action_ms, e.what()));
+  }
   Rates rates;
   rates.costs = fit.costs;
   rates.comm_ms_per_byte = fit.comm_ms_per_byte;
@@ -109,7 +117,7 @@ Rates estimated_rates(const PlanArgs& a, const llm::LlamaConfig& config, int64_t
                              fast.value("stage2_ms", 0.0), fast.value("fused_ms", 0.0), a.ratios_json + " fast path");
   }
   Rates rates;
-  rates.costs = estimate_llama_costs(config, seq, a.micro_batch_size, a.tflops, ratios);
+  rates.costs = estimate_llama_costs(config, seq, a.micro_batch_size, a.tflops, ratios, a.action_ms.value_or(0.0));
   rates.comm_ms_per_byte = 1e3 / (a.link_gbps * 1e9 / 8);
   rates.comm_latency_ms = a.link_latency_us * 1e-3;
   rates.source = fmt::format("estimated: {}, links {} Gb/s + {} us", rates.costs.how, a.link_gbps,
@@ -302,7 +310,13 @@ void run_plan(PlanArgs a) {
   // The measured files as one document: they must have measured the same model, sequence length, micro-batch
   // size and precision (e.g. a v = 1 and a v = 2 job, whose chunks of two shapes let fit_llama_costs fit every term).
   std::vector<RunDocument> docs;
-  for (const std::string& path : a.costs_json) docs.push_back(read_run_document_file(path));
+  for (const std::string& path : a.costs_json) {
+    try {
+      docs.push_back(read_run_document_file(path));
+    } catch (const UsageError& e) {  // names the file, the result and the field; the option too
+      throw UsageError(fmt::format("--costs-json: {}", e.what()));
+    }
+  }
   for (std::size_t k = 1; k < docs.size(); ++k) {
     if (measured_precision(docs[k]) != measured_precision(docs[0])) {
       throw UsageError(fmt::format("--costs-json: {} was measured in {} and {} in {}: the files must measure the "
@@ -341,7 +355,7 @@ void run_plan(PlanArgs a) {
   o.memory_limit_bytes = a.gpu_memory_gb * kGiB;
   o.link_bytes_per_s = a.link_gbps * 1e9 / 8;
   o.link_latency_s = a.link_latency_us * 1e-6;
-  Rates rates = measured ? measured_rates(*measured, measured_files, config, o.seq, a.micro_batch_size)
+  Rates rates = measured ? measured_rates(*measured, measured_files, config, o.seq, a.micro_batch_size, a.action_ms)
                          : estimated_rates(a, config, o.seq);
   if (a.overlap >= 0) {
     rates.costs.overlap = a.overlap;
@@ -421,6 +435,14 @@ void add_plan_command(CLI::App& app) {
                   "runtime hook that overlaps them reaches (ExecutorOptions::overlap_forward_backward; the example "
                   "runs pairs in order). Default: the share --costs-json measured, else 0 (in order)")
       ->check(cli::number_in(0, 1));
+  sub->add_option_function<double>(
+         "--action-ms", [a](double ms) { a->action_ms = ms; },
+         "A fixed cost of every action (F, I, W, B), ms: the per-action term of each chunk's costs, paid once per "
+         "chunk action, so more chunks pay it more often (measured: `twobp_bench split` at two --layers). "
+         "Estimated costs: added to the FLOP time. --costs-json of one chunk shape: taken out of each measured "
+         "action before the FLOP shares. Refused where the files' chunk shapes fit the per-action term themselves. "
+         "Default: 0, or the fitted term")
+      ->check(cli::number_in(0, 1e9));
   sub->add_option("--link-gbps", a->link_gbps, "Link bandwidth per rank, Gb/s (messages and data-parallel rings)")
       ->capture_default_str()->check(cli::number_in(1e-3, 1e6));
   count_option(sub, "--link-latency-us", a->link_latency_us, "Per message / ring step latency, us", 0, 1e9);

@@ -22,14 +22,16 @@
 #include "bench_common.h"
 #include "commands.h"
 #include "twobp/metrics/metrics.h"
+#include "twobp/metrics/step_log.h"
 #include "twobp/error.h"
+#include "twobp/files.h"
 #include "twobp/plan/cost_source.h"
 #include "twobp/plan/measure.h"
 #include "twobp/plan/record.h"
-#include "twobp/plan/synthesize.h"
 #include "twobp/schedule/registry.h"
 #include "twobp/schedule/schedule.h"
 #include "twobp/schedule/simulate.h"
+#include "twobp/schedule/synthesize.h"
 #include "twobp/schedule/text.h"
 #include "twobp/schedule/validate.h"
 #include "twobp_cli.h"
@@ -61,7 +63,8 @@ struct SimulateArgs {
   std::string dp_overlap = "both";
   bool recompute = false;  // activation recomputation: every I and B first re-runs its stage's forward
   double overlap = -1;     // overlapped pairs run at once, this share hidden (CostModel::overlap); < 0: the costs'
-  // synth (twobp/plan/synthesize.h): its v's (empty: as every schedule), budget and search effort.
+  double action_ms = 0;    // a fixed cost of every compute action, on top of the chunk's share (CostModel::per_action)
+  // synth (twobp/schedule/synthesize.h): its v's (empty: as every schedule), budget and search effort.
   std::vector<int> synth_chunks;
   int synth_memory = 0;  // activations per rank in a whole rank's micro-batches (0: 1F1B's, min(p, m))
   double synth_work = 20e6;
@@ -71,7 +74,12 @@ struct SimulateArgs {
 // fit_weight_cost), or result --result of the --from-json run document (twobp/plan/cost_source.h).
 CostSource load_costs(const SimulateArgs& a) {
   if (!a.from_json.empty()) {
-    return CostSource(read_run_document_file(a.from_json), static_cast<std::size_t>(a.result), a.from_json, a.overlap);
+    try {
+      return CostSource(read_run_document_file(a.from_json), static_cast<std::size_t>(a.result), a.from_json,
+                        a.overlap);
+    } catch (const UsageError& e) {  // the message names the file and result; the option too
+      throw UsageError(fmt::format("--from-json: {}", e.what()));
+    }
   }
   // A B's weight part is a W of one micro-batch: B = I + W by default, --w-batched or not.
   RankCosts c{a.f, a.i, a.w, a.b >= 0 ? a.b : a.i + a.w, 0.0, a.comm};
@@ -85,18 +93,32 @@ CostSource load_costs(const SimulateArgs& a) {
     c.backward_weight = w.per_micro_batch;
     c.backward_weight_fixed = w.fixed;
   }
-  return CostSource(c, std::max(a.overlap, 0.0));
+  try {
+    return CostSource(c, std::max(a.overlap, 0.0));
+  } catch (const UsageError& e) {  // the library's rule (e.g. B below max(I, W)), told in the options' names
+    throw UsageError(fmt::format("--f --i --w --b --w-batched --comm: {}", e.what()));
+  }
 }
 
 // What load_costs' costs are, for the output: where they come from, and --w-batched's fit.
 std::string describe(const SimulateArgs& a, const CostSource& src) {
-  if (src.measured()) return src.description();
+  const std::string fixed = a.action_ms > 0 ? fmt::format(", + {:g} ms per action (--action-ms)", a.action_ms) : "";
+  if (src.measured()) return src.description() + fixed;
   std::string out = "command line, " + src.description() + (a.b < 0 ? " (B=I+W)" : "");
   if (!a.w_batched.empty()) {
     out += fmt::format(" (a W of 1 micro-batch {} ms, of {} {} ms: W0 + W per micro-batch)", a.w, a.w_batched[0],
                        a.w_batched[1]);
   }
-  return out;
+  return out + fixed;
+}
+
+// The costs of `sched`'s stages (CostSource::costs_for), each action also paying --action-ms
+// (CostModel::per_action): the one place this program builds a cost model, for every row, 1F1B standard's
+// reference and synth's search alike.
+CostModel costs_of(const SimulateArgs& a, const CostSource& src, const Schedule& sched, std::string* rule = nullptr) {
+  CostModel costs = src.costs_for(sched, a.recompute, rule);
+  costs.per_action = a.action_ms;
+  return costs;
 }
 
 // --dp's all-reduces added to `costs`: the model's parameters split evenly over the stages, on a ring of
@@ -143,7 +165,7 @@ Schedule synthesize_for(const SimulateArgs& a, const CostSource& src, const Sche
     shape.num_ranks = options.ranks;
     shape.num_stages = static_cast<int>(stage_to_rank.size());
     shape.stage_to_rank = stage_to_rank;
-    return src.costs_for(shape, a.recompute);
+    return costs_of(a, src, shape);
   };
   SynthesisOptions search;
   search.max_work = static_cast<std::int64_t>(a.synth_work);
@@ -153,7 +175,7 @@ Schedule synthesize_for(const SimulateArgs& a, const CostSource& src, const Sche
 // 1F1B standard's step time (v = 1) under the same costs: the reference of the "vs 1f1b std" column.
 double one_f_one_b_standard_ms(const SimulateArgs& a, const CostSource& src, bool overlap) {
   const Schedule sched = make_schedule("1f1b", ScheduleOptions{a.ranks, a.microbatches, 1, BackwardMode::kStandard});
-  CostModel costs = src.costs_for(sched, a.recompute);
+  CostModel costs = costs_of(a, src, sched);
   if (a.dp > 1) add_dp(a, sched, overlap, costs);
   return simulate(sched, costs).step_time;
 }
@@ -216,6 +238,7 @@ void simulate_one(const SimulateArgs& a, const CostSource& src, const SimulatePl
   row.generate_ms = ms_since(t0);
   if (!a.dump_schedules.empty()) {
     // The schedule as simulated, to read back with --schedule-file (here or in llama_pipeline) or in PyTorch.
+    make_directories(a.dump_schedules);
     const std::string base = fmt::format("{}/{}_{}_p{}_m{}_v{}", a.dump_schedules, name, to_string(mode),
                                          sched.num_ranks, sched.num_micro_batches, sched.num_stages / sched.num_ranks);
     save_schedule_file(base + ".txt", sched);
@@ -225,7 +248,7 @@ void simulate_one(const SimulateArgs& a, const CostSource& src, const SimulatePl
   row.stages = sched.num_stages;
   for (std::size_t k = 0; k < plan.overlaps.size(); ++k) {
     const bool overlap = plan.overlaps[k];
-    CostModel costs = src.costs_for(sched, a.recompute, &row.rule);
+    CostModel costs = costs_of(a, src, sched, &row.rule);
     if (a.dp > 1) row.dp_reduce_ms = add_dp(a, sched, overlap, costs);
     row.dp_overlap = overlap;
     t0 = std::chrono::steady_clock::now();
@@ -247,7 +270,19 @@ void simulate_all(const SimulateArgs& a, const CostSource& src, const SimulatePl
   if (a.schedule_file.empty()) {
     for (bool overlap : plan.overlaps) reference.push_back(one_f_one_b_standard_ms(a, src, overlap));
   }
-  for (const auto& name : plan.names) {
+  // A progress line on stderr at most every 2 s (64 ranks take tens of seconds; small runs print none).
+  const auto started = std::chrono::steady_clock::now();
+  auto last_line = started;
+  for (std::size_t k = 0; k < plan.names.size(); ++k) {
+    const std::string& name = plan.names[k];
+    const auto now = std::chrono::steady_clock::now();
+    if (now - last_line >= std::chrono::seconds(2)) {
+      std::cerr << "simulate: "
+                << metrics::format_progress("schedule", static_cast<int>(k) + 1, static_cast<int>(plan.names.size()),
+                                            std::chrono::duration<double>(now - started).count())
+                << " (" << name << ")\n";
+      last_line = now;
+    }
     const std::vector<int> counts = a.schedule_file.empty()
                                         ? chunk_counts(a, name)
                                         : std::vector<int>{plan.from_file.num_stages / plan.from_file.num_ranks};
@@ -295,7 +330,7 @@ Json simulate_json(const SimulateArgs& a, const CostSource& src, const std::vect
   Json out;
   out["config"] = {{"ranks", a.ranks},     {"microbatches", a.microbatches}, {"chunks_per_rank", a.chunks_per_rank},
                    {"costs", describe(a, src)}, {"communication_ms", src.rank_costs().communication},
-                   {"recompute", a.recompute}};
+                   {"recompute", a.recompute}, {"action_ms", a.action_ms}};
   const RankCosts& c = src.rank_costs();
   if (src.overlap() > 0) out["config"]["overlap"] = src.overlap();
   if (!src.measured()) {
@@ -428,6 +463,10 @@ void run_simulate(const SimulateArgs& a) {
   for (const auto& r : rejected) std::cout << fmt::format("rejected: {} (v={}): {}\n", r.schedule, r.v, r.reason);
   std::cout << fmt::format("generated, validated and simulated {} configurations in {:.0f} ms\n", rows.size(),
                            total_ms);
+  if (!a.dump_schedules.empty()) {
+    std::cout << fmt::format("wrote {} schedules to {}/ (text form .txt and PyTorch's .csv)\n",
+                             rows.size() / std::max<std::size_t>(1, plan.overlaps.size()), a.dump_schedules);
+  }
   if (!a.json.empty()) {
     cli::write_json(a.json, out);
     std::cout << "wrote " << a.json << "\n";
@@ -460,6 +499,11 @@ void add_simulate_command(CLI::App& app) {
                   "(CostModel::overlap; 0: in order, as without an overlap hook). Default: 0, or what the "
                   "--from-json run's pairs hid")
       ->check(cli::number_in(0, 1));
+  count_option(sub, "--action-ms", a->action_ms,
+               "A fixed cost of every compute action (F, I, W, B), ms, added on top of each chunk's share of the "
+               "costs: a chunk of v costs F / v + this (CostModel::per_action; a W of several micro-batches pays it "
+               "once). Measured: `twobp_bench split` at two --layers, or a fitted partition's per-action term",
+               0, 1e9);
   count_option(sub, "--result", a->result, "Which result of --from-json (index into \"results\")", 0)->needs(from);
   count_option(sub, "--ranks", a->ranks, "p: ranks", 1, 64);
   count_option(sub, "--microbatches,--micro-batches", a->microbatches, "m: micro-batches per step", 1, 256);

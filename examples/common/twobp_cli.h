@@ -7,7 +7,9 @@
 #include <CLI/CLI.hpp>
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <climits>
@@ -47,6 +49,12 @@ inline CLI::Validator number_in(double lo, double hi, const std::string& meaning
       fmt::format("in [{:g}, {:g}]", lo, hi));
 }
 
+/// Whether anything (file, directory, link target) is at `path`.
+inline bool file_exists(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0;
+}
+
 /// What kind of thing `path` is, where that stops a program: "a FIFO" (opening it blocks until another process
 /// opens the other end), "a directory", "a socket"; empty for a regular file, a device (/dev/null) or nothing.
 inline std::string blocking_kind(const std::string& path) {
@@ -74,37 +82,61 @@ inline CLI::Validator regular_file() {
 }
 
 /// An output file this process can write (created and removed again when it did not exist): checked at parse
-/// time, so that a bad path fails at once instead of after the run. A FIFO, directory or socket is refused
-/// (opening a FIFO would block the program until something reads it).
+/// time, so that a bad path fails at once instead of after the run. A directory or socket is refused; a device
+/// node or a FIFO is taken if writable (twobp::write_file writes it in place at the end, waiting up to 30 s for a
+/// FIFO's reader, and rewrites nothing into it as the run goes).
 inline CLI::Validator writable_file() {
   return CLI::Validator(
       [](std::string& path) -> std::string {
-        if (path.empty()) return std::string();
-        if (const std::string kind = blocking_kind(path); !kind.empty()) {
+        if (path.empty()) return "an empty path: give a file name, or leave the option out";
+        std::string target;  // where the write lands: a symbolic link is followed (and kept) by write_file
+        try {
+          target = final_target(path);
+        } catch (const IOError& e) {
+          return e.what();
+        }
+        const std::string kind = blocking_kind(target);
+        if (kind == "a FIFO") {
+          return ::access(target.c_str(), W_OK) == 0 ? std::string()
+                                                   : fmt::format("cannot write the FIFO '{}' (no permission)", path);
+        }
+        if (!kind.empty()) {
           return fmt::format("'{}' is {}, not a file the program can write: give a regular file", path, kind);
         }
         struct stat st;
-        const bool existed = ::stat(path.c_str(), &st) == 0;
-        const bool ok = std::ofstream(path, std::ios::app).good();
-        if (ok && !existed) std::remove(path.c_str());
-        return ok ? std::string() : fmt::format("cannot write '{}' (no such directory, or no permission)", path);
+        const bool existed = ::stat(target.c_str(), &st) == 0;
+        const bool ok = std::ofstream(target, std::ios::app).good();
+        if (ok && !existed) std::remove(target.c_str());  // the probe's file, never the link
+        return ok ? std::string()
+                  : fmt::format("cannot write '{}'{} (no such directory, or no permission)", path,
+                                target == path ? "" : fmt::format(" (a link to '{}')", target));
       },
       "writable file");
 }
 
-/// An output directory that exists or can be created, and can be written into.
+/// An output directory that exists or can be created, and can be written into: checked by creating it (and a
+/// file in it) and removing again what the check created, so that a command refused later leaves nothing behind;
+/// the program creates it when it first writes there (twobp::make_directories).
 inline CLI::Validator writable_directory() {
   return CLI::Validator(
       [](std::string& path) -> std::string {
-        if (path.empty()) return std::string();
+        if (path.empty()) return "an empty path: give a directory, or leave the option out";
+        std::vector<std::string> created;  // the directories the check makes, deepest last
+        for (std::string missing = path; !missing.empty() && !file_exists(missing);) {
+          created.push_back(missing);
+          const auto slash = missing.find_last_of('/');
+          missing = slash == std::string::npos || slash == 0 ? "" : missing.substr(0, slash);
+        }
+        bool ok = true;
         try {
           make_directories(path);
         } catch (const IOError&) {
-          return fmt::format("cannot create or write into the directory '{}'", path);
+          ok = false;
         }
         const std::string probe = path + "/.twobp_write_probe";
-        const bool ok = std::ofstream(probe).good();
+        ok = ok && std::ofstream(probe).good();
         std::remove(probe.c_str());
+        for (const std::string& dir : created) ::rmdir(dir.c_str());  // deepest first
         return ok ? std::string() : fmt::format("cannot create or write into the directory '{}'", path);
       },
       "writable directory");
@@ -184,38 +216,69 @@ inline void add_version_flag(CLI::App& app, const std::string& program) {
   app.set_version_flag("--version", twobp::version_line(program), "Print twobp's version, commit and LibTorch's");
 }
 
+/// The name in `names` closest to `given` within two edits, or "" when none is. An edit is an insertion, a
+/// deletion, a substitution or a swap of two neighbours ("stpes" is one edit from "steps"); ties go to the first.
+inline std::string closest_name(const std::string& given, const std::vector<std::string>& names) {
+  std::string best;
+  std::size_t best_distance = 3;  // at most two edits
+  for (const std::string& name : names) {
+    // The distance table (optimal string alignment), rows of `given` against columns of `name`.
+    std::vector<std::vector<std::size_t>> d(given.size() + 1, std::vector<std::size_t>(name.size() + 1));
+    for (std::size_t i = 0; i <= given.size(); ++i) d[i][0] = i;
+    for (std::size_t j = 0; j <= name.size(); ++j) d[0][j] = j;
+    for (std::size_t i = 1; i <= given.size(); ++i) {
+      for (std::size_t j = 1; j <= name.size(); ++j) {
+        d[i][j] = std::min({d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (given[i - 1] == name[j - 1] ? 0 : 1)});
+        if (i > 1 && j > 1 && given[i - 1] == name[j - 2] && given[i - 2] == name[j - 1]) {
+          d[i][j] = std::min(d[i][j], d[i - 2][j - 2] + 1);
+        }
+      }
+    }
+    if (d[given.size()][name.size()] < best_distance) {
+      best_distance = d[given.size()][name.size()];
+      best = name;
+    }
+  }
+  return best;
+}
+
 /// For a first argument that is no subcommand of `app` (which has subcommands) and no option: the closest
 /// subcommand name within two edits ("did you mean 'split'?"), or the list of them. Empty where not applicable.
 inline std::string subcommand_suggestion(const CLI::App& app, int argc, char** argv) {
   if (argc < 2 || argv[1][0] == '-') return "";
   const std::string given = argv[1];
-  std::string best;
-  std::size_t best_distance = 3;  // at most two edits
-  std::string names;
+  std::vector<std::string> names;
   for (const CLI::App* sub : app.get_subcommands({})) {
-    const std::string& name = sub->get_name();
-    if (name == given) return "";
-    names += (names.empty() ? "" : ", ") + name;
-    // Levenshtein distance, one row at a time.
-    std::vector<std::size_t> row(name.size() + 1);
-    for (std::size_t j = 0; j <= name.size(); ++j) row[j] = j;
-    for (std::size_t i = 1; i <= given.size(); ++i) {
-      std::size_t diagonal = row[0];
-      row[0] = i;
-      for (std::size_t j = 1; j <= name.size(); ++j) {
-        const std::size_t substitute = diagonal + (given[i - 1] == name[j - 1] ? 0 : 1);
-        diagonal = row[j];
-        row[j] = std::min({row[j] + 1, row[j - 1] + 1, substitute});
-      }
-    }
-    if (row[name.size()] < best_distance) {
-      best_distance = row[name.size()];
-      best = name;
-    }
+    if (sub->get_name() == given) return "";
+    names.push_back(sub->get_name());
   }
   if (names.empty()) return "";
-  return best.empty() ? fmt::format("unknown command '{}'; the commands are {}", given, names)
+  const std::string best = closest_name(given, names);
+  return best.empty() ? fmt::format("unknown command '{}'; the commands are {}", given, fmt::join(names, ", "))
                       : fmt::format("unknown command '{}'; did you mean '{}'?", given, best);
+}
+
+/// For each "--name" (or "--name=value") in argv that is no option of `app` or of the subcommand it chose: the
+/// closest option within two edits ("unknown option '--stpes'; did you mean '--steps'?"). Empty when none.
+inline std::string option_suggestion(const CLI::App& app, int argc, char** argv) {
+  std::vector<std::string> names;
+  auto add_options = [&names](const CLI::App& a) {
+    for (const CLI::Option* option : a.get_options()) {
+      for (const std::string& name : option->get_lnames()) names.push_back("--" + name);
+    }
+  };
+  add_options(app);
+  for (const CLI::App* sub : app.get_subcommands()) add_options(*sub);
+  std::vector<std::string> lines;
+  for (int k = 1; k < argc; ++k) {
+    const std::string arg = argv[k];
+    if (arg.rfind("--", 0) != 0 || arg.size() == 2) continue;
+    const std::string given = arg.substr(0, arg.find('='));
+    if (std::find(names.begin(), names.end(), given) != names.end()) continue;
+    const std::string best = closest_name(given, names);
+    if (!best.empty()) lines.push_back(fmt::format("unknown option '{}'; did you mean '{}'?", given, best));
+  }
+  return fmt::format("{}", fmt::join(lines, "\n"));
 }
 
 /// Parses the command line (and, for a program with subcommands, runs the chosen one's callback); on a bad one
@@ -231,10 +294,12 @@ inline std::optional<int> parse(CLI::App& app, int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     const int status = app.exit(e);
     if (status == 0) return 0;
-    const std::string suggestion = subcommand_suggestion(app, argc, argv);
-    if (!suggestion.empty()) {
-      const std::string program = argv[0];
-      fmt::print(stderr, "{}: {}\n", program.substr(program.find_last_of('/') + 1), suggestion);
+    const std::string program = std::string(argv[0]).substr(std::string(argv[0]).find_last_of('/') + 1);
+    const std::string command = subcommand_suggestion(app, argc, argv);
+    if (!command.empty()) fmt::print(stderr, "{}: {}\n", program, command);
+    if (dynamic_cast<const CLI::ExtrasError*>(&e) != nullptr) {
+      const std::string option = option_suggestion(app, argc, argv);
+      if (!option.empty()) fmt::print(stderr, "{}: {}\n", program, option);
     }
     return 2;
   }

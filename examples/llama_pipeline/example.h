@@ -14,6 +14,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -33,10 +34,10 @@
 #include "twobp/trace/trace.h"
 #include "twobp/transport/transport.h"
 
-// The example's one-line check helper.
-#define TWOBP_CHECK(cond, type, ...)                        \
-  do {                                                      \
-    if (!(cond)) throw type(fmt::format(__VA_ARGS__));      \
+// The example's one-line check (the library's TWOBP_CHECK is private to src/: a program keeps its own name).
+#define EXAMPLE_CHECK(cond, type, ...)                 \
+  do {                                                 \
+    if (!(cond)) throw type(fmt::format(__VA_ARGS__)); \
   } while (false)
 
 namespace llama_example {
@@ -77,6 +78,7 @@ struct Args {
   double weight_decay = 0.1;
   double clip = 1.0;
   std::string device = "cpu";
+  bool nccl_stream_waits = false;  // NcclOptions::stream_waits (processes on GPUs only)
   std::string dtype = "fp32";
   std::string data;
   std::string checkpoint_dir;
@@ -181,6 +183,10 @@ struct Shared {
   std::vector<twobp::ScheduleCandidate> auto_ranking;  // the candidates, fastest predicted first
   // SIGINT/SIGTERM: agreed by every rank after each step, which then ends the run as its last (train_rank).
   twobp::InterruptGuard* interrupts = nullptr;
+  // Called by world rank 0 before each step (steps done, steps of the run), outside `mutex`: writes --json so far
+  // (a launcher that kills the ranks after its signal loses at most the last second of steps) and updates the
+  // interrupt's announcement.
+  std::function<void(int done, int end)> progress;
 };
 
 /// Trains this rank of `world` (every replica's ranks) from the checkpoint or step 0 to --stop-after / --steps.

@@ -28,7 +28,7 @@ struct Corpus {
   std::vector<uint16_t> tokens, held_out;
 };
 Corpus load_corpus(const Args& args, const Plan& plan) {
-  TWOBP_CHECK(!args.data.empty() || plan.config.vocab_size >= twobp::data::ByteTokenizer::kVocabSize,
+  EXAMPLE_CHECK(!args.data.empty() || plan.config.vocab_size >= twobp::data::ByteTokenizer::kVocabSize,
               twobp::UsageError, "--vocab {}: the built-in corpus is byte-level and needs a vocabulary of at least {} "
               "tokens; give --vocab {} or more, or --data with a token file", plan.config.vocab_size,
               twobp::data::ByteTokenizer::kVocabSize, twobp::data::ByteTokenizer::kVocabSize);
@@ -87,7 +87,10 @@ nlohmann::json run_json(const Plan& plan, const Shared& shared, std::size_t held
     j["auto_schedule"] = {{"start", plan.schedule.name},
                           {"decisions", decisions},
                           {"ranking", ranking},
-                          {"final", final_json(shared.final_placement)}};
+                          // the schedule it ended with: known at the end (a --json written as the run goes has none)
+                          {"final", shared.final_placement.schedule.num_ranks > 0
+                                        ? final_json(shared.final_placement)
+                                        : nlohmann::json()}};
   }
   if (args.eval_every > 0) {
     j["eval"] = {{"every", args.eval_every}, {"batches", args.eval_batches}, {"fraction", args.eval_fraction},
@@ -97,13 +100,42 @@ nlohmann::json run_json(const Plan& plan, const Shared& shared, std::size_t held
   return j;
 }
 
+/// Shared::progress for world rank 0: before each step, the interrupt's announcement ("finishing step N of M, then
+/// writing ...") and --json of the steps done ("complete": false), rewritten at most once a second (a device node
+/// or FIFO gets only the final document, twobp::rewritable).
+std::function<void(int, int)> progress_writer(const Plan& plan, Shared& shared, std::size_t held_out_tokens,
+                                              twobp::InterruptGuard& interrupts) {
+  const Args& args = plan.args;
+  std::vector<std::string> outputs;
+  for (const std::string* file : {&args.json, &args.trace, &args.costs_json, &args.checkpoint_dir}) {
+    if (!file->empty()) outputs.push_back(*file);
+  }
+  const std::string then = outputs.empty() ? "then stopping" : fmt::format("then writing {}", fmt::join(outputs, ", "));
+  const bool rewrite = !args.json.empty() && twobp::rewritable(args.json);
+  auto last_write = std::make_shared<std::chrono::steady_clock::time_point>();
+  return [&plan, &shared, held_out_tokens, &interrupts, then, rewrite, last_write](int done, int end) {
+    interrupts.set_announcement(fmt::format("finishing step {} of {}, {}", done + 1, end, then));
+    const auto now = std::chrono::steady_clock::now();
+    if (!rewrite || now - *last_write < std::chrono::seconds(1)) return;
+    nlohmann::json j;
+    {
+      std::lock_guard<std::mutex> lock(shared.mutex);
+      j = run_json(plan, shared, held_out_tokens);
+    }
+    j["complete"] = false;
+    twobp::cli::write_json(plan.args.json, j);
+    *last_write = now;
+  };
+}
+
 int run(Args args, int& argc, char**& argv) {
   validate_args(args);
   // Before any model exists: CPU tensor memory is counted per rank from here on (twobp/metrics/memory.h).
   twobp::memory::count_cpu_allocations();
   // Launch: MPI when an MPI launcher started us and MPI is built in; else the launcher's environment (torchrun,
   // srun, mpirun) with a TCPStore rendezvous; else ranks as threads (twobp/runtime/job.h).
-  const twobp::Job job(&argc, &argv, args.dp * args.stages, args.device == "cuda");
+  twobp::Job job(&argc, &argv, args.dp * args.stages, args.device == "cuda");
+  job.set_nccl_stream_waits(args.nccl_stream_waits);
   const int world = job.world_size(), my_rank = job.rank();
   if (!job.processes()) twobp::cli::check_rank_threads(args.dp, args.stages);
   if (my_rank == 0) {
@@ -128,7 +160,7 @@ int run(Args args, int& argc, char**& argv) {
     const auto manifest = ck::read_manifest(args.checkpoint_dir);
     ck::check_config(args.checkpoint_dir, manifest, plan.checkpoint_config);  // any layout: loaded by name
   }
-  TWOBP_CHECK(args.device != "cuda" || torch::cuda::is_available(), twobp::UsageError,
+  EXAMPLE_CHECK(args.device != "cuda" || torch::cuda::is_available(), twobp::UsageError,
               "--device cuda, but no CUDA device is available");
   if (my_rank == 0) {
     fmt::print("llama_pipeline: model {} ({} parameters), {} ranks ({}) = {} replica(s) x {} pipeline ranks, {} "
@@ -150,8 +182,9 @@ int run(Args args, int& argc, char**& argv) {
   // through the TCPStore that rank 0 serves (slow; meant for trying the launch, not for speed). Threads: Local.
   job.share_cores();
   // From here Ctrl-C and `kill` end the run after the step in progress, with its outputs (see the end of run()).
-  twobp::InterruptGuard interrupts;
+  twobp::InterruptGuard interrupts(/*announce=*/my_rank == 0);
   shared.interrupts = &interrupts;
+  shared.progress = progress_writer(plan, shared, corpus.held_out.size(), interrupts);
   const auto run_start = std::chrono::steady_clock::now();
   twobp::run_ranks(job.run_options(), [&](twobp::Transport& transport) {
     train_rank(plan, transport, job.device_of(transport), corpus.tokens, corpus.held_out, shared);
@@ -172,7 +205,9 @@ int run(Args args, int& argc, char**& argv) {
     written.push_back(args.trace);
   }
   if (!args.json.empty()) {
-    twobp::cli::write_json(args.json, run_json(plan, shared, corpus.held_out.size()));
+    nlohmann::json j = run_json(plan, shared, corpus.held_out.size());
+    j["complete"] = true;
+    twobp::cli::write_json(args.json, j);
     written.push_back(args.json);
   }
   print_summary(shared.records, shared.attribution, wall_s, written);

@@ -154,8 +154,18 @@ void add_training_options(CLI::App& app, Args& a) {
                  "A NaN or Inf loss or gradient: stop (error naming the step and stages) or skip that update")
       ->check(CLI::IsMember({"stop", "skip"}))->group(training);
   app.add_option("--zero", a.zero, "1: shard the AdamW state over the --dp replicas (ZeRO-1); 0: do not")
-      ->check(CLI::IsMember({0, 1}))->group(training);
+      ->check(CLI::Validator(
+          [](std::string& text) -> std::string {
+            return text == "0" || text == "1" ? std::string()
+                                              : "must be 0 (no sharding) or 1 (ZeRO-1), got '" + text + "'";
+          },
+          "{0,1}"))
+      ->group(training);
   app.add_option("--device", a.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}))->group(training);
+  app.add_flag("--nccl-stream-waits", a.nccl_stream_waits,
+               "over NCCL (--device cuda, one rank per process): wait for receives on the compute stream, with a "
+               "watchdog thread for their timeouts, instead of on the host (not run on a GPU yet; docs/GPU.md)")
+      ->group(training);
   app.add_option("--dtype", a.dtype,
                  "fp32; bf16: mixed precision (bfloat16 compute, float32 master weights, gradients and AdamW state); "
                  "bf16-pure: everything in bfloat16")
@@ -258,6 +268,9 @@ std::vector<std::string> ignored_options(const CLI::App& app, const Args& a) {
   if (given("--zero") && a.zero == 1 && a.dp == 1) ignored.emplace_back("--zero 1 (nothing to shard with --dp 1)");
   if (given("--recompute-ranks") && !a.recompute) ignored.emplace_back("--recompute-ranks (only with --recompute)");
   if (given("--recompute-on") && !a.recompute) ignored.emplace_back("--recompute-on (only with --recompute)");
+  if (given("--nccl-stream-waits") && a.device != "cuda") {
+    ignored.emplace_back("--nccl-stream-waits (only over NCCL: --device cuda, one rank per process)");
+  }
   return ignored;
 }
 
@@ -274,7 +287,7 @@ void check_resume(const Args& a) {
   }
   const int end = a.stop_after > 0 ? std::min(a.stop_after, a.steps) : a.steps;
   const std::string stop = a.stop_after > 0 ? fmt::format(", --stop-after {}", a.stop_after) : "";
-  TWOBP_CHECK(step < end, twobp::UsageError,
+  EXAMPLE_CHECK(step < end, twobp::UsageError,
               "--resume: the checkpoint in {} is of step {}, and this run ends at step {} (--steps {}{}): nothing is "
               "left to train; give --steps (and --stop-after) beyond {}",
               a.checkpoint_dir, step, end, a.steps, stop, step);
@@ -283,7 +296,7 @@ void check_resume(const Args& a) {
 }  // namespace
 
 void validate_args(const Args& a) {
-  TWOBP_CHECK(!a.resume || !a.checkpoint_dir.empty(), twobp::UsageError, "--resume needs --checkpoint-dir");
+  EXAMPLE_CHECK(!a.resume || !a.checkpoint_dir.empty(), twobp::UsageError, "--resume needs --checkpoint-dir");
   twobp::cli::refuse_shared_paths({{"--json", a.json},
                                    {"--costs-json", a.costs_json},
                                    {"--trace", a.trace},
@@ -291,18 +304,18 @@ void validate_args(const Args& a) {
                                    {"--checkpoint-dir", a.checkpoint_dir}},
                                   {{"--schedule-file", a.schedule_file}, {"--data", a.data}});
   check_resume(a);
-  TWOBP_CHECK(!a.auto_schedule() || (a.memory_limit_gb == 0 && a.max_pending_w == 0), twobp::UsageError,
+  EXAMPLE_CHECK(!a.auto_schedule() || (a.memory_limit_gb == 0 && a.max_pending_w == 0), twobp::UsageError,
               "--schedule auto cannot keep --memory-limit-gb or --max-pending-w (the simulator does not model the "
               "W's such a bound moves); bound the candidates' memory with --auto-memory-limit-gb, or choose the "
               "schedule yourself (twobp_bench plan predicts time and memory)");
-  TWOBP_CHECK(!a.auto_schedule() || !(a.auto_recompute && a.recompute), twobp::UsageError,
+  EXAMPLE_CHECK(!a.auto_schedule() || !(a.auto_recompute && a.recompute), twobp::UsageError,
               "--auto-recompute with --recompute: the stages recompute already; give one of them");
-  TWOBP_CHECK(!a.auto_schedule() || a.steps >= a.auto_steps_needed(), twobp::UsageError,
+  EXAMPLE_CHECK(!a.auto_schedule() || a.steps >= a.auto_steps_needed(), twobp::UsageError,
               "--schedule auto measures --auto-steps {} steps of the starting schedule in each mode{} before choosing "
               "and as many for each of up to --auto-candidates {}{}; give --steps >= {}",
               a.auto_steps, a.auto_recompute ? ", with and without recomputation," : "", a.auto_candidates,
               a.auto_placements ? " of its placement and as many of other placements" : "", a.auto_steps_needed());
-  TWOBP_CHECK(!a.auto_schedule() || !a.auto_placements || !a.checkpoint_dir.empty(), twobp::UsageError,
+  EXAMPLE_CHECK(!a.auto_schedule() || !a.auto_placements || !a.checkpoint_dir.empty(), twobp::UsageError,
               "--auto-placements moves the weights and optimizer state between placements through a checkpoint in "
               "--checkpoint-dir/placement, a directory every rank can read: give --checkpoint-dir");
 }

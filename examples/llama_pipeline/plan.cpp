@@ -84,6 +84,7 @@ nlohmann::json config_json(const Plan& p) {
           {"lr", a.lr},
           {"dtype", a.dtype},
           {"device", a.device},
+          {"nccl_stream_waits", a.nccl_stream_waits},
           {"seed", a.seed},
           {"parameters", llm::parameter_count(p.config)}};
 }
@@ -119,7 +120,7 @@ void check_fits_in_host_memory(const Plan& p, bool ranks_are_threads, int my_pip
     need += (ranks[r].total - (bounded_w ? ranks[r].pending_weights : 0.0)) * (ranks_are_threads ? p.dp : 1);
   }
   const double gib = 1024.0 * 1024.0 * 1024.0;
-  TWOBP_CHECK(need <= 1.25 * host, twobp::UsageError,
+  EXAMPLE_CHECK(need <= 1.25 * host, twobp::UsageError,
               "model {} ({} parameters), {} micro-batches of {} x {} tokens: an estimated {:.1f} GiB in this "
               "process{} (weights, gradients, AdamW state, activations{}: twobp::models::estimate_memory), far more "
               "than this machine's {:.1f} GiB; use a smaller --model/--dim/--layers, --micro-batch-size, --seq-len "

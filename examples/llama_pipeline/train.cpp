@@ -46,7 +46,7 @@ RankModel build_rank_model(const Plan& p, twobp::ParallelGroups& groups, c10::De
   // Tensor memory of the device the chunks compute on, recorded every step (and bounded with --memory-limit-gb).
   // Not where rank threads share a GPU: its allocator statistics are the whole process's (the Pipeline refuses).
   const bool shared_device = !device.is_cpu() && transport.ranks_sharing_device() > 1;
-  TWOBP_CHECK(!shared_device || a.memory_limit_gb <= 0, twobp::UsageError,
+  EXAMPLE_CHECK(!shared_device || a.memory_limit_gb <= 0, twobp::UsageError,
               "--memory-limit-gb: {} rank threads share {}, whose memory statistics are the whole process's; run one "
               "rank per GPU (fewer --ranks, or a launcher)",
               transport.ranks_sharing_device(), device.str());
@@ -68,14 +68,23 @@ struct RankData {
     return llm::llama_rank_batch(b.inputs, b.targets, share, replica_batch, len, owns_first, owns_last, a.pack,
                                  a.doc_separator);
   }
-  /// Mean loss over --eval-batches held-out global batches (Pipeline::evaluate: forward only, eval mode).
-  double evaluate(const Args& a, twobp::Pipeline& pipeline, int64_t seq) const {
+  /// Mean loss over --eval-batches held-out global batches (Pipeline::evaluate: forward only, eval mode). A signal
+  /// stops it between batches (agreed over `world`, every rank after the same batch): the mean of those done.
+  double evaluate(const Args& a, twobp::Pipeline& pipeline, int64_t seq, twobp::Transport& world,
+                  twobp::InterruptGuard* interrupts, twobp::Duration timeout) const {
     double sum = 0.0;
-    for (int k = 0; k < a.eval_batches; ++k) {
+    int k = 0;
+    while (k < a.eval_batches) {
       const llm::LlamaRankBatch b = batch(a, held_out->batch(k), seq);
       sum += pipeline.evaluate(b.inputs, b.targets);
+      ++k;
+      if (k < a.eval_batches && interrupts != nullptr && interrupts->agreed(world, timeout)) {
+        if (world.rank() == 0) fmt::print("evaluation stopped by the interrupt after {} of {} batches\n", k,
+                                          a.eval_batches);
+        break;
+      }
     }
-    return sum / a.eval_batches;
+    return sum / k;
   }
 };
 
@@ -228,7 +237,7 @@ void make_tuner(std::optional<twobp::LlamaAutoTuner>& tuner, RankState& state, t
   so.measure_candidates = a.auto_candidates;
   so.measure_within = a.auto_within;
   // Needs the per-action memory readings, which rank threads sharing a GPU do not take (build_rank_model).
-  TWOBP_CHECK(a.auto_memory_limit_gb <= 0 || state.pipeline().options().executor.record_memory, twobp::UsageError,
+  EXAMPLE_CHECK(a.auto_memory_limit_gb <= 0 || state.pipeline().options().executor.record_memory, twobp::UsageError,
               "--auto-memory-limit-gb: rank {}'s memory is not measured per action (rank threads sharing {}, whose "
               "memory statistics are the whole process's); run one rank per GPU",
               groups.pipeline().rank(), device.str());
@@ -255,7 +264,7 @@ struct CostsWindow {
 
   CostsWindow(const Plan& p, int start, int end) : from(start + 1) {
     if (p.args.costs_json.empty()) return;
-    TWOBP_CHECK(end - start >= 2, twobp::UsageError,
+    EXAMPLE_CHECK(end - start >= 2, twobp::UsageError,
                 "--costs-json measures the steps after this run's first (warm-up); this run has {} step(s): give "
                 "--steps (and --stop-after) for at least 2",
                 end - start);
@@ -296,7 +305,7 @@ void finish_rank(RankState& state, twobp::ParallelGroups& groups, twobp::Transpo
   const bool interrupted_early = costs.recorder && costs.recorder->steps() == 0 && shared.interrupts != nullptr &&
                                  shared.interrupts->received() != 0;
   if (costs.recorder && !interrupted_early) {
-    TWOBP_CHECK(costs.recorder->steps() > 0, twobp::UsageError,
+    EXAMPLE_CHECK(costs.recorder->steps() > 0, twobp::UsageError,
                 "--costs-json: no full-length step after the first was measured (--seq-len-warmup {} covers the "
                 "run's steps); run more steps",
                 state.plan.args.seq_len_warmup);
@@ -367,6 +376,7 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
   std::vector<twobp::StepAttribution> attributions;
   const auto t0 = std::chrono::steady_clock::now();
   for (int step = start; step < end; ++step) {
+    if (reports && shared.progress) shared.progress(step, end);  // --json of the steps done; what a signal finishes
     twobp::Pipeline& pipeline = state.pipeline();  // this step's (a move between steps builds another)
     const auto ts = std::chrono::steady_clock::now();
     const std::optional<double> e0 = rank_energy.share();
@@ -404,7 +414,7 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
     const bool last = step + 1 == end || interrupted;
     // Held-out loss of the updated weights.
     if (state.data.held_out && ((step + 1) % a.eval_every == 0 || last)) {
-      record.eval_loss = state.data.evaluate(a, state.pipeline(), p.seq_len);
+      record.eval_loss = state.data.evaluate(a, state.pipeline(), p.seq_len, world, shared.interrupts, timeout);
     }
     const std::optional<double> e1 = rank_energy.share();
     const auto now = std::chrono::steady_clock::now();

@@ -5,8 +5,9 @@
 //   torchrun --nproc-per-node 2 --no-python minimal   # one rank per process (TCPStore transport)
 //
 // run_ranks decides which: threads when no launcher started the process, the launcher's ranks otherwise.
+// It needs only the core: twobp/core.h, linked against twobp::core (docs/ARCHITECTURE.md).
 #include <torch/torch.h>
-#include <twobp/twobp.h>
+#include <twobp/core.h>
 
 #include <cstdio>
 #include <vector>

@@ -45,19 +45,10 @@
 #include <utility>
 #include <vector>
 
+#include "twobp/runtime/training_state.h"  // NamedTensors, module_tensors, restore, ...
 #include "twobp/transport/transport.h"
 
-namespace torch::nn {
-class Module;
-}
-namespace torch::optim {
-class AdamW;
-}
-
 namespace twobp::checkpoint {
-
-/// Tensors by unique name, in a stable order.
-using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
 /// What a checkpoint was written for (e.g. model, stages, world_size, schedule, partition). Loading compares every
 /// key of the expected configuration with the manifest's and raises UsageError naming the first mismatch.
@@ -172,29 +163,7 @@ LoadedCheckpoint load_checkpoint_by_name(const std::string& dir, const Checkpoin
                                          const std::function<bool(const std::string&)>& wanted,
                                          const std::string& who);
 
-/// The predicate of the tensors restore() takes for `params`: their names and their optimizer state's
-/// ("optim.<name>.<field>", adamw_state_tensors). For load_checkpoint_by_name.
-std::function<bool(const std::string&)> state_of(const NamedTensors& params);
-
-// ---- Module and optimizer state ----
-
-/// Parameters and buffers of `module`, named "<prefix><name>". Tied parameters (the same tensor under two names)
-/// appear once, under the first name.
-NamedTensors module_tensors(const torch::nn::Module& module, const std::string& prefix = {});
-
-/// The prefix of optimizer state names, and the name of one field of a parameter's state: "optim.<name>.<field>"
-/// (the one rule every reader and writer of optimizer state uses).
-inline constexpr const char* kOptimizerPrefix = "optim.";
-std::string optimizer_state_name(const std::string& parameter, const std::string& field);
-
-/// AdamW state of `params` (name -> parameter), as "optim.<name>.exp_avg", ".exp_avg_sq", ".step" (int64 scalar)
-/// and ".max_exp_avg_sq" when amsgrad. Parameters the optimizer has not stepped yet have no entries.
-NamedTensors adamw_state_tensors(const torch::optim::AdamW& optimizer, const NamedTensors& params);
-
-/// Copies every tensor of `params` from `loaded` (same name, shape and dtype; converted to the parameter's device)
-/// and restores AdamW state for them from the "optim.*" entries. Throws UsageError naming the first parameter that
-/// is missing or has another shape (the checkpoint belongs to another model or partition), and for unknown names
-/// left over in `loaded`.
-void restore(const NamedTensors& loaded, const NamedTensors& params, torch::optim::AdamW* optimizer);
+// The module and optimizer state under the names a checkpoint stores (module_tensors, adamw_state_tensors,
+// restore, state_of, optimizer_state_name): twobp/runtime/training_state.h, included above.
 
 }  // namespace twobp::checkpoint

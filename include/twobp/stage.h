@@ -214,6 +214,9 @@ class Stage {
   void reset();
 
   const StageOptions& options() const { return options_; }
+  /// Sets StageOptions::loss_scale for the following micro-batches (the Pipeline does so before each step under
+  /// LossReduction::kMeanOverItems: 1 / the global batch's items). Only between steps, like set_recompute.
+  void set_loss_scale(double scale);
   /// Turns activation recomputation (StageOptions::recompute) on or off for the following micro-batches. Only
   /// between steps: throws UsageError, naming the stage, while it holds a micro-batch. Gradients are unchanged.
   void set_recompute(bool on);

@@ -201,7 +201,7 @@ class Build:
                          timeout, min_s=min_s, log="build.log", needs=needs)[0]
 
     def library_piece(self):
-        libs = ["twobp"] + (["twobp_nccl"] if self.targets and "twobp_nccl" in self.targets else [])
+        libs = ["twobp_core", "twobp_kit"] + (["twobp_nccl"] if self.targets and "twobp_nccl" in self.targets else [])
         self.build_piece("build:library", libs, 360, min_s=30)
 
     # ---- the binaries ----

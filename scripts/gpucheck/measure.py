@@ -44,7 +44,7 @@ def example_command(exe, e, mode):
            "--schedule", e["schedule"], "--microbatches", e["microbatches"], "--seq-len", e["seq_len"],
            "--steps", e["steps"], "--2bp" if mode == "2bp" else "--no-2bp"]
     for key, option in (("micro_batch_size", "--micro-batch-size"), ("chunks_per_rank", "--chunks-per-rank"),
-                        ("layers", "--layers")):
+                        ("layers", "--layers"), ("partition", "--partition")):
         if key in e:
             cmd += [option, e[key]]
     return cmd

@@ -10,14 +10,17 @@ from .measure import COMMUNICATION_MS, example_command
 from .util import load_json
 
 # 1f1b places one chunk per rank; with four chunks on one rank the same order is interleaved-1f1b with p = 1.
+# Unequal chunks (9,8,7,8 of the 32 blocks; the embedding on the first, the head on the last) make the planner's
+# per-chunk fit X = a + b * blocks + e * [embedding] + h * [head] exactly determined: with 8,8,8,8 every chunk has
+# the same blocks and the fit cannot tell the per-action term a from the per-block one (it falls back to FLOP shares).
 PARTITION_GPU = dict(device="cuda", model="7b", dtype="bf16-pure", ranks=1, chunks_per_rank=4,
-                     schedule="interleaved-1f1b", micro_batch_size=1, steps=3,
+                     schedule="interleaved-1f1b", micro_batch_size=1, steps=3, partition="9,8,7,8",
                      candidates=((4, 1024), (2, 1024), (1, 1024)))
-# The dry run: the tiny model with 8 blocks (so that the planner has two chunks per rank to place), fp32 on the CPU;
-# a pretend 80 GB card.
+# The dry run: the tiny model with 8 blocks in unequal chunks, as on the GPU (so that the planner has two chunks per
+# rank to place and a fit to make), fp32 on the CPU; a pretend 80 GB card.
 PARTITION_DRY = dict(device="cpu", model="tiny", layers=8, dtype="fp32", ranks=1, chunks_per_rank=4,
-                     schedule="interleaved-1f1b", micro_batch_size=1, steps=2, candidates=((2, 16), (1, 16)),
-                     card_gib=sizing.H100_GIB)
+                     schedule="interleaved-1f1b", micro_batch_size=1, steps=2, partition="3,2,1,2",
+                     candidates=((2, 16), (1, 16)), card_gib=sizing.H100_GIB)
 MODES = ("2bp", "standard")
 ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "bf16-pure": 2}   # per element of a message, by the example's --dtype
 
@@ -141,11 +144,15 @@ class RealPartition:
                 return status, detail, None
             doc = load_json(plan_json)
             pred = predictions(doc)
+            kind = (((doc.get("config") or {}).get("cost_model")) or {}).get("kind")
             self.plan = {"link": link, "costs_model": (doc.get("config") or {}).get("costs"),
-                         "ranks": PLAN_RANKS, "micro_batches": PLAN_MICRO_BATCHES, "seq": chosen["seq"],
-                         "predictions": pred}
+                         "cost_model_kind": kind, "ranks": PLAN_RANKS, "micro_batches": PLAN_MICRO_BATCHES,
+                         "seq": chosen["seq"], "predictions": pred}
             if not pred:
                 return "fail", "the plan has no candidates", None
+            if kind != "fitted":  # the unequal partition exists to make the per-action term identifiable
+                return "fail", "the per-chunk costs were not fitted (cost model %r): give chunks of unequal " \
+                               "blocks (PARTITION_*['partition'])" % kind, None
             return "pass", "2BP over standard: " + ", ".join(
                 "%s %.3f" % (s, r["2bp_speedup_over_standard"]) for s, r in pred.items()
                 if "2bp_speedup_over_standard" in r), None

@@ -1,11 +1,12 @@
 """The profiles: which pieces run, in which order, under which deadline. The one place that says so; the pieces
-themselves live in their modules (environment, build, measure, gputests, split_costs, partition, nccl4,
+themselves live in their modules (environment, build, measure, gputests, gate, split_costs, partition, nccl4,
 emulation).
 
   default     the suites (for code that changed since the last GPU run) and the default measurements: <= 8 minutes
   perf        the performance evidence of issue 61, in two parts of <= 5 minutes each (--part 1, --part 2; both
               when no part is named), so that both and a machine start fit a 15-minute loan. Pieces by value:
-              part 1: the environment and peak TFLOP/s, the split costs at seq 1024 (all-bfloat16, mixed), the real
+              part 1: the environment and peak TFLOP/s, the numerics gate (split_cuda_test, split's fast vs general
+                      path with --check in both precisions), the split costs at seq 1024 (all-bfloat16, mixed), the real
                       partition's per-stage costs (2BP, standard) and the planner's 4-GPU prediction from them, the
                       split costs at seq 4096 (dropped first when time runs out)
               part 2: the 7B job as 4 processes over NCCL (1F1B and ZB-V x 2BP and standard), their first-step
@@ -15,6 +16,7 @@ emulation).
 from . import emulation
 from .build import Build
 from .environment import Environment
+from .gate import NumericsGate
 from .gputests import GpuTests
 from .measure import Measurements
 from .nccl4 import FourProcesses
@@ -69,6 +71,7 @@ def perf(run, parts, build_dir=None):
     build.build_piece("build:twobp_bench", ["twobp_bench"], 240, needs=("build:library",))
     build.build_piece("build:llama_pipeline", ["llama_pipeline"], 240, needs=("build:library",))
     if 1 in parts:
+        NumericsGate(run, build).pieces()
         split = SplitCosts(run, env, build)
         split.probe_piece()
         split.pieces(split.config["seqs"][0])

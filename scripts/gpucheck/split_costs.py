@@ -1,7 +1,12 @@
 """The perf profile's split costs: one 7B stage (twobp_bench split: 8 LLaMa-7B blocks, batch 1) at two sequence
 lengths, all-bfloat16 and mixed precision, with whatever columns this twobp_bench writes (issue 57 adds host time,
 a device-timed back-to-back variant, ATen ops per block, host overhead, accumulation); judged against issue 57's
-GPU targets. The raw outputs go to split.json, the headline numbers and the verdict to summary.json's "split"."""
+GPU targets. The raw outputs go to split.json, the headline numbers and the verdict to summary.json's "split".
+
+The binary is of the same commit as this script: every split piece passes --dtype bf16-pure / bf16 and --paths fast
+as the default profile passes its options. probe:split_options reads `twobp_bench split --help` and FAILS unless it
+offers them (issue 70: a probe that found nothing used to skip every split piece and still report ok); the dry run
+passes the same precisions to the CPU build's binary (no stand-in)."""
 
 import json
 import os
@@ -11,13 +16,20 @@ from .util import write_json
 
 SPLIT_GPU = dict(device="cuda", dim=4096, ffn=11008, heads=32, kv_heads=32, layers=8, batch=1, seqs=(1024, 4096),
                  repeats=10, warmup=2, micro_batches=4, threads=2)
-# The dry run: a tiny stage on the CPU, fp32 standing for both bfloat16 forms (bfloat16 on this CPU is slow and says
-# nothing about a GPU), one thread (measure.py says why); the options are still read from the binary and recorded.
+# The dry run: a tiny stage on the CPU in the same precisions as on the GPU (bfloat16 on a CPU says nothing about a
+# GPU's times, but the options and the JSON are the same), one thread (measure.py says why).
 SPLIT_DRY = dict(device="cpu", dim=64, ffn=176, heads=4, kv_heads=4, layers=1, batch=1, seqs=(16, 32), repeats=1,
-                 warmup=0, micro_batches=2, threads=1, stand_in_dtype="fp32")
+                 warmup=0, micro_batches=2, threads=1)
 # The precisions measured, as the example spells them: bf16-pure = all bfloat16, bf16 = mixed (bfloat16 compute,
 # float32 master weights and gradients).
 DTYPES = ("bf16-pure", "bf16")
+# The paths timed: only the fast one (twobp::nn layers); --paths fast builds no general-path stack.
+PATHS = "fast"
+# What probe:split_options must find in `twobp_bench split --help`, or fail.
+REQUIRED = {"--dtype": DTYPES, "--paths": (PATHS,)}
+# The words that name a precision or a path in the help (longest first: bf16-pure before bf16).
+PRECISION_WORDS = r"bf16-pure|bf16|fp16|fp32"
+PATH_WORDS = r"general_conv|general|fast|all|both"
 
 # Issue 57's GPU targets, judged at the first (shorter) sequence length: synced (I + W) / B, device-timed (I + W) / B,
 # and mixed-precision W over all-bfloat16 W.
@@ -35,27 +47,59 @@ PHASE_KEYS = {"F": ("forward_ms", "F_ms", "F"), "I": ("stage1_ms", "I_ms", "I", 
               "W": ("stage2_ms", "W_ms", "W", "weight_ms"), "B": ("fused_ms", "B_ms", "B", "backward_ms")}
 
 
+def option_entry(text, option):
+    """The help text of one option of a CLI11 --help: its line and the description lines under it (up to the next
+    option or section), or "" when the option is not there."""
+    m = re.search(r"(?m)^[ \t]+(?:-\w,\s*)?%s\b.*$" % re.escape(option), text)
+    if not m:
+        return ""
+    lines = [m.group(0)]
+    for line in text[m.end():].splitlines()[1:]:
+        if not line.strip() or re.match(r"^[ \t]{0,4}-", line) or not line[:1].isspace():
+            break
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def words_in(entry, pattern):
+    """The words of `pattern` in an option's help entry, each once, in order (a word is not part of a longer one:
+    bf16 is not found in bf16-pure)."""
+    found = []
+    for w in re.findall(r"(?<![\w-])(%s)(?![\w-])" % pattern, entry):
+        if w not in found:
+            found.append(w)
+    return found
+
+
 def help_options(text):
-    """What `twobp_bench split --help` offers: {"options": [names], "dtypes": [choices], "paths": [choices]}."""
-    options = sorted(set(re.findall(r"(?m)^\s+(--[\w-]+)", text)))
-    dtypes = re.search(r"--dtype\s+TEXT:\{([^}]*)\}", text)
-    paths = re.search(r"--paths\s+TEXT:\{([^}]*)\}", text)
-    return {"options": options, "dtypes": dtypes.group(1).split(",") if dtypes else [],
-            "paths": paths.group(1).split(",") if paths else (["?"] if "--paths" in options else [])}
+    """What `twobp_bench split --help` offers: {"options": [names], "dtypes": [precisions], "paths": [path
+    names]}, read from each option's entry (its value form such as `TEXT:fp32, bf16 or bf16-pure` or
+    `TEXT:{a,b}`, and its description)."""
+    options = sorted(set(re.findall(r"(?m)^\s+(?:-\w,\s*)?(--[\w-]+)", text)))
+    return {"options": options, "dtypes": words_in(option_entry(text, "--dtype"), PRECISION_WORDS),
+            "paths": words_in(option_entry(text, "--paths"), PATH_WORDS)}
 
 
-def dtype_argument(wanted, dtypes):
-    """The --dtype value that gives precision `wanted` (DTYPES' spelling) with a binary offering `dtypes`: (value,
-    note), value None when this binary cannot. Before issue 57, split's bf16 meant all-bfloat16 and it had no
-    mixed precision; with it, split spells them as the example does."""
-    if "bf16-pure" in dtypes:
-        return (wanted, "") if wanted in dtypes else (None, "--dtype %s not offered" % wanted)
-    if wanted == "bf16-pure" and "bf16" in dtypes:
-        return "bf16", "this twobp_bench's --dtype bf16 is all-bfloat16 (before issue 57)"
-    if wanted == "bf16":
-        return None, "this twobp_bench has no mixed precision (no bf16-pure among --dtype %s: before issue 57)" % (
-            ",".join(dtypes) or "?")
-    return None, "--dtype %s not offered (%s)" % (wanted, ",".join(dtypes) or "none listed")
+def missing_options(options):
+    """What split pieces need that the probed help does not offer: ["--dtype bf16", ...] (empty: all there)."""
+    offered = {"--dtype": options.get("dtypes") or [], "--paths": options.get("paths") or []}
+    return ["%s %s" % (opt, v) for opt, values in REQUIRED.items() for v in values if v not in offered[opt]]
+
+
+def probe_verdict(text, status, detail):
+    """probe:split_options' result from `twobp_bench split --help`: (status, detail, options). Fails unless every
+    precision and path the split pieces pass is offered."""
+    if status != "pass":
+        return status, detail, None
+    options = help_options(text)
+    missing = missing_options(options)
+    detail = "--dtype %s, --paths %s, %d options" % (",".join(options["dtypes"]) or "none found",
+                                                     ",".join(options["paths"]) or "none found",
+                                                     len(options["options"]))
+    if missing:
+        return "fail", "%s not offered by `twobp_bench split --help` (%s): the split pieces would not run" % (
+            ", ".join(missing), detail), options
+    return "pass", detail, options
 
 
 def phase_ms(d, phase):
@@ -101,6 +145,8 @@ def headline(j, peak_tflops=None):
     out["keys"] = sorted(fast)
     cfg = j.get("config") or {}
     out["dtype_run"] = cfg.get("dtype")
+    out["precision_run"] = cfg.get("precision")   # as twobp_bench understood --dtype: fp32, bf16 or bf16-pure
+    out["paths_run"] = cfg.get("paths")
     out["peak_allocated_gib"] = (round(cfg["peak_allocated_bytes"] / 2**30, 2)
                                  if isinstance(cfg.get("peak_allocated_bytes"), (int, float)) else None)
     return out
@@ -141,18 +187,14 @@ class SplitCosts:
         self.options = None       # help_options() of this twobp_bench, once probed
         self.raw = {}             # "seq<N>_<dtype>" -> the run's JSON (split.json)
         self.runs = {}            # (seq, dtype) -> headline()
-        self.notes = {}           # "seq<N>_<dtype>" -> why the dtype was passed as it was, or skipped
+        self.commands = {}        # "seq<N>_<dtype>" -> the split options passed (after "split", before --json)
         run.add_section("split", self.summary)
 
     def probe_piece(self):
         bench = self.build.bench_binary()
 
         def parse(text, rc, killed, status, detail):
-            if status == "pass":
-                self.options = help_options(text)
-                detail = "--dtype {%s}, --paths %s, %d options" % (
-                    ",".join(self.options["dtypes"]), ",".join(self.options["paths"]) or "absent",
-                    len(self.options["options"]))
+            status, detail, self.options = probe_verdict(text, status, detail)
             return status, detail, None
 
         self.run.piece("probe:split_options", [bench, "split", "--help"], 30, min_s=3, analyze=parse,
@@ -164,25 +206,13 @@ class SplitCosts:
         for dtype in DTYPES:
             key = "seq%d_%s" % (seq, dtype)
             name = "measure:split_" + key
-            if self.options is None:
-                run.piece(name, [], 30, needs=("probe:split_options",))
-                continue
-            value, note = dtype_argument(dtype, self.options["dtypes"])
-            if run.dry:  # every piece runs, so that the dry run exercises what the GPU run would do with it
-                value, note = c["stand_in_dtype"], "dry run: %s stands for %s (on the GPU: %s)" % (
-                    c["stand_in_dtype"], dtype, "--dtype %s%s" % (value, "; " + note if note else "")
-                    if value else "skipped: " + note)
-            self.notes[key] = note
-            if value is None:
-                run.record(name, "skipped", 0, note)
-                continue
             out_json = os.path.join(run.tmp, "split_%s.json" % key)
-            cmd = [bench, "split", "--device", c["device"], "--dtype", value, "--dim", c["dim"], "--ffn", c["ffn"],
-                   "--heads", c["heads"], "--kv-heads", c["kv_heads"], "--layers", c["layers"], "--seq", seq,
-                   "--batch", c["batch"], "--repeats", c["repeats"], "--warmup", c["warmup"], "--no-conv",
-                   "--batched-w", "--micro-batches", c["micro_batches"], "--threads", c["threads"], "--json", out_json]
-            if "fast" in self.options["paths"]:
-                cmd += ["--paths", "fast"]  # issue 57: skip building the general path's stack
+            args = ["--device", c["device"], "--dtype", dtype, "--paths", PATHS, "--dim", c["dim"], "--ffn", c["ffn"],
+                    "--heads", c["heads"], "--kv-heads", c["kv_heads"], "--layers", c["layers"], "--seq", seq,
+                    "--batch", c["batch"], "--repeats", c["repeats"], "--warmup", c["warmup"], "--no-conv",
+                    "--batched-w", "--micro-batches", c["micro_batches"], "--threads", c["threads"]]
+            self.commands[key] = [str(a) for a in args]
+            cmd = [bench, "split"] + args + ["--json", out_json]
 
             def ran(text, rc, killed, status, detail, key=key, seq=seq, dtype=dtype, out_json=out_json):
                 if status != "pass":
@@ -195,6 +225,9 @@ class SplitCosts:
                 self.runs[(seq, dtype)] = h
                 if None in (h["I_ms"], h["W_ms"], h["B_ms"]):
                     return "fail", "no F/I/W/B in the JSON: fast has %s" % ", ".join(h["keys"]), None
+                if h["precision_run"] != dtype or h["paths_run"] != [PATHS]:
+                    return "fail", "asked for --dtype %s --paths %s, the JSON says precision %s, paths %s" % (
+                        dtype, PATHS, h["precision_run"], h["paths_run"]), None
                 dev = h["device_timed"]
                 return "pass", "F %.3f I %.3f W %.3f B %.3f ms synced, (I + W)/B %.3f%s, fused %.3g TFLOP/s%s" % (
                     h["F_ms"] or 0, h["I_ms"], h["W_ms"], h["B_ms"], h["i_plus_w_over_b"],
@@ -202,19 +235,20 @@ class SplitCosts:
                     h["fused_tflops"] or 0, ", %.0f %% of peak" % (100 * h["fused_utilisation"])
                     if h.get("fused_utilisation") else ""), None
 
-            # Own timeouts: a few times what a 7B stage should take (model on the GPU, 10 repeats of each phase, the
-            # general path too where --paths is missing); min_s: less left is not worth starting.
+            # Own timeouts: a few times what a 7B stage should take (model on the GPU, 10 repeats of each phase);
+            # min_s: less left is not worth starting.
             timeout = 90 if seq == c["seqs"][0] else 120
             run.piece(name, cmd, timeout, min_s=20 if not run.dry else 3, analyze=ran,
-                      needs=self.build.needs("twobp_bench"))
+                      needs=("probe:split_options",) + tuple(self.build.needs("twobp_bench")))
 
     def summary(self):
         first = self.config["seqs"][0]
         runs = {"seq%d_%s" % k: v for k, v in self.runs.items()}
         verdict = {"seq%d" % seq: targets(self.runs, seq) for seq in self.config["seqs"]}
         return {"split": {
-            "config": {k: v for k, v in self.config.items()}, "options": self.options, "dtype_notes": self.notes,
-            "runs": runs,
+            "config": {k: v for k, v in self.config.items()}, "options": self.options,
+            "missing_options": missing_options(self.options) if self.options is not None else None,
+            "commands": self.commands, "runs": runs,
             "targets": dict(verdict, judged_at="seq%d" % first, source="issue 57 (GPU targets)",
                             judged=not self.run.dry and bool(runs),
                             note="dry run: CPU numbers of a tiny stage, not judged" if self.run.dry else ""),

@@ -11,6 +11,7 @@
 
 #include "twobp/error.h"
 #include "util/check.h"
+#include "util/cost_check.h"
 
 namespace twobp::metrics {
 
@@ -39,7 +40,10 @@ double memory_per_rank(double process_bytes, int ranks_in_process) {
 }
 
 double ring_all_reduce_seconds(double bytes, int ranks, double link_bytes_per_s, double latency_s) {
-  if (ranks <= 1 || bytes <= 0.0) return 0.0;
+  detail::check_cost(bytes, "ring_all_reduce_seconds", "bytes", detail::kNoBound, "size in bytes");
+  detail::check_cost(latency_s, "ring_all_reduce_seconds", "latency_s");
+  if (ranks <= 1 || bytes == 0.0) return 0.0;
+  detail::check_positive(link_bytes_per_s, "ring_all_reduce_seconds", "link_bytes_per_s", "bandwidth in bytes/s");
   const double steps = 2.0 * (ranks - 1);  // reduce-scatter + all-gather, n - 1 steps each
   return steps / ranks * bytes / link_bytes_per_s + steps * latency_s;
 }

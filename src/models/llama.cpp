@@ -14,6 +14,7 @@
 
 #include "twobp/error.h"
 #include "twobp/nn/functional.h"
+#include "twobp/plan/recompute.h"
 #include "twobp/schedule/simulate.h"
 #include "util/check.h"
 #include "util/hash.h"
@@ -449,6 +450,13 @@ TrainingPrecision training_precision(Precision precision) {
       break;
   }
   return {Precision::kFloat32, 4, 0, 4, 8};
+}
+
+TrainingPrecision training_precision(const std::string& name) {
+  if (name == "fp32") return training_precision(Precision::kFloat32);
+  if (name == "bf16") return training_precision(Precision::kBFloat16);  // 0.1's meaning: everything in bfloat16
+  if (name == "bf16-mixed") return training_precision(Precision::kMixedBFloat16);
+  twobp::detail::raise<UsageError>("training_precision: unknown precision '{}' (0.1's names: fp32, bf16, bf16-mixed)", name);
 }
 
 namespace {

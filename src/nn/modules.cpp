@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
+#include <fmt/ranges.h>
+
 #include <cmath>
 
 #include "twobp/nn/functional.h"
@@ -30,8 +32,8 @@ void LinearImpl::accumulate_weight_grad(c10::ArrayRef<autograd::WeightGradItem> 
 }
 
 void LinearImpl::tie_weight(const at::Tensor& shared) {
-  TORCH_CHECK(shared.sizes() == weight.sizes(), "tie_weight: shape ", shared.sizes(), " differs from ",
-              weight.sizes());
+  TWOBP_CHECK(shared.sizes() == weight.sizes(), UsageError, "tie_weight: shape [{}] differs from the weight's [{}]",
+              fmt::join(shared.sizes(), ", "), fmt::join(weight.sizes(), ", "));
   parameters_["weight"] = shared;
   weight = shared;
 }

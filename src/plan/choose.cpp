@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <map>
 #include <optional>
@@ -145,6 +146,19 @@ void check_candidate_set(const std::vector<std::string>& names, const std::vecto
   }
 }
 
+// Fastest predicted first; exact ties in registry order (schedule_names(), whatever order RankOptions::names gave),
+// standard before 2BP, then fewer recomputing ranks, as choose.h promises.
+void sort_candidates(std::vector<ScheduleCandidate>& out) {
+  const std::vector<std::string> registry = schedule_names();
+  auto registered = [&](const std::string& name) { return std::find(registry.begin(), registry.end(), name); };
+  std::stable_sort(out.begin(), out.end(), [&](const ScheduleCandidate& a, const ScheduleCandidate& b) {
+    if (a.predicted_ms != b.predicted_ms) return a.predicted_ms < b.predicted_ms;
+    if (a.name != b.name) return registered(a.name) < registered(b.name);
+    if (a.mode != b.mode) return a.mode == BackwardMode::kStandard;
+    return a.recompute_ranks.size() < b.recompute_ranks.size();
+  });
+}
+
 }  // namespace
 
 std::vector<ScheduleCandidate> rank_schedules(const Schedule& running, const MeasuredCosts& costs,
@@ -153,6 +167,12 @@ std::vector<ScheduleCandidate> rank_schedules(const Schedule& running, const Mea
               "rank_schedules: the costs are of {} stages, schedule '{}' has {}", costs.num_stages(), running.name,
               running.num_stages);
   check_candidate_set(options.names, options.modes, "rank_schedules: RankOptions");
+  check_measured_costs(costs, "rank_schedules: costs");
+  if (options.recompute_costs != nullptr) {
+    check_measured_costs(*options.recompute_costs, "rank_schedules: RankOptions.recompute_costs");
+  }
+  TWOBP_CHECK(!std::isnan(options.memory_limit_bytes), UsageError,
+              "rank_schedules: RankOptions.memory_limit_bytes is nan, expected a size in bytes (<= 0: no limit)");
   TWOBP_CHECK(options.memory_limit_bytes <= 0.0 || options.memory != nullptr, UsageError,
               "rank_schedules: a memory limit ({} bytes) needs the measured memory model (RankOptions::memory: "
               "MemoryRecorder, agree_memory)",
@@ -233,9 +253,7 @@ std::vector<ScheduleCandidate> rank_schedules(const Schedule& running, const Mea
       }
     }
   }
-  std::stable_sort(out.begin(), out.end(), [](const ScheduleCandidate& a, const ScheduleCandidate& b) {
-    return a.predicted_ms < b.predicted_ms;
-  });
+  sort_candidates(out);
   return out;
 }
 

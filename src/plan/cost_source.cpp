@@ -3,20 +3,28 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
+#include <utility>
 
 #include "twobp/error.h"
 #include "twobp/metrics/metrics.h"
 #include "twobp/schedule/registry.h"
 #include "util/check.h"
+#include "util/cost_check.h"
 
 namespace twobp {
 
 CostSource::CostSource(const RankCosts& costs, double overlap) : rank_(costs), overlap_(overlap) {
   const RankCosts& c = rank_;
-  for (double x : {c.forward, c.backward_input, c.backward_weight, c.backward, c.backward_weight_fixed,
-                   c.communication}) {
-    TWOBP_CHECK(x >= 0.0, UsageError, "CostSource: per-rank costs must be >= 0 ms, got {}", x);
-  }
+  const std::string where = "CostSource: per-rank costs";
+  const std::pair<const char*, double> fields[] = {{"F (RankCosts.forward)", c.forward},
+                                                   {"I (RankCosts.backward_input)", c.backward_input},
+                                                   {"W (RankCosts.backward_weight)", c.backward_weight},
+                                                   {"B (RankCosts.backward)", c.backward},
+                                                   {"W0 (RankCosts.backward_weight_fixed)", c.backward_weight_fixed},
+                                                   {"comm (RankCosts.communication)", c.communication}};
+  for (const auto& [field, ms] : fields) detail::check_cost(ms, where, field, detail::kMaxCostMs, "time in ms");
+  detail::check_fused_backward(c.backward, c.backward_input, c.backward_weight_fixed + c.backward_weight, where, "");
   TWOBP_CHECK(overlap >= 0.0 && overlap <= 1.0, UsageError, "CostSource: overlap must be in [0, 1], got {}", overlap);
   description_ = fmt::format("per rank: F={:g} I={:g} W={:.4g} B={:g}{} comm={:g}{}", c.forward, c.backward_input,
                              c.backward_weight, c.backward,
@@ -29,15 +37,27 @@ CostSource::CostSource(const RunDocument& doc, std::size_t index, const std::str
   TWOBP_CHECK(index < doc.results.size(), UsageError, "{}: result {} out of range (the file has {} results)", where,
               index, doc.results.size());
   const RunRecord& r = doc.results[index];
+  const std::string result = fmt::format("{}: result {}", where, index);
+  const RunRecord* partner = find_partner(doc, index);
+  check_measured_costs(r.costs, result);  // a document built in code has not been through the reader
+  if (partner != nullptr) {
+    check_measured_costs(partner->costs, fmt::format("{}: result {} (the partner of result {})", where,
+                                                     partner - doc.results.data(), index));
+  }
   std::string partner_note;
-  costs_ = complete_costs(r, find_partner(doc, index), &partner_note);
+  try {
+    costs_ = complete_costs(r, partner, &partner_note);
+  } catch (const UsageError& e) {
+    throw UsageError(fmt::format("{}: {}", result, e.what()));
+  }
   rank_.communication = costs_.communication;
-  overlap_ = overlap >= 0 ? overlap : costs_.overlap;
-  TWOBP_CHECK(overlap_ <= 1.0, UsageError, "CostSource: overlap must be in [0, 1], got {}", overlap_);
+  overlap_ = overlap >= 0 || std::isnan(overlap) ? overlap : costs_.overlap;  // < 0: the run's; NaN refused below
+  TWOBP_CHECK(overlap_ >= 0.0 && overlap_ <= 1.0, UsageError, "{}: overlap must be in [0, 1], got {}", result,
+              overlap_);
   // The measured placement: the measured schedule regenerated (cheap) for its stage -> rank map.
   stage_to_rank_ = make_schedule(r.schedule, ScheduleOptions{r.p, r.m, r.v, BackwardMode::kSplit}).stage_to_rank;
   TWOBP_CHECK(static_cast<int>(stage_to_rank_.size()) == costs_.num_stages(), UsageError,
-              "{}: result {}: {} stage costs, but {} p={} v={} has {} stages", where, index, costs_.num_stages(),
+              "{}: {} stage costs, but {} p={} v={} has {} stages", result, costs_.num_stages(),
               r.schedule, r.p, r.v, stage_to_rank_.size());
   description_ = fmt::format("{} result {} ({} {} p={} m={} v={}),{} comm={:g}{}", where, index, r.schedule,
                              to_string(r.mode), r.p, r.m, r.v, partner_note, rank_.communication,
@@ -59,6 +79,11 @@ double add_data_parallel(CostModel& costs, const Schedule& schedule, const std::
               "add_data_parallel: {} gradient sizes for {} stages", gradient_bytes.size(), schedule.num_stages);
   TWOBP_CHECK(link.buckets >= 1 && link.replicas >= 1, UsageError,
               "add_data_parallel: buckets and replicas must be >= 1, got {} and {}", link.buckets, link.replicas);
+  detail::check_costs(gradient_bytes, "add_data_parallel", "gradient_bytes", detail::kNoBound, "size in bytes");
+  detail::check_cost(link.latency_s, "add_data_parallel", "RingLink.latency_s");
+  if (link.replicas > 1) {
+    detail::check_positive(link.bytes_per_s, "add_data_parallel", "RingLink.bytes_per_s", "bandwidth in bytes/s");
+  }
   costs.data_parallel_reduce.clear();
   for (double bytes : gradient_bytes) {
     costs.data_parallel_reduce.push_back(

@@ -5,7 +5,10 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <numeric>
+#include <optional>
+#include <string>
 #include <utility>
 
 #include "twobp/error.h"
@@ -13,6 +16,7 @@
 #include "twobp/plan/cost_source.h"
 #include "twobp/schedule/registry.h"
 #include "util/check.h"
+#include "util/cost_check.h"
 
 namespace twobp {
 
@@ -49,6 +53,12 @@ struct Samples {
 // per-action or embedding term.
 ChunkCost flop_shares(const llm::LlamaConfig& c, int64_t seq, double block_ms) {
   return {0.0, block_ms, 0.0, llm::head_cost_in_blocks(c, seq) * block_ms};
+}
+
+// A given per-action cost (CostModel::per_action's model in chunk terms) as the intercept of every action: of each
+// F, I and B, and of W's fixed part (once per W, whatever its micro-batches; W per micro-batch has none).
+void set_per_action(LlamaCosts& c, double ms) {
+  for (ChunkCost* k : {&c.forward, &c.backward_input, &c.backward, &c.backward_weight_fixed}) k->per_action = ms;
 }
 
 ChunkCost carried_cost(const ChunkCost& k, const llm::LlamaConfig& from, int64_t from_seq, int64_t from_mbs,
@@ -211,7 +221,7 @@ BackwardRatios backward_ratios(double forward_ms, double input_ms, double weight
 }
 
 LlamaCosts estimate_llama_costs(const llm::LlamaConfig& config, int64_t seq, int64_t micro_batch_size,
-                                double tflops, const BackwardRatios& ratios) {
+                                double tflops, const BackwardRatios& ratios, double per_action_ms) {
   TWOBP_CHECK(tflops > 0 && seq > 0 && micro_batch_size > 0, UsageError,
               "estimate_llama_costs: TFLOP/s, sequence length and micro-batch size must be positive (got {}, {}, {})",
               tflops, seq, micro_batch_size);
@@ -226,14 +236,22 @@ LlamaCosts estimate_llama_costs(const llm::LlamaConfig& config, int64_t seq, int
   c.backward_input = c.forward.scaled(ratios.input);
   c.backward_weight = c.forward.scaled(ratios.weight);
   c.backward = c.forward.scaled(ratios.fused);
-  c.how = fmt::format("{} TFLOP/s per device, I = {:.3g} F, W = {:.3g} F, B = {:.3g} F ({})", tflops, ratios.input,
-                      ratios.weight, ratios.fused, ratios.source);
+  detail::check_cost(per_action_ms, "estimate_llama_costs", "per_action_ms", detail::kMaxCostMs, "time in ms");
+  set_per_action(c, per_action_ms);
+  c.how = fmt::format("{} TFLOP/s per device, I = {:.3g} F, W = {:.3g} F, B = {:.3g} F ({}){}", tflops, ratios.input,
+                      ratios.weight, ratios.fused, ratios.source,
+                      per_action_ms > 0 ? fmt::format(", + {:g} ms per action", per_action_ms) : "");
   return c;
 }
 
-LlamaCosts fit_llama_costs(const llm::LlamaConfig& config, int64_t seq, const std::vector<MeasuredLlamaRun>& runs) {
+LlamaCosts fit_llama_costs(const llm::LlamaConfig& config, int64_t seq, const std::vector<MeasuredLlamaRun>& runs,
+                           std::optional<double> per_action_ms) {
+  if (per_action_ms) {
+    detail::check_cost(*per_action_ms, "fit_llama_costs", "per_action_ms", detail::kMaxCostMs, "time in ms");
+  }
   Samples F, I, W, W0, B;
   double f_split = 0, f_standard = 0;  // F summed over the 2BP and over the standard runs (for the ratios)
+  std::size_t n_split = 0;             // chunks of the 2BP runs (each an F, an I and a W)
   double f_units = 0;                  // Σ partition cost (blocks + head share) of the chunks behind F
   bool any_split = false;
   for (std::size_t r = 0; r < runs.size(); ++r) {
@@ -260,6 +278,7 @@ LlamaCosts fit_llama_costs(const llm::LlamaConfig& config, int64_t seq, const st
       }
     }
     (run.mode == BackwardMode::kSplit ? f_split : f_standard) += F.total() - f_before;
+    if (run.mode == BackwardMode::kSplit) n_split += n;
     any_split = any_split || run.mode == BackwardMode::kSplit;
   }
   TWOBP_CHECK(any_split, UsageError,
@@ -267,6 +286,12 @@ LlamaCosts fit_llama_costs(const llm::LlamaConfig& config, int64_t seq, const st
   TWOBP_CHECK(F.total() > 0, UsageError, "fit_llama_costs: the runs have no forward costs");
   LlamaCosts out;
   if (auto f = F.fit(), i = I.fit(), w = W.fit(); f && i && w) {
+    // One fact per term: these shapes measure the per-action terms, which a given cost would contradict.
+    TWOBP_CHECK(!per_action_ms, UsageError,
+                "fit_llama_costs: the runs' chunk shapes determine the per-action terms themselves (F {:.4g}, I "
+                "{:.4g}, W {:.4g} ms): a given per-action cost ({:g} ms) would be a second value for them; leave it "
+                "out",
+                f->per_action, i->per_action, w->per_action, per_action_ms.value_or(0.0));
     out.kind = LlamaCosts::Kind::kFitted;
     out.forward = *f;
     out.backward_input = *i;
@@ -288,18 +313,40 @@ LlamaCosts fit_llama_costs(const llm::LlamaConfig& config, int64_t seq, const st
     return with_overlap(std::move(out), runs);
   }
   out.kind = LlamaCosts::Kind::kFlopShares;
-  out.forward = flop_shares(config, seq, F.total() / f_units);
-  const double ratio_i = I.total() / f_split, ratio_w = W.total() / f_split, ratio_w0 = W0.total() / f_split;
+  // A given per-action cost x: every measured action held it once, so the shares spread what is left, the
+  // actions' work (Σ cost - x per action), and x is each action's intercept (set_per_action). Without one, 0.
+  const double x = per_action_ms.value_or(0.0);
+  const std::size_t n_f = F.ms.size(), n_b = B.ms.size();
+  const bool measured_w0 = W0.total() != 0;  // x belongs to W's fixed part: taken from W0, or from W without one
+  auto work = [&](const char* what, double total, std::size_t actions) {
+    const double left = total - x * static_cast<double>(actions);
+    TWOBP_CHECK(actions == 0 || left > 0 || (left == 0 && total == 0), UsageError,
+                "fit_llama_costs: a per-action cost of {:g} ms is at least the measured {} of the chunks ({:.4g} ms "
+                "over {} actions): no time would be left for their work",
+                x, what, total, actions);
+    return std::max(0.0, left);
+  };
+  const double f_work = work("F", F.total(), n_f);
+  const double f_split_work = work("F of the 2BP runs", f_split, n_split);
+  const double f_standard_work = work("F of the standard runs", f_standard, n_f - n_split);
+  const double i_work = work("I", I.total(), n_split);
+  const double w_work = measured_w0 ? W.total() : work("W", W.total(), n_split);
+  const double w0_work = measured_w0 ? work("W0", W0.total(), n_split) : 0.0;
+  const double b_work = work("B", B.total(), n_b);
+  out.forward = flop_shares(config, seq, f_work / f_units);
+  const double ratio_i = i_work / f_split_work, ratio_w = w_work / f_split_work, ratio_w0 = w0_work / f_split_work;
   out.backward_input = out.forward.scaled(ratio_i);
   out.backward_weight = out.forward.scaled(ratio_w);
   out.backward_weight_fixed = out.forward.scaled(ratio_w0);
   out.backward =
-      out.forward.scaled(B.total() > 0 && f_standard > 0 ? B.total() / f_standard : ratio_i + ratio_w0 + ratio_w);
+      out.forward.scaled(b_work > 0 && f_standard_work > 0 ? b_work / f_standard_work : ratio_i + ratio_w0 + ratio_w);
+  if (per_action_ms) set_per_action(out, x);
   out.how = fmt::format("FLOP shares (one chunk shape: measure a v = 2 schedule too to fit per-action and head "
-                        "costs): {:.3g} ms per block, I/F {:.3f}, W/F {:.3f}{}, B/F {:.3f}",
+                        "costs): {:.3g} ms per block, I/F {:.3f}, W/F {:.3f}{}, B/F {:.3f}{}",
                         out.forward.per_block, ratio_i, ratio_w,
                         ratio_w0 != 0 ? fmt::format(" per micro-batch + {:.3f} per W", ratio_w0) : "",
-                        out.backward.per_block / out.forward.per_block);
+                        out.backward.per_block / out.forward.per_block,
+                        per_action_ms ? fmt::format(", + {:g} ms per action (given)", x) : "");
   return with_overlap(std::move(out), runs);
 }
 
@@ -321,7 +368,7 @@ llm::LlamaConfig measured_llama_config(const RunDocument& doc, const std::string
 }
 
 DocumentCosts fit_run_document(const RunDocument& doc, const std::string& where, const llm::LlamaConfig& to,
-                               int64_t to_seq, int64_t to_micro_batch_size) {
+                               int64_t to_seq, int64_t to_micro_batch_size, std::optional<double> per_action_ms) {
   const llm::LlamaConfig c = measured_llama_config(doc, where);
   const int64_t seq = doc.model.seq, mbs = doc.model.micro_batch_size;
   std::vector<MeasuredLlamaRun> runs;
@@ -336,7 +383,7 @@ DocumentCosts fit_run_document(const RunDocument& doc, const std::string& where,
     out.used.push_back(fmt::format("{} {} p={} v={}", r.schedule, to_string(r.mode), r.p, r.v));
   }
   TWOBP_CHECK(comm_ms >= 0, UsageError, "{}: no 2bp result (run `twobp_bench pipeline --mode both`)", where);
-  out.costs = fit_llama_costs(c, seq, runs).carried(c, seq, mbs, to, to_seq, to_micro_batch_size);
+  out.costs = fit_llama_costs(c, seq, runs, per_action_ms).carried(c, seq, mbs, to, to_seq, to_micro_batch_size);
   out.comm_ms_per_byte = comm_ms / static_cast<double>(mbs * seq * c.dim * 4);
   return out;
 }
@@ -348,6 +395,13 @@ LayoutPlan plan_llama_layouts(const llm::LlamaConfig& config, const LlamaCosts& 
               o.ranks, o.micro_batch_size, o.seq, o.global_batch);
   TWOBP_CHECK(!o.modes.empty() && !o.recompute.empty(), UsageError,
               "plan_llama_layouts: no mode or no recomputation setting to consider");
+  const std::string where = "plan_llama_layouts";
+  detail::check_cost(o.communication_ms, where, "LayoutPlanOptions.communication_ms", detail::kMaxCostMs, "time in ms");
+  detail::check_cost(o.link_latency_s, where, "LayoutPlanOptions.link_latency_s");
+  detail::check_cost(o.link_bytes_per_s, where, "LayoutPlanOptions.link_bytes_per_s", detail::kNoBound,
+                     "bandwidth in bytes/s (0: none)");
+  TWOBP_CHECK(!std::isnan(o.memory_limit_bytes), UsageError,
+              "plan_llama_layouts: LayoutPlanOptions.memory_limit_bytes is nan, expected a size in bytes (0: none)");
   const std::vector<std::string> names = o.schedules.empty() ? schedule_names() : o.schedules;
   const int max_dp = o.max_dp > 0 ? std::min(o.max_dp, o.ranks) : o.ranks;
   LayoutPlan plan;

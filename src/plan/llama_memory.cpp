@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "twobp/metrics/units.h"
+#include "twobp/plan/recompute.h"
 #include "twobp/schedule/simulate.h"
 
 namespace twobp {

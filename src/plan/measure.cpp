@@ -18,6 +18,7 @@
 #include "twobp/stage.h"
 #include "twobp/transport/collectives.h"
 #include "util/check.h"
+#include "util/cost_check.h"
 #include "util/positive.h"
 
 namespace twobp {
@@ -68,6 +69,20 @@ void check_stage(int stage, int num_stages, const TraceEvent& e, const char* who
 
 }  // namespace
 
+void check_measured_costs(const MeasuredCosts& c, const std::string& where) {
+  check_sizes(c, where);
+  detail::check_cost_lists({{"costs_ms.F", &c.forward},
+                            {"costs_ms.I", &c.backward_input},
+                            {"costs_ms.W", &c.backward_weight},
+                            {"costs_ms.W0", &c.backward_weight_fixed},
+                            {"costs_ms.B", &c.backward},
+                            {"costs_ms.R", &c.recompute}},
+                           where, detail::kMaxCostMs);
+  detail::check_cost(c.communication, where, "communication_ms", detail::kMaxCostMs, "time in ms");
+  TWOBP_CHECK(c.overlap >= 0.0 && c.overlap <= 1.0, UsageError, "{}: overlap.share is {}, expected a share in [0, 1]",
+              where, c.overlap);
+}
+
 WeightCost fit_weight_cost(const std::map<int, std::vector<double>>& ms_by_micro_batches) {
   std::vector<double> per_micro_batch;
   for (const auto& [k, samples] : ms_by_micro_batches) {
@@ -100,9 +115,7 @@ WeightCost fit_weight_cost(const std::map<int, std::vector<double>>& ms_by_micro
 CostModel MeasuredCosts::cost_model(BackwardMode mode) const {
   const std::size_t S = forward.size();
   TWOBP_CHECK(S > 0, UsageError, "MeasuredCosts::cost_model: no stages (measure a run first)");
-  check_sizes(*this, "MeasuredCosts::cost_model");
-  TWOBP_CHECK(overlap >= 0.0 && overlap <= 1.0, UsageError,
-              "MeasuredCosts::cost_model: overlap is {}, expected a share in [0, 1]", overlap);
+  check_measured_costs(*this, "MeasuredCosts::cost_model");
   CostModel costs;
   costs.forward = forward;
   costs.communication = communication;
@@ -191,7 +204,7 @@ MeasuredCosts CostRecorder::local_medians() const {
 }
 
 void CostRecorder::resolve_pairs(MeasuredCosts& c) const {
-  // A part's cost as the simulator charges it (detail::action_cost): F, or I / B with its recomputation. Known
+  // A part's cost as the simulator charges it (action_cost): F, or I / B with its recomputation. Known
   // when the stage ran that type outside pairs; nullopt otherwise.
   auto recompute = [&](int s) { return c.recompute.empty() ? 0.0 : c.recompute[s]; };
   auto known = [&](ActionType type, int s) -> std::optional<double> {
@@ -345,7 +358,7 @@ void MemoryRecorder::add(const Trace& trace) {
     const int s = e.action.stage;
     check_stage(s, num_stages_, e, "MemoryRecorder::add");
     const int type = static_cast<int>(e.action.type);
-    const bool weights = e.action.type == ActionType::kBackwardWeight || e.action.type == ActionType::kBackward;
+    const bool weights = makes_weight_grads(e.action.type);
     const double g = weights && has_gradients.insert(s).second ? gradient_bytes_[s] : 0.0;
     const double k = e.action.type == ActionType::kBackwardWeight
                          ? static_cast<double>(std::max<std::size_t>(1, e.action.micro_batches.size()))
@@ -463,8 +476,8 @@ MeasuredCosts parse_measured_costs(const std::string& json_object, const std::st
   TWOBP_CHECK(doc.is_object(), UsageError, "{}: not a JSON object (expected measured costs: \"communication_ms\" and "
               "\"costs_ms\", as a result of `twobp_bench pipeline --json` has)", where);
   auto number = [&](const nlohmann::json& j, const std::string& what) {
-    TWOBP_CHECK(j.is_number() && std::isfinite(j.get<double>()) && j.get<double>() >= 0.0, UsageError,
-                "{}: {} must be a finite number >= 0 (ms), got {}", where, what, j.dump());
+    TWOBP_CHECK(j.is_number(), UsageError, "{}: {} must be a number (ms), got {}", where, what, j.dump());
+    detail::check_cost(j.get<double>(), where, what, detail::kMaxCostMs, "time in ms");
     return j.get<double>();
   };
   TWOBP_CHECK(doc.contains("communication_ms") && doc.contains("costs_ms") && doc["costs_ms"].is_object(),

@@ -105,6 +105,37 @@ RunRecord read_record(const Json& j, const std::string& where) {
   return r;
 }
 
+// nlohmann's message without its "[json.exception.parse_error.101] " prefix.
+std::string nlohmann_message(const nlohmann::json::exception& e) {
+  const std::string m = e.what();
+  const std::size_t end = m.find("] ");
+  return end == std::string::npos ? m : m.substr(end + 2);
+}
+
+// The document's JSON: UsageError "<where>: not a run document: <why>" for text that is no JSON (where it breaks),
+// a number past the largest double, no object, or an object without a "results" list or with a "config" of
+// another type.
+Json document_json(const std::string& text_in, const std::string& where) {
+  const std::string what = fmt::format("{}: not a run document", where);
+  const char* form = "(a JSON object with a \"results\" list and a \"config\" object, as `twobp_bench pipeline "
+                     "--json` and `llama_pipeline --costs-json` write)";
+  Json j;
+  try {
+    j = Json::parse(text_in);
+  } catch (const nlohmann::json::out_of_range& e) {  // 406: a number past the largest double, as 1e400
+    detail::raise<UsageError>("{}: a number is out of range ({}) {}", what, nlohmann_message(e), form);
+  } catch (const nlohmann::json::exception& e) {  // parse_error: where the text stops being JSON
+    detail::raise<UsageError>("{}: invalid JSON ({}) {}", what, nlohmann_message(e), form);
+  }
+  TWOBP_CHECK(j.is_object(), UsageError, "{}: the JSON is of type {}, not an object {}", what, j.type_name(), form);
+  TWOBP_CHECK(!j.contains("config") || j["config"].is_object(), UsageError,
+              "{}: \"config\" is of type {}, not an object {}", what, j["config"].type_name(), form);
+  TWOBP_CHECK(j.contains("results"), UsageError, "{}: no \"results\" {}", what, form);
+  TWOBP_CHECK(j["results"].is_array(), UsageError, "{}: \"results\" is of type {}, not a list {}", what,
+              j["results"].type_name(), form);
+  return j;
+}
+
 }  // namespace
 
 std::string write_run_document(const RunDocument& doc, int indent) {
@@ -118,13 +149,7 @@ std::string write_run_document(const RunDocument& doc, int indent) {
 }
 
 RunDocument read_run_document(const std::string& text_in, const std::string& where) {
-  const Json j = Json::parse(text_in, nullptr, /*allow_exceptions=*/false);
-  TWOBP_CHECK(j.is_object() && (!j.contains("config") || j["config"].is_object()) && j.contains("results") &&
-                  j["results"].is_array(),
-              UsageError,
-              "{}: not a run document (a JSON object with a \"results\" list and a \"config\" object, as "
-              "`twobp_bench pipeline --json` and `llama_pipeline --costs-json` write)",
-              where);
+  const Json j = document_json(text_in, where);
   RunDocument doc;
   const Json config = j.value("config", Json::object());
   doc.model.model = j.contains("config") ? text(config, "model", where + ": config") : "";

@@ -9,6 +9,7 @@
 #include "twobp/metrics/metrics.h"
 #include "twobp/transport/collectives.h"
 #include "util/check.h"
+#include "util/cost_check.h"
 
 namespace twobp {
 
@@ -26,6 +27,8 @@ void Trial::start(int steps) {
 bool Trial::add(double step_ms) {
   TWOBP_CHECK(steps_ > 0 && taken_ < steps_, UsageError,
               "Trial::add: no measurement is running (start() one; finish() a complete one)");
+  detail::check_cost(step_ms, fmt::format("Trial::add (step {} of {})", taken_ + 1, steps_), "step_ms",
+                     detail::kNoBound, "time in ms");
   ++taken_;
   if (taken_ == 1) return false;  // warm-up: a switch or a move just happened
   step_ms_.push_back(step_ms);
@@ -59,6 +62,7 @@ std::string measured_against_prediction(double measured_ms, double predicted_ms)
 
 std::size_t fastest(const std::vector<double>& ms) {
   TWOBP_CHECK(!ms.empty(), UsageError, "fastest: no measured candidate");
+  detail::check_costs(ms, "fastest", "ms", detail::kNoBound, "time in ms");
   return static_cast<std::size_t>(std::min_element(ms.begin(), ms.end()) - ms.begin());
 }
 

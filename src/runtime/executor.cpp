@@ -358,7 +358,7 @@ void Executor::execute(Step& st, const Action& a, bool scheduled) {
   } else {
     run_weight_early(st, a.stage, a.micro_batches.at(0));
   }
-  if (a.type == ActionType::kBackwardWeight || a.type == ActionType::kBackward) st.weights_started.insert(a.stage);
+  if (makes_weight_grads(a.type)) st.weights_started.insert(a.stage);
   st.timeline->end_action();
   TraceEvent event{rank_, a, std::chrono::duration<double, std::micro>(t0 - st.start).count(),
                    detail::elapsed_us(st.start), is_compute(a.type) ? stage(a).take_recompute_us() : 0.0};

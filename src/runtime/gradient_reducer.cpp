@@ -12,11 +12,6 @@
 #include "util/time.h"
 
 namespace twobp::detail {
-namespace {
-
-bool makes_weight_grads(ActionType t) { return t == ActionType::kBackward || t == ActionType::kBackwardWeight; }
-
-}  // namespace
 
 GradientReducer::GradientReducer(const Schedule& schedule, int rank, const std::map<int, Stage*>& stages,
                                  DataParallelOptions options, Duration timeout, const GradientHolder& holder)

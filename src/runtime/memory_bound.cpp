@@ -36,7 +36,7 @@ MemoryBound::MemoryBound(const ExecutorOptions& options, const Transport& transp
 }
 
 MemoryBound::Kind MemoryBound::kind_of(ActionType type, int stage, const std::set<int>& weights_started) {
-  const bool weights = type == ActionType::kBackwardWeight || type == ActionType::kBackward;
+  const bool weights = makes_weight_grads(type);
   return {type, stage, weights && weights_started.count(stage) == 0};
 }
 

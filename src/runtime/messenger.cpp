@@ -202,7 +202,7 @@ void Messenger::prefetch(std::size_t current, std::size_t up_to_inclusive) {
   // kernel module, cudaFree (the caching allocator frees its cache and retries when cudaMalloc fails near the
   // memory limit), cudaDeviceSynchronize -- and so wait for every posted receive. A receive whose data the peer can
   // send only after one of our later sends would then never complete: a deadlock inside the driver, which no
-  // timeout of ours can end (seen on an H200, 2026-12-04: rank 0 blocked in such a call beside its posted gradient
+  // timeout of ours can end (seen on an H200, docs/GPU.md: rank 0 blocked in such a call beside its posted gradient
   // receives, before it had sent its first activation). In a schedule that validate() accepts, every receive
   // depends only on sends that precede it on this rank, so a receive posted after them completes without this
   // rank doing anything more. The cost is small: in steady state a RECV follows a SEND anyway, and a late receive

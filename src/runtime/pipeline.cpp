@@ -127,7 +127,53 @@ void refuse_parameters_trainable_since_construction(int rank, const std::map<int
   }
 }
 
+// Whether an ExecutorOptions field was changed from its default (a hook: whether one is set).
+template <typename U>
+bool changed_from(const U& value, const U& default_value) {
+  return !(value == default_value);
+}
+template <typename R, typename... A>
+bool changed_from(const std::function<R(A...)>& value, const std::function<R(A...)>&) {
+  return static_cast<bool>(value);
+}
+
+// Moves one deprecated 0.1 field into `target` (ExecutorOptions' field of that name): refused when the executor's
+// field was changed from its default too, since the two places would disagree on which value wins.
+template <typename T, typename U>
+void move_field(MovedToExecutor<T>& old_place, U& target, const U& default_value, const char* name) {
+  if (!old_place.assigned()) return;
+  TWOBP_CHECK(!changed_from(target, default_value), UsageError,
+              "PipelineOptions::{0} (deprecated since 0.2.0) and PipelineOptions::executor.{0} are both set: set "
+              "only executor.{0}",
+              name);
+  target = *old_place.assigned();
+  old_place.reset();
+}
+
 }  // namespace
+
+PipelineOptions with_moved_executor_options(PipelineOptions options) {
+  ExecutorOptions& e = options.executor;
+  const ExecutorOptions d;
+  move_field(options.timeout, e.timeout, d.timeout, "timeout");
+  move_field(options.activation_spec, e.activation_spec, d.activation_spec, "activation_spec");
+  move_field(options.boundary_spec, e.boundary_spec, d.boundary_spec, "boundary_spec");
+  move_field(options.prefetch_receives, e.prefetch_receives, d.prefetch_receives, "prefetch_receives");
+  move_field(options.max_pending_weight_micro_batches, e.max_pending_weight_micro_batches,
+             d.max_pending_weight_micro_batches, "max_pending_weight_micro_batches");
+  move_field(options.memory_limit_bytes, e.memory_limit_bytes, d.memory_limit_bytes, "memory_limit_bytes");
+  move_field(options.record_memory, e.record_memory, d.record_memory, "record_memory");
+  move_field(options.overlap_forward_backward, e.overlap_forward_backward, d.overlap_forward_backward,
+             "overlap_forward_backward");
+  std::optional<c10::Device> device_default;
+  MovedToExecutor<std::optional<c10::Device>> device;  // the field is an optional itself in ExecutorOptions
+  if (options.memory_device.assigned()) {
+    device.assign(*options.memory_device.assigned());
+    options.memory_device.reset();
+  }
+  move_field(device, e.memory_device, device_default, "memory_device");
+  return options;
+}
 
 struct Pipeline::Impl {
   std::unique_ptr<Executor> executor;
@@ -141,13 +187,14 @@ struct Pipeline::Impl {
   std::vector<Executor::Hook> hooks;                 // add_hook()'s, in order: kept across switch_schedule()
   bool ranks_share_process = false;                  // some peer (pipeline or replica) is a thread of this process
   bool started = false;                              // a first step began (see run_step)
+  double loss_items = 0.0;  // LossReduction::kMeanOverItems: the last step's (or evaluation's) global items
 };
 
 Pipeline::Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, std::shared_ptr<Transport> transport,
                    PipelineOptions options)
     : schedule_(std::move(schedule)),
       transport_(std::move(transport)),
-      options_(std::move(options)),
+      options_(with_moved_executor_options(std::move(options))),
       impl_(std::make_unique<Impl>()) {
   TWOBP_CHECK(transport_ != nullptr, UsageError, "Pipeline: transport is null");
   if (options_.verify_messages) transport_ = std::make_shared<ChecksummingTransport>(std::move(transport_));
@@ -195,7 +242,11 @@ Pipeline::Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, std::sh
       TWOBP_CHECK(static_cast<bool>(options_.loss), UsageError,
                   "rank {}: stage {} is the last stage and needs PipelineOptions::loss", rank, chunk.stage);
       so.loss = options_.loss;
-      so.loss_scale = 1.0 / schedule_.num_micro_batches;
+      so.loss_scale = 1.0 / schedule_.num_micro_batches;  // over items: set before each step (count_loss_items)
+      TWOBP_CHECK(options_.loss_reduction != LossReduction::kMeanOverItems || options_.loss_items, UsageError,
+                  "rank {}: stage {}: LossReduction::kMeanOverItems needs PipelineOptions::loss_items (the number of "
+                  "items, e.g. unmasked target tokens, in a batch's targets)",
+                  rank, chunk.stage);
     }
     stages_.emplace(chunk.stage, std::make_unique<Stage>(std::move(chunk.module), std::move(chunk.forward), so));
   }
@@ -475,12 +526,53 @@ NamedTensors in_compute_dtype(const NamedTensors& inputs, const MixedPrecisionOp
 
 }  // namespace
 
+namespace {
+
+// The items of a step's targets (LossReduction::kMeanOverItems): PipelineOptions::loss_items over the whole batch or
+// summed over the micro-batches given one by one.
+double items_of(const PipelineOptions& o, const NamedTensors& targets) { return o.loss_items(targets); }
+double items_of(const PipelineOptions& o, const std::vector<NamedTensors>& targets) {
+  double sum = 0.0;
+  for (const auto& mb : targets) sum += o.loss_items(mb);
+  return sum;
+}
+
+}  // namespace
+
+void Pipeline::count_loss_items(const std::function<double()>& local, bool scale) {
+  const int last = schedule_.num_stages - 1;
+  const auto it = stages_.find(last);
+  if (options_.loss_reduction != LossReduction::kMeanOverItems || it == stages_.end()) return;
+  const double mine = local();
+  TWOBP_CHECK(std::isfinite(mine) && mine >= 0, UsageError,
+              "rank {}: stage {}: PipelineOptions::loss_items gave {} for this step's targets; expected a count >= 0",
+              rank(), last, mine);
+  at::Tensor items = at::tensor({mine}, at::TensorOptions().dtype(at::kDouble));
+  if (impl_->data_parallel != nullptr) {
+    wait_in(*impl_->data_parallel, "the global count of loss items",
+            [&] { impl_->data_parallel->all_reduce_sum(items, options_.executor.timeout); });
+  }
+  impl_->loss_items = items.item<double>();
+  TWOBP_CHECK(impl_->loss_items > 0, UsageError,
+              "rank {}: stage {}: the global batch holds no loss item (PipelineOptions::loss_items summed over the "
+              "micro-batches and replicas is 0): a mean over items needs at least one",
+              rank(), last);
+  // The replicas' gradients are averaged (GradientReducer: the sum / dp), but over items each replica's share is a
+  // part of one sum: seeded dp times larger, their average is that sum.
+  const int replicas = impl_->data_parallel != nullptr ? impl_->data_parallel->world_size() : 1;
+  if (scale) it->second->set_loss_scale(static_cast<double>(replicas) / impl_->loss_items);
+}
+
 StepResult Pipeline::step(const NamedTensors& inputs, const NamedTensors& targets) {
-  return run_step([&] { return impl_->executor->run(in_compute_dtype(inputs, options_.mixed_precision), targets); });
+  return run_step([&] {
+    count_loss_items([&] { return items_of(options_, targets); }, /*scale=*/true);
+    return impl_->executor->run(in_compute_dtype(inputs, options_.mixed_precision), targets);
+  });
 }
 
 StepResult Pipeline::step(const std::vector<NamedTensors>& inputs, const std::vector<NamedTensors>& targets) {
   return run_step([&] {
+    count_loss_items([&] { return items_of(options_, targets); }, /*scale=*/true);
     std::vector<NamedTensors> cast;
     for (const auto& mb : inputs) cast.push_back(in_compute_dtype(mb, options_.mixed_precision));
     return impl_->executor->run(cast, targets);
@@ -603,12 +695,15 @@ class EvalMode {
 }  // namespace
 
 double Pipeline::evaluate(const NamedTensors& inputs, const NamedTensors& targets) {
-  return run_evaluation(
-      [&](Executor& e) { return e.run(in_compute_dtype(inputs, options_.mixed_precision), targets); });
+  return run_evaluation([&](Executor& e) {
+    count_loss_items([&] { return items_of(options_, targets); }, /*scale=*/false);
+    return e.run(in_compute_dtype(inputs, options_.mixed_precision), targets);
+  });
 }
 
 double Pipeline::evaluate(const std::vector<NamedTensors>& inputs, const std::vector<NamedTensors>& targets) {
   return run_evaluation([&](Executor& e) {
+    count_loss_items([&] { return items_of(options_, targets); }, /*scale=*/false);
     std::vector<NamedTensors> cast;
     for (const auto& mb : inputs) cast.push_back(in_compute_dtype(mb, options_.mixed_precision));
     return e.run(cast, targets);
@@ -660,16 +755,20 @@ void Pipeline::add_hook(Executor::Hook hook) {
 }
 
 double Pipeline::mean_loss(const StepResult& result) {
-  // Only the last stage's rank has losses; one all-reduce gives every rank their mean.
+  // Only the last stage's rank has losses; one all-reduce gives every rank their mean. Over items: the losses are
+  // sums, the step's items counted before it (count_loss_items), and the replicas' shares add up.
+  const bool over_items = options_.loss_reduction == LossReduction::kMeanOverItems;
   double local = 0.0;
-  for (double l : result.losses) local += l / static_cast<double>(result.losses.size());
+  for (double l : result.losses) {
+    local += over_items ? l / impl_->loss_items : l / static_cast<double>(result.losses.size());
+  }
   at::Tensor t = at::tensor({local}, at::TensorOptions().dtype(at::kDouble));  // host values: reduced on the host
   wait_in(*transport_, "the mean loss over the pipeline",
           [&] { transport_->all_reduce_sum(t, options_.executor.timeout); });
   if (impl_->data_parallel != nullptr) {
     wait_in(*impl_->data_parallel, "the mean loss over the replicas",
             [&] { impl_->data_parallel->all_reduce_sum(t, options_.executor.timeout); });
-    t.div_(impl_->data_parallel->world_size());
+    if (!over_items) t.div_(impl_->data_parallel->world_size());
   }
   return t.item<double>();
 }

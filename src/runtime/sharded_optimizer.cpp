@@ -14,8 +14,8 @@
 #include <set>
 #include <tuple>
 
-#include "twobp/checkpoint.h"
 #include "twobp/runtime/pipeline.h"
+#include "twobp/runtime/training_state.h"
 #include "util/check.h"
 
 namespace twobp {

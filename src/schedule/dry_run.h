@@ -45,10 +45,4 @@ void check_plausible_size(const Schedule& schedule);
 /// the schedule cannot even be drawn.
 void check_structure(const Schedule& schedule);
 
-/// Cost of one compute action under `costs` (0 for communication actions).
-double action_cost(const Action& action, const CostModel& costs);
-
-/// Stage index on the other side of a communication action (the stage whose rank is the peer).
-int peer_stage(const Action& action);
-
 }  // namespace twobp::detail

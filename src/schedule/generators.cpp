@@ -1,5 +1,5 @@
 // Built-in schedule generators: gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-h2, zb-v, looped-bfs, interleaved-zb,
-// dualpipev, v-half, v-min (and the registry entry of synth, src/plan/synthesize.cpp).
+// dualpipev, v-half, v-min (and the registry entry of synth, synthesize.cpp).
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>

@@ -12,9 +12,9 @@ namespace twobp::detail {
 /// One entry per built-in schedule, in the order of builtin_schedule_names().
 std::vector<ScheduleInfo> builtin_schedules();
 
-/// The "synth" entry: SynthesizedScheduleGenerator with its defaults. The one built-in made above schedule/ -- a
-/// search over costs belongs with the planners (src/plan/synthesize.cpp) -- and listed here so that it is a
-/// built-in like the others (every test that walks builtin_schedule_names() covers it).
+/// The "synth" entry: SynthesizedScheduleGenerator with its defaults (src/schedule/synthesize.cpp, a search over
+/// costs), listed here so that it is a built-in like the others (every test that walks builtin_schedule_names()
+/// covers it).
 ScheduleInfo synthesized_schedule_info();
 
 /// A V schedule (zb-v's placement) from a unit-slot plan: each rank's F's and I's in slot order, W's where

@@ -4,15 +4,27 @@
 
 #include <algorithm>
 
-#include "schedule/dry_run.h"
 #include "util/check.h"
 
 namespace twobp {
 
+int peer_stage(const Action& action) {
+  switch (action.type) {
+    case ActionType::kSendForward:
+    case ActionType::kRecvBackward:
+      return action.stage + 1;
+    case ActionType::kRecvForward:
+    case ActionType::kSendBackward:
+      return action.stage - 1;
+    default:
+      return action.stage;
+  }
+}
+
 int peer_rank(const Schedule& schedule, const Action& action) {
   TWOBP_CHECK(!is_compute(action.type), ScheduleError, "peer_rank: {} is a compute action, not a SEND/RECV",
               describe(action));
-  const int peer = detail::peer_stage(action);
+  const int peer = peer_stage(action);
   TWOBP_CHECK(peer >= 0 && peer < schedule.num_stages && peer < static_cast<int>(schedule.stage_to_rank.size()),
               ScheduleError, "peer_rank: {} has no neighbouring stage {} (schedule has {} stages)", describe(action),
               peer, schedule.num_stages);
@@ -27,7 +39,7 @@ std::int64_t message_tag(const Schedule& schedule, const Action& action, Message
   TWOBP_CHECK(part.tensor < kMaxTensorsPerMessage, UsageError,
               "{}: a stage boundary carries at most {} tensors (tensor {} was asked for)", describe(action),
               kMaxTensorsPerMessage, part.tensor);
-  const int peer = detail::peer_stage(action);
+  const int peer = peer_stage(action);
   const std::int64_t boundary = std::min(peer, action.stage);
   const std::int64_t dir = message_channel(action);  // 0 activations, 1 gradients
   const std::int64_t mb = action.micro_batches.front();

@@ -13,6 +13,7 @@
 
 #include "schedule/weight_runs.h"
 #include "util/check.h"
+#include "util/format.h"
 
 namespace twobp {
 namespace {
@@ -92,6 +93,7 @@ std::string to_pytorch_csv(const Schedule& schedule) {
 }
 
 Schedule from_pytorch_csv(std::string_view csv, const PytorchCsvOptions& options) {
+  csv = detail::without_utf8_bom(csv);
   Schedule s;
   s.name = options.name;
   std::map<int, int> owner;  // stage -> rank

@@ -11,6 +11,7 @@
 #include "twobp/schedule/simulate.h"
 #include "twobp/schedule/text.h"
 #include "util/check.h"
+#include "util/cost_check.h"
 
 namespace twobp {
 namespace {
@@ -33,15 +34,9 @@ void check_costs(const Schedule& sc, const CostModel& costs) {
   if (has_i || (has_b && costs.backward.empty())) check_size(costs.backward_input, "backward_input");
   if (has_w || (has_b && costs.backward.empty())) check_size(costs.backward_weight, "backward_weight");
   if (has_b && !costs.backward.empty()) check_size(costs.backward, "backward");
-  if (!costs.backward_weight_fixed.empty()) {
-    check_size(costs.backward_weight_fixed, "backward_weight_fixed");
-    for (std::size_t s = 0; s < costs.backward_weight_fixed.size(); ++s) {
-      const double t = costs.backward_weight_fixed[s];
-      TWOBP_CHECK(std::isfinite(t) && t >= 0.0, UsageError,
-                  "simulate: CostModel.backward_weight_fixed[{}] is {}, expected a finite time >= 0", s, t);
-    }
-  }
+  if (!costs.backward_weight_fixed.empty()) check_size(costs.backward_weight_fixed, "backward_weight_fixed");
   if (!costs.recompute.empty()) check_size(costs.recompute, "recompute");
+  detail::check_cost_model(costs, "simulate");
   TWOBP_CHECK(costs.overlap >= 0.0 && costs.overlap <= 1.0, UsageError,
               "simulate: CostModel.overlap is {}, expected a share in [0, 1] (0: overlapped pairs run in order)",
               costs.overlap);
@@ -49,11 +44,6 @@ void check_costs(const Schedule& sc, const CostModel& costs) {
     check_size(costs.data_parallel_reduce, "data_parallel_reduce");
     TWOBP_CHECK(costs.data_parallel_buckets >= 1, UsageError,
                 "simulate: CostModel.data_parallel_buckets is {}, expected >= 1", costs.data_parallel_buckets);
-    for (std::size_t s = 0; s < costs.data_parallel_reduce.size(); ++s) {
-      const double t = costs.data_parallel_reduce[s];
-      TWOBP_CHECK(std::isfinite(t) && t >= 0.0, UsageError,
-                  "simulate: CostModel.data_parallel_reduce[{}] is {}, expected a finite time >= 0", s, t);
-    }
   }
 }
 
@@ -111,27 +101,36 @@ CostModel CostModel::uniform(int num_stages, double f, double i, double w, doubl
   return costs;
 }
 
-namespace detail {
-
 double action_cost(const Action& action, const CostModel& costs) {
   const auto s = static_cast<std::size_t>(action.stage);
   // Activation recomputation re-runs the forward at the start of the micro-batch's I or B.
   const double recompute = costs.recompute.empty() ? 0.0 : costs.recompute.at(s);
+  // CostModel::per_action: once per compute action, whatever its micro-batches (the one place it is charged).
+  const double fixed = costs.per_action;
   switch (action.type) {
     case ActionType::kForward:
-      return costs.forward.at(s);
+      return fixed + costs.forward.at(s);
     case ActionType::kBackwardInput:
-      return recompute + costs.backward_input.at(s);
+      return fixed + recompute + costs.backward_input.at(s);
     case ActionType::kBackwardWeight:
-      return costs.weight(action.stage, static_cast<int>(action.micro_batches.size()));
+      return fixed + costs.weight(action.stage, static_cast<int>(action.micro_batches.size()));
     case ActionType::kBackward:
-      return recompute + (costs.backward.empty() ? costs.unfused_backward(action.stage) : costs.backward.at(s));
+      return fixed + recompute +
+             (costs.backward.empty() ? costs.unfused_backward(action.stage) : costs.backward.at(s));
     default:
       return 0.0;
   }
 }
 
-}  // namespace detail
+CostModel RankCosts::per_stage(int num_stages, int ranks) const {
+  TWOBP_CHECK(ranks >= 1 && num_stages >= ranks && num_stages % ranks == 0, UsageError,
+              "RankCosts: {} stages do not split into {} ranks' chunks", num_stages, ranks);
+  const double v = static_cast<double>(num_stages) / ranks;
+  CostModel c = CostModel::uniform(num_stages, forward / v, backward_input / v, backward_weight / v, communication);
+  c.backward.assign(num_stages, backward / v);
+  if (backward_weight_fixed > 0.0) c.backward_weight_fixed.assign(num_stages, backward_weight_fixed / v);
+  return c;
+}
 
 SimulationResult simulate(const Schedule& given, const CostModel& costs) {
   detail::check_structure(given);
@@ -161,8 +160,7 @@ SimulationResult simulate(const Schedule& given, const CostModel& costs) {
       result.events.push_back(e);
     }
     compute_end[e.rank] = std::max(compute_end[e.rank], e.end);
-    if ((e.action.type == ActionType::kBackwardWeight || e.action.type == ActionType::kBackward) &&
-        e.end > last_weight[e.action.stage].end) {
+    if (makes_weight_grads(e.action.type) && e.end > last_weight[e.action.stage].end) {
       last_weight[e.action.stage] = {e.start, e.end, e.action.type == ActionType::kBackwardWeight};
     }
   }
@@ -175,6 +173,10 @@ SimulationResult simulate(const Schedule& given, const CostModel& costs) {
     result.data_parallel_exposed_per_rank[r] = rank_end[r] - compute_end[r];
     result.data_parallel_exposed = std::max(result.data_parallel_exposed, result.data_parallel_exposed_per_rank[r]);
   }
+  TWOBP_CHECK(std::isfinite(result.step_time), UsageError,
+              "simulate: schedule '{}' takes {} under these costs: each cost is finite, but they add up past the "
+              "largest double (a cost near 1e308?)",
+              schedule.name, result.step_time);
   result.bubble_fraction = metrics::bubble_fraction(busy, result.step_time);
   std::stable_sort(result.events.begin(), result.events.end(), [](const SimulatedEvent& a, const SimulatedEvent& b) {
     return a.start != b.start ? a.start < b.start : a.rank < b.rank;
@@ -189,7 +191,7 @@ SimulationResult simulate(const Schedule& given, const CostModel& costs) {
       auto [it, inserted] = spans.try_emplace({e.action.stage, mb}, e.start, e.end);
       if (e.action.type == ActionType::kForward) {
         it->second.first = e.start;
-      } else if (e.action.type == ActionType::kBackwardWeight || e.action.type == ActionType::kBackward) {
+      } else if (makes_weight_grads(e.action.type)) {
         it->second.second = std::max(it->second.second, e.end);
       } else if (inserted) {
         it->second.second = e.end;

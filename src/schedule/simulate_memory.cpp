@@ -27,7 +27,7 @@ std::vector<double> simulate_peak_memory(const Schedule& schedule, const MemoryM
     for (const Action& a : schedule.actions[r]) {
       const ActionMemory& m = model.stages[a.stage][static_cast<int>(a.type)];
       const double k = a.type == ActionType::kBackwardWeight ? static_cast<double>(a.micro_batches.size()) : 1.0;
-      const bool weights = a.type == ActionType::kBackwardWeight || a.type == ActionType::kBackward;
+      const bool weights = makes_weight_grads(a.type);
       const double gradients =
           weights && !model.gradients.empty() && has_gradients.insert(a.stage).second ? model.gradients[a.stage] : 0.0;
       peak = std::max(peak, level + k * m.rise + gradients);

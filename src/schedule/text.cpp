@@ -16,7 +16,9 @@
 #include "twobp/schedule/pytorch_csv.h"
 #include "twobp/schedule/schedule.h"
 #include "twobp/schedule/text.h"
+#include "twobp/files.h"
 #include "util/check.h"
+#include "util/format.h"
 
 namespace twobp {
 namespace {
@@ -238,7 +240,7 @@ std::string dump_schedule(const Schedule& schedule) {
   return out;
 }
 
-Schedule load_schedule(std::string_view text) { return Parser().parse(text); }
+Schedule load_schedule(std::string_view text) { return Parser().parse(detail::without_utf8_bom(text)); }
 
 namespace {
 // The one rule for a schedule file's form: PyTorch's CSV by the name's ending, else twobp's text form.
@@ -246,10 +248,7 @@ bool names_csv(const std::string& path) { return path.size() >= 4 && path.compar
 }  // namespace
 
 void save_schedule_file(const std::string& path, const Schedule& schedule) {
-  std::ofstream out(path, std::ios::binary);
-  out << (names_csv(path) ? to_pytorch_csv(schedule) : dump_schedule(schedule));
-  out.close();
-  TWOBP_CHECK(out.good(), IOError, "cannot write schedule file '{}'", path);
+  write_file(path, names_csv(path) ? to_pytorch_csv(schedule) : dump_schedule(schedule), "schedule file");
 }
 
 Schedule load_schedule_file(const std::string& path) {

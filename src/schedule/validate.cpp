@@ -78,7 +78,7 @@ class Validator {
                             owner(a.stage), owner(a.stage), w.rank));
       }
       if (!is_compute(a.type)) {
-        const int peer = detail::peer_stage(a);
+        const int peer = peer_stage(a);
         if (owner(peer) == w.rank) {
           fail(w, fmt::format("stages {} and {} are both on rank {}: expected no communication (the tensors are "
                               "handed over locally)",
@@ -202,7 +202,7 @@ class Validator {
     });
     for_each([&](Where w, const Action& a) {
       const int mb = a.micro_batches.front();
-      const int peer = detail::peer_stage(a);
+      const int peer = peer_stage(a);
       const char* expected = nullptr;
       bool found = true;
       switch (a.type) {
@@ -269,7 +269,7 @@ class Validator {
     std::map<std::tuple<int, int, int>, Posted> channels;  // (src, dst, channel)
     for_each([&](Where w, const Action& a) {
       if (is_compute(a.type)) return;
-      const int peer = owner(detail::peer_stage(a));
+      const int peer = owner(peer_stage(a));
       const int channel = message_channel(a);
       const bool send = is_send(a.type);
       if (send) {
@@ -310,7 +310,7 @@ class Validator {
       const Action& a = at(w);
       std::string waiting_for;
       if (!is_compute(a.type)) {
-        const int peer = detail::peer_stage(a);
+        const int peer = peer_stage(a);
         const ActionType send =
             a.type == ActionType::kRecvForward ? ActionType::kSendForward : ActionType::kSendBackward;
         waiting_for = fmt::format(" for {} stage {} micro-batch {} from rank {}", to_string(send), peer,

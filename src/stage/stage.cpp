@@ -11,6 +11,7 @@
 #include <ATen/core/LegacyTypeDispatch.h>
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <mutex>
 #include <set>
@@ -552,6 +553,16 @@ void Stage::set_recompute(bool on) {
               "of a step that has not finished (micro-batch {} first)",
               options_.rank, options_.stage_index, micro_batches_.size(), micro_batches_.begin()->first);
   options_.recompute = on;
+}
+
+void Stage::set_loss_scale(double scale) {
+  TWOBP_CHECK(micro_batches_.empty(), UsageError,
+              "rank {} stage {}: the loss scale can be set between steps only; the stage holds {} micro-batch(es) of "
+              "a step that has not finished",
+              options_.rank, options_.stage_index, micro_batches_.size());
+  TWOBP_CHECK(std::isfinite(scale) && scale > 0, UsageError, "rank {} stage {}: loss scale {} is not a positive number",
+              options_.rank, options_.stage_index, scale);
+  options_.loss_scale = scale;
 }
 
 void Stage::reset() {

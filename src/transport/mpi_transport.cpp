@@ -81,7 +81,7 @@ constexpr int kMaxDims = 8;
 /// too, and the wait's first MPI_Test after the data is there ends it; the waiting thread has nothing else to do.
 /// Sleeping up to 1 ms made a 13 MB all-reduce take ~400 ms, and left standard 1F1B (p = 2, m = 4, 512 KB
 /// activations, the peer benchmark's shape) 9-14 ms per step above the simulator fed with the run's own costs; at
-/// 20 us it is 0-5 ms above (2026-12-05, four alternated runs each). The sleeps are sleeps (common.h Backoff, after
+/// 20 us it is 0-5 ms above (four alternated runs each, docs/PERFORMANCE.md). The sleeps are sleeps (common.h Backoff, after
 /// 16 yields), so a rank waiting on an oversubscribed machine still gives its core away.
 constexpr std::chrono::microseconds kWaitPollCap{20};
 

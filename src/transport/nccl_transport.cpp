@@ -23,12 +23,15 @@
 #include <cstdint>
 #include <cstring>
 #include <map>
+#include <mutex>
 #include <tuple>
 #include <utility>
 #include <vector>
 
 #include "transport/common.h"
+#include "transport/watchdog.h"
 #include "twobp/transport/launch.h"
+#include "twobp/transport/status_board.h"
 #include "util/check.h"
 
 #if TWOBP_HAVE_MPI
@@ -74,10 +77,17 @@ namespace detail {
 namespace {
 
 /// The done event of an operation whose enqueue NCCL reported as in progress: it is recorded on the channel
-/// stream once the communicator settled (the kernel is queued by then). Shared by the Work and the channel.
+/// stream once the communicator settled (the kernel is queued by then). Shared by the Work, the channel and --
+/// for a stream-side wait -- the watchdog, which may poll it after the Work is gone: the last owner destroys it.
 struct PendingDone {
   cudaEvent_t done = nullptr;
   bool recorded = false;
+  PendingDone() = default;
+  PendingDone(const PendingDone&) = delete;
+  PendingDone& operator=(const PendingDone&) = delete;
+  ~PendingDone() {
+    if (done != nullptr) cudaEventDestroy(done);
+  }
 };
 
 /// One communicator: (src -> dst, channel). src is rank 0 in it.
@@ -177,8 +187,16 @@ struct NcclTransport::Impl {
   /// constructor when NcclOptions::collective.
   std::unique_ptr<detail::Channel> collective;
   std::int64_t async_reductions = 0;
+  /// Held by the user's thread while it calls NCCL or changes a channel, and by the watchdog's abort: so that a
+  /// communicator is never aborted (freed) under a call on it. Never held while waiting for a peer. Recursive: a
+  /// Work destroyed while its post() unwinds locks it again.
+  std::recursive_mutex comms;
+  /// NcclOptions::stream_waits: polls the stream-waited receives; created last by init(), destroyed first.
+  std::unique_ptr<detail::Watchdog> watchdog;
 
   ~Impl() {
+    // First: its thread polls the channels and may abort them (its polls point into this Impl).
+    watchdog.reset();
     // Destructors must not throw and must not hang: finalize politely with a deadline, abort otherwise.
     if (collective) mine.emplace(detail::ChannelKey{-1, -1, -1}, std::move(*collective));
     for (auto& [key, ch] : mine) {
@@ -225,9 +243,39 @@ struct NcclTransport::Impl {
     return it->second;
   }
 
+  /// The caller holds `comms` (or no other thread can see this Impl yet).
   void abort_all() {
     for (auto& [key, ch] : mine) ch.abort_comm();
     if (collective) collective->abort_comm();
+  }
+
+  /// Raises the watchdog's error (a stream-side wait that timed out or failed) at the start of every call.
+  void check_watchdog() const {
+    if (watchdog) watchdog->check();
+  }
+
+  /// The watchdog's poll of a stream-waited receive, on its thread: true once the done event completed. Throws on
+  /// a CUDA error, or on the communicator's asynchronous NCCL error (a dead peer), read when the user thread is
+  /// not using the communicators at that moment (the next poll tries again otherwise).
+  bool poll_stream_wait(const detail::Channel& ch, const detail::PendingDone& done) {
+    thread_local int current = -1;  // the watchdog's thread: set the device once
+    if (current != device) {
+      TWOBP_CUDA_CHECK(cudaSetDevice(device));
+      current = device;
+    }
+    const cudaError_t q = cudaEventQuery(done.done);
+    if (q == cudaSuccess) return true;
+    TWOBP_CHECK(q == cudaErrorNotReady, TransportError, "cudaEventQuery failed: {}", cudaGetErrorString(q));
+    std::unique_lock<std::recursive_mutex> lock(comms, std::try_to_lock);
+    if (!lock.owns_lock()) return false;
+    TWOBP_CHECK(!ch.broken && ch.comm != nullptr, TransportError, "the {} was aborted", ch.name());
+    ncclResult_t state = ncclSuccess;
+    TWOBP_NCCL_CHECK(ncclCommGetAsyncError(ch.comm, &state));
+    if (state != ncclSuccess && state != ncclInProgress) {
+      detail::raise<TransportError>("the {} failed: {}: {} (NCCL_DEBUG=WARN prints NCCL's log)", ch.name(),
+                                    ncclGetErrorString(state), ncclGetLastError(ch.comm));
+    }
+    return false;
   }
 
   /// Creates `collective` (a communicator of every rank) and runs one all-reduce on it, so that its connections
@@ -279,7 +327,7 @@ void NcclTransport::Impl::init(const NcclOptions& options) {
   // Load cuBLAS's and cuBLASLt's kernels into this context now, before any NCCL kernel can spin: the first handle
   // loads them (cublasCreate -> cuKernelGetFunction), a load that may wait for the GPU's queue to drain (it does
   // under lazy loading; under eager loading this was not isolated). Seen: rank 0 of a 2-process pipeline on an H200
-  // stuck in cublasCreate beside its posted receives (2026-12-04); with this and the executor's rule for posting
+  // stuck in cublasCreate beside its posted receives (docs/GPU.md); with this and the executor's rule for posting
   // receives (ExecutorOptions::prefetch_receives) that pipeline passed. The handles take their workspace from the
   // caching allocator, which a C++ program has not initialized before its first CUDA tensor: initialize CUDA first
   // (without it: "Allocator not initialized for device", seen on the H200 the same day).
@@ -369,6 +417,16 @@ void NcclTransport::Impl::init(const NcclOptions& options) {
     // A half-created set of communicators cannot be finalized politely: abort them all.
     abort_all();
     throw;
+  }
+  if (options.stream_waits) {
+    // The abort runs on the watchdog's thread, under `comms`: no NCCL call of the user's thread is in progress.
+    watchdog = std::make_unique<detail::Watchdog>(
+        rank,
+        [this](const std::string&) {
+          std::lock_guard<std::recursive_mutex> lock(comms);
+          abort_all();
+        },
+        "aborted this rank's NCCL communicators");
   }
 }
 
@@ -470,8 +528,9 @@ namespace {
 class NcclWork final : public Work {
  public:
   /// `what` names the operation in errors ("isend SEND_F stage 1 micro-batch 2 (tag 7) to rank 1").
-  NcclWork(std::shared_ptr<NcclTransport::Impl> impl, Channel* channel, std::string what)
-      : impl_(std::move(impl)), channel_(channel), what_(std::move(what)) {
+  /// `stream_wait`: wait() hands the wait to the compute stream and the watchdog (NcclOptions::stream_waits).
+  NcclWork(std::shared_ptr<NcclTransport::Impl> impl, Channel* channel, std::string what, bool stream_wait = false)
+      : impl_(std::move(impl)), channel_(channel), what_(std::move(what)), stream_wait_(stream_wait) {
     TWOBP_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
     done_ = std::make_shared<PendingDone>();
     TWOBP_CUDA_CHECK(cudaEventCreateWithFlags(&done_->done, cudaEventDisableTiming));
@@ -479,10 +538,11 @@ class NcclWork final : public Work {
 
   ~NcclWork() override {
     // Destroying a recorded, unfinished event is allowed; the buffers are protected by recordStream. An event
-    // still waiting to be recorded is dropped by the channel too (it holds the same PendingDone).
+    // still waiting to be recorded is dropped by the channel too (it holds the same PendingDone); the done event
+    // itself goes with its last owner (the watchdog may still poll it).
     if (ready_ != nullptr) cudaEventDestroy(ready_);
+    std::lock_guard<std::recursive_mutex> lock(impl_->comms);
     if (channel_->unsettled == done_) channel_->unsettled.reset();
-    if (done_->done != nullptr) cudaEventDestroy(done_->done);
   }
 
   cudaEvent_t ready() const { return ready_; }
@@ -490,17 +550,22 @@ class NcclWork final : public Work {
 
   void wait(Duration timeout) override {
     if (finished_) return;
+    impl_->check_watchdog();
+    if (stream_wait_) return wait_on_stream(timeout);
     const auto deadline = deadline_after(timeout);
     // WHY spin first and sleep at most 50 us: the host of a GPU rank has nothing else to do while it waits, and
     // every microsecond between the transfer's end and the next enqueue is a gap on the GPU. (Waiting on the
-    // stream instead, with a watchdog thread for the timeout, as PyTorch's ProcessGroupNCCL does, is not done:
-    // it needs a GPU to test.)
+    // stream instead, with a watchdog thread for the timeout, as PyTorch's ProcessGroupNCCL does: the
+    // stream_waits mode, wait_on_stream.)
     Backoff backoff(std::chrono::microseconds(50), std::chrono::microseconds(2000));
     while (!poll()) {
       if (Clock::now() >= deadline) {
         // The peer never posted the matching operation (or died): abort this channel's communicator so that
         // its kernel stops occupying the stream and the GPU; the channel is unusable afterwards.
-        channel_->abort_comm();
+        {
+          std::lock_guard<std::recursive_mutex> lock(impl_->comms);
+          channel_->abort_comm();
+        }
         raise<TimeoutError>("rank {}: timed out after {} ms waiting for {}", impl_->rank, timeout.count(), what());
       }
       backoff.pause();
@@ -510,6 +575,7 @@ class NcclWork final : public Work {
 
   bool is_completed() override {
     if (finished_) return true;
+    impl_->check_watchdog();
     if (!poll()) return false;
     finish();
     return true;
@@ -519,6 +585,7 @@ class NcclWork final : public Work {
   const std::string& what() const { return what_; }
 
   bool poll() {
+    std::lock_guard<std::recursive_mutex> lock(impl_->comms);
     // A dead peer or network failure shows up as an asynchronous communicator error, not as a CUDA error; an
     // enqueue still in progress is completed (its done event recorded) here.
     if (!channel_->settled(impl_->rank, what())) return false;
@@ -531,13 +598,44 @@ class NcclWork final : public Work {
     return false;
   }
 
+  /// NcclOptions::stream_waits: settles the enqueue on the host (local after the warm-up: no peer involved), so
+  /// that the done event is recorded, then makes the compute stream wait for it and leaves the rest to the watchdog.
+  void wait_on_stream(Duration timeout) {
+    const auto deadline = deadline_after(timeout);
+    Backoff backoff(std::chrono::microseconds(50), std::chrono::microseconds(2000));
+    for (;;) {
+      {
+        std::lock_guard<std::recursive_mutex> lock(impl_->comms);
+        if (channel_->settled(impl_->rank, what())) break;
+        if (Clock::now() >= deadline) {
+          channel_->abort_comm();
+          raise<TimeoutError>("rank {}: timed out after {} ms waiting for NCCL to enqueue {}", impl_->rank,
+                              timeout.count(), what());
+        }
+      }
+      backoff.pause();
+    }
+    TWOBP_CHECK(done_->recorded, TransportError, "rank {}: {}: the done event was never recorded", impl_->rank,
+                what());
+    const cudaError_t q = cudaEventQuery(done_->done);
+    TWOBP_CHECK(q == cudaSuccess || q == cudaErrorNotReady, TransportError, "rank {}: {}: cudaEventQuery failed: {}",
+                impl_->rank, what(), cudaGetErrorString(q));
+    finish();  // SYNC POINT on the stream, not the host
+    if (q == cudaSuccess) return;  // arrived already: nothing to watch
+    // The poll points into the Impl (not a shared_ptr: the Impl owns the watchdog), which outlives it.
+    impl_->watchdog->watch(what(), timeout,
+                           [impl = impl_.get(), channel = channel_, done = done_] {
+                             return impl->poll_stream_wait(*channel, *done);
+                           });
+  }
+
   void finish() {
     finished_ = true;
     c10::cuda::CUDAGuard guard(impl_->device);
     // SYNC POINT (consumer side): the caller continues on its current compute stream, which may differ from
     // the one current at isend/irecv. Ordering it after the done event makes a received tensor safe to read
-    // and a sent one safe to overwrite on that stream. (The event has completed, so this costs nothing; it
-    // keeps the contract independent of the host-side polling above.)
+    // and a sent one safe to overwrite on that stream. (Host waits: the event has completed, so this costs
+    // nothing; it keeps the contract independent of the host-side polling above. Stream waits: this IS the wait.)
     TWOBP_CUDA_CHECK(
         cudaStreamWaitEvent(c10::cuda::getCurrentCUDAStream(impl_->device).stream(), done_->done, 0));
   }
@@ -545,6 +643,7 @@ class NcclWork final : public Work {
   std::shared_ptr<NcclTransport::Impl> impl_;
   Channel* channel_;  // owned by impl_->mine or impl_->collective (stable addresses)
   std::string what_;
+  bool stream_wait_ = false;
   cudaEvent_t ready_ = nullptr;
   std::shared_ptr<PendingDone> done_;
   bool finished_ = false;
@@ -595,10 +694,12 @@ std::unique_ptr<Work> NcclTransport::irecv(at::Tensor& buffer, const P2POptions&
 std::unique_ptr<Work> NcclTransport::post(bool is_send, const at::Tensor& tensor, const P2POptions& options) {
   auto& im = *impl_;
   const char* what = is_send ? "isend" : "irecv";
+  im.check_watchdog();
   detail::check_p2p_args(what, im.rank, im.world, tensor, options);
   TWOBP_CHECK(tensor.is_cuda() && tensor.device().index() == im.device, UsageError,
               "rank {}: {} {}: NcclTransport moves tensors on cuda:{}, got one on {}", im.rank, what,
               detail::describe_op(options), im.device, tensor.device().str());
+  std::lock_guard<std::recursive_mutex> lock(im.comms);  // no watchdog abort while this posts
   detail::Channel& ch = is_send ? im.channel(im.rank, options.peer, what, options)
                                 : im.channel(options.peer, im.rank, what, options);
   const std::string op = fmt::format("{} {}", what, detail::describe_op(options));
@@ -609,7 +710,8 @@ std::unique_ptr<Work> NcclTransport::post(bool is_send, const at::Tensor& tensor
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(im.device));
   const auto compute = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(im.device));
   auto work = std::make_unique<detail::NcclWork>(
-      impl_, &ch, fmt::format("{} {} rank {}", detail::describe_op(options), is_send ? "to" : "from", options.peer));
+      impl_, &ch, fmt::format("{} {} rank {}", detail::describe_op(options), is_send ? "to" : "from", options.peer),
+      /*stream_wait=*/!is_send && im.options.stream_waits);
 
   // SYNC POINT (producer side): the tensor was produced -- for a receive buffer: last used -- by work queued on
   // the compute stream. The channel stream must not read (send) or overwrite (receive) it before that finished.
@@ -638,6 +740,7 @@ std::unique_ptr<Work> NcclTransport::post(bool is_send, const at::Tensor& tensor
 }
 
 void NcclTransport::all_reduce_sum(at::Tensor& tensor, Duration timeout) {
+  impl_->check_watchdog();
   TWOBP_CHECK(tensor.defined(), UsageError, "rank {}: all_reduce_sum of an undefined tensor", impl_->rank);
   // WHY over the host transport on a CPU copy: this is for a handful of scalars (loss, gradient norm). The
   // device-to-host copy synchronizes with the compute stream that produced the values; a world NCCL
@@ -653,6 +756,7 @@ void NcclTransport::all_reduce_sum(at::Tensor& tensor, Duration timeout) {
 
 std::unique_ptr<Work> NcclTransport::all_reduce_sum_async(at::Tensor& tensor, Duration timeout) {
   auto& im = *impl_;
+  im.check_watchdog();
   TWOBP_CHECK(tensor.defined() && tensor.is_cuda() && tensor.device().index() == im.device && tensor.is_contiguous(),
               UsageError, "rank {}: all_reduce_sum_async: NcclTransport reduces contiguous tensors on cuda:{}, got {}",
               im.rank, im.device, tensor.defined() ? tensor.device().str() : std::string("an undefined tensor"));
@@ -675,6 +779,7 @@ std::unique_ptr<Work> NcclTransport::all_reduce_sum_async(at::Tensor& tensor, Du
               "rank {}: {}: this NcclTransport was built with NcclOptions::collective = false; build it with true "
               "(the default) to reduce gradient buckets on the GPU",
               im.rank, what);
+  std::lock_guard<std::recursive_mutex> lock(im.comms);  // no watchdog abort while this posts
   detail::Channel& ch = *im.collective;
   ch.settle(im.rank, timeout, what);
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(im.device));
@@ -695,9 +800,15 @@ std::unique_ptr<Work> NcclTransport::all_reduce_sum_async(at::Tensor& tensor, Du
   return work;
 }
 
-void NcclTransport::barrier(Duration timeout) { impl_->host->barrier(timeout); }
+void NcclTransport::barrier(Duration timeout) {
+  impl_->check_watchdog();
+  impl_->host->barrier(timeout);
+}
+
+std::shared_ptr<StatusBoard> NcclTransport::status_board() const { return impl_->host->status_board(); }
 
 void NcclTransport::broadcast(at::Tensor& tensor, int root, Duration timeout) {
+  impl_->check_watchdog();
   TWOBP_CHECK(tensor.defined(), UsageError, "rank {}: broadcast of an undefined tensor", impl_->rank);
   // Over the host transport on a CPU copy, like all_reduce_sum (see there); the copy back lands on this rank's
   // current stream.
@@ -710,6 +821,7 @@ std::unique_ptr<Transport> NcclTransport::split(int color, int key, Duration tim
   // The host transport splits first (a timed collective over every rank of this transport); the group's NCCL
   // communicators are then bootstrapped through the group's host exactly as this transport's were: its ids never
   // travel outside the group. UNTESTED on GPUs so far (no GPU where it was written).
+  impl_->check_watchdog();
   std::unique_ptr<Transport> group_host = impl_->host->split(color, key, timeout);
   if (!group_host) return nullptr;
   NcclOptions options = impl_->options;
@@ -722,7 +834,10 @@ std::unique_ptr<Transport> NcclTransport::split(int color, int key, Duration tim
 void NcclTransport::abort(const std::string& reason) {
   // Abort the communicators first: the host's abort may take a moment (MPI_Abort kills the job), and the peers'
   // NCCL kernels should not wait on ours meanwhile.
-  impl_->abort_all();
+  {
+    std::lock_guard<std::recursive_mutex> lock(impl_->comms);
+    impl_->abort_all();
+  }
   impl_->host->abort(reason);
 }
 

@@ -1,7 +1,11 @@
-// Parity of the 2BP split against ordinary backprop (loss.backward()) on one stage, for both paths.
+// Parity of the 2BP split against ordinary backprop (loss.backward()) on one stage, for both paths; and the CUDA
+// kernels its GPU paths need, registered by the linked LibTorch.
 
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <torch/version.h>
 
 #include <algorithm>
 #include <functional>
@@ -570,6 +574,28 @@ TEST(AccumulateMatmul, AddsIntoTheGradientOrItsMaster) {
   EXPECT_FALSE(compute.grad().defined());
   EXPECT_TRUE(torch::equal(master.grad(), 2 * ab.mm(bb).to(torch::kFloat) + 1));
   EXPECT_THROW(autograd::set_master_gradient(compute, master), UsageError) << "one slot per tensor";
+}
+
+// The CUDA-only operators the split's GPU paths call (split_cuda_test runs them on a GPU): fused RMSNorm and its
+// backward, and the float32-output GEMMs of W under mixed precision (accumulate_matmul). The linked LibTorch must
+// register a CUDA kernel for each, so that an upgrade that drops or renames one fails here, on the CPU, and not
+// first on a lent GPU. The dispatcher knows without a GPU: libtorch_cuda registers its kernels when it loads.
+TEST(CudaKernels, LinkedLibTorchRegistersTheSplitsCudaOnlyOperators) {
+  if (!c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA)) {
+    GTEST_SKIP() << "this build links no CUDA library of LibTorch (a CPU-only LibTorch, or the CPU-only import "
+                    "TWOBP_TORCH_CPU_ONLY): there are no CUDA kernels to look for";
+  }
+  const std::pair<const char*, const char*> ops[] = {{"aten::_fused_rms_norm", ""},
+                                                     {"aten::_fused_rms_norm_backward", ""},
+                                                     {"aten::mm", "dtype"},
+                                                     {"aten::baddbmm", "dtype_out"}};
+  for (const auto& [name, overload] : ops) {
+    const std::string op = std::string(name) + (*overload ? std::string(".") + overload : "");
+    const auto handle = c10::Dispatcher::singleton().findSchema({name, overload});
+    ASSERT_TRUE(handle.has_value()) << op << ": no such operator in this LibTorch " << TORCH_VERSION;
+    EXPECT_TRUE(handle->hasKernelForDispatchKey(c10::DispatchKey::CUDA))
+        << op << ": no CUDA kernel in this LibTorch " << TORCH_VERSION;
+  }
 }
 
 // Top-level operators per phase of a Stage on the library's LLaMa chunk of `blocks` blocks, F I W then F B,

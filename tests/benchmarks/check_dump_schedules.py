@@ -18,6 +18,7 @@ def simulate(bench, args, out):
 
 def main():
     bench, work = sys.argv[1], sys.argv[2]
+    os.makedirs(work, exist_ok=True)  # --json's directory must exist (--dump-schedules makes its own when it writes)
     dumps = os.path.join(work, "schedules")
     results = simulate(bench, ["--schedule", "all", "--ranks", "4", "--microbatches", "8", "--dump-schedules", dumps],
                        os.path.join(work, "all.json"))

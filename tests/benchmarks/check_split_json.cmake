@@ -1,7 +1,8 @@
 # cmake -DJSON=split.json [-DPATHS=fast;general] [-DABSENT=general] [-DBATCHED_W=ON] -P check_split_json.cmake
 # Fails (non-zero exit) unless every headline number of `twobp_bench split` is present and a positive number --
-# per path the synced times and ratios, the accumulating ones, and per phase (F, I, W, B) host_ms,
-# host_overhead_us and ops_per_block -- and the paths in ABSENT are not there (--paths left them out).
+# per path the synced times and ratios, the accumulating ones, and per phase (F, I, W, B) host_ms and
+# ops_per_block -- every host_overhead_us is a finite number (a difference of two timings: load or the clock's
+# resolution can make it negative), and the paths in ABSENT are not there (--paths left them out).
 if(NOT DEFINED JSON)
   message(FATAL_ERROR "usage: cmake -DJSON=file [-DPATHS=fast;general] [-DABSENT=path;...] [-DBATCHED_W=ON] "
                       "-P ${CMAKE_CURRENT_LIST_FILE}")
@@ -14,7 +15,7 @@ include(${CMAKE_CURRENT_LIST_DIR}/read_json_object.cmake)
 set(_keys stage1_ratio split_ratio forward_ms stage1_ms stage2_ms fused_ms accumulate|stage2_ms accumulate|fused_ms
           accumulate|split_ratio)
 foreach(phase F I W B)
-  list(APPEND _keys host_ms|${phase} host_overhead_us|${phase} ops_per_block|${phase})
+  list(APPEND _keys host_ms|${phase} ops_per_block|${phase} host_overhead_us|${phase})
 endforeach()
 if(BATCHED_W)
   list(APPEND _keys batched_w_speedup)
@@ -47,6 +48,10 @@ foreach(check IN LISTS _checks)
   string(JSON _type TYPE "${_doc}" ${_member})
   if(NOT _type STREQUAL "NUMBER")
     list(APPEND _problems "${_name}: not a number (${_value})")
+  elseif(_name MATCHES "/host_overhead_us/")
+    if(NOT _value MATCHES "^-?[0-9]*\\.?[0-9]+([eE][-+]?[0-9]+)?$")
+      list(APPEND _problems "${_name}: not a finite number (${_value})")
+    endif()
   elseif(NOT _value MATCHES "^[0-9]*\\.?[0-9]+([eE][-+]?[0-9]+)?$" OR _value MATCHES "^0*\\.?0*$")
     list(APPEND _problems "${_name}: not a positive finite number (${_value})")
   endif()
@@ -57,4 +62,4 @@ if(_problems)
   message(FATAL_ERROR "${JSON}: invalid split benchmark output:\n  ${_text}")
 endif()
 list(LENGTH _checks _n)
-message(STATUS "${JSON}: ${_n} values present and positive")
+message(STATUS "${JSON}: ${_n} values present, positive (host overheads: finite)")

@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
+#include <limits>
 #include <string>
 #include <thread>
 #include <vector>
@@ -50,6 +52,27 @@ TEST(Metrics, RingAllReduce) {
   EXPECT_DOUBLE_EQ(metrics::ring_all_reduce_seconds(1e9, 1, 12.5e9, 5e-6), 0.0);
   EXPECT_DOUBLE_EQ(metrics::ring_all_reduce_seconds(1e9, 0, 12.5e9, 5e-6), 0.0);
   EXPECT_DOUBLE_EQ(metrics::ring_all_reduce_seconds(0.0, 8, 12.5e9, 5e-6), 0.0);
+  EXPECT_DOUBLE_EQ(metrics::ring_all_reduce_seconds(1e9, 1, 0.0, 0.0), 0.0) << "one rank needs no link";
+}
+
+// Issue 69: a size, time or bandwidth that is not one is refused naming the argument (a negative size was priced
+// at 0, a NaN one at NaN); a bandwidth of 0 means nothing where bytes cross the link.
+TEST(Metrics, RingAllReduceRefusesNumbersThatAreNotSizesTimesOrBandwidths) {
+  const double inf = std::numeric_limits<double>::infinity();
+  auto refused = [](const std::function<void()>& f, const std::string& needle) {
+    try {
+      f();
+      ADD_FAILURE() << needle << ": taken";
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find("ring_all_reduce_seconds: " + needle), std::string::npos) << e.what();
+    }
+  };
+  for (double bad : {std::nan(""), inf, -inf, -1.0}) {
+    refused([&] { metrics::ring_all_reduce_seconds(bad, 8, 12.5e9, 5e-6); }, "bytes is ");
+    refused([&] { metrics::ring_all_reduce_seconds(1e9, 8, 12.5e9, bad); }, "latency_s is ");
+    refused([&] { metrics::ring_all_reduce_seconds(1e9, 8, bad, 5e-6); }, "link_bytes_per_s is ");
+  }
+  refused([] { metrics::ring_all_reduce_seconds(1e9, 8, 0.0, 5e-6); }, "link_bytes_per_s is 0");
 }
 
 TEST(Metrics, ExposedWait) {

@@ -13,6 +13,7 @@
 #include "twobp/error.h"
 #include "twobp/metrics/memory.h"
 #include "twobp/models/llama.h"
+#include "twobp/plan/recompute.h"
 #include "twobp/schedule/registry.h"
 #include "twobp/stage.h"
 

@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -22,11 +24,11 @@
 #include "twobp/error.h"
 #include "twobp/metrics/memory.h"
 #include "twobp/plan/choose.h"
-#include "twobp/plan/synthesize.h"
 #include "twobp/runtime/launch.h"
 #include "twobp/runtime/pipeline.h"
 #include "twobp/schedule/registry.h"
 #include "twobp/schedule/simulate.h"
+#include "twobp/schedule/synthesize.h"
 #include "twobp/transport/local.h"
 
 namespace twobp::testing {
@@ -206,6 +208,57 @@ TEST(RankSchedules, UnknownNamesAndNoModesAreRefused) {
   for (const RankOptions& o : unusable_candidate_sets()) {
     expect_error([&] { rank_schedules(running, split_costs(2, 1.0, 1.0, 1.0), o); }, {"rank_schedules", culprit(o)});
   }
+}
+
+// Issue 69: exact ties are in registry order, standard before 2BP, whatever order RankOptions gives the names and
+// modes in (choose.h); and costs that are not costs are refused where they enter, naming the list and stage.
+TEST(RankSchedules, TiesFollowTheRegistryNotTheCallersOrder) {
+  const Schedule running = make_schedule("1f1b", ScheduleOptions{2, 4, 1, BackwardMode::kSplit});
+  MeasuredCosts costs = split_costs(2, 1.0, 1.0, 1.0);
+  costs.backward = {2.0, 2.0};
+  RankOptions given;
+  given.names = schedule_names();
+  std::reverse(given.names.begin(), given.names.end());
+  given.modes = {BackwardMode::kSplit, BackwardMode::kStandard};
+  const auto mine = rank_schedules(running, costs, given);
+  const auto registry = rank_schedules(running, costs);
+  ASSERT_EQ(mine.size(), registry.size());
+  const std::vector<std::string> names = schedule_names();
+  auto index = [&](const std::string& n) { return std::find(names.begin(), names.end(), n) - names.begin(); };
+  int ties = 0;
+  for (std::size_t k = 0; k < mine.size(); ++k) {
+    EXPECT_EQ(mine[k].name, registry[k].name) << k;
+    EXPECT_EQ(mine[k].mode, registry[k].mode) << k;
+    if (k > 0 && mine[k].predicted_ms == mine[k - 1].predicted_ms) {
+      ++ties;
+      const auto& a = mine[k - 1];
+      const auto& b = mine[k];
+      EXPECT_TRUE(index(a.name) < index(b.name) ||
+                  (a.name == b.name && a.mode == BackwardMode::kStandard && b.mode == BackwardMode::kSplit))
+          << a.name << " " << to_string(a.mode) << " before " << b.name << " " << to_string(b.mode);
+    }
+  }
+  EXPECT_GT(ties, 0) << "the costs should make some candidates tie (gpipe and 1f1b standard)";
+}
+
+TEST(RankSchedules, RefusesCostsThatAreNotCosts) {
+  const Schedule running = make_schedule("1f1b", ScheduleOptions{2, 4, 1, BackwardMode::kSplit});
+  const double inf = std::numeric_limits<double>::infinity();
+  for (double bad : {std::nan(""), inf, -inf, -1.0, 1e308}) {
+    MeasuredCosts costs = split_costs(2, 1.0, 1.0, 1.0);
+    costs.backward_input[1] = bad;
+    expect_error([&] { rank_schedules(running, costs); }, {"rank_schedules: costs: costs_ms.I[1] is "});
+    RankOptions o;
+    MeasuredCosts recomputing = split_costs(2, 1.0, 1.0, 1.0);
+    recomputing.forward[0] = bad;
+    o.recompute_costs = &recomputing;
+    expect_error([&] { rank_schedules(running, split_costs(2, 1.0, 1.0, 1.0), o); },
+                 {"rank_schedules: RankOptions.recompute_costs: costs_ms.F[0] is "});
+  }
+  RankOptions nan_limit;
+  nan_limit.memory_limit_bytes = std::nan("");
+  expect_error([&] { rank_schedules(running, split_costs(2, 1.0, 1.0, 1.0), nan_limit); },
+               {"memory_limit_bytes is nan"});
 }
 
 // A memory model whose numbers differ per stage and action type: F keeps activations, I frees most, W the rest.

@@ -2,9 +2,13 @@
 // run document's costs on its own and on other placements with the partner's mode, the ring all-reduce terms.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "common/expect_error.h"
 #include "twobp/error.h"
 #include "twobp/metrics/metrics.h"
 #include "twobp/plan/cost_source.h"
@@ -86,6 +90,69 @@ TEST(CostSource, ARunDocumentsResultWithItsPartnersMode) {
   EXPECT_THROW(CostSource(doc, 0, "run.json"), UsageError);
 }
 
+// Issue 69: each per-rank cost NaN, +inf, -inf, negative or past 1e9 ms is refused naming it; so is a B more than
+// 10 % below max(I, W0 + W) -- `twobp_bench simulate --b 0.5 --i 1 --w 1` -- while B = max(I, W) less 10 % is taken.
+TEST(CostSource, RefusesPerRankCostsThatAreNotCosts) {
+  using Field = double RankCosts::*;
+  const std::pair<const char*, Field> fields[] = {{"F (RankCosts.forward)", &RankCosts::forward},
+                                                  {"I (RankCosts.backward_input)", &RankCosts::backward_input},
+                                                  {"W (RankCosts.backward_weight)", &RankCosts::backward_weight},
+                                                  {"B (RankCosts.backward)", &RankCosts::backward},
+                                                  {"W0 (RankCosts.backward_weight_fixed)",
+                                                   &RankCosts::backward_weight_fixed},
+                                                  {"comm (RankCosts.communication)", &RankCosts::communication}};
+  const double inf = std::numeric_limits<double>::infinity();
+  for (const auto& [name, field] : fields) {
+    for (double bad : {std::nan(""), inf, -inf, -1.0, 1e308}) {
+      RankCosts c;
+      c.*field = bad;
+      testing::expect_error([&] { CostSource src(c); }, {std::string("CostSource: per-rank costs: ") + name + " is "});
+    }
+  }
+  testing::expect_error([] { CostSource src(RankCosts{1.0, 1.0, 1.0, 0.5}); },
+                        {"B is 0.5, below max(I, W) = max(1, 1)", "10 % tolerance"});
+  testing::expect_error([] { CostSource src(RankCosts{1.0, 1.0, 2.0, 1.5}); }, {"B is 1.5, below max(I, W)"});
+  testing::expect_error([] { CostSource src(RankCosts{1.0, 1.0, 1.0, 1.5, 1.0}); }, {"max(1, 2)"});  // W0 + W
+  EXPECT_NO_THROW(CostSource(RankCosts{1.0, 1.0, 1.0, 0.95}));  // within the tolerance
+  EXPECT_NO_THROW(CostSource(RankCosts{1.0, 0.0, 0.0, 0.0}));  // 0: free (or not measured)
+  for (double bad : {std::nan(""), inf, -inf, -0.5}) {
+    EXPECT_THROW(CostSource(RankCosts{}, bad), UsageError) << "overlap " << bad;
+  }
+}
+
+// A document built in code (not read) with a cost that is no cost, or lists of other lengths, is refused naming
+// the file and the result (CostSource's header); so is an overlap that is not a share.
+TEST(CostSource, RefusesARecordsBadCostsNamingTheFileAndResult) {
+  const double inf = std::numeric_limits<double>::infinity();
+  RunRecord split{"1f1b", BackwardMode::kSplit, 2, 4, 1};
+  split.costs.forward = {1.0, 3.0};
+  split.costs.backward_input = {2.0, 4.0};
+  split.costs.backward_weight = {1.0, 2.0};
+  split.costs.backward = {0.0, 0.0};
+  for (double bad : {std::nan(""), inf, -inf, -1.0, 1e308}) {
+    RunDocument doc;
+    doc.results = {split};
+    doc.results[0].costs.backward_weight[1] = bad;
+    testing::expect_error([&] { CostSource src(doc, 0, "run.json"); }, {"run.json: result 0: costs_ms.W[1] is "});
+  }
+  RunDocument doc;
+  doc.results = {split};
+  doc.results[0].costs.backward_input = {2.0, 4.0, 5.0};  // 3 entries, 2 stages
+  testing::expect_error([&] { CostSource src(doc, 0, "run.json"); }, {"run.json: result 0:", "sizes differ"});
+  RunRecord standard = split;
+  standard.mode = BackwardMode::kStandard;
+  standard.costs.backward_input = {0.0, 0.0};
+  standard.costs.backward_weight = {0.0, 0.0};
+  standard.costs.backward = {3.5, 6.5};
+  doc.results = {split, standard};
+  doc.results[1].costs.backward[0] = std::nan("");
+  testing::expect_error([&] { CostSource src(doc, 0, "run.json"); },
+                        {"run.json: result 1 (the partner of result 0): costs_ms.B[0] is nan"});
+  doc.results = {split};
+  EXPECT_THROW(CostSource(doc, 0, "run.json", std::nan("")), UsageError);
+  EXPECT_THROW(CostSource(doc, 0, "run.json", inf), UsageError);
+}
+
 TEST(AddDataParallel, EachStagesRingAllReduceInBuckets) {
   const Schedule sc = schedule("zb-v", 2, 4, 2);  // stages 0, 3 on rank 0; 1, 2 on rank 1
   const std::vector<double> bytes{1e6, 2e6, 3e6, 4e6};
@@ -103,6 +170,22 @@ TEST(AddDataParallel, EachStagesRingAllReduceInBuckets) {
   EXPECT_DOUBLE_EQ(worst, costs.data_parallel_reduce[0] + costs.data_parallel_reduce[3]) << "rank 0 holds the most";
   EXPECT_THROW(add_data_parallel(costs, sc, {1e6}, link), UsageError);
   EXPECT_THROW(add_data_parallel(costs, sc, bytes, RingLink{4, 1e9, 0.0, 0}), UsageError);
+  // Issue 69: gradient sizes and the link's numbers that are not sizes or times; a bandwidth of 0 means nothing.
+  const double inf = std::numeric_limits<double>::infinity();
+  for (double bad : {std::nan(""), inf, -inf, -1.0}) {
+    std::vector<double> wrong = bytes;
+    wrong[1] = bad;
+    testing::expect_error([&] { add_data_parallel(costs, sc, wrong, link); },
+                          {"add_data_parallel: gradient_bytes[1] is ", "expected a finite size in bytes >= 0"});
+    testing::expect_error([&] { add_data_parallel(costs, sc, bytes, RingLink{4, 1e9, bad, 1}); },
+                          {"add_data_parallel: RingLink.latency_s is "});
+  }
+  for (double bad : {std::nan(""), inf, -inf, -1.0, 0.0}) {
+    testing::expect_error([&] { add_data_parallel(costs, sc, bytes, RingLink{4, bad, 0.0, 1}); },
+                          {"add_data_parallel: RingLink.bytes_per_s is ", "a finite bandwidth in bytes/s > 0"});
+  }
+  EXPECT_NO_THROW(add_data_parallel(costs, sc, bytes, RingLink{1, 0.0, 0.0, 1})) << "one replica: no link needed";
+  EXPECT_NO_THROW(add_data_parallel(costs, sc, {0.0, 0.0, 0.0, 0.0}, link)) << "0 bytes: nothing to reduce";
 }
 
 }  // namespace

@@ -6,9 +6,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "twobp/error.h"
@@ -200,6 +202,77 @@ TEST(FitLlamaCosts, OneChunkShapeFallsBackToFlopShares) {
               1e-12);
 }
 
+// Issue 70: a per-action cost measured elsewhere, with one chunk shape: taken out of every measured action before the
+// FLOP shares and put back as each F, I, B and W0's per-action term -- the measured partition's totals kept, a
+// partition of more chunks paying it more often. Where the shapes fit the term themselves it is refused.
+TEST(FitLlamaCosts, AGivenPerActionCostIsTakenOutOfOneShapeAndRefusedWhereShapesFitIt) {
+  const MeasuredLlamaRun split = exact_run(2, BackwardMode::kSplit);
+  const MeasuredLlamaRun standard = exact_run(2, BackwardMode::kStandard);
+  const double x = 0.0625;
+  const LlamaCosts c = fit_llama_costs(model(), kSeq, {split, standard}, x);
+  ASSERT_EQ(c.kind, LlamaCosts::Kind::kFlopShares);
+  for (const ChunkCost* k : {&c.forward, &c.backward_input, &c.backward, &c.backward_weight_fixed}) {
+    EXPECT_EQ(k->per_action, x);
+  }
+  EXPECT_EQ(c.backward_weight.per_action, 0.0) << "W per micro-batch: its W0 pays the action's fixed cost";
+  EXPECT_NE(c.how.find("0.0625 ms per action"), std::string::npos) << c.how;
+  auto sum = [](const std::vector<double>& v) {
+    double s = 0;
+    for (double t : v) s += t;
+    return s;
+  };
+  auto total = [](const ChunkCost& k, const llm::Partition& p) {
+    double s = 0;
+    for (const llm::ChunkSpec& chunk : p.chunks) s += k.of(chunk);
+    return s;
+  };
+  const llm::Partition& two = split.partition;
+  EXPECT_NEAR(total(c.forward, two), sum(split.costs.forward), 1e-9);
+  EXPECT_NEAR(total(c.backward_input, two), sum(split.costs.backward_input), 1e-9);
+  EXPECT_NEAR(total(c.backward_weight_fixed, two) + total(c.backward_weight, two), sum(split.costs.backward_weight),
+              1e-9);
+  EXPECT_NEAR(total(c.backward, two), sum(standard.costs.backward), 1e-9);
+  const llm::Partition four = llm::make_partition(model(), 4, kSeq);
+  EXPECT_NEAR(total(c.forward, four) - total(c.forward, two), 2 * x, 1e-9) << "two more chunks, two more F's";
+  // The planner's cost model charges it in every stage's costs, and a W's fixed part once per W.
+  const CostModel m = c.cost_model(four, BackwardMode::kSplit, false, 0.0);
+  ASSERT_EQ(m.backward_weight_fixed.size(), 4u);
+  EXPECT_DOUBLE_EQ(m.backward_weight_fixed[0], x);
+  EXPECT_EQ(m.per_action, 0.0) << "one value: in the stages' costs, not again in CostModel::per_action";
+  // 0 given: as none given.
+  const LlamaCosts none = fit_llama_costs(model(), kSeq, {split, standard});
+  const LlamaCosts zero = fit_llama_costs(model(), kSeq, {split, standard}, 0.0);
+  expect_terms(zero.forward, none.forward, "F at 0");
+  expect_terms(zero.backward, none.backward, "B at 0");
+  // Two shapes fit the per-action terms: a given one would be a second value.
+  const std::vector<MeasuredLlamaRun> shapes{split, exact_run(4, BackwardMode::kSplit)};
+  EXPECT_NO_THROW(fit_llama_costs(model(), kSeq, shapes));
+  for (double given : {0.0, x}) {
+    try {
+      fit_llama_costs(model(), kSeq, shapes, given);
+      ADD_FAILURE() << given << " ms per action was taken beside the fitted term";
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find("determine the per-action terms themselves"), std::string::npos)
+          << e.what();
+    }
+  }
+  // More than the actions measured, or not a time: refused.
+  EXPECT_THROW(fit_llama_costs(model(), kSeq, {split, standard}, 1e6), UsageError);
+  for (double bad : {std::nan(""), std::numeric_limits<double>::infinity(), -1.0}) {
+    EXPECT_THROW(fit_llama_costs(model(), kSeq, {split, standard}, bad), UsageError) << bad;
+    EXPECT_THROW(estimate_llama_costs(model(), kSeq, 1, 50.0, measured_backward_ratios(), bad), UsageError) << bad;
+  }
+  // Estimated costs: on top of the FLOP time.
+  const LlamaCosts flops = estimate_llama_costs(model(), kSeq, 1, 50.0);
+  const LlamaCosts fixed = estimate_llama_costs(model(), kSeq, 1, 50.0, measured_backward_ratios(), x);
+  const llm::ChunkSpec& first = four.chunks[0];
+  EXPECT_NEAR(fixed.forward.of(first), flops.forward.of(first) + x, 1e-12);
+  EXPECT_NEAR(fixed.backward.of(first), flops.backward.of(first) + x, 1e-12);
+  EXPECT_NEAR(fixed.backward_weight.of(first), flops.backward_weight.of(first), 1e-12);
+  EXPECT_EQ(fixed.backward_weight_fixed.per_action, x);
+  EXPECT_NE(fixed.how.find("0.0625 ms per action"), std::string::npos) << fixed.how;
+}
+
 TEST(FitLlamaCosts, NegativeTermsWarnAndBadRunsAreRefused) {
   MeasuredLlamaRun a = exact_run(2, BackwardMode::kSplit), b = exact_run(4, BackwardMode::kSplit);
   for (MeasuredLlamaRun* r : {&a, &b}) {  // W with a negative per-action term
@@ -352,6 +425,42 @@ TEST(PlanLlamaLayouts, EveryLayoutOfTheRanksRankedByTheSimulator) {
 // Runs whose overlapped F&B pairs ran at once give the fit their share of the shorter part hidden, weighted by the
 // pairs each ran (both fit paths), carried to other shapes unchanged; the planner then runs DualPipeV's pairs at
 // once in the simulator, and only schedules with pairs change.
+// Issue 70: the planner plans with the per-action cost (estimate_llama_costs' per_action_ms, `plan --action-ms`):
+// every candidate is slower by it, the schedules of more chunks by more, and synth is synthesized for it.
+TEST(PlanLlamaLayouts, AFixedCostPerActionCostsMoreChunksMore) {
+  const llm::LlamaConfig config = model();
+  LayoutPlanOptions o = plan_options();
+  o.max_dp = 1;
+  o.schedules = {"1f1b", "interleaved-1f1b", "synth"};
+  o.modes = {BackwardMode::kSplit};
+  o.recompute = {false};
+  const double x = 0.5;  // ms, against chunks of some 0.01 ms at 50 TFLOP/s
+  const LlamaCosts without = estimate_llama_costs(config, kSeq, 1, 50.0);
+  const LlamaCosts with = estimate_llama_costs(config, kSeq, 1, 50.0, measured_backward_ratios(), x);
+  std::map<std::string, double> before, grown;
+  for (const LayoutCandidate& c : plan_llama_layouts(config, without, o).candidates) before[c.schedule] = c.step_ms;
+  for (const LayoutCandidate& c : plan_llama_layouts(config, with, o).candidates) {
+    ASSERT_TRUE(before.count(c.schedule)) << c.schedule;
+    grown[c.schedule] = c.step_ms - before[c.schedule];
+    EXPECT_GT(grown[c.schedule], 0.0) << c.schedule;
+    if (c.schedule == "synth") {  // synthesized for the costs with x: the simulator's step under them
+      const Schedule s = make_schedule_for_costs(
+          "synth", default_schedule_options("synth", c.pp, c.m, c.mode),
+          [&](const std::vector<int>& owners) {
+            return with.cost_model(llm::make_partition(config, static_cast<int>(owners.size()), kSeq), c.mode,
+                                   false, o.communication_ms);
+          },
+          o.synthesis);
+      EXPECT_DOUBLE_EQ(c.step_ms,
+                       simulate(s, with.cost_model(llm::make_partition(config, s.num_stages, kSeq), c.mode, false,
+                                                   o.communication_ms))
+                           .step_time);
+    }
+  }
+  ASSERT_EQ(grown.size(), 3u);
+  EXPECT_GT(grown["interleaved-1f1b"], grown["1f1b"]) << "v = 2: twice the actions of v = 1";
+}
+
 TEST(PlanLlamaLayouts, OverlappedPairsArePlannedAtTheFittedShare) {
   auto overlapped = [](MeasuredLlamaRun run, double share, int pairs) {
     run.costs.overlap = share;
@@ -502,6 +611,34 @@ TEST(PlanLlamaLayouts, RefusesShapesWithNoCandidate) {
   o.max_dp = 0;
   o.link_bytes_per_s = 0;  // dp > 1 needs a bandwidth
   EXPECT_THROW(plan_llama_layouts(config, costs, o), UsageError);
+}
+
+// Issue 69: a communication time, latency or bandwidth that is NaN, infinite or negative (a communication time past
+// 1e9 ms too) is refused naming the field before anything is planned; so is a NaN memory limit.
+TEST(PlanLlamaLayouts, RefusesTimesAndBandwidthsThatAreNotOnes) {
+  const llm::LlamaConfig config = model();
+  const LlamaCosts costs = estimate_llama_costs(config, kSeq, 1, 1.0);
+  const double inf = std::numeric_limits<double>::infinity();
+  using Field = double LayoutPlanOptions::*;
+  const std::pair<const char*, Field> fields[] = {{"communication_ms", &LayoutPlanOptions::communication_ms},
+                                                  {"link_latency_s", &LayoutPlanOptions::link_latency_s},
+                                                  {"link_bytes_per_s", &LayoutPlanOptions::link_bytes_per_s},
+                                                  {"memory_limit_bytes", &LayoutPlanOptions::memory_limit_bytes}};
+  for (const auto& [name, field] : fields) {
+    for (double bad : {std::nan(""), inf, -inf, -1.0}) {
+      if (field == &LayoutPlanOptions::memory_limit_bytes && !std::isnan(bad)) continue;  // <= 0: none; inf: all fit
+      LayoutPlanOptions o = plan_options();
+      o.*field = bad;
+      try {
+        plan_llama_layouts(config, costs, o);
+        ADD_FAILURE() << name << " = " << bad << " was taken";
+      } catch (const UsageError& e) {
+        EXPECT_NE(std::string(e.what()).find(std::string("plan_llama_layouts: LayoutPlanOptions.") + name + " is "),
+                  std::string::npos)
+            << e.what();
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -435,6 +436,50 @@ TEST(MeasuredCosts, JsonReaderNamesWhatIsWrong) {
              "with n > 0");
   fails_with(R"({"communication_ms": 0, "costs_ms": {"F": [1]}, "overlap": {"share": 1.5, "pairs": 2}})",
              "overlap.share must be a number in [0, 1]");
+  fails_with(R"({"communication_ms": 0, "costs_ms": {"F": [1, 1e308]}})", "costs_ms.F[1] is 1e+308");
+  fails_with(R"({"communication_ms": 2e9, "costs_ms": {"F": [1]}})", "communication_ms is 2000000000");
+}
+
+// Issue 69: the one check of measured costs (check_measured_costs; cost_model and the planners call it) refuses
+// NaN, +inf, -inf, negative and huge entries of every list, naming where, the field and the stage; 0 is "not
+// measured", taken.
+TEST(MeasuredCosts, RefusesCostsThatAreNotCosts) {
+  using List = std::vector<double> MeasuredCosts::*;
+  const std::pair<const char*, List> lists[] = {
+      {"costs_ms.F[1]", &MeasuredCosts::forward},       {"costs_ms.I[1]", &MeasuredCosts::backward_input},
+      {"costs_ms.W[1]", &MeasuredCosts::backward_weight}, {"costs_ms.W0[1]", &MeasuredCosts::backward_weight_fixed},
+      {"costs_ms.B[1]", &MeasuredCosts::backward},      {"costs_ms.R[1]", &MeasuredCosts::recompute}};
+  const double inf = std::numeric_limits<double>::infinity();
+  auto good = [] {
+    MeasuredCosts c;
+    c.forward = c.backward_input = c.backward_weight = c.backward_weight_fixed = c.recompute = {1.0, 1.0};
+    c.backward = {0.0, 0.0};
+    return c;
+  };
+  EXPECT_NO_THROW(check_measured_costs(good(), "run"));
+  for (const auto& [field, list] : lists) {
+    for (double bad : {std::nan(""), inf, -inf, -1.0, 1e308}) {
+      MeasuredCosts c = good();
+      (c.*list)[1] = bad;
+      try {
+        check_measured_costs(c, "run.json: result 2");
+        ADD_FAILURE() << field << " = " << bad << " was taken";
+      } catch (const UsageError& e) {
+        EXPECT_NE(std::string(e.what()).find(std::string("run.json: result 2: ") + field + " is "),
+                  std::string::npos)
+            << e.what();
+      }
+      EXPECT_THROW(c.cost_model(BackwardMode::kSplit), UsageError) << field << " = " << bad;
+    }
+  }
+  for (double bad : {std::nan(""), inf, -inf, -1.0}) {
+    MeasuredCosts c = good();
+    c.communication = bad;
+    EXPECT_THROW(check_measured_costs(c, "run"), UsageError) << "communication " << bad;
+    c = good();
+    c.overlap = bad;
+    EXPECT_THROW(check_measured_costs(c, "run"), UsageError) << "overlap " << bad;
+  }
 }
 
 // The memory model: traces written by walking a known model through each rank's actions (the walk

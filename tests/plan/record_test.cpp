@@ -145,6 +145,34 @@ TEST(RunDocument, RefusesMalformedDocuments) {
                  "\"shapes\" must be");
 }
 
+// Issue 69: each way a text fails to be a run document has its own message (invalid JSON with where it breaks, a
+// number past the largest double, no object, no "results"), and a cost that is no cost names the file, the result
+// and the field: negative, or huge (W = 1e308, which `twobp_bench plan --costs-json` planned a finite step from).
+// NaN and infinities cannot be written in JSON: they are invalid JSON.
+TEST(RunDocument, SaysWhyATextIsNotARunDocument) {
+  expect_refused(R"({"config":{"model":"llama"},"results":[)", "not a run document: invalid JSON (");
+  expect_refused(R"({"config":{"model":"llama"},"results":[]} x)", "line 1, column");
+  expect_refused(R"({"results":[{"communication_ms":1e400}]})", "not a run document: a number is out of range");
+  expect_refused(R"([1, 2])", "not a run document: the JSON is of type array, not an object");
+  expect_refused(R"({"config":{"model":"llama"}})", "not a run document: no \"results\"");
+  expect_refused(R"({"results":{}})", "not a run document: \"results\" is of type object, not a list");
+  expect_refused(R"({"config":[],"results":[]})", "not a run document: \"config\" is of type array");
+  const std::string head = R"({"results":[{"schedule":"1f1b","mode":"2bp","p":2,"m":2,"v":1,"communication_ms":0,)";
+  for (const std::string& bad : {"-1", "1e308", "1e10", "-0.5"}) {
+    expect_refused(head + R"("costs_ms":{"F":[1,1],"I":[1,1],"W":[1,)" + bad + "]}}]}",
+                   "bad.json: result 0: costs_ms.W[1] is ");
+    expect_refused(head.substr(0, head.find("\"communication_ms\"")) + R"("communication_ms":)" + bad +
+                       R"(,"costs_ms":{"F":[1,1],"I":[1,1],"W":[1,1]}}]})",
+                   "bad.json: result 0: communication_ms is ");
+  }
+  for (const std::string& bad : {"NaN", "nan", "Infinity", "-Infinity", "inf"}) {
+    expect_refused(head + R"("costs_ms":{"F":[1,1],"I":[1,1],"W":[1,)" + bad + "]}}]}", "invalid JSON");
+  }
+  // A record whose lists differ in length names the file and the result.
+  expect_refused(head + R"("costs_ms":{"F":[1,1],"I":[1,1,1],"W":[1,1]}}]})",
+                 "bad.json: result 0: costs_ms.I has 3 stages, costs_ms.F has 2");
+}
+
 TEST(RunDocument, MergesDocumentsOfOneModelOnly) {
   const RunDocument a = document();
   RunDocument b = document();

@@ -1,4 +1,4 @@
-// Schedule synthesis (twobp/plan/synthesize.h): the result fits its budget, validates and pairs in order, is
+// Schedule synthesis (twobp/schedule/synthesize.h): the result fits its budget, validates and pairs in order, is
 // deterministic, never loses to a generator under the same budget, falls back to 1F1B where nothing beats it,
 // reaches the measured-cost ratios docs/PERFORMANCE.md reports, and trains like loss.backward() (float64).
 
@@ -6,19 +6,23 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "common/expect_error.h"
 #include "common/pipeline_fixtures.h"
 #include "common/test_scale.h"
 #include "twobp/error.h"
 #include "twobp/plan/choose.h"
 #include "twobp/plan/measure.h"
-#include "twobp/plan/synthesize.h"
 #include "twobp/runtime/launch.h"
 #include "twobp/runtime/pipeline.h"
 #include "twobp/schedule/registry.h"
 #include "twobp/schedule/simulate.h"
+#include "twobp/schedule/synthesize.h"
 #include "twobp/schedule/validate.h"
 #include "twobp/transport/local.h"
 
@@ -147,6 +151,32 @@ TEST(Synthesize, NeverSlowerThanTheBestGeneratorUnderTheSameBudget) {
   EXPECT_GT(compared, static_cast<int>(problems.size()));
 }
 
+// Issue 70: with a fixed cost per action (CostModel::per_action) the search prices every action as simulate() does
+// -- its result's prediction is the simulator's under the same costs, its bound grows -- and the result validates,
+// fits its budget and is never slower than the best generator of the placement under the same costs and budget.
+TEST(Synthesize, SearchesWithTheFixedCostPerAction) {
+  int compared = 0;
+  for (auto [placement, v] : std::vector<std::pair<SynthesisPlacement, int>>{
+           {SynthesisPlacement::kLinear, 1}, {SynthesisPlacement::kV, 2}, {SynthesisPlacement::kInterleaved, 4}}) {
+    for (int twice : {1, 2}) {
+      SynthesisProblem pr = problem(4, 8, placement, v, kSeq1024, twice * v * 4);
+      const double bound_without = synthesize(pr, quick()).lower_bound;
+      pr.costs.per_action = 0.1;  // ms, against chunks of 9.13 / v ms of F
+      const SynthesisResult r = synthesize(pr, quick());
+      EXPECT_NO_THROW(validate(r.schedule, Pairing::kInOrderPerChannel)) << what(pr);
+      EXPECT_LE(peak(r.simulated), pr.memory_budget) << what(pr);
+      EXPECT_NEAR(r.simulated.step_time, simulate(r.schedule, pr.costs).step_time, 1e-9) << what(pr);
+      EXPECT_GT(r.lower_bound, bound_without) << what(pr);
+      EXPECT_LE(r.lower_bound, r.simulated.step_time + 1e-9) << what(pr);
+      const double generator = best_generator_ms(pr, pr.memory_budget);
+      if (generator == 0.0) continue;
+      ++compared;
+      EXPECT_LE(r.simulated.step_time, generator + 1e-9) << what(pr);
+    }
+  }
+  EXPECT_GE(compared, 4);
+}
+
 // Where splitting cannot pay (I alone costs more than a fused B) and memory allows 1F1B's p micro-batches, nothing
 // beats 1F1B: the synthesized schedule fuses every backward and takes 1F1B standard's time. A budget below a
 // micro-batch's chunks is refused.
@@ -168,6 +198,38 @@ TEST(Synthesize, DegradesTo1F1BWhenNothingBetterFits) {
   EXPECT_THROW(synthesize(v, quick()), ScheduleError) << "a V micro-batch needs 2 chunk activations at once";
   v.memory_budget = 2;  // the least a V can run in: one micro-batch at a time
   EXPECT_LE(peak(synthesize(v, quick()).simulated), 2);
+}
+
+// Issue 69: a cost that is not a cost (NaN, +inf, -inf, negative) is refused naming the member and stage, in both
+// modes; so is a negative memory budget (0 is the default budget, taken).
+TEST(Synthesize, RefusesCostsThatAreNotCostsAndANegativeBudget) {
+  using Member = std::vector<double> CostModel::*;
+  const std::pair<const char*, Member> members[] = {{"forward", &CostModel::forward},
+                                                    {"backward_input", &CostModel::backward_input},
+                                                    {"backward_weight", &CostModel::backward_weight},
+                                                    {"backward", &CostModel::backward}};
+  const double inf = std::numeric_limits<double>::infinity();
+  for (const auto& [name, member] : members) {
+    for (double bad : {std::nan(""), inf, -inf, -1.0}) {
+      for (BackwardMode mode : {BackwardMode::kSplit, BackwardMode::kStandard}) {
+        SynthesisProblem pr = problem(2, 4, SynthesisPlacement::kLinear, 1, kTextbook);
+        pr.backward = mode;
+        (pr.costs.*member)[1] = bad;
+        expect_error([&] { synthesize(pr, quick()); },
+                     {std::string("synthesize: CostModel.") + name + "[1] is ", "expected a finite time >= 0"});
+      }
+    }
+  }
+  SynthesisProblem comm = problem(2, 4, SynthesisPlacement::kLinear, 1, kTextbook);
+  comm.costs.communication = std::nan("");
+  expect_error([&] { synthesize_schedule(comm, quick()); }, {"synthesize: CostModel.communication is nan"});
+  for (int budget : {-1, -5}) {
+    const SynthesisProblem pr = problem(2, 4, SynthesisPlacement::kV, 2, kTextbook, budget);
+    expect_error<ScheduleError>([&] { synthesize_schedule(pr, quick()); },
+                                {"SynthesisProblem.memory_budget is " + std::to_string(budget)});
+  }
+  const SynthesisProblem default_budget = problem(2, 4, SynthesisPlacement::kV, 2, kTextbook, 0);
+  EXPECT_EQ(synthesize(default_budget, quick()).memory_budget, 2 * 2) << "0: 1F1B standard's, v * min(p, m)";
 }
 
 TEST(Synthesize, StandardModeFusesEveryBackward) {

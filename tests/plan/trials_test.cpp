@@ -2,6 +2,8 @@
 // (the first is warm-up), the same on every rank of every replica; the fastest is kept.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <limits>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -80,6 +82,24 @@ TEST(Trial, RefusesMeasurementsOutOfOrder) {
   EXPECT_EQ(trial.finish(), 2.0);
 }
 
+// Issue 69: a step time that is not a time (NaN, +inf, -inf, negative) is refused naming the step; 0 is taken (a
+// step shorter than the clock's tick). The measurement goes on with the next good one.
+TEST(Trial, RefusesStepTimesThatAreNotTimes) {
+  auto ranks = make_local_transports(1);
+  Trial trial(*ranks[0], nullptr, kTimeout);
+  trial.start(3);
+  const double inf = std::numeric_limits<double>::infinity();
+  for (double bad : {std::nan(""), inf, -inf, -1.0}) {
+    expect_error<UsageError>([&] { trial.add(bad); }, {"Trial::add (step 1 of 3): step_ms is ", "finite time"});
+  }
+  EXPECT_FALSE(trial.add(0.0));
+  EXPECT_EQ(trial.steps_taken(), 1) << "a refused step is not taken";
+  expect_error<UsageError>([&] { trial.add(std::nan("")); }, {"step 2 of 3"});
+  EXPECT_TRUE(trial.add(4.0));
+  EXPECT_TRUE(trial.add(0.0));
+  EXPECT_EQ(trial.finish(), 2.0);
+}
+
 TEST(MeasuredAgainstPrediction, SaysHowFarThePredictionIsFromTheMeasurement) {
   EXPECT_EQ(measured_against_prediction(8.0, 8.0), "measured 8.00 ms/step (predicted 8.00)");
   EXPECT_EQ(measured_against_prediction(8.0, 8.03), "measured 8.00 ms/step (predicted 8.03)");  // within 0.5 %
@@ -94,6 +114,13 @@ TEST(Fastest, IsTheSmallestAndTheFirstOfTies) {
   EXPECT_EQ(fastest({2.0, 1.0, 1.0}), 1u);
   EXPECT_EQ(fastest({1.0}), 0u);
   expect_error<UsageError>([] { fastest({}); }, {"no measured candidate"});
+  // Issue 69: a NaN compares false with every time, so min_element would keep it; refused, as inf and negatives.
+  const double inf = std::numeric_limits<double>::infinity();
+  for (double bad : {std::nan(""), inf, -inf, -1.0}) {
+    expect_error<UsageError>([&] { fastest({bad, 5.0}); }, {"fastest: ms[0] is "});
+    expect_error<UsageError>([&] { fastest({5.0, bad}); }, {"fastest: ms[1] is "});
+  }
+  EXPECT_EQ(fastest({5.0, 0.0}), 1u);
 }
 
 }  // namespace

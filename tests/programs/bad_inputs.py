@@ -10,9 +10,10 @@ in-process that this check refuses every kind of bad value (-1, 0, nan, inf, 1e3
 one bad value on the command line, the next kind for the next option (so that every kind runs end to end). Every
 output option gets a path that cannot be written; a few other inputs (unknown names, missing files, rules between
 options, a mistyped command) too; and situations that need files made first (SITUATIONS): a FIFO given as any input
-or output file, one path given to two outputs (every pair of each command's output files) or to an output and an
+file (an output may be a FIFO: tests/programs/special_outputs.py), one path given to two outputs (every pair of each command's output files) or to an output and an
 input, a checkpoint resumed at or past the run's end, an edited manifest step, more rank threads than a process
-runs, a plan in another precision than its measured costs. Each run must: exit with status 2 (a usage error's),
+runs, a plan in another precision than its measured costs, an output directory of a refused command (which must not be
+left behind). Each run must: exit with status 2 (a usage error's),
 within 30 s, print a message naming the option (for a mistyped command: the closest command), never print "wrote" or
 "written", and show no backtrace (c10's "Exception raised from" / "frame #", "terminate called"). Fails listing
 every case that did not.
@@ -41,7 +42,7 @@ NUMERIC = {
         "simulate": [("--f", False), ("--i", False), ("--w", False), ("--b", False), ("--comm", False),
                      ("--ranks", True), ("--microbatches", True), ("--chunks-per-rank", False), ("--dp", True),
                      ("--link-gbps", True), ("--link-latency-us", False), ("--model-params", True),
-                     ("--grad-bytes", True), ("--dp-buckets", True)],
+                     ("--grad-bytes", True), ("--dp-buckets", True), ("--action-ms", False)],
         "split": [("--dim", True), ("--ffn", True), ("--heads", True), ("--kv-heads", True), ("--layers", True),
                   ("--seq", True), ("--batch", True), ("--repeats", True), ("--warmup", False), ("--threads", True),
                   ("--microbatches", True), ("--conv-channels", True), ("--conv-size", True),
@@ -49,7 +50,7 @@ NUMERIC = {
         "plan": [("--dim", True), ("--layers", True), ("--heads", True), ("--kv-heads", True), ("--ffn", True),
                  ("--vocab", True), ("--ranks", True), ("--gpu-memory-gb", False), ("--seq", True),
                  ("--micro-batch-size", True), ("--global-batch", True), ("--tflops", True), ("--link-gbps", True),
-                 ("--link-latency-us", False), ("--top", True), ("--max-dp", True)],
+                 ("--link-latency-us", False), ("--top", True), ("--max-dp", True), ("--action-ms", False)],
         "check-schedules": [("--ranks", True)],
     },
     "example": {
@@ -93,6 +94,16 @@ OTHER = [
     ("example", ["--microbatches", "4096", "--micro-batch-size", "4096"], "--microbatches"),
     ("example", ["--dim", "1000000", "--heads", "1", "--kv-heads", "1"], "--dim"),
     ("bench", ["plan", "--dtype", "fp16"], "--dtype"),
+    # Issue 69: costs that are not costs. B cheaper than I (a fused backward does I's work and W's), and a NaN F.
+    ("bench", ["simulate", "--b", "0.5", "--i", "1", "--w", "1"], "--b"),
+    ("bench", ["simulate", "--f", "nan"], "--f"),
+    # Issue 69, smaller items: a set of numbers names its members; a mistyped option is told the closest one (as a
+    # mistyped command is); an empty output path is refused, not taken as "no output".
+    ("example", ["--zero", "on"], "--zero: must be 0 (no sharding) or 1"),
+    ("example", ["--stpes", "3"], "did you mean '--steps'?"),
+    ("bench", ["simulate", "--rnaks", "4"], "did you mean '--ranks'?"),
+    ("example", ["--checkpoint-dir", ""], "--checkpoint-dir: an empty path"),
+    ("bench", ["simulate", "--json", ""], "--json: an empty path"),
     ("bench", ["splt", "--json", "s.json"], "did you mean 'split'?"),
     ("bench", ["simualte"], "did you mean 'simulate'?"),
     ("bench", ["benchmark"], "the commands are split, pipeline, simulate, check-schedules, plan"),
@@ -140,12 +151,16 @@ def situations(programs, work):
             for option in INPUTS[program].get(command, []):  # a FIFO read would wait for a writer forever
                 yield program, prefix + [option, fifo], option
             files = [o for o in OUTPUTS[program].get(command, []) if o not in DIRECTORIES]
-            for option in files:  # a FIFO written would wait for a reader forever
-                yield program, prefix + [option, fifo], option
             for first, second in itertools.combinations(files, 2):  # one file, two outputs
                 same = os.path.join(work, f"same_{program}_{command}.out")
                 yield program, prefix + [first, same, second, same], first
     example, bench = programs.get("example"), programs.get("bench")
+    if example:  # a command refused after parsing leaves no directory it was given behind (the 4th element)
+        fresh = os.path.join(work, "fresh_ck", "deeper")
+        yield "example", ["--checkpoint-dir", fresh, "--dp", "1000"], "--dp", fresh
+    if bench:
+        fresh = os.path.join(work, "fresh_dump")
+        yield "bench", ["simulate", "--dump-schedules", fresh, "--schedule", "2f2b"], "--schedule", fresh
     if example:
         schedule = os.path.join(work, "schedule.txt")
         subprocess.run([example, "--dry-run", "--dump-schedule", schedule], check=True, capture_output=True,
@@ -171,6 +186,15 @@ def situations(programs, work):
     if bench:
         for args in (["--dp", "1000"], ["--dp", "300", "--ranks", "4"]):
             yield "bench", ["pipeline"] + args, "--dp"
+        # Issue 69: measured costs that are not costs -- a W of 1e308 ms (finite, but it planned a finite step), a
+        # NaN (not JSON), a negative one -- refused naming the option (and the file, result and field).
+        for name, w in (("huge", "1e308"), ("nan", "NaN"), ("negative", "-1")):
+            path = os.path.join(work, f"costs_{name}_w.json")
+            with open(path, "w") as f:
+                f.write('{"results": [{"schedule": "1f1b", "mode": "2bp", "p": 2, "m": 4, "v": 1, '
+                        '"communication_ms": 0, "costs_ms": {"F": [1, 1], "I": [1, 1], "W": [1, %s]}}]}' % w)
+            yield "bench", ["plan", "--costs-json", path, "--ranks", "2"], "--costs-json"
+            yield "bench", ["simulate", "--from-json", path], "--from-json"
 
 
 def cases(programs):
@@ -231,7 +255,7 @@ def declared_problems(programs):
 
 
 def run(programs, case):
-    program, args, option = case
+    program, args, option, *absent = case  # absent: a path the refused command must not have created
     what = f"{program} {' '.join(args)}"
     try:
         p = subprocess.run([programs[program]] + args, capture_output=True, text=True, timeout=30)
@@ -249,6 +273,8 @@ def run(programs, case):
         problems.append('printed "wrote" or "written"')
     if any(b in out for b in BACKTRACE):
         problems.append("printed a backtrace")
+    if absent and os.path.exists(absent[0]):
+        problems.append(f"left {absent[0]} behind")
     if problems:
         first = out.strip().splitlines()[0] if out.strip() else "(no output)"
         return f"{what}: {', '.join(problems)}; output: {first[:200]}"

@@ -130,6 +130,27 @@ TEST(Parse, AMistypedSubcommandIsToldTheClosestOne) {
   EXPECT_EQ(suggestion("--ranks"), "");     // an option
 }
 
+// A mistyped option (of the program or of the chosen command) is told the closest one, like a mistyped command.
+TEST(Parse, AMistypedOptionIsToldTheClosestOne) {
+  CLI::App app;
+  int steps = 0, ranks = 0;
+  app.add_option("--steps", steps);
+  CLI::App* sub = app.add_subcommand("simulate", "");
+  sub->add_option("--ranks", ranks);
+  std::vector<std::string> args{"program", "simulate", "--rnaks", "2", "--stpes=3", "--unrelated-thing", "--ranks"};
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  try {
+    app.parse(static_cast<int>(argv.size()), argv.data());
+  } catch (const CLI::ParseError&) {
+  }
+  EXPECT_EQ(twobp::cli::option_suggestion(app, static_cast<int>(argv.size()), argv.data()),
+            "unknown option '--rnaks'; did you mean '--ranks'?\nunknown option '--stpes'; did you mean '--steps'?");
+  EXPECT_EQ(twobp::cli::closest_name("--dtpye", {"--dtype", "--device"}), "--dtype");
+  EXPECT_EQ(twobp::cli::closest_name("--stpes", {"--stages", "--steps"}), "--steps");  // a swap is one edit
+  EXPECT_EQ(twobp::cli::closest_name("--everything", {"--dtype", "--device"}), "");
+}
+
 TEST(FailureStatus, TwobpsOwnErrorsAreUsageErrors) {
   EXPECT_EQ(twobp::cli::failure_status(twobp::UsageError("bad")), 2);
   EXPECT_EQ(twobp::cli::failure_status(std::runtime_error("crash")), 1);
@@ -168,9 +189,9 @@ class Paths : public ::testing::Test {
 
 std::string validate(const CLI::Validator& v, std::string text) { return v(text); }
 
-// Inputs: only a regular file is read (a FIFO would wait for a writer forever); outputs: a FIFO, a directory or a
-// socket is refused at parse time (opening a FIFO to write waits for a reader), a new or regular file or a device
-// is taken.
+// Inputs: only a regular file is read (a FIFO would wait for a writer forever); outputs: a directory or a socket
+// is refused at parse time, a new or regular file, a device or a FIFO is taken (twobp::write_file writes those in
+// place, waiting a bounded time for a FIFO's reader).
 TEST_F(Paths, OnlyFilesThatCannotBlockAreTaken) {
   const CLI::Validator input = twobp::cli::regular_file(), output = twobp::cli::writable_file();
   EXPECT_EQ(validate(input, file()), "");
@@ -180,14 +201,38 @@ TEST_F(Paths, OnlyFilesThatCannotBlockAreTaken) {
     EXPECT_NE(message.find(bad), std::string::npos) << message;
   }
   EXPECT_NE(validate(input, fifo()).find("a FIFO"), std::string::npos);
-  for (const std::string& good : {file(), dir_ + "/new.json", std::string("/dev/null")}) {
+  for (const std::string& good : {file(), dir_ + "/new.json", std::string("/dev/null"), fifo()}) {
     EXPECT_EQ(validate(output, good), "") << good;
   }
-  for (const std::string& bad : {fifo(), subdir(), socket_path()}) {
+  EXPECT_NE(validate(output, "").find("an empty path"), std::string::npos);  // --json '' would write nothing
+  // A symbolic link to a file not there yet: taken, and the check leaves the link (and no target) behind.
+  const std::string link = dir_ + "/link.json";
+  ASSERT_EQ(::symlink("new.json", link.c_str()), 0);
+  EXPECT_EQ(validate(output, link), "");
+  struct stat st {};
+  EXPECT_EQ(::lstat(link.c_str(), &st), 0) << "the check removed the link";
+  EXPECT_NE(::stat((dir_ + "/new.json").c_str(), &st), 0) << "the check left its probe file";
+  std::remove(link.c_str());
+  for (const std::string& bad : {subdir(), socket_path()}) {
     const std::string message = validate(output, bad);
     EXPECT_NE(message.find(twobp::cli::blocking_kind(bad)), std::string::npos) << message;
     EXPECT_NE(message.find("regular file"), std::string::npos) << message;
   }
+}
+
+// An output directory is checked, never created at parse time: a command refused after parsing leaves nothing.
+TEST_F(Paths, AnOutputDirectoryIsCheckedNotCreated) {
+  const CLI::Validator output = twobp::cli::writable_directory();
+  EXPECT_EQ(validate(output, subdir()), "");
+  const std::string fresh = dir_ + "/new/deeper";
+  EXPECT_EQ(validate(output, fresh), "");
+  struct stat st {};
+  EXPECT_NE(::stat((dir_ + "/new").c_str(), &st), 0) << "the validator created the directory";
+  EXPECT_NE(validate(output, "").find("an empty path"), std::string::npos);  // --checkpoint-dir '' saved nothing
+  const std::string under_file = file() + "/ck";
+  const std::string message = validate(output, under_file);
+  EXPECT_NE(message.find(under_file), std::string::npos) << message;
+  EXPECT_NE(validate(output, "/proc/twobp-nonexistent/out"), "");  // not even root can create it
 }
 
 // One file given to two outputs, or to an output and an input, however it is spelled (relative, with ./ and ..,

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <chrono>
 #include <csignal>
+#include <string>
 #include <vector>
 
 #include "twobp/error.h"
@@ -62,6 +63,36 @@ TEST(Interrupt, WithoutASignalNoRankStops) {
                 for (int step = 0; step < 5; ++step) stops += guard.agreed(t, kTimeout);
               }).ok());
   EXPECT_EQ(stops, 0);
+}
+
+// The first signal is acknowledged at once (by the handler itself), with the program's current announcement; a
+// guard made with announce = false (the other ranks of a job) stays silent.
+TEST(Interrupt, TheFirstSignalIsAcknowledgedAtOnce) {
+  {
+    InterruptGuard guard;
+    guard.set_announcement("finishing step 3 of 10, then writing run.json");
+    guard.set_announcement("finishing step 4 of 10, then writing run.json");  // the latest counts
+    ::testing::internal::CaptureStderr();
+    ASSERT_EQ(std::raise(SIGTERM), 0);
+    const std::string said = ::testing::internal::GetCapturedStderr();
+    EXPECT_EQ(said, "interrupt: SIGTERM received: finishing step 4 of 10, then writing run.json (a second signal "
+                    "ends the process now)\n");
+  }
+  {
+    InterruptGuard guard;  // the default announcement
+    ::testing::internal::CaptureStderr();
+    ASSERT_EQ(std::raise(SIGINT), 0);
+    EXPECT_EQ(::testing::internal::GetCapturedStderr(),
+              "interrupt: SIGINT received: finishing the work in progress (a second signal ends the process now)\n");
+  }
+  {
+    InterruptGuard guard(/*announce=*/false);
+    guard.set_announcement(std::string(1000, 'x'));  // kept to its first 400 bytes, never past the buffer
+    ::testing::internal::CaptureStderr();
+    ASSERT_EQ(std::raise(SIGINT), 0);
+    EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
+    EXPECT_EQ(guard.received(), SIGINT);
+  }
 }
 
 TEST(Interrupt, ThePreviousHandlersComeBack) {

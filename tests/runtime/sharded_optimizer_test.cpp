@@ -33,7 +33,7 @@ constexpr int64_t kDim = 8, kRows = 2;
 const Duration kTimeout = std::chrono::seconds(60);
 
 // Stage 0 a fast-path MLP, stage 1 a LibTorch one (different sizes, so the greedy split is not trivial).
-std::shared_ptr<torch::nn::Module> make_stage(int s) {
+std::shared_ptr<torch::nn::Module> make_sharded_stage(int s) {
   torch::manual_seed(70 + s);
   if (s == 0) return FastMlp(kDim, 3 * kDim).ptr();
   return TorchMlp(kDim).ptr();
@@ -49,6 +49,7 @@ struct RankOutcome {
   ck::NamedTensors adamw_state;    // the whole state, as a checkpoint holds it
   int64_t state_bytes = 0;         // this rank's optimizer state
   std::vector<double> next_losses;  // last stage: the step after a restore (restore test only)
+  bool loaded_state_kept = true;    // the restore test: the steps after it left the restored-from tensors alone
 };
 
 enum class Optim { kPlain, kSharded };
@@ -61,7 +62,7 @@ std::vector<RankOutcome> run_job(Optim optim, bool mixed, bool check_restore = f
   const auto inputs = torch::randn({kDp * kMicroBatches * kRows, kDim});
   const auto targets = torch::randn({kDp * kMicroBatches * kRows, kDim});
   std::vector<std::shared_ptr<torch::nn::Module>> modules(kDp * kPp);
-  for (int w = 0; w < kDp * kPp; ++w) modules[w] = make_stage(w % kPp);  // built on this thread
+  for (int w = 0; w < kDp * kPp; ++w) modules[w] = make_sharded_stage(w % kPp);  // built on this thread
   std::vector<RankOutcome> out(kDp * kPp);
   auto world = make_local_transports(kDp * kPp);
   run_rank_threads(world, [&](Transport& t) {
@@ -125,9 +126,15 @@ std::vector<RankOutcome> run_job(Optim optim, bool mixed, bool check_restore = f
     } else if (check_restore) {
       // A fresh sharded optimizer restored from the gathered state continues as the plain run does.
       ShardedOptimizer restored(pipeline.parameters(), groups.data_parallel(), make, kTimeout);
+      ck::NamedTensors before;
+      for (const auto& [name, t] : me.adamw_state) before.emplace_back(name, t.clone());
       restored.restore_adamw_state(me.adamw_state, named);
       train_step(kSteps, &restored);
       me.next_losses = train_step(kSteps + 1, &restored).losses;  // sees the restored step's update
+      // The restore copied the state: the steps changed the optimizer's, not the caller's loaded tensors.
+      for (std::size_t k = 0; k < before.size(); ++k) {
+        me.loaded_state_kept = me.loaded_state_kept && at::equal(before[k].second, me.adamw_state[k].second);
+      }
     }
   }).rethrow_root_cause();
   return out;
@@ -187,6 +194,10 @@ TEST(Sharding, GatheredStateRestoresIntoAnotherShardedOptimizer) {
       EXPECT_NEAR(sharded[last].next_losses[mb], plain[last].next_losses[mb], 1e-6 * plain[last].next_losses[mb])
           << "replica " << r << " micro-batch " << mb;
     }
+  }
+  for (int w = 0; w < kDp * kPp; ++w) {
+    EXPECT_TRUE(sharded[w].loaded_state_kept) << "world rank " << w << ": restore_adamw_state kept the caller's "
+                                              << "tensors, and the steps after it changed them";
   }
 }
 

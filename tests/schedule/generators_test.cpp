@@ -8,6 +8,7 @@
 
 #include "common/test_scale.h"
 #include "twobp/error.h"
+#include "twobp/plan/recompute.h"
 #include "twobp/schedule/messages.h"
 #include "twobp/schedule/registry.h"
 #include "twobp/schedule/schedule.h"

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
@@ -317,6 +318,118 @@ TEST(Simulate, CommunicationLatencyAndEvents) {
 TEST(Simulate, RejectsBadCostModel) {
   const Schedule sc = make("1f1b", 2, 2, BackwardMode::kSplit);
   EXPECT_THROW(simulate(sc, CostModel::uniform(1, 1, 1, 1)), UsageError);
+}
+
+// Issue 69: every time of the cost model is a finite number >= 0 -- NaN, +inf, -inf and negative refused, naming
+// the member and stage; 0 is a free action, taken. Finite costs that add up past the largest double are refused.
+TEST(Simulate, RefusesCostsThatAreNotCosts) {
+  const Schedule split = make("1f1b", 2, 2, BackwardMode::kSplit);
+  const Schedule standard = make("1f1b", 2, 2, BackwardMode::kStandard);
+  using Member = std::vector<double> CostModel::*;
+  const std::pair<const char*, Member> members[] = {
+      {"forward", &CostModel::forward},   {"backward_input", &CostModel::backward_input},
+      {"backward_weight", &CostModel::backward_weight}, {"backward", &CostModel::backward},
+      {"backward_weight_fixed", &CostModel::backward_weight_fixed}, {"recompute", &CostModel::recompute}};
+  const double inf = std::numeric_limits<double>::infinity();
+  for (const auto& [name, member] : members) {
+    for (double bad : {std::nan(""), inf, -inf, -1.0}) {
+      CostModel c = fb_costs(2, 1.0, 2.0);
+      c.backward_weight_fixed.assign(2, 0.0);
+      c.recompute.assign(2, 0.0);
+      (c.*member)[1] = bad;
+      for (const Schedule* sc : {&split, &standard}) {
+        try {
+          simulate(*sc, c);
+          ADD_FAILURE() << name << " = " << bad << " was taken";
+        } catch (const UsageError& e) {
+          const std::string what = e.what();
+          EXPECT_NE(what.find(std::string("simulate: CostModel.") + name + "[1] is "), std::string::npos) << what;
+          EXPECT_NE(what.find("expected a finite time >= 0"), std::string::npos) << what;
+        }
+      }
+    }
+  }
+  for (double bad : {std::nan(""), inf, -inf, -1.0}) {
+    CostModel c = fb_costs(2, 1.0, 2.0);
+    c.communication = bad;
+    EXPECT_THROW(simulate(split, c), UsageError) << "communication " << bad;
+  }
+  // 0: a free action or message, a step of 0.
+  CostModel zero = fb_costs(2, 0.0, 0.0);
+  EXPECT_DOUBLE_EQ(simulate(split, zero).step_time, 0.0);
+  EXPECT_DOUBLE_EQ(simulate(standard, zero).step_time, 0.0);
+  // Each finite, the sum not: refused rather than an infinite (or, worse, finite) step.
+  CostModel huge = fb_costs(2, 1.0, 2.0);
+  huge.backward_weight.assign(2, 1e308);
+  huge.forward.assign(2, 1e308);
+  try {
+    simulate(split, huge);
+    ADD_FAILURE() << "W = 1e308 was taken";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("add up past the largest double"), std::string::npos) << e.what();
+  }
+}
+
+// Issue 70: CostModel::per_action, a fixed cost of every compute action, charged once per action (a W of several
+// micro-batches once, recomputation not again): on one rank every action is on the critical path, so k actions add
+// exactly k x; a known two-rank step grows by the four actions of its one path; not a cost: refused.
+TEST(Simulate, PerActionCostIsChargedOncePerAction) {
+  const double x = 0.375;  // exact in binary: the sums below compare with ==
+  auto compute_actions = [](const Schedule& sc) {
+    int k = 0;
+    for (const auto& list : sc.actions) {
+      k += static_cast<int>(
+          std::count_if(list.begin(), list.end(), [](const Action& a) { return is_compute(a.type); }));
+    }
+    return k;
+  };
+  for (BackwardMode mode : {BackwardMode::kStandard, BackwardMode::kSplit}) {
+    for (int m : {1, 3, 8}) {
+      const Schedule sc = make("gpipe", 1, m, mode);
+      CostModel c = CostModel::uniform(1, 1.0, 1.0, 0.25);
+      c.recompute.assign(1, 0.5);
+      const double without = simulate(sc, c).step_time;
+      c.per_action = x;
+      const int k = compute_actions(sc);
+      EXPECT_EQ(simulate(sc, c).step_time, without + k * x) << to_string(mode) << " m=" << m << ", " << k << " actions";
+    }
+  }
+  // 2BP on one rank, 3 micro-batches: 3 F, 3 I and one W of all three (0.75): 7 actions.
+  const Schedule g = make("gpipe", 1, 3, BackwardMode::kSplit);
+  CostModel batched = CostModel::uniform(1, 1.0, 1.0, 0.25);
+  batched.per_action = x;
+  EXPECT_EQ(compute_actions(g), 7);
+  EXPECT_EQ(simulate(g, batched).step_time, 3 + 3 + 0.75 + 7 * x);
+
+  // 1F1B p = 2, m = 1, comm 0.5: F0 [0,1], F1 [1.5,2.5], B1 [2.5,4.5], B0 [5,7] -- each action a little longer.
+  const Schedule sc = make("1f1b", 2, 1, BackwardMode::kStandard);
+  CostModel c = CostModel::uniform(2, 1.0, 1.0, 1.0, 0.5);
+  c.per_action = x;
+  const SimulationResult sim = simulate(sc, c);
+  EXPECT_EQ(sim.step_time, 7.0 + 4 * x);
+  ASSERT_EQ(sim.events.size(), 4u);
+  EXPECT_EQ(sim.events[1].start, 1.5 + x);
+  EXPECT_EQ(sim.events.back().start, 5.0 + 3 * x);
+  EXPECT_EQ(sim.events.back().end - sim.events.back().start, 2.0 + x);
+  // A larger pipeline: never faster, and at most every rank's actions one after the other longer.
+  const Schedule big = make("interleaved-1f1b", 4, 8, BackwardMode::kSplit, 2);
+  CostModel u = CostModel::uniform(big.num_stages, 0.5, 0.5, 0.5, 0.05);
+  const double before = simulate(big, u).step_time;
+  u.per_action = 0.1;
+  const double after = simulate(big, u).step_time;
+  EXPECT_GT(after, before);
+  EXPECT_LE(after, before + 0.1 * compute_actions(big));
+
+  for (double bad : {std::nan(""), std::numeric_limits<double>::infinity(), -1.0}) {
+    CostModel b = CostModel::uniform(2, 1.0, 1.0, 1.0);
+    b.per_action = bad;
+    try {
+      simulate(sc, b);
+      ADD_FAILURE() << "per_action = " << bad << " was taken";
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find("simulate: CostModel.per_action is "), std::string::npos) << e.what();
+    }
+  }
 }
 
 TEST(Simulate, WorksWithoutCommunicationActions) {

@@ -24,6 +24,19 @@ TEST(Text, DumpFormat) {
   EXPECT_NE(text.find("\nrank 1: W 1 0,1\n"), std::string::npos) << text;
 }
 
+// A file saved by a spreadsheet or an editor that writes a UTF-8 byte order mark reads as without one, in both
+// forms (the mark would otherwise be quoted, invisible, as part of the first line or cell).
+TEST(Text, AByteOrderMarkIsIgnoredInBothForms) {
+  const Schedule sc = make_schedule("zb-h1", ScheduleOptions{2, 4, 1, BackwardMode::kSplit});
+  const std::string bom = "\xEF\xBB\xBF";
+  const Schedule text = load_schedule(bom + dump_schedule(sc));
+  EXPECT_EQ(dump_schedule(text), dump_schedule(sc));
+  PytorchCsvOptions named;
+  named.name = sc.name;
+  const Schedule csv = from_pytorch_csv(bom + to_pytorch_csv(sc), named);
+  EXPECT_EQ(to_pytorch_csv(csv), to_pytorch_csv(sc));
+}
+
 TEST(Text, LoadIgnoresCommentsAndBlankLines) {
   const std::string text =
       "# a hand-written schedule\n"

@@ -4,7 +4,11 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <chrono>
+#include <cstdio>
+#include <fstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -206,9 +210,25 @@ TEST(MpiTransport, AllReduceSum) {
 
 TEST(MpiTransport, AsynchronousAllReduces) { testing::check_async_all_reduce(transport(), kLong); }
 
-TEST(MpiTransport, Barrier) {
+// No rank leaves a barrier before every rank has entered it: before each barrier every rank but 0 leaves a marker
+// file (the last one after a pause), and rank 0 finds them all once the barrier lets it through. The ranks of one
+// job share their parent (mpiexec's daemon on this node), which names the files.
+TEST(MpiTransport, BarrierWaitsForEveryRank) {
   auto& t = transport();
-  for (int i = 0; i < 10; ++i) t.barrier(kLong);
+  const std::string base = "/tmp/twobp_barrier_" + std::to_string(::getppid()) + "_";
+  for (int i = 0; i < 5; ++i) {
+    const std::string prefix = base + std::to_string(i) + "_";
+    if (t.rank() == t.world_size() - 1 && t.rank() > 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    if (t.rank() > 0) std::ofstream(prefix + std::to_string(t.rank())) << "entered";
+    t.barrier(kLong);
+    if (t.rank() == 0) {
+      for (int r = 1; r < t.world_size(); ++r) {
+        EXPECT_TRUE(std::ifstream(prefix + std::to_string(r)).good()) << "rank " << r << ", barrier " << i;
+      }
+    }
+    t.barrier(kLong);  // rank 0 has looked: the files can go
+    if (t.rank() > 0) std::remove((prefix + std::to_string(t.rank())).c_str());
+  }
 }
 
 TEST(MpiTransport, InvalidArguments) {

@@ -91,6 +91,17 @@ TEST(NcclProcesses, TwoRanksStreamsAndCollectives) {
   expect_ranks_pass("nccl_streams", 2, 150);
 }
 
+// Stream-side receives (NcclOptions::stream_waits; written 2026-12, NOT RUN ON A GPU YET): the slow producer and
+// one pipeline step of 1F1B and ZB-V in both modes with the waits on the compute stream; a receive never matched
+// returns from wait() at once, the watchdog aborts the communicators after its timeout (a host copy behind it then
+// returns), and the next call raises the TimeoutError naming the wait; a pipeline whose peer never steps fails with
+// the job-wide hang report (the board of the host store).
+TEST(NcclProcesses, TwoRanksStreamWaits) {
+  if (c10::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device (this test needs one GPU)";
+  expect_ranks_pass("nccl_stream_timeout", 2, 90);
+  expect_ranks_pass("nccl_stream_waits", 2, 150);
+}
+
 // Groups: 4 ranks split by rank % 2 and by rank / 2 (NcclTransport::split splits the StoreTransport host and
 // builds each group's communicators through it). Passed on an H200 (2026-12-04).
 TEST(NcclProcesses, FourRanksGroupsOnOneGpu) {
@@ -195,12 +206,14 @@ void all_reduce_with_pending_receive(NcclTransport& t) {
   t.barrier(kLong);
 }
 
-void every_schedule(const std::shared_ptr<NcclTransport>& t) {
+// `names`: empty = every built-in schedule.
+void every_schedule(const std::shared_ptr<NcclTransport>& t, std::vector<std::string> names = {}) {
   using namespace testing;
   Float64Default float64;
   const int me = t->rank(), m = 4;
   const c10::Device dev = t->device();
-  for (const auto& name : builtin_schedule_names()) {
+  if (names.empty()) names = builtin_schedule_names();
+  for (const auto& name : names) {
     for (BackwardMode mode : {BackwardMode::kStandard, BackwardMode::kSplit}) {
       const Schedule schedule = make_schedule(name, default_schedule_options(name, 2, m, mode));
       mark(me, name + (mode == BackwardMode::kSplit ? " 2bp" : " standard"));
@@ -254,6 +267,74 @@ void timeout_aborts_channel(NcclTransport& t) {
   t.barrier(kLong);
 }
 
+// NcclOptions::stream_waits, on a transport built with it. See TwoRanksStreamWaits.
+void stream_waits(const std::shared_ptr<NcclTransport>& t, Transport& host) {
+  const int me = t->rank();
+  slow_producer(*t);
+  mark(me, "slow producer done (stream waits)");
+  every_schedule(t, {"1f1b", "zb-v"});
+  mark(me, "1f1b and zb-v done (stream waits)");
+
+  // A pipeline whose rank 1 never steps: rank 0's step fails with a TimeoutError (a send waited on the host or a
+  // receive's watchdog, whichever expires first) that carries the hang report over the store's board.
+  {
+    using namespace testing;
+    Float64Default float64;
+    const int m = 2;
+    const Schedule schedule = make_schedule("1f1b", default_schedule_options("1f1b", 2, m, BackwardMode::kSplit));
+    std::vector<PipelineChunk> chunks;
+    for (int s : schedule.stages_of(me)) {
+      auto module = make_chunk(s);
+      module->to(t->device());
+      chunks.push_back({s, module, [module, s](const at::Tensor& x) { return run_chunk(*module, s, x); }});
+    }
+    PipelineOptions o;
+    o.executor.timeout = Duration(2000);
+    o.loss = mse;
+    o.executor.activation_spec = [](int) { return TensorSpec{{kMicroBatchSize, kDim}, at::kDouble}; };
+    Pipeline p(schedule, std::move(chunks), t, o);
+    host.barrier(kLong);  // both pipelines exist: rank 1 answers the board from here on
+    if (me == 0) {
+      auto x = torch::randn({m * kMicroBatchSize, kDim}).to(t->device());
+      try {
+        p.step(x, x);
+        ADD_FAILURE() << "expected TimeoutError";
+      } catch (const TimeoutError& e) {
+        const std::string text = e.what();
+        EXPECT_NE(text.find("hang report ("), std::string::npos) << text;
+        EXPECT_NE(text.find("rank 1"), std::string::npos) << text;
+      }
+    } else {
+      // Rank 0's failure aborts the job's host transport: this rank learns of it instead of timing out.
+      EXPECT_THROW(host.barrier(kLong), Error);
+    }
+  }
+}
+
+// A receive that is never matched, waited on the stream: wait() returns at once; after the timeout the watchdog
+// aborts the communicators, so that a host copy queued behind the wait returns; the next call raises.
+void stream_wait_times_out(NcclTransport& t, Transport& host) {
+  at::Tensor in = at::zeros({16}, at::TensorOptions().device(t.device()));
+  if (t.rank() == 0) {
+    const auto start = std::chrono::steady_clock::now();
+    auto r = t.irecv(in, {1, 77, "RECV_F stage 1 micro-batch 0"});
+    r->wait(Duration(500));
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(400)) << "wait() blocked";
+    (void)in.sum().item<float>();  // behind the stream wait: returns once the watchdog aborted the transfer
+    EXPECT_GE(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(500));
+    try {
+      t.irecv(in, {1, 78, "again"});
+      ADD_FAILURE() << "expected TimeoutError";
+    } catch (const TimeoutError& e) {
+      EXPECT_NE(std::string(e.what()).find("waiting for RECV_F stage 1 micro-batch 0 from rank 1"), std::string::npos)
+          << e.what();
+      EXPECT_NE(std::string(e.what()).find("waited on the stream"), std::string::npos) << e.what();
+    }
+    EXPECT_THROW(t.barrier(kLong), TimeoutError);
+  }
+  host.barrier(kLong);
+}
+
 TEST(NcclRank, Run) {
   const char* scenario_env = std::getenv("TWOBP_TEST_SCENARIO");
   if (scenario_env == nullptr) GTEST_SKIP() << "runs only as a child process of the NcclProcesses tests";
@@ -279,6 +360,7 @@ TEST(NcclRank, Run) {
     }
     return;
   }
+  options.stream_waits = scenario == "nccl_stream_waits" || scenario == "nccl_stream_timeout";
   mark(rank, "creating the NCCL communicators");
   auto t = std::make_shared<NcclTransport>(host, options);  // communicators + warm-up
   mark(rank, "communicators ready");
@@ -298,6 +380,10 @@ TEST(NcclRank, Run) {
     every_schedule(t);
   } else if (scenario == "nccl_timeout") {
     timeout_aborts_channel(*t);
+  } else if (scenario == "nccl_stream_timeout") {
+    stream_wait_times_out(*t, *host);
+  } else if (scenario == "nccl_stream_waits") {
+    stream_waits(t, *host);
   } else {
     FAIL() << "unknown scenario " << scenario;
   }

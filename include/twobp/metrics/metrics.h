@@ -43,7 +43,8 @@ double memory_per_rank(double process_bytes, int ranks_in_process);
 /// and receives one 1/n slice of the buffer over its link. It is the model behind nccl-tests' "busbw"
 /// (bus bandwidth = algbw · 2(n − 1)/n, doc/PERFORMANCE.md), so a measured busbw is the link_bytes_per_s to give.
 /// `link_bytes_per_s` is one rank's link bandwidth in bytes per second (gigabits/s · 1e9 / 8), `latency_s` the
-/// cost of one ring step. 0 when n ≤ 1 (nothing to reduce) or bytes ≤ 0; link_bytes_per_s must be > 0 otherwise.
+/// cost of one ring step. 0 when n ≤ 1 (nothing to reduce) or bytes = 0. Throws UsageError naming the argument when
+/// bytes or latency_s is NaN, infinite or negative, or (n > 1, bytes > 0) link_bytes_per_s is not finite and > 0.
 double ring_all_reduce_seconds(double bytes, int ranks, double link_bytes_per_s, double latency_s);
 
 /// Exposed wait of one step: the max over ranks of the time each rank waited after its last action (e.g. for the

@@ -262,6 +262,10 @@ struct TrainingPrecision {
 /// fp32 {4, 0, 4, 8}; bf16 (mixed: bfloat16 compute, fp32 masters, gradients and AdamW state) {2, 4, 4, 8};
 /// bf16-pure (everything in bfloat16) {2, 0, 2, 4}.
 TrainingPrecision training_precision(Precision precision);
+/// Deprecated in 0.2.0 (CHANGELOG.md): 0.1's names, where "bf16" meant everything in bfloat16 (now
+/// Precision::kBFloat16, "bf16-pure") and "bf16-mixed" meant mixed precision (now Precision::kMixedBFloat16).
+[[deprecated("use training_precision(twobp::parse_precision(name)); 0.1's \"bf16\" is \"bf16-pure\" now")]]
+TrainingPrecision training_precision(const std::string& name);
 
 /// What a dry run needs to estimate each rank's peak memory in training.
 struct MemoryPlanOptions {

@@ -32,7 +32,8 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl>, public autograd::Wei
   std::string kernel_name() const override { return "Linear"; }
   std::vector<at::Tensor> weight_grad_parameters() const override { return {weight, bias}; }
   /// Makes this layer use `shared` (e.g. the embedding table, for tied input/output embeddings) as its weight.
-  /// Both layers then accumulate into the same .grad, so the gradient is the sum over every use.
+  /// Both layers then accumulate into the same .grad, so the gradient is the sum over every use. UsageError when
+  /// the shapes differ.
   void tie_weight(const at::Tensor& shared);
 
   LinearOptions options;

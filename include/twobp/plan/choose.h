@@ -23,10 +23,11 @@
 #include <vector>
 
 #include "twobp/plan/measure.h"
-#include "twobp/plan/synthesize.h"
+#include "twobp/plan/recompute.h"
 #include "twobp/plan/trials.h"
 #include "twobp/runtime/pipeline.h"
 #include "twobp/schedule/schedule.h"
+#include "twobp/schedule/synthesize.h"
 
 namespace twobp {
 
@@ -64,15 +65,17 @@ struct RankOptions {
 
 /// The registered schedules × modes (`names` / `modes`; empty `names`: every registered schedule) that keep
 /// `running`'s placement (num_ranks, num_stages, stage_to_rank) and micro-batch count, ranked by their simulated
-/// step time under `costs` (fastest first; ties keep registry order, standard before 2BP, then fewer recomputing
-/// ranks; with RankOptions::recompute_costs each form once per recompute_ranks setting). The costs of the
+/// step time under `costs` (fastest first; exact ties in registry order whatever the order of RankOptions::names
+/// and modes, standard before 2BP, then fewer recomputing ranks; with RankOptions::recompute_costs each form once
+/// per recompute_ranks setting). The costs of the
 /// measured stages carry over unchanged, the placement being the same. A standard candidate's fused B is the
 /// measured B where the run had one, else I + W (2BP's split costs the same work); a 2BP candidate needs I and W,
 /// so costs of a standard run rank the standard forms only. Generators that reject the shape are left out, and so
 /// are candidates over the memory limit (RankOptions). Throws UsageError when a name is not registered or `modes`
 /// is empty (never read as "no candidate faster"), the memory model does not cover the placement, a limit is given
-/// without one, the recomputing costs are of other stages, or `memory` is given with recompute_costs but without
-/// recompute_memory.
+/// without one (or is NaN), the recomputing costs are of other stages, `memory` is given with recompute_costs but
+/// without recompute_memory, or `costs` or recompute_costs are refused by check_measured_costs (a NaN, infinite,
+/// negative or huge cost: "rank_schedules: costs: costs_ms.F[0] is nan, ...").
 std::vector<ScheduleCandidate> rank_schedules(const Schedule& running, const MeasuredCosts& costs,
                                               const RankOptions& options = {});
 

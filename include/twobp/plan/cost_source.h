@@ -14,21 +14,24 @@
 
 #include "twobp/plan/measure.h"
 #include "twobp/plan/record.h"
-#include "twobp/plan/synthesize.h"  // RankCosts
 #include "twobp/schedule/schedule.h"
-#include "twobp/schedule/simulate.h"
+#include "twobp/schedule/simulate.h"  // RankCosts
 
 namespace twobp {
 
 class CostSource {
  public:
   /// Per-rank constants (RankCosts::per_stage) and the overlapped pairs' hidden share (CostModel::overlap).
-  /// UsageError when a cost is negative or overlap is outside [0, 1].
+  /// UsageError "CostSource: per-rank costs: B (RankCosts.backward) is ..." when a cost is NaN, infinite, negative
+  /// or above 1e9 ms, when B is more than 10 % below max(I, W0 + W) (a fused backward does the work of both), or
+  /// when overlap is outside [0, 1].
   explicit CostSource(const RankCosts& costs, double overlap = 0.0);
   /// Result `index` of `doc` (`where`: the document's file, for messages): its costs, the mode it did not run
   /// taken from its partner (complete_costs), on the placement it ran. `overlap` >= 0 replaces what the run's
-  /// overlapped pairs hid. UsageError naming `where` when `index` is out of range or the record's schedule does
-  /// not have as many stages as it has costs.
+  /// overlapped pairs hid (NaN is refused). UsageError naming "<where>: result <index>" when `index` is out of
+  /// range, the record's or its partner's costs are refused by check_measured_costs (a document built in code, not
+  /// read), complete_costs refuses them (lists of other lengths), or the record's schedule does not have as many
+  /// stages as it has costs.
   CostSource(const RunDocument& doc, std::size_t index, const std::string& where, double overlap = -1.0);
 
   /// The costs of `target`'s stages: measured costs mapped by costs_for_placement, per-rank constants / v
@@ -62,7 +65,9 @@ struct RingLink {
 
 /// Sets `costs`' data-parallel terms for `schedule`: stage s all-reduces `gradient_bytes[s]` in `link.buckets`
 /// buckets, each a ring all-reduce over `link.replicas` (metrics::ring_all_reduce_seconds), in ms. Returns the
-/// largest sum over a rank's stages. UsageError when gradient_bytes does not have one entry per stage.
+/// largest sum over a rank's stages. UsageError when gradient_bytes does not have one entry per stage, an entry is
+/// NaN, infinite or negative (naming "gradient_bytes[<stage>]"), link.latency_s is not a finite time >= 0, or
+/// link.bytes_per_s is not finite and > 0 with replicas > 1.
 double add_data_parallel(CostModel& costs, const Schedule& schedule, const std::vector<double>& gradient_bytes,
                          const RingLink& link);
 

@@ -17,15 +17,20 @@
 
 #include "twobp/models/llama.h"
 #include "twobp/plan/measure.h"
+#include "twobp/plan/recompute.h"
 #include "twobp/plan/record.h"
-#include "twobp/plan/synthesize.h"
 #include "twobp/schedule/schedule.h"
 #include "twobp/schedule/simulate.h"
+#include "twobp/schedule/synthesize.h"
 
 namespace twobp {
 
 /// One action type's cost (ms) on a chunk, affine in what the chunk holds:
 ///   per_action + per_block · blocks + embedding · [holds the embedding] + head · [holds the final norm + head]
+/// per_action is the planner's fixed cost per action (what CostModel::per_action models for per-rank costs): fitted
+/// where the runs' chunk shapes determine it, given (estimate_llama_costs, fit_llama_costs' per_action_ms,
+/// `twobp_bench plan --action-ms`) where they do not; cost_model() charges it inside each stage's costs, so that
+/// the planner's CostModel::per_action stays 0 and the one value is not counted twice.
 struct ChunkCost {
   double per_action = 0, per_block = 0, embedding = 0, head = 0;
 
@@ -95,10 +100,13 @@ BackwardRatios backward_ratios(double forward_ms, double input_ms, double weight
                                std::string source);
 
 /// Costs from FLOPs: F per block = block_forward_flops · micro_batch_size / `tflops` (TFLOP/s sustained), the
-/// head at its FLOP share of a block (head_cost_in_blocks), no per-action or embedding term; I, W and B at
-/// `ratios` of F. Throws UsageError unless tflops > 0, the sizes and the ratios are positive.
+/// head at its FLOP share of a block (head_cost_in_blocks), no embedding term; I, W and B at `ratios` of F; plus
+/// `per_action_ms` as the per-action term of every F, I and B and of W's fixed part (once per W, whatever its
+/// micro-batches; 0: none). Throws UsageError unless tflops > 0, the sizes and the ratios are positive and
+/// per_action_ms is a finite time in [0, 1e9].
 LlamaCosts estimate_llama_costs(const models::LlamaConfig& config, int64_t seq, int64_t micro_batch_size,
-                                double tflops, const BackwardRatios& ratios = measured_backward_ratios());
+                                double tflops, const BackwardRatios& ratios = measured_backward_ratios(),
+                                double per_action_ms = 0.0);
 
 /// One measured run of the model cut by `partition` (a stage per chunk): its costs (MeasuredCosts, e.g. read with
 /// parse_measured_costs) and the mode it ran in (F from either; I and W from kSplit; B from kStandard).
@@ -115,9 +123,17 @@ struct MeasuredLlamaRun {
 /// when no run has one. With too few shapes (a single v = 1 pipeline cannot tell the head from the per-action
 /// cost) the result is Kind::kFlopShares: F per block = Σ F / Σ partition cost (blocks + head share), the head at
 /// its share, and I, W, W0, B at their summed ratios to F (B = I + W0 + W without a standard run). A negative
-/// fitted term adds a warning. The overlap: see LlamaCosts::overlap. Throws UsageError when the runs hold no 2BP run
-/// (I and W) or no forward cost, or a run's cost lists are not one entry per chunk of its partition.
-LlamaCosts fit_llama_costs(const models::LlamaConfig& config, int64_t seq, const std::vector<MeasuredLlamaRun>& runs);
+/// fitted term adds a warning. The overlap: see LlamaCosts::overlap.
+/// `per_action_ms` (measured elsewhere, e.g. `twobp_bench split` at two --layers) is the fixed cost each measured
+/// action held once: with too few shapes the shares then spread Σ cost − per_action_ms per action, and every F, I,
+/// B and W's fixed part (W0, or once per W when no W0 was measured) gets it as its per-action term, so that the
+/// measured partition's totals are kept and a partition of more chunks pays it more often. Where the shapes
+/// determine the per-action terms it is refused (UsageError: a second value for the same term).
+/// Throws UsageError when the runs hold no 2BP run (I and W) or no forward cost, a run's cost lists are not one
+/// entry per chunk of its partition, per_action_ms is not a finite time in [0, 1e9], or it leaves an action type's
+/// measured total no time for its work.
+LlamaCosts fit_llama_costs(const models::LlamaConfig& config, int64_t seq, const std::vector<MeasuredLlamaRun>& runs,
+                           std::optional<double> per_action_ms = std::nullopt);
 
 /// The LLaMa-like model a run document measured (RunDocument::model, its "config"), named "measured". Throws
 /// UsageError naming `where` (its files) when the document has no config or measured another model.
@@ -134,10 +150,11 @@ struct DocumentCosts {
   double comm_ms_per_byte = 0.0;
   std::vector<std::string> used;  ///< "<schedule> <mode> p=<p> v=<v>" of each result fitted
 };
-/// Throws UsageError naming `where` as measured_llama_config does, or when the document holds no 2BP result
-/// (measure one: `twobp_bench pipeline --mode both`); fit_llama_costs' errors otherwise.
+/// `per_action_ms`: fit_llama_costs'. Throws UsageError naming `where` as measured_llama_config does, or when the
+/// document holds no 2BP result (measure one: `twobp_bench pipeline --mode both`); fit_llama_costs' errors otherwise.
 DocumentCosts fit_run_document(const RunDocument& doc, const std::string& where, const models::LlamaConfig& to,
-                               int64_t to_seq, int64_t to_micro_batch_size);
+                               int64_t to_seq, int64_t to_micro_batch_size,
+                               std::optional<double> per_action_ms = std::nullopt);
 
 /// What plan_llama_layouts considers.
 struct LayoutPlanOptions {
@@ -191,7 +208,8 @@ struct LayoutPlan {
 /// models::make_partition, costs from `costs.cost_model` (R only on the recomputing ranks' stages) plus each
 /// stage's gradient all-reduce over dp ranks (metrics::ring_all_reduce_seconds of its parameters ·
 /// precision.gradient_bytes), the step from simulate(), the memory from models::estimate_memory. Throws UsageError
-/// on bad options or when no candidate remains (naming why).
+/// on bad options (a communication, latency or bandwidth that is NaN, infinite or negative, a NaN memory limit:
+/// "plan_llama_layouts: LayoutPlanOptions.<field> is ...") or when no candidate remains (naming why).
 LayoutPlan plan_llama_layouts(const models::LlamaConfig& config, const LlamaCosts& costs,
                               const LayoutPlanOptions& options);
 

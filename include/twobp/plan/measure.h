@@ -53,10 +53,17 @@ struct MeasuredCosts {
   /// The simulator's costs for running the measured stages in `mode`: F, recomputation, communication and the
   /// pairs' overlap as measured; kSplit takes I and W (and B where the run had fused B's, as DualPipeV's 2BP form
   /// has; else the simulator's B is I + W), kStandard takes B (I and W 0). Throws UsageError when the costs `mode`
-  /// needs are all 0 (a standard run holds no I/W, a 2BP run no B), when the vectors' sizes differ, or when overlap
-  /// is outside [0, 1].
+  /// needs are all 0 (a standard run holds no I/W, a 2BP run no B), or check_measured_costs() refuses them.
   CostModel cost_model(BackwardMode mode) const;
 };
+
+/// The one check of measured costs where they enter the planners (parse_measured_costs, MeasuredCosts::cost_model,
+/// CostSource, rank_schedules): every list one entry per stage (recompute and backward_weight_fixed may be empty),
+/// every entry and communication a finite time in [0, 1e9] ms (1e9 ms, 11.6 days, is the programs' bound on a
+/// cost; 1e308 would overflow the sums), overlap in [0, 1]. Throws UsageError "<where>: costs_ms.W[1] is nan,
+/// expected ..." naming the field and stage. Measured costs are not held to B >= max(I, W) (a noisy measurement of
+/// a cheap W is still a measurement); the per-rank costs a user states are (CostSource).
+void check_measured_costs(const MeasuredCosts& costs, const std::string& where);
 
 /// A W's cost in the simulator's terms (CostModel::weight): fixed + micro-batches × per_micro_batch.
 struct WeightCost {
@@ -206,8 +213,9 @@ std::string measured_costs_json(const MeasuredCosts& costs);
 /// ignored, so a whole result of `twobp_bench pipeline --json` can be given). "F" is required; a missing "I", "W"
 /// or "B" reads as 0 for every stage, a missing "R" as no recomputation, a missing "W0" as no fixed W part, a
 /// missing "overlap" as no pair run at once.
-/// Throws UsageError, naming `where`, when the text is not a JSON object, a field is missing, not a number or
-/// negative, or the lists' sizes differ.
+/// Throws UsageError, naming `where` and the field, when the text is not a JSON object, a field is missing or not a
+/// number, a number is refused by check_measured_costs (NaN cannot be written in JSON; negative, or above 1e9 ms,
+/// as 1e308), or the lists' sizes differ.
 MeasuredCosts parse_measured_costs(const std::string& json_object, const std::string& where);
 
 }  // namespace twobp

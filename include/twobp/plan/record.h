@@ -59,8 +59,11 @@ struct RunDocument {
 std::string write_run_document(const RunDocument& doc, int indent = 2);
 
 /// The one reader. "config" may be missing (a document of costs only: model ""). Throws UsageError naming `where`
-/// (a file name) and the result when the text is no JSON object, "results" is missing, either is of the wrong type, a result lacks schedule, mode, p, m, v or its costs, a
-/// number is out of range or a mode or shapes value is unknown. Fields it does not know go to the extras.
+/// (a file name), each with its own message: "<where>: not a run document: " and invalid JSON (with nlohmann's line
+/// and column), a number out of range of a double (1e400), no object, no "results", or "results" / "config" of the
+/// wrong type; "<where>: result <k>: " and the field when a result lacks schedule, mode, p, m, v or its costs, a
+/// cost is refused by check_measured_costs (negative, above 1e9 ms), an integer is out of range, or a mode or
+/// shapes value is unknown. Fields it does not know go to the extras.
 RunDocument read_run_document(const std::string& text, const std::string& where);
 /// read_run_document of a file's contents; UsageError when it cannot be read.
 RunDocument read_run_document_file(const std::string& path);

@@ -29,7 +29,8 @@ class Trial {
   /// otherwise.
   void start(int steps);
   /// One step of the candidate (its pipeline time, ms). Returns whether it counts (false: the warm-up step).
-  /// UsageError when no measurement is running or it is complete.
+  /// UsageError when no measurement is running or it is complete, or step_ms is NaN, infinite or negative (0 is
+  /// taken: a step shorter than the clock's tick).
   bool add(double step_ms);
   /// Whether the candidate's steps have all run (finish() is due).
   bool complete() const { return steps_ > 0 && taken_ == steps_; }
@@ -58,7 +59,8 @@ double slowest_median_ms(const std::vector<double>& step_ms, Transport& ranks, T
 /// then measures is said ("(predicted 8.00)" alone within 0.5 %; "(not predicted)" for predicted_ms <= 0).
 std::string measured_against_prediction(double measured_ms, double predicted_ms);
 
-/// The index of the smallest of `ms` (ties: the first). UsageError when empty.
+/// The index of the smallest of `ms` (ties: the first). UsageError when empty, or an entry is NaN, infinite or
+/// negative (naming it, "fastest: ms[0] is nan, ..."): a NaN would compare false with every other time.
 std::size_t fastest(const std::vector<double>& ms);
 
 }  // namespace twobp

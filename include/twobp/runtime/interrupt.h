@@ -14,7 +14,15 @@
 //
 // A step is never cut short: a rank that stopped in the middle of one would leave its peers waiting for messages
 // until their timeout. A second signal while the first is pending ends the process at once with the default
-// action (a job stuck in a step can still be killed).
+// action (a job stuck in a step can still be killed). The first signal is acknowledged at once on standard error
+// ("interrupt: SIGINT received: finishing step 12 of 150, then writing run.json; ..."): set_announcement() keeps
+// the second half current.
+//
+// Under a launcher (mpirun forwards the signal as SIGTERM and kills the ranks 1-2 s later, whatever they do) a
+// program cannot count on finishing its step: it should also write its outputs as it goes (the example's --json
+// and the bench's results are rewritten after each step / configuration).
+
+#include <string_view>
 
 #include "twobp/transport/transport.h"
 
@@ -26,7 +34,8 @@ namespace twobp {
 /// same step.
 class InterruptGuard {
  public:
-  InterruptGuard();
+  /// `announce`: print the acknowledgement line on the first signal (programs pass true on one rank only).
+  explicit InterruptGuard(bool announce = true);
   ~InterruptGuard();
   InterruptGuard(const InterruptGuard&) = delete;
   InterruptGuard& operator=(const InterruptGuard&) = delete;
@@ -38,6 +47,11 @@ class InterruptGuard {
   /// received a signal, the same answer on every rank. Once true, received() and exit_status() on every rank
   /// report the signal (the largest number, if ranks received different ones).
   bool agreed(Transport& transport, Duration timeout);
+
+  /// What the acknowledgement says will happen, after "interrupt: SIGINT received: " (at most 400 bytes kept;
+  /// default "finishing the work in progress"). Call it from one thread (the reporting rank's), e.g. once per step;
+  /// the signal handler reads it without a lock (a double buffer).
+  void set_announcement(std::string_view what);
 
   /// "SIGINT" or "SIGTERM" for received(); "" when none was received. For the program's closing line.
   const char* received_name() const;

@@ -68,6 +68,11 @@ class Job {
     at::set_num_threads(std::max(1, cores / std::max(1, ranks_on_node())));
   }
 
+  /// NcclOptions::stream_waits for the NCCL transports this job builds (processes with `cuda`): receives waited on
+  /// the compute stream, a watchdog thread for their timeouts. Off by default; no effect on other transports.
+  void set_nccl_stream_waits(bool on) { nccl_stream_waits_ = on; }
+  bool nccl_stream_waits() const { return nccl_stream_waits_; }
+
   /// Where a rank computes: where its transport's wire is (NCCL), else with `cuda` on GPU rank mod the devices (thread
   /// ranks share the GPUs), else the CPU.
   c10::Device device_of(Transport& transport) const {
@@ -88,6 +93,7 @@ class Job {
     }
     if (mpi_) o.launch = launch_;
     const bool cuda = cuda_;
+    [[maybe_unused]] const bool stream_waits = nccl_stream_waits_;
 #if TWOBP_HAVE_MPI
     MpiEnvironment* env = env_.get();
 #endif
@@ -95,7 +101,11 @@ class Job {
 #if TWOBP_HAVE_MPI
       if (env != nullptr) {
 #if TWOBP_HAVE_NCCL
-        if (cuda) return std::make_shared<NcclTransport>(*env);
+        if (cuda) {
+          NcclOptions nccl;
+          nccl.stream_waits = stream_waits;
+          return std::make_shared<NcclTransport>(*env, nccl);
+        }
 #endif
         return mpi_process_transport(*env)(l);
       }
@@ -106,6 +116,7 @@ class Job {
       NcclOptions nccl;
       nccl.local_rank = l.local_rank;
       nccl.local_size = l.local_size;
+      nccl.stream_waits = stream_waits;
       return std::make_shared<NcclTransport>(host, nccl);
 #else
       throw UsageError("GPUs across processes need the NCCL transport, which this build of twobp does not have");
@@ -119,6 +130,7 @@ class Job {
   std::optional<LaunchEnv> launch_;
   bool cuda_;
   int thread_ranks_;
+  bool nccl_stream_waits_ = false;
 #if TWOBP_HAVE_MPI
   std::unique_ptr<MpiEnvironment> env_;
 #endif

@@ -82,7 +82,7 @@ RankErrors run_rank_threads(const std::vector<std::unique_ptr<Transport>>& trans
 void run_ranks(const RunRanksOptions& options, const RankBody& body);
 
 /// Ends the process with `status`, skipping the destructors of static objects: LibTorch's deregister each of its
-/// thousands of operators, ~0.2 s of every process (a third of a CPU-only start and exit, 2026-12-07), paid by each
+/// thousands of operators, ~0.2 s of every process (a third of a CPU-only start and exit: docs/PERFORMANCE.md), paid by each
 /// short run -- a usage error, a test, a rank of a small job. Flushes C stdio and the C++ standard streams first.
 /// Call it last in main(), once everything that writes or finalizes (files, checkpoints, transports, MPI) was
 /// destroyed: `int main(int argc, char** argv) { twobp::exit_without_teardown(run(argc, argv)); }`. In a build

@@ -55,6 +55,42 @@ struct MixedPrecisionOptions {
   bool enabled() const { return compute_dtype != at::kFloat; }
 };
 
+/// How the micro-batches' losses make a step's loss (PipelineOptions::loss_reduction).
+enum class LossReduction {
+  /// The mean of the micro-batches' losses (each weighs 1/num_micro_batches), averaged over the data-parallel
+  /// replicas. With a loss that is a mean over a micro-batch's items, the global batch's mean only when every
+  /// micro-batch holds as many items (not so with padding or packed documents).
+  kMeanOfMicroBatches,
+  /// The mean over every item of the global batch, however it is cut into micro-batches, replicas or ranks (what
+  /// transformers' loss and its Trainer under gradient accumulation optimise): `loss` returns a micro-batch's SUM
+  /// over its items, and before each step (and evaluate()) the last stage counts the batch's items with
+  /// `loss_items`, summed over the replicas (one scalar all-reduce), and scales every micro-batch's loss by
+  /// 1 / that count. UsageError when the global batch holds no item.
+  kMeanOverItems,
+};
+
+/// A PipelineOptions field of twobp 0.1 that moved into PipelineOptions::executor (same name) in 0.2.0: assigning
+/// it compiles with a deprecation warning and is forwarded; nothing else of the old field's type is offered
+/// (reading it back was rare in 0.1 code: read `executor.<name>`).
+template <typename T>
+class MovedToExecutor {
+ public:
+  [[deprecated("this option moved into PipelineOptions::executor (same name) in twobp 0.2.0: write "
+               "options.executor.<name>; see CHANGELOG.md")]] MovedToExecutor&
+  operator=(T value) {
+    value_ = std::move(value);
+    return *this;
+  }
+  /// The value assigned through the deprecated path, if any.
+  const std::optional<T>& assigned() const { return value_; }
+  /// Assigns without the warning (the library's own forwarding).
+  void assign(T value) { value_ = std::move(value); }
+  void reset() { value_.reset(); }
+
+ private:
+  std::optional<T> value_;
+};
+
 struct PipelineOptions {
   /// How each step runs (ExecutorOptions): the timeout of every blocking wait -- which also bounds the pipeline's
   /// own collectives --, fixed boundary specs (at most one of activation_spec and boundary_spec; asked only for
@@ -72,10 +108,16 @@ struct PipelineOptions {
   /// that draws from twobp::stage_generator() (nn::Dropout) draws the same numbers on every run, whether ranks
   /// are threads or processes, under every schedule, 2BP or fused.
   uint64_t seed = 0;
-  /// Loss of the last stage, (output, target) -> scalar, averaged over micro-batches: each micro-batch's loss
-  /// gradient is scaled by 1/num_micro_batches, so a step's gradients equal those of the mean loss over the
-  /// batch, matching a non-pipelined run of the same batch.
+  /// Loss of the last stage, (output, target) -> scalar. How the micro-batches' losses make the step's loss:
+  /// `loss_reduction`. By default averaged over micro-batches: each micro-batch's loss gradient is scaled by
+  /// 1/num_micro_batches, so a step's gradients equal those of the mean loss over the batch, matching a
+  /// non-pipelined run of the same batch when the micro-batches hold equally many items.
   LossFunction loss;
+  LossReduction loss_reduction = LossReduction::kMeanOfMicroBatches;
+  /// LossReduction::kMeanOverItems: how many items (e.g. target tokens not masked out) `targets` holds -- a
+  /// micro-batch's or the whole batch's targets; it must add up over micro-batches. Required then (UsageError on
+  /// the last stage's rank at construction otherwise); unused by kMeanOfMicroBatches.
+  std::function<double(const NamedTensors& targets)> loss_items;
   /// W actions naming several micro-batches give each layer all of them at once (see StageOptions).
   bool batch_weight_grads = true;
   /// Data parallelism: the group of this stage's replicas and how gradients are averaged over it (see
@@ -84,7 +126,25 @@ struct PipelineOptions {
   DataParallelOptions data_parallel;
   /// bfloat16 compute with float32 master weights (see MixedPrecisionOptions). Off by default.
   MixedPrecisionOptions mixed_precision;
+
+  /// Deprecated in 0.2.0, to be removed in 0.3.0: where these options were in 0.1, before they moved into
+  /// `executor` under the same names (CHANGELOG.md). 0.1 code that assigns them still compiles, with a
+  /// deprecation warning, and works: the Pipeline's constructor copies a field that was assigned into `executor`
+  /// (with_moved_executor_options); one set both here and in `executor` is refused (UsageError naming it).
+  MovedToExecutor<Duration> timeout;
+  MovedToExecutor<std::function<TensorSpec(int stage)>> activation_spec;
+  MovedToExecutor<std::function<BoundarySpec(int stage)>> boundary_spec;
+  MovedToExecutor<int> prefetch_receives;
+  MovedToExecutor<int> max_pending_weight_micro_batches;
+  MovedToExecutor<int64_t> memory_limit_bytes;
+  MovedToExecutor<bool> record_memory;
+  MovedToExecutor<c10::Device> memory_device;
+  MovedToExecutor<decltype(ExecutorOptions::overlap_forward_backward)> overlap_forward_backward;
 };
+
+/// `options` with the deprecated 0.1 fields moved into `executor` (and cleared). UsageError when one is set in
+/// both places with different values. The Pipeline's constructor calls it; exposed for tests and wrappers.
+PipelineOptions with_moved_executor_options(PipelineOptions options);
 
 /// What to do when a step produced a NaN or Inf loss or gradient.
 enum class NonFinitePolicy {
@@ -197,6 +257,9 @@ class Pipeline {
   template <typename F>
   auto wait_in(Transport& group, const char* what, F&& collective) -> decltype(collective());
   double run_evaluation(const std::function<StepResult(Executor&)>& run);
+  // LossReduction::kMeanOverItems, on the last stage's rank: the global batch's items (`local`, this replica's,
+  // summed over the replicas) for mean_loss, and with `scale` the last stage's loss scale 1 / items.
+  void count_loss_items(const std::function<double()>& local, bool scale);
   void start_once();
   /// `schedule` as this pipeline runs it: overlapped pairs placed (PipelineOptions::executor.overlap_forward_backward),
   /// then validate()d for the transport's pairing.

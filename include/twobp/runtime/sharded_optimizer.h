@@ -74,14 +74,15 @@ class ShardedOptimizer {
   int64_t state_bytes() const;
 
   /// Checkpoints (AdamW only): the state of every named parameter on every replica, as
-  /// checkpoint::adamw_state_tensors names it -- collective over the group (each owner broadcasts its share;
-  /// every replica then holds the whole state until the result is dropped). `params`: (name, parameter) pairs
-  /// covering the parameters given at construction. UsageError if the local optimizer is not an AdamW or uses
-  /// amsgrad.
+  /// checkpoint::adamw_state_tensors names it (twobp/runtime/training_state.h) -- collective over the group (each
+  /// owner broadcasts its share; every replica then holds the whole state until the result is dropped). `params`:
+  /// (name, parameter) pairs covering the parameters given at construction. UsageError if the local optimizer is
+  /// not an AdamW or uses amsgrad.
   std::vector<std::pair<std::string, at::Tensor>> gathered_adamw_state(
       const std::vector<std::pair<std::string, at::Tensor>>& params);
   /// Restores the AdamW state of this replica's share from a full checkpoint (`loaded`: every parameter's state,
-  /// as gathered_adamw_state wrote it); the weights are restored by checkpoint::restore. Local.
+  /// as gathered_adamw_state wrote it); the weights are restored by checkpoint::restore. Local. The state is copied
+  /// (checkpoint::restore): later steps do not change the caller's `loaded` tensors.
   void restore_adamw_state(const std::vector<std::pair<std::string, at::Tensor>>& loaded,
                            const std::vector<std::pair<std::string, at::Tensor>>& params);
 

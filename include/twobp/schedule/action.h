@@ -54,6 +54,9 @@ inline bool is_compute(ActionType t) {
          t == ActionType::kBackward;
 }
 
+/// True for W and B: the actions that produce parameter gradients (where a stage's gradients become final).
+inline bool makes_weight_grads(ActionType t) { return t == ActionType::kBackwardWeight || t == ActionType::kBackward; }
+
 /// True for SEND_F and SEND_B.
 inline bool is_send(ActionType t) { return t == ActionType::kSendForward || t == ActionType::kSendBackward; }
 

@@ -13,6 +13,10 @@
 
 namespace twobp {
 
+/// For a communication action: the stage at the other end of the link (stage + 1 for SEND_F and RECV_B, stage - 1
+/// for RECV_F and SEND_B), which may not exist (-1, or num_stages); the action's own stage for compute actions.
+int peer_stage(const Action& action);
+
 /// For a communication action of `schedule`: the rank at the other end of the link (the owner of stage + 1 for
 /// SEND_F and RECV_B, of stage - 1 for RECV_F and SEND_B). Throws ScheduleError for compute actions or when the
 /// neighbouring stage does not exist.

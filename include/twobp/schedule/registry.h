@@ -33,7 +33,7 @@ namespace twobp {
 ///   and 2 floor((p + 3) / 3) stage activations per rank from F to I, against 1F1B's 2p chunk activations; the
 ///   authors' repeating blocks with the paper's squeeze of warm-up and cool-down (actions moved into earlier free
 ///   slots where that raises no rank's memory peak).
-/// - synth: synthesized by search (twobp/plan/synthesize.h, SynthesizedScheduleGenerator) for the textbook costs F
+/// - synth: synthesized by search (twobp/schedule/synthesize.h, SynthesizedScheduleGenerator) for the textbook costs F
 ///   = I = W = 1, B = 2 within 1F1B standard's activation memory, after a short search; v = 1 linear, v = 2 (the
 ///   default) the V or the interleaved placement, whichever is faster (stage_to_rank says which), v >= 3
 ///   interleaved; any m. Its split form fuses each backward or splits it, whichever the search found faster.

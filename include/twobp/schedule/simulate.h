@@ -23,6 +23,13 @@ struct CostModel {
   /// I and B of that stage (usually its forward cost; 0 for stages without). Empty (the default): no recomputation.
   std::vector<double> recompute;
   double communication = 0.0;           ///< latency of one send, sender to receiver
+  /// A fixed cost of every compute action, whatever its size (kernel launches, the host's dispatch, a GEMM too
+  /// small to fill the device): added once to each F, I, W and B -- per action on a chunk, so a rank's v chunks pay
+  /// it v times as often, and a W over k micro-batches once -- on top of the per-stage costs above (and of
+  /// recomputation, which runs inside its I or B). Charged where action_cost() prices an action, so
+  /// simulate() and synthesize() both see it. 0 (the default): chunks have no fixed cost, their costs scale with
+  /// their work. Measured: `twobp_bench split` at two --layers, or fit_llama_costs' per-action term.
+  double per_action = 0.0;
   /// Overlapped F&B pairs (Action::overlapped_with_next) run at once, as a runtime with
   /// ExecutorOptions::overlap_forward_backward runs them: the share of the shorter part hidden under the longer, in
   /// [0, 1]. A pair of parts costing f and x then takes f + x - overlap * min(f, x), from when both parts' inputs
@@ -54,6 +61,27 @@ struct CostModel {
 
   /// The same costs for every stage.
   static CostModel uniform(int num_stages, double f, double i, double w, double comm = 0.0);
+};
+
+/// What one compute action costs under `costs`, as simulate() and the synthesizer charge it: F; I or B with the
+/// stage's recomputation; a W over k micro-batches (CostModel::weight); plus CostModel::per_action once. 0 for
+/// communication actions. Precondition: the vectors the action reads cover its stage (simulate() checks them).
+double action_cost(const Action& action, const CostModel& costs);
+
+/// Costs of one rank's share of the model, as `twobp_bench simulate` takes them (--f --i --w --b --comm): a
+/// placement with v chunks per rank gives each chunk 1/v of F, I, W, B and the W's fixed part; communication is
+/// per message and is not divided.
+struct RankCosts {
+  double forward = 1.0;
+  double backward_input = 1.0;
+  double backward_weight = 1.0;
+  double backward = 2.0;  ///< fused B
+  double backward_weight_fixed = 0.0;
+  double communication = 0.0;
+
+  /// Per-stage costs for a pipeline of `num_stages` stages over `ranks` ranks (v = num_stages / ranks). Throws
+  /// UsageError when the stages do not split evenly into the ranks.
+  CostModel per_stage(int num_stages, int ranks) const;
 };
 
 struct SimulatedEvent {
@@ -88,8 +116,11 @@ struct SimulationResult {
 /// starts at max(when it is ready -- see CostModel::overlap_data_parallel --, when the link is free), in the order
 /// they become ready (ties: lower stage first), and lasts data_parallel_reduce[stage] / buckets. The optimizer step
 /// needs every reduction, so the rank's step ends when both its actions and its reductions are done.
-/// Throws UsageError when a cost vector the schedule needs has the wrong size, a data_parallel_reduce entry is
-/// negative or not finite, or overlap is outside [0, 1].
+/// Throws UsageError when a cost vector the schedule needs has the wrong size, any time of `costs` (F, I, W, W0, B,
+/// recompute, communication, per_action, data_parallel_reduce) is NaN, infinite or negative (the message names the
+/// member and stage, "simulate: CostModel.forward[1] is nan, ..."), overlap is outside [0, 1], or finite costs add up
+/// to an infinite step time. It does not compare B with I and W (CostSource, which takes the programs' per-rank costs,
+/// does).
 SimulationResult simulate(const Schedule& schedule, const CostModel& costs);
 
 /// Tensor memory of one kind of action on one stage, in bytes, for simulate_peak_memory(): what one action leaves

@@ -43,6 +43,13 @@ struct NcclOptions {
   bool collective = true;
   /// Bound on the collective construction (id broadcast, communicator setup and the warm-up exchanges).
   Duration init_timeout{120000};
+  /// Stream-side receives (issue 70; default off until a GPU run measured both modes, docs/GPU.md): a receive's
+  /// wait() does not poll on the host until the data arrived, it makes the current compute stream wait for the
+  /// transfer (cudaStreamWaitEvent) and returns; a watchdog thread polls the transfer and, when it outlives the
+  /// wait's timeout, aborts this rank's communicators (as ProcessGroupNCCL's watchdog does). The TimeoutError
+  /// naming the wait is then raised by this transport's next call (any of them: a Pipeline's gradient check calls
+  /// one every step). Sends and all_reduce_sum_async are waited on the host either way. NOT RUN ON A GPU YET.
+  bool stream_waits = false;
 };
 
 /// Point-to-point transport over NCCL. Pairing: Pairing::kInOrderPerChannel (NCCL ignores tags).
@@ -65,12 +72,22 @@ struct NcclOptions {
 ///  - wait(timeout) polls the done event (and the communicator's async error) until done or the deadline, then
 ///    makes the current compute stream wait for the done event. On timeout the channel's communicator is aborted
 ///    (ncclCommAbort): that channel is unusable afterwards, further operations on it throw TransportError.
+///  - With NcclOptions::stream_waits a receive's wait(timeout) returns once the compute stream waits for the done
+///    event (only the enqueue is settled on the host); a watchdog thread (src/transport/watchdog.h) polls the event
+///    and the communicator's async error and, past the timeout, aborts every communicator of this transport and
+///    records a TimeoutError naming the wait ("rank R: timed out after T ms waiting for RECV_F ... from rank P"),
+///    which every later call (isend, irecv, wait, is_completed, the collectives, barrier, split) raises. A host
+///    call that waits for the device (a loss's copy to the CPU) returns once the abort stopped the transfer;
+///    data read from an aborted receive is garbage until that error is raised. The watchdog and the user thread
+///    touch the communicators under one mutex. Not run on a GPU yet.
+///  - status_board() is the host transport's (Store: through the TCPStore; MPI: where it has one), so a timed-out
+///    wait gives the job-wide hang report as on the other transports.
 ///  - NCCL transfers carry no header: shapes cannot be checked against the sender's. A mismatch is undefined
 ///    (typically a TimeoutError); check pipelines with LocalTransport (in-order mode) or MpiTransport first.
 ///  - all_reduce_sum copies the tensor to the CPU and sums over the host transport (meant for small tensors:
 ///    losses, norms). all_reduce_sum_async (gradient buckets) stays on the GPU: a communicator of every rank with
 ///    a stream of its own, created and warmed up by the constructor (NcclOptions::collective), ncclAllReduce
-///    waited like a receive (ran on one H200 with two processes, 2026-12-04).
+///    waited like a receive (ran on one H200 with two processes: docs/GPU.md).
 ///  - Errors: an NCCL failure carries NCCL's own last error text (ncclGetLastError); NCCL_DEBUG=WARN prints
 ///    NCCL's log. barrier is the host's; it does not synchronize the GPU.
 ///  - abort() aborts every NCCL communicator, then the host transport (under MPI: THE WHOLE JOB DIES).
@@ -79,7 +96,7 @@ struct NcclOptions {
 ///    WHY: a receive (or send) posted ahead is a kernel that spins until the peer's matching operation runs, and
 ///    under lazy loading the first launch of any other kernel (a first cuBLAS call, a new shape's GEMM, an
 ///    optimizer's kernel) waits for the GPU's queue to drain -- which that spinning kernel never does while the
-///    peer waits the same way: both ranks hang inside cudaLaunchKernel. Seen on an H200, 2026-12-04 (the ring test
+///    peer waits the same way: both ranks hang inside cudaLaunchKernel. Seen on an H200 (docs/GPU.md; the ring test
 ///    of tests/transport/nccl_processes_test.cpp stuck in at::arange on both ranks, beside a pending receive).
 ///    Other host calls wait for the device the same way (loading a library's kernels, cudaFree): the constructor
 ///    creates the calling thread's cuBLAS and cuBLASLt handles before it posts anything, and a Pipeline never
@@ -105,6 +122,8 @@ class NcclTransport final : public Transport {
   std::string name() const override { return "nccl"; }
   Pairing pairing() const override { return pairing_of("nccl"); }
   bool receives_hold_device() const override { return true; }  // ncclRecv is a kernel that spins
+  /// The host transport's board (the store NCCL bootstrapped from, or MPI's).
+  std::shared_ptr<StatusBoard> status_board() const override;
   /// All links of the job (not only this rank's), sorted.
   const std::vector<std::pair<int, int>>& links() const;
 

@@ -81,8 +81,8 @@ class Transport {
   virtual bool receives_hold_device() const { return false; }
   /// Where this group's ranks tell each other what they are doing when a step stalls, for the hang report
   /// (twobp/runtime/hang_report.h). Local: in-process; Store: through the store; MPI: over a communicator of its
-  /// own (with MPI_THREAD_MULTIPLE); null for transports that have none (NCCL), whose ranks then report only
-  /// their own wait.
+  /// own (with MPI_THREAD_MULTIPLE); NCCL: its host transport's; null for transports that have none, whose ranks
+  /// then report only their own wait.
   virtual std::shared_ptr<StatusBoard> status_board() const { return nullptr; }
 
   /// Sends `tensor` (contiguous) to options.peer. The tensor must not be modified until wait() returned.

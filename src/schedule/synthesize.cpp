@@ -1,8 +1,8 @@
-// Schedule synthesis (twobp/plan/synthesize.h): list scheduling over a grid of policies, hill climbing on which
+// Schedule synthesis (twobp/schedule/synthesize.h): list scheduling over a grid of policies, hill climbing on which
 // backwards are split, then local search on the action orders; the built-in generators' schedules compete as
 // starting points. docs/PERFORMANCE.md ("Synthesized schedules") describes the method.
 
-#include "twobp/plan/synthesize.h"
+#include "twobp/schedule/synthesize.h"
 
 #include <fmt/format.h>
 
@@ -19,6 +19,7 @@
 #include "twobp/schedule/registry.h"
 #include "twobp/schedule/validate.h"
 #include "util/check.h"
+#include "util/cost_check.h"
 
 namespace twobp {
 namespace {
@@ -36,7 +37,7 @@ struct Setup {
   std::vector<int> owner;               // stage -> rank
   std::vector<std::vector<int>> local;  // rank -> its stages, ascending
   CostModel costs;
-  std::vector<double> f, i, b;          // per stage: F, I, B as simulate() charges them (detail::action_cost)
+  std::vector<double> f, i, b;          // per stage: F, I, B as simulate() charges them (action_cost)
   double comm = 0.0;
   int budget = 0;
   bool split = true;                    // I + W allowed
@@ -44,7 +45,8 @@ struct Setup {
 
   std::size_t key(int s, int mb) const { return static_cast<std::size_t>(s) * M + mb; }
   bool cross(int a, int b) const { return owner[a] != owner[b]; }
-  double w(int s, int mbs) const { return costs.weight(s, mbs); }
+  // A W of `mbs` micro-batches as simulate() charges it (action_cost): CostModel::per_action once + weight.
+  double w(int s, int mbs) const { return costs.per_action + costs.weight(s, mbs); }
   // Channel of a message from stage `from` to stage `to` (kind 0: activation, 1: gradient), as message_channel()
   // splits them: one per (source rank, destination rank, kind).
   int channel(int from, int to, int kind) const { return (owner[from] * R + owner[to]) * 2 + kind; }
@@ -144,7 +146,7 @@ Score evaluate(const Setup& P, const Orders& orders, double cutoff = kInf) {
         const Action& a = orders[r][pos[r]];
         const double start = ready(r, a);
         if (start < 0.0) break;
-        clock[r] = start + detail::action_cost(a, P.costs);
+        clock[r] = start + action_cost(a, P.costs);
         if (clock[r] > cutoff + kEps) return Score{false, kInf, kInf, score.peak};
         const std::size_t k = P.key(a.stage, a.micro_batches.front());
         if (a.type == ActionType::kForward) f_end[k] = clock[r];
@@ -310,7 +312,7 @@ void ListScheduler::decide(int r) {
 void ListScheduler::emit(int r, Action a) {
   const int s = a.stage, mb = a.micro_batches.front();
   const std::size_t k = P_.key(s, mb);
-  const double end = clock_[r] + detail::action_cost(a, P_.costs);
+  const double end = clock_[r] + action_cost(a, P_.costs);
   switch (a.type) {
     case ActionType::kForward:
       f_end_[k] = end;
@@ -702,6 +704,7 @@ void check_costs(const CostModel& c, int S) {
   sized(c.backward, "backward", true);
   sized(c.backward_weight_fixed, "backward_weight_fixed", true);
   sized(c.recompute, "recompute", true);
+  detail::check_cost_model(c, "synthesize");
 }
 
 Setup make_setup(const SynthesisProblem& problem) {
@@ -718,11 +721,16 @@ Setup make_setup(const SynthesisProblem& problem) {
   if (P.costs.forward.empty()) {
     P.costs = CostModel::uniform(P.S, 1.0, 1.0, 1.0);
     P.costs.backward.assign(P.S, 2.0);
+    P.costs.per_action = problem.costs.per_action;  // textbook chunks, with the fixed cost asked for
   }
   check_costs(P.costs, P.S);
   P.costs.overlap = 0.0;  // the result has no overlapped pairs
   P.comm = P.costs.communication;
   const int v = P.S / P.R;
+  TWOBP_CHECK(problem.memory_budget >= 0, ScheduleError,
+              "synthesize: SynthesisProblem.memory_budget is {}, expected 0 (1F1B standard's peak) or at least the {} "
+              "chunks of a rank",
+              problem.memory_budget, v);
   P.budget = problem.memory_budget > 0 ? problem.memory_budget : v * std::min(P.R, P.M);
   TWOBP_CHECK(P.budget >= v, ScheduleError,
               "synthesize: a memory budget of {} activations per rank is below the {} chunks of a rank, which one "
@@ -730,9 +738,9 @@ Setup make_setup(const SynthesisProblem& problem) {
               P.budget, v);
   P.split = problem.backward == BackwardMode::kSplit;
   for (int s = 0; s < P.S; ++s) {
-    P.f.push_back(detail::action_cost(Action{ActionType::kForward, s, {0}}, P.costs));
-    P.i.push_back(detail::action_cost(Action{ActionType::kBackwardInput, s, {0}}, P.costs));
-    P.b.push_back(detail::action_cost(Action{ActionType::kBackward, s, {0}}, P.costs));
+    P.f.push_back(action_cost(Action{ActionType::kForward, s, {0}}, P.costs));
+    P.i.push_back(action_cost(Action{ActionType::kBackwardInput, s, {0}}, P.costs));
+    P.b.push_back(action_cost(Action{ActionType::kBackward, s, {0}}, P.costs));
   }
   std::vector<int> stage_on_channel(P.R * P.R * 2, -1);
   for (int s = 0; s + 1 < P.S; ++s) {
@@ -851,16 +859,6 @@ SynthesisResult synthesize(const SynthesisProblem& problem, const SynthesisOptio
 
 Schedule synthesize_schedule(const SynthesisProblem& problem, const SynthesisOptions& options) {
   return synthesize(problem, options).schedule;
-}
-
-CostModel RankCosts::per_stage(int num_stages, int ranks) const {
-  TWOBP_CHECK(ranks >= 1 && num_stages >= ranks && num_stages % ranks == 0, UsageError,
-              "RankCosts: {} stages do not split into {} ranks' chunks", num_stages, ranks);
-  const double v = static_cast<double>(num_stages) / ranks;
-  CostModel c = CostModel::uniform(num_stages, forward / v, backward_input / v, backward_weight / v, communication);
-  c.backward.assign(num_stages, backward / v);
-  if (backward_weight_fixed > 0.0) c.backward_weight_fixed.assign(num_stages, backward_weight_fixed / v);
-  return c;
 }
 
 std::vector<SynthesisPlacement> synthesis_placements(int chunks_per_rank) {
