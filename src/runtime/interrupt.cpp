@@ -31,7 +31,8 @@ std::atomic<int> g_current{0};
 struct sigaction g_previous[2];
 
 void write_stderr(const char* text) {
-  const std::size_t n = std::strlen(text);
+  std::size_t n = 0;  // strlen by hand: only write(2) and plain memory reads are async-signal-safe for certain
+  while (text[n] != '\0') ++n;
   if (::write(STDERR_FILENO, text, n) < 0) return;  // nothing to do about a closed stderr
 }
 
