@@ -21,6 +21,16 @@ Schedule schedule(const std::string& name, int p, int m, int v, BackwardMode mod
   return make_schedule(name, ScheduleOptions{p, m, v, mode});
 }
 
+// The standard-mode result of the same run as `split` (2 stages): fused B costs, no I or W.
+RunRecord standard_partner(const RunRecord& split) {
+  RunRecord standard = split;
+  standard.mode = BackwardMode::kStandard;
+  standard.costs.backward_input = {0.0, 0.0};
+  standard.costs.backward_weight = {0.0, 0.0};
+  standard.costs.backward = {3.5, 6.5};
+  return standard;
+}
+
 TEST(CostSource, PerRankCostsAreSplitOverARanksChunks) {
   const CostSource src(RankCosts{4.0, 6.0, 2.0, 8.0, 1.0, 0.5}, 0.25);
   EXPECT_FALSE(src.measured());
@@ -58,11 +68,7 @@ TEST(CostSource, ARunDocumentsResultWithItsPartnersMode) {
   split.costs.backward_weight = {1.0, 2.0};
   split.costs.backward = {0.0, 0.0};
   split.costs.communication = 0.2;
-  RunRecord standard = split;
-  standard.mode = BackwardMode::kStandard;
-  standard.costs.backward_input = {0.0, 0.0};
-  standard.costs.backward_weight = {0.0, 0.0};
-  standard.costs.backward = {3.5, 6.5};
+  const RunRecord standard = standard_partner(split);
   doc.results = {split, standard};
   for (std::size_t index : {0u, 1u}) {
     const CostSource src(doc, index, "run.json");
@@ -139,11 +145,7 @@ TEST(CostSource, RefusesARecordsBadCostsNamingTheFileAndResult) {
   doc.results = {split};
   doc.results[0].costs.backward_input = {2.0, 4.0, 5.0};  // 3 entries, 2 stages
   testing::expect_error([&] { CostSource src(doc, 0, "run.json"); }, {"run.json: result 0:", "sizes differ"});
-  RunRecord standard = split;
-  standard.mode = BackwardMode::kStandard;
-  standard.costs.backward_input = {0.0, 0.0};
-  standard.costs.backward_weight = {0.0, 0.0};
-  standard.costs.backward = {3.5, 6.5};
+  const RunRecord standard = standard_partner(split);
   doc.results = {split, standard};
   doc.results[1].costs.backward[0] = std::nan("");
   testing::expect_error([&] { CostSource src(doc, 0, "run.json"); },
