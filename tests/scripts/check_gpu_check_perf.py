@@ -120,7 +120,7 @@ def unit_problems(script, cpu_build):
     """The perf profile's pure functions against known answers; the probe on the real help and on a fake one."""
     import subprocess
     sys.path.insert(0, os.path.dirname(script))
-    from gpucheck import environment, gate, nccl4, partition, runner, sizing, split_costs as sc, util
+    from gpucheck import environment, gate, measure, nccl4, partition, runner, sizing, split_costs as sc, util
     bad = []
 
     def expect(what, got, want):
@@ -164,6 +164,11 @@ def unit_problems(script, cpu_build):
     expect("gate check: no accumulating W", gate.check_verdict(
         {"fast_vs_general": dict(agree, accumulating_w_compared=0)}, "pass", "")[0], "fail")
     expect("gate check: one path only", gate.check_verdict({"fast": {}}, "pass", "")[0], "fail")
+    # The default profile's simulation: a B measured below max(I, W) (noise) is priced at max(I, W) and said so.
+    ok = {"forward_ms": 0.4, "stage1_ms": 0.5, "stage2_ms": 0.14, "fused_ms": 0.6}
+    expect("simulator_costs as measured", measure.simulator_costs(ok), (0.4, 0.5, 0.14, 0.6, ""))
+    low = measure.simulator_costs(dict(ok, fused_ms=0.3))
+    expect("simulator_costs: a B below I", (low[3], "below max(I, W)" in low[4]), (0.5, True))
     j = {"fast": {"stage1_ms": 12.36, "stage2_ms": 6.16, "fused_ms": 16.27, "forward_ms": 9.13,
                   "device_timed": {"stage1_ms": 10.0, "stage2_ms": 6.2, "fused_ms": 16.0}, "host_ms": {"I": 3.0}}}
     h = sc.headline(j, 989)
