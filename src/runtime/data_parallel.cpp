@@ -5,6 +5,7 @@
 #include <utility>
 #include <vector>
 
+#include "runtime/group_transport.h"
 #include "twobp/transport/status_board.h"
 #include "twobp/transport/wrapping.h"
 #include "util/check.h"
@@ -66,6 +67,32 @@ class GroupTransport final : public WrappingTransport {
 
 }  // namespace
 
+std::unique_ptr<Transport> detail::world_named_group(std::unique_ptr<Transport> group, const Transport& parent,
+                                                     const std::vector<int>& members) {
+  if (group == nullptr) return nullptr;
+  return std::make_unique<GroupTransport>(std::move(group), parent, members);
+}
+
+const char* to_string(ZeroStage stage) {
+  switch (stage) {
+    case ZeroStage::k0:
+      return "0";
+    case ZeroStage::k1:
+      return "1";
+    case ZeroStage::k2:
+      return "2";
+  }
+  return "?";
+}
+
+ZeroStage parse_zero_stage(const std::string& text) {
+  for (ZeroStage z : {ZeroStage::k0, ZeroStage::k1, ZeroStage::k2}) {
+    if (text == to_string(z)) return z;
+  }
+  throw UsageError("unknown ZeRO stage '" + text + "': expected 0 (nothing sharded), 1 (optimizer state) or 2 "
+                   "(gradients and optimizer state)");
+}
+
 ParallelLayout ParallelLayout::of(int world_size, int dp) {
   TWOBP_CHECK(dp >= 1 && world_size >= 1 && world_size % dp == 0, UsageError,
               "{} ranks cannot form {} data-parallel replicas: the world size must be a multiple of dp (world = dp "
@@ -91,8 +118,8 @@ ParallelGroups::ParallelGroups(Transport& world, int dp, Duration timeout)
   std::vector<int> stages_of_replica, replicas_of_stage;
   for (int p = 0; p < layout_.pp; ++p) stages_of_replica.push_back(layout_.world_rank(replica_, p));
   for (int d = 0; d < layout_.dp; ++d) replicas_of_stage.push_back(layout_.world_rank(d, pipeline_rank_));
-  pipeline_ = std::make_unique<GroupTransport>(std::move(pipeline_), world, stages_of_replica);
-  data_parallel_ = std::make_unique<GroupTransport>(std::move(data_parallel_), world, replicas_of_stage);
+  pipeline_ = detail::world_named_group(std::move(pipeline_), world, stages_of_replica);
+  data_parallel_ = detail::world_named_group(std::move(data_parallel_), world, replicas_of_stage);
 }
 
 // Children before the parent they may share state with (Transport::split); the parent is the caller's.

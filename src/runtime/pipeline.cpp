@@ -17,6 +17,7 @@
 
 #include "runtime/gradient_reducer.h"
 #include "runtime/master_weights.h"
+#include "runtime/tied_parameters.h"
 #include "twobp/schedule/validate.h"
 #include "twobp/transport/checksum.h"
 #include "util/check.h"
@@ -90,9 +91,8 @@ void refuse_tensors_shared_with_other_ranks(Transport& group, const std::string&
           "rank {}: {} of stage {} is also a tensor of stage {} on {} {}: ranks are threads of one process here, "
           "and a tensor shared by two ranks would be written from two threads (gradients, running statistics), "
           "counted twice in the gradient norm, clipped twice, stepped by both ranks' optimizers and saved twice. "
-          "Give each rank its own tensors (tie weights only between stages of one rank, e.g. zb-v places the first "
-          "and last stage on rank 0), or run one rank per process and all-reduce a tied weight's gradient between "
-          "its copies yourself",
+          "Give each rank its own tensors; to tie a weight across ranks, give each stage a copy and list them in "
+          "PipelineOptions::tied_parameters",
           pipeline_rank, found->second.what, found->second.stage, data[k + 1], group_name, root));
     }
   }
@@ -187,6 +187,7 @@ struct Pipeline::Impl {
   std::vector<Executor::Hook> hooks;                 // add_hook()'s, in order: kept across switch_schedule()
   bool ranks_share_process = false;                  // some peer (pipeline or replica) is a thread of this process
   bool started = false;                              // a first step began (see run_step)
+  std::unique_ptr<detail::TiedParameters> tied;      // PipelineOptions::tied_parameters, when any
   double loss_items = 0.0;  // LossReduction::kMeanOverItems: the last step's (or evaluation's) global items
 };
 
@@ -268,6 +269,24 @@ Pipeline::Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, std::sh
               "unset",
               rank);
   build_executor();
+  tie_parameters();
+}
+
+void Pipeline::tie_parameters() {
+  if (options_.tied_parameters.empty()) return;
+  try {
+    impl_->tied = std::make_unique<detail::TiedParameters>(
+        options_.tied_parameters, schedule_, *transport_, stages_,
+        [this](const at::Tensor& p) { return master_weight(p); },
+        [this](Transport& group, const std::string& what, const std::function<void()>& run) {
+          wait_in(group, what.c_str(), run);
+        },
+        options_.executor.timeout);
+  } catch (const std::exception& e) {
+    // The other ranks would wait for this one in the ties' collectives until their timeout.
+    abort_with({impl_->data_parallel, transport_.get()}, rank(), e);
+    throw;
+  }
 }
 
 Schedule Pipeline::prepared(Schedule schedule) const {
@@ -418,8 +437,10 @@ GradientCheck Pipeline::check_gradients() {
   // torch.nn.utils.clip_grad_norm_ does), then ONE copy of those few numbers to the host. A non-finite sum marks
   // the stage; so does a gradient whose squares overflow the accumulation (|g| above ~1e19 in float32).
   std::vector<at::Tensor> stage_sq;  // one 0-dim float64 tensor per stage of this rank, on the stage's device
-  // Each parameter is counted once, in the first of this rank's stages that lists it.
+  // Each parameter is counted once, in the first of this rank's stages that lists it; a tied weight once, as its
+  // first copy (PipelineOptions::tied_parameters).
   std::unordered_set<const c10::TensorImpl*> counted;
+  if (impl_->tied) counted = impl_->tied->duplicates();
   {
     c10::AutoGradMode no_grad(false);
     for (const auto& [index, stage_ptr] : stages_) {
@@ -654,6 +675,13 @@ StepResult Pipeline::run_step(const std::function<StepResult()>& run) {
     if (impl_->reducer) {
       result.reduce_wait_us = wait_in(*impl_->data_parallel, "the data-parallel gradient reduction",
                                       [&] { return impl_->reducer->finish(); });
+    }
+    if (impl_->tied) {
+      impl_->tied->sum_gradients(
+          [this](Transport& group, const std::string& what, const std::function<void()>& collective) {
+            wait_in(group, what.c_str(), collective);
+          },
+          options_.executor.timeout);
     }
   } catch (const std::exception& e) {
     if (impl_->reducer) impl_->reducer->reset();

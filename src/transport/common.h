@@ -109,6 +109,28 @@ inline Clock::time_point deadline_after(Duration timeout) {
   return now + timeout;
 }
 
+/// What is left of a wait until `deadline` (0 once it passed), for the next of several waits within one deadline.
+inline Duration time_left(Clock::time_point deadline) {
+  if (deadline == Clock::time_point::max()) return Duration::max();
+  return std::max(Duration(0), std::chrono::duration_cast<Duration>(deadline - Clock::now()));
+}
+
+/// UsageError (naming `who` and what was expected) unless `input` and `output` are what reduce_scatter_sum takes on
+/// rank `rank` of `world`: both defined, 1-D and contiguous, of one dtype and device, `output` holding
+/// shard_range(input.numel(), world, rank).size() elements. Defined in transport.cpp.
+void check_reduce_scatter_args(const std::string& who, int world, int rank, const at::Tensor& input,
+                               const at::Tensor& output);
+/// The same for all_gather: `shard` holds shard_range(output.numel(), world, rank).size() elements.
+void check_all_gather_args(const std::string& who, int world, int rank, const at::Tensor& shard,
+                           const at::Tensor& output);
+
+/// For transports that cannot compare the ranks' tensors within the collective itself (MPI, NCCL): one
+/// all_reduce_sum over `via` (the transport, or NCCL's host) of every rank's (`kind`, n, dtype), each in a row of
+/// its own. UsageError on every rank, naming what each rank passed, when they differ; the all-reduce's
+/// TimeoutError / TransportError rethrown naming `kind`. `kind`: "reduce_scatter_sum" or "all_gather".
+void check_ranks_agree(Transport& via, const std::string& who, const char* kind, std::int64_t n,
+                       c10::ScalarType dtype, Duration timeout);
+
 }  // namespace twobp::detail
 
 namespace twobp::detail {

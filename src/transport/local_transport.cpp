@@ -131,11 +131,13 @@ struct LocalGroupState {
 
   bool aborted() const { return family->aborted.load(); }
 
-  // Collectives: one sequence shared by all_reduce_sum and barrier. `generation` counts completed ones.
+  // Collectives: one sequence shared by all of them (all_reduce_sum, barrier, broadcast, reduce_scatter_sum,
+  // all_gather). `generation` counts completed ones.
   std::int64_t generation = 0;
   int arrived = 0;
   std::string kind;  // of the collective being assembled
   std::vector<at::Tensor> contributions;
+  std::vector<std::string> signatures;  // what each rank passed ("tensor [3] Float"): must be equal
   std::vector<bool> has_arrived;
   at::Tensor last_result;  // of generation-1; stays valid until every rank copied it (see collective())
   std::string failure;     // non-empty once a collective failed: all later collectives throw it
@@ -393,20 +395,31 @@ std::unique_ptr<Work> LocalTransport::irecv(at::Tensor& buffer, const P2POptions
   return std::make_unique<detail::LocalRecvWork>(state_, rank_, options, buffer, std::move(recv));
 }
 
-void LocalTransport::all_reduce_sum(at::Tensor& tensor, Duration timeout) {
-  TWOBP_CHECK(tensor.defined(), UsageError, "{}: all_reduce_sum of an undefined tensor", state_->who(rank_));
-  if (!tensor.is_cpu()) {
-    // Ranks' device tensors live on different streams: sum host copies (the copy waits for this rank's stream).
-    // Collectives here are small (losses, norms), so the copies cost nothing worth a stream protocol.
-    at::Tensor host = tensor.to(at::kCPU);
-    collective("all_reduce_sum", &host, timeout);
-    tensor.copy_(host);
-    return;
-  }
-  collective("all_reduce_sum", &tensor, timeout);
+namespace {
+
+// This rank's contribution to a collective: a host snapshot that the collective owns (the other ranks read it while
+// this one may already modify `tensor`). Device tensors travel through host copies (the copy waits for this rank's
+// stream); Local collectives are for small tensors and tests, so the copies cost nothing worth a stream protocol.
+at::Tensor host_snapshot(const at::Tensor& tensor) {
+  return tensor.is_cpu() ? tensor.clone(at::MemoryFormat::Contiguous) : tensor.to(at::kCPU).contiguous();
 }
 
-void LocalTransport::barrier(Duration timeout) { collective("barrier", nullptr, timeout); }
+// "tensor [3] Float": how a collective's signature names a tensor every rank must pass alike.
+std::string signature_of(const char* role, at::IntArrayRef sizes, c10::ScalarType dtype) {
+  return fmt::format("{} {}", role, detail::describe_tensor(sizes, dtype));
+}
+
+}  // namespace
+
+void LocalTransport::all_reduce_sum(at::Tensor& tensor, Duration timeout) {
+  TWOBP_CHECK(tensor.defined(), UsageError, "{}: all_reduce_sum of an undefined tensor", state_->who(rank_));
+  const at::Tensor sum = collective("all_reduce_sum", host_snapshot(tensor),
+                                    signature_of("tensor", tensor.sizes(), tensor.scalar_type()), Combine::kSum,
+                                    timeout);
+  tensor.copy_(sum);
+}
+
+void LocalTransport::barrier(Duration timeout) { collective("barrier", at::Tensor(), "", Combine::kNothing, timeout); }
 
 void LocalTransport::broadcast(at::Tensor& tensor, int root, Duration timeout) {
   TWOBP_CHECK(tensor.defined(), UsageError, "{}: broadcast of an undefined tensor", state_->who(rank_));
@@ -414,14 +427,28 @@ void LocalTransport::broadcast(at::Tensor& tensor, int root, Duration timeout) {
               state_->who(rank_), root, state_->world);
   // The root is part of the collective's kind: ranks disagreeing about it get the same UsageError as ranks
   // calling different collectives.
-  const std::string kind = fmt::format("broadcast from rank {}", root);
-  if (!tensor.is_cpu()) {
-    at::Tensor host = tensor.to(at::kCPU);
-    collective(kind, &host, timeout, root);
-    tensor.copy_(host);
-    return;
-  }
-  collective(kind, &tensor, timeout, root);
+  const at::Tensor result =
+      collective(fmt::format("broadcast from rank {}", root), host_snapshot(tensor),
+                 signature_of("tensor", tensor.sizes(), tensor.scalar_type()), Combine::kRoot, timeout, root);
+  tensor.copy_(result);
+}
+
+void LocalTransport::reduce_scatter_sum(const at::Tensor& input, at::Tensor& output, Duration timeout) {
+  detail::check_reduce_scatter_args(state_->who(rank_), state_->world, rank_, input, output);
+  // The whole inputs are summed in rank order (all_reduce_sum's sum, bitwise); each rank copies its shard out.
+  const at::Tensor sum = collective("reduce_scatter_sum", host_snapshot(input),
+                                    signature_of("input", input.sizes(), input.scalar_type()), Combine::kSum, timeout);
+  const ShardRange mine = shard_range(input.numel(), state_->world, rank_);
+  output.copy_(sum.narrow(0, mine.begin, mine.size()));
+}
+
+void LocalTransport::all_gather(const at::Tensor& shard, at::Tensor& output, Duration timeout) {
+  detail::check_all_gather_args(state_->who(rank_), state_->world, rank_, shard, output);
+  // The signature is the output's: the ranks' shards differ in size by design, their outputs must not.
+  const at::Tensor all = collective("all_gather", host_snapshot(shard),
+                                    signature_of("output", output.sizes(), output.scalar_type()), Combine::kConcat,
+                                    timeout);
+  output.copy_(all);
 }
 
 std::unique_ptr<Transport> LocalTransport::split(int color, int key, Duration timeout) {
@@ -456,28 +483,24 @@ std::unique_ptr<Transport> LocalTransport::split(int color, int key, Duration ti
   return std::make_unique<LocalTransport>(std::move(group), static_cast<int>(me - members.begin()));
 }
 
-void LocalTransport::collective(const std::string& kind, at::Tensor* tensor, Duration timeout, int root) {
-  const auto deadline = detail::deadline_after(timeout);
-  // Snapshot outside the lock: the other ranks sum our contribution while we may already modify `tensor`.
-  at::Tensor contribution = tensor ? tensor->clone(at::MemoryFormat::Contiguous) : at::Tensor();
-  auto& s = *state_;
-  std::unique_lock<std::mutex> lock(s.mutex);
-  const std::int64_t my_generation = s.generation;
-  const std::string what = fmt::format("{} #{}", kind, my_generation);
-  if (s.aborted()) s.raise_aborted(rank_, what);
-  if (!s.failure.empty()) detail::raise<TransportError>("{}: {} failed: {}", state_->who(rank_), what, s.failure);
+namespace detail {
+namespace {
 
-  // A contract violation leaves the collective unable to complete: record it so the other ranks fail at once
-  // instead of waiting for their timeout, then report it to this caller as its own UsageError.
+// Records `me`'s arrival in the collective being assembled, after checking that it is the same collective as the
+// ranks' already there (kind and signature). A mismatch leaves the collective unable to complete: it is recorded so
+// that the other ranks fail at once instead of waiting for their timeout, and raised here as UsageError. Caller holds
+// the mutex.
+void arrive(LocalGroupState& s, int me, const std::string& kind, at::Tensor contribution, const std::string& signature,
+            const std::string& what) {
   auto fail_usage = [&](std::string message) {
     s.failure = message;
     s.notify_all_ranks();
     throw UsageError(message);
   };
-
   if (s.arrived == 0) {
     s.kind = kind;
     s.contributions.assign(s.world, at::Tensor());
+    s.signatures.assign(s.world, std::string());
     s.has_arrived.assign(s.world, false);
   } else {
     int first = 0;
@@ -485,66 +508,83 @@ void LocalTransport::collective(const std::string& kind, at::Tensor* tensor, Dur
     if (s.kind != kind) {
       fail_usage(fmt::format("{} called {} while rank {} called {} (collective #{}): every rank must call "
                              "the collectives in the same order",
-                             state_->who(rank_), kind, first, s.kind, my_generation));
+                             s.who(me), kind, first, s.kind, s.generation));
     }
-    if (tensor) {
-      const auto& other = s.contributions[first];
-      if (other.sizes() != contribution.sizes() || other.scalar_type() != contribution.scalar_type()) {
-        fail_usage(fmt::format("{}: {}: tensor {} does not match rank {}'s {}", state_->who(rank_), what,
-                               detail::describe_tensor(contribution), first, detail::describe_tensor(other)));
-      }
+    if (s.signatures[first] != signature) {
+      fail_usage(fmt::format("{}: {}: {} does not match rank {}'s {}", s.who(me), what, signature, first,
+                             s.signatures[first]));
     }
   }
-  s.contributions[rank_] = std::move(contribution);
-  s.has_arrived[rank_] = true;
+  s.contributions[me] = std::move(contribution);
+  s.signatures[me] = signature;
+  s.has_arrived[me] = true;
   ++s.arrived;
+}
 
-  if (s.arrived == s.world) {
-    // Last to arrive: sum in rank order (reproducible), publish, open the next generation.
-    at::Tensor result;
-    if (tensor && root >= 0) {
-      result = s.contributions[root];
-    } else if (tensor) {
-      try {
-        result = s.contributions[0];
-        for (int r = 1; r < s.world; ++r) result.add_(s.contributions[r]);
-      } catch (const std::exception& e) {
-        s.failure = fmt::format("{}: {}: summing failed: {}", state_->who(rank_), what, e.what());
-        s.notify_all_ranks();
-        throw TransportError(s.failure);
+// The result of the assembled collective, made by the last rank to arrive (`me`) from the contributions in rank
+// order -- a sum in rank order is bitwise reproducible. Caller holds the mutex.
+at::Tensor combine(LocalGroupState& s, int me, const std::string& what, LocalCombine how, int root) {
+  using Combine = LocalCombine;
+  try {
+    switch (how) {
+      case Combine::kNothing: return at::Tensor();
+      case Combine::kRoot: return s.contributions[root];
+      case Combine::kConcat: return at::cat(s.contributions);
+      case Combine::kSum: {
+        at::Tensor sum = s.contributions[0];
+        for (int r = 1; r < s.world; ++r) sum.add_(s.contributions[r]);
+        return sum;
       }
     }
+  } catch (const std::exception& e) {
+    s.failure = fmt::format("{}: {}: combining the contributions failed: {}", s.who(me), what, e.what());
+    s.notify_all_ranks();
+    throw TransportError(s.failure);
+  }
+  return at::Tensor();
+}
+
+}  // namespace
+}  // namespace detail
+
+at::Tensor LocalTransport::collective(const std::string& kind, at::Tensor contribution, const std::string& signature,
+                                      Combine combine, Duration timeout, int root) {
+  const auto deadline = detail::deadline_after(timeout);
+  auto& s = *state_;
+  std::unique_lock<std::mutex> lock(s.mutex);
+  const std::int64_t my_generation = s.generation;
+  const std::string what = fmt::format("{} #{}", kind, my_generation);
+  if (s.aborted()) s.raise_aborted(rank_, what);
+  if (!s.failure.empty()) detail::raise<TransportError>("{}: {} failed: {}", state_->who(rank_), what, s.failure);
+  detail::arrive(s, rank_, kind, std::move(contribution), signature, what);
+
+  if (s.arrived == s.world) {
+    // Last to arrive: combine, publish, open the next generation.
     // WHY a single last_result suffices: generation+1 cannot complete before every rank arrived at it, i.e.
-    // before every rank returned from this one and copied the result.
-    s.last_result = result;
+    // before every rank returned from this one and took the result.
+    s.last_result = detail::combine(s, rank_, what, combine, root);
     s.contributions.clear();
     s.arrived = 0;
     ++s.generation;
     s.notify_all_ranks();
-  } else {
-    const bool done = s.wakeup[rank_].wait_until(lock, deadline, [&] {
-      return s.aborted() || !s.failure.empty() || s.generation > my_generation;
-    });
-    if (s.generation <= my_generation) {
-      // A collective that completed before an abort still succeeds: its result is valid.
-      if (s.aborted()) s.raise_aborted(rank_, what);
-      if (!s.failure.empty()) detail::raise<TransportError>("{}: {} failed: {}", state_->who(rank_), what, s.failure);
-      if (!done) {
-        std::string missing;
-        for (int r = 0; r < s.world; ++r) {
-          if (!s.has_arrived[r]) missing += fmt::format("{}{}", missing.empty() ? "" : ", ", r);
-        }
-        // Our contribution is already in the sum and cannot be withdrawn: the collective is broken for all.
-        s.failure = fmt::format("{}: timed out after {} ms in {} waiting for rank(s) {}", state_->who(rank_),
-                                timeout.count(), what, missing);
-        s.notify_all_ranks();
-        throw TimeoutError(s.failure);
-      }
-    }
+    return s.last_result;
   }
-  at::Tensor result = s.last_result;
-  lock.unlock();
-  if (tensor) tensor->copy_(result);
+  s.wakeup[rank_].wait_until(lock, deadline, [&] {
+    return s.aborted() || !s.failure.empty() || s.generation > my_generation;
+  });
+  if (s.generation > my_generation) return s.last_result;  // completed before any abort: its result is valid
+  if (s.aborted()) s.raise_aborted(rank_, what);
+  if (!s.failure.empty()) detail::raise<TransportError>("{}: {} failed: {}", state_->who(rank_), what, s.failure);
+  // The deadline passed.
+  std::string missing;
+  for (int r = 0; r < s.world; ++r) {
+    if (!s.has_arrived[r]) missing += fmt::format("{}{}", missing.empty() ? "" : ", ", r);
+  }
+  // Our contribution is already in the collective and cannot be withdrawn: the collective is broken for all.
+  s.failure = fmt::format("{}: timed out after {} ms in {} waiting for rank(s) {}", state_->who(rank_),
+                          timeout.count(), what, missing);
+  s.notify_all_ranks();
+  throw TimeoutError(s.failure);
 }
 
 void LocalTransport::abort(const std::string& reason) {

@@ -106,7 +106,9 @@ struct Pending {
   std::array<int, 2> error{MPI_SUCCESS, MPI_SUCCESS};
   std::array<MPI_Status, 2> status{};
   WireHeader header{};
-  at::Tensor tensor;  // payload (send) or the caller's buffer (receive)
+  at::Tensor tensor;  // payload (send) or the caller's buffer (receive); a collective's result
+  at::Tensor input;   // a reduce-scatter's or all-gather's other buffer, which MPI reads until it completes
+  std::vector<int> counts, displacements;  // their per-rank counts: MPI may read them until it completes
   std::shared_ptr<void> progress_token;  // keeps the progress thread polling while this operation exists
 };
 
@@ -345,6 +347,9 @@ struct MpiTransport::Impl {
   std::unique_ptr<detail::ProgressThread> progress;  // only with MPI_THREAD_MULTIPLE
   std::shared_ptr<detail::MpiStatusBoard> board;     // only with MPI_THREAD_MULTIPLE
   std::string name;         // empty: "rank <rank>"; in a group: "rank 1 (group color 0, rank 2 in the parent)"
+  // Whether the first reduce_scatter_sum / all_gather compared what the ranks pass (detail::check_ranks_agree).
+  bool checked_reduce_scatter = false;
+  bool checked_all_gather = false;
 
   std::string who() const { return name.empty() ? fmt::format("rank {}", rank) : name; }
 
@@ -689,8 +694,9 @@ std::unique_ptr<Work> MpiTransport::irecv(at::Tensor& buffer, const P2POptions& 
 namespace detail {
 namespace {
 
-// A started MPI_Iallreduce. wait() polls it like every collective (a timeout parks it and refuses later
-// collectives) and copies a half/bfloat16 result, reduced in float32, back into the caller's tensor.
+// A started MPI_Iallreduce, MPI_Ireduce_scatter or MPI_Iallgatherv. wait() polls it like every collective (a timeout
+// parks it and refuses later collectives) and copies a half/bfloat16 result, reduced in float32, into the caller's
+// tensor.
 class MpiCollectiveWork final : public Work {
  public:
   MpiCollectiveWork(std::shared_ptr<MpiTransport::Impl> impl, std::shared_ptr<Pending> pending, at::Tensor target,
@@ -763,6 +769,90 @@ std::unique_ptr<Work> MpiTransport::all_reduce_sum_async(at::Tensor& tensor, Dur
     p->done[0] = false;
   }
   return std::make_unique<detail::MpiCollectiveWork>(impl_, std::move(p), tensor, what);
+}
+
+namespace {
+
+// The per-rank element counts of a flat buffer of n elements (shard_range), times `scale`, and their offsets; UsageError
+// unless every number fits MPI's int.
+void shard_counts(const std::string& who, const std::string& what, std::int64_t n, int world, std::int64_t scale,
+                  std::vector<int>* counts, std::vector<int>* displacements) {
+  TWOBP_CHECK(n <= INT_MAX / scale, UsageError, "{}: {}: at most {} {} in all, got {} elements of {} bytes", who,
+              what, INT_MAX, scale == 1 ? "elements" : "bytes", n, scale);
+  for (int r = 0; r < world; ++r) {
+    const ShardRange range = shard_range(n, world, r);
+    counts->push_back(static_cast<int>(range.size() * scale));
+    displacements->push_back(static_cast<int>(range.begin * scale));
+  }
+}
+
+}  // namespace
+
+std::unique_ptr<Work> MpiTransport::reduce_scatter_sum_async(const at::Tensor& input, at::Tensor& output,
+                                                             Duration timeout) {
+  auto& im = *impl_;
+  detail::check_reduce_scatter_args(im.who(), im.world, im.rank, input, output);
+  TWOBP_CHECK(input.is_cpu(), UsageError, "{}: reduce_scatter_sum: MpiTransport reduces CPU tensors, got one on {}",
+              im.who(), input.device().str());
+  MPI_Datatype type = MPI_DATATYPE_NULL;
+  const bool via_float = !detail::mpi_type_of(input.scalar_type(), &type);
+  // MPI has no half/bfloat16 sum: reduce in float32 (more accurate anyway) and round once at the end.
+  TWOBP_CHECK(!via_float || input.scalar_type() == c10::kHalf || input.scalar_type() == c10::kBFloat16, UsageError,
+              "{}: reduce_scatter_sum: dtype {} cannot be summed over MPI", im.who(),
+              c10::toString(input.scalar_type()));
+  if (!im.checked_reduce_scatter) {
+    detail::check_ranks_agree(*this, im.who(), "reduce_scatter_sum", input.numel(), input.scalar_type(), timeout);
+    im.checked_reduce_scatter = true;
+  }
+  auto p = std::make_shared<detail::Pending>();
+  shard_counts(im.who(), "reduce_scatter_sum", input.numel(), im.world, 1, &p->counts, &p->displacements);
+  const std::string what = im.begin_collective("reduce_scatter_sum");
+  p->input = via_float ? input.to(c10::kFloat) : input;
+  p->tensor = via_float ? at::empty({output.numel()}, at::kFloat) : output;
+  if (via_float) type = MPI_FLOAT;
+  p->progress_token = im.progress_token();
+  {
+    auto lock = im.serialize();
+    TWOBP_MPI_CHECK(MPI_Ireduce_scatter(p->input.data_ptr(), p->tensor.data_ptr(), p->counts.data(), type, MPI_SUM,
+                                        im.comm, &p->requests[0]));
+    p->done[0] = false;
+  }
+  return std::make_unique<detail::MpiCollectiveWork>(impl_, std::move(p), output, what);
+}
+
+void MpiTransport::reduce_scatter_sum(const at::Tensor& input, at::Tensor& output, Duration timeout) {
+  reduce_scatter_sum_async(input, output, timeout)->wait(timeout);
+}
+
+std::unique_ptr<Work> MpiTransport::all_gather_async(const at::Tensor& shard, at::Tensor& output, Duration timeout) {
+  auto& im = *impl_;
+  detail::check_all_gather_args(im.who(), im.world, im.rank, shard, output);
+  TWOBP_CHECK(shard.is_cpu(), UsageError, "{}: all_gather: MpiTransport gathers CPU tensors, got one on {}", im.who(),
+              shard.device().str());
+  if (!im.checked_all_gather) {
+    detail::check_ranks_agree(*this, im.who(), "all_gather", output.numel(), output.scalar_type(), timeout);
+    im.checked_all_gather = true;
+  }
+  auto p = std::make_shared<detail::Pending>();
+  // Bytes, so that every dtype travels.
+  shard_counts(im.who(), "all_gather", output.numel(), im.world, static_cast<std::int64_t>(output.element_size()),
+               &p->counts, &p->displacements);
+  const std::string what = im.begin_collective("all_gather");
+  p->input = shard;
+  p->tensor = output;
+  p->progress_token = im.progress_token();
+  {
+    auto lock = im.serialize();
+    TWOBP_MPI_CHECK(MPI_Iallgatherv(shard.data_ptr(), p->counts[static_cast<std::size_t>(im.rank)], MPI_BYTE,
+                                    output.data_ptr(), p->counts.data(), p->displacements.data(), MPI_BYTE, im.comm,
+                                    &p->requests[0]));
+    p->done[0] = false;
+  }
+  return std::make_unique<detail::MpiCollectiveWork>(impl_, std::move(p), output, what);
+}
+
+void MpiTransport::all_gather(const at::Tensor& shard, at::Tensor& output, Duration timeout) {
+  all_gather_async(shard, output, timeout)->wait(timeout);
 }
 
 void MpiTransport::barrier(Duration timeout) {

@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -186,7 +187,10 @@ struct NcclTransport::Impl {
   /// The communicator of every rank, for all_reduce_sum_async (gradient buckets); created and warmed up by the
   /// constructor when NcclOptions::collective.
   std::unique_ptr<detail::Channel> collective;
-  std::int64_t async_reductions = 0;
+  std::int64_t async_reductions = 0;  // operations posted on `collective` so far: numbers them in errors
+  // Whether the first reduce_scatter_sum / all_gather compared what the ranks pass (detail::check_ranks_agree).
+  bool checked_reduce_scatter = false;
+  bool checked_all_gather = false;
   /// Held by the user's thread while it calls NCCL or changes a channel, and by the watchdog's abort: so that a
   /// communicator is never aborted (freed) under a call on it. Never held while waiting for a peer. Recursive: a
   /// Work destroyed while its post() unwinds locks it again.
@@ -754,50 +758,205 @@ void NcclTransport::all_reduce_sum(at::Tensor& tensor, Duration timeout) {
   tensor.copy_(cpu);
 }
 
+namespace detail {
+namespace {
+
+/// NCCL's type for summing `dtype`; UsageError naming `what` for a dtype NCCL cannot sum.
+ncclDataType_t nccl_sum_type(c10::ScalarType dtype, int rank, const char* what) {
+  switch (dtype) {
+    case at::kFloat: return ncclFloat32;
+    case at::kDouble: return ncclFloat64;
+    case at::kHalf: return ncclFloat16;
+    case at::kBFloat16: return ncclBfloat16;
+    case at::kInt: return ncclInt32;
+    case at::kLong: return ncclInt64;
+    default: raise<UsageError>("rank {}: {}: dtype {} cannot be summed by NCCL", rank, what, c10::toString(dtype));
+  }
+}
+
+/// UsageError unless `t` is on this rank's GPU (what NcclTransport's collectives of every rank move).
+void check_on_device(const NcclTransport::Impl& im, const at::Tensor& t, const char* what) {
+  TWOBP_CHECK(t.is_cuda() && t.device().index() == im.device, UsageError,
+              "rank {}: {}: NcclTransport moves tensors on cuda:{} (or the CPU, through its host transport), got one "
+              "on {}",
+              im.rank, what, im.device, t.device().str());
+}
+
+/// Posts `enqueue` (one NCCL collective on the communicator of every rank, NcclTransport::Impl::collective) on that
+/// communicator's stream, after the work queued so far on the current compute stream (where its buffers were
+/// produced, or last used). `buffers`: the tensors it reads or writes, kept from reuse until its stream is past it.
+/// `what` names it in errors ("reduce_scatter_sum #3").
+std::unique_ptr<Work> post_collective(const std::shared_ptr<NcclTransport::Impl>& impl, const std::string& what,
+                                      Duration timeout, const std::vector<at::Tensor>& buffers,
+                                      const std::function<void(Channel&)>& enqueue) {
+  auto& im = *impl;
+  // WHY a communicator of every rank: gradient buckets and shards are large and reduced while the pipeline runs;
+  // staying on the GPU, on a stream of their own, is what lets them overlap compute.
+  TWOBP_CHECK(im.collective != nullptr, UsageError,
+              "rank {}: {}: this NcclTransport was built with NcclOptions::collective = false; build it with true "
+              "(the default) to reduce gradient buckets on the GPU",
+              im.rank, what);
+  std::lock_guard<std::recursive_mutex> lock(im.comms);  // no watchdog abort while this posts
+  Channel& ch = *im.collective;
+  ch.settle(im.rank, timeout, what);
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(im.device));
+  const auto compute = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(im.device));
+  auto work = std::make_unique<NcclWork>(impl, &ch, what);
+  // SYNC POINT: the buffers were filled on the compute stream.
+  TWOBP_CUDA_CHECK(cudaEventRecord(work->ready(), compute.stream()));
+  TWOBP_CUDA_CHECK(cudaStreamWaitEvent(ch.stream, work->ready(), 0));
+  enqueue(ch);
+  // SYNC POINT (memory lifetime): see post(); the collective's stream may still use them after the caller let go.
+  for (const at::Tensor& b : buffers) {
+    if (b.numel() == 0) continue;  // no memory, nothing NCCL touched
+    c10::cuda::CUDACachingAllocator::recordStream(
+        b.storage().data_ptr(), c10::cuda::getStreamFromExternal(ch.stream, static_cast<c10::DeviceIndex>(im.device)));
+  }
+  ch.unsettled = work->done();
+  ch.settled(im.rank, what);
+  return work;
+}
+
+/// A collective posted on padded buffers (NCCL's reduce-scatter and all-gather take the same count from every rank,
+/// and shard_range's shards differ by one element when world_size does not divide n): once the NCCL work is done
+/// and the current stream waits for it (the inner wait()), `copy_out` moves the result out of `padded` into the
+/// caller's tensor, on the current stream, once.
+class CopyOutWork final : public Work {
+ public:
+  CopyOutWork(std::unique_ptr<Work> inner, int device, at::Tensor padded, std::function<void()> copy_out)
+      : inner_(std::move(inner)), device_(static_cast<c10::DeviceIndex>(device)), padded_(std::move(padded)),
+        copy_out_(std::move(copy_out)) {}
+
+  void wait(Duration timeout) override {
+    if (finished_) return;
+    inner_->wait(timeout);
+    finish();
+  }
+
+  bool is_completed() override {
+    if (finished_) return true;
+    if (!inner_->is_completed()) return false;
+    finish();
+    return true;
+  }
+
+ private:
+  void finish() {
+    finished_ = true;
+    c10::cuda::CUDAGuard guard(device_);
+    copy_out_();
+    // SYNC POINT (memory lifetime): the copy reads the padded buffer on the current stream, which need not be the
+    // stream that allocated it: it must not be reused before that copy ran.
+    c10::cuda::CUDACachingAllocator::recordStream(padded_.storage().data_ptr(), c10::cuda::getCurrentCUDAStream(device_));
+    padded_.reset();
+  }
+
+  std::unique_ptr<Work> inner_;
+  c10::DeviceIndex device_;
+  at::Tensor padded_;
+  std::function<void()> copy_out_;
+  bool finished_ = false;
+};
+
+}  // namespace
+}  // namespace detail
+
 std::unique_ptr<Work> NcclTransport::all_reduce_sum_async(at::Tensor& tensor, Duration timeout) {
   auto& im = *impl_;
   im.check_watchdog();
   TWOBP_CHECK(tensor.defined() && tensor.is_cuda() && tensor.device().index() == im.device && tensor.is_contiguous(),
               UsageError, "rank {}: all_reduce_sum_async: NcclTransport reduces contiguous tensors on cuda:{}, got {}",
               im.rank, im.device, tensor.defined() ? tensor.device().str() : std::string("an undefined tensor"));
-  ncclDataType_t type = ncclFloat;
-  switch (tensor.scalar_type()) {
-    case at::kFloat: type = ncclFloat32; break;
-    case at::kDouble: type = ncclFloat64; break;
-    case at::kHalf: type = ncclFloat16; break;
-    case at::kBFloat16: type = ncclBfloat16; break;
-    case at::kInt: type = ncclInt32; break;
-    case at::kLong: type = ncclInt64; break;
-    default:
-      detail::raise<UsageError>("rank {}: all_reduce_sum_async: dtype {} cannot be summed by NCCL", im.rank,
-                                c10::toString(tensor.scalar_type()));
-  }
+  const ncclDataType_t type = detail::nccl_sum_type(tensor.scalar_type(), im.rank, "all_reduce_sum_async");
   const std::string what = fmt::format("all_reduce_sum_async #{}", im.async_reductions++);
-  // WHY a communicator of every rank (unlike all_reduce_sum): gradient buckets are large and reduced while the
-  // pipeline runs; staying on the GPU, on a stream of their own, is what lets them overlap compute.
-  TWOBP_CHECK(im.collective != nullptr, UsageError,
-              "rank {}: {}: this NcclTransport was built with NcclOptions::collective = false; build it with true "
-              "(the default) to reduce gradient buckets on the GPU",
-              im.rank, what);
-  std::lock_guard<std::recursive_mutex> lock(im.comms);  // no watchdog abort while this posts
-  detail::Channel& ch = *im.collective;
-  ch.settle(im.rank, timeout, what);
-  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(im.device));
-  const auto compute = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(im.device));
-  auto work = std::make_unique<detail::NcclWork>(impl_, &ch, what);
-  // SYNC POINT: the bucket was filled on the compute stream.
-  TWOBP_CUDA_CHECK(cudaEventRecord(work->ready(), compute.stream()));
-  TWOBP_CUDA_CHECK(cudaStreamWaitEvent(ch.stream, work->ready(), 0));
-  if (tensor.numel() > 0) {
+  return detail::post_collective(impl_, what, timeout, {tensor}, [&](detail::Channel& ch) {
+    if (tensor.numel() == 0) return;  // every rank has the same numel: all skip it
     TWOBP_NCCL_CHECK(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), static_cast<std::size_t>(tensor.numel()),
                                    type, ncclSum, ch.comm, ch.stream));
-    c10::cuda::CUDACachingAllocator::recordStream(
-        tensor.storage().data_ptr(),
-        c10::cuda::getStreamFromExternal(ch.stream, static_cast<c10::DeviceIndex>(im.device)));
+  });
+}
+
+void NcclTransport::reduce_scatter_sum(const at::Tensor& input, at::Tensor& output, Duration timeout) {
+  reduce_scatter_sum_async(input, output, timeout)->wait(timeout);
+}
+
+std::unique_ptr<Work> NcclTransport::reduce_scatter_sum_async(const at::Tensor& input, at::Tensor& output,
+                                                              Duration timeout) {
+  auto& im = *impl_;
+  im.check_watchdog();
+  const std::string who = fmt::format("rank {}", im.rank);
+  detail::check_reduce_scatter_args(who, im.world, im.rank, input, output);
+  if (input.is_cpu()) {  // host values: over the host transport, as all_reduce_sum
+    im.host->reduce_scatter_sum(input, output, timeout);
+    return detail::completed_work();
   }
-  ch.unsettled = work->done();
-  ch.settled(im.rank, what);
-  return work;
+  detail::check_on_device(im, input, "reduce_scatter_sum");
+  const ncclDataType_t type = detail::nccl_sum_type(input.scalar_type(), im.rank, "reduce_scatter_sum");
+  if (!im.checked_reduce_scatter) {
+    detail::check_ranks_agree(*im.host, who, "reduce_scatter_sum", input.numel(), input.scalar_type(), timeout);
+    im.checked_reduce_scatter = true;
+  }
+  const std::string what = fmt::format("reduce_scatter_sum #{}", im.async_reductions++);
+  const std::int64_t n = input.numel(), world = im.world, q = n / world, m = n % world, c = q + (m > 0 ? 1 : 0);
+  if (n == 0) return detail::completed_work();  // every rank has the same n: all skip it
+  at::Tensor send = input, recv = output;
+  if (m > 0) {
+    // Row r of a [world, c] buffer holds rank r's shard, zero-padded to c: NCCL's reduce-scatter then gives this
+    // rank the sum of its rows, whose first shard-size elements are its shard. Filled on the compute stream.
+    send = at::zeros({world, c}, input.options());
+    send.narrow(0, 0, m).copy_(input.narrow(0, 0, m * c).view({m, c}));
+    if (q > 0) send.narrow(0, m, world - m).narrow(1, 0, q).copy_(input.narrow(0, m * c, (world - m) * q).view({world - m, q}));
+    recv = at::empty({c}, input.options());
+  }
+  auto work = detail::post_collective(impl_, what, timeout, {send, recv}, [&](detail::Channel& ch) {
+    TWOBP_NCCL_CHECK(ncclReduceScatter(send.data_ptr(), recv.data_ptr(), static_cast<std::size_t>(c), type, ncclSum,
+                                       ch.comm, ch.stream));
+  });
+  if (m == 0) return work;
+  const std::int64_t mine = output.numel();
+  return std::make_unique<detail::CopyOutWork>(std::move(work), im.device, recv,
+                                               [recv, output, mine]() mutable { output.copy_(recv.narrow(0, 0, mine)); });
+}
+
+void NcclTransport::all_gather(const at::Tensor& shard, at::Tensor& output, Duration timeout) {
+  all_gather_async(shard, output, timeout)->wait(timeout);
+}
+
+std::unique_ptr<Work> NcclTransport::all_gather_async(const at::Tensor& shard, at::Tensor& output, Duration timeout) {
+  auto& im = *impl_;
+  im.check_watchdog();
+  const std::string who = fmt::format("rank {}", im.rank);
+  detail::check_all_gather_args(who, im.world, im.rank, shard, output);
+  if (shard.is_cpu()) {  // host values: over the host transport
+    im.host->all_gather(shard, output, timeout);
+    return detail::completed_work();
+  }
+  detail::check_on_device(im, shard, "all_gather");
+  if (!im.checked_all_gather) {
+    detail::check_ranks_agree(*im.host, who, "all_gather", output.numel(), output.scalar_type(), timeout);
+    im.checked_all_gather = true;
+  }
+  const std::string what = fmt::format("all_gather #{}", im.async_reductions++);
+  const std::int64_t n = output.numel(), world = im.world, q = n / world, m = n % world, c = q + (m > 0 ? 1 : 0);
+  if (n == 0) return detail::completed_work();  // every rank has the same n: all skip it
+  at::Tensor send = shard, recv = output;
+  if (m > 0) {
+    // Every rank sends c elements (its shard, zero-padded) into row r of a [world, c] buffer; the rows' first
+    // shard-size elements are then copied out in order. The padding is filled on the compute stream.
+    send = at::zeros({c}, output.options());
+    send.narrow(0, 0, shard.numel()).copy_(shard);
+    recv = at::empty({world, c}, output.options());
+  }
+  // Bytes, so that every dtype travels.
+  const auto bytes = static_cast<std::size_t>(c) * output.element_size();
+  auto work = detail::post_collective(impl_, what, timeout, {send, recv}, [&](detail::Channel& ch) {
+    TWOBP_NCCL_CHECK(ncclAllGather(send.data_ptr(), recv.data_ptr(), bytes, ncclUint8, ch.comm, ch.stream));
+  });
+  if (m == 0) return work;
+  return std::make_unique<detail::CopyOutWork>(std::move(work), im.device, recv, [recv, output, m, q, c, world]() mutable {
+    output.narrow(0, 0, m * c).view({m, c}).copy_(recv.narrow(0, 0, m));
+    if (q > 0) output.narrow(0, m * c, (world - m) * q).view({world - m, q}).copy_(recv.narrow(0, m, world - m).narrow(1, 0, q));
+  });
 }
 
 void NcclTransport::barrier(Duration timeout) {

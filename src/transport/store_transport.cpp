@@ -218,6 +218,24 @@ struct StoreTransport::Impl {
 
   /// root < 0: sum (all_reduce_sum) or nothing (barrier: tensor null); else every rank gets root's tensor.
   void collective(const std::string& kind, at::Tensor* tensor, Duration timeout, int root = -1);
+
+  /// One collective's values, all under coll/<g>/: rank r's for every rank at coll/<g>/<r>, its value for rank d
+  /// alone (reduce_scatter_sum's shards) at coll/<g>/<r>/<d>. A value is the collective's kind, the signature every
+  /// rank must pass alike ("input [10] Float"), then a tensor (pack()).
+  std::string coll_key(std::int64_t g, int from, int to = -1) const {
+    return key(to < 0 ? fmt::format("coll/{}/{}", g, from) : fmt::format("coll/{}/{}/{}", g, from, to));
+  }
+  void contribute(std::int64_t g, int to, const std::string& kind, const std::string& signature, const at::Tensor& t,
+                  const std::string& what);
+  /// Rank `from`'s value of collective g for `to` (-1: for every rank), once it is there: polls until the
+  /// deadline (TimeoutError naming the ranks whose values are missing, and the collective is broken for later
+  /// calls), then checks its kind and signature against ours (UsageError naming both ranks). The tensor.
+  at::Tensor take(std::int64_t g, int from, int to, const std::string& kind, const std::string& signature,
+                  Clock::time_point deadline, Duration timeout, const std::string& what);
+  /// The last of the `world` readers of collective g's values for every rank deletes them.
+  void release(std::int64_t g, const std::string& what);
+  /// Starts collective number `collectives` ("<kind> #<g>"): refused once one timed out, or after an abort.
+  std::int64_t begin(const std::string& kind, std::string* what);
 };
 
 namespace {
@@ -361,62 +379,91 @@ std::unique_ptr<Work> StoreTransport::irecv(at::Tensor& buffer, const P2POptions
   return std::make_unique<StoreRecvWork>(impl_, k, buffer, options);
 }
 
-void StoreTransport::Impl::collective(const std::string& kind, at::Tensor* tensor, Duration timeout, int root) {
-  const auto deadline = detail::deadline_after(timeout);
+std::int64_t StoreTransport::Impl::begin(const std::string& kind, std::string* what) {
   const std::int64_t g = collectives++;
-  const std::string what = fmt::format("{} #{}", kind, g);
-  TWOBP_CHECK(broken.empty(), TransportError, "{}: {} failed: {}", who(), what, broken);
-  check_abort(what);
-  // The contribution names the kind, so a rank calling barrier while another sums is a clear UsageError.
-  // A broadcast's non-roots only say that they arrived (and which collective they are in).
-  const bool contributes = tensor && (root < 0 || root == rank);
-  at::Tensor mine = contributes ? tensor->contiguous() : at::empty({0}, at::kByte);
-  auto value = pack(mine);
-  value.insert(value.begin(), kind.c_str(), kind.c_str() + kind.size() + 1);
+  *what = fmt::format("{} #{}", kind, g);
+  TWOBP_CHECK(broken.empty(), TransportError, "{}: {} failed: {}", who(), *what, broken);
+  check_abort(*what);
+  return g;
+}
+
+void StoreTransport::Impl::contribute(std::int64_t g, int to, const std::string& kind, const std::string& signature,
+                                      const at::Tensor& t, const std::string& what) {
+  auto value = pack(t);
+  std::string head = kind;
+  head.push_back('\0');
+  head += signature;
+  head.push_back('\0');
+  value.insert(value.begin(), head.begin(), head.end());
   call(what, [&] {
-    store->set(key(fmt::format("coll/{}/{}", g, rank)), value);
+    store->set(coll_key(g, rank, to), value);
     return 0;
   });
+}
+
+at::Tensor StoreTransport::Impl::take(std::int64_t g, int from, int to, const std::string& kind,
+                                      const std::string& signature, Clock::time_point deadline, Duration timeout,
+                                      const std::string& what) {
+  const std::string k = coll_key(g, from, to);
+  if (!poll_for(k, deadline, what)) {
+    std::string missing;
+    for (int q = from; q < world; ++q) {
+      if (!call(what, [&] { return store->check({coll_key(g, q, to)}); })) {
+        missing += fmt::format("{}{}", missing.empty() ? "" : ", ", q);
+      }
+    }
+    broken = fmt::format("{}: timed out after {} ms in {} waiting for rank(s) {}", who(), timeout.count(), what,
+                         missing);
+    throw TimeoutError(broken);
+  }
+  auto v = call(what, [&] { return store->get(k); });
+  // The kind, then the signature, each ended by a 0 byte.
+  const auto kind_end = std::find(v.begin(), v.end(), std::uint8_t{0});
+  const auto sig_end = kind_end == v.end() ? v.end() : std::find(kind_end + 1, v.end(), std::uint8_t{0});
+  TWOBP_CHECK(sig_end != v.end(), TransportError, "{}: {}: malformed contribution of rank {}", who(), what, from);
+  const std::string other_kind(v.begin(), kind_end), other_signature(kind_end + 1, sig_end);
+  TWOBP_CHECK(other_kind == kind, UsageError,
+              "{} called {} while rank {} called {} (collective #{}): every rank must call the collectives in "
+              "the same order",
+              who(), kind, from, other_kind, g);
+  TWOBP_CHECK(other_signature == signature, UsageError, "{}: {}: {} does not match rank {}'s {}", who(), what,
+              signature, from, other_signature);
+  v.erase(v.begin(), sig_end + 1);
+  c10::ScalarType dtype;
+  std::vector<std::int64_t> sizes;
+  std::size_t offset = 0;
+  TWOBP_CHECK(unpack_header(v, &dtype, &sizes, &offset), TransportError, "{}: {}: malformed contribution of rank {}",
+              who(), what, from);
+  at::Tensor part = at::empty(sizes, at::TensorOptions().dtype(dtype));
+  TWOBP_CHECK(v.size() - offset == part.nbytes(), TransportError, "{}: {}: rank {}'s contribution has {} bytes, "
+              "expected {}", who(), what, from, v.size() - offset, part.nbytes());
+  if (part.nbytes() > 0) std::memcpy(part.data_ptr(), v.data() + offset, part.nbytes());
+  return part;
+}
+
+void StoreTransport::Impl::release(std::int64_t g, const std::string& what) {
+  if (call(what, [&] { return store->add(key(fmt::format("coll/{}/done", g)), 1); }) != world) return;
+  for (int r = 0; r < world; ++r) call(what, [&] { return store->deleteKey(coll_key(g, r)); });
+  call(what, [&] { return store->deleteKey(key(fmt::format("coll/{}/done", g))); });
+}
+
+void StoreTransport::Impl::collective(const std::string& kind, at::Tensor* tensor, Duration timeout, int root) {
+  const auto deadline = detail::deadline_after(timeout);
+  std::string what;
+  const std::int64_t g = begin(kind, &what);
+  // Every rank's value names the kind and its tensor's shape and dtype, so a rank calling barrier while another
+  // sums, or passing another shape, is a clear UsageError. A broadcast's non-roots send no data.
+  const bool contributes = tensor && (root < 0 || root == rank);
+  const std::string signature =
+      tensor ? fmt::format("tensor {}", detail::describe_tensor(*tensor)) : std::string();
+  contribute(g, -1, kind, signature, contributes ? tensor->contiguous() : at::empty({0}, at::kByte), what);
   at::Tensor sum;
   for (int r = 0; r < world; ++r) {
-    const std::string k = key(fmt::format("coll/{}/{}", g, r));
-    if (!poll_for(k, deadline, what)) {
-      std::string missing;
-      for (int q = r; q < world; ++q) {
-        if (!call(what, [&] { return store->check({key(fmt::format("coll/{}/{}", g, q))}); })) {
-          missing += fmt::format("{}{}", missing.empty() ? "" : ", ", q);
-        }
-      }
-      broken = fmt::format("{}: timed out after {} ms in {} waiting for rank(s) {}", who(), timeout.count(),
-                           what, missing);
-      throw TimeoutError(broken);
-    }
-    auto v = call(what, [&] { return store->get(k); });
-    const std::size_t name_end = std::find(v.begin(), v.end(), std::uint8_t{0}) - v.begin();
-    const std::string other_kind(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(std::min(name_end, v.size())));
-    TWOBP_CHECK(other_kind == kind, UsageError,
-                "{} called {} while rank {} called {} (collective #{}): every rank must call the collectives in "
-                "the same order",
-                who(), kind, r, other_kind, g);
+    at::Tensor part = take(g, r, -1, kind, signature, deadline, timeout, what);
     if (!tensor || (root >= 0 && r != root)) continue;
-    v.erase(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(name_end + 1));
-    c10::ScalarType dtype;
-    std::vector<std::int64_t> sizes;
-    std::size_t offset = 0;
-    TWOBP_CHECK(unpack_header(v, &dtype, &sizes, &offset), TransportError, "{}: {}: malformed contribution",
-                who(), what);
-    TWOBP_CHECK(at::IntArrayRef(sizes) == tensor->sizes() && dtype == tensor->scalar_type(), UsageError,
-                "{}: {}: tensor {} does not match rank {}'s {}", who(), what, detail::describe_tensor(*tensor), r,
-                detail::describe_tensor(sizes, dtype));
-    at::Tensor part = at::empty(sizes, at::TensorOptions().dtype(dtype));
-    if (part.nbytes() > 0) std::memcpy(part.data_ptr(), v.data() + offset, part.nbytes());
     sum = (root >= 0 || r == 0) ? part : sum.add_(part);  // rank order: bitwise reproducible
   }
-  // The last rank to finish reading deletes the keys of this collective.
-  if (call(what, [&] { return store->add(key(fmt::format("coll/{}/done", g)), 1); }) == world) {
-    for (int r = 0; r < world; ++r) call(what, [&] { return store->deleteKey(key(fmt::format("coll/{}/{}", g, r))); });
-    call(what, [&] { return store->deleteKey(key(fmt::format("coll/{}/done", g))); });
-  }
+  release(g, what);
   if (tensor) tensor->copy_(sum);
 }
 
@@ -427,6 +474,53 @@ void StoreTransport::all_reduce_sum(at::Tensor& tensor, Duration timeout) {
 }
 
 void StoreTransport::barrier(Duration timeout) { impl_->collective("barrier", nullptr, timeout); }
+
+void StoreTransport::reduce_scatter_sum(const at::Tensor& input, at::Tensor& output, Duration timeout) {
+  auto& im = *impl_;
+  detail::check_reduce_scatter_args(im.who(), im.world, im.rank, input, output);
+  TWOBP_CHECK(input.is_cpu(), UsageError, "{}: reduce_scatter_sum: StoreTransport reduces CPU tensors, got one on {}",
+              im.who(), input.device().str());
+  const auto deadline = detail::deadline_after(timeout);
+  const std::string kind = "reduce_scatter_sum";
+  std::string what;
+  const std::int64_t g = im.begin(kind, &what);
+  const std::string signature = fmt::format("input {}", detail::describe_tensor(input));
+  // Each rank's shard d goes to rank d alone (a value of its own), so every rank reads n elements, not world * n.
+  for (int d = 0; d < im.world; ++d) {
+    const ShardRange range = shard_range(input.numel(), im.world, d);
+    im.contribute(g, d, kind, signature, input.narrow(0, range.begin, range.size()), what);
+  }
+  at::Tensor sum;
+  for (int r = 0; r < im.world; ++r) {
+    at::Tensor part = im.take(g, r, im.rank, kind, signature, deadline, timeout, what);
+    sum = r == 0 ? part : sum.add_(part);  // rank order, as all_reduce_sum: the same bits
+    // This rank is the value's only reader.
+    im.call(what, [&] { return im.store->deleteKey(im.coll_key(g, r, im.rank)); });
+  }
+  output.copy_(sum);
+}
+
+void StoreTransport::all_gather(const at::Tensor& shard, at::Tensor& output, Duration timeout) {
+  auto& im = *impl_;
+  detail::check_all_gather_args(im.who(), im.world, im.rank, shard, output);
+  TWOBP_CHECK(shard.is_cpu(), UsageError, "{}: all_gather: StoreTransport gathers CPU tensors, got one on {}",
+              im.who(), shard.device().str());
+  const auto deadline = detail::deadline_after(timeout);
+  const std::string kind = "all_gather";
+  std::string what;
+  const std::int64_t g = im.begin(kind, &what);
+  // The signature is the output's: the shards differ in size by design, the outputs must not.
+  const std::string signature = fmt::format("output {}", detail::describe_tensor(output));
+  im.contribute(g, -1, kind, signature, shard, what);
+  for (int r = 0; r < im.world; ++r) {
+    const ShardRange range = shard_range(output.numel(), im.world, r);
+    at::Tensor part = im.take(g, r, -1, kind, signature, deadline, timeout, what);
+    TWOBP_CHECK(part.numel() == range.size(), TransportError, "{}: {}: rank {} sent {} elements for its shard [{}, {})",
+                im.who(), what, r, part.numel(), range.begin, range.end);
+    output.narrow(0, range.begin, range.size()).copy_(part);
+  }
+  im.release(g, what);
+}
 
 void StoreTransport::broadcast(at::Tensor& tensor, int root, Duration timeout) {
   auto& im = *impl_;

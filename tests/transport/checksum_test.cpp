@@ -12,6 +12,7 @@
 #include "twobp/runtime/launch.h"
 #include "twobp/transport/fault_injection.h"
 #include "twobp/transport/local.h"
+#include "transport/shard_cases.h"
 
 namespace twobp {
 namespace {
@@ -103,6 +104,24 @@ TEST(ChecksummingTransport, TagsOutsideItsRangeAreRefused) {
   ChecksummingTransport t(std::shared_ptr<Transport>(std::move(locals[0])));
   EXPECT_THROW(t.isend(torch::ones({2}), {1, int64_t{1} << 61, "SEND", 0}), UsageError);
   EXPECT_THROW(t.isend(torch::ones({2}), {1, -1, "SEND", 0}), UsageError);
+}
+
+// Collectives pass through unverified (no checksum message): reduce_scatter_sum and all_gather give their exact
+// results through the wrapper, in groups split from it too.
+TEST(ChecksummingTransport, ShardedCollectivesPassThrough) {
+  auto locals = make_local_transports(4);
+  std::vector<std::shared_ptr<Transport>> wrapped;
+  std::vector<Transport*> raw;
+  for (auto& t : locals) {
+    wrapped.push_back(std::make_shared<ChecksummingTransport>(std::shared_ptr<Transport>(std::move(t))));
+    raw.push_back(wrapped.back().get());
+  }
+  const RankErrors errors = run_rank_threads(raw, [&](Transport& t) {
+    testing::check_async_shards(t, kWait);
+    auto pair = t.split(t.rank() % 2, t.rank(), kWait);
+    testing::check_round_trip_matches_all_reduce(*pair, kWait, /*bitwise=*/true);
+  });
+  EXPECT_FALSE(errors.root_cause()) << error_message(errors.root_cause());
 }
 
 }  // namespace

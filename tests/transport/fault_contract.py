@@ -7,7 +7,9 @@ every rank in time with an error naming the fault's rank and message -- never a 
 A corrupted message gives a different result unless PipelineOptions::verify_messages is on (the "corrupt" row
 expects exactly that, so the table also proves the suite detects a wrong result); with it, a clear error.
 
-Each cell runs fault_contract_probe (2 steps of 1F1B with 2BP on 4 ranks, checked against one process):
+Each cell runs fault_contract_probe (2 steps of 1F1B with 2BP on 4 ranks, each step followed by a reduce-scatter and
+all-gather of the ranks' flat gradients -- blocking, then async -- through the same fault and checksum wrappers,
+which pass collectives untouched; the gradients, losses and gathered sums checked against one process):
   local-by-tag, local-in-order  4 rank threads in one process (Local transport, both pairing rules)
   store                         4 processes meeting at a c10d TCPStore (torchrun-like environment)
   mpi                           mpiexec -n 4 (when --mpiexec is given)

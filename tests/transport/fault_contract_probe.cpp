@@ -1,6 +1,8 @@
 // One cell of the fault contract (driven by fault_contract.py): 2 steps of 1F1B with 2BP over 4 ranks, a fault
 // injected into the sends through FaultInjectingTransport, each rank's gradients (and the last stage's losses)
-// compared with one process computing the same steps.
+// compared with one process computing the same steps. After each step the ranks also reduce-scatter and all-gather
+// their flat gradients (ZeRO-2's collectives; the async forms on the second step) through the same wrappers, which
+// must pass them untouched: the gathered sum is compared with the reference's too.
 //
 //   fault_contract_probe TRANSPORT FAULT
 //     TRANSPORT  local-by-tag, local-in-order (4 rank threads in this process), store (this process is one rank of
@@ -15,6 +17,7 @@
 #include <fmt/format.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <map>
@@ -95,18 +98,65 @@ struct Job {
   at::Tensor inputs, targets;
   std::vector<std::shared_ptr<torch::nn::Module>> chunks;  // by rank
   std::vector<Reference> references;                       // each step in one process
+  std::int64_t flat_size = 0;                              // of the flat gradient buffers (no multiple of kRanks)
+  std::vector<at::Tensor> flat_sums;                       // each step: the references' flat gradients summed
 };
+
+std::int64_t parameter_count(torch::nn::Module& m) {
+  std::int64_t n = 0;
+  for (const auto& p : m.parameters()) n += p.numel();
+  return n;
+}
+
+// The module's parameter gradients as one flat float64 buffer of n elements, zeros after them.
+at::Tensor flat_grads(torch::nn::Module& m, std::int64_t n) {
+  at::Tensor flat = at::zeros({n}, at::kDouble);
+  std::int64_t offset = 0;
+  for (const auto& p : m.parameters()) {
+    if (p.grad().defined()) flat.narrow(0, offset, p.numel()).copy_(p.grad().reshape({-1}));
+    offset += p.numel();
+  }
+  return flat;
+}
 
 Job make_job() {
   Job job;
   torch::manual_seed(3);
   job.inputs = torch::randn({kMicroBatches * kMicroBatchSize, kDim});
   job.targets = torch::randn({kMicroBatches * kMicroBatchSize, kDim});
-  for (int r = 0; r < kRanks; ++r) job.chunks.push_back(make_chunk(r));
+  for (int r = 0; r < kRanks; ++r) {
+    job.chunks.push_back(make_chunk(r));
+    job.flat_size = std::max(job.flat_size, parameter_count(*job.chunks.back()));
+  }
+  if (job.flat_size % kRanks == 0) ++job.flat_size;  // unequal shards: the padded paths too
   for (int step = 0; step < kSteps; ++step) {
     job.references.push_back(run_reference(kRanks, kMicroBatches, job.inputs * (step + 1), job.targets));
+    at::Tensor sum = at::zeros({job.flat_size}, at::kDouble);
+    for (const auto& chunk : job.references.back().chunks) sum += flat_grads(*chunk, job.flat_size);
+    job.flat_sums.push_back(sum);
   }
   return job;
+}
+
+// ZeRO-2's collectives over the pipeline's transport (the fault and checksum wrappers included), as a wait of the
+// job: this rank's flat gradients reduce-scattered, the shards all-gathered (the async forms on odd steps). Empty
+// when the gathered buffer is the references' sum.
+std::string sharded_round_trip(Pipeline& p, torch::nn::Module& module, const Job& job, int step) {
+  Transport& t = p.transport();
+  const at::Tensor flat = flat_grads(module, job.flat_size);
+  at::Tensor shard = at::empty({shard_range(job.flat_size, t.world_size(), t.rank()).size()}, at::kDouble);
+  at::Tensor whole = at::empty({job.flat_size}, at::kDouble);
+  p.run_collective(t, "the gradient shards' reduce-scatter and all-gather", [&] {
+    if (step % 2 == 0) {
+      t.reduce_scatter_sum(flat, shard, kTimeout);
+      t.all_gather(shard, whole, kTimeout);
+    } else {
+      t.reduce_scatter_sum_async(flat, shard, kTimeout)->wait(kTimeout);
+      t.all_gather_async(shard, whole, kTimeout)->wait(kTimeout);
+    }
+  });
+  const double error = (whole - job.flat_sums[static_cast<std::size_t>(step)]).abs().max().item<double>();
+  return error > 1e-12 ? fmt::format("step {}: the all-gathered gradient sum is off by {}", step, error) : "";
 }
 
 // Empty when this rank's step gave the reference's gradients (and, on the last stage, losses); else what differs.
@@ -152,6 +202,8 @@ std::string run_rank(std::shared_ptr<Transport> inner, const std::optional<Fault
       p.zero_grad();
       const StepResult result = p.step(job.inputs * (step + 1), job.targets);  // other inputs every step
       if (diff.empty()) diff = compare(me, step, result, *module, job.references[step]);
+      const std::string shards = sharded_round_trip(p, *module, job, step);  // every rank, whatever it found
+      if (diff.empty()) diff = shards;
     }
   } catch (const std::exception& e) {
     return fmt::format("rank {}: error after {:.1f} s: {}", me, seconds(), e.what());

@@ -21,6 +21,7 @@
 #include "twobp/schedule/schedule.h"
 #include "twobp/transport/fault_injection.h"
 #include "twobp/transport/local.h"
+#include "transport/shard_cases.h"
 
 namespace twobp {
 namespace {
@@ -397,6 +398,33 @@ TEST(FaultInjectionOptions, OutOfRangeIsRefused) {
   edge.probability = 0.0;
   EXPECT_NO_THROW(check_fault_options(edge, kWorld));
   EXPECT_THROW(check_fault_options(edge, kWorld - 1), UsageError);  // the same ranks in a smaller world
+}
+
+// Collectives are no messages: every fault passes reduce_scatter_sum and all_gather (and their async forms) through
+// untouched -- a job's ZeRO-2 shards are exact whatever its messages suffer -- and counts none of them as a send.
+TEST(FaultInjectionCollectives, ShardedCollectivesPassThroughEveryFault) {
+  for (Fault fault : {Fault::kDelay, Fault::kDrop, Fault::kFailSend, Fault::kDie, Fault::kDuplicate, Fault::kReorder,
+                      Fault::kCorrupt}) {
+    SCOPED_TRACE(to_string(fault));
+    auto locals = make_local_transports(3);
+    std::vector<std::shared_ptr<FaultInjectingTransport>> faulty;
+    std::vector<Transport*> raw;
+    for (auto& t : locals) {
+      FaultOptions f;
+      f.fault = fault;  // every send of every rank, from the first
+      faulty.push_back(std::make_shared<FaultInjectingTransport>(std::shared_ptr<Transport>(std::move(t)), f));
+      raw.push_back(faulty.back().get());
+    }
+    const RankErrors errors = run_rank_threads(raw, [&](Transport& t) {
+      testing::check_async_shards(t, Duration(10000));
+      testing::check_round_trip_matches_all_reduce(t, Duration(10000), /*bitwise=*/true);
+    });
+    EXPECT_FALSE(errors.root_cause()) << error_message(errors.root_cause());
+    for (const auto& f : faulty) {
+      EXPECT_EQ(f->sends(), 0);
+      EXPECT_EQ(f->faults(), 0);
+    }
+  }
 }
 
 }  // namespace

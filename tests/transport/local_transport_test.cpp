@@ -12,11 +12,16 @@
 #include <thread>
 #include <vector>
 
+#include "common/pipeline_fixtures.h"
 #include "twobp/error.h"
+#include "twobp/runtime/data_parallel.h"
 #include "twobp/runtime/launch.h"
+#include "twobp/runtime/pipeline.h"
+#include "twobp/schedule/registry.h"
 #include "twobp/transport/local.h"
 #include "twobp/transport/mpi.h"
 #include "transport/group_cases.h"
+#include "transport/shard_cases.h"
 
 namespace twobp {
 namespace {
@@ -453,6 +458,163 @@ TEST(LocalTransportCollectives, BroadcastAndLargeAllReduce) {
     }
     EXPECT_THROW(t.broadcast(y, 3, kLong), UsageError);
   });
+}
+
+// ---- reduce-scatter and all-gather (tests/transport/shard_cases.h) ----
+
+TEST(ShardRange, OneContiguousLayoutInRankOrder) {
+  EXPECT_EQ(shard_range(10, 4, 0), (ShardRange{0, 3}));
+  EXPECT_EQ(shard_range(10, 4, 1), (ShardRange{3, 6}));
+  EXPECT_EQ(shard_range(10, 4, 2), (ShardRange{6, 8}));
+  EXPECT_EQ(shard_range(10, 4, 3), (ShardRange{8, 10}));
+  EXPECT_EQ(shard_range(2, 4, 3), (ShardRange{2, 2}));  // fewer elements than ranks: empty shards at the end
+  EXPECT_EQ(shard_range(0, 3, 1).size(), 0);
+  for (int world = 1; world <= 6; ++world) {
+    for (std::int64_t n = 0; n <= 20; ++n) {
+      std::int64_t next = 0;
+      for (int r = 0; r < world; ++r) {
+        const ShardRange s = shard_range(n, world, r);
+        EXPECT_EQ(s.begin, next) << n << " over " << world << ", rank " << r;
+        EXPECT_EQ(s.size(), n / world + (r < n % world ? 1 : 0)) << n << " over " << world << ", rank " << r;
+        next = s.end;
+      }
+      EXPECT_EQ(next, n);
+    }
+  }
+  EXPECT_THROW(shard_range(-1, 2, 0), UsageError);
+  EXPECT_THROW(shard_range(4, 0, 0), UsageError);
+  EXPECT_THROW(shard_range(4, 2, 2), UsageError);
+}
+
+TEST(LocalTransportShards, SizesDtypesAndRoundTripOverOneToFourRanks) {
+  for (int world = 1; world <= 4; ++world) {
+    auto ts = make_local_transports(world);
+    run_ranks(ts, [&](int, Transport& t) {
+      testing::check_reduce_scatter_all_gather(t, kLong);
+      testing::check_round_trip_matches_all_reduce(t, kLong, /*bitwise=*/true);
+    });
+  }
+}
+
+TEST(LocalTransportShards, AsyncForms) {
+  auto ts = make_local_transports(4);
+  EXPECT_FALSE(ts[0]->asynchronous_sharded_collectives());
+  run_ranks(ts, [&](int, Transport& t) { testing::check_async_shards(t, kLong); });
+}
+
+// In the groups of ParallelGroups (world-named wrappers of split groups: WrappingTransport's forwarding) and in a
+// plain split group.
+TEST(LocalTransportShards, InGroups) {
+  auto ts = make_local_transports(4);
+  run_ranks(ts, [&](int r, Transport& t) {
+    ParallelGroups groups(t, 2, kLong);
+    testing::check_async_shards(*groups.data_parallel(), kLong);
+    testing::check_async_shards(groups.pipeline(), kLong);
+    auto three = t.split(r == 0 ? -1 : 0, 0, kLong);
+    if (three) testing::check_round_trip_matches_all_reduce(*three, kLong, /*bitwise=*/true);
+  });
+}
+
+TEST(LocalTransportShards, ArgumentErrorsAndSizeMismatches) {
+  auto ts = make_local_transports(3);
+  run_ranks(ts, [&](int, Transport& t) { testing::check_shard_argument_errors(t, kLong); });
+  for (bool gather : {false, true}) {
+    SCOPED_TRACE(gather ? "all_gather" : "reduce_scatter_sum");
+    auto fresh = make_local_transports(4);  // a mismatch breaks the group's collectives
+    std::atomic<int> usage{0};
+    run_ranks(fresh, [&](int, Transport& t) { usage += testing::sharded_size_mismatch(t, kLong, gather) ? 1 : 0; });
+    EXPECT_GE(usage.load(), 1) << "the rank that found the mismatch raises UsageError";
+  }
+}
+
+// A Transport written against 0.2: the pure virtuals of that release only, forwarding to a Local rank. It compiles
+// unchanged, and the base class's defaults give it the sharded collectives (all_reduce_sum then its shard; one
+// broadcast per rank).
+class TransportOf02 final : public Transport {
+ public:
+  explicit TransportOf02(Transport& inner) : inner_(inner) {}
+  int rank() const override { return inner_.rank(); }
+  int world_size() const override { return inner_.world_size(); }
+  c10::Device device() const override { return inner_.device(); }
+  std::string name() const override { return "written for 0.2"; }
+  Pairing pairing() const override { return inner_.pairing(); }
+  std::unique_ptr<Work> isend(const at::Tensor& t, const P2POptions& o) override { return inner_.isend(t, o); }
+  std::unique_ptr<Work> irecv(at::Tensor& t, const P2POptions& o) override { return inner_.irecv(t, o); }
+  void all_reduce_sum(at::Tensor& t, Duration timeout) override { inner_.all_reduce_sum(t, timeout); }
+  void broadcast(at::Tensor& t, int root, Duration timeout) override { inner_.broadcast(t, root, timeout); }
+  std::unique_ptr<Transport> split(int color, int key, Duration timeout) override {
+    return inner_.split(color, key, timeout);
+  }
+  void barrier(Duration timeout) override { inner_.barrier(timeout); }
+  void abort(const std::string& reason) override { inner_.abort(reason); }
+
+ private:
+  Transport& inner_;
+};
+
+TEST(LocalTransportShards, DefaultsOfATransportWrittenFor02) {
+  for (int world : {1, 3, 4}) {
+    auto ts = make_local_transports(world);
+    run_ranks(ts, [&](int, Transport& inner) {
+      TransportOf02 t(inner);
+      EXPECT_FALSE(t.asynchronous_sharded_collectives());
+      testing::check_reduce_scatter_all_gather(t, kLong);
+      testing::check_round_trip_matches_all_reduce(t, kLong, /*bitwise=*/true);
+      testing::check_async_shards(t, kLong);
+      testing::check_shard_argument_errors(t, kLong);
+    });
+  }
+}
+
+// dp 2 x pp 2 on rank threads: one step, then each rank reduce-scatters a flat buffer over its data-parallel group
+// as a wait of the job (Pipeline::run_collective) -- except world rank 3 (replica 1, pipeline rank 1), whose caller
+// is busy past the timeout. Its replica peer, world rank 1, times out; its error carries the job-wide hang report,
+// which names world rank 3 (group rank 1 of that data-parallel group) as the rank that has not joined.
+TEST(LocalTransportShards, AReplicaThatNeverReduceScattersIsNamedByWorldRankInTheHangReport) {
+  using namespace testing;
+  Float64Default float64;
+  const Schedule schedule = make_schedule("1f1b", ScheduleOptions{2, 2, 1, BackwardMode::kSplit});
+  std::vector<std::shared_ptr<torch::nn::Module>> chunks;  // by world rank, built before the rank threads
+  for (int r = 0; r < 4; ++r) chunks.push_back(make_chunk(r % 2));
+  const at::Tensor inputs = at::randn({2 * kMicroBatchSize, kDim}), targets = at::randn({2 * kMicroBatchSize, kDim});
+  const Duration timeout{800};
+  auto ts = make_local_transports(4);
+  const RankErrors errors = run_rank_threads(ts, [&](Transport& t) {
+    ParallelGroups groups(t, 2, kLong);
+    const int stage = groups.pipeline_rank();
+    auto& chunk = chunks[static_cast<std::size_t>(t.rank())];
+    PipelineOptions o = fixture_options();
+    o.executor.timeout = timeout;
+    o.data_parallel.group = groups.data_parallel();
+    Pipeline p(schedule, {{stage, chunk, [raw = chunk.get(), stage](const at::Tensor& x) {
+                             return run_chunk(*raw, stage, x);
+                           }}},
+               groups.pipeline(), o);
+    p.step(inputs, targets);
+    if (t.rank() == 3) {
+      std::this_thread::sleep_for(2 * timeout);  // busy elsewhere: never joins
+      return;
+    }
+    Transport& dp = *groups.data_parallel();
+    const at::Tensor flat = at::ones({7});
+    at::Tensor shard = at::empty({shard_range(7, dp.world_size(), dp.rank()).size()}, flat.options());
+    p.run_collective(dp, "the ZeRO-2 gradient reduce-scatter", [&] { dp.reduce_scatter_sum(flat, shard, timeout); });
+  }, /*abort_on_error=*/false);
+  EXPECT_FALSE(errors.errors[0]) << error_message(errors.errors[0]);  // its replica group {0, 2} completed
+  EXPECT_FALSE(errors.errors[2]) << error_message(errors.errors[2]);
+  EXPECT_FALSE(errors.errors[3]) << error_message(errors.errors[3]);
+  ASSERT_TRUE(errors.errors[1]);
+  const std::string what = error_message(errors.errors[1]);
+  const auto at = what.find("hang report (");
+  ASSERT_NE(at, std::string::npos) << what;
+  const std::string report = what.substr(at);
+  const std::string verdict = report.substr(0, report.find('\n'));
+  EXPECT_NE(report.find(", 4 ranks): "), std::string::npos) << report;
+  EXPECT_NE(verdict.find("rank 3 finished its part of run 0"), std::string::npos) << report;
+  EXPECT_NE(verdict.find("has not joined the ZeRO-2 gradient reduce-scatter"), std::string::npos) << report;
+  EXPECT_NE(report.find("rank 1: waiting"), std::string::npos) << report;
+  EXPECT_NE(report.find("for the ZeRO-2 gradient reduce-scatter with ranks 3 (run 0)"), std::string::npos) << report;
+  EXPECT_NE(what.find("reduce_scatter_sum"), std::string::npos) << what;  // the transport's own error names the wait
 }
 
 }  // namespace

@@ -17,6 +17,7 @@
 #include "twobp/error.h"
 #include "twobp/transport/mpi.h"
 #include "transport/group_cases.h"
+#include "transport/shard_cases.h"
 
 namespace twobp {
 namespace {
@@ -292,6 +293,35 @@ TEST(MpiTransportGroups, PeerThatNeverSplitsTimesOut) {
     group_world().barrier(kLong);
   }
   group_world().barrier(kLong);
+}
+
+// ---- reduce-scatter and all-gather (tests/transport/shard_cases.h), on the groups' transport ----
+
+TEST(MpiTransportShards, SizesDtypesAndRoundTrip) {
+  auto& t = group_world();
+  testing::check_reduce_scatter_all_gather(t, kLong);
+  testing::check_round_trip_matches_all_reduce(t, kLong, /*bitwise=*/false);  // MPI's summation order
+}
+
+TEST(MpiTransportShards, AsyncFormsAlsoInAGroup) {
+  auto& t = group_world();
+  EXPECT_TRUE(t.asynchronous_sharded_collectives());
+  testing::check_async_shards(t, kLong);
+  auto pair = t.split(t.rank() % 2, t.rank(), kLong);
+  testing::check_async_shards(*pair, kLong);
+}
+
+// The first call of each is compared across the ranks (one small all-reduce): a mismatch is a UsageError on every
+// rank, after which the transport stays usable.
+TEST(MpiTransportShards, ArgumentErrorsAndFirstCallSizeMismatch) {
+  MpiTransport fresh(*mpitest::g_mpi);  // no reduce-scatter or all-gather checked yet
+  testing::check_shard_argument_errors(fresh, kLong);  // its valid calls are the first ones: they pass the check
+  MpiTransport other(*mpitest::g_mpi);
+  EXPECT_TRUE(testing::sharded_size_mismatch(other, kLong, /*gather=*/false)) << "rank " << other.rank();
+  EXPECT_TRUE(testing::sharded_size_mismatch(other, kLong, /*gather=*/true)) << "rank " << other.rank();
+  at::Tensor x = at::ones({2});
+  other.all_reduce_sum(x, kLong);
+  EXPECT_TRUE(at::equal(x, at::full({2}, static_cast<float>(other.world_size()))));
 }
 
 // Must stay the last test: a timed-out collective permanently breaks this transport's collectives.

@@ -25,6 +25,7 @@
 #include "common/pipeline_fixtures.h"
 #include "common/spawn_ranks.h"
 #include "transport/group_cases.h"
+#include "transport/shard_cases.h"
 #include "twobp/error.h"
 #include "twobp/runtime/pipeline.h"
 #include "twobp/schedule/registry.h"
@@ -100,6 +101,14 @@ TEST(NcclProcesses, TwoRanksStreamWaits) {
   if (c10::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device (this test needs one GPU)";
   expect_ranks_pass("nccl_stream_timeout", 2, 90);
   expect_ranks_pass("nccl_stream_waits", 2, 150);
+}
+
+// reduce_scatter_sum / all_gather on the GPU (tests/transport/shard_cases.h): sizes (padded where 2 does not divide
+// n), dtypes, the round trip against all_reduce_sum, async forms, argument errors, and a size mismatch refused on
+// both ranks by the first call's check over the host store. NOT RUN ON A GPU YET.
+TEST(NcclProcesses, TwoRanksShardedCollectives) {
+  if (c10::cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device (this test needs one GPU)";
+  expect_ranks_pass("nccl_shards", 2, 150);
 }
 
 // Groups: 4 ranks split by rank % 2 and by rank / 2 (NcclTransport::split splits the StoreTransport host and
@@ -374,6 +383,15 @@ TEST(NcclRank, Run) {
     slow_producer(*t);
     mark(rank, "slow producer done");
     all_reduce_with_pending_receive(*t);
+  } else if (scenario == "nccl_shards") {
+    // A mismatch first, so that it meets the first call's check; the transport stays usable after it.
+    EXPECT_TRUE(testing::sharded_size_mismatch(*t, kLong, /*gather=*/false)) << "rank " << rank;
+    EXPECT_TRUE(testing::sharded_size_mismatch(*t, kLong, /*gather=*/true)) << "rank " << rank;
+    testing::check_reduce_scatter_all_gather(*t, kLong);
+    mark(rank, "sizes and dtypes done");
+    testing::check_round_trip_matches_all_reduce(*t, kLong, /*bitwise=*/false);
+    testing::check_async_shards(*t, kLong);
+    testing::check_shard_argument_errors(*t, kLong);
   } else if (scenario == "nccl_ring") {
     ring(*t);
   } else if (scenario == "nccl_schedules") {

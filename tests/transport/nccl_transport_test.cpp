@@ -13,6 +13,7 @@
 #include "common/mpi_test_env.h"
 #include "twobp/error.h"
 #include "twobp/transport/nccl.h"
+#include "transport/shard_cases.h"
 
 namespace twobp {
 namespace {
@@ -113,6 +114,19 @@ TEST(NcclTransport, ErrorsNamePeerAndLabel) {
       EXPECT_NE(std::string(e.what()).find("no NCCL link"), std::string::npos) << e.what();
     }
   }
+  t.barrier(kLong);
+}
+
+// reduce_scatter_sum / all_gather on the GPU (ncclReduceScatter / ncclAllGather, padded where the world does not
+// divide n) and their async forms (tests/transport/shard_cases.h). NOT RUN ON A GPU YET.
+TEST(NcclTransport, ShardedCollectives) {
+  REQUIRE_GPUS(1);
+  auto& t = transport();
+  EXPECT_TRUE(t.asynchronous_sharded_collectives());
+  testing::check_reduce_scatter_all_gather(t, kLong);
+  testing::check_round_trip_matches_all_reduce(t, kLong, /*bitwise=*/false);  // NCCL's summation order
+  testing::check_async_shards(t, kLong);
+  testing::check_shard_argument_errors(t, kLong);
   t.barrier(kLong);
 }
 

@@ -20,6 +20,7 @@
 #include "common/pipeline_fixtures.h"
 #include "common/spawn_ranks.h"
 #include "transport/group_cases.h"
+#include "transport/shard_cases.h"
 #include "twobp/error.h"
 #include "twobp/runtime/data_parallel.h"
 #include "twobp/runtime/pipeline.h"
@@ -160,6 +161,9 @@ TEST(StoreTransportProcesses, GroupsByHalf) { expect_all_passed("groups_half", 4
 TEST(StoreTransportProcesses, AsynchronousAllReduces) { expect_all_passed("async_all_reduce", 4); }
 TEST(StoreTransportProcesses, PeerThatNeverSplitsTimesOut) { expect_all_passed("split_timeout", 4); }
 TEST(StoreTransportProcesses, AbortInAGroupIsSeenByItsMembers) { expect_all_passed("group_abort", 4); }
+// reduce_scatter_sum / all_gather (tests/transport/shard_cases.h): sizes, dtypes, the round trip bitwise equal to
+// all_reduce_sum, async forms, a group of two, argument errors, and a size mismatch refused on every rank.
+TEST(StoreTransportProcesses, ShardedCollectives) { expect_all_passed("shards", 4); }
 TEST(StoreTransportProcesses, ReplicasAreToldTheActionAUserErrorEscapedFrom) {
   expect_all_passed("replica_user_error", 4);
 }
@@ -313,6 +317,21 @@ void abort_scenario(StoreTransport& t) {
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5)) << "an abort must be seen at once";
 }
 
+void shards(StoreTransport& t) {
+  testing::check_reduce_scatter_all_gather(t, kStoreLong);
+  testing::check_round_trip_matches_all_reduce(t, kStoreLong, /*bitwise=*/true);
+  testing::check_async_shards(t, kStoreLong);
+  auto pair = t.split(t.rank() % 2, t.rank(), kStoreLong);
+  testing::check_async_shards(*pair, kStoreLong);
+  testing::check_shard_argument_errors(t, kStoreLong);
+  // Every rank reads every other's description: each one finds the mismatch, and the store stays usable.
+  EXPECT_TRUE(testing::sharded_size_mismatch(t, kStoreLong, /*gather=*/false)) << "rank " << t.rank();
+  EXPECT_TRUE(testing::sharded_size_mismatch(t, kStoreLong, /*gather=*/true)) << "rank " << t.rank();
+  at::Tensor x = at::ones({3});
+  t.all_reduce_sum(x, kStoreLong);
+  EXPECT_TRUE(at::equal(x, at::full({3}, 4.0f)));
+}
+
 // dp 2 x pp 2, 1F1B without 2BP: world rank 3 (replica 1, pipeline rank 1) throws an exception of the user's own
 // type from a gradient hook in its first B. It keeps its type there; world rank 1, its data-parallel peer waiting
 // for it in the gradient reduction, must be told the type and the action. Store groups do not share aborts (an
@@ -425,6 +444,7 @@ TEST(StoreTransportRank, Run) {
   if (s == "split_timeout") testing::check_split_timeout(*t, Duration(1000));
   if (s == "group_abort") testing::check_group_abort(*t, kStoreLong, /*reaches_other_groups=*/false);
   if (s == "replica_user_error") replica_user_error(*t);
+  if (s == "shards") shards(*t);
   if (s == "hang_killed" || s == "hang_compute" || s == "hang_dp") {
     hang_scenario(t, s == "hang_killed", s == "hang_dp" ? 2 : 1);
   }

@@ -8,6 +8,8 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "twobp/runtime/data_parallel.h"
@@ -69,6 +71,26 @@ enum class LossReduction {
   kMeanOverItems,
 };
 
+/// One weight kept as a copy on each of several stages: tied input and output embeddings when the embedding is on
+/// the first stage and the head on the last (as Megatron-LM's embedding group). The Pipeline keeps the copies one
+/// weight (PipelineOptions::tied_parameters):
+///   construction  every copy is set to the first copy's values (broadcast from the rank that holds it), after
+///                 checking that the copies agree in shape, dtype and requires_grad (UsageError naming them);
+///   every step    after the backward (and the data-parallel averaging), each copy's .grad becomes the sum of all
+///                 copies' gradients -- the tied weight's gradient -- (undefined where every copy's is undefined;
+///                 a sparse one is made dense), so every copy takes the same optimizer step;
+///   norms         the gradient norm counts the tie once (the first copy's), so clipping and the gate see the tied
+///                 model's norm; clipping scales every copy alike.
+/// The copies must be distinct tensors (two stages of one rank sharing one tensor are already tied: refused).
+/// Copies on one rank are summed there; copies on several ranks through a group split from the pipeline's
+/// transport at construction, which is then collective over every pipeline rank (the same list on every rank).
+struct TiedParameter {
+  std::string name;  ///< what errors and the hang report call it, e.g. "embedding"
+  /// (stage, name of the parameter in that stage's module), at least two, on distinct stages; the first is the
+  /// source of the values at construction and the one the gradient norm counts.
+  std::vector<std::pair<int, std::string>> copies;
+};
+
 /// A PipelineOptions field of twobp 0.1 that moved into PipelineOptions::executor (same name) in 0.2.0: assigning
 /// it compiles with a deprecation warning and is forwarded; nothing else of the old field's type is offered
 /// (reading it back was rare in 0.1 code: read `executor.<name>`).
@@ -126,6 +148,8 @@ struct PipelineOptions {
   DataParallelOptions data_parallel;
   /// bfloat16 compute with float32 master weights (see MixedPrecisionOptions). Off by default.
   MixedPrecisionOptions mixed_precision;
+  /// Weights held as copies on several stages (TiedParameter): the same list on every rank. Empty by default.
+  std::vector<TiedParameter> tied_parameters;
 
   /// Deprecated in 0.2.0, to be removed in 0.3.0: where these options were in 0.1, before they moved into
   /// `executor` under the same names (CHANGELOG.md). 0.1 code that assigns them still compiles, with a
@@ -268,6 +292,9 @@ class Pipeline {
   void build_executor();
   /// UsageError when a failed switch_schedule() left no executor.
   void check_runnable() const;
+  /// PipelineOptions::tied_parameters: resolved, checked and synchronised (collective when a tie spans ranks);
+  /// aborts the transport when it fails, so that no peer waits for this rank.
+  void tie_parameters();
   Schedule schedule_;
   std::shared_ptr<Transport> transport_;
   PipelineOptions options_;

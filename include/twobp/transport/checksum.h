@@ -9,7 +9,8 @@
 // PipelineOptions::verify_messages, which every rank must set alike (the extra messages must be paired).
 //
 // The sum detects any single flipped bit and any change of one word; it does not detect words swapped with each
-// other (not a transit fault). Collectives pass through unverified.
+// other (not a transit fault). Collectives (all_reduce_sum, broadcast, barrier, split, reduce_scatter_sum,
+// all_gather and their async forms) pass through unverified.
 
 #include <memory>
 #include <string>

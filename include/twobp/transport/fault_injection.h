@@ -23,8 +23,9 @@
 // `label_contains` (e.g. "SEND_B"; empty: any), skipping the first `after_messages` of them (kDie: the count before
 // dying), at most `max_faults` of them, each then with `probability`, drawn from a generator seeded by (seed, rank)
 // so that a run is repeatable.
-// Collectives (all-reduce, broadcast, barrier, split) are passed through untouched; groups split from it inject
-// the same faults, named by their group ranks.
+// Collectives (all-reduce, broadcast, barrier, split, reduce-scatter, all-gather, and the async forms) are passed
+// through untouched (fault_contract_probe runs the sharded ones in every cell: a fault in the messages must leave
+// them exact); groups split from it inject the same faults, named by their group ranks.
 
 #include <cstdint>
 #include <future>

@@ -28,7 +28,9 @@ struct LocalOptions {
 
 namespace detail {
 struct LocalGroupState;
-}
+/// How the last rank to arrive at a Local collective makes its result from the contributions (in rank order).
+enum class LocalCombine { kNothing, kSum, kRoot, kConcat };
+}  // namespace detail
 
 /// One rank of a LocalTransportGroup.
 ///
@@ -54,6 +56,10 @@ struct LocalGroupState;
 ///    A rank that times out in a collective breaks the group's collectives: later ones throw TransportError.
 ///  - all_reduce_sum / broadcast take tensors of any size and dtype; device tensors are reduced through host
 ///    copies (correct, not fast: use NCCL for device-side gradient reduction). broadcast shares the sequence too.
+///  - reduce_scatter_sum / all_gather share the sequence as well, and compare every rank's n and dtype on every
+///    call (UsageError naming both ranks). reduce_scatter_sum sums the whole inputs in rank order, as
+///    all_reduce_sum (so reduce_scatter_sum then all_gather is all_reduce_sum, bitwise), and each rank copies its
+///    shard out; all_gather concatenates the shards in rank order. Their async forms are the blocking ones.
 ///  - split(color, key, timeout): one gathering all_reduce_sum in the parent's collective sequence, then the
 ///    first member of each color to get there creates a new shared state for the group and hands it to the
 ///    others through the parent's state. A group is an independent LocalTransportGroup: its own mailbox (its
@@ -84,12 +90,18 @@ class LocalTransport final : public Transport {
   void all_reduce_sum(at::Tensor& tensor, Duration timeout) override;
   void barrier(Duration timeout) override;
   void broadcast(at::Tensor& tensor, int root, Duration timeout) override;
+  void reduce_scatter_sum(const at::Tensor& input, at::Tensor& output, Duration timeout) override;
+  void all_gather(const at::Tensor& shard, at::Tensor& output, Duration timeout) override;
   std::unique_ptr<Transport> split(int color, int key, Duration timeout) override;
   void abort(const std::string& reason) override;
 
  private:
-  /// root < 0: sum (all_reduce_sum, barrier); else the result is root's contribution (broadcast).
-  void collective(const std::string& kind, at::Tensor* tensor, Duration timeout, int root = -1);
+  using Combine = detail::LocalCombine;
+  /// One collective of the group's sequence: `contribution` is this rank's host tensor (owned by the collective
+  /// from here on; undefined for barrier), `signature` what every rank must pass alike ("input [10] Float"); `root`
+  /// for Combine::kRoot. Returns the result, shared by the ranks: read it, never write it.
+  at::Tensor collective(const std::string& kind, at::Tensor contribution, const std::string& signature,
+                        Combine combine, Duration timeout, int root = -1);
 
   std::shared_ptr<detail::LocalGroupState> state_;
   int rank_;

@@ -74,6 +74,11 @@ class MpiEnvironment {
 /// all_reduce_sum takes any number of elements up to INT_MAX (half/bfloat16 are summed in float32); the
 /// summation order is the MPI library's (deterministic for a fixed job layout in Open MPI and MPICH, but not
 /// rank order). broadcast uses MPI_Ibcast on the bytes (any dtype, up to INT_MAX bytes), polled with a timeout.
+/// reduce_scatter_sum uses MPI_Ireduce_scatter (dtypes and summation order as all_reduce_sum), all_gather
+/// MPI_Iallgatherv on the bytes (any dtype); their async forms return them unfinished, like all_reduce_sum_async.
+/// MPI cannot compare the ranks' tensors within the collective: the first call of each also runs one small
+/// blocking all-reduce of every rank's (collective, n, dtype) and raises UsageError on every rank when they differ;
+/// later calls are not compared (a rank passing another n then gets MPI's error, a timeout or a wrong result).
 /// split(color, key, timeout): a timed gathering all_reduce_sum, then MPI_Comm_split of this transport's
 /// communicator (which can no longer wait for an absent rank); the group is an MpiTransport on its own
 /// communicator (its own progress thread), so its messages never match the parent's. abort() in a group still
@@ -105,6 +110,12 @@ class MpiTransport final : public Transport {
   void all_reduce_sum(at::Tensor& tensor, Duration timeout) override;
   std::unique_ptr<Work> all_reduce_sum_async(at::Tensor& tensor, Duration timeout) override;
   bool asynchronous_all_reduce() const override { return true; }
+  void reduce_scatter_sum(const at::Tensor& input, at::Tensor& output, Duration timeout) override;
+  std::unique_ptr<Work> reduce_scatter_sum_async(const at::Tensor& input, at::Tensor& output,
+                                                 Duration timeout) override;
+  void all_gather(const at::Tensor& shard, at::Tensor& output, Duration timeout) override;
+  std::unique_ptr<Work> all_gather_async(const at::Tensor& shard, at::Tensor& output, Duration timeout) override;
+  bool asynchronous_sharded_collectives() const override { return true; }
   void barrier(Duration timeout) override;
   void broadcast(at::Tensor& tensor, int root, Duration timeout) override;
   std::unique_ptr<Transport> split(int color, int key, Duration timeout) override;

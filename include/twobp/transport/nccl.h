@@ -88,6 +88,14 @@ struct NcclOptions {
 ///    losses, norms). all_reduce_sum_async (gradient buckets) stays on the GPU: a communicator of every rank with
 ///    a stream of its own, created and warmed up by the constructor (NcclOptions::collective), ncclAllReduce
 ///    waited like a receive (ran on one H200 with two processes: docs/GPU.md).
+///  - reduce_scatter_sum / all_gather (and their async forms) on device tensors: ncclReduceScatter / ncclAllGather
+///    (the bytes: any dtype) on that communicator and stream, in one sequence with all_reduce_sum_async. NCCL takes
+///    the same count from every rank: when world_size does not divide n, each shard is padded to ceil(n / world)
+///    in a buffer of the transport's (filled on the compute stream), and the result is copied out on the current
+///    stream once the wait is over. Summation order is NCCL's. The first call of each compares every rank's n and
+///    dtype over the host transport (one small all-reduce: UsageError on every rank when they differ); later calls
+///    cannot be compared (a mismatch then hangs until the timeout or gives NCCL's error). CPU tensors go over the
+///    host transport. NOT RUN ON A GPU YET.
 ///  - Errors: an NCCL failure carries NCCL's own last error text (ncclGetLastError); NCCL_DEBUG=WARN prints
 ///    NCCL's log. barrier is the host's; it does not synchronize the GPU.
 ///  - abort() aborts every NCCL communicator, then the host transport (under MPI: THE WHOLE JOB DIES).
@@ -133,6 +141,12 @@ class NcclTransport final : public Transport {
   /// On a communicator of every rank (created by the first call) and a stream of its own; see the class comment.
   std::unique_ptr<Work> all_reduce_sum_async(at::Tensor& tensor, Duration timeout) override;
   bool asynchronous_all_reduce() const override { return true; }
+  void reduce_scatter_sum(const at::Tensor& input, at::Tensor& output, Duration timeout) override;
+  std::unique_ptr<Work> reduce_scatter_sum_async(const at::Tensor& input, at::Tensor& output,
+                                                 Duration timeout) override;
+  void all_gather(const at::Tensor& shard, at::Tensor& output, Duration timeout) override;
+  std::unique_ptr<Work> all_gather_async(const at::Tensor& shard, at::Tensor& output, Duration timeout) override;
+  bool asynchronous_sharded_collectives() const override { return true; }
   void barrier(Duration timeout) override;
   /// Over the host transport on a CPU copy, like all_reduce_sum.
   void broadcast(at::Tensor& tensor, int root, Duration timeout) override;

@@ -32,6 +32,10 @@ struct StoreOptions {
 /// A store that becomes unreachable (rank 0 died) makes operations throw TransportError.
 /// all_reduce_sum takes CPU tensors of any size (each contribution is one store value; fine for gradient buckets
 /// of a few MB, slow beyond). broadcast: the root writes its tensor, the others only their arrival.
+/// reduce_scatter_sum: each rank writes each of its input's shards for its owner alone, and each rank sums the ones
+/// it owns in rank order (all_reduce_sum's bits); all_gather: each rank writes its shard, every rank reads all.
+/// Every value carries the kind and what the rank passed (n, dtype): a rank that disagrees is a UsageError naming
+/// both ranks, on every call. Their async forms are the blocking ones.
 /// split(color, key, timeout): one gathering all_reduce_sum over the parent, then each group works on the same
 /// store under its own key prefix (<prefix>/split<n>/color<c>) with group-local ranks: its messages, collectives
 /// and abort key never meet the parent's or another group's (an abort in a group fails its members only). The
@@ -56,6 +60,8 @@ class StoreTransport final : public Transport {
   void all_reduce_sum(at::Tensor& tensor, Duration timeout) override;
   void barrier(Duration timeout) override;
   void broadcast(at::Tensor& tensor, int root, Duration timeout) override;
+  void reduce_scatter_sum(const at::Tensor& input, at::Tensor& output, Duration timeout) override;
+  void all_gather(const at::Tensor& shard, at::Tensor& output, Duration timeout) override;
   std::unique_ptr<Transport> split(int color, int key, Duration timeout) override;
   void abort(const std::string& reason) override;
   /// Through the store: see StoreStatusBoard in store_transport.cpp.

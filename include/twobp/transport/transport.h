@@ -48,6 +48,22 @@ struct P2POptions {
   Duration timeout = std::chrono::minutes(5);
 };
 
+/// [begin, end): a contiguous range of a flat buffer's elements.
+struct ShardRange {
+  std::int64_t begin = 0;
+  std::int64_t end = 0;
+  std::int64_t size() const { return end - begin; }
+  bool operator==(const ShardRange& o) const { return begin == o.begin && end == o.end; }
+  bool operator!=(const ShardRange& o) const { return !(*this == o); }
+};
+
+/// The shard of `rank` among `world` ranks of a flat buffer of `n` elements: THE layout of reduce_scatter_sum and
+/// all_gather (and of state sharded to match them). Contiguous, in rank order, sizes differing by at most one: with
+/// q = n / world and m = n % world, ranks 0 .. m-1 hold q + 1 elements and the others q (numpy.array_split's and
+/// torch.tensor_split's rule), i.e. rank r holds [r q + min(r, m), (r + 1) q + min(r + 1, m)). With n < world,
+/// ranks n .. world-1 hold empty shards. UsageError for n < 0, world < 1 or rank outside [0, world).
+ShardRange shard_range(std::int64_t n, int world, int rank);
+
 class Transport {
  public:
   virtual ~Transport() = default;
@@ -109,6 +125,43 @@ class Transport {
   virtual std::unique_ptr<Work> all_reduce_sum_async(at::Tensor& tensor, Duration timeout);
   /// Whether all_reduce_sum_async returns before the reduction is done (MPI, NCCL), i.e. can overlap compute.
   virtual bool asynchronous_all_reduce() const { return false; }
+
+  /// Reduce-scatter (ZeRO-2's gradient sharding): `input`, n elements on every rank, and `output`, which receives
+  /// the element-wise sum over the ranks of this rank's shard of their inputs (shard_range(n, world_size(), rank())).
+  /// Both flat (1-D) and contiguous, of one dtype, on device() or the CPU (as all_reduce_sum); every rank passes the
+  /// same n and dtype. Collective, in the same order as the others; blocks at most `timeout` (TimeoutError naming
+  /// the ranks it waited for, where the transport can tell). Dtypes and reduction order are all_reduce_sum's (each
+  /// transport documents them; on Local and Store reduce_scatter_sum then all_gather gives all_reduce_sum's result
+  /// bitwise). UsageError naming the rank and what was expected for a tensor of the wrong size, dtype, device, rank
+  /// or layout, and for ranks that disagree on n or dtype: on every call on Local and Store, on the first call of
+  /// each of reduce_scatter_sum / all_gather on MPI and NCCL (one small all-reduce of what every rank passes; their
+  /// later calls are not compared across ranks: a rank passing another n then gets MPI's or NCCL's own error, a
+  /// timeout or a wrong result).
+  ///
+  /// The transport records no wait of its own: a caller beside a Pipeline runs it through Pipeline::run_collective,
+  /// so that a stall names it, and the ranks that did not join it, in the job-wide hang report.
+  ///
+  /// The default, for Transport subclasses written against 0.2 (every built-in transport overrides it): a copy of
+  /// `input` summed by all_reduce_sum, then this rank's shard of it -- correct, but with all-reduce's traffic.
+  virtual void reduce_scatter_sum(const at::Tensor& input, at::Tensor& output, Duration timeout);
+  /// reduce_scatter_sum() without waiting, as all_reduce_sum_async: `output` holds the shard once wait() returned;
+  /// neither tensor may be used before (input not written, output not read or written). The default runs the
+  /// blocking form and returns a completed handle; asynchronous_sharded_collectives() says which transports overlap.
+  virtual std::unique_ptr<Work> reduce_scatter_sum_async(const at::Tensor& input, at::Tensor& output,
+                                                         Duration timeout);
+
+  /// All-gather, reduce_scatter_sum's inverse layout: `shard` is this rank's part, shard_range(n, world_size(),
+  /// rank()), of the n-element `output`, which every rank receives whole. Any dtype (the bytes are moved); tensors,
+  /// errors, ordering and timeout as reduce_scatter_sum. The default, for Transport subclasses written against 0.2:
+  /// one broadcast per rank of its shard into `output`, in rank order within one deadline -- exact for every dtype,
+  /// all-gather's traffic, world_size() collectives' latency.
+  virtual void all_gather(const at::Tensor& shard, at::Tensor& output, Duration timeout);
+  /// all_gather() without waiting: `output` holds every shard once wait() returned; rules and default as
+  /// reduce_scatter_sum_async.
+  virtual std::unique_ptr<Work> all_gather_async(const at::Tensor& shard, at::Tensor& output, Duration timeout);
+  /// Whether reduce_scatter_sum_async and all_gather_async return before the collective is done (MPI, NCCL), i.e.
+  /// can overlap compute; false for the defaults.
+  virtual bool asynchronous_sharded_collectives() const { return false; }
 
   /// Overwrites `tensor` on every rank with the tensor of rank `root`. Collective: every rank calls it in the
   /// same order with respect to the other collectives, with the same shape, dtype and root. Blocks at most

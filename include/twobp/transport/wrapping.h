@@ -35,6 +35,20 @@ class WrappingTransport : public Transport {
     return inner_->all_reduce_sum_async(tensor, timeout);
   }
   bool asynchronous_all_reduce() const override { return inner_->asynchronous_all_reduce(); }
+  void reduce_scatter_sum(const at::Tensor& input, at::Tensor& output, Duration timeout) override {
+    inner_->reduce_scatter_sum(input, output, timeout);
+  }
+  std::unique_ptr<Work> reduce_scatter_sum_async(const at::Tensor& input, at::Tensor& output,
+                                                 Duration timeout) override {
+    return inner_->reduce_scatter_sum_async(input, output, timeout);
+  }
+  void all_gather(const at::Tensor& shard, at::Tensor& output, Duration timeout) override {
+    inner_->all_gather(shard, output, timeout);
+  }
+  std::unique_ptr<Work> all_gather_async(const at::Tensor& shard, at::Tensor& output, Duration timeout) override {
+    return inner_->all_gather_async(shard, output, timeout);
+  }
+  bool asynchronous_sharded_collectives() const override { return inner_->asynchronous_sharded_collectives(); }
   void broadcast(at::Tensor& tensor, int root, Duration timeout) override {
     inner_->broadcast(tensor, root, timeout);
   }
