@@ -13,6 +13,10 @@
 #                        Python's `import torch` does not work in this install (nothing of twobp needs it; the peer
 #                        benchmark benchmarks/peer does).
 #     reframe-hpc  the ReFrame checks of benchmarks/reframe (ctest loads them and writes their Slurm job scripts)
+#     transformers, safetensors, tokenizers  tests/models/hf_compare.py (ctest hf_llama_compare) compares twobp's
+#                  Llama with transformers' LlamaForCausalLM (it needs Python's `import torch` too, the cuda
+#                  install); scripts/tokens.py --tokenizer and tests/data/tokens_script_test.py use tokenizers. The
+#                  tests report SKIP without them. The library reads and writes safetensors itself.
 set -euo pipefail
 
 # LibTorch 2.11.0: its default PyPI build is for CUDA 13.0, the toolkit on our machines, so the NCCL transport
@@ -21,6 +25,9 @@ TWOBP_TORCH_VERSION="${TWOBP_TORCH_VERSION:-2.11.0}"
 # The torch wheel's own pin of the CUDA runtime (its Requires-Dist: cuda-toolkit[...]==13.0.2).
 TWOBP_CUDA_WHEELS_VERSION="${TWOBP_CUDA_WHEELS_VERSION:-13.0.2}"
 TWOBP_REFRAME_VERSION="${TWOBP_REFRAME_VERSION:-4.10.4}"
+TWOBP_TRANSFORMERS_VERSION="${TWOBP_TRANSFORMERS_VERSION:-5.25.0}"
+TWOBP_SAFETENSORS_VERSION="${TWOBP_SAFETENSORS_VERSION:-0.8.0}"
+TWOBP_TOKENIZERS_VERSION="${TWOBP_TOKENIZERS_VERSION:-0.23.3}"
 TWOBP_VENV="${TWOBP_VENV:-$PWD/.venv}"
 # ccache: hash paths relative to the checkout (and ignore the build directory in -g builds), so that another clone
 # of the same tree (CI's, a worktree's) reuses the cache. Harmless where ccache is not installed.
@@ -101,6 +108,14 @@ twobp_setup() {
       >/dev/null 2>&1; then
     echo "twobp setup: installing reframe-hpc==$TWOBP_REFRAME_VERSION from PyPI (benchmarks/reframe)"
     twobp_pip "reframe-hpc==$TWOBP_REFRAME_VERSION"
+  fi
+  if ! "$TWOBP_VENV/bin/python" -c "import sys, transformers, safetensors, tokenizers; sys.exit(0 if \
+(transformers.__version__, safetensors.__version__, tokenizers.__version__) == ('$TWOBP_TRANSFORMERS_VERSION', \
+'$TWOBP_SAFETENSORS_VERSION', '$TWOBP_TOKENIZERS_VERSION') else 1)" >/dev/null 2>&1; then
+    echo "twobp setup: installing transformers==$TWOBP_TRANSFORMERS_VERSION, safetensors==$TWOBP_SAFETENSORS_VERSION" \
+         "and tokenizers==$TWOBP_TOKENIZERS_VERSION from PyPI (tests/models/hf_compare.py, scripts/tokens.py)"
+    twobp_pip "transformers==$TWOBP_TRANSFORMERS_VERSION" "safetensors==$TWOBP_SAFETENSORS_VERSION" \
+      "tokenizers==$TWOBP_TOKENIZERS_VERSION"
   fi
 }
 

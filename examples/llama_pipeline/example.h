@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "twobp/checkpoint.h"
+#include "twobp/data.h"
 #include "twobp/error.h"
 #include "twobp/metrics/energy.h"
 #include "twobp/metrics/step_log.h"
@@ -190,8 +191,8 @@ struct Shared {
 };
 
 /// Trains this rank of `world` (every replica's ranks) from the checkpoint or step 0 to --stop-after / --steps.
-void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, const std::vector<uint16_t>& tokens,
-                const std::vector<uint16_t>& held_out, Shared& shared);
+void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, const twobp::data::Tokens& tokens,
+                const twobp::data::Tokens& held_out, Shared& shared);
 /// The run's closing lines on rank 0: what was trained, how fast, where each rank's step time went, and which
 /// files it wrote.
 void print_summary(const std::vector<StepRecord>& records, const std::vector<twobp::StepAttribution>& attribution,

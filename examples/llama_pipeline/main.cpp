@@ -25,18 +25,20 @@ namespace {
 
 /// The training split of the corpus (--data, or the built-in one) and, with --eval-every, its held-out tail.
 struct Corpus {
-  std::vector<uint16_t> tokens, held_out;
+  twobp::data::Tokens tokens, held_out;
 };
 Corpus load_corpus(const Args& args, const Plan& plan) {
   EXAMPLE_CHECK(!args.data.empty() || plan.config.vocab_size >= twobp::data::ByteTokenizer::kVocabSize,
               twobp::UsageError, "--vocab {}: the built-in corpus is byte-level and needs a vocabulary of at least {} "
               "tokens; give --vocab {} or more, or --data with a token file", plan.config.vocab_size,
               twobp::data::ByteTokenizer::kVocabSize, twobp::data::ByteTokenizer::kVocabSize);
-  std::vector<uint16_t> tokens =
-      args.data.empty()
-          ? twobp::data::ByteTokenizer::encode(twobp::data::builtin_corpus())
-          : twobp::data::read_token_file(args.data, static_cast<uint32_t>(std::min<int64_t>(plan.config.vocab_size,
-                                                                                            65536)));
+  EXAMPLE_CHECK(!args.pack || args.doc_separator < plan.config.vocab_size, twobp::UsageError,
+              "--doc-separator {} is not a token of the model's vocabulary of {} (--vocab)", args.doc_separator,
+              plan.config.vocab_size);
+  // 16- or 32-bit token files alike (twobp/data.h); every token must be below the model's vocabulary.
+  twobp::data::Tokens tokens =
+      args.data.empty() ? twobp::data::ByteTokenizer::encode(twobp::data::builtin_corpus())
+                        : twobp::data::read_token_file(args.data, static_cast<uint32_t>(plan.config.vocab_size));
   // --eval-every: the corpus's last --eval-fraction is held out (never trained on) for evaluation.
   try {
     twobp::data::HeldOutSplit split = twobp::data::split_held_out(

@@ -172,15 +172,19 @@ void add_training_options(CLI::App& app, Args& a) {
       ->check(twobp::cli::one_spelling(twobp::parse_precision, "fp32, bf16 or bf16-pure"))->group(training);
 
   const std::string data = "Data and evaluation";
-  app.add_option("--data", a.data, "Token file (see twobp/data.h); default: the built-in corpus, byte-level")
+  app.add_option("--data", a.data,
+                 "Token file, 16- or 32-bit tokens (see twobp/data.h; scripts/tokens.py writes them); default: the "
+                 "built-in corpus, byte-level")
       ->check(cli::regular_file())->group(data);
   app.add_option("--seq-len", a.seq_len, "Tokens per sequence (0: the model's)")
       ->check(cli::number_in(0, 1 << 20, " (0: the model's)"))->group(data);
   app.add_flag("--pack", a.pack,
                "Packed documents: attention stays within a document, positions restart per document (positions "
-               "and document ids cross every stage boundary)")->group(data);
+               "and document ids cross every stage boundary), and no target predicts across documents. The loss, "
+               "packed or not, is the token mean over the global batch (every unmasked target token weighs the "
+               "same, however the batch is cut into micro-batches and replicas)")->group(data);
   app.add_option("--doc-separator", a.doc_separator, "With --pack: the token that ends a document")
-      ->check(cli::number_in(0, 65535))->group(data);
+      ->check(cli::number_in(0, (1 << 20) - 1))->group(data);
   app.add_option("--seq-len-warmup", a.seq_len_warmup,
                  "Grow the sequence length linearly to --seq-len over this many steps (0: none)")
       ->check(steps_or_none())->group(data);

@@ -68,15 +68,22 @@ struct RankData {
     return llm::llama_rank_batch(b.inputs, b.targets, share, replica_batch, len, owns_first, owns_last, a.pack,
                                  a.doc_separator);
   }
-  /// Mean loss over --eval-batches held-out global batches (Pipeline::evaluate: forward only, eval mode). A signal
-  /// stops it between batches (agreed over `world`, every rank after the same batch): the mean of those done.
+  /// The token mean of the loss over --eval-batches held-out global batches (Pipeline::evaluate: forward only, eval
+  /// mode; each batch's token mean weighed by its tokens, as training weighs them). A signal stops it between
+  /// batches (agreed over `world`, every rank after the same batch): the mean of those done.
   double evaluate(const Args& a, twobp::Pipeline& pipeline, int64_t seq, twobp::Transport& world,
                   twobp::InterruptGuard* interrupts, twobp::Duration timeout) const {
-    double sum = 0.0;
+    double sum = 0.0, tokens = 0.0;
     int k = 0;
     while (k < a.eval_batches) {
-      const llm::LlamaRankBatch b = batch(a, held_out->batch(k), seq);
-      sum += pipeline.evaluate(b.inputs, b.targets);
+      const twobp::data::Batch global = held_out->batch(k);
+      const llm::LlamaRankBatch b = batch(a, global, seq);
+      // Every rank draws the global batch: its tokens are counted here, with --pack those the loss mask keeps.
+      const at::Tensor ids = global.inputs.narrow(1, 0, seq), next = global.targets.narrow(1, 0, seq);
+      const double n = a.pack ? llm::packed_targets(ids, next, a.doc_separator)[llm::kLossMask].sum().item<double>()
+                              : static_cast<double>(ids.numel());
+      sum += n * pipeline.evaluate(b.inputs, b.targets);
+      tokens += n;
       ++k;
       if (k < a.eval_batches && interrupts != nullptr && interrupts->agreed(world, timeout)) {
         if (world.rank() == 0) fmt::print("evaluation stopped by the interrupt after {} of {} batches\n", k,
@@ -84,7 +91,7 @@ struct RankData {
         break;
       }
     }
-    return sum / k;
+    return sum / tokens;
   }
 };
 
@@ -342,8 +349,8 @@ void follow_tuner(std::optional<twobp::LlamaAutoTuner>& tuner, RankState& state,
 
 }  // namespace
 
-void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, const std::vector<uint16_t>& tokens,
-                const std::vector<uint16_t>& held_out, Shared& shared) {
+void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, const twobp::data::Tokens& tokens,
+                const twobp::data::Tokens& held_out, Shared& shared) {
   const Args& a = p.args;
   const auto timeout = twobp::Duration(static_cast<int64_t>(a.timeout_s * 1000));
   // The pipeline of this rank's replica, and the group of the same stages in every replica (dp > 1).

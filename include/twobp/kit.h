@@ -9,10 +9,12 @@
 #include "twobp/core.h"
 
 #include "twobp/checkpoint.h"
+#include "twobp/checkpoint/safetensors.h"
 #include "twobp/data.h"
 
 #include "twobp/metrics/step_log.h"
 #include "twobp/models/bert.h"
+#include "twobp/models/hf_llama.h"
 #include "twobp/models/llama.h"
 #include "twobp/models/llama_rank.h"
 #include "twobp/models/resnet.h"

@@ -60,6 +60,45 @@ twobp::nn::Linear linear(int64_t in, int64_t out) {
 
 }  // namespace
 
+std::string to_string(RopeScalingType type) {
+  switch (type) {
+    case RopeScalingType::kLinear:
+      return "linear";
+    case RopeScalingType::kLlama3:
+      return "llama3";
+    case RopeScalingType::kNone:
+      break;
+  }
+  return "none";
+}
+
+RopeScalingType parse_rope_scaling_type(std::string_view name) {
+  for (auto type : {RopeScalingType::kNone, RopeScalingType::kLinear, RopeScalingType::kLlama3}) {
+    if (name == to_string(type)) return type;
+  }
+  twobp::detail::raise<UsageError>("unknown rope scaling '{}': known are none, linear, llama3", name);
+}
+
+at::Tensor rope_inverse_frequencies(const LlamaConfig& c) {
+  const at::Tensor inv = twobp::nn::rotary_inverse_frequencies(c.head_dim(), c.rope_theta);
+  const RopeScaling& r = c.rope_scaling;
+  if (r.type == RopeScalingType::kNone) return inv;
+  c10::AutoGradMode no_grad(false);
+  if (r.type == RopeScalingType::kLinear) return inv / r.factor;
+  // transformers' _compute_llama3_parameters, operation for operation in float32 (a Python number over a tensor,
+  // `x / t`, is t.reciprocal() * x there; comparisons and arithmetic with Python floats round them to float32).
+  const double old_len = static_cast<double>(r.original_max_position_embeddings);
+  const double low_freq_wavelen = old_len / r.low_freq_factor;
+  const double high_freq_wavelen = old_len / r.high_freq_factor;
+  const at::Tensor wavelen = at::reciprocal(inv) * (2 * M_PI);
+  const at::Tensor scaled = at::where(wavelen > low_freq_wavelen, inv / r.factor, inv);
+  const at::Tensor smooth =
+      (at::reciprocal(wavelen) * old_len - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor);
+  const at::Tensor smoothed = at::rsub(smooth, 1) * scaled / r.factor + smooth * scaled;
+  const at::Tensor medium = at::logical_not(wavelen < high_freq_wavelen) & at::logical_not(wavelen > low_freq_wavelen);
+  return at::where(medium, smoothed, scaled);
+}
+
 void LlamaConfig::validate() const {
   TWOBP_CHECK(dim > 0 && n_layers > 0 && n_heads > 0 && n_kv_heads > 0 && ffn_dim > 0 && vocab_size > 0 &&
                   max_seq_len > 0,
@@ -71,6 +110,16 @@ void LlamaConfig::validate() const {
               name, n_heads, n_kv_heads);
   TWOBP_CHECK(head_dim() % 2 == 0, UsageError, "model '{}': head_dim {} must be even for rotary embeddings", name,
               head_dim());
+  TWOBP_CHECK(rope_theta > 0, UsageError, "model '{}': rope_theta must be positive, got {}", name, rope_theta);
+  const RopeScaling& r = rope_scaling;
+  TWOBP_CHECK(r.type == RopeScalingType::kNone || r.factor > 0, UsageError,
+              "model '{}': rope scaling '{}' needs a positive factor, got {}", name, to_string(r.type), r.factor);
+  TWOBP_CHECK(r.type != RopeScalingType::kLlama3 ||
+                  (r.low_freq_factor > 0 && r.high_freq_factor > r.low_freq_factor &&
+                   r.original_max_position_embeddings > 0),
+              UsageError, "model '{}': llama3 rope scaling needs 0 < low_freq_factor < high_freq_factor and a "
+              "positive original_max_position_embeddings, got {}, {} and {}", name, r.low_freq_factor,
+              r.high_freq_factor, r.original_max_position_embeddings);
 }
 
 std::vector<std::string> config_names() {
@@ -259,7 +308,7 @@ Partition make_partition(const LlamaConfig& config, int num_chunks, int64_t seq_
 LlamaBlockImpl::LlamaBlockImpl(const LlamaConfig& c, std::shared_ptr<const twobp::nn::RotaryEmbedding> rotary_tables)
     : config(c),
       rotary(rotary_tables ? std::move(rotary_tables)
-                           : std::make_shared<const twobp::nn::RotaryEmbedding>(c.head_dim(), c.rope_theta,
+                           : std::make_shared<const twobp::nn::RotaryEmbedding>(rope_inverse_frequencies(c),
                                                                                 c.max_seq_len)) {
   attn_norm = register_module("attn_norm", twobp::nn::RMSNorm(twobp::nn::RMSNormOptions(c.dim).eps(c.norm_eps)));
   wq = register_module("wq", linear(c.dim, c.dim));
@@ -311,8 +360,8 @@ LlamaChunkImpl::LlamaChunkImpl(const LlamaConfig& config, const ChunkSpec& spec,
   if (spec.num_layers() > 0) {
     auto layers = register_module("layers", std::make_shared<torch::nn::Module>());
     // One set of rotary tables for all blocks.
-    auto rotary = std::make_shared<const twobp::nn::RotaryEmbedding>(config.head_dim(), config.rope_theta,
-                                                                     config.max_seq_len);
+    auto rotary =
+        std::make_shared<const twobp::nn::RotaryEmbedding>(rope_inverse_frequencies(config), config.max_seq_len);
     for (int i = spec.first_layer; i < spec.end_layer; ++i) {
       blocks.push_back(layers->register_module(std::to_string(i), LlamaBlock(config, rotary)));
     }

@@ -1,5 +1,7 @@
 #include "twobp/models/llama_rank.h"
 
+#include <ATen/ATen.h>
+
 #include "twobp/checkpoint.h"
 #include "twobp/error.h"
 #include "util/check.h"
@@ -28,6 +30,43 @@ PipelineChunk make_chunk(const std::shared_ptr<LlamaChunkImpl>& impl, int s, boo
           }};
 }
 
+// The token losses of one micro-batch summed, not averaged (LossReduction::kMeanOverItems divides by the global
+// batch's count): the sums of llama.h's cross_entropy_loss and masked_cross_entropy_loss, in float32 as they are.
+at::Tensor summed_cross_entropy(const at::Tensor& logits, const at::Tensor& targets) {
+  const int64_t vocab = logits.size(-1);
+  return at::cross_entropy_loss(logits.reshape({-1, vocab}).to(at::kFloat),
+                                targets.to(logits.device()).reshape({-1}), {}, at::Reduction::Sum);
+}
+at::Tensor summed_masked_cross_entropy(const NamedTensors& outputs, const NamedTensors& targets) {
+  const at::Tensor& logits = outputs["logits"];
+  const int64_t vocab = logits.size(-1);
+  const at::Tensor per_token = at::cross_entropy_loss(logits.reshape({-1, vocab}).to(at::kFloat),
+                                                      targets[kTargets].to(logits.device()).reshape({-1}), {},
+                                                      at::Reduction::None);
+  return (per_token * targets[kLossMask].to(per_token.device()).reshape({-1}).to(at::kFloat)).sum();
+}
+
+// The loss, how micro-batches' losses combine (LlamaRankOptions::loss_reduction), and the items counted: every
+// target token, or with packing the ones whose loss_mask is 1 (packed_targets: not the separators').
+void set_loss(PipelineOptions& po, const LlamaRankOptions& o) {
+  po.loss_reduction = o.loss_reduction;
+  if (o.loss_reduction == LossReduction::kMeanOverItems) {
+    if (o.pack) {
+      po.loss = summed_masked_cross_entropy;
+      po.loss_items = [](const NamedTensors& t) { return t[kLossMask].sum().item<double>(); };
+    } else {
+      po.loss = summed_cross_entropy;
+      po.loss_items = [](const NamedTensors& t) { return static_cast<double>(t.single("targets").numel()); };
+    }
+  } else if (o.pack) {
+    po.loss = masked_cross_entropy_loss;
+  } else {
+    po.loss = [](const at::Tensor& logits, const at::Tensor& targets) {
+      return models::cross_entropy_loss(logits, targets.to(logits.device()));
+    };
+  }
+}
+
 // The loss and, with fixed shapes, every boundary's spec.
 void complete_options(PipelineOptions& po, const LlamaRankOptions& o) {
   const int64_t mbs = o.micro_batch_size, seq = o.seq_len, dim = o.config.dim;
@@ -41,13 +80,7 @@ void complete_options(PipelineOptions& po, const LlamaRankOptions& o) {
   } else if (o.fixed_shapes) {
     po.executor.activation_spec = [=](int) { return TensorSpec{{mbs, seq, dim}, dtype}; };
   }
-  if (o.pack) {
-    po.loss = masked_cross_entropy_loss;
-  } else {
-    po.loss = [](const at::Tensor& logits, const at::Tensor& targets) {
-      return models::cross_entropy_loss(logits, targets.to(logits.device()));
-    };
-  }
+  set_loss(po, o);
   if (o.precision == Precision::kMixedBFloat16) po.mixed_precision.compute_dtype = at::kBFloat16;
 }
 

@@ -64,10 +64,27 @@ void RMSNormImpl::accumulate_weight_grad(c10::ArrayRef<autograd::WeightGradItem>
   functional::rms_norm_weight_grad(weight, items);
 }
 
-RotaryEmbedding::RotaryEmbedding(int64_t head_dim, double theta, int64_t max_positions)
-    : head_dim_(head_dim), theta_(theta), max_positions_(max_positions) {
+at::Tensor rotary_inverse_frequencies(int64_t head_dim, double theta) {
   TWOBP_CHECK(head_dim > 0 && head_dim % 2 == 0, UsageError,
               "RotaryEmbedding: the head dimension must be positive and even, got {}", head_dim);
+  c10::AutoGradMode no_grad(false);
+  // transformers: 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), where `1.0 / t` is
+  // t.reciprocal() * 1.0 -- the same float32 operations here, hence the same bits.
+  const auto fopts = at::TensorOptions().dtype(at::kFloat);
+  return at::reciprocal(at::pow(theta, at::arange(0, head_dim, 2, fopts) / static_cast<double>(head_dim)));
+}
+
+RotaryEmbedding::RotaryEmbedding(int64_t head_dim, double theta, int64_t max_positions)
+    : RotaryEmbedding(rotary_inverse_frequencies(head_dim, theta), max_positions) {}
+
+RotaryEmbedding::RotaryEmbedding(at::Tensor inverse_frequencies, int64_t max_positions)
+    : head_dim_(inverse_frequencies.dim() == 1 ? 2 * inverse_frequencies.size(0) : 0),
+      inv_freq_(inverse_frequencies.detach().to(at::kCPU).contiguous()),
+      max_positions_(max_positions) {
+  TWOBP_CHECK(inverse_frequencies.dim() == 1 && inverse_frequencies.size(0) > 0 &&
+                  inverse_frequencies.scalar_type() == at::kFloat,
+              UsageError, "RotaryEmbedding: inverse frequencies must be float32 [head_dim / 2], got {} of {} "
+              "dimensions", c10::toString(inverse_frequencies.scalar_type()), inverse_frequencies.dim());
 }
 
 const RotaryEmbedding::Tables& RotaryEmbedding::cached(const at::Tensor& x, int64_t length) const {
@@ -76,11 +93,10 @@ const RotaryEmbedding::Tables& RotaryEmbedding::cached(const at::Tensor& x, int6
     if (e->length == length && e->dtype == x.scalar_type() && e->device == x.device()) return e->tables;
   }
   c10::AutoGradMode no_grad(false);
-  const int64_t half = head_dim_ / 2;
   const auto fopts = at::TensorOptions().dtype(at::kFloat);
-  // The angles in float32 on the CPU, as the model always computed them, whatever x's dtype.
-  const at::Tensor inv_freq = at::pow(theta_, -at::arange(0, half, fopts) / static_cast<double>(half));
-  const at::Tensor angles = at::outer(at::arange(length, fopts), inv_freq);
+  // The angles, cos and sin in float32 on the CPU whatever x's dtype, as transformers computes them (position ·
+  // inv_freq, one float32 product each), then cast to x's dtype.
+  const at::Tensor angles = at::outer(at::arange(length, fopts), inv_freq_);
   const at::Tensor cos = at::cos(angles), sin = at::sin(angles);
   const auto to_x = x.options().requires_grad(false);
   Tables t{at::cat({cos, cos}, -1).to(to_x), at::cat({-sin, sin}, -1).to(to_x)};

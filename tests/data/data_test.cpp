@@ -76,7 +76,95 @@ TEST(TokenFile, RoundTripWithHeaderAndRaw) {
   // Raw stream: no header, little-endian uint16.
   const auto raw = dir + "/raw.bin";
   write_bytes(raw, std::string("\x41\x00\x42\x00\x00\x01", 6));
-  EXPECT_EQ(td::read_token_file(raw, 300), (std::vector<uint16_t>{0x41, 0x42, 0x100}));
+  EXPECT_EQ(td::read_token_file(raw, 300), (td::Tokens{0x41, 0x42, 0x100}));
+  remove_tree(dir);
+}
+
+// Vocabularies beyond 16 bits (Llama 3's 128,256): version 2 with 32-bit tokens, chosen by the vocabulary or asked
+// for; a 16-bit vocabulary still writes version 1, byte for byte what twobp 0.2 wrote.
+TEST(TokenFile, ThirtyTwoBitTokensRoundTrip) {
+  const std::string dir = make_temp_dir("data_test");
+  const td::Tokens wide{0, 1, 65535, 65536, 100000, 128255};
+  const auto path = dir + "/wide.tok";
+  td::write_token_file(path, wide, 128256);
+  const std::string bytes = slurp(path);
+  ASSERT_EQ(bytes.size(), 32 + 4 * wide.size());
+  EXPECT_EQ(bytes.substr(0, 12), std::string("TWOBPTOK\x02\0\0\0", 12));  // version 2
+  EXPECT_EQ(bytes.substr(24, 8), std::string("\x20\0\0\0\0\0\0\0", 8));  // 32 bits, reserved 0
+  EXPECT_EQ(bytes.substr(32 + 4 * 3, 4), std::string("\0\0\x01\0", 4));    // 65536, little-endian
+  EXPECT_EQ(td::read_token_file(path, 128256), wide);
+  EXPECT_EQ(td::read_token_file(path, 200000), wide);  // a model with a larger vocabulary reads it too
+
+  // 32 bits asked for with a small vocabulary; 16 bits for a vocabulary of exactly 65536.
+  td::write_token_file(path, {7, 255}, 256, 32);
+  EXPECT_EQ(file_size(path), 32 + 4 * 2);
+  EXPECT_EQ(td::read_token_file(path, 256), (td::Tokens{7, 255}));
+  td::write_token_file(path, {65535}, 65536);
+  EXPECT_EQ(file_size(path), 24 + 2);
+  EXPECT_EQ(slurp(path).substr(8, 4), std::string("\x01\0\0\0", 4));  // version 1
+  EXPECT_EQ(td::token_bits_for(65536), 16);
+  EXPECT_EQ(td::token_bits_for(65537), 32);
+
+  // A version-2 header may declare 16-bit tokens (other writers); the reader takes them.
+  std::string v2_16("TWOBPTOK\x02\0\0\0\x00\x01\0\0\x02\0\0\0\0\0\0\0\x10\0\0\0\0\0\0\0", 32);
+  write_bytes(path, v2_16 + std::string("\x05\0\xff\0", 4));
+  EXPECT_EQ(td::read_token_file(path, 256), (td::Tokens{5, 255}));
+
+  // What the writer refuses, naming the file.
+  const auto refused = [&](auto write, const std::string& needle) {
+    try {
+      write();
+      ADD_FAILURE() << "no UsageError for " << needle;
+    } catch (const twobp::UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  refused([&] { td::write_token_file(path, {1}, 70000, 16); }, "vocab_size 70000 needs 32-bit tokens");
+  refused([&] { td::write_token_file(path, {1}, 256, 24); }, "token width 24 bits");
+  refused([&] { td::write_token_file(path, {1, 70000}, 70000); }, "token 70000 at index 1");
+  refused([&] { td::write_token_file(path, {}, 0); }, "vocab_size 0");
+  remove_tree(dir);
+}
+
+// Bad version-2 files: one IOError naming the file, the offset and what was expected there.
+TEST(TokenFile, MalformedWideFilesNameFileAndOffset) {
+  const std::string dir = make_temp_dir("data_test");
+  const auto good = dir + "/good.tok";
+  td::write_token_file(good, {1, 2, 70000, 4}, 70001);  // 32 + 16 bytes
+  const std::string bytes = slurp(good);
+  ASSERT_EQ(bytes.size(), 48u);
+  const auto bad = [&](const std::string& name, const std::string& content, uint32_t vocab,
+                       const std::string& needle) {
+    const auto path = dir + "/" + name;
+    write_bytes(path, content);
+    expect_io_error([&] { td::read_token_file(path, vocab); }, path, needle);
+  };
+  std::string width = bytes;
+  width[24] = 24;
+  bad("width.tok", width, 70001, "token width 24 bits at offset 24 (expected 16 or 32)");
+  width[24] = 0;
+  bad("width0.tok", width, 70001, "token width 0 bits at offset 24");
+  std::string reserved = bytes;
+  reserved[29] = 1;
+  bad("reserved.tok", reserved, 70001, "reserved field 256 at offset 28 (expected 0)");
+  bad("truncated.tok", bytes.substr(0, bytes.size() - 1), 70001, "truncated at offset 47");
+  bad("trailing.tok", bytes + "xy", 70001, "trailing data from offset 48");
+  bad("short_header.tok", bytes.substr(0, 28), 70001, "a version 2 header needs 32 (offset 28)");
+  EXPECT_EQ(td::read_token_file(good, 70001), (td::Tokens{1, 2, 70000, 4}));  // the control for what follows
+  bad("small_model.tok", bytes, 65536, "vocab_size 70001 at offset 12 does not fit the model's vocabulary of 65536");
+  std::string big = bytes;
+  big[32 + 4 * 3 + 2] = 0x10;  // token 3 becomes 0x100004
+  bad("big.tok", big, 1u << 22, "token 1048580 at offset 44 is >= the vocabulary size 70001 (the header's)");
+  std::string sixteen = bytes;  // declares 16-bit tokens with a vocabulary they cannot hold
+  sixteen[24] = 16;
+  bad("narrow.tok", sixteen, 70001, "vocab_size 70001 at offset 12 does not fit the 16-bit tokens");
+  std::string v1 = bytes.substr(0, 24) + std::string(8, '\0');  // version 1 declaring vocab 70001
+  v1[8] = 1;
+  bad("v1_wide_vocab.tok", v1, 70001, "does not fit the 16-bit tokens of version 1");
+  std::string v3 = bytes;
+  v3[8] = 3;
+  bad("version3.tok", v3, 70001, "unsupported version 3 at offset 8 (expected 1 or 2)");
   remove_tree(dir);
 }
 
@@ -125,12 +213,12 @@ TEST(TokenFile, MalformedFilesNameFileAndOffset) {
 // The held-out split keeps every token once, in order, the tail held out; a part too short for one sequence of
 // seq_len + 1 tokens is refused naming the corpus (the held-out part only when one is asked for).
 TEST(HeldOutSplit, TheTailIsHeldOutAndEachPartHoldsASequence) {
-  std::vector<uint16_t> tokens(1000);
-  for (std::size_t k = 0; k < tokens.size(); ++k) tokens[k] = static_cast<uint16_t>(k % 300);
+  td::Tokens tokens(1000);
+  for (std::size_t k = 0; k < tokens.size(); ++k) tokens[k] = static_cast<td::Token>(k % 300);
   for (double fraction : {0.0, 0.1, 0.25, 0.5}) {
     const td::HeldOutSplit split = td::split_held_out(tokens, fraction, 16, "corpus");
     EXPECT_EQ(split.held_out.size(), static_cast<std::size_t>(1000 * fraction)) << fraction;
-    std::vector<uint16_t> joined = split.train;
+    td::Tokens joined = split.train;
     joined.insert(joined.end(), split.held_out.begin(), split.held_out.end());
     EXPECT_EQ(joined, tokens) << fraction;
   }
@@ -169,7 +257,7 @@ TEST(BatchSampler, DeterministicShiftedWindows) {
   std::string window;
   for (int64_t i = 0; i < 16; ++i) window.push_back(static_cast<char>(row[i].item<int64_t>()));
   EXPECT_NE(text.find(window), std::string::npos);
-  EXPECT_THROW(td::BatchSampler(std::vector<uint16_t>(10, 1), 10, 1, 0), twobp::UsageError);
+  EXPECT_THROW(td::BatchSampler(td::Tokens(10, 1), 10, 1, 0), twobp::UsageError);
 }
 
 TEST(WarmupSeqLen, GrowsInMultiplesToTheFullLength) {

@@ -22,13 +22,20 @@ int schedule_text(const std::uint8_t* data, std::size_t size);
 /// read_token_file() unchanged. Only IOError / UsageError may escape.
 int token_file(const std::uint8_t* data, std::size_t size);
 
+/// The bytes as a safetensors file: checkpoint::SafetensorsFile (mapped). A file that opens must give, for every
+/// tensor, exactly the file's bytes at its header's offsets (inside the file), and what reads must survive
+/// safetensors_bytes() -> SafetensorsFile unchanged. Only UsageError may escape the reader (a BOOL byte other than
+/// 0/1 is refused by read(), as documented).
+int safetensors_file(const std::uint8_t* data, std::size_t size);
+
 struct Target {
   const char* name;  ///< also the corpus directory: tests/fuzz/corpus/<name>/
   int (*run)(const std::uint8_t*, std::size_t);
 };
 
 inline const std::vector<Target>& targets() {
-  static const std::vector<Target> kTargets = {{"schedule_text", &schedule_text}, {"token_file", &token_file}};
+  static const std::vector<Target> kTargets = {
+      {"schedule_text", &schedule_text}, {"token_file", &token_file}, {"safetensors_file", &safetensors_file}};
   return kTargets;
 }
 

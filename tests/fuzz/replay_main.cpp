@@ -18,7 +18,10 @@
 #include <string>
 #include <vector>
 
+#include <ATen/ATen.h>
+
 #include "fuzz_targets.h"
+#include "twobp/checkpoint/safetensors.h"
 #include "twobp/data.h"
 #include "twobp/error.h"
 #include "twobp/schedule/registry.h"
@@ -40,6 +43,29 @@ void write_file(const fs::path& path, const std::string& bytes) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
   if (!out) throw std::runtime_error("cannot write " + path.string());
+}
+
+// A valid file of every dtype family with metadata, and near misses of the reader's checks.
+void write_safetensors_seeds(const fs::path& dir) {
+  namespace ck = twobp::checkpoint;
+  fs::create_directories(dir);
+  const std::string valid = ck::safetensors_bytes(
+      {{"model.embed_tokens.weight", at::arange(6, at::kFloat).view({2, 3})},
+       {"bias", at::arange(2, at::kDouble)},
+       {"half", at::arange(3, at::kFloat).to(at::kBFloat16)},
+       {"ids", at::arange(2, at::kLong)},
+       {"flags", at::ones({2}, at::kBool)},
+       {"scalar", at::ones({}, at::kFloat)},
+       {"empty", at::zeros({0, 2}, at::kFloat)}},
+      {{"format", "pt"}});
+  write_file(dir / "seed-valid.safetensors", valid);
+  write_file(dir / "seed-no-tensors.safetensors", ck::safetensors_bytes({}));
+  write_file(dir / "seed-truncated.safetensors", valid.substr(0, valid.size() - 3));  // invalid: data cut
+  write_file(dir / "seed-header-cut.safetensors", valid.substr(0, 40));                // invalid: header cut
+  std::string shifted = valid;
+  const std::string first = "\"data_offsets\":[0,";
+  shifted.replace(shifted.find(first), first.size(), "\"data_offsets\":[1,");  // invalid: size, then overlap
+  write_file(dir / "seed-bad-offsets.safetensors", shifted);
 }
 
 int write_seeds(const fs::path& root) {
@@ -80,7 +106,7 @@ int write_seeds(const fs::path& root) {
   const fs::path tok = root / "token_file";
   fs::create_directories(tok);
   const fs::path tmp = tok / "tmp.tok";
-  auto written = [&](const std::vector<std::uint16_t>& tokens, std::uint32_t vocab) {
+  auto written = [&](const std::vector<data::Token>& tokens, std::uint32_t vocab) {
     data::write_token_file(tmp.string(), tokens, vocab);
     std::ifstream in(tmp, std::ios::binary);
     std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -99,6 +125,13 @@ int write_seeds(const fs::path& root) {
   std::string big_vocab = with_header;
   big_vocab[14] = 0x01;  // vocab_size 256 -> 65792 (> 65536, > any model's vocabulary)
   write_file(tok / "seed-bad-vocab.tok", big_vocab);
+  // Version 2: 32-bit tokens (a vocabulary beyond 65536), and a width that is neither 16 nor 32.
+  const std::string wide = written({0, 65535, 65536, 128255}, 128256);
+  write_file(tok / "seed-v2-32bit.tok", wide);
+  std::string bad_width = wide;
+  bad_width[24] = 24;
+  write_file(tok / "seed-v2-bad-width.tok", bad_width);
+  write_safetensors_seeds(root / "safetensors_file");
   std::printf("wrote seeds under %s\n", root.string().c_str());
   return 0;
 }

@@ -7,6 +7,7 @@
 
 #include "common/mpi_test_env.h"
 #include "common/pipeline_fixtures.h"
+#include "common/tied_cases.h"
 #include "twobp/error.h"
 #include "twobp/runtime/pipeline.h"
 #include "twobp/schedule/registry.h"
@@ -82,6 +83,53 @@ TEST_P(MpiPipelineParity, LossesAndGradientsMatchSingleProcess) {
   double expected = 0.0;
   for (double l : ref.losses) expected += l;
   EXPECT_NEAR(total.item<double>(), expected, 1e-9);
+}
+
+// A weight tied across stages (PipelineOptions::tied_parameters) between processes: the embedding of stage 0 and
+// the head of the last, on two ranks (1F1B, interleaved 1F1B) or on rank 0 (ZB-V), with ranks between that hold no
+// copy at 4 processes; each rank checks its part against the tied reference after clipped AdamW steps.
+TEST(MpiTiedParameters, CopiesOnTwoRanksTrainAsTheTiedWeight) {
+  using namespace tied;  // NOLINT(google-build-using-namespace)
+  Float64Default float64;
+  auto& env = *mpitest::g_mpi;
+  const int p = env.world_size(), me = env.rank(), m = 2;
+  for (const auto& [name, v] : std::vector<std::pair<std::string, int>>{{"1f1b", 1}, {"interleaved-1f1b", 2},
+                                                                       {"zb-v", 2}}) {
+    for (BackwardMode mode : {BackwardMode::kStandard, BackwardMode::kSplit}) {
+      SCOPED_TRACE(name + " " + to_string(mode));
+      const Schedule schedule = make_schedule(name, ScheduleOptions{p, m, v, mode});
+      const int stages = schedule.num_stages;
+      const Outcome ref = reference(stages, m);
+      std::vector<int> my_stages = schedule.stages_of(me);
+      std::vector<TiedChunk> mine;
+      std::vector<PipelineChunk> chunks;
+      for (int s : my_stages) {
+        mine.emplace_back(s, stages);
+        TiedChunk c = mine.back();
+        chunks.push_back({s, c.ptr(), [c](const at::Tensor& x) mutable { return c->forward(x); }});
+      }
+      Pipeline pipeline(schedule, std::move(chunks), std::make_shared<MpiTransport>(env),
+                        tied_options(stages, kSequences / m));
+      torch::optim::AdamW adam(pipeline.parameters(), torch::optim::AdamWOptions(kLr));
+      const Batch b = batch();
+      const bool first = schedule.stage_to_rank[0] == me, last = schedule.stage_to_rank[stages - 1] == me;
+      Outcome out;
+      for (int step = 0; step < kSteps; ++step) {
+        pipeline.zero_grad();
+        const double loss = pipeline.mean_loss(pipeline.step(first ? NamedTensors(b.ids) : NamedTensors(),
+                                                             last ? NamedTensors(b.targets) : NamedTensors()));
+        ASSERT_TRUE(pipeline.ready_for_optimizer(step, NonFinitePolicy::kStop, kMaxNorm));
+        if (step == 0) {
+          out.loss = loss;
+          out.norm = pipeline.last_gradient_check().norm;
+          record(out.grads, my_stages, mine, /*grads=*/true);
+        }
+        adam.step();
+      }
+      record(out.weights, my_stages, mine, /*grads=*/false);
+      expect_same(out, ref, stages, /*whole=*/false);
+    }
+  }
 }
 
 std::vector<Case> cases() {

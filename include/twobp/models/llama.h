@@ -28,6 +28,24 @@
 
 namespace twobp::models {
 
+/// How rotary frequencies are scaled for long contexts: none, transformers' "linear" (every inverse frequency
+/// divided by `factor`) or "llama3" (Llama 3.1: low frequencies divided by `factor`, high ones kept, those between
+/// interpolated; see rope_inverse_frequencies).
+enum class RopeScalingType { kNone, kLinear, kLlama3 };
+/// "none", "linear", "llama3".
+std::string to_string(RopeScalingType type);
+/// The inverse of to_string; UsageError listing the known names otherwise.
+RopeScalingType parse_rope_scaling_type(std::string_view name);
+
+/// transformers' rope_scaling (rope_parameters) of a Llama config.json.
+struct RopeScaling {
+  RopeScalingType type = RopeScalingType::kNone;
+  double factor = 1.0;                              ///< linear and llama3
+  double low_freq_factor = 1.0;                     ///< llama3
+  double high_freq_factor = 4.0;                    ///< llama3
+  int64_t original_max_position_embeddings = 8192;  ///< llama3: the context length pre-training used
+};
+
 struct LlamaConfig {
   std::string name;
   int64_t dim = 0;
@@ -42,12 +60,21 @@ struct LlamaConfig {
   /// Tied input/output embeddings need the embedding and the head on the same chunk, which a pipeline of more
   /// than one chunk never has; the named configs are untied (as LLaMa), a tied config is only valid as one chunk.
   bool tie_embeddings = false;
+  RopeScaling rope_scaling;  ///< default: none
 
   int64_t head_dim() const { return dim / n_heads; }
   int64_t kv_dim() const { return n_kv_heads * head_dim(); }
   /// Throws UsageError naming the inconsistent field (dim % heads, heads % kv_heads, odd head_dim, ...).
   void validate() const;
 };
+
+/// The rotary inverse frequencies of `config` (float32 [head_dim / 2], CPU): nn::rotary_inverse_frequencies(
+/// head_dim, rope_theta), then scaled as rope_scaling says, with transformers' float32 operations
+/// (modeling_rope_utils.py: linear scaling, _compute_llama3_parameters), so that an imported model's rotary tables
+/// are bitwise those of transformers. llama3, with wavelength w = 2π / f of each frequency f, L the original
+/// context length:  w > L / low_freq_factor: f / factor;  w < L / high_freq_factor: f;  between: (1 − s) · f /
+/// factor + s · f with s = (L / w − low_freq_factor) / (high_freq_factor − low_freq_factor).
+at::Tensor rope_inverse_frequencies(const LlamaConfig& config);
 
 /// Named configurations:
 ///   tiny  dim 64,   4 layers,  4 heads,  2 kv heads, ffn 172,   vocab 256 (bytes), seq 64    (~0.2 M params)

@@ -39,6 +39,12 @@ struct LlamaRankOptions {
   bool fixed_shapes = true;
   c10::Device device = c10::Device(c10::kCPU);  ///< where the chunks compute (activations travel on the transport's)
   bool recompute = false;  ///< every chunk of this rank recomputes its activations
+  /// What a step optimises. kMeanOverItems (the default since 0.3): the token mean over the global batch -- every
+  /// target token (with `pack`, every one whose loss_mask is 1) weighs the same however the batch is cut into
+  /// micro-batches and replicas; the loss is a micro-batch's summed cross entropy and PipelineOptions::loss_items
+  /// counts its tokens. kMeanOfMicroBatches: the mean of the micro-batches' token means (0.2's loss), the same
+  /// without `pack` (every micro-batch holds micro_batch_size x seq_len tokens), not with packed documents.
+  LossReduction loss_reduction = LossReduction::kMeanOverItems;
 };
 
 struct LlamaRank {
@@ -49,7 +55,8 @@ struct LlamaRank {
 };
 
 /// This rank's chunks of `schedule` (stages_of(transport.rank())), built on options.device, in a Pipeline over
-/// `transport` (borrowed: it must outlive the pipeline) with `base`'s options plus the loss, the boundary specs and
+/// `transport` (borrowed: it must outlive the pipeline) with `base`'s options plus the loss and its reduction
+/// (LlamaRankOptions::loss_reduction, replacing base's loss, loss_reduction and loss_items), the boundary specs and
 /// the mixed precision the model needs. Throws UsageError when the partition is not one chunk per stage.
 LlamaRank build_llama_rank(const Schedule& schedule, Transport& transport, const LlamaRankOptions& options,
                            PipelineOptions base);

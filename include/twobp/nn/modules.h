@@ -90,15 +90,28 @@ class RMSNormImpl : public torch::nn::Cloneable<RMSNormImpl>, public autograd::W
 };
 TORCH_MODULE(RMSNorm);
 
-/// The tables of functional::rotary_embedding for head dimension `head_dim`: angle(position, i) = position ·
-/// theta^(−i / (head_dim / 2)), computed once in float32 and kept per device, dtype and sequence length, so a
-/// forward does no trigonometry and no host-to-device copy. Not a module: no parameters, no buffers (nothing enters
-/// a checkpoint), so one can serve every block of a chunk. Thread-safe.
+/// Rotary inverse frequencies for head dimension `head_dim` (positive, even): float32 [head_dim / 2],
+/// inv_freq[i] = 1 / theta^(2i / head_dim), computed op for op as transformers computes them (float32 arange
+/// divided by head_dim, theta raised to it, reciprocal), so that a model imported from transformers gets bitwise
+/// the same rotary tables as it has there.
+at::Tensor rotary_inverse_frequencies(int64_t head_dim, double theta = 10000.0);
+
+/// The tables of functional::rotary_embedding: angle(position, i) = position · inv_freq[i] (by default
+/// rotary_inverse_frequencies(head_dim, theta)), cos and sin computed once in float32 on the CPU and kept per
+/// device, dtype and sequence length, so a forward does no trigonometry and no host-to-device copy. For positions
+/// 0..seq-1 these equal transformers' tables bitwise (LlamaRotaryEmbedding: float32 angles, cos and sin, then cast
+/// to the activations' dtype). Not a module: no parameters, no buffers (nothing enters a checkpoint), so one can
+/// serve every block of a chunk. Thread-safe.
 class RotaryEmbedding {
  public:
   /// `max_positions`: the longest table kept (grown when a longer sequence comes); positions must be below
   /// max(max_positions, the sequence length).
   explicit RotaryEmbedding(int64_t head_dim, double theta = 10000.0, int64_t max_positions = 0);
+  /// Tables of given inverse frequencies (float32 [head_dim / 2]; e.g. scaled for long contexts, as
+  /// models::rope_inverse_frequencies does). UsageError for another shape or dtype.
+  explicit RotaryEmbedding(at::Tensor inverse_frequencies, int64_t max_positions = 0);
+  /// The inverse frequencies (float32 [head_dim / 2], CPU).
+  const at::Tensor& inverse_frequencies() const { return inv_freq_; }
   RotaryEmbedding(const RotaryEmbedding&) = delete;
   RotaryEmbedding& operator=(const RotaryEmbedding&) = delete;
 
@@ -120,7 +133,7 @@ class RotaryEmbedding {
   };
   const Tables& cached(const at::Tensor& x, int64_t length) const;
   int64_t head_dim_;
-  double theta_;
+  at::Tensor inv_freq_;
   int64_t max_positions_;
   mutable std::mutex mutex_;
   mutable std::vector<std::unique_ptr<Entry>> entries_;  // stable addresses: callers keep references
