@@ -18,14 +18,16 @@ constexpr PrecisionSpelling kSpellings[] = {
     {"fp32", Precision::kFloat32},
     {"bf16", Precision::kMixedBFloat16},
     {"bf16-pure", Precision::kBFloat16},
+    {"fp64", Precision::kFloat64},
     {"float32", Precision::kFloat32},
     {"bf16-mixed", Precision::kMixedBFloat16},
     {"pure-bf16", Precision::kBFloat16},
+    {"float64", Precision::kFloat64},
 };
 
 constexpr std::string_view kValid =
     "fp32, bf16 (mixed precision: bfloat16 compute, float32 master weights, gradients and optimizer state) or "
-    "bf16-pure (everything in bfloat16)";
+    "bf16-pure (everything in bfloat16); fp64 for parity checks";
 
 }  // namespace
 
@@ -52,7 +54,16 @@ Precision parse_precision(std::string_view text) {
 }
 
 c10::ScalarType compute_dtype(Precision precision) {
-  return precision == Precision::kFloat32 ? c10::kFloat : c10::kBFloat16;
+  switch (precision) {
+    case Precision::kFloat32:
+      return c10::kFloat;
+    case Precision::kFloat64:
+      return c10::kDouble;
+    case Precision::kMixedBFloat16:
+    case Precision::kBFloat16:
+      break;
+  }
+  return c10::kBFloat16;
 }
 
 }  // namespace twobp

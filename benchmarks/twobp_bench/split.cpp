@@ -305,7 +305,9 @@ Json config_json(const SplitConfig& c, const std::vector<std::string>& paths) {
   return Json{{"dim", c.model.dim}, {"ffn", c.model.ffn}, {"heads", c.model.heads}, {"kv_heads", c.model.kv_heads},
               {"layers", c.model.layers}, {"seq", c.seq}, {"batch", c.batch}, {"repeats", c.repeats},
               {"warmup", c.warmup}, {"threads", c.threads}, {"clock", c.clock}, {"precision", to_string(c.precision)},
-              {"dtype", c.precision == Precision::kFloat32 ? "float32" : "bfloat16"},
+              {"dtype", c.precision == Precision::kFloat32   ? "float32"
+                        : c.precision == Precision::kFloat64 ? "float64"
+                                                             : "bfloat16"},
               {"master_weights", mixed_precision(c)}, {"device", c.device}, {"paths", paths},
               {"batched_w", c.batched_w}, {"micro_batches", c.micro_batches}, {"conv", c.conv},
               {"conv_channels", c.conv_channels}, {"conv_size", c.conv_size}, {"conv_layers", c.conv_layers},
@@ -565,7 +567,7 @@ void add_split_command(CLI::App& app) {
          "--dtype", [cfg](const std::string& dtype) { cfg->precision = parse_precision(dtype); },
          "fp32; bf16: mixed precision (bfloat16 compute, float32 master weights and gradients); bf16-pure: "
          "everything in bfloat16 (default fp32)")
-      ->check(cli::one_spelling(parse_precision, "fp32, bf16 or bf16-pure"));
+      ->check(cli::one_spelling(parse_precision, "fp32, bf16, bf16-pure or fp64"));
   sub->add_option("--paths", cfg->paths,
                   "all, or paths separated by commas: fast, general, general_conv (only the fast path: --paths fast "
                   "builds no general-path stack)")

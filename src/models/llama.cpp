@@ -289,9 +289,6 @@ Partition make_partition(const LlamaConfig& config, int num_chunks, int64_t seq_
   config.validate();
   TWOBP_CHECK(num_chunks >= 1, UsageError, "model '{}': the number of chunks must be positive, got {}", config.name,
               num_chunks);
-  TWOBP_CHECK(!(config.tie_embeddings && num_chunks > 1), UsageError,
-              "model '{}' ties its input and output embeddings, which needs the embedding and the head on one chunk; "
-              "it cannot be split into {} chunks", config.name, num_chunks);
   TWOBP_CHECK(num_chunks <= config.n_layers + 1, UsageError,
               "model '{}' cannot be split into {} chunks: it has {} blocks, and every chunk except the last (which may "
               "hold only the head) needs at least one block, so at most {} chunks are possible",
@@ -369,11 +366,9 @@ LlamaChunkImpl::LlamaChunkImpl(const LlamaConfig& config, const ChunkSpec& spec,
   if (spec.has_head) {
     norm = register_module("norm", twobp::nn::RMSNorm(twobp::nn::RMSNormOptions(config.dim).eps(config.norm_eps)));
     head = register_module("head", linear(config.dim, config.vocab_size));
-    if (config.tie_embeddings) {
-      TWOBP_CHECK(spec.has_embedding, UsageError,
-                  "model '{}' ties its embeddings: the head chunk must also hold the embedding", config.name);
-      head->tie_weight(embed->weight);
-    }
+    // Tied embeddings: one tensor where the chunk also holds the embedding; else a copy of its own, initialised as
+    // the embedding (below), that the pipeline keeps equal to it (PipelineOptions::tied_parameters, set by build_llama_rank).
+    if (config.tie_embeddings && spec.has_embedding) head->tie_weight(embed->weight);
   }
 
   // Deterministic, partition-independent initialisation (see the header).
@@ -383,12 +378,14 @@ LlamaChunkImpl::LlamaChunkImpl(const LlamaConfig& config, const ChunkSpec& spec,
   for (const auto& item : named_parameters(/*recurse=*/true)) {
     const std::string& name = item.key();
     at::Tensor p = item.value();
-    if (config.tie_embeddings && name == "head.weight") continue;  // the embedding's table
+    const bool tied_head = config.tie_embeddings && name == "head.weight";
+    if (tied_head && spec.has_embedding) continue;  // the embedding's table
     if (ends_with(name, "norm.weight")) {
       p.fill_(1.0);
       continue;
     }
-    auto gen = at::make_generator<at::CPUGeneratorImpl>(mix64(seed ^ fnv1a(name)));
+    // A tied head of its own (the embedding on another chunk) draws the embedding's values.
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(mix64(seed ^ fnv1a(tied_head ? "embed.weight" : name)));
     const double std = (ends_with(name, ".wo.weight") || ends_with(name, ".w2.weight")) ? std_residual : std_default;
     p.normal_(0.0, std, gen);
   }
@@ -448,25 +445,48 @@ NamedTensors packed_targets(const at::Tensor& tokens, const at::Tensor& targets,
   return NamedTensors{{kTargets, targets}, {kLossMask, mask}};
 }
 
-at::Tensor masked_cross_entropy_loss(const NamedTensors& outputs, const NamedTensors& targets) {
-  const at::Tensor& logits = outputs["logits"];
+at::ScalarType loss_dtype(at::ScalarType logits) { return logits == at::kDouble ? at::kDouble : at::kFloat; }
+
+namespace {
+
+// Every token's cross entropy, flat, in loss_dtype.
+at::Tensor token_losses(const at::Tensor& logits, const at::Tensor& targets) {
   const int64_t vocab = logits.size(-1);
-  const at::Tensor per_token = at::cross_entropy_loss(logits.reshape({-1, vocab}).to(at::kFloat),
-                                                      targets[kTargets].to(logits.device()).reshape({-1}), {},
-                                                      at::Reduction::None);
-  const at::Tensor mask = targets[kLossMask].to(per_token.device()).reshape({-1}).to(at::kFloat);
-  return (per_token * mask).sum() / mask.sum().clamp_min(1.0);
+  return at::cross_entropy_loss(logits.reshape({-1, vocab}).to(loss_dtype(logits.scalar_type())),
+                                targets.to(logits.device()).reshape({-1}), {}, at::Reduction::None);
+}
+
+// The masked tokens' losses summed, and the mask's sum.
+std::pair<at::Tensor, at::Tensor> masked_sum(const NamedTensors& outputs, const NamedTensors& targets) {
+  const at::Tensor per_token = token_losses(outputs["logits"], targets[kTargets]);
+  const at::Tensor mask = targets[kLossMask].to(per_token.device()).reshape({-1}).to(per_token.scalar_type());
+  return {(per_token * mask).sum(), mask.sum()};
+}
+
+}  // namespace
+
+at::Tensor masked_cross_entropy_loss(const NamedTensors& outputs, const NamedTensors& targets) {
+  const auto [sum, count] = masked_sum(outputs, targets);
+  return sum / count.clamp_min(1.0);
+}
+
+at::Tensor summed_masked_cross_entropy_loss(const NamedTensors& outputs, const NamedTensors& targets) {
+  return masked_sum(outputs, targets).first;
 }
 
 at::Tensor cross_entropy_loss(const at::Tensor& logits, const at::Tensor& targets) {
-  const int64_t vocab = logits.size(-1);
-  return at::cross_entropy_loss(logits.reshape({-1, vocab}).to(at::kFloat), targets.reshape({-1}));
+  return token_losses(logits, targets).mean();
+}
+
+at::Tensor summed_cross_entropy_loss(const at::Tensor& logits, const at::Tensor& targets) {
+  return token_losses(logits, targets).sum();
 }
 
 int64_t chunk_parameter_count(const LlamaConfig& c, const ChunkSpec& spec) {
   int64_t n = spec.num_layers() * block_parameter_count(c);
   if (spec.has_embedding) n += embedding_parameter_count(c);
   if (spec.has_head) n += head_parameter_count(c);
+  if (spec.has_head && c.tie_embeddings && !spec.has_embedding) n += c.vocab_size * c.dim;  // the head's copy
   return n;
 }
 
@@ -495,6 +515,8 @@ TrainingPrecision training_precision(Precision precision) {
       return {precision, 2, 4, 4, 8};
     case Precision::kBFloat16:
       return {precision, 2, 0, 2, 4};
+    case Precision::kFloat64:
+      return {precision, 8, 0, 8, 16};
     case Precision::kFloat32:
       break;
   }

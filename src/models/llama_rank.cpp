@@ -30,32 +30,16 @@ PipelineChunk make_chunk(const std::shared_ptr<LlamaChunkImpl>& impl, int s, boo
           }};
 }
 
-// The token losses of one micro-batch summed, not averaged (LossReduction::kMeanOverItems divides by the global
-// batch's count): the sums of llama.h's cross_entropy_loss and masked_cross_entropy_loss, in float32 as they are.
-at::Tensor summed_cross_entropy(const at::Tensor& logits, const at::Tensor& targets) {
-  const int64_t vocab = logits.size(-1);
-  return at::cross_entropy_loss(logits.reshape({-1, vocab}).to(at::kFloat),
-                                targets.to(logits.device()).reshape({-1}), {}, at::Reduction::Sum);
-}
-at::Tensor summed_masked_cross_entropy(const NamedTensors& outputs, const NamedTensors& targets) {
-  const at::Tensor& logits = outputs["logits"];
-  const int64_t vocab = logits.size(-1);
-  const at::Tensor per_token = at::cross_entropy_loss(logits.reshape({-1, vocab}).to(at::kFloat),
-                                                      targets[kTargets].to(logits.device()).reshape({-1}), {},
-                                                      at::Reduction::None);
-  return (per_token * targets[kLossMask].to(per_token.device()).reshape({-1}).to(at::kFloat)).sum();
-}
-
 // The loss, how micro-batches' losses combine (LlamaRankOptions::loss_reduction), and the items counted: every
 // target token, or with packing the ones whose loss_mask is 1 (packed_targets: not the separators').
 void set_loss(PipelineOptions& po, const LlamaRankOptions& o) {
   po.loss_reduction = o.loss_reduction;
   if (o.loss_reduction == LossReduction::kMeanOverItems) {
     if (o.pack) {
-      po.loss = summed_masked_cross_entropy;
+      po.loss = summed_masked_cross_entropy_loss;
       po.loss_items = [](const NamedTensors& t) { return t[kLossMask].sum().item<double>(); };
     } else {
-      po.loss = summed_cross_entropy;
+      po.loss = summed_cross_entropy_loss;
       po.loss_items = [](const NamedTensors& t) { return static_cast<double>(t.single("targets").numel()); };
     }
   } else if (o.pack) {
@@ -104,6 +88,11 @@ LlamaRank build_llama_rank(const Schedule& schedule, Transport& transport, const
     chunks.back().recompute = options.recompute;
   }
   complete_options(base, options);
+  if (options.config.tie_embeddings && schedule.num_stages > 1) {
+    // The embedding (stage 0) and the head (last stage) are copies of one table (LlamaConfig::tie_embeddings).
+    base.tied_parameters.push_back(
+        TiedParameter{"the tied embedding", {{0, "embed.weight"}, {schedule.num_stages - 1, "head.weight"}}});
+  }
   rank.pipeline = std::make_unique<Pipeline>(schedule, std::move(chunks), transport, std::move(base));
   // With mixed precision the optimizer and the checkpoints hold the float32 masters.
   for (auto& entry : rank.named) entry.second = rank.pipeline->master_weight(entry.second);

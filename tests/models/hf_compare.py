@@ -6,7 +6,12 @@ in float64 and saved (safetensors); hf_probe (tests/models/hf_probe.cpp) imports
 and writes what they compute. Checked:
   - the rotary inverse frequencies: bitwise transformers' (llama3 and linear scaling included);
   - logits, the loss and the gradient of every parameter: relative error <= 1e-12 (max |a - b| / max |b|);
-  - tied embeddings: one chunk matches, two chunks are refused with a message naming the tie;
+  - the pipeline (hf_probe pipeline: models::build_llama_rank over rank threads, float64): the loss and every
+    gradient at 1, 2 and 4 stages and with dp 2, 2BP and standard, the same tolerance;
+  - tied embeddings: one chunk, and a pipeline whose first and last stages hold copies of the table (summed
+    gradients, PipelineOptions::tied_parameters);
+  - training: a few clipped AdamW steps of a pipeline (dp 2, tied embeddings), exported float32, load in
+    transformers, whose float32 logits match twobp's float64 logits of the trained weights to 1e-5;
   - export: twobp's weights (float32 chunks, gathered from 2 chunks) written with export_hf_llama load in
     transformers (one file and shards + index), whose float32 logits match the float64 reference to 1e-5; a
     float64 export reproduces transformers' own model.safetensors byte for byte.
@@ -103,6 +108,58 @@ def compare_chunks(probe, work, name, model, ids, targets, chunks):
     return want_logits
 
 
+def compare_pipeline(probe, work, name, model, ids, targets, layouts):
+    """hf_probe pipeline at each (ranks, dp, schedule, mode) of `layouts`: its loss and gradients against the
+    reference's over the same batch (a tied head's gradient is the embedding's, as transformers has it)."""
+    batch = os.path.join(work, "pipeline-batch.safetensors")
+    safetensors.torch.save_file({"input_ids": ids, "targets": targets}, batch)
+    _, want_loss = reference(model, ids, targets)
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    for ranks, dp, schedule, mode in layouts:
+        what = f"{name}, pipeline {schedule} {mode} {ranks} rank(s) x dp {dp}"
+        out = os.path.join(work, f"{name}-pipeline-{ranks}-{dp}-{schedule}-{mode}.safetensors")
+        rc, text = run_probe(probe, "pipeline", os.path.join(work, name), ranks, dp, schedule, mode, batch, out)
+        if rc != 0:
+            check(False, f"{what}: hf_probe failed ({rc}): {text.strip()}")
+            continue
+        got = safetensors.torch.load_file(out)
+        e = rel_error(got["loss"], want_loss)
+        check(e <= TOLERANCE, f"{what}: loss, relative error {e:.2e}")
+        names = {k[len("grad."):] for k in got if k.startswith("grad.")}
+        check(names == set(grads), f"{what}: a gradient for each of the {len(grads)} parameters"
+              + ("" if names == set(grads) else f" (differ: {sorted(names ^ set(grads))[:4]})"))
+        if names & set(grads):
+            worst = max((rel_error(got["grad." + k], g), k) for k, g in grads.items() if k in names)
+            check(worst[0] <= TOLERANCE, f"{what}: gradients, worst relative error {worst[0]:.2e} ({worst[1]})")
+
+
+def compare_training(probe, work, name, ids, targets, ranks, dp, steps=3):
+    """A pipeline trains `steps` steps from the checkpoint and exports; transformers loads the export and computes
+    twobp's logits of the trained weights."""
+    batch = os.path.join(work, "pipeline-batch.safetensors")
+    safetensors.torch.save_file({"input_ids": ids, "targets": targets}, batch)
+    out = os.path.join(work, f"{name}-trained.safetensors")
+    export = os.path.join(work, f"{name}-trained")
+    rc, text = run_probe(probe, "pipeline", os.path.join(work, name), ranks, dp, "1f1b", "2bp", batch, out, steps,
+                         export)
+    if rc != 0:
+        check(False, f"{name}: training {steps} steps failed ({rc}): {text.strip()}")
+        return
+    got = safetensors.torch.load_file(out)
+    loaded = transformers.LlamaForCausalLM.from_pretrained(export, dtype=torch.float32, attn_implementation="sdpa")
+    start = transformers.LlamaForCausalLM.from_pretrained(os.path.join(work, name), dtype=torch.float64,
+                                                          attn_implementation="sdpa")
+    with torch.no_grad():
+        logits = loaded(input_ids=ids, use_cache=False).logits
+        before = start(input_ids=ids, use_cache=False).logits
+    trained = got["trained_logits"]
+    check(rel_error(before, trained) > 1e-3, f"{name}: {steps} steps changed the model (logits moved "
+          f"{rel_error(before, trained):.2e})")
+    e = rel_error(logits.double(), trained)
+    check(e <= EXPORT_TOLERANCE, f"{name}: trained {steps} steps at {ranks} rank(s) x dp {dp}, exported: "
+          f"transformers' float32 logits against twobp's, relative error {e:.2e}")
+
+
 def compare_export(probe, work, name, ids, want_logits, chunks, dtype="f32", max_shard_bytes=0):
     out_dir = os.path.join(work, f"{name}-export-{dtype}-{max_shard_bytes}")
     rc, text = run_probe(probe, "export", os.path.join(work, name), chunks, out_dir, dtype, max_shard_bytes)
@@ -164,16 +221,27 @@ def main():
           "mha-sharded: transformers wrote shards and an index")
     compare_chunks(args.probe, args.work, "mha-sharded", model, ids, targets, [1, 2, 4])
 
+    # Pipelines of rank threads, 4 sequences: 1, 2 and 4 stages, dp 2, 2BP and standard.
+    torch.manual_seed(4)
+    rows = torch.randint(0, 128, (4, 16))
+    next_rows = torch.randint(0, 128, (4, 16))
+    layouts = [(1, 1, "1f1b", "2bp"), (2, 1, "1f1b", "2bp"), (4, 1, "1f1b", "standard"), (2, 2, "zb-h1", "2bp"),
+               (2, 1, "zb-v", "standard")]
+    compare_pipeline(args.probe, args.work, "mha-sharded", model, rows, next_rows, layouts)
+
     # Tied embeddings (and linear rope scaling): one chunk only.
     model = build(os.path.join(args.work, "tied-linear"), kv_heads=2, tie=True, seed=3,
                   rope_scaling={"rope_type": "linear", "factor": 2.0})
     want = compare_chunks(args.probe, args.work, "tied-linear", model, ids, targets, [1])
     compare_export(args.probe, args.work, "tied-linear", ids, want, chunks=1)
-    batch = os.path.join(args.work, "batch.safetensors")
-    rc, text = run_probe(args.probe, "forward", os.path.join(args.work, "tied-linear"), 2, batch,
-                         os.path.join(args.work, "tied-2.safetensors"))
-    check(rc == 3 and "ties its input and output embeddings" in text,
-          f"tied-linear, 2 chunks: refused with a message naming the tie (exit {rc}: {text.strip()})")
+    # ... and split over stages: the head a copy of the embedding on the last stage, their gradients summed.
+    compare_pipeline(args.probe, args.work, "tied-linear", model, rows, next_rows,
+                     [(2, 1, "1f1b", "2bp"), (4, 1, "1f1b", "standard"), (2, 2, "1f1b", "2bp"),
+                      (2, 1, "zb-v", "2bp")])
+    compare_training(args.probe, args.work, "tied-linear", rows, next_rows, ranks=2, dp=2)
+    model = build(os.path.join(args.work, "gqa-llama3-train"), kv_heads=2, rope_scaling=llama3, seed=5)
+    compare_pipeline(args.probe, args.work, "gqa-llama3-train", model, rows, next_rows, [(4, 1, "1f1b", "2bp")])
+    compare_training(args.probe, args.work, "gqa-llama3-train", rows, next_rows, ranks=4, dp=1)
 
     print(f"hf_compare: {len(failures)} failure(s)")
     return 1 if failures else 0

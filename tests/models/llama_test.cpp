@@ -130,6 +130,23 @@ TEST(Partition, ExplicitLayout) {
   EXPECT_EQ(p.chunks[2].end_layer, 8);
 }
 
+// Tied embeddings split over chunks: the last chunk's head is a copy of its own, drawn as the embedding (the
+// pipeline then keeps the two one weight: PipelineOptions::tied_parameters, set by build_llama_rank).
+TEST(Partition, TiedEmbeddingsSplitWithTheHeadACopyOfTheEmbedding) {
+  auto tied = llm::config_by_name("tiny");
+  tied.tie_embeddings = true;
+  const llm::Partition p = llm::make_partition(tied, 2, 64);
+  llm::LlamaChunk first(tied, p.chunks.front(), 5), last(tied, p.chunks.back(), 5);
+  EXPECT_TRUE(torch::equal(first->embed->weight, last->head->weight));
+  EXPECT_FALSE(first->embed->weight.is_same(last->head->weight));
+  int64_t held = 0;
+  for (const auto& t : last->parameters()) held += t.numel();
+  EXPECT_EQ(llm::chunk_parameter_count(tied, p.chunks.back()), held) << "the head's copy is memory of its own";
+  const llm::Partition one = llm::make_partition(tied, 1, 64);
+  llm::LlamaChunk whole(tied, one.chunks.front(), 5);
+  EXPECT_TRUE(whole->head->weight.is_same(whole->embed->weight)) << "one chunk: one tensor";
+}
+
 TEST(Partition, ImpossibleSplitsAreUsageErrors) {
   const auto tiny = llm::config_by_name("tiny");  // 4 layers: at most 5 chunks
   EXPECT_THROW(llm::make_partition(tiny, 6, 64), twobp::UsageError);
@@ -138,9 +155,6 @@ TEST(Partition, ImpossibleSplitsAreUsageErrors) {
   EXPECT_THROW(llm::make_partition(tiny, 3, 64, "2,2"), twobp::UsageError);      // wrong count
   EXPECT_THROW(llm::make_partition(tiny, 3, 64, "2,0,2"), twobp::UsageError);    // empty middle chunk
   EXPECT_THROW(llm::make_partition(tiny, 2, 64, "2,x"), twobp::UsageError);      // malformed
-  auto tied = tiny;
-  tied.tie_embeddings = true;
-  EXPECT_THROW(llm::make_partition(tied, 2, 64), twobp::UsageError);
   try {
     llm::make_partition(tiny, 6, 64);
   } catch (const twobp::UsageError& e) {

@@ -50,12 +50,15 @@ TEST(Vocabulary, PrecisionRoundTrips) {
   EXPECT_STREQ(to_string(Precision::kFloat32), "fp32");
   EXPECT_STREQ(to_string(Precision::kMixedBFloat16), "bf16");
   EXPECT_STREQ(to_string(Precision::kBFloat16), "bf16-pure");
-  for (Precision p : {Precision::kFloat32, Precision::kMixedBFloat16, Precision::kBFloat16}) {
+  EXPECT_STREQ(to_string(Precision::kFloat64), "fp64");
+  for (Precision p : {Precision::kFloat32, Precision::kMixedBFloat16, Precision::kBFloat16, Precision::kFloat64}) {
     EXPECT_EQ(parse_precision(to_string(p)), p) << to_string(p);
   }
   EXPECT_EQ(compute_dtype(Precision::kFloat32), c10::kFloat);
   EXPECT_EQ(compute_dtype(Precision::kMixedBFloat16), c10::kBFloat16);
   EXPECT_EQ(compute_dtype(Precision::kBFloat16), c10::kBFloat16);
+  EXPECT_EQ(compute_dtype(Precision::kFloat64), c10::kDouble);
+  EXPECT_EQ(parse_precision("float64"), Precision::kFloat64);
 }
 
 TEST(Vocabulary, PrecisionAliases) {

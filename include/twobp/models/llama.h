@@ -57,8 +57,10 @@ struct LlamaConfig {
   int64_t max_seq_len = 0;  ///< default training sequence length
   double norm_eps = 1e-5;
   double rope_theta = 10000.0;
-  /// Tied input/output embeddings need the embedding and the head on the same chunk, which a pipeline of more
-  /// than one chunk never has; the named configs are untied (as LLaMa), a tied config is only valid as one chunk.
+  /// Tied input/output embeddings (small Llama 3.2 models): the head is the embedding's table. In one chunk they
+  /// are one tensor; split over chunks, the last chunk's head.weight is a copy initialised as embed.weight, and
+  /// build_llama_rank declares the two copies a PipelineOptions::tied_parameters tie (their gradients summed every
+  /// step), so the pipeline trains the tied model. The named configs are untied (as LLaMa).
   bool tie_embeddings = false;
   RopeScaling rope_scaling;  ///< default: none
 
@@ -162,8 +164,7 @@ double head_cost_in_blocks(const LlamaConfig& config, int64_t seq_len);
 /// norm + head only. Only the first chunk (embedding only) and the last (head only) may be 0.
 ///
 /// Throws UsageError (before anything is allocated) when the model cannot be split: more chunks than
-/// n_layers + 1, a malformed layout, a wrong count or sum, an empty middle chunk, or tied embeddings over more
-/// than one chunk.
+/// n_layers + 1, a malformed layout, a wrong count or sum, or an empty middle chunk.
 Partition make_partition(const LlamaConfig& config, int num_chunks, int64_t seq_len, std::string_view layout = {});
 
 // ---- Modules ----
@@ -194,6 +195,10 @@ NamedTensors packed_targets(const at::Tensor& tokens, const at::Tensor& targets,
 
 /// Mean cross entropy over the tokens whose loss_mask is 1 (outputs: "logits"; targets: kTargets, kLossMask).
 at::Tensor masked_cross_entropy_loss(const NamedTensors& outputs, const NamedTensors& targets);
+/// Their sum, not mean (LossReduction::kMeanOverItems divides by the global batch's count).
+at::Tensor summed_masked_cross_entropy_loss(const NamedTensors& outputs, const NamedTensors& targets);
+/// The dtype the LLaMa losses compute in: float64 for float64 logits (parity checks), float32 for any other.
+at::ScalarType loss_dtype(at::ScalarType logits);
 
 // ---- Modules ----
 
@@ -247,9 +252,11 @@ class LlamaChunkImpl : public torch::nn::Module {
 };
 TORCH_MODULE(LlamaChunk);
 
-/// Mean cross entropy over all tokens: logits [batch, seq, vocab] (any float dtype; computed in float32), targets
+/// Mean cross entropy over all tokens: logits [batch, seq, vocab] (any float dtype; computed in loss_dtype), targets
 /// [batch, seq] int64. Usable as PipelineOptions::loss.
 at::Tensor cross_entropy_loss(const at::Tensor& logits, const at::Tensor& targets);
+/// The sum over all tokens (LossReduction::kMeanOverItems).
+at::Tensor summed_cross_entropy_loss(const at::Tensor& logits, const at::Tensor& targets);
 
 // ---- Memory estimates (for dry runs; nothing is allocated) ----
 
@@ -287,7 +294,7 @@ struct TrainingPrecision {
   int64_t optimizer_bytes = 8;
 };
 /// fp32 {4, 0, 4, 8}; bf16 (mixed: bfloat16 compute, fp32 masters, gradients and AdamW state) {2, 4, 4, 8};
-/// bf16-pure (everything in bfloat16) {2, 0, 2, 4}.
+/// bf16-pure (everything in bfloat16) {2, 0, 2, 4}; fp64 {8, 0, 8, 16}.
 TrainingPrecision training_precision(Precision precision);
 /// Deprecated in 0.2.0 (CHANGELOG.md): 0.1's names, where "bf16" meant everything in bfloat16 (now
 /// Precision::kBFloat16, "bf16-pure") and "bf16-mixed" meant mixed precision (now Precision::kMixedBFloat16).
