@@ -4,6 +4,7 @@
 //   plan.cpp     what every rank agrees on before the first step (model, schedule, partition), the dry run and
 //                the memory estimate
 //   train.cpp    one rank's training: its chunks, the pipeline, AdamW, the step loop, evaluation, checkpoints
+//   hf.cpp       Hugging Face Llama checkpoints: the model of --init-from, its weights, and --export-hf
 //   main.cpp     launch (threads, MPI or a launcher's store), data, the run's outputs
 // It sticks to twobp's public API.
 
@@ -85,6 +86,9 @@ struct Args {
   std::string checkpoint_dir;
   int checkpoint_every = 0;
   bool resume = false;
+  std::string init_from;    // a Hugging Face Llama directory: the model and its weights for a fresh run (hf.cpp)
+  std::string export_hf;    // write the trained weights here as a Hugging Face Llama at the end (hf.cpp)
+  std::string export_dtype;  // --export-hf's dtype: "bf16" or "f32" ("": the weights' own, float32 masters)
   std::string trace;
   double timeout_s = 300;
   int stages = 2;
@@ -116,6 +120,7 @@ struct Args {
   // Set by main() from the command line as given:
   std::vector<std::string> ignored;  // options that have no effect in this run (warned about)
   bool ranks_given = false;          // --ranks (--stages) on the command line (ignored under a launcher)
+  bool model_given = false;          // --model on the command line (refused with a Hugging Face model)
 
   bool auto_schedule() const { return schedule == "auto" && schedule_file.empty(); }
 };
@@ -146,6 +151,10 @@ struct Plan {
   ck::CheckpointConfig checkpoint_layout;
   // The pipeline ranks whose chunks recompute their activations (--recompute, --recompute-ranks, --recompute-on).
   std::vector<int> recompute_ranks;
+  // A Hugging Face model (--init-from, or --resume of a run that started from one): the text of its config.json,
+  // which the run's checkpoints carry (so that --resume needs no --init-from) and --export-hf keeps the other keys
+  // of. Empty: a twobp preset (--model, --dim ...).
+  std::string hf_config;
 };
 
 /// `world_size`: the pipeline ranks of one replica. Model, schedule and partition errors surface here.
@@ -188,11 +197,39 @@ struct Shared {
   // (a launcher that kills the ranks after its signal loses at most the last second of steps) and updates the
   // interrupt's announcement.
   std::function<void(int done, int end)> progress;
+  std::vector<std::string> exported;  // --export-hf: the files world rank 0 wrote
 };
 
 /// Trains this rank of `world` (every replica's ranks) from the checkpoint or step 0 to --stop-after / --steps.
 void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, const twobp::data::Tokens& tokens,
                 const twobp::data::Tokens& held_out, Shared& shared);
+// ---- Hugging Face Llama checkpoints (hf.cpp) ----
+
+/// --seq-len's default with a Hugging Face model: its max_position_embeddings, at most this (Llama 3.1 declares
+/// 131072, far beyond what a fine-tuning run wants by default).
+inline constexpr int64_t kHfDefaultSeqLen = 2048;
+
+/// The model of a Hugging Face config.json (`text`, from `source`), checked against the sizes the command line
+/// gives: --model is refused (the model is the directory's), and --dim ... --vocab must equal config.json's
+/// (UsageError naming both otherwise).
+llm::LlamaConfig hf_model_config(const Args& a, const std::string& text, const std::string& source);
+/// The text of DIR/config.json (--init-from). IOError naming the file when it cannot be read.
+std::string read_hf_config_text(const std::string& dir);
+/// The text of the Hugging Face config.json a twobp checkpoint in `dir` carries (a run from --init-from wrote it);
+/// empty for a checkpoint of a twobp preset or when there is no checkpoint.
+std::string checkpoint_hf_config(const std::string& dir);
+/// The CheckpointConfig key holding that text.
+inline constexpr const char* kHfConfigKey = "hf_config";
+
+/// --init-from: this rank's tensors (`named`: the float32 masters under mixed precision) from the directory,
+/// converted to their dtype; only this rank's tensors are read.
+void load_hf_weights(const Plan& p, const ck::NamedTensors& named, bool reports);
+/// --export-hf, collective over the job: replica 0's pipeline ranks send every tensor of the model to world rank
+/// 0, which writes the directory (export_hf_llama) and lists its files in shared.exported; the other replicas hold
+/// copies and take no part.
+void export_hf_model(const Plan& p, const ck::NamedTensors& named, twobp::Transport& pipeline, int replica,
+               twobp::Duration timeout, Shared& shared);
+
 /// The run's closing lines on rank 0: what was trained, how fast, where each rank's step time went, and which
 /// files it wrote.
 void print_summary(const std::vector<StepRecord>& records, const std::vector<twobp::StepAttribution>& attribution,

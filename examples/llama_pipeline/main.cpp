@@ -109,7 +109,7 @@ std::function<void(int, int)> progress_writer(const Plan& plan, Shared& shared, 
                                               twobp::InterruptGuard& interrupts) {
   const Args& args = plan.args;
   std::vector<std::string> outputs;
-  for (const std::string* file : {&args.json, &args.trace, &args.costs_json, &args.checkpoint_dir}) {
+  for (const std::string* file : {&args.json, &args.trace, &args.costs_json, &args.checkpoint_dir, &args.export_hf}) {
     if (!file->empty()) outputs.push_back(*file);
   }
   const std::string then = outputs.empty() ? "then stopping" : fmt::format("then writing {}", fmt::join(outputs, ", "));
@@ -149,6 +149,10 @@ int run(Args args, int& argc, char**& argv) {
   }
   const twobp::ParallelLayout layout = twobp::ParallelLayout::of(world, args.dp);  // dp must divide the world
   const Plan plan = make_plan(args, layout.pp);  // model, schedule and partition errors surface here
+  if (my_rank == 0 && !plan.hf_config.empty() && args.data.empty() && args.steps > 0 && !args.dry_run) {
+    fmt::print(stderr, "llama_pipeline: warning: training a Hugging Face model on the built-in corpus, whose byte "
+               "tokens are not its tokenizer's; give --data with a token file from scripts/tokens.py --tokenizer\n");
+  }
   if (!args.dump_schedule.empty() && my_rank == 0) {  // twobp's text form, or PyTorch's CSV (*.csv)
     twobp::save_schedule_file(args.dump_schedule, plan.schedule);
     fmt::print("schedule {} written to {}\n", plan.schedule.name, args.dump_schedule);
@@ -197,6 +201,7 @@ int run(Args args, int& argc, char**& argv) {
   std::vector<std::string> written;
   if (!args.dump_schedule.empty()) written.push_back(args.dump_schedule);
   if (!args.checkpoint_dir.empty() && !shared.records.empty()) written.push_back(args.checkpoint_dir + "/");
+  if (!shared.exported.empty()) written.push_back(args.export_hf + "/");
   // Costs are measured from a run's second step: an interrupted run of one step wrote none.
   if (!args.costs_json.empty() && shared.records.size() >= (interrupts.received() != 0 ? 2u : 1u)) {
     written.push_back(args.costs_json);
@@ -238,6 +243,7 @@ int run_main(int argc, char** argv) {
   if (const std::optional<int> status = twobp::cli::parse(app, argc, argv)) return *status;
   a.ignored = llama_example::ignored_options(app, a);
   a.ranks_given = app.count("--ranks") > 0;
+  a.model_given = app.count("--model") > 0;
   try {
     return llama_example::run(a, argc, argv);
   } catch (const std::exception& e) {

@@ -32,6 +32,11 @@ void add_model_options(CLI::App& app, Args& a) {
       ->check(width)->group(model);
   app.add_option("--seed", a.seed, "Seed of the weights and the data order")
       ->check(cli::number_in(0, 18446744073709551615.0))->group(model);
+  app.add_option("--init-from", a.init_from,
+                 "A Hugging Face Llama directory (config.json, model.safetensors or a sharded index): a fresh run "
+                 "of its model from its weights (step 0, new optimizer state); --seq-len defaults to its "
+                 "max_position_embeddings, at most 2048")
+      ->check(CLI::ExistingDirectory)->group(model);
 
 }
 
@@ -138,8 +143,10 @@ void add_pipeline_options(CLI::App& app, Args& a) {
 /// Training, data and evaluation.
 void add_training_options(CLI::App& app, Args& a) {
   const std::string training = "Training";
-  app.add_option("--steps", a.steps, "Training steps (also the learning-rate schedule's horizon)")
-      ->check(cli::number_in(1, 1e9))->group(training);
+  app.add_option("--steps", a.steps,
+                 "Training steps (also the learning-rate schedule's horizon); 0: none, to export a model loaded with "
+                 "--init-from or --resume (--export-hf)")
+      ->check(cli::number_in(0, 1e9, " (0: export only)"))->group(training);
   app.add_option("--stop-after", a.stop_after, "Stop after this step, to be resumed later (0: run to --steps)")
       ->check(steps_or_none())->group(training);
   app.add_option("--warmup-steps", a.warmup_steps, "Linear warm-up steps (-1: steps / 10)")
@@ -214,6 +221,14 @@ void add_output_options(CLI::App& app, Args& a) {
   app.add_option("--checkpoint-every", a.checkpoint_every, "Checkpoint every N steps (0: at the end only)")
       ->check(steps_or_none())->group(output);
   app.add_flag("--resume", a.resume, "Resume from --checkpoint-dir")->group(output);
+  app.add_option("--export-hf", a.export_hf,
+                 "At the end, write the model as a Hugging Face Llama here (config.json, model.safetensors) for "
+                 "transformers' LlamaForCausalLM.from_pretrained")
+      ->check(cli::writable_directory())->group(output);
+  app.add_option("--export-dtype", a.export_dtype,
+                 "With --export-hf: the weights' dtype (default: the run's weights, float32 masters under --dtype "
+                 "bf16)")
+      ->check(CLI::IsMember({"bf16", "f32"}))->group(output);
   app.add_flag("--dry-run", a.dry_run, "Print sizes and memory estimates without allocating the model")
       ->group(output);
   app.add_option("--gpu-memory-gb", a.gpu_memory_gb,
@@ -231,6 +246,8 @@ void add_output_options(CLI::App& app, Args& a) {
   llama_pipeline --dp 2 --zero 1 --eval-every 10 --json run.json
   llama_pipeline --schedule auto --steps 30                 # measure, then run the fastest schedule
   llama_pipeline --schedule auto --steps 60 --auto-placements --checkpoint-dir ck   # other placements too
+  llama_pipeline --init-from Llama-3.2-1B --data t.tok --lr 2e-5 --export-hf tuned   # fine-tune a Hugging Face Llama
+  llama_pipeline --resume --checkpoint-dir ck --steps 0 --export-hf out   # a checkpoint as a Hugging Face model
 Documentation: README.md and docs/ in the source tree.)");
 }
 
@@ -272,6 +289,10 @@ std::vector<std::string> ignored_options(const CLI::App& app, const Args& a) {
   if (given("--zero") && a.zero == 1 && a.dp == 1) ignored.emplace_back("--zero 1 (nothing to shard with --dp 1)");
   if (given("--recompute-ranks") && !a.recompute) ignored.emplace_back("--recompute-ranks (only with --recompute)");
   if (given("--recompute-on") && !a.recompute) ignored.emplace_back("--recompute-on (only with --recompute)");
+  if (given("--export-dtype") && a.export_hf.empty()) ignored.emplace_back("--export-dtype (only with --export-hf)");
+  if (given("--checkpoint-dir") && a.steps == 0 && !a.resume) {
+    ignored.emplace_back("--checkpoint-dir (--steps 0 runs no step to checkpoint)");
+  }
   if (given("--nccl-stream-waits") && a.device != "cuda") {
     ignored.emplace_back("--nccl-stream-waits (only over NCCL: --device cuda, one rank per process)");
   }
@@ -283,6 +304,7 @@ namespace {
 // --resume of a checkpoint at or past the step this run ends at would train nothing and exit 0 as if it had.
 void check_resume(const Args& a) {
   if (!a.resume || !twobp::checkpoint::checkpoint_exists(a.checkpoint_dir)) return;  // the loader says what is wrong
+  if (a.steps == 0) return;  // --steps 0: no step, the checkpoint's weights exported as they are
   int64_t step = 0;
   try {
     step = twobp::checkpoint::read_manifest(a.checkpoint_dir).step;
@@ -297,6 +319,20 @@ void check_resume(const Args& a) {
               a.checkpoint_dir, step, end, a.steps, stop, step);
 }
 
+/// --init-from, --export-hf and --steps 0 (export only) with the other options.
+void check_hf_options(const Args& a) {
+  EXAMPLE_CHECK(a.init_from.empty() || !a.resume, twobp::UsageError,
+                "--init-from with --resume: --init-from starts a fresh run from a Hugging Face model, --resume "
+                "continues a checkpoint (which carries the model its run started from); give --init-from for a new "
+                "run, --resume to continue one");
+  EXAMPLE_CHECK(a.steps > 0 || (!a.export_hf.empty() && (a.resume || !a.init_from.empty())), twobp::UsageError,
+                "--steps 0 trains nothing: it exports a loaded model; give --export-hf DIR with --init-from or "
+                "--resume, or --steps 1 or more");
+  EXAMPLE_CHECK(a.steps > 0 || (a.trace.empty() && a.costs_json.empty() && a.eval_every == 0), twobp::UsageError,
+                "--steps 0 runs no step: --trace, --costs-json and --eval-every have nothing to record; leave them "
+                "out");
+}
+
 }  // namespace
 
 void validate_args(const Args& a) {
@@ -305,8 +341,11 @@ void validate_args(const Args& a) {
                                    {"--costs-json", a.costs_json},
                                    {"--trace", a.trace},
                                    {"--dump-schedule", a.dump_schedule},
-                                   {"--checkpoint-dir", a.checkpoint_dir}},
-                                  {{"--schedule-file", a.schedule_file}, {"--data", a.data}});
+                                   {"--checkpoint-dir", a.checkpoint_dir},
+                                   {"--export-hf", a.export_hf}},
+                                  {{"--schedule-file", a.schedule_file}, {"--data", a.data},
+                                   {"--init-from", a.init_from}});
+  check_hf_options(a);
   check_resume(a);
   EXAMPLE_CHECK(!a.auto_schedule() || (a.memory_limit_gb == 0 && a.max_pending_w == 0), twobp::UsageError,
               "--schedule auto cannot keep --memory-limit-gb or --max-pending-w (the simulator does not model the "

@@ -20,6 +20,24 @@ ck::CheckpointConfig checkpoint_layout(const Plan& p) {
           {"partition", p.partition.layout()}};
 }
 
+/// The model and the default sequence length: a Hugging Face config.json (--init-from's, or the one a checkpoint of
+/// such a run carries, for --resume) or a preset with --dim ... --vocab.
+void set_model(Plan& plan, const Args& args) {
+  plan.hf_config = !args.init_from.empty() ? read_hf_config_text(args.init_from)
+                   : args.resume           ? checkpoint_hf_config(args.checkpoint_dir)
+                                           : std::string();
+  if (plan.hf_config.empty()) {
+    plan.config = llm::with_dims(llm::config_by_name(args.model), args.dims);
+    plan.seq_len = args.seq_len > 0 ? args.seq_len : plan.config.max_seq_len;
+    return;
+  }
+  const std::string source = !args.init_from.empty()
+                                 ? args.init_from + "/config.json"
+                                 : fmt::format("{}/manifest.json's {}", args.checkpoint_dir, kHfConfigKey);
+  plan.config = hf_model_config(args, plan.hf_config, source);
+  plan.seq_len = args.seq_len > 0 ? args.seq_len : std::min<int64_t>(plan.config.max_seq_len, kHfDefaultSeqLen);
+}
+
 }  // namespace
 
 Plan make_plan(const Args& args, int world_size) {
@@ -27,8 +45,7 @@ Plan make_plan(const Args& args, int world_size) {
   plan.args = args;
   plan.world_size = world_size;
   plan.dp = args.dp;
-  plan.config = llm::with_dims(llm::config_by_name(args.model), args.dims);
-  plan.seq_len = args.seq_len > 0 ? args.seq_len : plan.config.max_seq_len;
+  set_model(plan, args);
   // --schedule auto starts with --auto-start; twobp::AutoSchedule switches at a step boundary (train.cpp).
   const std::string first = args.auto_schedule() ? args.auto_start : args.schedule;
   plan.schedule = twobp::resolve_schedule({first, args.schedule_file, args.chunks_per_rank}, world_size,
@@ -40,7 +57,10 @@ Plan make_plan(const Args& args, int world_size) {
   plan.precision = twobp::parse_precision(args.dtype);
   plan.checkpoint_config = {{"model", plan.config.name}, {"dtype", args.dtype}, {"seed", std::to_string(args.seed)}};
   plan.checkpoint_layout = checkpoint_layout(plan);
-  if (args.dims.any()) {  // a custom model: its sizes are part of what a checkpoint belongs to
+  if (!plan.hf_config.empty()) {  // the model is its config.json, wherever the directory was (config.name names it)
+    plan.checkpoint_config["model"] = "hf-llama";
+    plan.checkpoint_config[kHfConfigKey] = plan.hf_config;
+  } else if (args.dims.any()) {  // a custom model: its sizes are part of what a checkpoint belongs to
     const auto& c = plan.config;
     plan.checkpoint_config["sizes"] = fmt::format("dim {} layers {} heads {} kv_heads {} ffn {} vocab {}", c.dim,
                                                   c.n_layers, c.n_heads, c.n_kv_heads, c.ffn_dim, c.vocab_size);

@@ -365,12 +365,14 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
   build(state, groups, device, timeout);
   if (a.eval_every > 0) state.data.held_out.emplace(held_out, p.seq_len, global_batch, a.seed);
   const int start = a.resume ? static_cast<int>(load_state(a.checkpoint_dir, state, groups)) : 0;
+  if (!a.init_from.empty()) load_hf_weights(p, state.model.named, reports);
   // Energy of the device the chunks compute on (NVML) or of the node's CPUs (RAPL), summed over the job.
   twobp::energy::EnergyOptions energy_options;
   energy_options.powercap_root = a.powercap_root;
   twobp::energy::RankEnergy rank_energy = twobp::energy::rank_energy(world, device, energy_options);
   if (reports) {
-    if (a.resume) fmt::print("resuming from step {} of {} ({})\n", start, a.steps, a.checkpoint_dir);
+    if (a.resume && a.steps == 0) fmt::print("loaded the checkpoint of step {} ({})\n", start, a.checkpoint_dir);
+    if (a.resume && a.steps > 0) fmt::print("resuming from step {} of {} ({})\n", start, a.steps, a.checkpoint_dir);
     std::lock_guard<std::mutex> lock(shared.mutex);
     shared.resumed_from = start;
     shared.energy_source = rank_energy.source();
@@ -443,6 +445,9 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
     if (interrupted) break;
   }
   finish_rank(state, groups, world, costs, attributions, device, timeout, shared);
+  if (!a.export_hf.empty()) {
+    export_hf_model(state.plan, state.model.named, groups.pipeline(), groups.replica(), timeout, shared);
+  }
 }
 
 void print_summary(const std::vector<StepRecord>& records, const std::vector<twobp::StepAttribution>& attribution,

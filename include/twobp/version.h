@@ -19,7 +19,7 @@ struct BuildInfo {
 /// This build's facts (of the library linked, not of the headers a program was compiled with).
 BuildInfo build_info();
 
-/// One line for a program's --version: "<program> (twobp 0.2.0, commit 1a2b3c4d5e6f, torch 2.11.0, MPI, NCCL)".
+/// One line for a program's --version: "<program> (twobp 0.3.0, commit 1a2b3c4d5e6f, torch 2.11.0, MPI, NCCL)".
 std::string version_line(std::string_view program);
 
 }  // namespace twobp

@@ -57,7 +57,7 @@ NUMERIC = {
         None: [("--dim", False), ("--layers", False), ("--heads", False), ("--kv-heads", False), ("--ffn", False),
                ("--vocab", False), ("--seed", False), ("--ranks", True), ("--dp", True),
                ("--chunks-per-rank", False), ("--microbatches", True), ("--micro-batch-size", True),
-               ("--max-pending-w", False), ("--memory-limit-gb", False), ("--timeout", True), ("--steps", True),
+               ("--max-pending-w", False), ("--memory-limit-gb", False), ("--timeout", True), ("--steps", False),
                ("--stop-after", False), ("--warmup-steps", False, True), ("--lr", True), ("--weight-decay", False),
                ("--clip", False), ("--zero", False), ("--seq-len", False), ("--doc-separator", False),
                ("--seq-len-warmup", False), ("--eval-every", False), ("--eval-batches", True),
@@ -75,7 +75,7 @@ OUTPUTS = {
         "plan": ["--json"],
         "check-schedules": ["--json"],
     },
-    "example": {None: ["--json", "--trace", "--dump-schedule", "--checkpoint-dir", "--costs-json"]},
+    "example": {None: ["--json", "--trace", "--dump-schedule", "--checkpoint-dir", "--costs-json", "--export-hf"]},
 }
 # Other bad inputs: (program, arguments, the option the message must name).
 OTHER = [
@@ -89,6 +89,10 @@ OTHER = [
     ("example", ["--data", "/nonexistent/tokens.tok"], "--data"),
     ("example", ["--schedule-file", "/nonexistent/schedule.txt"], "--schedule-file"),
     ("example", ["--resume"], "--resume"),
+    # --steps 0 exports a loaded model only (tests/programs/hf_finetune_test.py covers --init-from's refusals).
+    ("example", ["--steps", "0"], "--steps 0"),
+    ("example", ["--init-from", "/nonexistent/hf"], "--init-from"),
+    ("example", ["--export-dtype", "f16"], "--export-dtype"),
     ("example", ["--vocab", "100"], "--vocab"),
     ("example", ["--seq-len", "100000"], "--seq-len"),
     ("example", ["--microbatches", "4096", "--micro-batch-size", "4096"], "--microbatches"),
@@ -117,7 +121,7 @@ INPUTS = {
     "example": {None: ["--schedule-file", "--data"]},
 }
 # Output directories (not files) among OUTPUTS.
-DIRECTORIES = {"--trace-dir", "--dump-schedules", "--checkpoint-dir"}
+DIRECTORIES = {"--trace-dir", "--dump-schedules", "--checkpoint-dir", "--export-hf"}
 
 
 def make_checkpoint(example, work):

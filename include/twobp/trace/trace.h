@@ -42,8 +42,8 @@ struct Trace {
   /// Time spent in compute actions (F, I, W, B); a pair that ran at once (ran_as_pair) counts once.
   double busy_us() const;
   /// metrics::bubble_fraction of this rank alone, (step - busy) / step: the share of the step it spent waiting
-  /// (bubble plus communication waits). Deprecated in 0.2.0, to be removed in 0.3.0: nothing uses it; the step's
-  /// attribution (twobp/trace/attribution.h) says where a rank's time went, waits by cause.
+  /// (bubble plus communication waits). Deprecated in 0.2.0, kept in 0.3.0, to be removed in 0.4.0: nothing uses
+  /// it; the step's attribution (twobp/trace/attribution.h) says where a rank's time went, waits by cause.
   [[deprecated("use metrics::bubble_fraction({trace.busy_us()}, trace.step_us), or attribute() for waits by cause")]]
   double idle_fraction() const;
 };
