@@ -347,6 +347,42 @@ void follow_tuner(std::optional<twobp::LlamaAutoTuner>& tuner, RankState& state,
   }
 }
 
+// Energy of the device the chunks compute on (NVML) or of the node's CPUs (RAPL), summed over the job; rank 0 says
+// where the run starts.
+twobp::energy::RankEnergy open_energy(const Args& a, twobp::Transport& world, c10::Device device, int start,
+                                      Shared& shared) {
+  twobp::energy::EnergyOptions energy_options;
+  energy_options.powercap_root = a.powercap_root;
+  twobp::energy::RankEnergy rank_energy = twobp::energy::rank_energy(world, device, energy_options);
+  if (world.rank() == 0) {
+    if (a.resume && a.steps == 0) fmt::print("loaded the checkpoint of step {} ({})\n", start, a.checkpoint_dir);
+    if (a.resume && a.steps > 0) fmt::print("resuming from step {} of {} ({})\n", start, a.steps, a.checkpoint_dir);
+    std::lock_guard<std::mutex> lock(shared.mutex);
+    shared.resumed_from = start;
+    shared.energy_source = rank_energy.source();
+    shared.energy_note = rank_energy.note();
+  }
+  return rank_energy;
+}
+
+// After step `step`: the traces at the last step (every rank's, gathered: collective), the checkpoint when due.
+void write_step_outputs(RankState& state, twobp::ParallelGroups& groups, twobp::Transport& world,
+                        const twobp::Trace& trace, int step, bool last, twobp::Duration timeout, Shared& shared) {
+  const Args& a = state.plan.args;
+  const bool reports = world.rank() == 0;
+  if (!a.trace.empty() && last) {
+    // Every rank's trace on every rank (collective), so rank 0 writes them all, threads or processes.
+    std::vector<twobp::Trace> traces = twobp::gather_traces(world, trace, timeout);
+    std::lock_guard<std::mutex> lock(shared.mutex);
+    if (reports) shared.traces = std::move(traces);
+  }
+  const bool periodic = a.checkpoint_every > 0 && (step + 1) % a.checkpoint_every == 0;
+  if (!a.checkpoint_dir.empty() && (periodic || last)) {
+    save(state.plan, a.checkpoint_dir, state.model.named, *state.optimizer, groups, step + 1, timeout);
+    if (reports) fmt::print("checkpoint of step {} written to {}\n", step + 1, a.checkpoint_dir);
+  }
+}
+
 }  // namespace
 
 void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, const twobp::data::Tokens& tokens,
@@ -366,18 +402,7 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
   if (a.eval_every > 0) state.data.held_out.emplace(held_out, p.seq_len, global_batch, a.seed);
   const int start = a.resume ? static_cast<int>(load_state(a.checkpoint_dir, state, groups)) : 0;
   if (!a.init_from.empty()) load_hf_weights(p, state.model.named, reports);
-  // Energy of the device the chunks compute on (NVML) or of the node's CPUs (RAPL), summed over the job.
-  twobp::energy::EnergyOptions energy_options;
-  energy_options.powercap_root = a.powercap_root;
-  twobp::energy::RankEnergy rank_energy = twobp::energy::rank_energy(world, device, energy_options);
-  if (reports) {
-    if (a.resume && a.steps == 0) fmt::print("loaded the checkpoint of step {} ({})\n", start, a.checkpoint_dir);
-    if (a.resume && a.steps > 0) fmt::print("resuming from step {} of {} ({})\n", start, a.steps, a.checkpoint_dir);
-    std::lock_guard<std::mutex> lock(shared.mutex);
-    shared.resumed_from = start;
-    shared.energy_source = rank_energy.source();
-    shared.energy_note = rank_energy.note();
-  }
+  twobp::energy::RankEnergy rank_energy = open_energy(a, world, device, start, shared);
   const int end = a.stop_after > 0 ? std::min(a.stop_after, a.steps) : a.steps;
   std::optional<twobp::LlamaAutoTuner> tuner;
   make_tuner(tuner, state, groups, device, timeout);
@@ -431,17 +456,7 @@ void train_rank(const Plan& p, twobp::Transport& world, c10::Device device, cons
                 std::chrono::duration<double>(now - t0).count(), start, end,
                 e0 && e1 ? std::optional<double>(*e1 - *e0) : std::nullopt, static_cast<double>(global_batch * len),
                 timeout, shared);
-    if (!a.trace.empty() && last) {
-      // Every rank's trace on every rank (collective), so rank 0 writes them all, threads or processes.
-      std::vector<twobp::Trace> traces = twobp::gather_traces(world, result.trace, timeout);
-      std::lock_guard<std::mutex> lock(shared.mutex);
-      if (reports) shared.traces = std::move(traces);
-    }
-    const bool periodic = a.checkpoint_every > 0 && (step + 1) % a.checkpoint_every == 0;
-    if (!a.checkpoint_dir.empty() && (periodic || last)) {
-      save(state.plan, a.checkpoint_dir, state.model.named, *state.optimizer, groups, step + 1, timeout);
-      if (reports) fmt::print("checkpoint of step {} written to {}\n", step + 1, a.checkpoint_dir);
-    }
+    write_step_outputs(state, groups, world, result.trace, step, last, timeout, shared);
     if (interrupted) break;
   }
   finish_rank(state, groups, world, costs, attributions, device, timeout, shared);
