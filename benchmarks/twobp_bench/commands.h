@@ -52,4 +52,8 @@ void add_check_schedules_command(CLI::App& app);
 /// throughput among the candidates that fit in memory; estimated or measured costs (plan.cpp).
 void add_plan_command(CLI::App& app);
 
+/// `zero`: per-rank memory (gradient peak, masters, optimizer state) and data-parallel bytes of ZeRO 0, 1 and 2
+/// on a small LLaMa, dp replicas as rank threads (zero.cpp).
+void add_zero_command(CLI::App& app);
+
 }  // namespace twobp::bench

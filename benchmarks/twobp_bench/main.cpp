@@ -4,6 +4,7 @@
 //   twobp_bench pipeline --json pipeline.json  throughput of pipelines, 2BP vs standard (pipeline.cpp)
 //   twobp_bench simulate --ranks 64 ...        predicted step time of every schedule from stage costs (simulate.cpp)
 //   twobp_bench check-schedules --transport nccl   does every built-in schedule pair on it (check_schedules.cpp)
+//   twobp_bench zero --json zero.json          memory and data-parallel bytes of ZeRO 0, 1, 2 (zero.cpp)
 
 #include <CLI/CLI.hpp>
 
@@ -32,6 +33,7 @@ Each command's options: twobp_bench COMMAND --help. Metrics: docs/BENCHMARKS.md 
   twobp::bench::add_simulate_command(app);
   twobp::bench::add_check_schedules_command(app);
   twobp::bench::add_plan_command(app);
+  twobp::bench::add_zero_command(app);
   // Usage errors exit 2 (a mistyped command is told the closest one); a subcommand that failed with
   // CLI::RuntimeError(code) exits with its code; twobp's own errors 2, others 1 (twobp_cli.h).
   try {

@@ -401,7 +401,7 @@ void add_plan_command(CLI::App& app) {
          },
          "fp32; bf16: mixed precision (bfloat16 compute, float32 masters); bf16-pure: everything in bfloat16 "
          "(default: bf16; with --costs-json, the precision they were measured in)")
-      ->check(cli::one_spelling(parse_precision, "fp32, bf16 or bf16-pure"));
+      ->check(cli::one_spelling(parse_precision, "fp32, bf16, bf16-pure or fp64"));
   const CLI::Validator not_bf16(
       [](std::string& text) -> std::string {
         return text == "bf16" ? "'bf16' here meant everything in bfloat16: say --dtype bf16-pure for that, or "

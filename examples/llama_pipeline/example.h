@@ -112,7 +112,7 @@ struct Args {
   std::string costs_json;  // the run's measured per-stage costs, in the form `twobp_bench plan --costs-json` reads
   std::string powercap_root = twobp::energy::EnergyOptions{}.powercap_root;  // RAPL zones (energy on CPUs)
   uint64_t seed = 1234;
-  int zero = 0;                // 1: AdamW state sharded over the data-parallel replicas (ZeRO-1)
+  int zero = 0;                // 1: AdamW state sharded over the data-parallel replicas (ZeRO-1); 2: gradients too
   std::string on_nonfinite = "stop";  // a NaN/Inf loss or gradient: stop (error) or skip the update
   int eval_every = 0;          // evaluate on the held-out split every N steps (0: never)
   int eval_batches = 2;        // global batches per evaluation

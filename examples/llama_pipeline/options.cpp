@@ -160,13 +160,16 @@ void add_training_options(CLI::App& app, Args& a) {
   app.add_option("--on-nonfinite", a.on_nonfinite,
                  "A NaN or Inf loss or gradient: stop (error naming the step and stages) or skip that update")
       ->check(CLI::IsMember({"stop", "skip"}))->group(training);
-  app.add_option("--zero", a.zero, "1: shard the AdamW state over the --dp replicas (ZeRO-1); 0: do not")
+  app.add_option("--zero", a.zero,
+                 "1: shard the AdamW state over the --dp replicas (ZeRO-1); 2: the gradients too, reduce-scattered as "
+                 "W finishes each bucket (ZeRO-2); 0: do not")
       ->check(CLI::Validator(
           [](std::string& text) -> std::string {
-            return text == "0" || text == "1" ? std::string()
-                                              : "must be 0 (no sharding) or 1 (ZeRO-1), got '" + text + "'";
+            return text == "0" || text == "1" || text == "2"
+                       ? std::string()
+                       : "must be 0 (no sharding), 1 (ZeRO-1) or 2 (ZeRO-2), got '" + text + "'";
           },
-          "{0,1}"))
+          "{0,1,2}"))
       ->group(training);
   app.add_option("--device", a.device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}))->group(training);
   app.add_flag("--nccl-stream-waits", a.nccl_stream_waits,
@@ -286,7 +289,9 @@ std::vector<std::string> ignored_options(const CLI::App& app, const Args& a) {
     ignored.emplace_back("--auto-start/--auto-steps/--auto-candidates/--auto-memory-limit-gb/--auto-recompute/"
                          "--auto-weight-sizes/--auto-placements/--auto-within (only with --schedule auto)");
   }
-  if (given("--zero") && a.zero == 1 && a.dp == 1) ignored.emplace_back("--zero 1 (nothing to shard with --dp 1)");
+  if (given("--zero") && a.zero >= 1 && a.dp == 1) {
+    ignored.emplace_back("--zero " + std::to_string(a.zero) + " (nothing to shard with --dp 1)");
+  }
   if (given("--recompute-ranks") && !a.recompute) ignored.emplace_back("--recompute-ranks (only with --recompute)");
   if (given("--recompute-on") && !a.recompute) ignored.emplace_back("--recompute-on (only with --recompute)");
   if (given("--export-dtype") && a.export_hf.empty()) ignored.emplace_back("--export-dtype (only with --export-hf)");
@@ -358,6 +363,10 @@ void validate_args(const Args& a) {
               "and as many for each of up to --auto-candidates {}{}; give --steps >= {}",
               a.auto_steps, a.auto_recompute ? ", with and without recomputation," : "", a.auto_candidates,
               a.auto_placements ? " of its placement and as many of other placements" : "", a.auto_steps_needed());
+  // ZeRO-2's flat gradient shards follow the schedule's bucket order: the Pipeline refuses switch_schedule.
+  EXAMPLE_CHECK(a.zero != 2 || a.dp == 1 || !a.auto_schedule(), twobp::UsageError,
+                "--zero 2 with --schedule auto: ZeRO-2's gradient shards are laid out for one schedule, which the "
+                "tuner would switch; pick a schedule, or use --zero 1");
   EXAMPLE_CHECK(!a.auto_schedule() || !a.auto_placements || !a.checkpoint_dir.empty(), twobp::UsageError,
               "--auto-placements moves the weights and optimizer state between placements through a checkpoint in "
               "--checkpoint-dir/placement, a directory every rank can read: give --checkpoint-dir");

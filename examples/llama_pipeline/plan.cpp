@@ -119,7 +119,8 @@ llm::MemoryPlanOptions memory_options(const Plan& p) {
   mo.precision = llm::training_precision(p.precision);
   mo.recompute = !p.recompute_ranks.empty();
   mo.recompute_ranks = p.recompute_ranks;
-  mo.optimizer_shards = p.args.zero == 1 ? p.dp : 1;
+  mo.optimizer_shards = p.args.zero >= 1 ? p.dp : 1;
+  mo.gradient_shards = p.args.zero == 2 ? p.dp : 1;
   return mo;
 }
 

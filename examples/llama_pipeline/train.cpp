@@ -23,7 +23,7 @@
 namespace llama_example {
 namespace {
 
-/// AdamW over this rank's parameters: sharded over the replicas with --zero 1, over this rank alone (no group: it
+/// AdamW over this rank's parameters: sharded over the replicas with --zero 1 or 2, over this rank alone (no group: it
 /// owns every parameter, a plain AdamW) otherwise, so both go through one code path.
 using Optimizer = twobp::ShardedOptimizer;
 
@@ -42,6 +42,7 @@ RankModel build_rank_model(const Plan& p, twobp::ParallelGroups& groups, c10::De
   twobp::PipelineOptions po;
   po.executor.timeout = timeout;
   po.data_parallel.group = groups.data_parallel();
+  po.data_parallel.zero = twobp::parse_zero_stage(std::to_string(a.zero));  // 2: gradients sharded by the Pipeline
   po.executor.max_pending_weight_micro_batches = a.max_pending_w;
   // Tensor memory of the device the chunks compute on, recorded every step (and bounded with --memory-limit-gb).
   // Not where rank threads share a GPU: its allocator statistics are the whole process's (the Pipeline refuses).
@@ -159,7 +160,8 @@ void build(RankState& state, twobp::ParallelGroups& groups, c10::Device device, 
   const Optimizer::Factory adamw = [options](std::vector<at::Tensor> owned) {
     return std::unique_ptr<torch::optim::Optimizer>(std::make_unique<torch::optim::AdamW>(std::move(owned), options));
   };
-  state.optimizer = p.args.zero == 1
+  // --zero 2: the same optimizer steps the pipeline's gradient shards (DataParallelOptions::zero).
+  state.optimizer = p.args.zero >= 1
                         ? std::make_unique<Optimizer>(state.pipeline(), adamw)
                         : std::make_unique<Optimizer>(state.pipeline().parameters(), nullptr, adamw, timeout);
   state.data.owns_first = p.schedule.stage_to_rank.front() == groups.pipeline().rank();

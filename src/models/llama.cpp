@@ -545,6 +545,23 @@ double optimizer_bytes_per_parameter(const MemoryPlanOptions& o) {
   return static_cast<double>(o.precision.optimizer_bytes) / o.optimizer_shards;
 }
 
+// ZeRO-2 (MemoryPlanOptions::gradient_shards): the part of stage s's gradient (`full` bytes) that lives only while
+// its W runs, when that W is its only weight action of the step (else 0: the full gradient accumulates until the
+// last one, which the model cannot single out).
+double zero2_transient(const twobp::Schedule& schedule, int s, const MemoryPlanOptions& o, double full) {
+  TWOBP_CHECK(o.gradient_shards >= 1, UsageError, "memory plan: gradient_shards must be >= 1, got {}",
+              o.gradient_shards);
+  if (o.gradient_shards == 1) return 0.0;
+  int weight_actions = 0;
+  std::size_t micro_batches = 1;  // of the one W: simulate_peak_memory scales a W's rise by them
+  for (const auto& a : schedule.actions[schedule.stage_to_rank[s]]) {
+    if (a.stage != s || !twobp::makes_weight_grads(a.type)) continue;
+    ++weight_actions;
+    if (a.type == twobp::ActionType::kBackwardWeight) micro_batches = std::max<std::size_t>(1, a.micro_batches.size());
+  }
+  return weight_actions == 1 ? full * (1.0 - 1.0 / o.gradient_shards) / static_cast<double>(micro_batches) : 0.0;
+}
+
 twobp::MemoryModel make_memory_model(const LlamaConfig& c, const Partition& partition,
                                      const twobp::Schedule& schedule, const MemoryPlanOptions& o,
                                      bool pending_costs) {
@@ -563,6 +580,9 @@ twobp::MemoryModel make_memory_model(const LlamaConfig& c, const Partition& part
     model.base[schedule.stage_to_rank[s]] += n * (static_cast<double>(pr.compute_bytes + pr.master_bytes) +
                                                   optimizer_bytes_per_parameter(o));
     model.gradients[s] = n * static_cast<double>(pr.gradient_bytes);
+    // ZeRO-2 (gradient_shards): what lives only during the stage's one W, per micro-batch of it.
+    const double sharded_away = zero2_transient(schedule, s, o, model.gradients[s]);
+    if (sharded_away > 0) model.gradients[s] /= o.gradient_shards;
     const double act = static_cast<double>(chunk_activation_bytes(c, spec, o.micro_batch_size, o.seq_len, b));
     const double pend =
         pending_costs ? static_cast<double>(chunk_pending_weight_bytes(c, spec, o.micro_batch_size, o.seq_len, b))
@@ -576,7 +596,7 @@ twobp::MemoryModel make_memory_model(const LlamaConfig& c, const Partition& part
     auto& m = model.stages[s];
     m[static_cast<int>(twobp::ActionType::kForward)] = {kept, recompute ? act : kept};
     m[static_cast<int>(twobp::ActionType::kBackwardInput)] = {pend - kept, opens};
-    m[static_cast<int>(twobp::ActionType::kBackwardWeight)] = {-pend, 0.0};
+    m[static_cast<int>(twobp::ActionType::kBackwardWeight)] = {-pend, sharded_away};
     m[static_cast<int>(twobp::ActionType::kBackward)] = {-kept, opens};
   }
   return model;
@@ -609,7 +629,7 @@ std::vector<RankMemoryEstimate> estimate_memory(const LlamaConfig& c, const Part
     e.weights = n * static_cast<double>(o.precision.compute_bytes);
     e.master_weights = n * static_cast<double>(o.precision.master_bytes);
     e.optimizer = n * optimizer_bytes_per_parameter(o);
-    e.gradients = n * static_cast<double>(o.precision.gradient_bytes);
+    e.gradients = n * static_cast<double>(o.precision.gradient_bytes) / o.gradient_shards;  // kept between steps
     e.total = total[r];
     e.activations = live[r];
     e.pending_weights = std::max(0.0, live_and_pending[r] - live[r]);

@@ -93,6 +93,19 @@ ZeroStage parse_zero_stage(const std::string& text) {
                    "(gradients and optimizer state)");
 }
 
+std::int64_t collective_bytes_sent(CollectiveKind kind, std::int64_t bytes, int world) {
+  if (world <= 1) return 0;
+  switch (kind) {
+    case CollectiveKind::kAllReduce:
+      return 2 * bytes * (world - 1) / world;
+    case CollectiveKind::kReduceScatter:
+    case CollectiveKind::kAllGather:
+    case CollectiveKind::kBroadcast:
+      return bytes * (world - 1) / world;
+  }
+  return 0;
+}
+
 ParallelLayout ParallelLayout::of(int world_size, int dp) {
   TWOBP_CHECK(dp >= 1 && world_size >= 1 && world_size % dp == 0, UsageError,
               "{} ranks cannot form {} data-parallel replicas: the world size must be a multiple of dp (world = dp "

@@ -148,6 +148,8 @@ void Executor::note_collective_wait(std::string what, std::vector<int> world_ran
 
 void Executor::note_outside_step() { activity_->note(RankStatus::State::kOutsideStep, nullptr); }
 
+void Executor::note_computing(const Action& action) { activity_->note(RankStatus::State::kComputing, &action); }
+
 // Asks every rank of the board (the pipeline's, or the whole job's for the groups of ParallelGroups) what it is
 // doing (bounded: a rank that cannot answer is reported as such) and builds the report; empty without a board.
 // Called on the rank whose own wait timed out, before it aborts, so the abort carries the report to everyone.

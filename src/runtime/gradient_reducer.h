@@ -49,16 +49,64 @@ class GradientReducer {
   /// Forgets the step after an error (unfinished reductions are dropped; their transport keeps buffers alive).
   void reset();
 
+  // ---- ZeroStage::k2 (DataParallelOptions::zero): sharded gradients ----
+  // At construction every bucket's gradient holders become views of one flat buffer of the bucket (their values
+  // copied in); this replica owns shard_range(bucket numel, dp, replica) of it. A bucket is reduce-scattered
+  // (instead of all-reduced) when it starts, its holders' full .grad released then; finish() leaves the mean in
+  // the shard's .grad (added to what it held: steps without zero_grad accumulate, as .grad does).
+
+  bool sharded() const { return sharded_; }
+  /// This replica's shard of every bucket, in bucket order: views of the flat weights (an optimizer stepping them
+  /// writes the working weights, or the masters), .grad the averaged shard gradient after finish(). Some may be
+  /// empty (a bucket smaller than dp).
+  std::vector<at::Tensor> shards() const;
+  /// The stage (global index) whose parameters the k-th shard holds.
+  int shard_stage(std::size_t k) const { return buckets_[k].stage; }
+  /// Releases every shard's .grad (Pipeline::zero_grad).
+  void zero_shard_grads();
+  /// Collective over the group: every replica's (updated) shards into every replica's flat buffers, i.e. the
+  /// working weights (async all-gathers where the transport has them, then one wait each).
+  void gather_shards();
+  /// One slice of a bucket: `holder` occupies [offset, offset + numel) of bucket `bucket`'s flat buffer.
+  struct Slice {
+    at::Tensor holder;
+    std::size_t bucket = 0;
+    std::int64_t offset = 0;
+  };
+  /// Every trainable holder's place in the flat layout (checkpoints map shards to parameter names with it).
+  std::vector<Slice> layout() const;
+  /// This replica's range of bucket `k`.
+  ShardRange shard_range_of(std::size_t k) const { return buckets_[k].range; }
+  /// Bytes this replica sent in data-parallel collectives during the last finished step (ring-algorithm bytes:
+  /// all-reduce 2(dp-1)/dp n, reduce-scatter (dp-1)/dp n; see collective_bytes_sent) and, for ZeRO-2, the
+  /// all-gathers since (gather_shards adds to it).
+  std::int64_t bytes_sent() const { return bytes_sent_; }
+  /// Samples, after every action and at every bucket start, the bytes of the gradients alive on this rank
+  /// (holders' .grad, ZeRO-2 shards, buffers in flight): gradient_peak_bytes() is then the last step's maximum.
+  void track_gradient_peak(bool on) { track_peak_ = on; }
+  std::int64_t gradient_peak_bytes() const { return gradient_peak_; }
+  /// Whether a stage's buckets start inside the action stream on a blocking transport (ZeRO-2 only): the Pipeline
+  /// then shows the collective on the status board before after_action(index) runs it.
+  bool blocking_start_after(std::size_t index) const {
+    return sharded_ && blocking_starts_ && last_weight_action_.count(index) != 0;
+  }
+
  private:
   struct Bucket {
     int stage = 0;                   // the chunk whose last weight action starts it
     std::vector<at::Tensor> params;  // the gradient holders (see GradientHolder); one dtype and device
     std::int64_t numel = 0;          // of the gradients (the flat buffer has params.size() more: the flags)
+    // ZeRO-2 only:
+    at::Tensor flat;                 // the holders' values; each holder is a view of it
+    ShardRange range;                // this replica's
+    at::Tensor shard;                // flat[range], the optimizer's tensor; .grad the averaged shard gradient
   };
   struct InFlight {
     std::size_t bucket = 0;
     at::Tensor flat;
     std::unique_ptr<Work> work;
+    at::Tensor out;                  // ZeRO-2: this replica's summed shard
+    std::vector<double> defined;     // ZeRO-2: this replica's flags (1: its gradient was defined)
   };
 
   struct Buffer {
@@ -79,7 +127,19 @@ class GradientReducer {
   /// defined on some replica).
   void write_back(InFlight& f, const double* defined);
 
+  /// ZeRO-2: makes every bucket's holders views of one flat buffer and takes this replica's shard of it.
+  void lay_out_flat();
+  void start_sharded(std::size_t index, InFlight& f);
+  /// ZeRO-2 finish: the shards' means into their .grad; UsageError for a parameter no replica gave a gradient.
+  void finish_sharded();
+
   int rank_;
+  bool sharded_ = false;
+  bool blocking_starts_ = false;  // ZeRO-2 on a blocking transport: buckets start after their stage's last W/B
+  std::int64_t bytes_sent_ = 0;
+  bool track_peak_ = false;
+  std::int64_t gradient_peak_ = 0;
+  void sample_gradient_bytes(std::int64_t extra);
   DataParallelOptions options_;
   Duration timeout_;
   int dp_;

@@ -5,6 +5,7 @@
 #include <fmt/ranges.h>
 #include <torch/nn/module.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <initializer_list>
@@ -189,6 +190,7 @@ struct Pipeline::Impl {
   bool started = false;                              // a first step began (see run_step)
   std::unique_ptr<detail::TiedParameters> tied;      // PipelineOptions::tied_parameters, when any
   double loss_items = 0.0;  // LossReduction::kMeanOverItems: the last step's (or evaluation's) global items
+  bool awaiting_gather = false;  // ZeRO-2: ready_for_optimizer() allowed a step whose shards were not gathered yet
 };
 
 Pipeline::Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, std::shared_ptr<Transport> transport,
@@ -268,6 +270,11 @@ Pipeline::Pipeline(Schedule schedule, std::vector<PipelineChunk> chunks, std::sh
               "(evaluate() runs the forward-only executor; data parallelism reports finished parameters); leave them "
               "unset",
               rank);
+  TWOBP_CHECK(options_.data_parallel.zero != ZeroStage::k2 || options_.tied_parameters.empty(), UsageError,
+              "rank {}: DataParallelOptions::zero = 2 with PipelineOptions::tied_parameters is not supported yet (the "
+              "ties sum full gradients after the step, which ZeRO-2 has released into shards whose layouts differ "
+              "between the stages): use zero 0 or 1 with tied weights, or untie them",
+              rank);
   build_executor();
   tie_parameters();
 }
@@ -314,6 +321,7 @@ void Pipeline::build_executor() {
       }
       impl_->reducer = std::make_unique<detail::GradientReducer>(schedule_, rank, stages, options_.data_parallel,
                                                                  options_.executor.timeout, holder);
+      impl_->reducer->track_gradient_peak(true);  // a pass over the holders' .grad per action: cheap
     } catch (const std::exception& e) {
       // Replicas that disagree fail here together, but this rank's pipeline peers may already be waiting in
       // step() for it: tell them now rather than at their timeout.
@@ -324,10 +332,26 @@ void Pipeline::build_executor() {
   if (impl_->reducer) {
     const bool during_b = options_.data_parallel.start_during_backward;
     const std::vector<Action>* actions = &schedule_.actions[rank];
-    eo.parameters_done = [reducer = impl_->reducer.get(), during_b, actions](std::size_t index) {
+    std::vector<int> replicas;  // the other replicas' world ranks, for the board
+    for (int q = 0; q < dp->world_size(); ++q) {
+      if (q != dp->rank()) replicas.push_back(dp->world_rank_of(q));
+    }
+    eo.parameters_done = [impl = impl_.get(), during_b, actions, replicas](std::size_t index) {
+      detail::GradientReducer* reducer = impl->reducer.get();
       // A B given no callback runs fused and its stage's buckets start after it (after_action below).
       if (!during_b && (*actions)[index].type == ActionType::kBackward) return autograd::ParametersDone();
-      return reducer->parameters_done(index);
+      autograd::ParametersDone done = reducer->parameters_done(index);
+      if (!done || !reducer->blocking_start_after(index)) return done;
+      // ZeRO-2 on a blocking transport: the reduce-scatters this callback may start block inside the action; the
+      // board shows them as a wait with the other replicas, then the action again.
+      const Action* action = &(*actions)[index];
+      return autograd::ParametersDone([impl, done, action, replicas](const std::vector<at::Tensor>& params) {
+        impl->executor->note_collective_wait("the ZeRO-2 reduce-scatters of stage " + std::to_string(action->stage) +
+                                                 "'s gradients, inside its last weight action",
+                                             replicas);
+        done(params);
+        impl->executor->note_computing(*action);
+      });
     };
   }
   // One run count for the training and evaluation executors, kept across switch_schedule(): their messages
@@ -340,8 +364,21 @@ void Pipeline::build_executor() {
   if (impl_->reducer) {
     // First hook: a bucket starts right after its stage's last weight action, before any user hook runs.
     const Action* first = schedule_.actions[rank].data();
-    impl_->executor->add_hook([reducer = impl_->reducer.get(), first](const ActionEvent& event) {
-      reducer->after_action(static_cast<std::size_t>(event.action - first));
+    std::vector<int> replicas;  // the other replicas' world ranks, for the board
+    for (int q = 0; q < dp->world_size(); ++q) {
+      if (q != dp->rank()) replicas.push_back(dp->world_rank_of(q));
+    }
+    impl_->executor->add_hook([reducer = impl_->reducer.get(), first, executor = impl_->executor.get(),
+                               replicas](const ActionEvent& event) {
+      const auto index = static_cast<std::size_t>(event.action - first);
+      // ZeRO-2 on a blocking transport reduce-scatters here, inside the step: a wait on the board (the next
+      // action's status replaces it).
+      if (reducer->blocking_start_after(index)) {
+        executor->note_collective_wait("the ZeRO-2 reduce-scatter of stage " + std::to_string(event.action->stage) +
+                                           "'s gradients",
+                                       replicas);
+      }
+      reducer->after_action(index);
     });
   }
   for (const Executor::Hook& hook : impl_->hooks) impl_->executor->add_hook(hook);
@@ -362,6 +399,11 @@ void Pipeline::switch_schedule(Schedule next) {
               "rank {}: switch_schedule: '{}' has {} micro-batches, the running '{}' {}; the loss of each counts "
               "1/micro-batches, so a switch keeps their number",
               rank, next.name, next.num_micro_batches, now.name, now.num_micro_batches);
+  TWOBP_CHECK(!(impl_->reducer && impl_->reducer->sharded()), UsageError,
+              "rank {}: switch_schedule with DataParallelOptions::zero = 2 is not supported: the flat gradient "
+              "shards follow the running schedule's bucket order, and the optimizer's shard state is keyed to them. "
+              "Save a checkpoint and build a new Pipeline with '{}'",
+              rank, next.name);
   Schedule ready = prepared(std::move(next));  // refused here leaves the running schedule in place
   // What refers to the running schedule goes first: the executors (which call the reducer), then the reducer.
   impl_->on_board = nullptr;
@@ -423,6 +465,7 @@ at::Tensor Pipeline::master_weight(const at::Tensor& parameter) const {
 
 void Pipeline::zero_grad() {
   for (auto& p : parameters()) p.mutable_grad().reset();
+  if (impl_->reducer && impl_->reducer->sharded()) impl_->reducer->zero_shard_grads();
   if (impl_->masters) {
     // The compute parameters' .grad is moved out at every accumulation; reset it too after a failed step.
     for (const auto& [s, st] : stages_) {
@@ -446,8 +489,17 @@ GradientCheck Pipeline::check_gradients() {
     for (const auto& [index, stage_ptr] : stages_) {
       std::map<std::pair<std::string, at::ScalarType>, std::vector<at::Tensor>> groups;
       c10::Device device(c10::kCPU);  // where this stage's gradients are (no gradient: the host)
-      for (const auto& compute : stage_ptr->parameters()) {
-        const at::Tensor p = master_weight(compute);
+      std::vector<at::Tensor> holders;
+      for (const auto& compute : stage_ptr->parameters()) holders.push_back(master_weight(compute));
+      if (sharded()) {
+        // ZeRO-2: the averaged gradient exists as this replica's shards (the full .grad were released); the
+        // replicas' sums of squares are added by the all-reduce over the group below.
+        const auto shards = impl_->reducer->shards();
+        for (std::size_t k = 0; k < shards.size(); ++k) {
+          if (impl_->reducer->shard_stage(k) == index) holders.push_back(shards[k]);
+        }
+      }
+      for (const auto& p : holders) {
         if (!p.grad().defined() || !counted.insert(p.unsafeGetTensorImpl()).second) continue;
         // A sparse gradient may hold one index several times: coalesce (sum duplicates) before squaring.
         at::Tensor g = p.grad().is_sparse() ? p.grad().coalesce().values() : p.grad();
@@ -490,7 +542,11 @@ GradientCheck Pipeline::check_gradients() {
   }
   wait_in(*transport_, "the gradient check over the pipeline",
           [&] { transport_->all_reduce_sum(total, options_.executor.timeout); });
-  if (impl_->data_parallel != nullptr) {
+  if (sharded()) {
+    // ZeRO-2: the sums of squares of the replicas' shards add up to the global norm's square; the flags too.
+    wait_in(*impl_->data_parallel, "the gradient check over the replicas",
+            [&] { impl_->data_parallel->all_reduce_sum(total, options_.executor.timeout); });
+  } else if (impl_->data_parallel != nullptr) {
     // The flags over the replicas too (the norm is already the same on every replica: gradients are averaged).
     at::Tensor flags = total.narrow(0, 1, schedule_.num_stages).clone();
     wait_in(*impl_->data_parallel, "the gradient check over the replicas",
@@ -523,14 +579,83 @@ bool Pipeline::ready_for_optimizer(int step, NonFinitePolicy policy, double max_
     ++skipped_steps_;
     return false;
   }
-  if (max_norm > 0.0) clip_to(parameters(), check.norm, max_norm);
+  if (max_norm > 0.0) clip_to(gradient_holders(), check.norm, max_norm);
+  if (sharded()) impl_->awaiting_gather = true;
   return true;
 }
 
 double Pipeline::clip_grad_norm(double max_norm) {
   const double norm = global_grad_norm();
-  clip_to(parameters(), norm, max_norm);
+  clip_to(gradient_holders(), norm, max_norm);
   return norm;
+}
+
+bool Pipeline::sharded() const { return impl_->reducer != nullptr && impl_->reducer->sharded(); }
+
+std::vector<at::Tensor> Pipeline::gradient_holders() const {
+  std::vector<at::Tensor> out = parameters();
+  if (sharded()) {
+    for (const auto& shard : impl_->reducer->shards()) out.push_back(shard);
+  }
+  return out;
+}
+
+ZeroStage Pipeline::zero_stage() const { return sharded() ? ZeroStage::k2 : options_.data_parallel.zero; }
+
+std::vector<at::Tensor> Pipeline::parameter_shards() const {
+  return sharded() ? impl_->reducer->shards() : std::vector<at::Tensor>{};
+}
+
+std::vector<ParameterShardSlice> Pipeline::parameter_shard_layout() const {
+  std::vector<ParameterShardSlice> out;
+  if (!sharded()) return out;
+  for (const auto& slice : impl_->reducer->layout()) {
+    const ShardRange range = impl_->reducer->shard_range_of(slice.bucket);
+    // The part of [offset, offset + numel) that falls in this replica's range.
+    const std::int64_t begin = std::max(slice.offset, range.begin);
+    const std::int64_t end = std::min(slice.offset + slice.holder.numel(), range.end);
+    if (begin >= end) continue;
+    out.push_back(ParameterShardSlice{slice.holder, slice.bucket, begin - slice.offset, begin - range.begin,
+                                      end - begin});
+  }
+  return out;
+}
+
+void Pipeline::gather_parameter_shards() {
+  check_runnable();
+  TWOBP_CHECK(sharded(), UsageError,
+              "rank {}: gather_parameter_shards needs data parallelism with DataParallelOptions::zero = 2", rank());
+  try {
+    wait_in(*impl_->data_parallel, "the ZeRO-2 all-gather of the updated parameters",
+            [&] { impl_->reducer->gather_shards(); });
+  } catch (const std::exception& e) {
+    abort_with({impl_->data_parallel, transport_.get()}, rank(), e);
+    if (std::exception_ptr root = detail::as_root_type(e)) std::rethrow_exception(root);
+    throw;
+  }
+  impl_->awaiting_gather = false;
+}
+
+std::int64_t Pipeline::data_parallel_bytes_sent() const {
+  return impl_->reducer ? impl_->reducer->bytes_sent() : 0;
+}
+
+ReplicaMemory Pipeline::replica_memory() const {
+  ReplicaMemory m;
+  auto bytes = [](const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); };
+  std::vector<at::Tensor> compute;
+  for (const auto& [s, st] : stages_) {
+    for (const auto& p : st->parameters()) {
+      if (p.requires_grad()) compute.push_back(p);
+    }
+  }
+  for (const auto& p : unique_tensors(compute)) {
+    m.parameters += bytes(p);
+    if (impl_->masters && impl_->masters->has_master(p)) m.masters += bytes(impl_->masters->master_of(p));
+  }
+  if (impl_->reducer) m.gradient_peak = impl_->reducer->gradient_peak_bytes();
+  m.bytes_sent = data_parallel_bytes_sent();
+  return m;
 }
 
 namespace {
@@ -663,10 +788,19 @@ StepResult Pipeline::run_step(const std::function<StepResult()>& run) {
   const auto t0 = std::chrono::steady_clock::now();
   StepResult result;
   check_runnable();
+  // ZeRO-2: the last ready_for_optimizer() let an optimizer step, but the updated shards never came back: an
+  // optimizer over parameters() sees no gradient (the full .grad were released) and would silently not train.
+  // Every rank decides alike (the gate's verdict is the same everywhere), so no peer waits for this one.
+  TWOBP_CHECK(!impl_->awaiting_gather, UsageError,
+              "rank {}: with DataParallelOptions::zero = 2 the gradients exist only as shards: step with "
+              "ShardedOptimizer(pipeline, factory) (it steps the shards and all-gathers them), not an optimizer "
+              "over Pipeline::parameters()",
+              rank());
   try {
     if (impl_->masters || impl_->reducer) {
       refuse_parameters_trainable_since_construction(rank(), stages_, impl_->masters.get(), impl_->reducer.get());
     }
+
     start_once();
     if (impl_->reducer) impl_->reducer->begin_step();
     if (impl_->masters) impl_->masters->sync();  // what the optimizer did to the masters, for this step's compute

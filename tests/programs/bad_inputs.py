@@ -103,7 +103,7 @@ OTHER = [
     ("bench", ["simulate", "--f", "nan"], "--f"),
     # Issue 69, smaller items: a set of numbers names its members; a mistyped option is told the closest one (as a
     # mistyped command is); an empty output path is refused, not taken as "no output".
-    ("example", ["--zero", "on"], "--zero: must be 0 (no sharding) or 1"),
+    ("example", ["--zero", "on"], "--zero: must be 0 (no sharding), 1 (ZeRO-1) or 2"),
     ("example", ["--stpes", "3"], "did you mean '--steps'?"),
     ("bench", ["simulate", "--rnaks", "4"], "did you mean '--ranks'?"),
     ("example", ["--checkpoint-dir", ""], "--checkpoint-dir: an empty path"),

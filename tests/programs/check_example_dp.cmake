@@ -1,12 +1,13 @@
 # The example's data parallelism through MPI processes: `mpiexec -n 4 llama_pipeline --dp 2 --microbatches 4`
 # must give the per-step losses of `mpiexec -n 2 llama_pipeline --dp 1 --microbatches 8` (the same global batch of
 # 16 sequences in the same order) within 1e-4, float32; so must `--dp 2 --zero 1` (AdamW state sharded over the
-# replicas), whose ranks must hold at most 60 % of the unsharded run's optimizer state.
+# replicas), whose ranks must hold at most 60 % of the unsharded run's optimizer state, and `--dp 2 --zero 2`
+# (gradients sharded too, reduce-scattered as W finishes each bucket).
 # Inputs: MPIEXEC, MPIEXEC_FLAGS (space-separated), EXAMPLE, WORK (a directory).
 separate_arguments(_flags UNIX_COMMAND "${MPIEXEC_FLAGS}")
 set(_common --model tiny --micro-batch-size 2 --seq-len 32 --lr 1e-2 --timeout 60 --seed 7 --steps 10 --schedule 1f1b)
 file(MAKE_DIRECTORY "${WORK}")
-foreach(run "4;2;4;dp2;0" "2;1;8;dp1;0" "4;2;4;zero;1")
+foreach(run "4;2;4;dp2;0" "2;1;8;dp1;0" "4;2;4;zero;1" "4;2;4;zero2;2")
   list(GET run 0 np)
   list(GET run 1 dp)
   list(GET run 2 m)
@@ -30,7 +31,7 @@ if(NOT _dp EQUAL 2)
   message(FATAL_ERROR "the --dp 2 run reports dp ${_dp}")
 endif()
 math(EXPR _last "${_n} - 1")
-foreach(other dp2 zero)
+foreach(other dp2 zero zero2)
   foreach(i RANGE ${_last})
     string(JSON a GET "${_doc_dp1}" steps ${i} loss)
     string(JSON b GET "${_doc_${other}}" steps ${i} loss)
@@ -48,4 +49,4 @@ execute_process(COMMAND awk "BEGIN { exit (${_full} > 0 && ${_sharded} <= 0.6 * 
 if(NOT _big EQUAL 0)
   message(FATAL_ERROR "--zero 1 ranks hold up to ${_sharded} bytes of optimizer state, --zero 0 ranks ${_full}")
 endif()
-message(STATUS "dp 2 x pp 2, with and without --zero 1, matches dp 1 x pp 2 on 10 steps; state ${_sharded} of ${_full} bytes")
+message(STATUS "dp 2 x pp 2, with --zero 0, 1 and 2, matches dp 1 x pp 2 on 10 steps; state ${_sharded} of ${_full} bytes")

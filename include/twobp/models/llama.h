@@ -313,6 +313,12 @@ struct MemoryPlanOptions {
   /// Replicas the optimizer state is sharded over (twobp::ShardedOptimizer, ZeRO-1): each rank holds 1/n of it
   /// (an even split; the greedy split by whole tensors is within one tensor of it). 1: not sharded.
   int optimizer_shards = 1;
+  /// Replicas the gradients are sharded over (ZeRO-2, DataParallelOptions::zero = 2; set optimizer_shards too):
+  /// each rank keeps 1/n of its gradients between steps. A stage with one weight action per step (2BP with W
+  /// batched once per step) holds its full gradient only while that W runs (released bucket by bucket: counted
+  /// whole during the W, an upper bound); a stage with several (W per micro-batch, or B) accumulates the full
+  /// gradient until its last one, and is counted whole from its first W/B to the step's end. 1: not sharded.
+  int gradient_shards = 1;
 };
 
 /// Per rank: the estimate and its parts, in bytes.

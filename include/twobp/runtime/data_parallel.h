@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "twobp/transport/transport.h"
 
@@ -99,6 +100,37 @@ class ParallelGroups {
 /// started between two actions would couple the replicas' pipelines (and could deadlock them); reduce_wait_us
 /// is then the whole reduction. Every replica must build the same model: the pipeline's
 /// constructor checks that the replicas agree on each rank's parameters (one small all-reduce over the group).
+/// How much of the training state the data-parallel replicas shard (ZeRO, Rajbhandari et al.), chosen by
+/// DataParallelOptions::zero. What each replica keeps of P trainable elements over dp replicas:
+///   k0  nothing sharded: full gradients (all-reduced), full optimizer state, full masters.
+///   k1  the optimizer state: ShardedOptimizer assigns whole parameters to replicas (gradients still all-reduced,
+///       updated values broadcast by their owner). The Pipeline itself does as with k0.
+///   k2  gradients and optimizer state: the Pipeline lays each stage's trainable parameters (their float32 masters
+///       under mixed precision) out in flat buckets -- the reduction buckets -- and each replica owns the
+///       contiguous shard_range(bucket, dp, replica) of every bucket. When a bucket's gradients are final (its
+///       stage's last W, or last B in standard mode) it is reduce-scattered and the parameters' full .grad is
+///       released; the replica keeps its shard of the averaged gradient. ShardedOptimizer(pipeline, ...) steps the
+///       shards (AdamW is elementwise, so stepping a flat shard is exact) and all-gathers the updated values into
+///       the working weights. Traffic: one reduce-scatter + one all-gather (= one all-reduce's bytes).
+/// See docs/DATA_PARALLEL.md for when each stage pays, and ZeroStage's parse/to_string for the names "0", "1", "2".
+enum class ZeroStage { k0 = 0, k1 = 1, k2 = 2 };
+
+/// "0", "1", "2" (the --zero option's values and the JSON "zero" field).
+const char* to_string(ZeroStage stage);
+/// The inverse of to_string; UsageError naming the accepted values otherwise.
+ZeroStage parse_zero_stage(const std::string& text);
+
+/// The data-parallel collectives whose traffic the library counts (Pipeline::data_parallel_bytes_sent,
+/// ShardedOptimizer::bytes_sent).
+enum class CollectiveKind { kAllReduce, kReduceScatter, kAllGather, kBroadcast };
+
+/// Bytes one rank sends in a collective of a `bytes`-byte buffer over `world` ranks, by the ring algorithms (the
+/// formula written once; nccl-tests' bus-bandwidth factors): all-reduce 2 (world-1)/world bytes, reduce-scatter and
+/// all-gather (world-1)/world bytes, broadcast (world-1)/world bytes (a pipelined ring: every rank but the last
+/// forwards the buffer; averaged over the ranks).
+/// 0 for world <= 1. Rounded down to whole bytes.
+std::int64_t collective_bytes_sent(CollectiveKind kind, std::int64_t bytes, int world);
+
 struct DataParallelOptions {
   /// This rank's data-parallel group (ParallelGroups::data_parallel()); null or a group of one: no reduction.
   /// Must outlive the pipeline.
@@ -114,6 +146,12 @@ struct DataParallelOptions {
   /// `twobp_bench pipeline --dp N` can report what the early start gains. No effect on 2BP (its W reports each
   /// layer as it finishes either way) or without `overlap`.
   bool start_during_backward = true;
+  /// ZeroStage::k2 shards gradients (see ZeroStage): step with ShardedOptimizer(pipeline, factory), which then
+  /// steps the replica's shards; after step() the parameters' .grad stay undefined (the averaged gradient exists
+  /// only as shards: Pipeline::parameter_shards()). k0 and k1 change nothing in the Pipeline. Refused at
+  /// construction together with PipelineOptions::tied_parameters, and by switch_schedule() (the flat layout
+  /// follows the schedule's bucket order: build a new Pipeline and load a checkpoint).
+  ZeroStage zero = ZeroStage::k0;
 };
 
 }  // namespace twobp

@@ -166,6 +166,9 @@ class Executor {
   /// report will show it; note_outside_step() when it is over (the next run() replaces it too).
   void note_collective_wait(std::string what, std::vector<int> world_ranks);
   void note_outside_step();
+  /// The rank computes `action` again after a collective noted (note_collective_wait) inside it, e.g. ZeRO-2's
+  /// blocking reduce-scatters run inside a W on transports without asynchronous collectives.
+  void note_computing(const Action& action);
   /// The hang report (twobp/runtime/hang_report.h) of the current run, built now over the transport's status
   /// board (every rank of the job for ParallelGroups' groups); empty without a board. For a wait of this rank that
   /// timed out outside run() (the collective above), before the rank aborts, so that the abort carries it.

@@ -151,8 +151,8 @@ struct PipelineOptions {
   /// Weights held as copies on several stages (TiedParameter): the same list on every rank. Empty by default.
   std::vector<TiedParameter> tied_parameters;
 
-  /// Deprecated in 0.2.0, to be removed in 0.3.0: where these options were in 0.1, before they moved into
-  /// `executor` under the same names (CHANGELOG.md). 0.1 code that assigns them still compiles, with a
+  /// Deprecated in 0.2.0, kept in 0.3.0, to be removed in 0.4.0: where these options were in 0.1, before they
+  /// moved into `executor` under the same names (CHANGELOG.md). 0.1 code that assigns them still compiles, with a
   /// deprecation warning, and works: the Pipeline's constructor copies a field that was assigned into `executor`
   /// (with_moved_executor_options); one set both here and in `executor` is refused (UsageError naming it).
   MovedToExecutor<Duration> timeout;
@@ -174,6 +174,33 @@ PipelineOptions with_moved_executor_options(PipelineOptions options);
 enum class NonFinitePolicy {
   kStop,      ///< throw NumericalError naming the step and the stages
   kSkipStep,  ///< zero the gradients and skip the optimizer step (counted in skipped_steps())
+};
+
+/// One parameter's part of this replica's ZeRO-2 shards (Pipeline::parameter_shard_layout): elements
+/// [param_offset, param_offset + numel) of `parameter` (flattened) are elements [shard_offset, shard_offset + numel)
+/// of parameter_shards()[shard].
+struct ParameterShardSlice {
+  at::Tensor parameter;  ///< the compute parameter, or its float32 master under mixed precision
+  std::size_t shard = 0;
+  std::int64_t param_offset = 0;
+  std::int64_t shard_offset = 0;
+  std::int64_t numel = 0;
+};
+
+/// What one rank holds and sends for its data-parallel replica, in bytes (Pipeline::replica_memory; with the
+/// optimizer's state: twobp::replica_memory in twobp/runtime/sharded_optimizer.h). The ZeRO stages differ in
+/// gradient_peak + masters + optimizer_state and in bytes_sent.
+struct ReplicaMemory {
+  int64_t parameters = 0;       ///< the chunks' trainable parameters as they compute (bfloat16 under mixed precision)
+  /// The most gradient bytes alive at once on this rank during the last step (parameters' or masters' .grad,
+  /// ZeRO-2 shards, reduction buffers in flight), sampled after every action and at every bucket start; -1
+  /// without data parallelism (the reducer samples it).
+  int64_t gradient_peak = -1;
+  int64_t masters = 0;          ///< float32 master weights (mixed precision; kept whole at every ZeRO stage)
+  int64_t optimizer_state = 0;  ///< the optimizer's state (twobp::replica_memory fills it)
+  /// Bytes sent in data-parallel collectives for the last step (collective_bytes_sent's ring formula): the
+  /// gradient reduction, with ZeRO-2 the all-gather, with ZeRO-1 the optimizer's broadcasts (twobp::replica_memory).
+  int64_t bytes_sent = 0;
 };
 
 /// Result of Pipeline::check_gradients(), identical on every rank.
@@ -233,6 +260,28 @@ class Pipeline {
   /// point aborts the transports, as a failed step does. Gradients are those of `next` from the next step on:
   /// every schedule computes the same sums (the tests check this against loss.backward()).
   void switch_schedule(Schedule next);
+  /// The ZeRO stage the pipeline runs: DataParallelOptions::zero (k2 only with a data-parallel group of more than
+  /// one replica; k2 over one replica behaves as k0).
+  ZeroStage zero_stage() const;
+  /// ZeroStage::k2: this replica's shard of every flat bucket (in bucket order; some may be empty): tensors over the
+  /// working weights' storage (with mixed precision the float32 masters'), whose .grad holds this replica's shard of
+  /// the averaged gradient after step() (the parameters' own .grad stay undefined). What ShardedOptimizer steps.
+  /// Empty otherwise.
+  std::vector<at::Tensor> parameter_shards() const;
+  /// Where each parameter's elements sit in parameter_shards() (ZeroStage::k2; empty otherwise): one entry per
+  /// parameter (its master under mixed precision) with elements in this replica's shards.
+  std::vector<ParameterShardSlice> parameter_shard_layout() const;
+  /// ZeroStage::k2, collective over the data-parallel group: all-gathers every replica's (updated) shards into the
+  /// working weights (masters). ShardedOptimizer::step() calls it after stepping the shards; a wait on the board.
+  void gather_parameter_shards();
+  /// Bytes this rank sent in data-parallel collectives (collective_bytes_sent's ring formula) in the last step():
+  /// the gradient all-reduces (k0, k1) or reduce-scatters (k2) and their flags, plus with k2 the all-gather of
+  /// gather_parameter_shards() since. ZeRO-1's broadcasts are ShardedOptimizer::bytes_sent(). 0 without data
+  /// parallelism.
+  std::int64_t data_parallel_bytes_sent() const;
+  /// This rank's parameters, gradient peak, masters and data-parallel bytes of the last step (optimizer_state 0:
+  /// see twobp::replica_memory).
+  ReplicaMemory replica_memory() const;
   /// The mean over micro-batches (and replicas) of the last step's losses, on every rank (collective: one
   /// all-reduce, and one over the data-parallel group).
   double mean_loss(const StepResult& result);
@@ -295,6 +344,10 @@ class Pipeline {
   /// PipelineOptions::tied_parameters: resolved, checked and synchronised (collective when a tie spans ranks);
   /// aborts the transport when it fails, so that no peer waits for this rank.
   void tie_parameters();
+  /// ZeroStage::k2 in effect (a sharding reducer).
+  bool sharded() const;
+  /// What clipping scales: parameters() and, with ZeRO-2, the shards.
+  std::vector<at::Tensor> gradient_holders() const;
   Schedule schedule_;
   std::shared_ptr<Transport> transport_;
   PipelineOptions options_;

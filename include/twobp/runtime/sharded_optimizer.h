@@ -8,13 +8,18 @@
 // Gradients stay averaged by the Pipeline's bucketed all-reduce (hidden in W), so clipping and the optimizer gate
 // see the full gradients on every replica, as without sharding; step() then runs the local optimizer over this
 // replica's share and broadcasts every share from its owner (one broadcast per owner and dtype).
-// WHY not reduce-scatter + all-gather (Megatron's distributed optimizer): it halves the gradient traffic, but the
-// transports have no reduce-scatter yet and the gate and clipping would need the norm of sharded gradients; the
-// memory saved is the same: optimizer state / dp per replica.
+// ZeRO-1 keeps the all-reduce so that the gate and clipping see full gradients and any optimizer works per whole
+// parameter; the reduce-scatter + all-gather scheme (less traffic, gradients sharded too) is ZeRO-2, below.
 //
 // What is sharded: the optimizer's state (AdamW: exp_avg and exp_avg_sq, 8 bytes per float32 parameter). Not the
 // parameters, the gradients or, with mixed precision, the float32 masters (every replica keeps all of them).
 // A replica that owns no parameter (more replicas than parameters) has no local optimizer and steps nothing.
+//
+// ZeRO-2 (DataParallelOptions::zero = ZeroStage::k2, built from the Pipeline): the Pipeline already left each
+// replica its shard of every flat bucket's averaged gradient (Pipeline::parameter_shards()); the local optimizer is
+// made over those shards (every replica has one; a shard may be empty), step() steps them -- in place in the
+// working weights (masters) -- and all-gathers them (Pipeline::gather_parameter_shards). The optimizer state is
+// then sharded by elements (dp-th of every bucket), not by whole parameters.
 
 #include <ATen/core/Tensor.h>
 #include <torch/optim/optimizer.h>
@@ -27,11 +32,13 @@
 #include <utility>
 #include <vector>
 
+#include "twobp/runtime/data_parallel.h"
 #include "twobp/transport/transport.h"
 
 namespace twobp {
 
 class Pipeline;  // twobp/runtime/pipeline.h
+struct ReplicaMemory;  // twobp/runtime/pipeline.h
 
 class ShardedOptimizer {
  public:
@@ -48,7 +55,8 @@ class ShardedOptimizer {
   /// (PipelineOptions::data_parallel.group), with its timeout (executor.timeout); the way to build it in a job.
   /// Its collectives -- step()'s broadcasts, gathered_adamw_state() -- are then waits on the status board
   /// (Pipeline::run_collective), so that a replica that never joins them is named in the one job-wide hang report.
-  /// `pipeline` must outlive it.
+  /// `pipeline` must outlive it. With the pipeline at ZeroStage::k2 it steps the pipeline's gradient shards (see the
+  /// top of this file); the factory then gets the shards (flat tensors, possibly empty).
   ShardedOptimizer(Pipeline& pipeline, const Factory& make);
   ~ShardedOptimizer();
   ShardedOptimizer(const ShardedOptimizer&) = delete;
@@ -64,16 +72,22 @@ class ShardedOptimizer {
   /// Sets the learning rate of every parameter group of the local optimizer (none when it owns nothing). Local:
   /// every replica sets the same rate for the same step.
   void set_lr(double lr);
-  /// The replica that steps `param` (-1: nobody, it does not require grad). Throws UsageError for a tensor that
-  /// is not one of `params`.
+  /// The replica that steps `param` (-1: nobody, it does not require grad; under ZeRO-2 always -1: every replica
+  /// steps its shard of it). Throws UsageError for a tensor that is not one of `params`.
   int owner_of(const at::Tensor& param) const;
   int replica() const { return replica_; }
+  /// The ZeRO stage it runs: k2 over a pipeline at k2, else k1 (k0 with one replica: a plain optimizer).
+  ZeroStage stage() const { return zero2_ ? ZeroStage::k2 : replicas_ > 1 ? ZeroStage::k1 : ZeroStage::k0; }
+  /// Bytes this replica sent in the last step()'s broadcasts (ZeRO-1; collective_bytes_sent's ring formula). 0 for
+  /// ZeRO-2, whose all-gather Pipeline::data_parallel_bytes_sent() counts.
+  std::int64_t bytes_sent() const { return bytes_sent_; }
   int replicas() const { return replicas_; }
   /// Bytes of this replica's optimizer state: the moment tensors of AdamW and Adam, the momentum of SGD (the
   /// optimizers it knows; UsageError for another's state). 0 when it owns nothing or nothing was stepped yet.
   int64_t state_bytes() const;
 
-  /// Checkpoints (AdamW only): the state of every named parameter on every replica, as
+  /// Checkpoints (AdamW only; under ZeRO-2 the shards' state put back into every parameter's shape, by one sum over
+  /// the replicas of their disjoint slices): the state of every named parameter on every replica, as
   /// checkpoint::adamw_state_tensors names it (twobp/runtime/training_state.h) -- collective over the group (each
   /// owner broadcasts its share; every replica then holds the whole state until the result is dropped). `params`:
   /// (name, parameter) pairs covering the parameters given at construction. UsageError if the local optimizer is
@@ -93,6 +107,16 @@ class ShardedOptimizer {
   /// Runs the collective `body` over group_ (with replicas), as a wait on pipeline_'s board when built from one.
   void collective(const char* what, const std::function<void()>& body);
 
+  /// ZeRO-1: assigns whole parameters to replicas and makes the local optimizer over this replica's.
+  void assign_owners(const Factory& make);
+  /// ZeRO-2 checkpoints: the shard state of every named parameter, gathered (see gathered_adamw_state).
+  std::vector<std::pair<std::string, at::Tensor>> gathered_zero2_state(
+      const std::vector<std::pair<std::string, at::Tensor>>& params);
+  void restore_zero2_state(const std::vector<std::pair<std::string, at::Tensor>>& loaded,
+                           const std::vector<std::pair<std::string, at::Tensor>>& params);
+
+  bool zero2_ = false;
+  std::int64_t bytes_sent_ = 0;
   Transport* group_;
   Pipeline* pipeline_ = nullptr;
   int replica_ = 0;
@@ -100,5 +124,9 @@ class ShardedOptimizer {
   Duration timeout_;
   std::unique_ptr<torch::optim::Optimizer> local_;
 };
+
+/// `pipeline`'s replica_memory() with `optimizer`'s state bytes and its broadcasts (ZeRO-1) added: per rank, what
+/// each ZeRO stage keeps and sends (twobp_bench zero reports it for zero 0, 1 and 2).
+ReplicaMemory replica_memory(const Pipeline& pipeline, const ShardedOptimizer& optimizer);
 
 }  // namespace twobp
