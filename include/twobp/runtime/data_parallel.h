@@ -70,36 +70,6 @@ class ParallelGroups {
   std::unique_ptr<Transport> data_parallel_;
 };
 
-/// Gradient averaging over the data-parallel group (PipelineOptions::data_parallel).
-///
-/// What: after every step, each parameter's .grad is the mean over the replicas of their .grad (each replica's
-/// gradient being that of its own mean loss), i.e. the gradient of the mean loss over the global batch of
-/// dp · num_micro_batches micro-batches. A gradient undefined on every replica stays undefined; one defined on
-/// some replicas only (a parameter unused by some replicas' data) becomes defined everywhere, with zeros for the
-/// replicas that had none, as one loss.backward() over the global batch would give. Sparse gradients are
-/// refused (UsageError naming the stage): use a dense embedding with data parallelism. So is a buffer that changes
-/// during a step (BatchNorm's running statistics): each replica would update it from its own share of the batch,
-/// unlike one process on the global batch (UsageError after the first step, naming the stage and the buffer).
-/// Only the chunks' parameters are averaged: a trainable tensor the forward uses without registering it keeps
-/// its replica's own gradient (as with PyTorch DDP); register it to have it averaged.
-///
-/// When: each stage's parameters are reduced in buckets of about `bucket_bytes` (the first `first_bucket_bytes`;
-/// one dtype per bucket, the
-/// stage's parameters in reverse order of registration, as backward produces them), started asynchronously
-/// as soon as all their parameters are final: during the stage's last weight-producing action of the step (its
-/// last W in 2BP; its last B otherwise, which then runs as I and W back to back so that the fast-path layers
-/// report their parameters as they finish, the role DDP's hooks play), the rest right after it, so that the
-/// reduction overlaps the rank's remaining work and bubbles; a tensor shared by two chunks of a
-/// rank is reduced once, after the later one. Pipeline::step() then waits for every bucket before it returns,
-/// so the optimizer gate and the optimizer see reduced gradients; the time it waited is
-/// StepResult::reduce_wait_us (the reduction time left exposed on the critical path).
-///
-/// With `overlap` false every bucket starts only after the rank's last action: the baseline the overlap is
-/// measured against. On transports without asynchronous collectives (Local, Store:
-/// Transport::asynchronous_all_reduce() false) overlap is off whatever the option says: a blocking reduction
-/// started between two actions would couple the replicas' pipelines (and could deadlock them); reduce_wait_us
-/// is then the whole reduction. Every replica must build the same model: the pipeline's
-/// constructor checks that the replicas agree on each rank's parameters (one small all-reduce over the group).
 /// How much of the training state the data-parallel replicas shard (ZeRO, Rajbhandari et al.), chosen by
 /// DataParallelOptions::zero. What each replica keeps of P trainable elements over dp replicas:
 ///   k0  nothing sharded: full gradients (all-reduced), full optimizer state, full masters.
@@ -131,6 +101,36 @@ enum class CollectiveKind { kAllReduce, kReduceScatter, kAllGather, kBroadcast }
 /// 0 for world <= 1. Rounded down to whole bytes.
 std::int64_t collective_bytes_sent(CollectiveKind kind, std::int64_t bytes, int world);
 
+/// Gradient averaging over the data-parallel group (PipelineOptions::data_parallel).
+///
+/// What: after every step, each parameter's .grad is the mean over the replicas of their .grad (each replica's
+/// gradient being that of its own mean loss), i.e. the gradient of the mean loss over the global batch of
+/// dp · num_micro_batches micro-batches. A gradient undefined on every replica stays undefined; one defined on
+/// some replicas only (a parameter unused by some replicas' data) becomes defined everywhere, with zeros for the
+/// replicas that had none, as one loss.backward() over the global batch would give. Sparse gradients are
+/// refused (UsageError naming the stage): use a dense embedding with data parallelism. So is a buffer that changes
+/// during a step (BatchNorm's running statistics): each replica would update it from its own share of the batch,
+/// unlike one process on the global batch (UsageError after the first step, naming the stage and the buffer).
+/// Only the chunks' parameters are averaged: a trainable tensor the forward uses without registering it keeps
+/// its replica's own gradient (as with PyTorch DDP); register it to have it averaged.
+///
+/// When: each stage's parameters are reduced in buckets of about `bucket_bytes` (the first `first_bucket_bytes`;
+/// one dtype per bucket, the
+/// stage's parameters in reverse order of registration, as backward produces them), started asynchronously
+/// as soon as all their parameters are final: during the stage's last weight-producing action of the step (its
+/// last W in 2BP; its last B otherwise, which then runs as I and W back to back so that the fast-path layers
+/// report their parameters as they finish, the role DDP's hooks play), the rest right after it, so that the
+/// reduction overlaps the rank's remaining work and bubbles; a tensor shared by two chunks of a
+/// rank is reduced once, after the later one. Pipeline::step() then waits for every bucket before it returns,
+/// so the optimizer gate and the optimizer see reduced gradients; the time it waited is
+/// StepResult::reduce_wait_us (the reduction time left exposed on the critical path).
+///
+/// With `overlap` false every bucket starts only after the rank's last action: the baseline the overlap is
+/// measured against. On transports without asynchronous collectives (Local, Store:
+/// Transport::asynchronous_all_reduce() false) overlap is off whatever the option says: a blocking reduction
+/// started between two actions would couple the replicas' pipelines (and could deadlock them); reduce_wait_us
+/// is then the whole reduction. Every replica must build the same model: the pipeline's
+/// constructor checks that the replicas agree on each rank's parameters (one small all-reduce over the group).
 struct DataParallelOptions {
   /// This rank's data-parallel group (ParallelGroups::data_parallel()); null or a group of one: no reduction.
   /// Must outlive the pipeline.
